@@ -1,0 +1,1 @@
+"""Training components: tokenizer, data, optimizer, LR schedule, loss, metrics, hardware facts."""

@@ -1,0 +1,102 @@
+"""Step metrics: throughput / MFU arithmetic and the rank-0 sinks (console, metrics.jsonl, TensorBoard).
+
+Definitions (per logging interval of k steps taking t seconds of wall time):
+
+* tokens/s per device = (global tokens trained in the interval) / t / world_size
+* TFLOPs per device   = tokens/s per device x flops_per_token / 1e12
+* MFU                 = TFLOPs per device / peak TFLOP/s of the device (n/a when the peak is unknown)
+* data loading %      = time spent waiting for batches / t
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from torchtrain.utils.logging import logger
+
+
+class ThroughputMeter:
+    def __init__(self, flops_per_token: int, peak_tflops: float | None, world_size: int):
+        self.flops_per_token, self.peak, self.world_size = flops_per_token, peak_tflops, world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.steps = 0
+        self.data_time = 0.0
+
+    def add_step(self, global_tokens: int, data_time: float) -> None:
+        self.tokens += global_tokens
+        self.steps += 1
+        self.data_time += data_time
+
+    def summary(self) -> dict[str, float | None]:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tps = self.tokens / elapsed / self.world_size
+        tflops = tps * self.flops_per_token / 1e12
+        out = {
+            "tokens_per_s_per_device": tps,
+            "tflops_per_device": tflops,
+            "mfu_pct": 100.0 * tflops / self.peak if self.peak else None,
+            "step_time_s": elapsed / max(self.steps, 1),
+            "data_loading_s": self.data_time / max(self.steps, 1),
+            "data_loading_pct": 100.0 * self.data_time / elapsed,
+        }
+        self.reset()
+        return out
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, `metrics.jsonl` and TensorBoard (rank 0 only)."""
+
+    def __init__(self, dump_folder: str, enable_tensorboard: bool, tb_folder: str, enabled: bool):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, tb_folder))
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **record}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+        logger.info(
+            "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
+            "mem %s GiB (%s) | data %s%%",
+            step, _fmt(record.get("loss"), ".4f"), _fmt(record.get("grad_norm"), ".3f"),
+            _fmt(record.get("lr"), ".2e"), _fmt(record.get("tokens_per_s_per_device"), ",.0f"),
+            _fmt(record.get("tflops_per_device"), ".3f"), _fmt(record.get("mfu_pct"), ".1f"),
+            _fmt(record.get("memory_peak_gib"), ".2f"), record.get("memory_kind", "?"),
+            _fmt(record.get("data_loading_pct"), ".1f"),
+        )
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

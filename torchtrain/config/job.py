@@ -1,0 +1,69 @@
+"""Config sections about the job as a whole: [job], [model], [metrics], [debug]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from torchtrain.config.fields import Ge, Gt
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """Path of the TOML job file. Set on the command line (`--job.config_file F`); keys from the file
+    override the defaults and command-line keys override the file."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: the resolved config, metrics.jsonl, TensorBoard events,
+    checkpoints."""
+
+    description: str = "torchtrain job"
+    """Free-form description, printed at start-up."""
+
+    print_config: bool = True
+    """Print the resolved config (as TOML) on rank 0 at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Registered model to train (see `torchtrain.models.registry`)."""
+
+    flavor: str = "debugmodel"
+    """Preset of the model's arguments (e.g. llama3: debugmodel, 1B, 3B, 8B, 70B, 405B). Any model
+    argument can be overridden in this section too, e.g. `--model.dim 128 --model.n_layers 3`."""
+
+    hf_assets_path: str | None = None
+    """Hugging Face tokenizer: a `tokenizer.json` file or a folder holding one. Unset: the built-in
+    byte-level tokenizer (256 byte tokens + BOS + EOS), which needs no download."""
+
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+    """Model arguments set in this section that override the flavor preset (filled by the parser)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: Annotated[int, Ge(1)] = 10
+    """Log metrics (console, metrics.jsonl, TensorBoard) every this many steps; the first and last
+    steps are always logged."""
+
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files under `{dump_folder}/{save_tb_folder}`."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to the dump folder."""
+
+    peak_tflops: Annotated[float, Gt(0)] | None = None
+    """Peak dense TFLOP/s of one device in the training dtype, for MFU. Unset: looked up from the
+    table of known GPUs; on a CPU or an unlisted GPU, MFU is reported as n/a."""
+
+
+@dataclass
+class Debug:
+    seed: Annotated[int, Ge(0)] = 0
+    """Seed for weight initialisation, data order and every RNG. The same seed gives the same initial
+    weights and data whatever the parallel layout."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms only (`torch.use_deterministic_algorithms`); slower on CUDA."""

@@ -1,0 +1,223 @@
+"""Build a JobConfig from defaults, a TOML file and command-line overrides (CLI > TOML > defaults).
+
+    python -m torchtrain.train --job.config_file job.toml --training.steps 50 --optimizer.lr=3e-4
+
+Every value is checked against its field's type and range as it is read, and an unknown section or
+key is rejected with the closest valid name, so a typo fails at once with a message that names the key
+instead of being ignored or failing deep inside PyTorch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import typing
+from typing import Any
+
+from torchtrain.config.fields import ConfigError, coerce, default_of, field_docs, field_types, is_bool
+from torchtrain.config.fields import type_name
+from torchtrain.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_INTERNAL = "internal"
+
+
+def _sections() -> dict[str, type]:
+    """Section name -> dataclass, in declaration order."""
+    return dict(typing.get_type_hints(JobConfig))
+
+
+def _public_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)}
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _split_key(flag: str) -> tuple[str, str]:
+    section, dot, key = flag.partition(".")
+    if not dot or not section or not key:
+        raise ConfigError(f"bad argument --{flag}: expected --section.key (e.g. --training.steps 10)")
+    return section, key
+
+
+def parse_cli(argv: list[str]) -> dict[str, dict[str, str]]:
+    """Parse `--section.key value`, `--section.key=value` and bare boolean flags into a nested dict."""
+    out: dict[str, dict[str, str]] = {}
+    sections = _sections()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
+        flag, eq, value = arg[2:].partition("=")
+        section, key = _split_key(flag)
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            cls = sections.get(section)
+            bool_flag = cls is not None and key in field_types(cls) and is_bool(field_types(cls)[key])
+            if nxt is None or (nxt.startswith("--") and bool_flag):
+                if not bool_flag:
+                    raise ConfigError(f"--{flag} needs a value (--{flag} VALUE or --{flag}=VALUE)")
+                value = "true"
+            else:
+                value, i = nxt, i + 1
+        out.setdefault(section, {})[key] = value
+        i += 1
+    return out
+
+
+def load_toml(path: str) -> dict[str, dict[str, Any]]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"[job.config_file] file not found: {path!r}")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"[job.config_file] {path} is not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"{path}: top-level key {section!r} is not a [section] table; keys belong in a section"
+            )
+    return data
+
+
+def _model_args_fields(model_name: str) -> tuple[type, dict[str, Any]]:
+    from torchtrain.models import registry
+
+    spec = registry.get_model_spec(model_name)
+    return spec.args_cls, field_types(spec.args_cls)
+
+
+def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, str]) -> Any:
+    fields = _public_fields(cls)
+    types_ = field_types(cls)
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in fields:
+            kwargs[key] = coerce(value, types_[key], f"{name}.{key}")
+        elif name == "model":
+            extra[key] = value
+        else:
+            raise ConfigError(
+                f"unknown key {name}.{key} ({origin[key]}){_did_you_mean(key, list(fields))} "
+                f"Valid keys of [{name}]: {', '.join(fields)}"
+            )
+    section = cls(**kwargs)
+    if name == "model":
+        args_cls, arg_types = _model_args_fields(section.name)
+        for key, value in extra.items():
+            if key not in arg_types:
+                valid = list(fields) + list(arg_types)
+                raise ConfigError(
+                    f"unknown key model.{key} ({origin[key]}){_did_you_mean(key, valid)} "
+                    f"Valid keys of [model] for {section.name!r}: {', '.join(valid)}"
+                )
+            section.overrides[key] = coerce(value, arg_types[key], f"model.{key}")
+    return section
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build and validate the JobConfig (no process group needed; raises ConfigError)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cli = parse_cli(argv)
+    config_file = cli.get("job", {}).get("config_file")
+    from_file = load_toml(config_file) if config_file else {}
+    sections = _sections()
+    merged: dict[str, dict[str, Any]] = {}
+    origin: dict[str, dict[str, str]] = {}
+    for source, data in ((f"in {config_file}", from_file), ("on the command line", cli)):
+        for section, table in data.items():
+            if section not in sections:
+                raise ConfigError(
+                    f"unknown config section [{section}] ({source}){_did_you_mean(section, list(sections))}"
+                    f" Sections: {', '.join(sections)}"
+                )
+            merged.setdefault(section, {}).update(table)
+            origin.setdefault(section, {}).update({k: source for k in table})
+    built = {
+        name: _build_section(name, cls, merged.get(name, {}), origin.get(name, {}))
+        for name, cls in sections.items()
+    }
+    config = JobConfig(**built)
+    config.validate()
+    return config
+
+
+# ----------------------------------------------------------------------------------------- output
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved config as TOML that `--job.config_file` reads back to the same JobConfig."""
+    lines: list[str] = []
+    for name in _sections():
+        section = getattr(config, name)
+        lines.append(f"[{name}]")
+        items = [(f.name, getattr(section, f.name)) for f in _public_fields(type(section)).values()]
+        if name == "model":
+            items += sorted(section.overrides.items())
+        for key, value in items:
+            if name == "job" and key == "config_file":
+                continue
+            lines.append(f"# {key} unset" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _help_entry(prefix: str, name: str, tp: Any, default: Any, doc: str) -> list[str]:
+    shown = "unset" if default is None else _toml_value(default) if default is not dataclasses.MISSING else "required"
+    out = [f"  --{prefix}.{name}  {type_name(tp)}  (default: {shown})"]
+    out += [f"      {line}" for line in (doc or "(undocumented)").splitlines()]
+    return out
+
+
+def format_help(model_name: str = "llama3") -> str:
+    """Every key: type, default and docstring, section by section (plus the model's arguments)."""
+    lines = [
+        "usage: python -m torchtrain.train [--job.config_file FILE] [--section.key VALUE ...]",
+        "",
+        "Precedence: command line > TOML file > defaults. Booleans accept true/false (a bare flag means",
+        "true); lists are comma-separated; `none` unsets an optional key.",
+        "",
+    ]
+    for name, cls in _sections().items():
+        lines.append(f"[{name}]")
+        docs, types_ = field_docs(cls), field_types(cls)
+        for fname, f in _public_fields(cls).items():
+            lines += _help_entry(name, fname, types_[fname], default_of(f), docs.get(fname, ""))
+        if name == "model":
+            args_cls, arg_types = _model_args_fields(model_name)
+            lines.append(f"  model arguments of {model_name!r} (override the flavor's preset value):")
+            arg_docs = field_docs(args_cls)
+            for f in dataclasses.fields(args_cls):
+                lines += _help_entry(name, f.name, arg_types[f.name], default_of(f), arg_docs.get(f.name, ""))
+        lines.append("")
+    return "\n".join(lines)

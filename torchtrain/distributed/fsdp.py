@@ -1,0 +1,64 @@
+"""FSDP2 (`fully_shard`): ZeRO-3 sharding of parameters, gradients and optimizer state; HSDP.
+
+With dp_shard = N, each rank stores 1/N of every parameter (a DTensor sharded on dim 0). Before a
+unit's forward the full parameter is all-gathered, used, and (when resharding after forward) freed;
+backward gathers it again and reduce-scatters the gradient, so each rank keeps only its gradient
+shard. Memory per rank for P parameters with Adam in fp32 is therefore ~ (4 + 4 + 8) P / N bytes
+plus one unit's full parameters at a time. HSDP (a 2-D (replicate, shard) mesh) shards within a
+group of N ranks and all-reduces gradients across the R groups.
+
+Gradients are averaged over the R x N data-parallel ranks; the trainer scales each rank's loss so that
+this average equals the gradient of the global token-mean loss (see `components/loss.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[nn.Module | list[nn.Module]],
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: Literal["default", "always", "never"] = "default",
+) -> nn.Module:
+    """Shard each unit (in forward order), then the root for whatever parameters remain.
+
+    `default` reshards every unit after forward except the last one, whose parameters backward needs
+    immediately; the root keeps its parameters (they are the first used by backward's tail).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for i, unit in enumerate(units):
+        if reshard_after_forward == "default":
+            reshard = i < len(units) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always")
+    return model
+
+
+def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
+    return [m for m in modules if isinstance(m, FSDPModule)]
+
+
+def set_gradient_sync(model_parts: Iterable[nn.Module], enabled: bool) -> None:
+    """Gradient accumulation: skip reduce-scatter / all-reduce on all but the last micro-batch."""
+    for part in fsdp_modules(model_parts):
+        part.set_requires_gradient_sync(enabled)
+
+
+def resolve_param_dtype(mixed_precision_param: str, device_type: str) -> torch.dtype:
+    """`auto` means bfloat16 on CUDA and float32 on CPU."""
+    if mixed_precision_param == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[mixed_precision_param]

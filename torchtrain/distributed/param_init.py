@@ -1,0 +1,105 @@
+"""Layout-independent, deterministic parameter initialisation.
+
+Initial weights must be bitwise identical whether a parameter lives whole on one process or as a
+shard of a DTensor (FSDP, TP, HSDP, a pipeline stage), so that every layout trains the same model.
+Seeding one RNG and initialising shards in place cannot give that (the draws would depend on the
+shard's size and order), so each parameter is generated from counter-based seeds instead:
+
+* the parameter's global tensor is cut into fixed blocks of rows (a block's size depends only on the
+  global shape), and block b is drawn from a generator seeded with hash(seed, canonical name, b);
+* a rank holding rows [r0, r1) (and any column range) of the global tensor draws just the blocks that
+  cover r0..r1 and copies out its slice.
+
+The values therefore depend on (seed, parameter name, global shape, device type) only. Cost per rank is
+its local rows x the full row width, never the whole tensor (unless the shard is the whole tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtrain.models.base import InitSpec
+
+BLOCK_NUMEL = 1 << 20  # elements per generator block (whole rows, at least one row)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(fqn: str) -> str:
+    """Parameter name with activation-checkpoint / compile / FSDP1 wrapper segments removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def _block_seed(seed: int, fqn: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}|{fqn}|{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _draw(spec: InitSpec, numel: int, seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    if spec.kind == "normal":
+        return out.normal_(spec.mean, spec.std, generator=gen)
+    if spec.kind == "trunc_normal":
+        lo, hi = spec.mean - spec.truncate * spec.std, spec.mean + spec.truncate * spec.std
+        return torch.nn.init.trunc_normal_(out, spec.mean, spec.std, lo, hi, generator=gen)
+    raise ValueError(f"unknown init kind {spec.kind!r}")
+
+
+def global_rows(spec: InitSpec, fqn: str, seed: int, shape: tuple[int, ...], r0: int, r1: int,
+                device: torch.device) -> torch.Tensor:
+    """Rows [r0, r1) of the parameter's global tensor (the same values whoever asks)."""
+    shape = tuple(shape) or (1,)
+    row_numel = math.prod(shape[1:])
+    rows_per_block = max(1, BLOCK_NUMEL // max(row_numel, 1))
+    first, last = r0 // rows_per_block, (r1 - 1) // rows_per_block
+    blocks = []
+    for b in range(first, last + 1):
+        n_rows = min(rows_per_block, shape[0] - b * rows_per_block)
+        blocks.append(_draw(spec, n_rows * row_numel, _block_seed(seed, fqn, b), device))
+    rows = torch.cat(blocks).view(-1, *shape[1:])
+    start = r0 - first * rows_per_block
+    return rows[start : start + (r1 - r0)]
+
+
+def _local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of the part of the parameter this rank holds."""
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(param.shape), (0,) * param.dim()
+
+
+@torch.no_grad()
+def init_parameter(param: torch.Tensor, spec: InitSpec, fqn: str, seed: int) -> None:
+    local = param.to_local() if isinstance(param, DTensor) else param.data
+    if local.numel() == 0:
+        return
+    if spec.kind in ("ones", "zeros"):
+        local.fill_(1.0 if spec.kind == "ones" else 0.0)
+        return
+    shape, offset = _local_region(param)
+    if param.dim() == 0:
+        local.copy_(global_rows(spec, fqn, seed, (), 0, 1, local.device).view(()))
+        return
+    rows = global_rows(spec, fqn, seed, tuple(param.shape), offset[0], offset[0] + shape[0], local.device)
+    for dim in range(1, len(shape)):
+        rows = rows.narrow(dim, offset[dim], shape[dim])
+    local.copy_(rows.view(local.shape))
+
+
+def init_model_weights(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter of a (possibly sharded) model from its `init_spec`, then its buffers."""
+    for name, param in model.named_parameters():
+        fqn = canonical_name(name)
+        init_parameter(param, model.init_spec(fqn), fqn, seed)
+    model.init_buffers()

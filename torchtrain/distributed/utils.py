@@ -1,0 +1,107 @@
+"""Process-group start-up, device choice, determinism, reductions and global gradient clipping."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtrain.config.parallelism import Comm
+from torchtrain.utils.logging import logger
+
+
+def env_rank_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) when run directly."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_device(choice: str) -> torch.device:
+    """`auto`: this process's GPU when CUDA is available, else the CPU."""
+    _, local_rank, _ = env_rank_world()
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from torchtrain.config import ConfigError
+
+            raise ConfigError("[training.device] is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        n = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % n)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(comm: Comm, device: torch.device) -> None:
+    """Start the default process group: NCCL for CUDA tensors (plus gloo for CPU ones), gloo on CPU."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # `python -m torchtrain.train` without torchrun: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    backend = comm.backend
+    if backend == "auto":
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    elif backend == "nccl" and device.type != "cuda":
+        from torchtrain.config import ConfigError
+
+        raise ConfigError("[comm.backend] 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=comm.init_timeout_seconds), **kwargs)
+
+
+def set_train_timeout(seconds: int) -> None:
+    """Shorten the collective timeout once start-up is over (hang detection during training)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None and dist.is_initialized():
+        setter(datetime.timedelta(seconds=seconds), dist.group.WORLD)
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    """Seed every RNG identically on all ranks; optionally forbid non-deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def all_reduce(tensor: torch.Tensor, mesh, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a plain tensor over a 1-D mesh (no-op for mesh None)."""
+    if mesh is not None and mesh.size() > 1:
+        dist.all_reduce(tensor, op=op, group=mesh.get_group())
+    return tensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None) -> torch.Tensor:
+    """Clip to the global L2 norm over all gradients of the job, and return that norm.
+
+    Sharded gradients (DTensors from FSDP/TP) give their true global norm; with pipeline parallelism
+    each stage holds different parameters, so the squared norms are summed across stages too.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_mesh is not None:
+        total = total**2
+        dist.all_reduce(total, group=pp_mesh.get_group())
+        total = total.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, total,
+                                             foreach=True)
+    return total

@@ -1,0 +1,55 @@
+"""What the trainer needs from a model, in one place.
+
+A model is an ordinary ``nn.Module`` with no parallel code. To plug into torchtrain it provides:
+
+* an arguments dataclass deriving :class:`BaseModelArgs` (its fields are the `[model]` keys a job can
+  override; `flops_per_token` and `num_params` are computed from them without building the model);
+* ``init_spec(fqn) -> InitSpec``: how each parameter is initialised, by its canonical name. The trainer
+  applies these specs itself (``torchtrain.distributed.param_init``), so the initial weights are
+  bitwise identical whatever the parallel layout;
+* ``init_buffers()``: recompute non-persistent buffers (e.g. RoPE tables) after the model has been
+  materialised from the meta device.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torchtrain.components.tokenizer import Tokenizer
+    from torchtrain.config import JobConfig
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """How to initialise one parameter. ``truncate`` cuts a normal at mean +- truncate * std."""
+
+    kind: Literal["normal", "trunc_normal", "ones", "zeros"]
+    std: float = 1.0
+    mean: float = 0.0
+    truncate: float = 3.0
+
+
+@dataclass
+class BaseModelArgs(abc.ABC):
+    """Base of every model's arguments dataclass."""
+
+    def update_from_config(self, job_config: "JobConfig", tokenizer: "Tokenizer") -> None:
+        """Adapt to the job (sequence length, tokenizer); raise ConfigError when incompatible."""
+
+    def validate(self) -> None:
+        """Check the arguments are self-consistent; raise ConfigError naming the `model.<key>`."""
+
+    @abc.abstractmethod
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count, computed from the arguments alone (no model is built)."""
+
+    @abc.abstractmethod
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at this sequence length, for MFU."""
+
+    def replace(self, **changes) -> "BaseModelArgs":
+        return dataclasses.replace(self, **changes)

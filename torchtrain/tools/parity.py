@@ -1,0 +1,185 @@
+"""Loss parity: prove a parallel layout trains the same model as a baseline, step by step.
+
+    python -m torchtrain.tools.parity --config train_configs/debug_model.toml --steps 10 \\
+        --baseline single --candidate fsdp2 --candidate hsdp2x2 [--rtol 1e-4] [-- overrides...]
+
+Every layout runs under real `torchrun` on the same job with the same seed (so identical initial
+weights and data: see `distributed/param_init.py` and `components/data/dataset.py`), deterministic
+algorithms, and the same global batch (layouts with fewer data-parallel ranks accumulate more
+micro-batches). The per-step loss and gradient norm of each candidate are compared with the
+baseline's; the tool prints a table and exits 1 when any relative difference exceeds the tolerance.
+
+A layout is a preset name (see `PRESETS`) or "NPROC [--section.key value ...]", e.g.
+"4 --parallelism.data_parallel_replicate_degree 2".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nproc: int
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _p(key: str, value) -> tuple[str, str]:
+    return (f"--parallelism.{key}", str(value))
+
+
+PRESETS: dict[str, Layout] = {
+    "single": Layout("single", 1),
+    "fsdp2": Layout("fsdp2", 2),
+    "fsdp4": Layout("fsdp4", 4),
+    "hsdp2x2": Layout("hsdp2x2", 4, _p("data_parallel_replicate_degree", 2)),
+}
+
+
+def parse_layout(spec: str) -> Layout:
+    spec = spec.strip()
+    if spec in PRESETS:
+        return PRESETS[spec]
+    parts = shlex.split(spec)
+    if not parts or not parts[0].isdigit():
+        raise ValueError(f"layout {spec!r}: expected a preset ({', '.join(PRESETS)}) or 'NPROC [--key value ...]'")
+    return Layout(spec, int(parts[0]), tuple(parts[1:]))
+
+
+@dataclass
+class RunResult:
+    layout: Layout
+    records: list[dict]
+    returncode: int
+    log: str
+
+
+def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: list[str], workdir: str,
+               timeout: float = 900.0) -> RunResult:
+    """Train `steps` steps of the job under this layout with torchrun; return its metrics.jsonl records."""
+    dump = os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={layout.nproc}",
+           "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0",
+           "-m", "torchtrain.train"]
+    if config_file:
+        cmd += ["--job.config_file", config_file]
+    cmd += ["--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.deterministic", "true",
+            "--metrics.enable_tensorboard", "false", "--job.print_config", "false", "--job.dump_folder", dump]
+    cmd += list(overrides) + list(layout.overrides)
+    env = dict(os.environ, LOG_RANK="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    path = os.path.join(dump, "metrics.jsonl")
+    records = []
+    if os.path.exists(path):
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    return RunResult(layout, records, proc.returncode, proc.stdout + proc.stderr)
+
+
+def rel_diff(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+@dataclass
+class Comparison:
+    name: str
+    rows: list[tuple[int, float, float, float, float]]  # step, loss, loss rel diff, grad_norm, its rel diff
+    max_loss_diff: float
+    max_grad_diff: float
+    ok: bool
+    problem: str = ""
+
+
+def compare(baseline: RunResult, candidate: RunResult, steps: int, rtol: float) -> Comparison:
+    name = candidate.layout.name
+    for run in (baseline, candidate):
+        if run.returncode != 0 or len(run.records) < steps:
+            return Comparison(name, [], math.inf, math.inf, False,
+                              f"{run.layout.name} failed (exit {run.returncode}, {len(run.records)}/{steps} "
+                              f"steps):\n{run.log[-3000:]}")
+    rows = []
+    for b, c in zip(baseline.records[:steps], candidate.records[:steps]):
+        rows.append((c["step"], c["loss"], rel_diff(b["loss"], c["loss"]), c["grad_norm"],
+                     rel_diff(b["grad_norm"], c["grad_norm"])))
+    max_loss = max(r[2] for r in rows)
+    max_grad = max(r[4] for r in rows)
+    return Comparison(name, rows, max_loss, max_grad, max_loss <= rtol and max_grad <= rtol)
+
+
+def format_table(baseline: RunResult, comparisons: list[Comparison], rtol: float) -> str:
+    lines = [f"baseline: {baseline.layout.name}   tolerance: relative difference <= {rtol:g}", ""]
+    header = f"{'step':>4} {'baseline loss':>14}"
+    for c in comparisons:
+        header += f" | {c.name[:24]:>24} {'d_loss':>8} {'d_gnorm':>8}"
+    lines.append(header)
+    for i, b in enumerate(baseline.records[: max((len(c.rows) for c in comparisons), default=0)]):
+        line = f"{b['step']:>4} {b['loss']:>14.6f}"
+        for c in comparisons:
+            if i < len(c.rows):
+                _, loss, dl, _, dg = c.rows[i]
+                line += f" | {loss:>24.6f} {dl:>8.1e} {dg:>8.1e}"
+            else:
+                line += f" | {'-':>24} {'-':>8} {'-':>8}"
+        lines.append(line)
+    lines.append("")
+    for c in comparisons:
+        verdict = "OK" if c.ok else "MISMATCH"
+        lines.append(f"{c.name}: {verdict} (max loss diff {c.max_loss_diff:.2e}, max grad-norm diff "
+                     f"{c.max_grad_diff:.2e})" + (f"\n{c.problem}" if c.problem else ""))
+    return "\n".join(lines)
+
+
+def check_parity(baseline: str, candidates: list[str], config_file: str | None, steps: int,
+                 overrides: list[str], rtol: float, workdir: str | None = None) -> tuple[bool, str, list[Comparison]]:
+    layouts = [parse_layout(baseline)] + [parse_layout(c) for c in candidates]
+    if not any(o.startswith("--training.global_batch_size") for o in overrides):
+        # One global batch for all layouts: local batch x the largest process count.
+        local = _local_batch(config_file, overrides)
+        overrides = overrides + ["--training.global_batch_size", str(local * max(l.nproc for l in layouts))]
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        workdir = workdir or tmp
+        results = [run_layout(l, config_file, steps, overrides, workdir) for l in layouts]
+    comparisons = [compare(results[0], r, steps, rtol) for r in results[1:]]
+    ok = all(c.ok for c in comparisons)
+    return ok, format_table(results[0], comparisons, rtol), comparisons
+
+
+def _local_batch(config_file: str | None, overrides: list[str]) -> int:
+    from torchtrain.config import parse_args
+
+    args = (["--job.config_file", config_file] if config_file else []) + overrides
+    return parse_args(args).training.local_batch_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="job TOML file (default: built-in defaults)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--baseline", default="single", help="baseline layout (default: single)")
+    parser.add_argument("--candidate", action="append", required=True, help="candidate layout (repeatable)")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="max relative loss / grad-norm difference")
+    parser.add_argument("--workdir", help="keep each run's outputs here (default: a temporary folder)")
+    args, overrides = parser.parse_known_args(argv)
+    overrides = [o for o in overrides if o != "--"]
+    ok, table, _ = check_parity(args.baseline, args.candidate, args.config, args.steps, overrides, args.rtol,
+                                args.workdir)
+    print(table)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
