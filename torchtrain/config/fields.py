@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import textwrap
@@ -70,6 +71,13 @@ class Le:
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _NONE = {"none", "null", ""}
+
+
+def did_you_mean(name: str, options: list[str]) -> str:
+    """'; did you mean 'x'?' for the closest option (case-insensitive), or ''."""
+    lowered = {o.lower(): o for o in options}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {lowered[close[0]]!r}?" if close else ""
 
 
 def _split_annotated(tp: Any) -> tuple[Any, tuple]:

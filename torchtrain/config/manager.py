@@ -10,7 +10,6 @@ instead of being ignored or failing deep inside PyTorch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -18,8 +17,8 @@ import sys
 import typing
 from typing import Any
 
-from torchtrain.config.fields import ConfigError, coerce, default_of, field_docs, field_types, is_bool
-from torchtrain.config.fields import type_name
+from torchtrain.config.fields import (ConfigError, coerce, default_of, did_you_mean, field_docs, field_types,
+                                      is_bool, type_name)
 from torchtrain.config.job_config import JobConfig
 
 if sys.version_info >= (3, 11):
@@ -37,11 +36,6 @@ def _sections() -> dict[str, type]:
 
 def _public_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)}
-
-
-def _did_you_mean(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _split_key(flag: str) -> tuple[str, str]:
@@ -112,7 +106,7 @@ def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, 
             extra[key] = value
         else:
             raise ConfigError(
-                f"unknown key {name}.{key} ({origin[key]}){_did_you_mean(key, list(fields))} "
+                f"unknown key {name}.{key} ({origin[key]}){did_you_mean(key, list(fields))} "
                 f"Valid keys of [{name}]: {', '.join(fields)}"
             )
     section = cls(**kwargs)
@@ -122,7 +116,7 @@ def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, 
             if key not in arg_types:
                 valid = list(fields) + list(arg_types)
                 raise ConfigError(
-                    f"unknown key model.{key} ({origin[key]}){_did_you_mean(key, valid)} "
+                    f"unknown key model.{key} ({origin[key]}){did_you_mean(key, valid)} "
                     f"Valid keys of [model] for {section.name!r}: {', '.join(valid)}"
                 )
             section.overrides[key] = coerce(value, arg_types[key], f"model.{key}")
@@ -142,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         for section, table in data.items():
             if section not in sections:
                 raise ConfigError(
-                    f"unknown config section [{section}] ({source}){_did_you_mean(section, list(sections))}"
+                    f"unknown config section [{section}] ({source}){did_you_mean(section, list(sections))}"
                     f" Sections: {', '.join(sections)}"
                 )
             merged.setdefault(section, {}).update(table)

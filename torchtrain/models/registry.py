@@ -7,13 +7,12 @@ the config parser then accept ``[model] name = "<name>"`` without any other chan
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from torchtrain.config.fields import ConfigError
+from torchtrain.config.fields import ConfigError, did_you_mean
 from torchtrain.models.base import BaseModelArgs
 
 if TYPE_CHECKING:
@@ -53,8 +52,7 @@ def get_model_spec(name: str) -> ModelSpec:
     import torchtrain.models  # noqa: F401  (registers the built-in models)
 
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(name, list(_REGISTRY))
         raise ConfigError(f"[model.name] unknown model {name!r}{hint} Registered: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
@@ -68,8 +66,7 @@ def model_names() -> list[str]:
 def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> BaseModelArgs:
     """The flavor preset with the job's `[model]` overrides applied, validated."""
     if flavor not in spec.flavors:
-        close = difflib.get_close_matches(flavor, list(spec.flavors), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(flavor, list(spec.flavors))
         raise ConfigError(
             f"[model.flavor] {spec.name} has no flavor {flavor!r}{hint} Flavors: {', '.join(spec.flavors)}"
         )

@@ -1,0 +1,43 @@
+"""Shared test helpers: tiny job settings and subprocess launchers for real torchrun runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model small enough that a 10-step multi-process run takes seconds on 2 CPU cores, with GQA
+# (n_kv_heads < n_heads) so grouped-query attention is exercised too.
+TINY_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+              "--model.vocab_size", "512"]
+TINY_JOB = TINY_MODEL + ["--training.dataset", "synthetic", "--training.seq_len", "64",
+                         "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
+                         "--optimizer.lr", "3e-3", "--job.print_config", "false"]
+
+
+def run_train(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run the trainer (under torchrun when nproc is given) and return the finished process."""
+    if nproc is None:
+        cmd = [sys.executable, "-m", "torchtrain.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop("RANK", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+
+
+def read_metrics(dump_folder: str) -> list[dict]:
+    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture
+def tiny_job():
+    return list(TINY_JOB)

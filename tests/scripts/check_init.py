@@ -1,0 +1,42 @@
+"""Under torchrun: initialise the tiny model under the requested layout and check every parameter's
+full tensor is bitwise equal to a single-process initialisation with the same seed."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtrain.config import parse_args
+from torchtrain.distributed import ParallelDims
+from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.models.registry import build_model_args, get_model_spec
+
+cfg = parse_args(sys.argv[1:])
+dist.init_process_group("gloo")
+pd = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+pd.build_mesh("cpu")
+spec = get_model_spec("llama3")
+args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+args.max_seq_len = 32
+
+reference = spec.model_cls(args)
+init_model_weights(reference, seed=7)
+
+with torch.device("meta"):
+    model = spec.model_cls(args)
+model = spec.parallelize_fn(model, pd, cfg)
+model.to_empty(device="cpu")
+init_model_weights(model, seed=7)
+
+ref = dict(reference.named_parameters())
+sharded = 0
+for name, p in model.named_parameters():
+    full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    sharded += isinstance(p, DTensor)
+    assert torch.equal(full, ref[name].detach()), f"rank {dist.get_rank()}: {name} differs"
+assert sharded > 0, "expected sharded parameters"
+assert torch.equal(model.rope_cache, reference.rope_cache)
+if dist.get_rank() == 0:
+    print(f"INIT-OK {sharded} sharded parameters equal the single-process init")
+dist.destroy_process_group()

@@ -1,0 +1,203 @@
+"""Config parsing: precedence, override syntax, --help, and every kind of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, resolve_batch, to_toml
+from torchtrain.config.fields import field_docs, field_types
+from torchtrain.config.manager import _sections
+from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.models.registry import build_model_args, get_model_spec
+
+from conftest import REPO
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_parse():
+    cfg = parse_args([])
+    assert isinstance(cfg, JobConfig)
+    assert cfg.training.steps == 10000 and cfg.parallelism.data_parallel_shard_degree == -1
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 0.01\n")
+    cfg = parse_args(["--job.config_file", path, "--training.steps", "9"])
+    assert cfg.training.steps == 9  # CLI beats TOML
+    assert cfg.training.seq_len == 128  # TOML beats default
+    assert cfg.optimizer.lr == 0.01
+    assert cfg.training.local_batch_size == 8  # default
+
+
+def test_override_syntaxes():
+    cfg = parse_args(["--training.steps=3", "--optimizer.lr", "1e-3", "--debug.deterministic",
+                      "--metrics.enable_tensorboard", "false", "--lr_scheduler.decay_ratio", "0.2"])
+    assert cfg.training.steps == 3 and cfg.optimizer.lr == 1e-3
+    assert cfg.debug.deterministic is True  # bare boolean flag
+    assert cfg.metrics.enable_tensorboard is False
+    assert cfg.lr_scheduler.decay_ratio == 0.2
+    assert parse_args(["--lr_scheduler.decay_ratio", "none"]).lr_scheduler.decay_ratio is None
+    assert parse_args(["--debug.deterministic", "true"]).debug.deterministic is True
+
+
+def test_int_accepted_for_float_and_float_type_kept(tmp_path):
+    cfg = parse_args(["--job.config_file", write(tmp_path, "[optimizer]\nlr = 1\n")])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+
+
+def test_model_overrides(tmp_path):
+    path = write(tmp_path, "[model]\nflavor = \"debugmodel\"\ndim = 128\n")
+    cfg = parse_args(["--job.config_file", path, "--model.n_layers", "3"])
+    assert cfg.model.overrides == {"dim": 128, "n_layers": 3}
+    args = build_model_args(get_model_spec("llama3"), cfg.model.flavor, cfg.model.overrides)
+    assert args.dim == 128 and args.n_layers == 3 and args.n_heads == 16
+
+
+@pytest.mark.parametrize(
+    "argv, toml, expected",
+    [
+        (["--trainig.steps", "3"], None, "did you mean 'training'"),
+        (["--training.stpes", "3"], None, "did you mean 'steps'"),
+        (["--model.dimm", "3"], None, "did you mean 'dim'"),
+        (["--training.steps", "ten"], None, "[training.steps] expects an integer"),
+        (["--training.steps", "0"], None, "[training.steps] must be >= 1"),
+        (["--optimizer.lr", "-1"], None, "[optimizer.lr] must be > 0"),
+        (["--optimizer.beta2", "1.5"], None, "[optimizer.beta2] must be <= 1"),
+        (["--lr_scheduler.decay_type", "exp"], None, "[lr_scheduler.decay_type] must be one of"),
+        (["--debug.deterministic", "maybe"], None, "expects a boolean"),
+        (["--job.config_file", "/nonexistent/job.toml"], None, "[job.config_file] file not found"),
+        ([], "[training]\nsteps = \"ten\"\n", "[training.steps] expects an integer"),
+        ([], "[training]\nsteps = true\n", "[training.steps] expects an integer"),
+        ([], "[training]\nsteps = 5\n[bogus]\nx = 1\n", "unknown config section [bogus]"),
+        ([], "steps = 5\n", "not a [section] table"),
+        ([], "[training\nsteps = 5\n", "not valid TOML"),
+        (["steps"], None, "unexpected argument"),
+        (["--steps", "3"], None, "expected --section.key"),
+        (["--training.steps"], None, "needs a value"),
+        (["--model.name", "gpt9"], None, "unknown model 'gpt9'"),
+        (["--training.dataset", "c4"], None, "unknown dataset 'c4'"),
+        (["--training.dataset", "files"], None, "[training.dataset_path] is required"),
+        (["--parallelism.data_parallel_shard_degree", "0"], None, "data_parallel_shard_degree] must be -1"),
+    ],
+)
+def test_bad_input_names_the_key(tmp_path, argv, toml, expected):
+    if toml is not None:
+        argv = ["--job.config_file", write(tmp_path, toml)] + argv
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert expected in str(err.value)
+
+
+def test_bad_flavor():
+    cfg = parse_args(["--model.flavor", "8b"])
+    with pytest.raises(ConfigError, match="did you mean '8B'"):
+        build_model_args(get_model_spec("llama3"), cfg.model.flavor, {})
+
+
+def test_model_arg_consistency():
+    spec = get_model_spec("llama3")
+    with pytest.raises(ConfigError, match=r"\[model.dim\] 100 is not divisible by model.n_heads 16"):
+        build_model_args(spec, "debugmodel", {"dim": 100})
+    with pytest.raises(ConfigError, match=r"\[model.n_kv_heads\] 3 must divide model.n_heads 16"):
+        build_model_args(spec, "debugmodel", {"n_kv_heads": 3})
+
+
+@pytest.mark.parametrize(
+    "degrees, world, expected",
+    [
+        ({}, 4, (1, 4)),
+        ({"data_parallel_replicate_degree": 2}, 4, (2, 2)),
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}, 4, (2, 2)),
+    ],
+)
+def test_parallel_dims_resolution(degrees, world, expected):
+    cfg = parse_args([f"--parallelism.{k}={v}" for k, v in degrees.items()])
+    pd = ParallelDims.from_config(cfg.parallelism, world)
+    assert (pd.dp_replicate, pd.dp_shard) == expected and pd.dp == world
+
+
+@pytest.mark.parametrize(
+    "degrees, world, expected",
+    [
+        ({"data_parallel_shard_degree": 3}, 4, "degrees multiply to 3"),
+        ({"data_parallel_replicate_degree": 3}, 4, "not divisible"),
+        ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree] = 2 is not supported"),
+        ({"pipeline_parallel_degree": 2}, 4, "pipeline_parallel_degree] = 2 is not supported"),
+    ],
+)
+def test_parallel_dims_errors(degrees, world, expected):
+    cfg = parse_args([f"--parallelism.{k}={v}" for k, v in degrees.items()])
+    with pytest.raises(ConfigError, match=expected):
+        ParallelDims.from_config(cfg.parallelism, world)
+
+
+def test_batch_plan():
+    cfg = parse_args(["--training.local_batch_size", "2", "--training.global_batch_size", "16"])
+    plan = resolve_batch(cfg.training, dp_degree=2)
+    assert (plan.global_batch_size, plan.grad_accum_steps) == (16, 4)
+    assert resolve_batch(parse_args([]).training, 4).global_batch_size == 32
+    with pytest.raises(ConfigError, match="not a multiple"):
+        resolve_batch(parse_args(["--training.global_batch_size", "12"]).training, dp_degree=2)
+
+
+def test_every_field_documented_and_in_help():
+    text = format_help()
+    for name, cls in _sections().items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            assert docs.get(f.name), f"{name}.{f.name} has no docstring"
+            assert f"--{name}.{f.name} " in text
+    spec = get_model_spec("llama3")
+    for f in dataclasses.fields(spec.args_cls):
+        assert field_docs(spec.args_cls).get(f.name), f"model.{f.name} has no docstring"
+        assert f"--model.{f.name} " in text
+    assert "--training.steps  int (>= 1)  (default: 10000)" in text
+    assert "one of: linear, sqrt, cosine" in text
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = parse_args(["--training.steps", "11", "--model.dim", "128", "--lr_scheduler.decay_ratio", "0.5",
+                      "--job.description", 'say "hi"\n'])
+    path = write(tmp_path, to_toml(cfg))
+    again = parse_args(["--job.config_file", path])
+    cfg.job.config_file = again.job.config_file = None
+    assert again == cfg
+
+
+def test_field_types_cover_all_sections():
+    for cls in _sections().values():
+        assert field_types(cls)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "torchtrain.train", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_cli_help_and_errors_exit_cleanly():
+    out = _cli("--help")
+    assert out.returncode == 0 and "--parallelism.data_parallel_shard_degree" in out.stdout
+    assert "model arguments of 'llama3'" in out.stdout
+    bad = _cli("--training.stepz", "3")
+    assert bad.returncode == 2
+    assert "config error: unknown key training.stepz" in bad.stderr and "did you mean 'steps'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_config_reference_doc_is_current():
+    sys.path.insert(0, f"{REPO}/scripts")
+    from gen_config_reference import render
+
+    with open(f"{REPO}/docs/config_reference.md") as f:
+        assert f.read() == render(), "run: python scripts/gen_config_reference.py"
