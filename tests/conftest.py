@@ -12,8 +12,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A model small enough that a 10-step multi-process run takes seconds on 2 CPU cores, with GQA
-# (n_kv_heads < n_heads) so grouped-query attention is exercised too.
-TINY_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+# (n_kv_heads < n_heads) so grouped-query attention is exercised too, and head counts that
+# allow tensor parallelism up to 4.
+TINY_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
               "--model.vocab_size", "512"]
 TINY_JOB = TINY_MODEL + ["--training.dataset", "synthetic", "--training.seq_len", "64",
                          "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",

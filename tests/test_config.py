@@ -130,7 +130,7 @@ def test_parallel_dims_resolution(degrees, world, expected):
     [
         ({"data_parallel_shard_degree": 3}, 4, "degrees multiply to 3"),
         ({"data_parallel_replicate_degree": 3}, 4, "not divisible"),
-        ({"tensor_parallel_degree": 2}, 4, "tensor_parallel_degree] = 2 is not supported"),
+        ({"tensor_parallel_degree": 3}, 4, "not divisible"),
         ({"pipeline_parallel_degree": 2}, 4, "pipeline_parallel_degree] = 2 is not supported"),
     ],
 )
@@ -201,3 +201,18 @@ def test_config_reference_doc_is_current():
 
     with open(f"{REPO}/docs/config_reference.md") as f:
         assert f.read() == render(), "run: python scripts/gen_config_reference.py"
+
+
+@pytest.mark.parametrize("name, world", [("debug_model", 1), ("llama3_8b", 8), ("llama3_70b", 64),
+                                         ("llama3_405b", 512)])
+def test_shipped_job_files_are_valid_for_their_cluster(name, world):
+    """The GPU jobs pass every pre-start check for the world size their header documents."""
+    from torchtrain.distributed.checks import check_layout
+
+    cfg = parse_args(["--job.config_file", f"{REPO}/train_configs/{name}.toml"])
+    pd = ParallelDims.from_config(cfg.parallelism, world)
+    resolve_batch(cfg.training, pd.dp)
+    spec = get_model_spec(cfg.model.name)
+    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+    spec.validate_fn(args, pd, cfg)
+    check_layout(cfg, pd, "cuda" if world > 1 else "cpu")

@@ -7,6 +7,7 @@ optimizer -> data -> metrics; `Trainer.train` runs the steps and `Trainer.train_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -16,17 +17,22 @@ import torch.distributed as dist
 
 from torchtrain.components.data import build_dataloader, build_source
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
-from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens
+from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.precision import LossScaler
 from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, resolve_batch, to_toml
 from torchtrain.distributed import ParallelDims
-from torchtrain.distributed.fsdp import resolve_param_dtype, set_gradient_sync
+from torchtrain.distributed.checks import check_layout
+from torchtrain.distributed.compile import compile_loss
+from torchtrain.distributed.fsdp import resolve_param_dtype
 from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.utils import (all_reduce, clip_grad_norm_, env_rank_world, init_distributed,
-                                          resolve_device, set_determinism, set_train_timeout)
+                                          resolve_device, set_determinism, set_gradient_sync,
+                                          set_train_timeout)
 from torchtrain.models.registry import build_model_args, get_model_spec
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
@@ -45,13 +51,14 @@ class Trainer:
         self.model_args.update_from_config(cfg, self.tokenizer)
         if spec.validate_fn is not None:
             spec.validate_fn(self.model_args, pd, cfg)
+        self.device = resolve_device(cfg.training.device)
+        check_layout(cfg, pd, self.device.type)
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         source = build_source(cfg.training.dataset, cfg.training.dataset_path, "train", cfg.debug.seed)
 
-        # 2. Devices, process group, mesh, RNG.
-        self.device = resolve_device(cfg.training.device)
+        # 2. Process group, mesh, RNG.
         init_distributed(cfg.comm, self.device)
         pd.build_mesh(self.device.type)
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
@@ -69,15 +76,22 @@ class Trainer:
         init_model_weights(model, cfg.debug.seed)
         model.train()
         self.model_parts = [model]
-        self.loss_fn = ScaledTokenLoss()
+        compile_ce = cfg.compile.enable and "loss" in cfg.compile.components
+        self.loss_fn = ScaledTokenLoss(compile_loss(cross_entropy_sum) if compile_ce else cross_entropy_sum)
 
-        # 4. Optimizer, schedule, data, metrics.
-        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, self.device)
+        # 4. Precision, optimizer, schedule, data, metrics.
+        param_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, self.device.type)
+        replicated = cfg.parallelism.data_parallel_strategy in ("ddp", "zero1")
+        # FSDP casts parameters itself (mixed-precision policy); replicated strategies use autocast.
+        self.autocast_dtype = param_dtype if replicated and param_dtype != torch.float32 else None
+        self.scaler = LossScaler(param_dtype == torch.float16, sharded=not replicated, device=self.device)
+        zero1 = cfg.parallelism.data_parallel_strategy == "zero1" and pd.dp_enabled
+        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, self.device,
+                                              zero1_group=pd.dp_mesh.get_group() if zero1 else None)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, cfg.training.seq_len,
                                            self.batch.local_batch_size, pd.dp_rank, pd.dp, cfg.debug.seed,
                                            shuffle=cfg.training.dataset_shuffle)
-        param_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, self.device.type)
         self.flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token,
                                           peak_tflops(self.device, param_dtype, cfg.metrics.peak_tflops),
@@ -101,6 +115,14 @@ class Trainer:
             logger.info("resolved config:\n%s", text)
 
     # ------------------------------------------------------------------------------ one step
+    def train_context(self) -> contextlib.ExitStack:
+        """Forward + backward context: loss parallel under TP, autocast for replicated strategies."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(maybe_loss_parallel(self.parallel_dims.loss_parallel_enabled))
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        return stack
+
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Forward/backward over the step's micro-batches, clip, optimizer and LR step.
 
@@ -115,19 +137,32 @@ class Trainer:
         for i, (inputs, labels) in enumerate(batches):
             if len(batches) > 1:
                 set_gradient_sync(self.model_parts, i == len(batches) - 1)
-            logits = model(inputs.to(self.device, non_blocking=True))
-            loss = self.loss_fn(logits, labels.to(self.device, non_blocking=True))
-            del logits
-            loss.backward()
-            accumulated += loss.detach()
+            with self.train_context():
+                logits = model(inputs.to(self.device, non_blocking=True))
+                loss = self.loss_fn(logits, labels.to(self.device, non_blocking=True))
+                del logits
+                self.scaler.scale(loss).backward()
+            accumulated += local_value(loss.detach()).float()
+        if self.step == self.job_config.debug.inject_nonfinite_grad_step:
+            self._inject_nonfinite_grad()
+        self.scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm)
         lr = self.optimizers.lr
-        self.optimizers.step()
+        stepped = self.scaler.step(self.optimizers)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         global_loss = all_reduce(accumulated / pd.dp, pd.dp_mesh)
-        return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens}
+        return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
+                "stepped": stepped}
+
+    def _inject_nonfinite_grad(self) -> None:
+        """debug.inject_nonfinite_grad_step: poison one gradient with +inf (fault injection)."""
+        from torch.distributed.tensor import DTensor
+
+        grad = next(p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None)
+        (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("inf"))
+        logger.warning("step %d: injected +inf into a gradient (debug.inject_nonfinite_grad_step)", self.step)
 
     # ------------------------------------------------------------------------------ the loop
     def _should_log(self) -> bool:
@@ -167,6 +202,9 @@ class Trainer:
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
         }
+        if self.scaler.enabled:
+            record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
+                          step_skipped=not out["stepped"])
         self.metrics.log(self.step, record)
         self.memory.reset_peak()
 

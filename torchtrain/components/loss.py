@@ -29,10 +29,22 @@ def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 class ScaledTokenLoss:
-    """loss_fn(logits, labels) = cross_entropy_sum * scale; the trainer sets `scale` every step."""
+    """loss_fn(logits, labels) = cross_entropy_sum * scale; the trainer sets `scale` every step.
 
-    def __init__(self) -> None:
-        self.scale = 1.0
+    `ce_sum` may be a compiled version of `cross_entropy_sum`. Under loss parallel (vocabulary-sharded
+    DTensor logits) the result is a replicated DTensor; `local_value` turns it into a plain tensor.
+    """
+
+    def __init__(self, ce_sum=cross_entropy_sum) -> None:
+        self.ce_sum = ce_sum
+        self.scale: torch.Tensor | float = 1.0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * self.scale
+        return self.ce_sum(logits, labels) * self.scale
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A (replicated) DTensor loss as a plain tensor; plain tensors unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

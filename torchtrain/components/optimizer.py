@@ -2,6 +2,10 @@
 
 Weight decay is applied to matrices and embeddings (parameters with >= 2 dims) only; norms' gains are
 not decayed (the common practice of Megatron-LM, nanoGPT and OLMo).
+
+ZeRO-1 (`parallelism.data_parallel_strategy = "zero1"`): parameters and gradients stay replicated,
+but each of the dp ranks keeps Adam state for, and updates, only its 1/dp share of the parameters,
+then broadcasts the updated share (ZeroRedundancyOptimizer): optimizer memory 8 P -> 8 P / dp.
 """
 
 from __future__ import annotations
@@ -9,35 +13,48 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtrain.config.training import Optimizer as OptimizerConfig
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    """Decay / no-decay groups, further split by tensor kind (plain, or DTensor per device mesh):
+    the foreach / fused kernels cannot mix plain tensors and DTensors, nor DTensor meshes."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            kind = id(p.device_mesh) if isinstance(p, DTensor) else 0
+            groups.setdefault((p.dim() < 2, kind), []).append(p)
+    return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
+            for (no_decay, _), params in sorted(groups.items(), key=lambda kv: kv[0][0])]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
+                    zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                   foreach=impl == "foreach", fused=impl == "fused")
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    return cls(_param_groups(model, cfg.weight_decay), **kwargs)
+    groups = _param_groups(model, cfg.weight_decay)
+    if zero1_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero1_group, **kwargs)
+    return cls(groups, **kwargs)
 
 
 class OptimizersContainer:
-    """One optimizer per model part, stepped together."""
+    """One optimizer per model part, stepped together. `zero1_group`: shard the state over it."""
 
-    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device):
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device,
+                 zero1_group: "dist.ProcessGroup | None" = None):
         self.model_parts = model_parts
-        self.optimizers = [build_optimizer(part, cfg, device) for part in model_parts]
+        self.optimizers = [build_optimizer(part, cfg, device, zero1_group) for part in model_parts]
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)

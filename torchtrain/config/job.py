@@ -24,6 +24,11 @@ class Job:
     print_config: bool = True
     """Print the resolved config (as TOML) on rank 0 at start-up."""
 
+    custom_imports: list[str] = field(default_factory=list)
+    """Python modules to import before the job is built, e.g. your own package that registers a
+    model (`register_model_spec`) or a dataset (`register_dataset`). They must be importable
+    (installed, or on PYTHONPATH)."""
+
 
 @dataclass
 class Model:
@@ -67,3 +72,7 @@ class Debug:
 
     deterministic: bool = False
     """Use deterministic algorithms only (`torch.use_deterministic_algorithms`); slower on CUDA."""
+
+    inject_nonfinite_grad_step: Annotated[int, Ge(1)] | None = None
+    """Fault injection for testing overflow handling: at this step, after backward, one gradient
+    is set to +inf on every rank (the fp16 loss scaler must then skip the step)."""

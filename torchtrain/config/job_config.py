@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.parallelism import Comm, Parallelism
@@ -24,6 +25,8 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

@@ -123,6 +123,19 @@ def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, 
     return section
 
 
+def _import_custom_modules(raw: Any) -> None:
+    """Import job.custom_imports first: they may register the models/datasets the job names."""
+    import importlib
+
+    if raw is None:
+        return
+    for name in coerce(raw, list[str], "job.custom_imports"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"[job.custom_imports] cannot import {name!r}: {e}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build and validate the JobConfig (no process group needed; raises ConfigError)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -141,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
                 )
             merged.setdefault(section, {}).update(table)
             origin.setdefault(section, {}).update({k: source for k in table})
+    _import_custom_modules(merged.get("job", {}).get("custom_imports"))
     built = {
         name: _build_section(name, cls, merged.get(name, {}), origin.get(name, {}))
         for name, cls in sections.items()

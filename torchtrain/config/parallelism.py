@@ -18,18 +18,51 @@ class Parallelism:
     """Ranks each parameter is sharded over by FSDP2 (ZeRO-3). -1: every rank the other degrees leave.
     The product of all degrees must equal the world size."""
 
+    data_parallel_strategy: Literal["zero3", "zero2", "zero1", "ddp"] = "zero3"
+    """How data-parallel ranks share the training state (ZeRO paper names; FSDP names in brackets):
+    `zero3` [FULL_SHARD, or HYBRID_SHARD when data_parallel_replicate_degree > 1]: parameters,
+    gradients and optimizer state sharded over data_parallel_shard_degree ranks (FSDP2, parameters
+    re-gathered per unit in forward and backward).
+    `zero2` [SHARD_GRAD_OP]: as zero3, but gathered parameters are kept from forward to backward
+    (fewer all-gathers, more memory).
+    `zero1`: parameters and gradients replicated (DDP all-reduce), optimizer state sharded over all
+    data-parallel ranks (ZeroRedundancyOptimizer).
+    `ddp` [NO_SHARD]: everything replicated, gradients all-reduced.
+    For zero1 and ddp the data-parallel degree is data_parallel_replicate_degree x
+    data_parallel_shard_degree (both just count replicas)."""
+
     tensor_parallel_degree: Annotated[int, Ge(1)] = 1
-    """Tensor (Megatron-style) parallel degree. 1 disables it."""
+    """Tensor (Megatron-style) parallel degree: every attention / feed-forward matmul is split over
+    this many ranks, with sequence parallelism for norms and the residual stream. 1 disables it."""
+
+    disable_loss_parallel: bool = False
+    """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and
+    the cross-entropy is computed on the shards (loss parallel), so full logits are never gathered.
+    Set true to gather the logits instead."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with the matmuls (micro-pipelined async TP). Needs CUDA,
+    compile.enable and tensor_parallel_degree > 1."""
 
     pipeline_parallel_degree: Annotated[int, Ge(1)] = 1
     """Pipeline parallel degree (number of ranks a model is cut across). 1 disables it."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward (`always`, ZeRO-3), keep them until backward (`never`,
-    ZeRO-2-like, more memory, less communication), or `default`: always, except for the root module
-    whose parameters backward needs first."""
+    """Free gathered parameters after forward (`always`), keep them until backward (`never`, what
+    data_parallel_strategy = "zero2" means), or `default`: zero3 frees every unit but the last one
+    (which backward needs first), zero2 keeps all."""
 
     def validate(self) -> None:
+        if self.data_parallel_strategy == "zero2" and self.fsdp_reshard_after_forward == "always":
+            raise ConfigError(
+                "[parallelism.fsdp_reshard_after_forward] 'always' contradicts data_parallel_strategy "
+                "'zero2' (which keeps gathered parameters until backward); use zero3 or 'default'"
+            )
+        if self.data_parallel_strategy in ("zero1", "ddp") and self.fsdp_reshard_after_forward != "default":
+            raise ConfigError(
+                f"[parallelism.fsdp_reshard_after_forward] only applies to FSDP strategies (zero2/zero3), "
+                f"not data_parallel_strategy {self.data_parallel_strategy!r}; leave it 'default'"
+            )
         if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
             raise ConfigError(
                 "[parallelism.data_parallel_shard_degree] must be -1 (use the remaining ranks) or >= 1, "

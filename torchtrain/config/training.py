@@ -39,15 +39,22 @@ class Training:
     steps: Annotated[int, Ge(1)] = 10000
     """Number of optimizer steps to train for."""
 
-    mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Dtype of parameters in forward/backward (master weights stay float32). `auto`: bfloat16 on
-    CUDA, float32 on CPU."""
+    mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of parameters in forward/backward; master weights, gradients and optimizer state stay
+    float32. `auto`: bfloat16 on CUDA, float32 on CPU. float16 adds dynamic loss scaling (steps with
+    inf/nan gradients are skipped and the scale lowered). FSDP strategies cast parameters (FSDP's
+    mixed-precision policy); ddp/zero1 use torch.autocast."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reductions across data-parallel ranks."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on. `auto`: CUDA when a GPU is visible, else CPU."""
+
+    enable_cpu_offload: bool = False
+    """ZeRO-Offload: keep sharded parameters, gradients and optimizer state in host memory; the
+    optimizer step runs on the CPU (FSDP2 CPUOffloadPolicy). Needs a CUDA device and an FSDP
+    strategy (zero2/zero3)."""
 
     def validate(self) -> None:
         if self.global_batch_size != -1 and self.global_batch_size < 1:

@@ -18,7 +18,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,31 +30,31 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
+    zero2: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard each unit (in forward order), then the root for whatever parameters remain.
 
     `default` reshards every unit after forward except the last one, whose parameters backward needs
-    immediately; the root keeps its parameters (they are the first used by backward's tail).
+    immediately (for zero2: no unit reshards); the root keeps its parameters (they are the first used
+    by backward's tail). `cpu_offload` keeps the sharded state in host memory.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    extra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    if reshard_after_forward == "default" and zero2:
+        reshard_after_forward = "never"
     for i, unit in enumerate(units):
         if reshard_after_forward == "default":
             reshard = i < len(units) - 1
         else:
             reshard = reshard_after_forward == "always"
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always")
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always", **extra)
     return model
 
 
 def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
     return [m for m in modules if isinstance(m, FSDPModule)]
-
-
-def set_gradient_sync(model_parts: Iterable[nn.Module], enabled: bool) -> None:
-    """Gradient accumulation: skip reduce-scatter / all-reduce on all but the last micro-batch."""
-    for part in fsdp_modules(model_parts):
-        part.set_requires_gradient_sync(enabled)
 
 
 def resolve_param_dtype(mixed_precision_param: str, device_type: str) -> torch.dtype:

@@ -23,7 +23,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.config.parallelism import Parallelism
 
 # Degrees whose parallelism is implemented; a job asking for more is rejected before start-up.
-SUPPORTED = {"tensor_parallel_degree": 1, "pipeline_parallel_degree": 1}
+SUPPORTED = {"pipeline_parallel_degree": 1}
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    loss_parallel_requested: bool = True
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_flat: DeviceMesh | None = field(default=None, repr=False)
 
@@ -69,7 +70,8 @@ class ParallelDims:
                 f"{world_size}; make the product equal the number of processes (or set "
                 f"data_parallel_shard_degree = -1 to use the remaining ranks)"
             )
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
+                   loss_parallel_requested=not cfg.disable_loss_parallel)
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -96,6 +98,11 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        """Cross-entropy on vocabulary-sharded logits (TP only, unless disabled)."""
+        return self.tp_enabled and self.loss_parallel_requested
 
     @property
     def non_data_parallel_size(self) -> int:

@@ -84,24 +84,44 @@ def all_reduce(tensor: torch.Tensor, mesh, op=dist.ReduceOp.SUM) -> torch.Tensor
     return tensor
 
 
+def set_gradient_sync(model_parts, enabled: bool) -> None:
+    """Gradient accumulation: skip the data-parallel reduction (FSDP reduce-scatter / all-reduce,
+    DDP all-reduce) on all but the last micro-batch of a step."""
+    for part in model_parts:
+        if hasattr(part, "set_requires_gradient_sync"):
+            part.set_requires_gradient_sync(enabled)
+
+
+def _grad_group(p: torch.Tensor) -> object:
+    return (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else "plain"
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None) -> torch.Tensor:
     """Clip to the global L2 norm over all gradients of the job, and return that norm.
 
-    Sharded gradients (DTensors from FSDP/TP) give their true global norm; with pipeline parallelism
-    each stage holds different parameters, so the squared norms are summed across stages too.
+    norm = sqrt(sum over gradient groups of norm_g^2). Gradients are grouped by kind: plain tensors
+    (identical on the ranks that hold them), and DTensors per (mesh, placements) (FSDP/TP shards,
+    whose group norm is the true global one: partial squared sums are all-reduced over the mesh).
+    With pipeline parallelism each stage holds different parameters, so squared norms are also
+    summed across stages.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(_grad_group(p), []).append(p)
+    if not groups:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    total = torch.linalg.vector_norm(torch.stack(norms))
     if pp_mesh is not None:
         total = total**2
         dist.all_reduce(total, group=pp_mesh.get_group())
         total = total.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, total,
-                                             foreach=True)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -37,11 +37,34 @@ def _p(key: str, value) -> tuple[str, str]:
     return (f"--parallelism.{key}", str(value))
 
 
+def _s(name: str) -> tuple[str, str]:
+    return _p("data_parallel_strategy", name)
+
+
+_AC = "--activation_checkpoint.mode"
+_SAC = "--activation_checkpoint.selective_ac_option"
+_COMPILE = ("--compile.enable", "true")
+
 PRESETS: dict[str, Layout] = {
-    "single": Layout("single", 1),
-    "fsdp2": Layout("fsdp2", 2),
-    "fsdp4": Layout("fsdp4", 4),
-    "hsdp2x2": Layout("hsdp2x2", 4, _p("data_parallel_replicate_degree", 2)),
+    l.name: l
+    for l in (
+        Layout("single", 1),
+        Layout("fsdp2", 2),
+        Layout("fsdp4", 4),
+        Layout("hsdp2x2", 4, _p("data_parallel_replicate_degree", 2)),
+        Layout("ddp2", 2, _s("ddp")),
+        Layout("zero1_2", 2, _s("zero1")),
+        Layout("zero2_2", 2, _s("zero2")),
+        Layout("tp2", 2, _p("tensor_parallel_degree", 2)),
+        Layout("tp4", 4, _p("tensor_parallel_degree", 4)),
+        Layout("fsdp2_tp2", 4, _p("tensor_parallel_degree", 2)),
+        Layout("hsdp2x2_tp2", 8, _p("data_parallel_replicate_degree", 2) + _p("tensor_parallel_degree", 2)),
+        Layout("ac_full", 1, (_AC, "full")),
+        Layout("ac_every2", 1, (_AC, "selective", _SAC, "2")),
+        Layout("ac_op", 1, (_AC, "selective", _SAC, "op")),
+        Layout("compile", 1, _COMPILE),
+        Layout("fsdp2_tp2_compile", 4, _p("tensor_parallel_degree", 2) + _COMPILE),
+    )
 }
 
 
@@ -68,7 +91,7 @@ def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: l
     """Train `steps` steps of the job under this layout with torchrun; return its metrics.jsonl records."""
     dump = os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={layout.nproc}",
-           "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter=0",
+           "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0",
            "-m", "torchtrain.train"]
     if config_file:
         cmd += ["--job.config_file", config_file]

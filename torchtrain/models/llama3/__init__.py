@@ -2,7 +2,7 @@
 
 from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
-from torchtrain.models.llama3.parallelize import parallelize_llama
+from torchtrain.models.llama3.parallelize import parallelize_llama, validate_llama_parallel
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Meta's params.json / HF config.json). `debugmodel` is torchtitan's CPU-sized
@@ -28,6 +28,7 @@ register_model_spec(
         args_cls=Llama3Args,
         flavors=LLAMA3_FLAVORS,
         parallelize_fn=parallelize_llama,
+        validate_fn=validate_llama_parallel,
     )
 )
 

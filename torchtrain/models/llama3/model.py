@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.to(x.dtype) * self.weight
 
 
 def rope_frequencies(args: Llama3Args) -> torch.Tensor:
@@ -73,7 +73,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     pairs = x.float().unflatten(-1, (half, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    return rotated.flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):

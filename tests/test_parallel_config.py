@@ -1,0 +1,111 @@
+"""Invalid feature combinations are config errors before start-up; plan transforms are applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from torchtrain.config import ConfigError, parse_args
+from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtrain.distributed.checks import check_layout
+from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.models.llama3 import Llama3Args, Transformer
+from torchtrain.models.llama3.parallelize import validate_llama_parallel
+from torchtrain.models.registry import build_model_args, get_model_spec
+
+from conftest import run_train
+
+
+def layout(argv: list[str], world: int):
+    cfg = parse_args(argv)
+    return cfg, ParallelDims.from_config(cfg.parallelism, world)
+
+
+def model_check(argv: list[str], world: int):
+    cfg, pd = layout(argv, world)
+    args = build_model_args(get_model_spec("llama3"), cfg.model.flavor, cfg.model.overrides)
+    validate_llama_parallel(args, pd, cfg)
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--model.n_kv_heads", "2"], 4, r"\[model.n_kv_heads\] 2 is not divisible by parallelism.tensor_parallel_degree 4"),
+    (["--model.n_heads", "4", "--model.dim", "64"], 8, r"\[model.n_heads\] 4 is not divisible"),
+    (["--model.vocab_size", "2050"], 4, r"pad the vocabulary: --model.vocab_size 2052"),
+    (["--training.seq_len", "30"], 4, r"\[training.seq_len\] 30 is not divisible"),
+    (["--model.tie_word_embeddings", "true"], 2, r"tied embeddings are not supported with tensor parallelism"),
+])
+def test_tp_shape_errors(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        model_check(argv + ["--parallelism.tensor_parallel_degree", str(world)], world)
+
+
+def test_tp_valid_shapes_pass():
+    model_check(["--parallelism.tensor_parallel_degree", "4", "--model.n_kv_heads", "4"], 4)
+
+
+@pytest.mark.parametrize("argv, world, device, message", [
+    (["--parallelism.data_parallel_strategy", "zero1", "--parallelism.tensor_parallel_degree", "2"], 4, "cpu",
+     r"'zero1' cannot be combined with tensor parallelism"),
+    (["--parallelism.data_parallel_strategy", "ddp", "--parallelism.tensor_parallel_degree", "2"], 4, "cpu",
+     r"'ddp' cannot be combined with tensor parallelism"),
+    (["--training.enable_cpu_offload", "true"], 2, "cpu", r"needs a CUDA device"),
+    (["--training.enable_cpu_offload", "true", "--parallelism.data_parallel_strategy", "ddp"], 2, "cuda",
+     r"needs an FSDP strategy"),
+    (["--parallelism.enable_async_tensor_parallel", "true", "--parallelism.tensor_parallel_degree", "2",
+      "--compile.enable", "true"], 2, "cpu", r"needs CUDA"),
+    (["--parallelism.enable_async_tensor_parallel", "true"], 2, "cuda", r"needs tensor_parallel_degree > 1"),
+    (["--parallelism.enable_async_tensor_parallel", "true", "--parallelism.tensor_parallel_degree", "2"], 2,
+     "cuda", r"set compile.enable = true"),
+])
+def test_invalid_combinations(argv, world, device, message):
+    cfg, pd = layout(argv, world)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, pd, device)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.data_parallel_strategy", "zero2", "--parallelism.fsdp_reshard_after_forward", "always"],
+     r"'always' contradicts data_parallel_strategy 'zero2'"),
+    (["--parallelism.data_parallel_strategy", "ddp", "--parallelism.fsdp_reshard_after_forward", "never"],
+     r"only applies to FSDP strategies"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+     r"selective_ac_option\] must be \"op\" or a positive integer"),
+    (["--compile.components", "model,optimizer"], r"\[compile.components\[1\]\] must be one of"),
+    (["--parallelism.data_parallel_strategy", "zero4"], r"must be one of 'zero3', 'zero2', 'zero1', 'ddp'"),
+])
+def test_invalid_parallel_keys(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_cpu_offload_on_cpu_is_a_clean_cli_error(tiny_job):
+    out = run_train(tiny_job + ["--training.enable_cpu_offload", "true"], timeout=120,
+                    env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 2
+    assert "config error: [training.enable_cpu_offload]" in out.stderr and "Traceback" not in out.stderr
+
+
+def _blocks(mode: str, option: str = "op"):
+    torch.manual_seed(0)
+    model = Transformer(Llama3Args(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=8))
+    apply_activation_checkpointing(model.layers, mode, option)
+    return model
+
+
+def test_activation_checkpoint_wrapping():
+    assert not any(isinstance(b, CheckpointWrapper) for b in _blocks("none").layers.values())
+    assert all(isinstance(b, CheckpointWrapper) for b in _blocks("full").layers.values())
+    every2 = _blocks("selective", "2").layers
+    assert [isinstance(every2[k], CheckpointWrapper) for k in every2] == [True, False, True, False]
+    op = _blocks("selective", "op").layers
+    assert all(isinstance(b, CheckpointWrapper) for b in op.values())
+    # names, and so checkpoints and initialisation, are unchanged apart from the wrapper segment
+    names = [n for n, _ in op.named_parameters()]
+    assert "0._checkpoint_wrapped_module.attention.wq.weight" in names
+    x = torch.randint(0, 64, (2, 8))
+    ref, wrapped = _blocks("none"), _blocks("full")  # same seed: same weights
+    ref(x).sum().backward()
+    wrapped(x).sum().backward()
+    for p, q in zip(ref.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)  # recomputation is exact

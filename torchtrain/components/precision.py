@@ -1,0 +1,53 @@
+"""Loss scaling for float16: dynamic scaling that skips steps whose gradients overflow.
+
+float16 has 5 exponent bits: gradients below ~6e-8 flush to zero. The loss is multiplied by a scale
+S (initially 2^16) before backward so gradients live in float16's range; they are divided by S
+before clipping and the optimizer step. If any gradient is inf/nan, the step is skipped on every
+rank (the scaler's found-inf flag is all-reduced across the sharded gradients) and S is halved;
+after `growth_interval` clean steps S doubles. bfloat16 and float32 need none of this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtrain.components.optimizer import OptimizersContainer
+
+
+class LossScaler:
+    def __init__(self, enabled: bool, sharded: bool, device: torch.device):
+        self.enabled = enabled
+        self.skipped_steps = 0
+        self._scaler = None
+        if enabled:
+            if sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self._scaler = ShardedGradScaler(device=device.type)
+            else:
+                self._scaler = torch.amp.GradScaler(device.type)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self._scaler.scale(loss) if self.enabled else loss
+
+    def unscale_(self, optimizers: OptimizersContainer) -> None:
+        if self.enabled:
+            for opt in optimizers:
+                self._scaler.unscale_(opt)
+
+    def step(self, optimizers: OptimizersContainer) -> bool:
+        """Optimizer step unless gradients overflowed; returns whether the step was taken."""
+        if not self.enabled:
+            optimizers.step()
+            return True
+        before = self._scaler.get_scale()
+        for opt in optimizers:
+            self._scaler.step(opt)
+        self._scaler.update()
+        skipped = self._scaler.get_scale() < before
+        self.skipped_steps += int(skipped)
+        return not skipped
+
+    @property
+    def value(self) -> float | None:
+        return self._scaler.get_scale() if self.enabled else None

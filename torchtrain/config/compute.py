@@ -1,0 +1,38 @@
+"""Config sections trading compute for memory or speed: [activation_checkpoint], [compile]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtrain.config.fields import ConfigError
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of storing them. `full`: every transformer block
+    keeps only its input (about one extra forward of compute). `selective`: see selective_ac_option."""
+
+    selective_ac_option: str = "op"
+    """For mode = "selective": an integer N checkpoints every N-th block fully (1 = all blocks);
+    "op" keeps every block but saves the outputs of matmuls and attention and recomputes only the
+    cheap element-wise operations (norms, activations, RoPE)."""
+
+    def validate(self) -> None:
+        opt = self.selective_ac_option
+        if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            raise ConfigError(
+                f"[activation_checkpoint.selective_ac_option] must be \"op\" or a positive integer N "
+                f"(checkpoint every N-th block), got {opt!r}"
+            )
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile with torch.compile (Inductor: C++ kernels on CPU, Triton on CUDA)."""
+
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: `model` compiles each transformer block separately (identical blocks share
+    one compiled graph), `loss` compiles the cross-entropy."""

@@ -1,0 +1,42 @@
+"""torch.compile per transformer block (and of the loss).
+
+Blocks are compiled one by one with `nn.Module.compile()` (in place: parameter names and the
+module tree are unchanged, so checkpoints and initialisation are unaffected). Identical blocks
+share one compiled graph, so compile time does not grow with depth. Compiling happens before FSDP
+wraps the blocks and after tensor parallelism and activation checkpointing (the plan order), so the
+compiled graphs include the DTensor redistributions and the recomputation boundaries.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Callable
+
+import torch
+import torch._inductor.config
+from torch import nn
+
+from torchtrain.config.fields import ConfigError
+
+
+def check_compiler(device_type: str) -> None:
+    """Inductor on CPU generates C++: fail early, naming the key, when no compiler is installed."""
+    if device_type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise ConfigError("[compile.enable] compiling for CPU needs a C++ compiler (g++ or clang++) on PATH; "
+                          "install one or set compile.enable = false")
+
+
+def compile_blocks(layers: nn.ModuleDict, with_collectives: bool = False) -> None:
+    """Compile each block in place. `with_collectives`: the blocks contain process-group collectives
+    (tensor parallelism), whose group names Inductor's on-disk caches do not key on: a graph cached by
+    a run with another mesh would call a group that does not exist here, so those caches are off."""
+    if with_collectives:
+        torch._inductor.config.fx_graph_cache = False
+        if hasattr(torch._functorch.config, "enable_autograd_cache"):
+            torch._functorch.config.enable_autograd_cache = False
+    for block in layers.values():
+        block.compile(fullgraph=True)
+
+
+def compile_loss(loss_fn: Callable) -> Callable:
+    return torch.compile(loss_fn)
