@@ -189,6 +189,7 @@ def _local_batch(config_file: str | None, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="presets: " + ", ".join(PRESETS),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="job TOML file (default: built-in defaults)")
     parser.add_argument("--steps", type=int, default=10)
