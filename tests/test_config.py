@@ -131,7 +131,7 @@ def test_parallel_dims_resolution(degrees, world, expected):
         ({"data_parallel_shard_degree": 3}, 4, "degrees multiply to 3"),
         ({"data_parallel_replicate_degree": 3}, 4, "not divisible"),
         ({"tensor_parallel_degree": 3}, 4, "not divisible"),
-        ({"pipeline_parallel_degree": 2}, 4, "pipeline_parallel_degree] = 2 is not supported"),
+        ({"pipeline_parallel_degree": 3}, 4, "not divisible"),
     ],
 )
 def test_parallel_dims_errors(degrees, world, expected):

@@ -22,18 +22,16 @@ from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
-from torchtrain.components.tokenizer import build_tokenizer
-from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, resolve_batch, to_toml
-from torchtrain.distributed import ParallelDims
-from torchtrain.distributed.checks import check_layout
+from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.fsdp import resolve_param_dtype
 from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.utils import (all_reduce, clip_grad_norm_, env_rank_world, init_distributed,
                                           resolve_device, set_determinism, set_gradient_sync,
                                           set_train_timeout)
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.preflight import preflight
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
 
@@ -43,16 +41,12 @@ class Trainer:
         self.rank, _, world_size = env_rank_world()
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
-        self.parallel_dims = pd = ParallelDims.from_config(cfg.parallelism, world_size)
-        self.batch = resolve_batch(cfg.training, pd.dp)
-        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-        self.model_spec = spec = get_model_spec(cfg.model.name)
-        self.model_args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-        self.model_args.update_from_config(cfg, self.tokenizer)
-        if spec.validate_fn is not None:
-            spec.validate_fn(self.model_args, pd, cfg)
         self.device = resolve_device(cfg.training.device)
-        check_layout(cfg, pd, self.device.type)
+        plan = preflight(cfg, world_size, self.device.type)
+        self.parallel_dims = pd = plan.parallel_dims
+        self.batch, self.tokenizer, self.pp_plan = plan.batch, plan.tokenizer, plan.pp_plan
+        self.model_spec = spec = plan.model_spec
+        self.model_args = plan.model_args
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
@@ -67,17 +61,17 @@ class Trainer:
                     cfg.job.description, world_size, pd.describe(), self.device, cfg.model.name,
                     cfg.model.flavor, self.model_args.num_params() / 1e6)
 
-        # 3. Model: built on the meta device (no memory), parallelised, then materialised and
-        #    initialised shard by shard with values that do not depend on the layout.
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        model = spec.parallelize_fn(model, pd, cfg)
-        model.to_empty(device=self.device)
-        init_model_weights(model, cfg.debug.seed)
-        model.train()
-        self.model_parts = [model]
+        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or
+        #    kept whole), parallelised, then materialised and initialised shard by shard with values
+        #    that do not depend on the layout.
         compile_ce = cfg.compile.enable and "loss" in cfg.compile.components
         self.loss_fn = ScaledTokenLoss(compile_loss(cross_entropy_sum) if compile_ce else cross_entropy_sum)
+        with torch.device("meta"):
+            whole = spec.model_cls(self.model_args)
+        if self.pp_plan is None:
+            self.model_parts = [self._materialize(spec.parallelize_fn(whole, pd, cfg))]
+        else:
+            self._build_pipeline(whole)
 
         # 4. Precision, optimizer, schedule, data, metrics.
         param_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, self.device.type)
@@ -104,6 +98,32 @@ class Trainer:
         logger.info("global batch %d sequences (%d per rank x %d dp x %d accumulation) of %d tokens; "
                     "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, pd.dp,
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
+
+    def _materialize(self, part: torch.nn.Module) -> torch.nn.Module:
+        part.to_empty(device=self.device)
+        init_model_weights(part, self.job_config.debug.seed)
+        return part.train()
+
+    def _build_pipeline(self, whole: torch.nn.Module) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        pd, plan, cfg = self.parallel_dims, self.pp_plan, self.job_config
+        self.model_parts, stages = [], []
+        for stage_id in plan.stage_ids(pd.pp_rank, pd.pp):
+            part = keep_modules(whole, plan.modules_per_stage[stage_id])
+            part = self._materialize(self.model_spec.parallelize_fn(part, pd, cfg))
+            self.model_parts.append(part)
+            stages.append(PipelineStage(part, stage_id, plan.num_stages, self.device, group=pd.pp_mesh.get_group()))
+        self.pp_schedule = build_schedule(plan, stages, self.loss_fn)
+        self.pp_has_first = any(s.is_first for s in stages)
+        self.pp_has_last = any(s.is_last for s in stages)
+        timeline = schedule_timeline(self.pp_schedule, plan)
+        logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
+                    "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
+                    plan.schedule_name, plan.num_stages, plan.stages_per_rank, plan.n_microbatches,
+                    cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
+                    100 * (pd.pp - 1) / (plan.n_microbatches + pd.pp - 1), timeline.render(),
+                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
@@ -134,6 +154,9 @@ class Trainer:
         global_tokens = all_reduce(local_tokens, pd.dp_mesh)
         self.loss_fn.scale = pd.dp / global_tokens.double()
         accumulated = torch.zeros((), device=self.device)
+        if self.pp_plan is not None:  # accumulation happens through the schedule's micro-batches
+            accumulated += self._pipeline_step(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            batches = []
         for i, (inputs, labels) in enumerate(batches):
             if len(batches) > 1:
                 set_gradient_sync(self.model_parts, i == len(batches) - 1)
@@ -147,14 +170,27 @@ class Trainer:
             self._inject_nonfinite_grad()
         self.scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm)
+        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pd.pp_mesh)
         lr = self.optimizers.lr
         stepped = self.scaler.step(self.optimizers)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         global_loss = all_reduce(accumulated / pd.dp, pd.dp_mesh)
+        if pd.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
+            global_loss = all_reduce(global_loss, pd.pp_mesh)
         return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
                 "stepped": stepped}
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One schedule step over the local batch; returns this rank's summed (scaled) loss."""
+        losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
+        targets = labels.to(self.device) if self.pp_has_last else None
+        args = (inputs.to(self.device),) if self.pp_has_first else ()
+        with self.train_context():
+            self.pp_schedule.step(*args, target=targets, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(l.detach()).float() for l in losses]).sum()
 
     def _inject_nonfinite_grad(self) -> None:
         """debug.inject_nonfinite_grad_step: poison one gradient with +inf (fault injection)."""

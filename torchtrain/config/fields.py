@@ -147,7 +147,9 @@ def _coerce_base(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         (arg, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):
-            items = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
+            nested = typing.get_origin(_split_annotated(arg)[0]) in (list, tuple)
+            sep = ";" if nested else ","  # a list of lists on the command line: "a,b;c,d"
+            items = [v.strip() for v in value.split(sep) if v.strip()] if value.strip() else []
         elif isinstance(value, (list, tuple)):
             items = list(value)
         else:

@@ -45,7 +45,36 @@ class Parallelism:
     compile.enable and tensor_parallel_degree > 1."""
 
     pipeline_parallel_degree: Annotated[int, Ge(1)] = 1
-    """Pipeline parallel degree (number of ranks a model is cut across). 1 disables it."""
+    """Pipeline parallel degree (ranks the layers are cut across, not the number of stages: with an
+    interleaved schedule each rank holds several stages). 1 disables it."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Schedule from torch.distributed.pipelining: GPipe, 1F1B (one stage per rank), or the
+    multi-stage Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (the last
+    two with "V" placement: rank r holds stages r and 2p-1-r). Case-insensitive."""
+
+    pipeline_parallel_schedule_csv: str | None = None
+    """A schedule file (one CSV row of actions per rank, e.g. 0F0,0F1,0B0,...) run by torch's
+    schedule runtime instead of a named schedule; the number of stages is read from it."""
+
+    pipeline_parallel_microbatch_size: Annotated[int, Ge(1)] = 1
+    """Sequences per pipeline micro-batch. Micro-batches per step = local_batch_size x gradient
+    accumulation / this (accumulation happens through micro-batches)."""
+
+    pipeline_parallel_layers_per_stage: Annotated[int, Ge(1)] | None = None
+    """Transformer blocks per stage; sets the number of stages (must be a multiple of the degree).
+    Unset: one stage per rank for single-stage schedules, two for multi-stage ones."""
+
+    pipeline_parallel_first_stage_less_layers: Annotated[int, Ge(0)] = 0
+    """Give the first stage this many fewer blocks than the others (it also runs the embedding)."""
+
+    pipeline_parallel_last_stage_less_layers: Annotated[int, Ge(0)] = 0
+    """Give the last stage this many fewer blocks than the others (it also runs norm, output, loss)."""
+
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit split: the module names of each stage, in order, e.g. in TOML
+    [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]] (on the command line:
+    "tok_embeddings,layers.0;layers.1,norm,output")."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward (`always`), keep them until backward (`never`, what

@@ -22,9 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.parallelism import Parallelism
 
-# Degrees whose parallelism is implemented; a job asking for more is rejected before start-up.
-SUPPORTED = {"pipeline_parallel_degree": 1}
-
 
 @dataclass
 class ParallelDims:
@@ -40,12 +37,6 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
         """Resolve `data_parallel_shard_degree = -1` and check the degrees multiply to the world size."""
-        for key, limit in SUPPORTED.items():
-            if getattr(cfg, key) > limit:
-                raise ConfigError(
-                    f"[parallelism.{key}] = {getattr(cfg, key)} is not supported by this version of "
-                    f"torchtrain yet; set it to 1"
-                )
         rep, shard, tp, pp = (
             cfg.data_parallel_replicate_degree,
             cfg.data_parallel_shard_degree,
@@ -147,6 +138,14 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return self.world_mesh["dp_replicate", "dp_shard"]
         return self.world_mesh["dp_shard"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self.world_mesh["pp"] if self.pp_enabled else None
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank() if self.pp_enabled else 0
 
     @property
     def dp_rank(self) -> int:

@@ -35,6 +35,10 @@ class ModelSpec:
     """Apply the model's parallel plan (TP, activation checkpointing, compile, FSDP) in place."""
     validate_fn: ValidateFn | None = None
     """Check the model's arguments against the parallel layout (e.g. heads divisible by TP)."""
+    stage_modules_fn: Callable[..., list[list[str]]] | None = None
+    """Pipeline split: (args, num_stages, first_less, last_less) -> module names per stage, in model
+    order. Stages are cut with `distributed.pipeline.keep_modules`, so a model's top-level modules
+    must tolerate being None and its repeated blocks must live in an nn.ModuleDict."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Further hooks added by later features (pipeline split, HF state-dict adapter, ...)."""
 

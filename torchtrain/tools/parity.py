@@ -64,6 +64,13 @@ PRESETS: dict[str, Layout] = {
         Layout("ac_op", 1, (_AC, "selective", _SAC, "op")),
         Layout("compile", 1, _COMPILE),
         Layout("fsdp2_tp2_compile", 4, _p("tensor_parallel_degree", 2) + _COMPILE),
+        *(Layout(f"pp2_{s.lower()}", 2, _p("pipeline_parallel_degree", 2) + _p("pipeline_parallel_schedule", s))
+          for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                    "DualPipeV")),
+        Layout("pp4_1f1b", 4, _p("pipeline_parallel_degree", 4)),
+        Layout("pp2_fsdp2_tp2", 8, _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        Layout("pp2_hsdp2x2_tp2", 16, _p("pipeline_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)
+               + _p("tensor_parallel_degree", 2)),
     )
 }
 
@@ -100,6 +107,9 @@ def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: l
     cmd += list(overrides) + list(layout.overrides)
     env = dict(os.environ, LOG_RANK="0", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    os.makedirs(dump, exist_ok=True)
+    with open(os.path.join(dump, "launch.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
     path = os.path.join(dump, "metrics.jsonl")
     records = []
     if os.path.exists(path):
@@ -126,13 +136,21 @@ class Comparison:
     problem: str = ""
 
 
+def _failure_excerpt(log: str, limit: int = 4000) -> str:
+    """The first error lines of any rank (the root cause), then the end of the log."""
+    lines = log.splitlines()
+    errors = [l for l in lines if ("Error" in l or "error:" in l) and "elastic" not in l and "error_file" not in l]
+    head = "\n".join(dict.fromkeys(errors))[: limit // 2]
+    return (head + "\n...\n" if head else "") + log[-limit // 2:]
+
+
 def compare(baseline: RunResult, candidate: RunResult, steps: int, rtol: float) -> Comparison:
     name = candidate.layout.name
     for run in (baseline, candidate):
         if run.returncode != 0 or len(run.records) < steps:
             return Comparison(name, [], math.inf, math.inf, False,
                               f"{run.layout.name} failed (exit {run.returncode}, {len(run.records)}/{steps} "
-                              f"steps):\n{run.log[-3000:]}")
+                              f"steps):\n{_failure_excerpt(run.log)}")
     rows = []
     for b, c in zip(baseline.records[:steps], candidate.records[:steps]):
         rows.append((c["step"], c["loss"], rel_diff(b["loss"], c["loss"]), c["grad_norm"],

@@ -3,6 +3,7 @@
 from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
 from torchtrain.models.llama3.parallelize import parallelize_llama, validate_llama_parallel
+from torchtrain.models.llama3.pipeline import llama_stage_modules
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Meta's params.json / HF config.json). `debugmodel` is torchtitan's CPU-sized
@@ -29,6 +30,7 @@ register_model_spec(
         flavors=LLAMA3_FLAVORS,
         parallelize_fn=parallelize_llama,
         validate_fn=validate_llama_parallel,
+        stage_modules_fn=llama_stage_modules,
     )
 )
 

@@ -30,6 +30,10 @@ from torchtrain.models.llama3.args import Llama3Args
 
 def validate_llama_parallel(args: Llama3Args, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
     """Model-shape checks against the layout, before any process group starts."""
+    if parallel_dims.pp_enabled and args.tie_word_embeddings:
+        raise ConfigError("[model.tie_word_embeddings] tied embeddings cannot be split across pipeline stages "
+                          "(the table would live on the first and the last stage); set it false or "
+                          "pipeline_parallel_degree = 1")
     tp = parallel_dims.tp
     if tp == 1:
         return
@@ -111,6 +115,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             model.tok_embeddings.register_forward_hook(materialize_async_output)
 
     param_dtype = resolve_param_dtype(training.mixed_precision_param, mesh.device_type)
+    reshard = par.fsdp_reshard_after_forward
+    if parallel_dims.pp_enabled and reshard == "default":
+        reshard = "never"  # each micro-batch's forward would otherwise all-gather the stage again
     if par.data_parallel_strategy in ("ddp", "zero1"):
         if parallel_dims.dp_enabled:
             apply_ddp(model, parallel_dims.dp_mesh)
@@ -121,7 +128,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             fsdp_units(model),
             param_dtype=param_dtype,
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
-            reshard_after_forward=par.fsdp_reshard_after_forward,
+            reshard_after_forward=reshard,
             zero2=par.data_parallel_strategy == "zero2",
             cpu_offload=training.enable_cpu_offload,
         )
