@@ -18,6 +18,7 @@ from torchtrain.models.base import BaseModelArgs
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
     from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.models.state_dict_adapter import StateDictAdapter
 
 ParallelizeFn = Callable[[nn.Module, "ParallelDims", "JobConfig"], nn.Module]
 ValidateFn = Callable[[BaseModelArgs, "ParallelDims", "JobConfig"], None]
@@ -35,8 +36,10 @@ class ModelSpec:
     """Apply the model's parallel plan (TP, activation checkpointing, compile, FSDP) in place."""
     validate_fn: ValidateFn | None = None
     """Check the model's arguments against the parallel layout (e.g. heads divisible by TP)."""
+    state_dict_adapter: type["StateDictAdapter"] | None = None
+    """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """Further hooks added by later features (pipeline split, HF state-dict adapter, ...)."""
+    """Further hooks added by later features (pipeline split, ...)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

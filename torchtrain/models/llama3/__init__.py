@@ -3,6 +3,7 @@
 from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
 from torchtrain.models.llama3.parallelize import parallelize_llama
+from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Meta's params.json / HF config.json). `debugmodel` is torchtitan's CPU-sized
@@ -28,7 +29,8 @@ register_model_spec(
         args_cls=Llama3Args,
         flavors=LLAMA3_FLAVORS,
         parallelize_fn=parallelize_llama,
+        state_dict_adapter=Llama3StateDictAdapter,
     )
 )
 
-__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Transformer", "parallelize_llama"]
+__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Llama3StateDictAdapter", "Transformer", "parallelize_llama"]
