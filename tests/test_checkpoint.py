@@ -8,7 +8,8 @@ Equalities and tolerances:
   step. The same weights and data are used; only the floating-point summation order of the
   reductions changes (~1e-6 in fp32 over a few steps, as in tests/test_distributed.py), while a wrong
   weight, optimizer moment or data position shows up at 1e-2 or worse.
-Runs are shared between tests by module-scoped fixtures: 14 runs, about 2.5 minutes on 2 idle CPU cores.
+Runs are shared between tests by module-scoped fixtures: 15 runs (9 of 2 processes, 3 of 4, 3 of one),
+about 3 minutes on 2 CPU cores shared with other work.
 """
 
 from __future__ import annotations
@@ -224,12 +225,14 @@ def hsdp_ref(tmp_path_factory):
 
 def test_exact_resume_hsdp(hsdp_ref, tmp_path):
     copy_step(hsdp_ref, 4, tmp_path)
-    ok(run_train(job(tmp_path, *HSDP, *HF_EXPORT), nproc=4))
+    initial = ["--checkpoint.initial_load_path", ckpt(hsdp_ref, 8)]  # must lose against the resume point
+    out = ok(run_train(job(tmp_path, *HSDP, *HF_EXPORT, *initial), nproc=4))
+    assert f"initial_load_path {ckpt(hsdp_ref, 8)} is NOT loaded: a resume point exists" in out.stdout
     ref, got = losses(hsdp_ref), losses(tmp_path)
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)
 
 
-def test_last_save_model_only_in_hf(hsdp_ref, tmp_path):
+def test_last_save_model_only_in_hf_and_initial_load(hsdp_ref, tmp_path):
     from safetensors.torch import load_file
 
     from torchtrain.models.llama3 import Llama3Args, Llama3StateDictAdapter
@@ -250,10 +253,14 @@ def test_last_save_model_only_in_hf(hsdp_ref, tmp_path):
     assert len(hf) == len(weights)
     for key, value in weights.items():
         assert torch.equal(adapter.from_hf(key, hf[adapter.hf_key(key)]), value), key
-    # Relaunching the finished job trains nothing: the final export marks the run as done.
-    shutil.copytree(os.path.join(str(hsdp_ref), "checkpoint"), os.path.join(str(tmp_path), "checkpoint"))
-    out = ok(run_train(job(tmp_path, *HF_EXPORT)))
-    assert "final export of a finished run" in out.stdout and trained_steps(tmp_path) == 0
+    # An initial load from that checkpoint folder (its newest step: the bf16 export), in one process,
+    # written back as a seed: the weights are the export's, upcast to float32 exactly.
+    out = ok(run_train(job(tmp_path, "--checkpoint.initial_load_path", os.path.join(str(hsdp_ref), "checkpoint"),
+                           "--checkpoint.create_seed_checkpoint")))
+    assert f"initial load of model from {final}" in out.stdout and trained_steps(tmp_path) == 0
+    seed = load_all(ckpt(tmp_path, 0))
+    for key, value in weights.items():
+        assert seed[f"model.{key}"].dtype == torch.float32 and torch.equal(seed[f"model.{key}"], value.float()), key
 
 
 # ----------------------------------------------------------------------------------------------- resharding

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.components.checkpoint.manager import CheckpointManager
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
+from torchtrain.components.checkpoint.startup import plan_start
 from torchtrain.components.checkpoint.validate import CheckpointError, check_against_metadata, read_metadata
 from torchtrain.config import ConfigError, parse_args
 
@@ -180,3 +181,44 @@ def test_several_model_parts_round_trip():
         sa, sb = a.state_dict(), b.state_dict()
         assert sa["param_groups"] == sb["param_groups"]
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
+
+
+def test_start_plan_resume_beats_initial_load(tmp_path, caplog):
+    from torchtrain.utils.logging import logger
+
+    source, folder = tmp_path / "other", tmp_path / "checkpoint"
+    make(source, 3)
+    cfg = ck(tmp_path, "--checkpoint.initial_load_path", str(source), "--checkpoint.exclude_from_loading",
+             "rng").checkpoint
+    logger.addHandler(caplog.handler)  # the torchtrain logger may not propagate (utils/logging.py)
+    caplog.set_level("INFO", logger="torchtrain")
+    try:
+        make(folder, 0, contents=["model"])  # a seed
+        plan = plan_start(cfg, str(folder), 8)
+        assert (plan.kind, plan.step, plan.keys) == ("resume", 0, ("model",))
+        assert f"initial_load_path {source} is NOT loaded: a resume point exists" in caplog.text
+        make(folder, 4)
+        make(folder, 6, complete=False)
+        make(folder, 8, contents=["model"], final=True)  # the finished run's export
+        plan = plan_start(cfg, str(folder), 8)
+        assert (plan.kind, plan.step) == ("finished", 8)
+        assert "step-6 is incomplete" in caplog.text
+        plan = plan_start(cfg, str(folder), 10)  # more steps asked: resume from the newest full state
+        assert (plan.kind, plan.step) == ("resume", 4) and "rng" not in plan.keys and "optimizer" in plan.keys
+        assert "holds the model only (an export), not a resume point" in caplog.text
+        cfg.load_step = 0
+        assert plan_start(cfg, str(folder), 10).step == 0
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_start_plan_initial_load_and_nothing(tmp_path):
+    source = tmp_path / "other"
+    make(source, 3)
+    cfg = ck(tmp_path, "--checkpoint.initial_load_path", str(source)).checkpoint
+    plan = plan_start(cfg, str(tmp_path / "checkpoint"), 8)
+    assert (plan.kind, plan.path, plan.keys) == ("initial_dcp", fs.step_dir(str(source), 3), ("model",))
+    cfg.initial_load_model_only = False
+    assert plan_start(cfg, str(tmp_path / "checkpoint"), 8).keys == tuple(FULL)
+    cfg.initial_load_path = None
+    assert plan_start(cfg, str(tmp_path / "checkpoint"), 8).kind == "none"

@@ -55,7 +55,7 @@ class Checkpoint:
     last_save_model_only: bool = False
     """Make the save at the last training step hold the model weights only (in `export_dtype`):
     a smaller export, but not a resume point. Interval and preemption saves always hold the full
-    training state."""
+    training state. (torchtitan defaults to true; here the last save stays resumable unless asked.)"""
 
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights in a model-only last save (`last_save_model_only`) and its HF export."""
