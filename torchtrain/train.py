@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from torchtrain.components.checkpoint import CheckpointManager
 from torchtrain.components.data import build_dataloader, build_source
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
@@ -51,6 +52,7 @@ class Trainer:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         source = build_source(cfg.training.dataset, cfg.training.dataset_path, "train", cfg.debug.seed)
+        CheckpointManager.preflight(cfg)
 
         # 2. Process group, mesh, RNG.
         init_distributed(cfg.comm, self.device)
@@ -99,6 +101,11 @@ class Trainer:
                     "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, pd.dp,
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
 
+        # 5. Checkpoints: resume, or an initial load, or neither (each logged; docs/checkpointing.md).
+        self.checkpointer = CheckpointManager(cfg, pd, self.model_parts, self.optimizers, self.lr_schedulers,
+                                              self.dataloader, self, spec, self.model_args, self.device)
+        self.checkpointer.load()
+
     def _materialize(self, part: torch.nn.Module) -> torch.nn.Module:
         part.to_empty(device=self.device)
         init_model_weights(part, self.job_config.debug.seed)
@@ -124,6 +131,14 @@ class Trainer:
                     cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
                     100 * (pd.pp - 1) / (plan.n_microbatches + pd.pp - 1), timeline.render(),
                     " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
+
+    # The train state a checkpoint restores (with model, optimizer, schedule, data and RNG).
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self._tokens_seen.fill_(int(state["tokens_seen"]))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
@@ -207,11 +222,14 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.job_config
+        if self.checkpointer.maybe_create_seed():  # --checkpoint.create_seed_checkpoint: step-0, no training
+            return
         data_iter = iter(self.dataloader)
         tokens_per_step = self.batch.global_batch_size * cfg.training.seq_len
         logger.info("training for %d steps", cfg.training.steps)
         self.throughput.reset()
         self.memory.reset_peak()
+        first_step = self.step + 1  # > 1 after a resume
         while self.step < cfg.training.steps:
             self.step += 1
             t0 = time.perf_counter()
@@ -222,8 +240,12 @@ class Trainer:
             self._tokens_seen += out["tokens"]
             if self._should_log():
                 self._log(out)
-            if self.step == 1:
+            if self.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
+            if self.checkpointer.after_step(self.step):  # saves when due; True: preempted, stop now
+                if not self._should_log():
+                    self._log(out)  # the last step of this run is always in metrics.jsonl
+                break
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
 
     def _log(self, out: dict[str, torch.Tensor]) -> None:
@@ -250,6 +272,8 @@ class Trainer:
         return int(self._tokens_seen.item())
 
     def close(self) -> None:
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()

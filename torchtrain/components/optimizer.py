@@ -1,5 +1,9 @@
 """Optimizers (one per model part, so pipeline stages each own theirs) behind one step()/zero_grad().
 
+The container is Stateful for checkpoints: its state dict is the flattened optimizer state of every
+part keyed by parameter name (`state.<param>.exp_avg`, `param_groups.<param>.lr`), so it reshards
+across layouts like the weights do.
+
 Weight decay is applied to matrices and embeddings (parameters with >= 2 dims) only; norms' gains are
 not decayed (the common practice of Megatron-LM, nanoGPT and OLMo).
 
@@ -16,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from torchtrain.config.training import Optimizer as OptimizerConfig
 
@@ -66,6 +72,19 @@ class OptimizersContainer:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        merged: dict = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, opt, options=options))
+        return merged
+
+    def load_state_dict(self, state: dict) -> None:
+        # Each (part, optimizer) pair picks its own parameters' entries from the merged flat dict.
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state, options=options)
 
     @property
     def lr(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchtrain.config.compute import ActivationCheckpoint, Compile
+from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.parallelism import Comm, Parallelism
@@ -28,6 +29,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 

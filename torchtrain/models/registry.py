@@ -18,6 +18,7 @@ from torchtrain.models.base import BaseModelArgs
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
     from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.models.state_dict_adapter import StateDictAdapter
 
 ParallelizeFn = Callable[[nn.Module, "ParallelDims", "JobConfig"], nn.Module]
 ValidateFn = Callable[[BaseModelArgs, "ParallelDims", "JobConfig"], None]
@@ -39,8 +40,10 @@ class ModelSpec:
     """Pipeline split: (args, num_stages, first_less, last_less) -> module names per stage, in model
     order. Stages are cut with `distributed.pipeline.keep_modules`, so a model's top-level modules
     must tolerate being None and its repeated blocks must live in an nn.ModuleDict."""
+    state_dict_adapter: type["StateDictAdapter"] | None = None
+    """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """Further hooks added by later features (pipeline split, HF state-dict adapter, ...)."""
+    """Further model-specific hooks for extensions (free-form)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

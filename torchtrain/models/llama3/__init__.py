@@ -4,6 +4,7 @@ from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
 from torchtrain.models.llama3.parallelize import parallelize_llama, validate_llama_parallel
 from torchtrain.models.llama3.pipeline import llama_stage_modules
+from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Meta's params.json / HF config.json). `debugmodel` is torchtitan's CPU-sized
@@ -31,7 +32,8 @@ register_model_spec(
         parallelize_fn=parallelize_llama,
         validate_fn=validate_llama_parallel,
         stage_modules_fn=llama_stage_modules,
+        state_dict_adapter=Llama3StateDictAdapter,
     )
 )
 
-__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Transformer", "parallelize_llama"]
+__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Llama3StateDictAdapter", "Transformer", "parallelize_llama"]

@@ -1,0 +1,286 @@
+"""Checkpointing end to end under real torchrun + gloo (tiny model, 8 steps, a save every 2 or 4 steps).
+
+Equalities and tolerances:
+* exact resume (same layout): per-step losses BITWISE equal to the uninterrupted run; weights,
+  optimizer state, schedule, data position and RNG are restored exactly and CPU kernels run in
+  deterministic mode, so any difference at all is a bug;
+* reshard (FSDP 4 -> FSDP 2, -> 1 process, same global batch): relative loss difference <= 1e-4 per
+  step. The same weights and data are used; only the floating-point summation order of the
+  reductions changes (~1e-6 in fp32 over a few steps, as in tests/test_distributed.py), while a wrong
+  weight, optimizer moment or data position shows up at 1e-2 or worse.
+Runs are shared between tests by module-scoped fixtures: 15 runs (9 of 2 processes, 3 of 4, 3 of one),
+about 3 minutes on 2 CPU cores shared with other work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from conftest import REPO, TINY_JOB, read_metrics, run_train
+
+pytestmark = pytest.mark.dist
+RTOL = 1e-4
+
+
+def job(dump, *extra: str) -> list[str]:
+    return [*TINY_JOB, "--training.steps", "8", "--metrics.log_freq", "1", "--debug.deterministic",
+            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--job.dump_folder", str(dump), *extra]
+
+
+def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def losses(dump) -> dict[int, float]:
+    """Step -> loss; a step logged twice (re-run after a crash) keeps its latest value."""
+    return {r["step"]: r["loss"] for r in read_metrics(str(dump))}
+
+
+def trained_steps(dump) -> int:
+    path = os.path.join(str(dump), "metrics.jsonl")
+    return len(read_metrics(str(dump))) if os.path.exists(path) else 0
+
+
+def ckpt(dump, step: int) -> str:
+    return os.path.join(str(dump), "checkpoint", f"step-{step}")
+
+
+def marker(path: str) -> dict:
+    with open(os.path.join(path, "complete.json")) as f:
+        return json.load(f)
+
+
+def copy_step(src_dump, step: int, dst_dump) -> None:
+    shutil.copytree(ckpt(src_dump, step), ckpt(dst_dump, step))
+
+
+def load_all(path: str) -> dict:
+    """Every entry of a DCP checkpoint (tensors and bytes), loaded in this process."""
+    md = FileSystemReader(path).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+             for k, v in md.state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------- FSDP 2
+@pytest.fixture(scope="module")
+def fsdp2_ref(tmp_path_factory):
+    """The uninterrupted FSDP 2 run: saves steps 2, 4, 6, 8, keeps all."""
+    dump = tmp_path_factory.mktemp("fsdp2_ref")
+    ok(run_train(job(dump, "--checkpoint.keep_latest_k", "0"), nproc=2))
+    return dump
+
+
+def _popen_train(args: list[str], nproc: int, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    full_env.pop("RANK", None)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=full_env)
+
+
+def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_path):
+    """Also the FSDP 2 exact-resume test: 3 steps + preemption save + resume + 5 steps == 8 steps."""
+    # Rank 1 parks after step 3 until a signal arrives (test hook), so the signal lands at a known step.
+    # It goes straight to that worker (torchrun is not signalled), so rank 0 learns of it only through
+    # the step-boundary agreement. A second SIGTERM arrives during the save (test hook) and is ignored.
+    args = job(tmp_path, "--checkpoint.interval", "100")
+    env = {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": "3:1", "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": "1:SIGTERM"}
+    proc = _popen_train(args, 2, env)
+    pid_file = tmp_path / "test_waiting_rank1.pid"
+    deadline = time.monotonic() + 300
+    while not pid_file.exists():
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, "rank 1 never reached step 3"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    assert "rank 1 received SIGTERM" in output and "checkpoint step-3 saved, exiting" in output
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    assert marker(ckpt(tmp_path, 3))["contents"][:2] == ["model", "optimizer"]
+    out = ok(run_train(args, nproc=2))  # the requeued job
+    assert f"resumed from {ckpt(tmp_path, 3)}" in out.stdout and "training continues at step 4" in out.stdout
+    ref, got = losses(fsdp2_ref), losses(tmp_path)
+    assert sorted(got) == list(range(1, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
+
+
+@pytest.fixture(scope="module")
+def hf_seed(tmp_path_factory):
+    """A seed checkpoint (step-0) created under FSDP 2 from HF weights that equal the built-in init."""
+    from torchtrain.components.checkpoint.hf import export_dcp_to_hf
+    from torchtrain.components.tokenizer import build_tokenizer
+    from torchtrain.config import parse_args
+    from torchtrain.distributed.param_init import init_model_weights
+    from torchtrain.models.registry import build_model_args, get_model_spec
+
+    root = tmp_path_factory.mktemp("hf_seed")
+    cfg = parse_args(list(TINY_JOB))
+    spec = get_model_spec("llama3")
+    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+    args.update_from_config(cfg, build_tokenizer(None))
+    model = spec.model_cls(args)
+    init_model_weights(model, cfg.debug.seed)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "dcp"), no_dist=True)
+    export_dcp_to_hf(str(root / "dcp"), str(root / "hf"), spec.state_dict_adapter(args), max_shard_bytes=200_000)
+    dump = root / "run"
+    out = ok(run_train(job(dump, "--checkpoint.create_seed_checkpoint", "--checkpoint.initial_load_in_hf",
+                           "--checkpoint.initial_load_path", str(root / "hf")), nproc=2))
+    return dump, out, model
+
+
+def test_seed_checkpoint_from_hf_weights(hf_seed):
+    dump, out, model = hf_seed
+    assert "initial load of Hugging Face weights" in out.stdout and "seed checkpoint written" in out.stdout
+    assert trained_steps(dump) == 0
+    meta = marker(ckpt(dump, 0))
+    assert meta["contents"] == ["model"] and meta["step"] == 0
+    saved = load_all(ckpt(dump, 0))
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved[f"model.{key}"], value), key  # HF import under FSDP 2 is exact
+
+
+def test_kill9_mid_save_keeps_previous_and_is_skipped(fsdp2_ref, hf_seed, tmp_path):
+    copy_step(hf_seed[0], 0, tmp_path)  # start from the seed: must equal the built-in init bitwise
+    out = run_train(job(tmp_path), nproc=2, env={"TORCHTRAIN_TEST_CRASH_IN_SAVE": "4:1"})
+    assert out.returncode != 0
+    assert f"resumed from {ckpt(tmp_path, 0)}" in out.stdout
+    assert os.path.exists(os.path.join(ckpt(tmp_path, 2), "complete.json"))
+    assert os.path.isdir(ckpt(tmp_path, 4)) and not os.path.exists(os.path.join(ckpt(tmp_path, 4), "complete.json"))
+    ref = losses(fsdp2_ref)
+    crashed = losses(tmp_path)
+    assert sorted(crashed) == [1, 2, 3, 4] and all(crashed[s] == ref[s] for s in crashed)
+    out = ok(run_train(job(tmp_path), nproc=2))
+    assert "step-4 is incomplete" in out.stdout and "skipped" in out.stdout
+    assert f"resumed from {ckpt(tmp_path, 2)}" in out.stdout
+    got = losses(tmp_path)
+    assert all(got[s] == ref[s] for s in range(1, 9)), (ref, got)
+    assert os.path.exists(os.path.join(ckpt(tmp_path, 4), "complete.json"))  # replaced by a complete one
+
+
+def test_async_save_equals_sync_and_keep_latest_k(fsdp2_ref, tmp_path):
+    out = ok(run_train(job(tmp_path, "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2"),
+                       nproc=2))
+    assert "writing in the background" in out.stdout
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "checkpoint"))) == ["step-6", "step-8"]
+    assert "purged old checkpoint" in out.stdout
+    assert losses(tmp_path) == losses(fsdp2_ref)
+    for step in (6, 8):  # 6 was written in the background, 8 (the last step) synchronously
+        assert sorted(os.listdir(ckpt(tmp_path, step))) == sorted(os.listdir(ckpt(fsdp2_ref, step)))
+        sync, async_ = load_all(ckpt(fsdp2_ref, step)), load_all(ckpt(tmp_path, step))
+        assert sync.keys() == async_.keys()
+        for key, value in sync.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, async_[key]), key
+            else:
+                assert value == async_[key], key
+
+
+def test_truncated_checkpoint_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):
+    copy_step(fsdp2_ref, 4, tmp_path)
+    data = os.path.join(ckpt(tmp_path, 4), "__1_0.distcp")
+    os.truncate(data, os.path.getsize(data) // 2)
+    out = run_train(job(tmp_path), nproc=2, timeout=300)
+    assert out.returncode != 0
+    assert "config error: [checkpoint] step-4" in out.stderr and "__1_0.distcp is truncated" in out.stderr
+    assert "key '" in out.stderr and "torchtrain/" not in out.stderr  # a message, not a traceback
+
+
+def test_checkpoint_of_another_model_shape_is_a_clear_error(fsdp2_ref, tmp_path):
+    copy_step(fsdp2_ref, 4, tmp_path)
+    out = run_train(job(tmp_path, "--model.dim", "128"), timeout=300)  # one process, no torchrun
+    assert out.returncode == 2
+    assert ("[checkpoint] step-4" in out.stderr and "has shape (512, 64) in the checkpoint but (512, 128) in this run"
+            in out.stderr), out.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------- HSDP 2 x 2
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+HF_EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
+             "bfloat16", "--checkpoint.hf_max_shard_bytes", "100000", "--checkpoint.interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_ref(tmp_path_factory):
+    """Uninterrupted HSDP 2x2 run: full saves at 4, a bf16 model-only save + HF export at 8."""
+    dump = tmp_path_factory.mktemp("hsdp_ref")
+    ok(run_train(job(dump, *HSDP, *HF_EXPORT), nproc=4))
+    return dump
+
+
+def test_exact_resume_hsdp(hsdp_ref, tmp_path):
+    copy_step(hsdp_ref, 4, tmp_path)
+    initial = ["--checkpoint.initial_load_path", ckpt(hsdp_ref, 8)]  # must lose against the resume point
+    out = ok(run_train(job(tmp_path, *HSDP, *HF_EXPORT, *initial), nproc=4))
+    assert f"initial_load_path {ckpt(hsdp_ref, 8)} is NOT loaded: a resume point exists" in out.stdout
+    ref, got = losses(hsdp_ref), losses(tmp_path)
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)
+
+
+def test_last_save_model_only_in_hf_and_initial_load(hsdp_ref, tmp_path):
+    from safetensors.torch import load_file
+
+    from torchtrain.models.llama3 import Llama3Args, Llama3StateDictAdapter
+
+    final = ckpt(hsdp_ref, 8)
+    meta = marker(final)
+    assert meta["contents"] == ["model"] and meta["final"] and meta["dtype"] == "bfloat16"
+    weights = {k[len("model."):]: v for k, v in load_all(final).items() if k.startswith("model.")}
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+    hf_dir = os.path.join(final, "hf")
+    with open(os.path.join(hf_dir, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert len(set(weight_map.values())) > 1  # sharded past hf_max_shard_bytes
+    hf = {}
+    for name in set(weight_map.values()):
+        hf.update(load_file(os.path.join(hf_dir, name)))
+    adapter = Llama3StateDictAdapter(Llama3Args(**meta["model"]["args"]))
+    assert len(hf) == len(weights)
+    for key, value in weights.items():
+        assert torch.equal(adapter.from_hf(key, hf[adapter.hf_key(key)]), value), key
+    # An initial load from that checkpoint folder (its newest step: the bf16 export), in one process,
+    # written back as a seed: the weights are the export's, upcast to float32 exactly.
+    out = ok(run_train(job(tmp_path, "--checkpoint.initial_load_path", os.path.join(str(hsdp_ref), "checkpoint"),
+                           "--checkpoint.create_seed_checkpoint")))
+    assert f"initial load of model from {final}" in out.stdout and trained_steps(tmp_path) == 0
+    seed = load_all(ckpt(tmp_path, 0))
+    for key, value in weights.items():
+        assert seed[f"model.{key}"].dtype == torch.float32 and torch.equal(seed[f"model.{key}"], value.float()), key
+
+
+# ----------------------------------------------------------------------------------------------- resharding
+GLOBAL_8 = ["--training.global_batch_size", "8", "--checkpoint.interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def fsdp4_ref(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("fsdp4_ref")
+    ok(run_train(job(dump, *GLOBAL_8), nproc=4))
+    return dump
+
+
+@pytest.mark.parametrize("nproc", [2, None])  # None: one process without torchrun
+def test_reshard_fsdp4_checkpoint(fsdp4_ref, tmp_path, nproc):
+    copy_step(fsdp4_ref, 4, tmp_path)
+    out = ok(run_train(job(tmp_path, *GLOBAL_8), nproc=nproc))
+    assert "is loaded under" in out.stdout and "resharded" in out.stdout
+    assert f"data-parallel degree changed (4 -> {nproc or 1})" in out.stdout
+    ref, got = losses(fsdp4_ref), losses(tmp_path)
+    assert sorted(got) == [5, 6, 7, 8]
+    for s in got:
+        assert abs(got[s] - ref[s]) <= RTOL * abs(ref[s]), (s, ref[s], got[s])

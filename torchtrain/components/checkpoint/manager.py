@@ -1,0 +1,369 @@
+"""CheckpointManager: when to save, what to load at start-up, and the safety rules around both.
+
+Start-up (`load`): rank 0 decides with `startup.plan_start` (resume > initial load > nothing, each
+logged), broadcasts the plan, and every rank loads accordingly. Every load first checks the
+checkpoint against what it loads into (`validate.py`), and all ranks agree on an error before
+raising it, so a bad checkpoint stops every rank with one message instead of leaving some waiting.
+
+Saving (`after_step`): every `interval` steps, at the last step, and when ranks agree on a preemption
+signal. Each save goes to `step-N` and is marked complete last (`folder.py`); older checkpoints are
+purged only after that. With `async_mode`, the state is staged to CPU and written by a background
+thread over a dedicated gloo group, at most one save in flight; the marker of an async save is
+written at the first step boundary after it finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from torchtrain.components.checkpoint import folder as fs
+from torchtrain.components.checkpoint import testing
+from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
+from torchtrain.components.checkpoint.preemption import PreemptionWatcher
+from torchtrain.components.checkpoint.startup import StartPlan, plan_start, preflight
+from torchtrain.components.checkpoint.state import DataLoaderState, ModelState, RNGState, Stateful
+from torchtrain.components.checkpoint.validate import (CheckpointError, check_against_metadata, read_metadata,
+                                                       stored_keys)
+from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.config.fields import ConfigError
+from torchtrain.utils.logging import logger
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Pending:
+    step: int
+    path: str
+    future: Future
+    meta: dict[str, Any]
+    t0: float
+
+
+class CheckpointManager:
+    def __init__(self, job_config, parallel_dims, model_parts: list[nn.Module], optimizers: Stateful,
+                 lr_schedulers: Stateful, dataloader: Stateful, train_state: Stateful, model_spec, model_args,
+                 device: torch.device):
+        self.cfg = cfg = job_config.checkpoint
+        self.enabled = cfg.enable
+        self._pending: _Pending | None = None
+        self.preemption: PreemptionWatcher | None = None
+        if not self.enabled:
+            return
+        self.job_config, self.parallel_dims = job_config, parallel_dims
+        self.model_parts, self.model_spec, self.model_args = model_parts, model_spec, model_args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.folder = os.path.join(job_config.job.dump_folder, cfg.folder)
+        self.total_steps = job_config.training.steps
+        self.states: dict[str, Any] = {
+            "model": ModelState(model_parts), "optimizer": optimizers, "lr_scheduler": lr_schedulers,
+            "dataloader": DataLoaderState(dataloader, parallel_dims.dp_rank), "train_state": train_state,
+            "rng": RNGState(self.rank, device),
+        }
+        # Own gloo groups: checkpoint collectives never interleave with training collectives, use the
+        # start-up timeout (saves can be slow), and the background writer has a group of its own.
+        timeout = datetime.timedelta(seconds=job_config.comm.init_timeout_seconds)
+        self._pg = dist.new_group(backend="gloo", timeout=timeout)
+        self._async_pg = dist.new_group(backend="gloo", timeout=timeout) if cfg.async_mode != "disabled" else None
+        self._stager = None
+        if cfg.async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Reused pinned CPU buffers; staging is synchronous (training resumes once the copy is done).
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=True))
+        if cfg.preemption_signals:
+            self.preemption = PreemptionWatcher(cfg.preemption_signals)
+
+    # ------------------------------------------------------------------ checks before start-up
+    preflight = staticmethod(preflight)
+
+    # ------------------------------------------------------------------ collectives
+    def _agree(self, problem: str | None, error: type[Exception] = CheckpointError) -> None:
+        """Raise the same error on every rank if any rank found a problem (never a rank left waiting)."""
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._pg)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            rank, message = bad[0]
+            raise error(message + (f" (seen on rank {rank})" if self.world_size > 1 else ""))
+
+    def _collective_try(self, fn: Callable[[], Any], context: str, error: type[Exception] = CheckpointError) -> Any:
+        """Run fn on every rank; if it fails anywhere, raise `error` everywhere. Loading problems are
+        CheckpointErrors (a clean message and exit code 2); saving problems are RuntimeErrors."""
+        result, problem = None, None
+        try:
+            result = fn()
+        except CheckpointError as e:
+            problem = str(e)
+        except Exception as e:  # DCP/torch errors: wrap them with the checkpoint's name
+            problem = f"[checkpoint] {context}: {type(e).__name__}: {str(e).strip()[:2000]}"
+        self._agree(problem, error)
+        return result
+
+    # ------------------------------------------------------------------ start-up
+    def load(self) -> None:
+        """Resume, or initial load, or nothing (see the module docstring); every rank calls it."""
+        if not self.enabled:
+            return
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = plan_start(self.cfg, self.folder, self.total_steps)
+            except ConfigError as e:
+                box[0] = str(e)
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        plan: StartPlan | str = box[0]
+        if isinstance(plan, str):
+            raise CheckpointError(plan)
+        t0 = time.perf_counter()
+        if plan.kind == "finished":
+            self.states["train_state"].load_state_dict(
+                {"step": plan.step, "tokens_seen": plan.meta.get("tokens_seen", 0)})
+        elif plan.kind == "initial_hf":
+            self._load_hf(plan.path)
+        elif plan.kind in ("resume", "initial_dcp"):
+            label = f"step-{plan.step}" if plan.kind == "resume" else "checkpoint.initial_load_path"
+            self._load_dcp(plan.path, plan.keys, label, plan.meta)
+            if plan.kind == "initial_dcp":
+                logger.info("initial load done in %.1fs: %s from %s", time.perf_counter() - t0,
+                            ", ".join(plan.keys), plan.path)
+            else:
+                skipped = [k for k in CHECKPOINT_KEYS if k not in plan.keys]
+                logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
+                            time.perf_counter() - t0, ", ".join(plan.keys),
+                            f"; start fresh: {', '.join(skipped)}" if skipped else "", plan.step + 1)
+
+    def _template(self, keys: tuple[str, ...], metadata, meta: dict[str, Any]) -> dict[str, Any]:
+        """The state dicts DCP loads into (live tensors, placeholders for byte entries)."""
+        pd = self.parallel_dims
+        template: dict[str, Any] = {}
+        for key in keys:
+            if key == "model":
+                template[key] = self.states["model"].state_dict()
+            elif key in ("optimizer", "lr_scheduler", "train_state"):
+                template[key] = self.states[key].state_dict()
+            elif key == "dataloader":
+                own = f"dp_rank_{pd.dp_rank}"
+                stored = stored_keys(metadata, "dataloader")
+                same = meta.get("dp_degree", pd.dp) == pd.dp and own in stored
+                template[key] = {own: None} if same else {k: None for k in stored}
+            elif key == "rng":
+                own = f"rank_{self.rank}"
+                same = meta.get("world_size", self.world_size) == self.world_size
+                template[key] = {own if same and own in stored_keys(metadata, "rng") else "rank_0": None}
+        return template
+
+    def _load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any]) -> None:
+        self._warn_model_args(meta, label)
+        metadata = self._collective_try(lambda: read_metadata(path, label), f"{label} ({path})")
+        template = self._template(keys, metadata, meta)
+        self._agree(check_against_metadata(metadata, template, path, label))
+        self._collective_try(lambda: dcp.load(template, checkpoint_id=path, process_group=self._pg),
+                             f"loading {label} ({path}) failed")
+        self._collective_try(lambda: self._apply(template, meta, label), f"restoring {label} ({path}) failed")
+
+    def _apply(self, loaded: dict[str, Any], meta: dict[str, Any], label: str) -> None:
+        pd = self.parallel_dims
+        for key in CHECKPOINT_KEYS:
+            if key not in loaded:
+                continue
+            value = loaded[key]
+            if isinstance(value, dict) and not value and key in ("dataloader", "rng"):
+                logger.warning("%s holds no %s state; it starts fresh", label, key)
+                continue
+            if key == "dataloader":
+                value = self._pick_loader_state(value, meta.get("dp_degree"), label)
+            elif key == "rng":
+                value = next(iter(value.values()))
+                if meta.get("world_size", self.world_size) != self.world_size:
+                    logger.info("world size changed (%s -> %d): every rank restores rank 0's RNG state",
+                                meta.get("world_size"), self.world_size)
+            self.states[key].load_state_dict(value)
+        if meta.get("layout") and (meta.get("layout"), meta.get("world_size")) != (pd.describe(), self.world_size):
+            logger.info("%s was saved under %s (%s processes) and is loaded under %s (%d processes): resharded",
+                        label, meta.get("layout"), meta.get("world_size"), pd.describe(), self.world_size)
+
+    def _pick_loader_state(self, stored: dict[str, bytes], saved_dp: int | None, label: str) -> bytes:
+        if len(stored) == 1 and saved_dp in (None, self.parallel_dims.dp):
+            return next(iter(stored.values()))
+        states = {k: pickle.loads(v) for k, v in stored.items()}
+        first = next(iter(states.values()))
+        if any(s != first for s in states.values()):
+            raise CheckpointError(
+                f"[checkpoint] {label}: the data-parallel degree changed ({saved_dp} -> {self.parallel_dims.dp}) "
+                f"and the saved dataloader states differ between data-parallel ranks, so the data position "
+                f"cannot be carried over; add \"dataloader\" to checkpoint.exclude_from_loading to restart the "
+                f"data stream instead"
+            )
+        logger.info("data-parallel degree changed (%s -> %d): the saved loader state is one position in the "
+                    "shared global stream (identical on all %d saved data-parallel ranks), so the data continues "
+                    "exactly where it stopped", saved_dp, self.parallel_dims.dp, len(states))
+        return next(iter(stored.values()))
+
+    def _warn_model_args(self, meta: dict[str, Any], label: str) -> None:
+        saved = (meta.get("model") or {}).get("args")
+        if not saved:
+            return
+        now = dataclasses.asdict(self.model_args)
+        diff = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
+        if diff:
+            logger.warning("%s was saved with different model arguments: %s", label,
+                           ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items())))
+
+    def _load_hf(self, path: str) -> None:
+        adapter = self.model_spec.state_dict_adapter(self.model_args)
+        result = self._collective_try(lambda: load_hf_into_model(self.model_parts, path, adapter),
+                                      f"loading Hugging Face weights from {path} failed")
+        warnings, used, available = result
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, used, group=self._pg)
+        unused = available - set().union(*every) - adapter.ignored_hf_keys()
+        for w in warnings:
+            logger.warning("initial load: %s", w)
+        if unused:
+            logger.warning("initial load: %d tensors of %s are not used, e.g. %s", len(unused), path,
+                           ", ".join(sorted(unused)[:5]))
+        logger.info("initial load: model weights loaded from the Hugging Face folder %s", path)
+
+    # ------------------------------------------------------------------ saving
+    def _meta(self, step: int, contents: list[str], dtype: torch.dtype, **extra: Any) -> dict[str, Any]:
+        train = self.states["train_state"].state_dict()
+        return {
+            "step": step, "contents": contents, "tokens_seen": int(train.get("tokens_seen", 0)),
+            "world_size": self.world_size, "layout": self.parallel_dims.describe(), "dp_degree": self.parallel_dims.dp,
+            "model": {"name": self.job_config.model.name, "flavor": self.job_config.model.flavor,
+                      "args": dataclasses.asdict(self.model_args)},
+            "dtype": str(dtype).replace("torch.", ""), "torch_version": torch.__version__,
+            "saved_at": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
+        }
+
+    def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None, sync: bool = False,
+             final: bool = False, hf: bool = False) -> None:
+        self._wait_pending()
+        path = fs.step_dir(self.folder, step)
+        if self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            if os.path.exists(path):
+                old, _ = fs.read_marker(path)
+                logger.warning("replacing the %s checkpoint %s", "earlier" if old else "incomplete", path)
+                fs.remove_checkpoint(path)
+        dist.barrier(group=self._pg)
+        t0 = time.perf_counter()
+        keys = ["model"] if model_only else list(CHECKPOINT_KEYS)
+        state: dict[str, Any] = {"model": self.states["model"].state_dict(dtype)}
+        for key in keys[1:]:
+            state[key] = self.states[key].state_dict()
+        meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only)
+        writer = testing.storage_writer(path, step, self.rank)
+        if self.cfg.async_mode != "disabled" and not sync:
+            kwargs = {"async_stager": self._stager} if self._stager is not None else {}
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg, **kwargs)
+            self._pending = _Pending(step, path, future, meta, t0)
+            logger.info("checkpoint step-%d staged in %.2fs; writing in the background", step, time.perf_counter() - t0)
+            return
+        self._collective_try(lambda: dcp.save(state, storage_writer=writer, process_group=self._pg),
+                             f"saving step-{step} to {path} failed", RuntimeError)
+        if hf:
+            self._collective_try(lambda: self._export_hf(path, dtype), f"HF export of step-{step} failed",
+                                 RuntimeError)
+        self._complete(path, meta, t0)
+
+    def _export_hf(self, path: str, dtype: torch.dtype | None) -> None:
+        if self.rank != 0:
+            return
+        adapter = self.model_spec.state_dict_adapter(self.model_args)
+        out = os.path.join(path, "hf")
+        summary = export_dcp_to_hf(path, out, adapter, dtype, self.cfg.hf_max_shard_bytes, os.path.basename(path))
+        logger.info("Hugging Face export: %s (%d safetensors files, %.1f MB)", out, summary["files"],
+                    summary["bytes"] / 1e6)
+
+    def _complete(self, path: str, meta: dict[str, Any], t0: float) -> None:
+        """Every rank's files are written: rank 0 marks the checkpoint complete, then purges."""
+        if self.rank != 0:
+            return
+        fs.write_marker(path, meta)
+        logger.info("checkpoint saved: %s (%s) in %.2fs", path, ", ".join(meta["contents"]), time.perf_counter() - t0)
+        for removed in fs.purge(self.folder, self.cfg.keep_latest_k, meta["step"]):
+            logger.info("purged old checkpoint %s (keep_latest_k = %d)", removed, self.cfg.keep_latest_k)
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except Exception as e:
+            raise RuntimeError(f"[checkpoint] background save of step-{pending.step} to {pending.path} failed: "
+                               f"{type(e).__name__}: {e}") from e
+        self._complete(pending.path, pending.meta, pending.t0)
+
+    # ------------------------------------------------------------------ the training loop's hooks
+    def after_step(self, step: int) -> bool:
+        """Save if due (interval, last step, agreed preemption). True: stop training now (preempted)."""
+        if not self.enabled:
+            return False
+        if self._pending is not None and self._pending.future.done():
+            self._wait_pending()
+        preempt = False
+        if self.preemption is not None:
+            testing.wait_for_signal(step, self.rank, self.job_config.job.dump_folder, lambda: self.preemption.requested)
+            if self.preemption.received:
+                logger.warning("rank %d received %s: a checkpoint will be saved and training stopped", self.rank,
+                               ", ".join(self.preemption.received))
+                self.preemption.received.clear()
+            preempt = self.preemption.agreed(self._pg)
+        cfg = self.cfg
+        if step >= self.total_steps:
+            model_only = cfg.last_save_model_only
+            self.save(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,
+                      sync=True, final=True, hf=cfg.last_save_in_hf)
+        elif preempt:
+            logger.info("preemption: all ranks stop after step %d; saving a checkpoint first", step)
+            self.save(step, sync=True)
+        elif step % cfg.interval == 0:
+            self.save(step)
+        if preempt:
+            logger.info("preemption: checkpoint step-%d saved, exiting (resume by relaunching the same job)", step)
+        return preempt
+
+    def maybe_create_seed(self) -> bool:
+        """With create_seed_checkpoint: write the current weights as step-0 and return True (no training)."""
+        if not (self.enabled and self.cfg.create_seed_checkpoint):
+            return False
+        self.save(0, model_only=True, sync=True)
+        logger.info("seed checkpoint written to %s; exiting without training", fs.step_dir(self.folder, 0))
+        return True
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._wait_pending()
+        except RuntimeError as e:  # only reachable when training stopped early on another error
+            logger.error("%s", e)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self.preemption is not None:
+            self.preemption.restore()
+        # Destroy our groups here, in the main thread and before the default group, rather than
+        # leaving them to interpreter shutdown (a gloo group used by the background writer thread
+        # could otherwise be torn down while its threads are still joinable).
+        for group in (self._async_pg, self._pg):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._pg = self._async_pg = None
+        self.enabled = False

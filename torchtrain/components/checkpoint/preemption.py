@@ -1,0 +1,53 @@
+"""Preemption: turn a signal on any rank into one coordinated save-and-exit of every rank.
+
+A signal can arrive on one rank (a process killed by the scheduler or the OOM handler of one node),
+on all of them, or twice (SLURM signals every process of the step and torchrun forwards the SIGTERM
+it received to its workers as well). So the handler does nothing but set a flag: no I/O, no
+collective, nothing that could interrupt a save in progress. At each step boundary the ranks
+all-reduce the flag (MAX) over the checkpoint process group; when it is set anywhere, every rank
+sees it at the same step, and they save a checkpoint, flush metrics and exit 0 together.
+
+A signal that arrives while a rank is blocked inside a collective waits (Python runs handlers between
+byte-codes of the main thread), which is harmless here: the flag is read at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from torchtrain.utils.logging import logger
+
+
+class PreemptionWatcher:
+    def __init__(self, signal_names: list[str]):
+        self.requested = False
+        self.received: list[str] = []
+        self._previous: dict[int, object] = {}
+        for name in signal_names:
+            signum = getattr(signal, name)
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only set a flag: a second signal during a save must not disturb it.
+        self.requested = True
+        self.received.append(signal.Signals(signum).name)
+
+    def agreed(self, group: dist.ProcessGroup | None) -> bool:
+        """True on every rank when any rank has received a preemption signal (a collective)."""
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        """Put the previous handlers back (at shutdown)."""
+        for signum, handler in self._previous.items():
+            try:
+                signal.signal(signum, handler)
+            except (TypeError, ValueError) as e:  # e.g. not in the main thread
+                logger.warning("could not restore the handler of signal %d: %s", signum, e)
+        self._previous.clear()

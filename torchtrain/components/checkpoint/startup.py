@@ -1,0 +1,146 @@
+"""What a run loads at start-up, decided before any tensor is touched.
+
+`preflight` runs on every rank before the process group exists and turns impossible requests
+(a missing `initial_load_path`, a `load_step` that is not a complete checkpoint, pinned memory on a
+CPU...) into ConfigErrors. `plan_start` runs on rank 0 once the group exists and picks, in this
+order: a resume point in the checkpoint folder (the newest full-state checkpoint, a `step-0` seed,
+or `load_step`), else the initial load, else nothing; every choice is logged, including an initial
+load that is skipped because a resume point exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtrain.components.checkpoint import folder as fs
+from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.config.fields import ConfigError
+from torchtrain.utils.logging import logger
+
+
+@dataclass
+class StartPlan:
+    """What start-up loads: kind is resume | finished | initial_dcp | initial_hf | none."""
+
+    kind: str
+    path: str = ""
+    step: int = 0
+    keys: tuple[str, ...] = ()
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _device_type(training_device: str) -> str:
+    if training_device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return training_device
+
+
+def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
+    """A DCP checkpoint given as its own folder (with .metadata) or as a checkpoint folder (its newest
+    complete step); returns (folder, marker content or {})."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        meta, _ = fs.read_marker(path)
+        return path, meta or {}
+    complete = [c for c in fs.scan(path) if c.complete]
+    if not complete:
+        raise ConfigError(
+            f"[checkpoint.initial_load_path] {path} is neither a DCP checkpoint (no .metadata) nor a checkpoint "
+            f"folder with a complete step-N; for Hugging Face weights set checkpoint.initial_load_in_hf = true"
+        )
+    return complete[-1].path, complete[-1].meta
+
+
+def preflight(job_config) -> None:
+    """Checks needing no process group (run on every rank before it starts): ConfigError if bad."""
+    cfg = job_config.checkpoint
+    if not cfg.enable:
+        return
+    if cfg.async_mode == "async_with_pinned_mem" and _device_type(job_config.training.device) != "cuda":
+        raise ConfigError("[checkpoint.async_mode] async_with_pinned_mem needs CUDA (pinned memory speeds up "
+                          "device-to-host copies); on CPU use async_mode = \"async\"")
+    if cfg.initial_load_path:
+        path = cfg.initial_load_path
+        if not os.path.exists(path):
+            raise ConfigError(f"[checkpoint.initial_load_path] {path} does not exist")
+        if cfg.initial_load_in_hf:
+            if not os.path.isdir(path) or not any(n.endswith(".safetensors") for n in os.listdir(path)):
+                raise ConfigError(f"[checkpoint.initial_load_path] {path} is not a Hugging Face model folder "
+                                  f"(no *.safetensors files)")
+        else:
+            resolve_dcp_path(path)
+    folder = os.path.join(job_config.job.dump_folder, cfg.folder)
+    found = fs.scan(folder)
+    if cfg.load_step >= 0:
+        match = [c for c in found if c.step == cfg.load_step]
+        available = ", ".join(str(c.step) for c in found if c.complete) or "none"
+        if not match:
+            raise ConfigError(f"[checkpoint.load_step] {folder} has no step-{cfg.load_step} (complete "
+                              f"checkpoints: {available})")
+        if not match[0].complete:
+            raise ConfigError(f"[checkpoint.load_step] step-{cfg.load_step} in {folder} is incomplete "
+                              f"({match[0].problem}); complete checkpoints: {available}")
+        if not (match[0].full_state or cfg.load_step == 0):
+            raise ConfigError(f"[checkpoint.load_step] step-{cfg.load_step} holds the model weights only (an "
+                              f"export), not a training state to resume; use it as checkpoint.initial_load_path")
+    if cfg.create_seed_checkpoint and any(c.complete for c in found):
+        raise ConfigError(f"[checkpoint.create_seed_checkpoint] {folder} already holds checkpoints; a seed "
+                          f"checkpoint goes into an empty checkpoint.folder")
+    if cfg.last_save_in_hf or cfg.initial_load_in_hf:
+        from torchtrain.models.registry import get_model_spec
+
+        if get_model_spec(job_config.model.name).state_dict_adapter is None:
+            raise ConfigError(f"[checkpoint] model {job_config.model.name!r} has no Hugging Face state-dict "
+                              f"adapter; HF import/export is unavailable for it")
+
+
+
+def plan_start(cfg, folder: str, total_steps: int) -> StartPlan:
+    """Decide what start-up loads, and say so in the log (rank 0 runs it; the others follow)."""
+    found = fs.scan(folder)
+    for c in found:
+        if not c.complete:
+            logger.warning("checkpoint %s is incomplete (%s): skipped", c.path, c.problem)
+    complete = [c for c in found if c.complete]
+    chosen = None
+    if cfg.create_seed_checkpoint:
+        pass
+    elif cfg.load_step >= 0:
+        chosen = next((c for c in complete if c.step == cfg.load_step), None)
+        if chosen is None:
+            raise ConfigError(f"[checkpoint.load_step] step-{cfg.load_step} is not a complete checkpoint in "
+                              f"{folder}")
+    else:
+        for c in reversed(complete):
+            if c.full_state or c.step == 0:
+                chosen = c
+                break
+            if c.meta.get("final") and c.step >= total_steps:
+                logger.info("checkpoint %s is the final export of a finished run (step %d >= training.steps "
+                            "%d): nothing left to train", c.path, c.step, total_steps)
+                return StartPlan("finished", c.path, c.step, (), c.meta)
+            logger.info("checkpoint %s holds the model only (an export), not a resume point; looking further "
+                        "back", c.path)
+    if chosen is not None:
+        if cfg.initial_load_path:
+            logger.info("checkpoint.initial_load_path %s is NOT loaded: a resume point exists, and resuming "
+                        "always wins over an initial load", cfg.initial_load_path)
+        keys = tuple(k for k in CHECKPOINT_KEYS if k in chosen.contents and k not in cfg.exclude_from_loading)
+        return StartPlan("resume", chosen.path, chosen.step, keys, chosen.meta)
+    where = f"no checkpoint to resume in {folder}"
+    if cfg.initial_load_path:
+        if cfg.initial_load_in_hf:
+            logger.info("%s: initial load of Hugging Face weights from %s", where, cfg.initial_load_path)
+            return StartPlan("initial_hf", cfg.initial_load_path, 0, ("model",))
+        path, meta = resolve_dcp_path(cfg.initial_load_path)
+        contents = meta.get("contents", ["model"])
+        wanted = ("model",) if cfg.initial_load_model_only else tuple(
+            k for k in CHECKPOINT_KEYS if k in contents and k not in cfg.exclude_from_loading)
+        logger.info("%s: initial load of %s from %s", where, ", ".join(wanted), path)
+        return StartPlan("initial_dcp", path, int(meta.get("step", 0)), wanted, meta)
+    logger.info("%s and no checkpoint.initial_load_path: training starts from the initial weights", where)
+    return StartPlan("none")

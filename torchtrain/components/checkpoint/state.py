@@ -1,0 +1,103 @@
+"""What a checkpoint holds, as state dicts that torch.distributed.checkpoint (DCP) saves and reshards.
+
+Top-level keys (each becomes a prefix of the flat keys DCP stores):
+
+* ``model``: ``get_model_state_dict`` of every model part, merged. Keys are canonical parameter
+  names (``layers.3.attention.wq.weight``), values are the parts' own tensors: DTensors under
+  FSDP/HSDP/TP (DCP stores each shard once with its global offset), plain tensors on one process.
+  Because keys and global shapes do not depend on the layout, any layout loads any other's save.
+* ``optimizer``: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` of every
+  (part, optimizer) pair, merged: ``state.<param>.exp_avg`` etc. and ``param_groups.<param>.lr``,
+  again keyed by parameter name, so they reshard with the weights.
+* ``lr_scheduler``: the schedule's counters (``last_epoch``...).
+* ``dataloader``: ``dp_rank_<r>``: the pickled loader state of data-parallel rank r (every rank of
+  a data-parallel group writes the same key; DCP keeps one copy).
+* ``train_state``: the trainer's ``step`` and ``tokens_seen``.
+* ``rng``: ``rank_<r>``: Python, torch CPU and (on CUDA) the device's RNG states of global rank r.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ModelState:
+    """The model parts as one state dict (parameter names are unique across parts)."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:
+            sd = get_model_state_dict(part)
+            clash = merged.keys() & sd.keys()
+            if clash:
+                raise RuntimeError(f"model parts share parameter names: {sorted(clash)[:3]}")
+            merged.update(sd)
+        if dtype is not None:
+            merged = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
+                      for k, v in merged.items()}
+        return merged
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        # Each part takes its own keys from the merged dict; completeness was checked beforehand
+        # against the checkpoint's metadata, so strict=False only skips the other parts' keys.
+        for part in self.model_parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+class DataLoaderState:
+    """The loader's state stored per data-parallel rank (see docs/checkpointing.md, Resharding)."""
+
+    def __init__(self, dataloader: Stateful, dp_rank: int):
+        self.dataloader, self.dp_rank = dataloader, dp_rank
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())}
+
+    def load_state_dict(self, encoded: bytes) -> None:
+        self.dataloader.load_state_dict(pickle.loads(encoded))
+
+
+class RNGState:
+    """Python, torch CPU and (on CUDA) the current device's generator states of this process."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+
+    # Generator states are byte tensors; they are stored as plain bytes so that the pickle is a pure
+    # function of the state (a pickled tensor embeds its storage's memory address).
+    def state_dict(self) -> dict[str, bytes]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": _raw(torch.get_rng_state())}
+        if self.device.type == "cuda":
+            state["cuda"] = _raw(torch.cuda.get_rng_state(self.device))
+        return {f"rank_{self.rank}": pickle.dumps(state)}
+
+    def load_state_dict(self, encoded: bytes) -> None:
+        state = pickle.loads(encoded)
+        random.setstate(state["python"])
+        torch.set_rng_state(_tensor(state["torch"]))
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(_tensor(state["cuda"]), self.device)
+
+
+def _raw(state: torch.Tensor) -> bytes:
+    return bytes(state.cpu().tolist())
+
+
+def _tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
