@@ -274,13 +274,39 @@ def fsdp4_ref(tmp_path_factory):
     return dump
 
 
-@pytest.mark.parametrize("nproc", [2, None])  # None: one process without torchrun
-def test_reshard_fsdp4_checkpoint(fsdp4_ref, tmp_path, nproc):
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("nproc, layout, dp", [
+    (2, [], 2),
+    (None, [], 1),  # one process without torchrun
+    (4, TP2, 2),  # FSDP 2 x TP 2
+    (2, PP2, 1),  # pipeline: 2 stages, the model cut in two
+])
+def test_reshard_fsdp4_checkpoint(fsdp4_ref, tmp_path, nproc, layout, dp):
     copy_step(fsdp4_ref, 4, tmp_path)
-    out = ok(run_train(job(tmp_path, *GLOBAL_8), nproc=nproc))
+    out = ok(run_train(job(tmp_path, *GLOBAL_8, *layout), nproc=nproc))
     assert "is loaded under" in out.stdout and "resharded" in out.stdout
-    assert f"data-parallel degree changed (4 -> {nproc or 1})" in out.stdout
+    assert f"data-parallel degree changed (4 -> {dp})" in out.stdout
     ref, got = losses(fsdp4_ref), losses(tmp_path)
     assert sorted(got) == [5, 6, 7, 8]
     for s in got:
         assert abs(got[s] - ref[s]) <= RTOL * abs(ref[s]), (s, ref[s], got[s])
+
+
+# ----------------------------------------------------------------------------------------------- TP x PP
+@pytest.fixture(scope="module")
+def pp_tp_ref(tmp_path_factory):
+    """Uninterrupted PP 2 x TP 2 run (4 ranks: DTensor parameters, one model part per stage)."""
+    dump = tmp_path_factory.mktemp("pp_tp_ref")
+    ok(run_train(job(dump, *PP2, *TP2, "--checkpoint.interval", "4"), nproc=4))
+    return dump
+
+
+def test_exact_resume_pipeline_x_tensor_parallel(pp_tp_ref, tmp_path):
+    copy_step(pp_tp_ref, 4, tmp_path)
+    out = ok(run_train(job(tmp_path, *PP2, *TP2, "--checkpoint.interval", "4"), nproc=4))
+    assert f"resumed from {ckpt(tmp_path, 4)}" in out.stdout
+    ref, got = losses(pp_tp_ref), losses(tmp_path)
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)

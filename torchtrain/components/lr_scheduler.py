@@ -58,8 +58,15 @@ class LRSchedulersContainer:
             s.step()
 
     def state_dict(self) -> dict:
-        return self.schedulers[0].state_dict()
+        """Only the step counter: the lr is a function of it and the config, and a layout-independent
+        state resumes under any parallel layout (whose optimizers may hold other parameter groups)."""
+        return {"last_epoch": self.schedulers[0].last_epoch}
 
     def load_state_dict(self, state: dict) -> None:
+        epoch = int(state["last_epoch"])
         for s in self.schedulers:
-            s.load_state_dict(dict(state))
+            s.last_epoch, s._step_count = epoch, epoch + 1
+            lrs = [base * fn(epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+            for group, lr in zip(s.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            s._last_lr = lrs

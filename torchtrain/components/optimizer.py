@@ -32,10 +32,10 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
-            kind = id(p.device_mesh) if isinstance(p, DTensor) else 0
+            kind = p.device_mesh if isinstance(p, DTensor) else None
             groups.setdefault((p.dim() < 2, kind), []).append(p)
     return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
-            for (no_decay, _), params in sorted(groups.items(), key=lambda kv: kv[0][0])]
+            for (no_decay, _), params in sorted(groups.items(), key=lambda kv: kv[0][0])]  # decay first
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
