@@ -13,7 +13,6 @@ import shutil
 from typing import Callable
 
 import torch
-import torch._inductor.config
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
@@ -31,6 +30,8 @@ def compile_blocks(layers: nn.ModuleDict, with_collectives: bool = False) -> Non
     (tensor parallelism), whose group names Inductor's on-disk caches do not key on: a graph cached by
     a run with another mesh would call a group that does not exist here, so those caches are off."""
     if with_collectives:
+        import torch._inductor.config  # (imported here: Inductor is slow to import and only needed now)
+
         torch._inductor.config.fx_graph_cache = False
         if hasattr(torch._functorch.config, "enable_autograd_cache"):
             torch._functorch.config.enable_autograd_cache = False
