@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Launch torchtrain on this machine with torchrun.
+# Launch torchtrain on this machine with torchrun (one node), or as one node of a multi-node job.
 #   ./run_train.sh                                   # the debug job on 1 process (or every local GPU)
 #   NGPU=4 ./run_train.sh --parallelism.data_parallel_replicate_degree 2   # HSDP 2x2
+#   # two nodes, run on each (node ranks 0 and 1) with the first node's address:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./run_train.sh ...
 # Environment:
 #   NGPU         processes on this node (default: the number of visible GPUs, or 1 without a GPU)
 #   CONFIG_FILE  job file (default: train_configs/debug_model.toml)
-#   LOG_RANK     ranks whose output is shown, e.g. 0, 0,1 or all (default 0)
+#   LOG_RANK     local ranks whose output is shown, e.g. 0, 0,1 or all (default 0)
+# Multi-node (docs/cluster.md; on SLURM use scripts/multinode_trainer.slurm):
+#   NNODES       number of nodes (default 1: everything below is ignored)
+#   NODE_RANK, MASTER_ADDR, MASTER_PORT
+#                static rendezvous: this node's rank (0 .. NNODES-1), and the address and a free port
+#                of node 0 (default port 29500); every node gets the same MASTER_ADDR/MASTER_PORT
+#   RDZV_ENDPOINT, RDZV_ID
+#                or dynamic c10d rendezvous at host:port (node ranks are assigned on arrival),
+#                with a job id shared by all nodes (default "torchtrain")
 # Every further argument is a config override: --section.key value
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,11 +25,25 @@ if [ -z "${NGPU:-}" ]; then
   [ "$NGPU" -ge 1 ] || NGPU=1
 fi
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+NNODES=${NNODES:-1}
 export LOG_RANK=${LOG_RANK:-0}
 export PYTHONUNBUFFERED=1
 FILTER=()
 [ "$LOG_RANK" = "all" ] || FILTER=(--local-ranks-filter "$LOG_RANK")
 
-exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+if [ "$NNODES" = "1" ]; then
+  # One node: a free port on localhost.
+  RDZV=(--rdzv_backend c10d --rdzv_endpoint="localhost:0")
+elif [ -n "${RDZV_ENDPOINT:-}" ]; then
+  RDZV=(--nnodes="$NNODES" --rdzv_backend c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-torchtrain}")
+elif [ -n "${MASTER_ADDR:-}" ] && [ -n "${NODE_RANK:-}" ]; then
+  RDZV=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}")
+else
+  echo "run_train.sh: NNODES=$NNODES needs either NODE_RANK and MASTER_ADDR (static rendezvous) or" \
+       "RDZV_ENDPOINT (c10d rendezvous); see docs/cluster.md" >&2
+  exit 2
+fi
+
+exec torchrun --nproc_per_node="$NGPU" "${RDZV[@]}" \
   "${FILTER[@]}" --role rank --tee 3 \
   -m torchtrain.train --job.config_file "$CONFIG_FILE" "$@"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
+from torchtrain.components.validation import check_validation_layout
 from torchtrain.config import BatchPlan, JobConfig, resolve_batch
 from torchtrain.distributed.checks import check_layout
 from torchtrain.distributed.parallel_dims import ParallelDims
@@ -40,6 +41,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
         spec.validate_fn(args, pd, cfg)
     check_layout(cfg, pd, device_type)
     validate_combination(cfg, pd)
+    check_validation_layout(cfg, pd)
     pp_plan = None
     if pd.pp_enabled:
         local_sequences = batch.local_batch_size * batch.grad_accum_steps

@@ -17,13 +17,19 @@ import torch.distributed as dist
 
 from torchtrain.components.checkpoint import CheckpointManager
 from torchtrain.components.data import build_dataloader, build_source
+from torchtrain.components.gc_control import GarbageCollection
+from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.phases import PhaseTimer
 from torchtrain.components.precision import LossScaler
+from torchtrain.components.profiling import Profiler
+from torchtrain.components.validation import Validator, build_validation_source
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
+from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.fsdp import resolve_param_dtype
 from torchtrain.distributed.param_init import init_model_weights
@@ -52,13 +58,15 @@ class Trainer:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         source = build_source(cfg.training.dataset, cfg.training.dataset_path, "train", cfg.debug.seed)
+        val_source = build_validation_source(cfg)  # None unless [validation] enable
         CheckpointManager.preflight(cfg)
 
         # 2. Process group, mesh, RNG.
         init_distributed(cfg.comm, self.device)
         pd.build_mesh(self.device.type)
-        set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+        set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self._write_config()
+        check_cluster(cfg)  # logs the launch; a multi-node checkpoint folder must be shared
         logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters",
                     cfg.job.description, world_size, pd.describe(), self.device, cfg.model.name,
                     cfg.model.flavor, self.model_args.num_params() / 1e6)
@@ -97,6 +105,13 @@ class Trainer:
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0)
         self.step = 0
         self._tokens_seen = torch.zeros((), dtype=torch.int64, device=self.device)
+        # [ops] profiling, phase timing, validation, guard, GC (each inert unless its section enables it)
+        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
+        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, self.device, cfg.profiling.enable_profiling)
+        self.validator = Validator(self, val_source) if val_source is not None else None
+        self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
+                                   check_grad_norm=not self.scaler.enabled, device=self.device)
+        self.gc = GarbageCollection(cfg.training.gc_freq)
         logger.info("global batch %d sequences (%d per rank x %d dp x %d accumulation) of %d tokens; "
                     "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, pd.dp,
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
@@ -165,9 +180,12 @@ class Trainer:
         used, and the global number of target tokens.
         """
         pd, model = self.parallel_dims, self.model_parts[0]
+        self.phases.enter("forward_backward")  # [ops]
         local_tokens = sum(count_valid_tokens(labels) for _, labels in batches).to(self.device)
         global_tokens = all_reduce(local_tokens, pd.dp_mesh)
         self.loss_fn.scale = pd.dp / global_tokens.double()
+        if self.guard.inject_nan(self.step):  # [ops] debug.inject_nonfinite_loss_steps
+            self.loss_fn.scale = self.loss_fn.scale * float("nan")
         accumulated = torch.zeros((), device=self.device)
         if self.pp_plan is not None:  # accumulation happens through the schedule's micro-batches
             accumulated += self._pipeline_step(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
@@ -181,20 +199,23 @@ class Trainer:
                 del logits
                 self.scaler.scale(loss).backward()
             accumulated += local_value(loss.detach()).float()
+        self.phases.enter("optimizer")  # [ops]
         if self.step == self.job_config.debug.inject_nonfinite_grad_step:
             self._inject_nonfinite_grad()
         self.scaler.unscale_(self.optimizers)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pd.pp_mesh)
         lr = self.optimizers.lr
-        stepped = self.scaler.step(self.optimizers)
-        self.lr_schedulers.step()
-        self.optimizers.zero_grad()
         global_loss = all_reduce(accumulated / pd.dp, pd.dp_mesh)
         if pd.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, pd.pp_mesh)
+        guard = self.guard.check(self.step, global_loss, grad_norm)  # [ops] agreed by all ranks, before the step
+        stepped = self.scaler.step(self.optimizers) if guard is None else self.scaler.skip(self.optimizers)
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        self.phases.pause()
         return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped}
+                "stepped": stepped, "guard": guard}
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One schedule step over the local batch; returns this rank's summed (scaled) loss."""
@@ -228,25 +249,60 @@ class Trainer:
         tokens_per_step = self.batch.global_batch_size * cfg.training.seq_len
         logger.info("training for %d steps", cfg.training.steps)
         self.throughput.reset()
+        self.phases.reset()
         self.memory.reset_peak()
+        self.profiler.start(self.step)
         first_step = self.step + 1  # > 1 after a resume
         while self.step < cfg.training.steps:
             self.step += 1
+            self.gc.step(self.step)  # [ops] training.gc_freq
+            self.phases.enter("data")
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
             data_time = time.perf_counter() - t0
             out = self.train_step(batches)
             self.throughput.add_step(tokens_per_step, data_time)
+            self.phases.end_step()
             self._tokens_seen += out["tokens"]
-            if self._should_log():
+            if out["guard"] in ("rollback", "abort") and self._guard_act(out):  # [ops] True: rolled back
+                continue
+            if self.validator is not None and self.validator.due(self.step):  # [ops]
+                self.phases.enter("validation")
+                out["validation"] = self.validator.run(self.step)
+                self.phases.pause()
+            logged = self._should_log() or "validation" in out or out["guard"] is not None
+            if logged and not out.get("logged"):
                 self._log(out)
             if self.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
-            if self.checkpointer.after_step(self.step):  # saves when due; True: preempted, stop now
-                if not self._should_log():
+            self.phases.enter("checkpoint")
+            stop = self.checkpointer.after_step(self.step)  # saves when due; True: preempted, stop now
+            self.phases.enter("profiler")
+            self.profiler.step(self.step)
+            self.phases.pause()
+            if stop:
+                if not out.get("logged"):
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
+
+    def _guard_act(self, out: dict) -> bool:
+        """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
+        rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
+        continues after the restored step)."""
+        self._log(out)
+        if out["guard"] == "abort":
+            raise GuardAbort(self.guard.abort_message())
+        bad = self.step
+        restored = self.checkpointer.restore_latest(exclude=("dataloader",))
+        if restored is None:
+            logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
+            return False
+        logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d runs "
+                    "again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
+        self.throughput.reset()
+        self.phases.reset()
+        return True
 
     def _log(self, out: dict[str, torch.Tensor]) -> None:
         if self.device.type == "cuda":
@@ -263,7 +319,9 @@ class Trainer:
         if self.scaler.enabled:
             record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
                           step_skipped=not out["stepped"])
+        record.update(**self.phases.summary(), **out.get("validation", {}), **self.guard.record())  # [ops]
         self.metrics.log(self.step, record)
+        out["logged"] = True
         self.memory.reset_peak()
 
     @property
@@ -272,6 +330,10 @@ class Trainer:
         return int(self._tokens_seen.item())
 
     def close(self) -> None:
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.stop()
+        if getattr(self, "gc", None) is not None:
+            self.gc.close()
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
         self.metrics.close()
@@ -302,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_log_rank():
             print(f"torchtrain: config error: {e}", file=sys.stderr)
         return 2
+    except GuardAbort as e:  # every rank raises it at the same step (docs/guard.md)
+        if is_log_rank():
+            print(f"torchtrain: guard: {e}", file=sys.stderr)
+        return 3
     finally:
         if trainer is not None:
             trainer.close()

@@ -48,6 +48,16 @@ class LossScaler:
         self.skipped_steps += int(skipped)
         return not skipped
 
+    def skip(self, optimizers: OptimizersContainer) -> bool:
+        """Skip this step's update (a guard decision) but keep the scale's bookkeeping: the scale still
+        reacts to this step's gradients (halved on an overflow, grown after enough clean steps).
+        Returns False (no step taken)."""
+        if self.enabled:
+            before = self._scaler.get_scale()
+            self._scaler.update()
+            self.skipped_steps += int(self._scaler.get_scale() < before)  # it overflowed as well
+        return False
+
     @property
     def value(self) -> float | None:
         return self._scaler.get_scale() if self.enabled else None

@@ -67,12 +67,25 @@ class Metrics:
 @dataclass
 class Debug:
     seed: Annotated[int, Ge(0)] = 0
-    """Seed for weight initialisation, data order and every RNG. The same seed gives the same initial
-    weights and data whatever the parallel layout."""
+    """Seed for weight initialisation, data order (training shuffle, synthetic data) and every RNG
+    (Python, torch CPU and CUDA). The same seed gives the same initial weights and data whatever the
+    parallel layout."""
 
     deterministic: bool = False
-    """Use deterministic algorithms only (`torch.use_deterministic_algorithms`); slower on CUDA."""
+    """Use deterministic algorithms only (`torch.use_deterministic_algorithms`, cuDNN deterministic,
+    no cuDNN benchmarking, a fixed cuBLAS workspace), so that a rerun of the same job on the same
+    hardware and layout gives bitwise-identical losses (docs/determinism.md lists the limits).
+    Slower on CUDA."""
+
+    deterministic_warn_only: bool = False
+    """With `deterministic`: warn instead of failing when an operation has no deterministic
+    implementation (the run is then not guaranteed to be reproducible)."""
 
     inject_nonfinite_grad_step: Annotated[int, Ge(1)] | None = None
     """Fault injection for testing overflow handling: at this step, after backward, one gradient
     is set to +inf on every rank (the fp16 loss scaler must then skip the step)."""
+
+    inject_nonfinite_loss_steps: list[Annotated[int, Ge(1)]] = field(default_factory=list)
+    """Fault injection for testing the [guard]: at each listed step the loss of every micro-batch on
+    every rank is multiplied by NaN before backward (so the loss and every gradient are NaN). Each
+    step injects once: a step run again after a guard rollback is clean."""

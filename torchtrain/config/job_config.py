@@ -12,6 +12,7 @@ from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job import Debug, Job, Metrics, Model
+from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism
 from torchtrain.config.training import LRScheduler, Optimizer, Training
 
@@ -29,7 +30,10 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    guard: Guard = field(default_factory=Guard)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 
@@ -41,7 +45,7 @@ class JobConfig:
                 check()
         from torchtrain.components.data.sources import dataset_names
 
-
+        check_operations(self)  # [profiling] [validation] [guard] against the other sections
         if self.training.dataset not in dataset_names():
             raise ConfigError(
                 f"[training.dataset] unknown dataset {self.training.dataset!r}; "

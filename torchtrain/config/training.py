@@ -56,6 +56,11 @@ class Training:
     optimizer step runs on the CPU (FSDP2 CPUOffloadPolicy). Needs a CUDA device and an FSDP
     strategy (zero2/zero3)."""
 
+    gc_freq: Annotated[int, Ge(0)] = 50
+    """Python garbage collection at step boundaries only: automatic collection is turned off and a
+    generation-1 collection runs every gc_freq steps (so the collector never pauses a step midway,
+    at different moments on different ranks). 0 keeps Python's automatic collection."""
+
     def validate(self) -> None:
         if self.global_batch_size != -1 and self.global_batch_size < 1:
             raise ConfigError(

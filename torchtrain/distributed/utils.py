@@ -66,15 +66,21 @@ def set_train_timeout(seconds: int) -> None:
         setter(datetime.timedelta(seconds=seconds), dist.group.WORLD)
 
 
-def set_determinism(seed: int, deterministic: bool) -> None:
-    """Seed every RNG identically on all ranks; optionally forbid non-deterministic kernels."""
+def set_determinism(seed: int, deterministic: bool, warn_only: bool = False) -> None:
+    """Seed every RNG identically on all ranks; optionally forbid non-deterministic kernels.
+
+    `torch.manual_seed` seeds the CPU and every CUDA generator. Deterministic mode (docs/determinism.md):
+    deterministic algorithms only (an op without one raises, or warns with `warn_only`), cuDNN in
+    deterministic mode without benchmarking (which picks kernels by timing), and a fixed cuBLAS
+    workspace (read when the first cuBLAS handle is created, i.e. at the first matmul, after this).
+    """
     random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
-        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def all_reduce(tensor: torch.Tensor, mesh, op=dist.ReduceOp.SUM) -> torch.Tensor:

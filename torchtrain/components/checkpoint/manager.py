@@ -339,6 +339,27 @@ class CheckpointManager:
             logger.info("preemption: checkpoint step-%d saved, exiting (resume by relaunching the same job)", step)
         return preempt
 
+    def restore_latest(self, exclude: tuple[str, ...] = ()) -> int | None:
+        """Load the newest complete full-state checkpoint of the folder into the live training state,
+        leaving the `exclude`d parts as they are (the guard's rollback keeps the data position). Every
+        rank calls it; returns the checkpoint's step, or None when the folder holds none yet."""
+        if not self.enabled:
+            return None
+        self._wait_pending()
+        box: list[Any] = [None]
+        if self.rank == 0:
+            found = [c for c in fs.scan(self.folder) if c.complete and c.full_state]
+            box[0] = (found[-1].path, found[-1].step, found[-1].meta) if found else None
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        if box[0] is None:
+            return None
+        path, step, meta = box[0]
+        keys = tuple(k for k in CHECKPOINT_KEYS if k in meta.get("contents", ()) and k not in exclude)
+        t0 = time.perf_counter()
+        self._load_dcp(path, keys, f"step-{step}", meta)
+        logger.info("restored %s (%s) in %.1fs", path, ", ".join(keys), time.perf_counter() - t0)
+        return step
+
     def maybe_create_seed(self) -> bool:
         """With create_seed_checkpoint: write the current weights as step-0 and return True (no training)."""
         if not (self.enabled and self.cfg.create_seed_checkpoint):
