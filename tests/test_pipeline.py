@@ -16,33 +16,15 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.pipeline_timeline import simulate
 from torchtrain.preflight import preflight
-from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
-
-from conftest import TINY_JOB
+from conftest import TINY_JOB, ParitySuite
 
 STEPS = 10
 PP_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.global_batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("pp"))
-
-
-@pytest.fixture(scope="module")
-def baseline(workdir):
-    run = run_layout(parse_layout("single"), None, STEPS, PP_JOB, workdir)
-    assert run.returncode == 0, run.log[-3000:]
-    return run
-
-
-def check(baseline, workdir, layouts, extra=()):
-    runs = [run_layout(parse_layout(s), None, STEPS, PP_JOB + list(extra), workdir) for s in layouts]
-    comps = [compare(baseline, r, STEPS, 1e-4) for r in runs]
-    table = format_table(baseline, comps, 1e-4)
-    print(table)
-    assert all(c.ok for c in comps), table
-    return runs
+def suite(tmp_path_factory):
+    return ParitySuite(str(tmp_path_factory.mktemp("pp")), PP_JOB, STEPS)
 
 
 def _bubble(log: str) -> tuple[float, float]:
@@ -52,9 +34,9 @@ def _bubble(log: str) -> tuple[float, float]:
 
 
 @pytest.mark.dist
-def test_every_schedule_matches_one_process(baseline, workdir):
+def test_every_schedule_matches_one_process(suite):
     names = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
-    runs = check(baseline, workdir, [f"pp2_{n}" for n in names])
+    runs = suite.check([f"pp2_{n}" for n in names])
     bubbles = {n: _bubble(r.log) for n, r in zip(names, runs)}
     # 2 ranks, 8 micro-batches: the textbook bubble is 1/9 = 11.1%; the single-stage schedules hit it,
     # interleaving (2 stages per rank) and zero-bubble schedules do better
@@ -65,19 +47,19 @@ def test_every_schedule_matches_one_process(baseline, workdir):
 
 
 @pytest.mark.dist
-def test_pp4_and_3d_layout(baseline, workdir):
-    check(baseline, workdir, ["pp4_1f1b", "pp2_fsdp2_tp2"])
+def test_pp4_and_3d_layout(suite):
+    suite.check(["pp4_1f1b", "pp2_fsdp2_tp2"])
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_4d_layout_16_ranks(baseline, workdir):
+def test_4d_layout_16_ranks(suite):
     """PP 2 x HSDP 2x2 x TP 2 on 16 gloo processes (~1-2 minutes on 2 cores)."""
-    check(baseline, workdir, ["pp2_hsdp2x2_tp2"])
+    suite.check(["pp2_hsdp2x2_tp2"])
 
 
 @pytest.mark.dist
-def test_csv_schedule(baseline, workdir, tmp_path):
+def test_csv_schedule(suite, tmp_path):
     """A hand-written looped GPipe over 4 stages on 2 ranks, run by torch's schedule runtime."""
     rows = []
     for rank in range(2):
@@ -87,8 +69,8 @@ def test_csv_schedule(baseline, workdir, tmp_path):
         rows.append(",".join(acts))
     path = tmp_path / "looped_gpipe.csv"
     path.write_text("\n".join(rows) + "\n")
-    check(baseline, workdir, ["2 --parallelism.pipeline_parallel_degree 2"],
-          extra=["--parallelism.pipeline_parallel_schedule_csv", str(path)])
+    suite.check(["2 --parallelism.pipeline_parallel_degree 2"],
+                extra=["--parallelism.pipeline_parallel_schedule_csv", str(path)])
 
 
 # ----------------------------------------------------------------------------------- timeline
