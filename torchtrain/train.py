@@ -82,7 +82,8 @@ class Trainer:
         self.autocast_dtype = param_dtype if replicated and param_dtype != torch.float32 else None
         self.scaler = LossScaler(param_dtype == torch.float16, sharded=not replicated, device=self.device)
         zero1 = cfg.parallelism.data_parallel_strategy == "zero1" and pd.dp_enabled
-        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, self.device,
+        state_device = torch.device("cpu") if cfg.training.enable_cpu_offload else self.device
+        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, state_device,
                                               zero1_group=pd.dp_mesh.get_group() if zero1 else None)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, cfg.training.seq_len,
@@ -107,7 +108,13 @@ class Trainer:
         self.checkpointer.load()
 
     def _materialize(self, part: torch.nn.Module) -> torch.nn.Module:
-        part.to_empty(device=self.device)
+        offload = self.job_config.training.enable_cpu_offload
+        part.to_empty(device="cpu" if offload else self.device)
+        if offload:  # the sharded state lives in host memory, buffers (RoPE tables) on the GPU
+            for module in part.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(self.device)
         init_model_weights(part, self.job_config.debug.seed)
         return part.train()
 
