@@ -140,8 +140,8 @@ class PlanInputs:
         return self.tokens if self.tokens is not None else 20.0 * self.args.num_params()
 
     def describe(self) -> str:
-        parts = [f"{n} {d}" for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                          ("dp_shard", self.dp_shard), ("tp", self.tp)) if d > 1]
+        dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
+        parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("tp", self.tp)) if d > 1]
         text = " x ".join(parts) or "1 rank"
         if self.strategy != "zero3":
             text += f" [{self.strategy}]"
