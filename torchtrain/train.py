@@ -19,8 +19,8 @@ from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
-from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, resolve_batch, to_toml
 from torchtrain.distributed import ParallelDims
