@@ -23,6 +23,7 @@ from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
+from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.fsdp import resolve_param_dtype
@@ -94,6 +95,7 @@ class Trainer:
                                           peak_tflops(self.device, param_dtype, cfg.metrics.peak_tflops),
                                           world_size)
         self.memory = MemoryMonitor(self.device)
+        self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0)
         self.step = 0
@@ -242,7 +244,8 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
             data_time = time.perf_counter() - t0
-            out = self.train_step(batches)
+            with self.tensor_memory.track():
+                out = self.train_step(batches)
             self.throughput.add_step(tokens_per_step, data_time)
             self._tokens_seen += out["tokens"]
             if self._should_log():
@@ -266,6 +269,7 @@ class Trainer:
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
+            **self.tensor_memory.record(),
         }
         if self.scaler.enabled:
             record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
