@@ -156,3 +156,34 @@ def test_explicit_split_is_used():
                                                   "--parallelism.pipeline_parallel_last_stage_less_layers", "1",
                                                   "--model.n_layers", "6"]), 2, "cpu").pp_plan
     assert [len([n for n in s if n.startswith("layers")]) for s in uneven.modules_per_stage] == [3, 3]
+
+
+@pytest.mark.parametrize("kind, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
+def test_peak_in_flight(kind, expected):
+    from torchtrain.distributed.pipeline_timeline import peak_in_flight
+
+    assert list(peak_in_flight(_order(kind, 4, 8)).values()) == expected
+
+
+@pytest.mark.dist
+def test_1f1b_activation_memory_stays_flat_while_gpipe_grows(tmp_path):
+    """Measured on rank 0 (the first stage) with the trainer's live-tensor tracker
+    (`metrics.track_tensor_memory`) while really training PP 2: going from 2 to 8 micro-batches,
+    GPipe keeps every micro-batch's activations until its backward (~4x), 1F1B at most p = 2 of them."""
+    from conftest import read_metrics, run_train
+
+    peak = {}
+    for schedule in ("GPipe", "1F1B"):
+        for m in (2, 8):
+            dump = tmp_path / f"{schedule}_{m}"
+            out = run_train(PP_JOB + PP2 + [
+                "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "1",
+                "--training.global_batch_size", str(m), "--training.steps", "2", "--metrics.log_freq", "1",
+                "--metrics.track_tensor_memory", "--metrics.enable_tensorboard", "false",
+                "--job.dump_folder", str(dump)], nproc=2)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+            peak[schedule, m] = max(r["memory_tensor_breakdown_gib"]["activations"] for r in read_metrics(str(dump)))
+    print({k: f"{v * 2**30 / 2**20:.2f} MiB" for k, v in peak.items()})
+    assert peak["GPipe", 8] > 2.5 * peak["GPipe", 2]
+    assert peak["1F1B", 8] < 1.2 * peak["1F1B", 2]
+    assert peak["1F1B", 8] < 0.5 * peak["GPipe", 8]

@@ -122,7 +122,7 @@ def test_every_knob_combination_has_a_consistent_estimate(strategy, tp, pp, ac_m
             assert est.host_bytes > 0 and not any(row.bytes for row in est.rows if "offloaded" in row.name)
     base = p.replace(ac_mode="none", cpu_offload=False)
     if ac_mode != "none":  # checkpointing stores less than storing everything
-        stage = pipeline.rank_stages(p.args.n_layers, pp, 1, 0)[0]
+        stage = pipeline.pipeline_of(p).stages[0][0]
         assert analytic.stage_activation_bytes(p, stage)[0] < analytic.stage_activation_bytes(base, stage)[0]
     if cpu_offload:
         assert analytic.estimate_memory(p).peak < analytic.estimate_memory(base.replace(ac_mode=ac_mode)).peak
@@ -149,19 +149,28 @@ def test_tensor_parallel_divides_the_sharded_terms():
 
 
 # ---------------------------------------------------------------------------------- pipeline
-def test_pipeline_split_and_schedules():
-    assert pipeline.split_layers(126, 16)[0] == tuple(range(8)) and len(pipeline.split_layers(126, 16)[-1]) == 7
-    assert sum(len(s) for s in pipeline.split_layers(126, 16)) == 126
-    stages = pipeline.rank_stages(8, 2, 2, 1)  # interleaved: rank 1 runs stages 1 and 3
-    assert [s.index for s in stages] == [1, 3] and stages[-1].last and not stages[0].first
-    assert [pipeline.in_flight("1F1B", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
-    assert pipeline.in_flight("GPipe", 4, 8, 1, 3) == 8
-    assert pipeline.in_flight("Interleaved1F1B", 4, 8, 2, 0) == 2 * 3 + 4 + 1
+def test_pipeline_profile_comes_from_the_real_schedule():
+    from torchtrain.config import ConfigError
+    from torchtrain.models.llama3 import LLAMA3_FLAVORS
+
+    a = LLAMA3_FLAVORS["debugmodel"].replace(n_layers=8, max_seq_len=64)
+    prof = lambda sched, m, v=1: pipeline.profile("llama3", a, 4, sched, 1, m, v)  # noqa: E731
+    one = prof("1F1B", 8)
+    assert [len(one.stages[r][0].layers) for r in range(4)] == [2, 2, 2, 2]
+    assert one.stages[0][0].first and one.stages[3][0].last
+    assert [one.in_flight[r] for r in range(4)] == [4, 3, 2, 1]  # 1F1B: p - r warm-up forwards
+    assert set(prof("GPipe", 8).in_flight.values()) == {8}  # GPipe: every micro-batch
+    inter = prof("Interleaved1F1B", 8, 2)
+    assert [s.index for s in inter.stages[1]] == [1, 5] and inter.stages[3][-1].last  # loop placement
+    v = prof("ZBVZeroBubble", 8, 2)
+    assert [s.index for s in v.stages[0]] == [0, 7] and v.stages[0][0].first and v.stages[0][1].last  # V
     # the seed chapters: M = 32, N = 4 -> 3/35; bubble time / useful time (p-1)/m = 3/16 for M=16, N=4
-    assert _close(pipeline.bubble_fraction("1F1B", 4, 32), 3 / 35)
-    f = pipeline.bubble_fraction("GPipe", 4, 16)
+    assert _close(prof("1F1B", 32).bubble, 3 / 35)
+    f = prof("GPipe", 16).bubble
     assert _close(f / (1 - f), 3 / 16)
-    assert _close(pipeline.bubble_fraction("Interleaved1F1B", 4, 16, 2), 3 / 35)
+    assert inter.bubble < one.bubble and v.bubble < inter.bubble
+    with pytest.raises(ConfigError, match="cannot be split evenly"):
+        pipeline.profile("llama3", a.replace(n_layers=7), 4, "1F1B", 1, 8, 1)
 
 
 # ---------------------------------------------------------------------------------- throughput and cost
@@ -183,7 +192,7 @@ def test_throughput_and_cost_arithmetic():
 # ---------------------------------------------------------------------------------- validity and config
 def test_layout_problems_name_the_cause():
     _, p = _inputs(8)
-    assert any("n_kv_heads 2 is not divisible" in x for x in layout_problems(p.replace(tp=4, dp_shard=2)))
+    assert any("n_kv_heads 4 is not divisible" in x for x in layout_problems(p.replace(tp=8, dp_shard=1)))
     assert any("cannot fill" in x for x in layout_problems(p.replace(pp=8, dp_shard=1)))
     assert any("not a multiple" in x for x in layout_problems(p.replace(global_batch_size=12)))
     tied = p.replace(pp=2, dp_shard=4, args=p.args.replace(tie_word_embeddings=True))
@@ -275,52 +284,20 @@ def test_cli_errors_are_one_line(capsys):
     assert "unknown planner flag --wold-size" in capsys.readouterr().err
 
 
-def test_plan_of_a_layout_this_build_cannot_run_says_so():
-    plan = plan_from_flags(load_job(PLAN_JOB), 4, "h100", {"tp": 2})
-    assert plan.valid and plan.blockers and "tensor_parallel_degree" in plan.blockers[0]
-    assert plan.ranks[0].trace.skipped is None or "tensor parallelism" in plan.ranks[0].trace.skipped
-
-
-def _megatron_plan(model, pd, cfg):
-    """A test-only tensor-parallel plan (colwise q/k/v/w1/w3, rowwise wo/w2, sequence-parallel norms)
-    followed by the model's own FSDP plan: what the planner must trace once TP lands in the model."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    from torchtrain.models.llama3 import parallelize_llama
-
-    mesh = pd.world_mesh["tp"]
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-    for block in model.layers.values():
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
-    return parallelize_llama(model, pd, cfg)
+def test_plan_of_a_combination_the_trainer_refuses_says_why():
+    plan = plan_from_flags(load_job(PLAN_JOB), 4, "h100", {"tp": 2, "strategy": "zero1"})
+    assert plan.valid and plan.blockers and "cannot be combined with tensor parallelism" in plan.blockers[0]
+    ok = plan_from_flags(load_job(PLAN_JOB), 4, "h100", {"tp": 2})
+    assert ok.valid and not ok.blockers
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")
-def test_trace_follows_a_tensor_parallel_plan():
-    """DTensor-sharded parameters and activations are traced (and a plan without TP is detected)."""
-    from torchtrain.models import registry
-    from torchtrain.models.llama3 import LLAMA3_FLAVORS, Llama3Args, Transformer
-
-    registry.register_model_spec(registry.ModelSpec("llama3_tp_test", Transformer, Llama3Args, LLAMA3_FLAVORS,
-                                                    _megatron_plan))
-    try:
-        job, p = _inputs(4, job_args=["--model.name", "llama3_tp_test"], tp=2)
-        tp2 = make_plan(job, p).ranks[0]
-        job1, p1 = _inputs(2)
-        tp1 = make_plan(job1, p1).ranks[0]
-    finally:
-        registry._REGISTRY.pop("llama3_tp_test")
+def test_trace_follows_the_tensor_parallel_plan():
+    """DTensor-sharded parameters and activations of the model's own TP plan are traced."""
+    job, p = _inputs(4, tp=2)
+    tp2 = make_plan(job, p).ranks[0]
+    job1, p1 = _inputs(2)
+    tp1 = make_plan(job1, p1).ranks[0]
     assert tp2.trace.skipped is None and tp2.traced_peak > 0
     matmul_share = 1 - (2 * 4 + 1) * 64 / p.args.num_params()  # all but the norm weights are TP-sharded
     ratio = tp2.traced_breakdown["optimizer"] / tp1.traced_breakdown["optimizer"]

@@ -34,11 +34,17 @@ def _plan(args: list[str], tmp_path) -> tuple[dict, float, float]:
     return json.loads(out_path.read_text()), usage.ru_utime + usage.ru_stime, rss_gib
 
 
+# 126 blocks over 16 stages: the first and last stage (which also embed / run the head) take one block
+# fewer, 7 + 14 x 8 + 7 = 126.
+PP16_SPLIT = ["--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+              "--parallelism.pipeline_parallel_last_stage_less_layers", "1"]
+
 SCALE = [
     ("405B TP8 x PP16 x DP128", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--tp", "8",
-                                 "--pp", "16", "--dp-replicate", "1", "--training.local_batch_size", "16"]),
-    ("405B PP16 x DP1024 (traced)", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--pp",
-                                     "16", "--dp-replicate", "1", "--training.local_batch_size", "16"]),
+                                 "--pp", "16", "--dp-replicate", "1", "--training.local_batch_size", "16", *PP16_SPLIT]),
+    ("405B PP16 x DP1024 (traced)", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--tp",
+                                     "1", "--pp", "16", "--dp-replicate", "1", "--training.local_batch_size", "16",
+                                     *PP16_SPLIT]),
     ("70B on 64", ["--config", "train_configs/llama3_70b.toml", "--world-size", "64", "--gpu", "h100"]),
 ]
 
@@ -59,11 +65,10 @@ def test_large_plans_are_fast_and_small(tmp_path, name, args):
         assert ranks[0]["in_flight"] == 16 and ranks[-1]["in_flight"] == 1
 
 
-def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first(monkeypatch):
+def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.config import parse_args
-    from torchtrain.distributed import ParallelDims, parallel_dims
-    from torchtrain.models.registry import get_model_spec
+    from torchtrain.preflight import preflight
     from torchtrain.tools.planner.core import load_job
     from torchtrain.tools.planner.inputs import config_overrides, inputs_from_config
     from torchtrain.tools.planner.search import annotate_runnable, search
@@ -80,19 +85,14 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first(monkeypatch):
     traced = [r.traced_peak for r in top.plan.ranks if r.traced_peak is not None]
     assert all(t <= usable for t in traced)
     assert top.inputs.args.n_heads % top.inputs.tp == 0 and top.inputs.args.kv_heads % top.inputs.tp == 0
-    # Valid to run: the trainer's own degree and model checks pass once the "not implemented yet" gate
-    # for TP/PP degrees is lifted (the only blockers allowed are features still landing).
-    for blocker in top.blockers:
-        assert "not supported by this version" in blocker or "needs config key" in blocker, blocker
-    monkeypatch.setattr(parallel_dims, "SUPPORTED", {"tensor_parallel_degree": 64, "pipeline_parallel_degree": 64})
+    # Valid to run: the trainer's own start-up checks (torchtrain.preflight) accept it on 64 GPUs
+    assert top.blockers == [], top.blockers
     overrides, _ = config_overrides(top.inputs, job.cfg)
     cfg = parse_args(job.argv + overrides)
-    pd = ParallelDims.from_config(cfg.parallelism, 64)
+    plan = preflight(cfg, 64, "cuda", job.tokenizer)
+    pd = plan.parallel_dims
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.pp) == (top.inputs.dp_replicate, top.inputs.dp_shard,
                                                              top.inputs.tp, top.inputs.pp)
-    spec = get_model_spec(cfg.model.name)
-    if spec.validate_fn is not None:
-        spec.validate_fn(top.inputs.args, pd, cfg)
     # ranked by estimated throughput
     speeds = [c.tokens_per_s for c in result.ranked]
     assert speeds == sorted(speeds, reverse=True)

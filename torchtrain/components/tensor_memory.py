@@ -98,6 +98,9 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._label_optimizer(opt)
 
         self._hooks += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer keeps its shard's state in a local one
+        if isinstance(inner, torch.optim.Optimizer):
+            self.watch_optimizer(inner)
 
     def _label_optimizer(self, opt: torch.optim.Optimizer, grads: bool = False) -> None:
         for group in opt.param_groups:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import torch
+
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtrain.config.fields import ConfigError

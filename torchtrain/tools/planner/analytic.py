@@ -33,9 +33,11 @@ With tensor + sequence parallelism (torchtitan's plan) the norm terms are sequen
 attention/FFN terms head-sharded, but the gathered projection inputs are full:
 A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h + 2 d h_kv + 4 n_heads + 4 d F) / tp.
 Activation checkpointing keeps per block only: full -> its input (d h / tp); selective "N" -> every
-N-th block checkpointed; selective "op" -> block input + outputs of wq, wv, w1, w2 and attention (the
-torchtitan policy: save every other matmul and attention) = (4 d h + d h_kv + d F + 4 n_heads) / tp
-(gathered inputs excluded). One block is recomputed at a time during backward (+ A for that block).
+N-th block checkpointed; selective "op" -> the block input and every matmul and attention output
+(`distributed/activation_checkpoint.py`): q, k, v, attention out (+ logsumexp), w1, w3 head- or
+hidden-sharded, and the row-parallel wo / w2 outputs, which are whole-sequence partial sums before
+their reduce-scatter: (d h + d h + 2 d h_kv + d h + 4 n_heads + 2 d F) / tp + 2 d h. One block is
+recomputed at a time during backward (+ A for that block).
 
 Other terms: the final norm + output input (4 + 2d) h t / tp on the last stage; the loss keeps the
 fp32 log-softmax (4 V t / tp, loss-parallel with TP) per in-flight micro-batch and needs two more
@@ -56,7 +58,7 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import Stage, in_flight, rank_stages
+from torchtrain.tools.planner.pipeline import Stage, pipeline_of
 
 GIB = 2**30
 
@@ -122,7 +124,8 @@ def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tupl
     h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
     if mode == "full" or (mode == "selective" and option != "op"):
         return d * h / tp, "block input d h / tp"
-    return (4 * d * h + d * hkv + d * F + 4 * a.n_heads) / tp, "(4 d h + d h_kv + d F + 4 n_heads) / tp"
+    sharded = 3 * d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
+    return sharded / tp + 2 * d * h, "(3 d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
 
 
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
@@ -148,7 +151,8 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
 # ------------------------------------------------------------------------------ the estimate
 def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     a, d, r, t = p.args, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
-    stages = rank_stages(a.n_layers, p.pp, p.pp_stages_per_rank, pp_rank)
+    prof = pipeline_of(p)
+    stages = list(prof.stages[pp_rank])
     units = _unit_shapes(a, stages, p.tp)
     all_shapes = [s for _, shapes in units for s in shapes]
     full_numel = _numel(all_shapes)
@@ -175,7 +179,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
 
     # activations of the in-flight micro-batches
     m = p.n_microbatches
-    flight = in_flight(p.pp_schedule, p.pp, m, p.pp_stages_per_rank, pp_rank)
+    flight = prof.in_flight[pp_rank]
     per_stage = [stage_activation_bytes(p, s) for s in stages]
     per_chunk = sum(s for s, _ in per_stage) / len(per_stage)
     recompute = max(rc for _, rc in per_stage)

@@ -14,9 +14,9 @@ from typing import Any
 from torchtrain.components.hardware import KNOWN_GPUS, GPUSpec
 from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
-from torchtrain.tools.planner.inputs import (PlanInputs, config_has, config_overrides, display_overrides,
+from torchtrain.tools.planner.inputs import (PlanInputs, config_overrides, display_overrides,
                                              inputs_from_config)
-from torchtrain.tools.planner.pipeline import in_flight, structure
+from torchtrain.tools.planner.pipeline import pipeline_of, structure
 from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
 from torchtrain.tools.planner.trace import TraceResult, trace_rank
 from torchtrain.tools.planner.validate import layout_problems, runnable_problems
@@ -56,7 +56,7 @@ class Plan:
     @property
     def fits(self) -> bool | None:
         usable = self.inputs.usable_bytes
-        return None if usable is None else self.worst.peak <= usable
+        return None if usable is None or not self.ranks else self.worst.peak <= usable
 
     @property
     def valid(self) -> bool:
@@ -112,32 +112,39 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
     problems = layout_problems(p)
     overrides = display_overrides(p, job.cfg)
     blockers = ["invalid layout"] if problems else runnable_problems(p, job.argv, job.tokenizer)
-    ranks = []
-    m, v = p.n_microbatches, p.pp_stages_per_rank
-    for r in range(p.pp):
-        ranks.append(RankPlan(r, estimate_memory(p, r)))
-    if trace and not problems:
+    try:
+        prof = pipeline_of(p)
+    except ConfigError as e:  # the trainer's own pipeline checks
+        problems.append(str(e))
+    if problems:  # no per-rank memory for a layout that cannot exist
+        return Plan(p, [], estimate_throughput(p.replace(pp=1), peak_tflops), problems, ["invalid layout"],
+                    overrides, list(job.notes) + p.notes)
+    ranks = [RankPlan(r, estimate_memory(p, r)) for r in range(p.pp)]
+    if trace and not blockers:  # a job the trainer refuses has no real step to trace
         tcfg = _trace_config(job, p)
         done: dict[tuple, TraceResult] = {}
         cache: dict = {}
         for rank in ranks:
-            key = structure(p.args.n_layers, p.pp, v, rank.pp_rank)
+            key = structure(prof, rank.pp_rank)
             if key not in done:
                 done[key] = trace_rank(p, tcfg, rank.pp_rank, cache)
             result = rank.trace = done[key]
             if result.skipped is None:
-                flight = in_flight(p.pp_schedule, p.pp, m, v, rank.pp_rank)
+                flight = prof.in_flight[rank.pp_rank]
                 rank.traced_peak, rank.traced_phase, rank.traced_breakdown, rank.traced_in_flight = result.at(flight)
+    if trace and job.cfg.compile.enable:
+        p.notes.append("traced in eager mode (the job compiles its blocks; compiled kernels may keep fewer "
+                       "intermediates, so the traced peak is an upper bound)")
     peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
     return Plan(p, ranks, estimate_throughput(p, peak), problems, blockers, overrides, list(job.notes) + p.notes)
 
 
 def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
-    """The job config the trace runs: the job with every layout knob this build has a key for."""
-    if p.strategy == "zero2" and not config_has(job.cfg, "strategy"):
-        p = p.replace(strategy="zero3", reshard_after_forward="never")  # what zero2 is, on a build without the key
+    """The job config the trace runs: the job with the layout's knobs, in eager mode (the memory
+    tracker is a dispatch mode, which torch.compile cannot trace through; eager memory is what the
+    trainer's own `metrics.track_tensor_memory` measures too, and bounds the compiled step's)."""
     overrides, _ = config_overrides(p, job.cfg)
-    return parse_args(job.argv + overrides)
+    return parse_args(job.argv + overrides + ["--compile.enable", "false"])
 
 
 def plan_from_flags(job: Job, world_size: int, gpu: str, flags: dict[str, Any], trace: bool = True,

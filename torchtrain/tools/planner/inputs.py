@@ -17,7 +17,13 @@ from typing import Any
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError, JobConfig
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+def _schedules() -> tuple[str, ...]:
+    from torchtrain.distributed.pipeline import schedule_names
+
+    return tuple(schedule_names())
+
+
+SCHEDULES = _schedules()
 STRATEGIES = ("zero3", "zero2", "zero1", "ddp")
 SHARDED = ("zero3", "zero2")  # FSDP2-based: parameters sharded over dp_shard
 AC_MODES = ("none", "full", "selective")
@@ -72,6 +78,10 @@ class PlanInputs:
     pp_microbatch_size: int = 1
     pp_stages_per_rank: int = 1
     """Virtual stages per rank (2+ for interleaved schedules)."""
+    pp_split: tuple = ()
+    """The job's own pipeline split keys, as the trainer reads them: (first_stage_less_layers,
+    last_stage_less_layers, module_fqns_per_model_part, schedule_csv, layers_per_stage); () = the
+    default even split (with `pp_stages_per_rank` stages per rank)."""
     ac_mode: str = "none"
     ac_option: str = "op"
     """Selective AC: "op" (save matmul/attention outputs per op policy) or an integer N (every N-th block)."""
@@ -102,8 +112,11 @@ class PlanInputs:
 
     @property
     def n_microbatches(self) -> int:
-        """Pipeline micro-batches per local batch (1 without pipelining)."""
-        return self.local_batch_size // self.pp_microbatch_size if self.pp > 1 else 1
+        """Pipeline micro-batches per step (1 without pipelining): with pipelining, gradient
+        accumulation happens through micro-batches, as in the trainer."""
+        if self.pp == 1:
+            return 1
+        return self.local_batch_size * self.grad_accum_steps // self.pp_microbatch_size
 
     @property
     def microbatch_tokens(self) -> int:
@@ -161,7 +174,9 @@ class PlanInputs:
                 f"fsdp {self.dp_shard}" if self.dp_shard > 1 else f"replicate {self.dp_replicate}")
         else:
             dp = f"{self.strategy} {self.dp}"
-        parts = [dp + (f" tp{self.tp}" if self.tp > 1 else "")]
+        if self.dp == 1:
+            dp = ""
+        parts = [(dp + (f" tp{self.tp}" if self.tp > 1 else "")).strip() or "1 rank"]
         if self.pp > 1:
             sched = {"Interleaved1F1B": "I1F1B"}.get(self.pp_schedule, self.pp_schedule)
             v = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
@@ -234,7 +249,16 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     if global_bs == -1:
         global_bs = local * rep * shard
     schedule = _norm_schedule(pick("pp_schedule", "1F1B"))
-    v = flags.get("pp_stages_per_rank") or (2 if schedule.startswith("Interleaved") else 1)
+    from torchtrain.tools.planner.pipeline import default_stages_per_rank
+
+    par = cfg.parallelism
+    split = (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
+             tuple(tuple(s) for s in par.module_fqns_per_model_part or ()), par.pipeline_parallel_schedule_csv,
+             par.pipeline_parallel_layers_per_stage)
+    split = () if split == (0, 0, (), None, None) or flags.get("pp_stages_per_rank") else split
+    v = flags.get("pp_stages_per_rank") or default_stages_per_rank(schedule)
+    if split and split[4] and pp > 1:
+        v = max(1, (args.n_layers + split[0] + split[1]) // (split[4] * pp))
     param_dtype = pick("param_dtype", "auto")
     if param_dtype == "auto":
         param_dtype = "bfloat16" if device_type == "cuda" else "float32"
@@ -249,6 +273,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         reshard_after_forward=pick("reshard_after_forward", "default"),
         seq_len=int(pick("seq_len", 2048)), local_batch_size=local, global_batch_size=global_bs,
         pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),
+        pp_split=split,
         ac_mode=pick("ac_mode", "none"), ac_option=str(pick("ac_option", "op")),
         cpu_offload=bool(pick("cpu_offload", False)), param_dtype=param_dtype,
         reduce_dtype=pick("reduce_dtype", "float32"), optimizer=pick("optimizer", "AdamW"), optimizer_impl=impl,
@@ -281,6 +306,12 @@ def config_overrides(inputs: PlanInputs, cfg: JobConfig, resolve_auto: bool = Tr
                 out += [f"--{section}.{key}", _cli_value(value)]
         elif knob in defaults and value != defaults[knob] and not _irrelevant(inputs, knob):
             missing.append(f"{section}.{key}")
+    if inputs.pp > 1 and not inputs.pp_split:
+        from torchtrain.tools.planner.pipeline import default_stages_per_rank
+
+        if inputs.pp_stages_per_rank != default_stages_per_rank(inputs.pp_schedule):
+            per_stage = inputs.args.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
+            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage)]
     return out, missing
 
 

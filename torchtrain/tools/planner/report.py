@@ -73,6 +73,8 @@ def format_plan(plan: Plan) -> str:
     if plan.overrides:
         lines.append("  run with " + " ".join(plan.overrides))
     lines.append("")
+    if not plan.ranks:  # an impossible layout has no memory to show
+        return "\n".join(lines)
     worst = plan.worst
     lines += _memory_table(plan, worst)
     if p.pp > 1:
@@ -117,14 +119,15 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
 
 
 def _pipeline_table(plan: Plan) -> str:
-    from torchtrain.tools.planner.pipeline import bubble_fraction
+    from torchtrain.tools.planner.pipeline import pipeline_of
 
     p = plan.inputs
     u, name = _unit(plan)
-    bubble = bubble_fraction(p.pp_schedule, p.pp, p.n_microbatches, p.pp_stages_per_rank)
-    formula = "(pp-1)/(v m + pp-1)" if p.pp_schedule.startswith("Interleaved") else "(pp-1)/(m + pp-1)"
+    prof = pipeline_of(p)
+    formula = (p.pp - 1) / (p.n_microbatches + p.pp - 1)
     lines = [f"Pipeline: {p.pp_schedule}, {p.pp} ranks x {p.pp_stages_per_rank} stage(s), {p.n_microbatches} "
-             f"micro-batches: bubble {bubble:.1%} = {formula}",
+             f"micro-batches: bubble {prof.bubble:.1%} (replayed from the schedule; GPipe/1F1B formula "
+             f"(pp-1)/(m+pp-1) = {formula:.1%})",
              f"  {'rank':>4}  {'stages':<44} {'in flight':>9} {'analytic':>9} {'traced':>9}  ({name})"]
     for r in plan.ranks:
         traced = _g(r.traced_peak, u) if r.traced_peak is not None else "n/a"
@@ -191,8 +194,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "model": {"name": p.model_name, "args": _clean(p.args), "num_params": p.args.num_params()},
         "inputs": inputs, "valid": plan.valid, "problems": plan.problems, "runnable": not plan.blockers,
         "blockers": plan.blockers, "overrides": plan.overrides,
-        "memory": {"ranks": ranks, "worst_rank": plan.worst.pp_rank, "worst_peak_bytes": plan.worst.peak,
-                   "usable_bytes": p.usable_bytes, "fits": plan.fits},
+        "memory": {"ranks": ranks, "worst_rank": plan.worst.pp_rank if ranks else None,
+                   "worst_peak_bytes": plan.worst.peak if ranks else None, "usable_bytes": p.usable_bytes,
+                   "fits": plan.fits if ranks else None},
         "throughput": _clean(plan.throughput), "notes": plan.notes,
     }
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from torchtrain.config import ConfigError
 from torchtrain.tools.planner.analytic import estimate_memory
 from torchtrain.tools.planner.core import Job, Plan, make_plan
 from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
@@ -119,7 +120,12 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
             c.reason = "invalid: " + "; ".join(problems)
             result.rejected.append(c)
             continue
-        c.peak = _worst_analytic(p)
+        try:
+            c.peak = _worst_analytic(p)
+        except ConfigError as e:  # the trainer's pipeline rules (split, micro-batches, schedule)
+            c.reason = f"invalid: {e}"
+            result.rejected.append(c)
+            continue
         if usable is not None and c.peak > usable:
             c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
             result.rejected.append(c)

@@ -5,7 +5,7 @@
                         block's forward, 2 N_block + 4 h s; selective "op": the matmuls it does not
                         save -- wk, wo, w3 -- 2 (h h_kv + h h + h F) per block)
     compute time        T_c = tokens/step x (F_m + F_r) / world / (peak x kernel MFU)
-    pipeline            T_p = T_c / (1 - bubble)     (bubble from `pipeline.bubble_fraction`)
+    pipeline            T_p = T_c / (1 - bubble)     (bubble replayed from the real schedule: `pipeline.py`)
     communication       ring volumes per rank, at the GPU's intra-node bandwidth when the group fits
                         in a node, else its inter-node bandwidth:
                         * TP (sequence parallel): 8 collectives of t h d x (tp-1)/tp bytes per block
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import bubble_fraction, rank_stages
+from torchtrain.tools.planner.pipeline import pipeline_of
 
 
 @dataclass
@@ -89,7 +89,7 @@ def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
     a, d, r = p.args, p.param_bytes, p.reduce_bytes
     from torchtrain.tools.planner.analytic import _numel, _unit_shapes
 
-    stages = rank_stages(a.n_layers, p.pp, p.pp_stages_per_rank, 0)
+    stages = list(pipeline_of(p).stages[0])
     units = _unit_shapes(a, stages, p.tp)
     numel = _numel([s for _, sh in units for s in sh])
     biggest_unit = max(_numel(sh) for _, sh in units)
@@ -133,7 +133,7 @@ def estimate_throughput(p: PlanInputs, peak_override: float | None = None) -> Th
     f_rec = recompute_flops_per_token(p)
     tokens = p.global_batch_size * p.seq_len
     peak = peak_tflops(p, peak_override)
-    bubble = bubble_fraction(p.pp_schedule, p.pp, p.n_microbatches, p.pp_stages_per_rank)
+    bubble = pipeline_of(p).bubble
     out = Throughput(f_model, f_rec, tokens, peak, bubble, budget_tokens=p.token_budget)
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak:

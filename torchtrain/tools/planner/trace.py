@@ -49,9 +49,9 @@ from torch import nn
 
 from torchtrain.components.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
-from torchtrain.tools.planner.inputs import PlanInputs, config_has
-from torchtrain.tools.planner.pipeline import Stage, rank_stages
-from torchtrain.tools.planner.stage_model import apply_ac_locally, cut_to_stage, has_ac, has_tp
+from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.pipeline import Stage, pipeline_of
+from torchtrain.tools.planner.stage_model import cut_to_stage, has_ac, has_tp
 
 FULL_TRACE_MAX_BLOCKS = 5
 
@@ -96,14 +96,6 @@ def fake_backend_available() -> str | None:
     return None
 
 
-def _unsupported(p: PlanInputs, cfg: JobConfig) -> str | None:
-    if p.strategy in ("zero1", "ddp") and not config_has(cfg, "strategy"):
-        return f"data-parallel strategy {p.strategy!r} is not implemented by this build's parallel plan"
-    if p.cpu_offload and not config_has(cfg, "cpu_offload"):
-        return "CPU offload is not implemented by this build's parallel plan"
-    return None
-
-
 # ----------------------------------------------------------------------------- entry point
 def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | None = None,
                fake: bool = True) -> TraceResult:
@@ -112,7 +104,7 @@ def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | No
     `cache` (shared by the ranks of one plan) reuses traces of identical model parts. `fake=False`
     runs the very same step on real tensors (tests use it to show fake tensors change nothing).
     """
-    reason = fake_backend_available() or _unsupported(p, cfg)
+    reason = fake_backend_available()
     if reason:
         return TraceResult(pp_rank, skipped=reason)
     t0 = time.perf_counter()
@@ -124,7 +116,7 @@ def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | No
             cache[key] = _trace(p, cfg, pp_rank, stages, fake)
         return cache[key]
 
-    stages = rank_stages(p.args.n_layers, p.pp, p.pp_stages_per_rank, pp_rank)
+    stages = list(pipeline_of(p).stages[pp_rank])
     if sum(len(s.layers) for s in stages) <= FULL_TRACE_MAX_BLOCKS:
         result = dataclasses.replace(traced(stages), pp_rank=pp_rank)
     else:
@@ -188,14 +180,35 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
             _run(p, cfg, pd, stages, parts, result)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
     return result
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation and redistribution caches (Python and C++). They key on
+    mesh *equality*, and the next trace's mesh (same shape, same names, new process groups) equals
+    this one's: a cached result would hand it this trace's destroyed groups."""
+    from torch.distributed.tensor import _redistribute
+
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: only the Python cache
+        from torch.distributed.tensor import DTensor
+
+        def _clear_sharding_prop_cache():
+            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _clear_sharding_prop_cache()
+    fn = getattr(_redistribute, "_gen_transform_infos", None)
+    if fn is not None and hasattr(fn, "cache_clear"):
+        fn.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def _build_parts(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
     from torchtrain.models.registry import get_model_spec
 
     spec, notes = get_model_spec(p.model_name), []
-    local_ac = p.ac_mode != "none" and not config_has(cfg, "ac_mode")
     parts = []
     for stage in stages:
         n_built = max(stage.layers) + 1
@@ -203,14 +216,20 @@ def _build_parts(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage]) -> tupl
             model = spec.model_cls(p.args if n_built == p.args.n_layers else p.args.replace(n_layers=n_built))
         if p.pp > 1 or n_built != p.args.n_layers:
             model = cut_to_stage(model, stage)
-        if local_ac:
-            apply_ac_locally(model, p.ac_mode, p.ac_option)
-        parts.append(spec.parallelize_fn(model, pd, cfg))
-    if local_ac:
-        notes.append("activation checkpointing applied by the planner (this build's plan does not apply it yet)")
-    if p.pp > 1:
-        notes.append("pipeline stage cut by the planner's even split (until the pipeline feature provides it)")
+        part = spec.parallelize_fn(model, pd, cfg)
+        if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see _local_allreduce_hook
+            part.register_comm_hook(None, _local_allreduce_hook)
+        parts.append(part)
     return parts, notes
+
+
+def _local_allreduce_hook(state, bucket):
+    """DDP's reducer expects its all-reduce to hand back the bucket; the fake process group hands back
+    nothing, so the trace's gradient buckets are 'reduced' in place, without communication (the same
+    tensors, so the same memory)."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _run(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage], parts: list[nn.Module], result: TraceResult) -> None:
@@ -226,7 +245,10 @@ def _run(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage], parts: list[nn.
         result.notes.append(f"AC mode {p.ac_mode!r} requested but the parallel plan applied none")
     for m in parts:
         m.train()
-    optimizers = OptimizersContainer(parts, cfg.optimizer, torch.device(p.device_type))
+    zero1 = p.strategy == "zero1" and pd.dp_enabled  # as Trainer.__init__ builds it
+    state_device = torch.device("cpu" if p.cpu_offload else p.device_type)
+    optimizers = OptimizersContainer(parts, cfg.optimizer, state_device,
+                                     zero1_group=pd.dp_mesh.get_group() if zero1 else None)
     schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
@@ -278,11 +300,17 @@ def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, s
     step-time attributes are set here. If a later trainer's step needs another attribute, this raises
     an error naming it: set it below as `Trainer.__init__` does.
     """
+    from torchtrain.components.precision import LossScaler
+    from torchtrain.distributed.fsdp import DTYPES
     from torchtrain.train import Trainer
 
+    dtype = DTYPES[p.param_dtype]
+    replicated = p.strategy in ("ddp", "zero1")
     owner = Trainer.__new__(Trainer)
     owner.__dict__.update(parallel_dims=pd, model_parts=parts, device=torch.device("cpu"), loss_fn=loss_fn,
-                          job_config=cfg, optimizers=optimizers, lr_schedulers=schedulers, step=1)
+                          job_config=cfg, optimizers=optimizers, lr_schedulers=schedulers, step=1, pp_plan=None,
+                          autocast_dtype=dtype if replicated and dtype != torch.float32 else None,
+                          scaler=LossScaler(dtype == torch.float16, sharded=not replicated, device=torch.device("cpu")))
     shape = (p.local_batch_size, p.seq_len)
     batches = [(torch.randint(0, p.args.vocab_size, shape), torch.randint(0, p.args.vocab_size, shape))
                for _ in range(min(p.grad_accum_steps, 2))]
@@ -304,9 +332,11 @@ def _stage_step(p: PlanInputs, pd, parts, stages, tracker, loss_fn, optimizers, 
     n_micro = min(p.n_microbatches, 2)
     loss_fn.scale = 1.0 / (p.n_microbatches * mb * p.seq_len)
     inputs = [(torch.randint(0, p.args.vocab_size, (mb, p.seq_len)),
-               torch.randn(mb, p.seq_len, p.args.dim, dtype=dtype),
+               torch.randn(mb, p.seq_len // p.tp, p.args.dim, dtype=dtype),  # sequence-parallel shard
                torch.randint(0, p.args.vocab_size, (mb, p.seq_len))) for _ in range(n_micro)]
-    with tracker:
+    from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
+
+    with tracker, maybe_loss_parallel(pd.loss_parallel_enabled):  # as the trainer's train_context
         for i, (tokens, hidden, labels) in enumerate(inputs):
             last_micro = i == n_micro - 1
             for part in fsdp_modules(parts):

@@ -6,19 +6,17 @@ Two separate questions:
   not multiply to the world size, heads not divisible by the tensor-parallel degree, fewer layers than
   pipeline stages, a global batch that is not a multiple of local batch x dp, ... A search rejects
   such layouts with the reason.
-* `runnable_problems`: the layout is valid, but does this build accept the job? It builds the real
-  JobConfig with the layout's overrides and runs the trainer's own start-up checks
-  (`parse_args`, `ParallelDims.from_config`, `resolve_batch`, the model's `validate` and
-  `validate_fn`). A feature that has not landed yet (an unknown config key, a degree reported as not
-  supported) makes a layout "not runnable yet" -- planned, but marked.
+* `runnable_problems`: does the trainer accept the job? It builds the real JobConfig with the
+  layout's overrides and runs the trainer's own start-up checks (`torchtrain.preflight`: degrees,
+  batch, model arguments and the model's parallel checks, feature combinations, the pipeline plan).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torchtrain.config import ConfigError, JobConfig, parse_args, resolve_batch
-from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, SCHEDULES, STRATEGIES, PlanInputs, config_overrides
+from torchtrain.config import ConfigError, JobConfig, parse_args
+from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES, PlanInputs, config_overrides
 
 
 def layout_problems(p: PlanInputs) -> list[str]:
@@ -45,24 +43,12 @@ def layout_problems(p: PlanInputs) -> list[str]:
                             ("ffn hidden size", a.ffn_hidden_dim)):
             if value % p.tp:
                 out.append(f"{name} {value} is not divisible by tensor_parallel_degree {p.tp}")
-    if p.pp > 1:
+    if p.pp > 1:  # the split, schedule and micro-batch rules are the trainer's: see pipeline.pipeline_of
         stages = p.pp * p.pp_stages_per_rank
-        if p.pp_schedule not in SCHEDULES:
-            out.append(f"unknown pipeline schedule {p.pp_schedule!r}")
         if a.n_layers < stages:
             out.append(f"{a.n_layers} layers cannot fill {stages} pipeline stages")
         if getattr(a, "tie_word_embeddings", False):
             out.append("tied embeddings live on the first and the last stage: not supported with pipeline parallelism")
-        if p.pp_microbatch_size < 1 or p.local_batch_size % p.pp_microbatch_size:
-            out.append(f"local batch {p.local_batch_size} is not a multiple of the pipeline micro-batch size "
-                       f"{p.pp_microbatch_size}")
-        if p.pp_schedule.startswith("Interleaved"):
-            if p.pp_stages_per_rank < 2:
-                out.append("interleaved schedules need >= 2 stages per rank")
-            elif p.n_microbatches % p.pp:
-                out.append(f"interleaved schedules need micro-batches ({p.n_microbatches}) divisible by pp ({p.pp})")
-        elif p.pp_stages_per_rank != 1:
-            out.append(f"{p.pp_schedule} runs one stage per rank")
     per_micro = p.local_batch_size * p.dp
     if p.global_batch_size % per_micro:
         out.append(f"global batch {p.global_batch_size} is not a multiple of local batch {p.local_batch_size} x "
@@ -77,22 +63,13 @@ def build_job_config(p: PlanInputs, base_argv: list[str]) -> tuple[JobConfig, li
 
 
 def runnable_problems(p: PlanInputs, base_argv: list[str], tokenizer: Any) -> list[str]:
-    """The trainer's own start-up checks applied to this layout ([] = the trainer would start it)."""
-    from torchtrain.distributed import ParallelDims
-    from torchtrain.models.registry import build_model_args, get_model_spec
+    """The trainer's own start-up checks (`torchtrain.preflight`) applied to this layout on its target
+    device type ([] = the trainer would start it)."""
+    from torchtrain.preflight import preflight
 
     try:
         cfg, problems = build_job_config(p, base_argv)
+        preflight(cfg, p.world_size, p.device_type, tokenizer)
     except ConfigError as e:
         return [str(e)]
-    try:
-        pd = ParallelDims.from_config(cfg.parallelism, p.world_size)
-        resolve_batch(cfg.training, pd.dp)
-        spec = get_model_spec(cfg.model.name)
-        args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-        args.update_from_config(cfg, tokenizer)
-        if spec.validate_fn is not None:
-            spec.validate_fn(args, pd, cfg)
-    except ConfigError as e:
-        problems.append(str(e))
     return problems
