@@ -282,11 +282,16 @@ class Trainer:
         """Target tokens trained on so far, over all data-parallel ranks."""
         return int(self._tokens_seen.item())
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Flush and release everything. `finished`: every rank completed normally, so they meet at a
+        barrier first and tear the process group down together (a rank that destroys gloo's group
+        while a peer still runs can abort at exit)."""
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -305,17 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(format_help(_help_model(argv)))
         return 0
-    trainer = None
+    trainer, finished = None, False
     try:
         trainer = Trainer(parse_args(argv))
         trainer.train()
+        finished = True
     except ConfigError as e:
         if is_log_rank():
             print(f"torchtrain: config error: {e}", file=sys.stderr)
         return 2
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(finished)
         elif dist.is_initialized():
             dist.destroy_process_group()
     return 0
