@@ -62,10 +62,12 @@ def trainer_loop(args) -> list[float]:
             "--job.print_config", "false", "--job.dump_folder", dump,
         ])
         trainer = Trainer(cfg)
+        finished = False
         try:
             trainer.train()
+            finished = True
         finally:
-            trainer.close()
+            trainer.close(finished)
         with open(os.path.join(dump, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
     return [r["step_time_s"] for r in records[args.warmup:]]

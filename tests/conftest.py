@@ -42,3 +42,26 @@ def read_metrics(dump_folder: str) -> list[dict]:
 @pytest.fixture
 def tiny_job():
     return list(TINY_JOB)
+
+
+class ParitySuite:
+    """One baseline run (one process) shared by a test module; candidates are compared against it."""
+
+    def __init__(self, workdir: str, overrides: list[str], steps: int = 10):
+        from torchtrain.tools.parity import parse_layout, run_layout
+
+        self.workdir, self.overrides, self.steps = workdir, overrides, steps
+        self.baseline = run_layout(parse_layout("single"), None, steps, overrides, workdir)
+        assert self.baseline.returncode == 0, self.baseline.log[-3000:]
+
+    def check(self, layouts: list[str], rtol: float = 1e-4, extra=()):
+        """Run each layout, print the per-step table, assert every layout matches; return the runs."""
+        from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
+
+        runs = [run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.workdir)
+                for s in layouts]
+        comps = [compare(self.baseline, r, self.steps, rtol) for r in runs]
+        table = format_table(self.baseline, comps, rtol)
+        print(table)
+        assert all(c.ok for c in comps), table
+        return runs

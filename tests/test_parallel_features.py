@@ -22,9 +22,7 @@ import sys
 
 import pytest
 
-from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
-
-from conftest import REPO, TINY_JOB, read_metrics, run_train
+from conftest import REPO, TINY_JOB, ParitySuite, read_metrics, run_train
 
 pytestmark = pytest.mark.dist
 STEPS = 10
@@ -32,49 +30,32 @@ OVERRIDES = list(TINY_JOB) + ["--training.global_batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("parity"))
+def suite(tmp_path_factory):
+    return ParitySuite(str(tmp_path_factory.mktemp("parity")), OVERRIDES, STEPS)
 
 
-@pytest.fixture(scope="module")
-def baseline(workdir):
-    run = run_layout(parse_layout("single"), None, STEPS, OVERRIDES, workdir)
-    assert run.returncode == 0, run.log[-3000:]
-    return run
+def test_tensor_parallel_layouts(suite):
+    suite.check(["tp2", "tp4", "fsdp2_tp2", "hsdp2x2_tp2"])
 
 
-def check(baseline, workdir, layouts: list[str], rtol: float = 1e-4, overrides=()):
-    comps = []
-    for spec in layouts:
-        run = run_layout(parse_layout(spec), None, STEPS, OVERRIDES + list(overrides), workdir)
-        comps.append(compare(baseline, run, STEPS, rtol))
-    table = format_table(baseline, comps, rtol)
-    print(table)
-    assert all(c.ok for c in comps), table
+def test_data_parallel_flavours(suite):
+    suite.check(["ddp2", "zero1_2", "zero2_2"])
 
 
-def test_tensor_parallel_layouts(baseline, workdir):
-    check(baseline, workdir, ["tp2", "tp4", "fsdp2_tp2", "hsdp2x2_tp2"])
+def test_activation_checkpointing(suite):
+    suite.check(["ac_full", "ac_every2", "ac_op"])
 
 
-def test_data_parallel_flavours(baseline, workdir):
-    check(baseline, workdir, ["ddp2", "zero1_2", "zero2_2"])
+def test_compile(suite):
+    suite.check(["compile", "fsdp2_tp2_compile"])
 
 
-def test_activation_checkpointing(baseline, workdir):
-    check(baseline, workdir, ["ac_full", "ac_every2", "ac_op"])
-
-
-def test_compile(baseline, workdir):
-    check(baseline, workdir, ["compile", "fsdp2_tp2_compile"])
-
-
-def test_low_precision_tracks_fp32(baseline, workdir):
-    check(baseline, workdir, ["1 --training.mixed_precision_param bfloat16",
+def test_low_precision_tracks_fp32(suite):
+    suite.check(["1 --training.mixed_precision_param bfloat16",
                               "1 --training.mixed_precision_param float16",
                               "2 --training.mixed_precision_param bfloat16",
-                              "2 --training.mixed_precision_param float16 --parallelism.data_parallel_strategy ddp"],
-          rtol=1e-2)
+                 "2 --training.mixed_precision_param float16 --parallelism.data_parallel_strategy ddp"],
+                rtol=1e-2)
 
 
 def test_fp16_overflow_skips_exactly_that_step(tmp_path):
@@ -132,10 +113,4 @@ def test_second_model_brings_its_own_plan(tmp_path, monkeypatch):
     toy = ["--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp", "--model.flavor", "small",
            "--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.global_batch_size", "4", "--lr_scheduler.warmup_steps", "1", "--job.print_config", "false"]
-    base = run_layout(parse_layout("single"), None, 5, toy, str(tmp_path))
-    assert base.returncode == 0, base.log[-3000:]
-    comps = [compare(base, run_layout(parse_layout(s), None, 5, toy, str(tmp_path)), 5, 1e-4)
-             for s in ("tp2", "fsdp2")]
-    table = format_table(base, comps, 1e-4)
-    print(table)
-    assert all(c.ok for c in comps), table
+    ParitySuite(str(tmp_path), toy, steps=5).check(["tp2", "fsdp2"])

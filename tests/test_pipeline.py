@@ -16,33 +16,15 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.pipeline_timeline import simulate
 from torchtrain.preflight import preflight
-from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
-
-from conftest import TINY_JOB
+from conftest import TINY_JOB, ParitySuite
 
 STEPS = 10
 PP_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.global_batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("pp"))
-
-
-@pytest.fixture(scope="module")
-def baseline(workdir):
-    run = run_layout(parse_layout("single"), None, STEPS, PP_JOB, workdir)
-    assert run.returncode == 0, run.log[-3000:]
-    return run
-
-
-def check(baseline, workdir, layouts, extra=()):
-    runs = [run_layout(parse_layout(s), None, STEPS, PP_JOB + list(extra), workdir) for s in layouts]
-    comps = [compare(baseline, r, STEPS, 1e-4) for r in runs]
-    table = format_table(baseline, comps, 1e-4)
-    print(table)
-    assert all(c.ok for c in comps), table
-    return runs
+def suite(tmp_path_factory):
+    return ParitySuite(str(tmp_path_factory.mktemp("pp")), PP_JOB, STEPS)
 
 
 def _bubble(log: str) -> tuple[float, float]:
@@ -52,9 +34,9 @@ def _bubble(log: str) -> tuple[float, float]:
 
 
 @pytest.mark.dist
-def test_every_schedule_matches_one_process(baseline, workdir):
+def test_every_schedule_matches_one_process(suite):
     names = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
-    runs = check(baseline, workdir, [f"pp2_{n}" for n in names])
+    runs = suite.check([f"pp2_{n}" for n in names])
     bubbles = {n: _bubble(r.log) for n, r in zip(names, runs)}
     # 2 ranks, 8 micro-batches: the textbook bubble is 1/9 = 11.1%; the single-stage schedules hit it,
     # interleaving (2 stages per rank) and zero-bubble schedules do better
@@ -65,19 +47,19 @@ def test_every_schedule_matches_one_process(baseline, workdir):
 
 
 @pytest.mark.dist
-def test_pp4_and_3d_layout(baseline, workdir):
-    check(baseline, workdir, ["pp4_1f1b", "pp2_fsdp2_tp2"])
+def test_pp4_and_3d_layout(suite):
+    suite.check(["pp4_1f1b", "pp2_fsdp2_tp2"])
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_4d_layout_16_ranks(baseline, workdir):
+def test_4d_layout_16_ranks(suite):
     """PP 2 x HSDP 2x2 x TP 2 on 16 gloo processes (~1-2 minutes on 2 cores)."""
-    check(baseline, workdir, ["pp2_hsdp2x2_tp2"])
+    suite.check(["pp2_hsdp2x2_tp2"])
 
 
 @pytest.mark.dist
-def test_csv_schedule(baseline, workdir, tmp_path):
+def test_csv_schedule(suite, tmp_path):
     """A hand-written looped GPipe over 4 stages on 2 ranks, run by torch's schedule runtime."""
     rows = []
     for rank in range(2):
@@ -87,8 +69,8 @@ def test_csv_schedule(baseline, workdir, tmp_path):
         rows.append(",".join(acts))
     path = tmp_path / "looped_gpipe.csv"
     path.write_text("\n".join(rows) + "\n")
-    check(baseline, workdir, ["2 --parallelism.pipeline_parallel_degree 2"],
-          extra=["--parallelism.pipeline_parallel_schedule_csv", str(path)])
+    suite.check(["2 --parallelism.pipeline_parallel_degree 2"],
+                extra=["--parallelism.pipeline_parallel_schedule_csv", str(path)])
 
 
 # ----------------------------------------------------------------------------------- timeline
@@ -174,3 +156,34 @@ def test_explicit_split_is_used():
                                                   "--parallelism.pipeline_parallel_last_stage_less_layers", "1",
                                                   "--model.n_layers", "6"]), 2, "cpu").pp_plan
     assert [len([n for n in s if n.startswith("layers")]) for s in uneven.modules_per_stage] == [3, 3]
+
+
+@pytest.mark.parametrize("kind, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
+def test_peak_in_flight(kind, expected):
+    from torchtrain.distributed.pipeline_timeline import peak_in_flight
+
+    assert list(peak_in_flight(_order(kind, 4, 8)).values()) == expected
+
+
+@pytest.mark.dist
+def test_1f1b_activation_memory_stays_flat_while_gpipe_grows(tmp_path):
+    """Measured on rank 0 (the first stage) with the trainer's live-tensor tracker
+    (`metrics.track_tensor_memory`) while really training PP 2: going from 2 to 8 micro-batches,
+    GPipe keeps every micro-batch's activations until its backward (~4x), 1F1B at most p = 2 of them."""
+    from conftest import read_metrics, run_train
+
+    peak = {}
+    for schedule in ("GPipe", "1F1B"):
+        for m in (2, 8):
+            dump = tmp_path / f"{schedule}_{m}"
+            out = run_train(PP_JOB + PP2 + [
+                "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "1",
+                "--training.global_batch_size", str(m), "--training.steps", "2", "--metrics.log_freq", "1",
+                "--metrics.track_tensor_memory", "--metrics.enable_tensorboard", "false",
+                "--job.dump_folder", str(dump)], nproc=2)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+            peak[schedule, m] = max(r["memory_tensor_breakdown_gib"]["activations"] for r in read_metrics(str(dump)))
+    print({k: f"{v * 2**30 / 2**20:.2f} MiB" for k, v in peak.items()})
+    assert peak["GPipe", 8] > 2.5 * peak["GPipe", 2]
+    assert peak["1F1B", 8] < 1.2 * peak["1F1B", 2]
+    assert peak["1F1B", 8] < 0.5 * peak["GPipe", 8]

@@ -27,6 +27,7 @@ from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.phases import PhaseTimer
 from torchtrain.components.precision import LossScaler
 from torchtrain.components.profiling import Profiler
+from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.validation import Validator, build_validation_source
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.distributed.cluster import check_cluster
@@ -90,7 +91,8 @@ class Trainer:
         self.autocast_dtype = param_dtype if replicated and param_dtype != torch.float32 else None
         self.scaler = LossScaler(param_dtype == torch.float16, sharded=not replicated, device=self.device)
         zero1 = cfg.parallelism.data_parallel_strategy == "zero1" and pd.dp_enabled
-        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, self.device,
+        state_device = torch.device("cpu") if cfg.training.enable_cpu_offload else self.device
+        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, state_device,
                                               zero1_group=pd.dp_mesh.get_group() if zero1 else None)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, cfg.training.seq_len,
@@ -101,6 +103,7 @@ class Trainer:
                                           peak_tflops(self.device, param_dtype, cfg.metrics.peak_tflops),
                                           world_size)
         self.memory = MemoryMonitor(self.device)
+        self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0)
         self.step = 0
@@ -122,7 +125,13 @@ class Trainer:
         self.checkpointer.load()
 
     def _materialize(self, part: torch.nn.Module) -> torch.nn.Module:
-        part.to_empty(device=self.device)
+        offload = self.job_config.training.enable_cpu_offload
+        part.to_empty(device="cpu" if offload else self.device)
+        if offload:  # the sharded state lives in host memory, buffers (RoPE tables) on the GPU
+            for module in part.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(self.device)
         init_model_weights(part, self.job_config.debug.seed)
         return part.train()
 
@@ -260,7 +269,8 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
             data_time = time.perf_counter() - t0
-            out = self.train_step(batches)
+            with self.tensor_memory.track():
+                out = self.train_step(batches)
             self.throughput.add_step(tokens_per_step, data_time)
             self.phases.end_step()
             self._tokens_seen += out["tokens"]
@@ -315,6 +325,7 @@ class Trainer:
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
+            **self.tensor_memory.record(),
         }
         if self.scaler.enabled:
             record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
@@ -329,7 +340,10 @@ class Trainer:
         """Target tokens trained on so far, over all data-parallel ranks."""
         return int(self._tokens_seen.item())
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Flush and release everything. `finished`: every rank completed normally, so they meet at a
+        barrier first and tear the process group down together (a rank that destroys gloo's group
+        while a peer still runs can abort at exit)."""
         if getattr(self, "profiler", None) is not None:
             self.profiler.stop()
         if getattr(self, "gc", None) is not None:
@@ -338,6 +352,8 @@ class Trainer:
             self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -356,21 +372,23 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(format_help(_help_model(argv)))
         return 0
-    trainer = None
+    trainer, finished = None, False
     try:
         trainer = Trainer(parse_args(argv))
         trainer.train()
+        finished = True
     except ConfigError as e:
         if is_log_rank():
             print(f"torchtrain: config error: {e}", file=sys.stderr)
         return 2
     except GuardAbort as e:  # every rank raises it at the same step (docs/guard.md)
+        finished = True  # ... so they can still tear down together
         if is_log_rank():
             print(f"torchtrain: guard: {e}", file=sys.stderr)
         return 3
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(finished)
         elif dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -39,4 +39,5 @@ assert sharded > 0, "expected sharded parameters"
 assert torch.equal(model.rope_cache, reference.rope_cache)
 if dist.get_rank() == 0:
     print(f"INIT-OK {sharded} sharded parameters equal the single-process init")
+dist.barrier()  # tear down together: see Trainer.close
 dist.destroy_process_group()

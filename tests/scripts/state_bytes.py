@@ -45,4 +45,4 @@ trainer.step = 1
 trainer.train_step([next(it) for _ in range(trainer.batch.grad_accum_steps)])
 if trainer.rank == 0:
     print("STATE-BYTES " + json.dumps(seen), flush=True)
-trainer.close()
+trainer.close(finished=True)

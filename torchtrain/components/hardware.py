@@ -26,20 +26,28 @@ class GPUSpec:
     """Dense fp32 (non-tensor-core) peak, when published."""
     pattern: str
     """Regex matched against torch.cuda.get_device_name() (lower-cased)."""
+    intra_node_gbps: float | None = None
+    """GPU-to-GPU bandwidth inside a node, GB/s per GPU per direction (NVLink / Infinity Fabric;
+    PCIe where there is none). Used by the planner's communication estimate."""
+    inter_node_gbps: float | None = None
+    """Network bandwidth per GPU between nodes, GB/s per direction (the usual one NIC per GPU of the
+    reference systems: 400 Gb/s InfiniBand NDR = 50 GB/s, 200 Gb/s HDR = 25 GB/s)."""
+    gpus_per_node: int = 8
+    """GPUs per node of the reference system (HGX / DGX / OAM platforms)."""
 
 
 KNOWN_GPUS: dict[str, GPUSpec] = {
     g.key: g
     for g in (
-        GPUSpec("h100", "NVIDIA H100 SXM 80GB", 80, 989.4, 66.9, r"h100(?!.*(pcie|nvl))"),
-        GPUSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 51.2, r"h100.*pcie"),
-        GPUSpec("h100_nvl", "NVIDIA H100 NVL 94GB", 94, 835.5, 60.0, r"h100.*nvl"),
-        GPUSpec("h200", "NVIDIA H200 141GB", 141, 989.4, 66.9, r"h200"),
-        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80"),
-        GPUSpec("a100_40gb", "NVIDIA A100 40GB", 40, 312.0, 19.5, r"a100(?!.*80)"),
-        GPUSpec("b200", "NVIDIA B200 180GB", 180, 2250.0, None, r"b200"),
-        GPUSpec("l40s", "NVIDIA L40S 48GB", 48, 362.1, 91.6, r"l40s"),
-        GPUSpec("mi300x", "AMD Instinct MI300X 192GB", 192, 1307.4, 163.4, r"mi300x"),
+        GPUSpec("h100", "NVIDIA H100 SXM 80GB", 80, 989.4, 66.9, r"h100(?!.*(pcie|nvl))", 450, 50),
+        GPUSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 51.2, r"h100.*pcie", 64, 50),
+        GPUSpec("h100_nvl", "NVIDIA H100 NVL 94GB", 94, 835.5, 60.0, r"h100.*nvl", 300, 50),
+        GPUSpec("h200", "NVIDIA H200 141GB", 141, 989.4, 66.9, r"h200", 450, 50),
+        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25),
+        GPUSpec("a100_40gb", "NVIDIA A100 40GB", 40, 312.0, 19.5, r"a100(?!.*80)", 300, 25),
+        GPUSpec("b200", "NVIDIA B200 180GB", 180, 2250.0, None, r"b200", 900, 50),
+        GPUSpec("l40s", "NVIDIA L40S 48GB", 48, 362.1, 91.6, r"l40s", 32, 25),
+        GPUSpec("mi300x", "AMD Instinct MI300X 192GB", 192, 1307.4, 163.4, r"mi300x", 448, 50),
     )
 }
 

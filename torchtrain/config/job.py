@@ -59,6 +59,13 @@ class Metrics:
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to the dump folder."""
 
+    track_tensor_memory: bool = False
+    """Measure the live bytes of every tensor storage during each training step and log the peak as
+    `memory_tensor_peak_gib` (with a breakdown: params, gathered params, grads, optimizer state,
+    activations). The definition the planner (`torchtrain.plan`) predicts; the only meaningful memory
+    figure on CPU, where `memory_peak_gib` is the whole process's RSS. Costs a few percent of step
+    time (a Python hook on every operator). See docs/planner.md."""
+
     peak_tflops: Annotated[float, Gt(0)] | None = None
     """Peak dense TFLOP/s of one device in the training dtype, for MFU. Unset: looked up from the
     table of known GPUs; on a CPU or an unlisted GPU, MFU is reported as n/a."""

@@ -34,6 +34,9 @@ def check_layout(cfg: JobConfig, pd: ParallelDims, device_type: str) -> None:
         if not (cfg.compile.enable and "model" in cfg.compile.components):
             raise ConfigError("[parallelism.enable_async_tensor_parallel] works through torch.compile: set "
                               "compile.enable = true (with \"model\" in compile.components)")
+    if cfg.compile.enable and cfg.metrics.track_tensor_memory:
+        raise ConfigError("[metrics.track_tensor_memory] measures every operator in eager mode and cannot run "
+                          "inside torch.compile's graphs; set compile.enable = false to measure memory")
     if cfg.compile.enable:
         from torchtrain.distributed.compile import check_compiler
 

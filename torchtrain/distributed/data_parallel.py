@@ -19,5 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: int = 100) -> nn.Module:
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb)
+    # No start-up broadcast of rank 0's weights: initialisation is identical on every rank
+    # (distributed/param_init.py), and a checkpoint load sets every rank's weights itself.
+    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb, init_sync=False)
     return model

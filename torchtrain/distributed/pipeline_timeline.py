@@ -106,3 +106,19 @@ def simulate(order: dict[int, list], num_stages: int, multi_stage: bool) -> Time
     busy = sum(s.end - s.start for row in slots.values() for s in row)
     bubble = 1.0 - busy / (len(slots) * makespan) if makespan else 0.0
     return Timeline(slots, makespan, bubble)
+
+
+def peak_in_flight(order: dict[int, list]) -> dict[int, int]:
+    """Per rank, the most (stage, micro-batch) forwards whose activations are held at once, in the
+    order the rank runs its actions: a forward stores them, the backward (B, or I for split
+    backwards) frees them. GPipe holds all m micro-batches on every rank, 1F1B at most p - r on
+    rank r."""
+    out = {}
+    for rank, actions in order.items():
+        live = peak = 0
+        for a in (x for act in actions for x in _compute_actions(act)):
+            kind = a.computation_type.value
+            live += 1 if kind == "F" else -1 if kind in ("B", "I") else 0
+            peak = max(peak, live)
+        out[rank] = peak
+    return out

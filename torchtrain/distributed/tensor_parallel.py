@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import torch
+
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtrain.config.fields import ConfigError
@@ -44,10 +44,15 @@ def check_divisible(tp: int, sizes: dict[str, int], fixes: dict[str, str] | None
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Micro-pipelined async TP: Inductor splits matmuls to overlap them with TP collectives, using
     symmetric memory on the TP group (CUDA only; the trainer rejects other cases before start-up)."""
+    import warnings
+
+    import torch._inductor.config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    with warnings.catch_warnings():  # needed on torch 2.11, a deprecated no-op later
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config.parallelism import Comm
-from torchtrain.utils.logging import logger
 
 
 def env_rank_world() -> tuple[int, int, int]:

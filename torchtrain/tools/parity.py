@@ -95,17 +95,21 @@ class RunResult:
 
 def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: list[str], workdir: str,
                timeout: float = 900.0) -> RunResult:
-    """Train `steps` steps of the job under this layout with torchrun; return its metrics.jsonl records."""
+    """Train `steps` steps of the job under this layout (one process directly, more under torchrun);
+    return its metrics.jsonl records."""
     dump = os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={layout.nproc}",
-           "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0",
-           "-m", "torchtrain.train"]
+    cmd = [sys.executable, "-m", "torchtrain.train"]  # one process needs no launcher
+    if layout.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={layout.nproc}",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train"]
     if config_file:
         cmd += ["--job.config_file", config_file]
     cmd += ["--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.deterministic", "true",
             "--metrics.enable_tensorboard", "false", "--job.print_config", "false", "--job.dump_folder", dump]
     cmd += list(overrides) + list(layout.overrides)
     env = dict(os.environ, LOG_RANK="0", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # never inherit a launcher's rank from the calling process
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     os.makedirs(dump, exist_ok=True)
     with open(os.path.join(dump, "launch.log"), "w") as f:

@@ -1,0 +1,1 @@
+"""The planner (`python -m torchtrain.plan`): per-rank memory, pipeline bubble, throughput, cost, search."""

@@ -1,0 +1,275 @@
+"""Closed-form per-rank memory of a Llama-style job, shown row by row so users see where memory goes.
+
+Notation: h = dim, F = SwiGLU hidden size, h_kv = n_kv_heads x head_dim, V = vocab size, t = tokens in
+one forward pass on the rank (a pipeline micro-batch, else the local batch, x seq_len), d = bytes of
+the compute dtype (2 for bf16, 4 for fp32), r = bytes of the gradient-reduction dtype, N = the
+sharding degree (dp_shard for FSDP, dp for ZeRO-1/2), tp = tensor-parallel degree.
+
+Model state, per parameter held by the rank (torchtrain keeps fp32 master weights and does the
+bf16 casts in FSDP2's mixed-precision policy):
+
+    strategy   params    grads     Adam m + v
+    zero3      4 / N     4 / N     8 / N          (FSDP2; HSDP shards over dp_shard only)
+    zero2      4 / N     4 / N     8 / N          (FSDP2 keeping gathered params forward -> backward)
+    zero1      4         4         8 / N          (DDP + sharded optimizer, N = dp)
+    ddp        4         4         8
+
+plus 4 bytes per parameter tensor for Adam's step counter. TP divides every matmul and the
+embedding/output tables by tp (norm weights are replicated); FSDP2 rounds each tensor's dim 0 up to a
+multiple of N. With CPU offload (FSDP2 CPUOffloadPolicy) all three live in host memory instead.
+
+Activations saved for backward, bytes per token per block, derived op by op from
+`models/llama3/model.py` (Korthikanti et al. 2022 style, but for this block: RMSNorm computed in fp32,
+RoPE, SDPA flash attention (no t^2 term; saves out + logsumexp), GQA, SwiGLU, no dropout):
+
+    A = 2 (4 + d) h        two RMSNorms: fp32 input copy + normalised output (d=4: the input itself)
+      + 2 d h              inputs of the q/k/v and w1/w3 projections
+      + 2 d h + 2 d h_kv   rotated q, k, v and the attention output (wo's input is a view of it)
+      + 4 n_heads          attention logsumexp (fp32)
+      + 4 d F              SwiGLU: w1 out, silu(w1 out), w3 out, their product
+      + 8                  two fp32 rsqrt statistics
+
+With tensor + sequence parallelism (torchtitan's plan) the norm terms are sequence-sharded and the
+attention/FFN terms head-sharded, but the gathered projection inputs are full:
+A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h + 2 d h_kv + 4 n_heads + 4 d F) / tp.
+Activation checkpointing keeps per block only: full -> its input (d h / tp); selective "N" -> every
+N-th block checkpointed; selective "op" -> the block input and every matmul and attention output
+(`distributed/activation_checkpoint.py`): q, k, v, attention out (+ logsumexp), w1, w3 head- or
+hidden-sharded, and the row-parallel wo / w2 outputs, which are whole-sequence partial sums before
+their reduce-scatter: (d h + d h + 2 d h_kv + d h + 4 n_heads + 2 d F) / tp + 2 d h. One block is
+recomputed at a time during backward (+ A for that block).
+
+Other terms: the final norm + output input (4 + 2d) h t / tp on the last stage; the loss keeps the
+fp32 log-softmax (4 V t / tp, loss-parallel with TP) per in-flight micro-batch and needs two more
+such buffers at the start of backward; FSDP2 keeps gathered units (d bytes per unsharded parameter):
+with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
+every unit of the stage. Gradient accumulation without synchronisation (and pipeline micro-batches)
+keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded parameters.
+
+The peak is the largest of these moments: the start of backward (state + all stored activations +
+loss buffers or the first recomputed block + gathered units), the optimizer step (state + gradients +
+the foreach implementation's one temporary per parameter) and, with AC, the end of backward (state +
+all gradients + a recomputed block + gathered units).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.pipeline import Stage, pipeline_of
+
+GIB = 2**30
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: float
+    formula: str
+
+
+@dataclass
+class MemoryEstimate:
+    pp_rank: int
+    stages: list[Stage]
+    rows: list[Row]
+    """Rows of the peak moment (they sum to `peak`)."""
+    peak: float
+    phase: str
+    other_phase: tuple[str, float]
+    host_bytes: float = 0.0
+    params_on_rank: int = 0
+    in_flight: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------ parameter shapes
+def _unit_shapes(a, stages: list[Stage], tp: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor."""
+    hd, kv = a.head_dim, a.kv_heads
+    block = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
+             (a.dim, a.n_heads * hd // tp), (a.ffn_hidden_dim // tp, a.dim), (a.dim, a.ffn_hidden_dim // tp),
+             (a.ffn_hidden_dim // tp, a.dim), (a.dim, 1), (a.dim, 1)]
+    table = (math.ceil(a.vocab_size / tp), a.dim)
+    units: list[tuple[str, list[tuple[int, int]]]] = []
+    tied = getattr(a, "tie_word_embeddings", False)
+    for s in stages:
+        if s.first and not tied:
+            units.append(("embedding", [table]))
+        units += [(f"block {i}", list(block)) for i in s.layers]
+        if s.last:
+            units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
+    if tied:
+        units.append(("root (tied embedding)", [table]))
+    return units
+
+
+def _numel(shapes, n: int = 1) -> int:
+    return sum(math.ceil(r / n) * c for r, c in shapes)
+
+
+def act_per_token_per_block(a, d: int, tp: int) -> float:
+    """A_tp: bytes of activations a block stores for backward per token (no checkpointing)."""
+    h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    seq_sharded = 2 * (4 + d) * h + 8
+    gathered = 2 * d * h
+    head_sharded = 2 * d * h + 2 * d * hkv + 4 * a.n_heads + 4 * d * F
+    return seq_sharded / tp + gathered + head_sharded / tp
+
+
+def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tuple[float, str]:
+    """Bytes a checkpointed block keeps per token, with a label."""
+    h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    if mode == "full" or (mode == "selective" and option != "op"):
+        return d * h / tp, "block input d h / tp"
+    sharded = 3 * d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
+    return sharded / tp + 2 * d * h, "(3 d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
+
+
+def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
+    """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
+    a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
+    full = act_per_token_per_block(a, d, tp) * t
+    n = len(stage.layers)
+    if p.ac_mode == "none":
+        stored, recompute = n * full, 0.0
+    else:
+        kept, _ = ac_block_bytes_per_token(a, d, tp, p.ac_mode, p.ac_option)
+        if p.ac_mode == "selective" and p.ac_option != "op":
+            n_ckpt = n // int(p.ac_option)
+        else:
+            n_ckpt = n
+        stored = (n - n_ckpt) * full + n_ckpt * kept * t
+        recompute = full if n_ckpt else 0.0
+    if stage.last:
+        stored += (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp  # final norm, output input; log-softmax
+    return stored, recompute
+
+
+# ------------------------------------------------------------------------------ the estimate
+def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
+    a, d, r, t = p.args, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
+    prof = pipeline_of(p)
+    stages = list(prof.stages[pp_rank])
+    units = _unit_shapes(a, stages, p.tp)
+    all_shapes = [s for _, shapes in units for s in shapes]
+    full_numel = _numel(all_shapes)
+    fsdp = p.sharded
+    n_shard = p.dp_shard if fsdp else p.dp
+    sharded = _numel(all_shapes, n_shard)
+    n_tensors = len(all_shapes)
+    wrapped = fsdp and (p.dp > 1 or d != 4)  # parallelize_llama applies FSDP2 (gathers/casts units)
+
+    params = 4 * (sharded if fsdp else full_numel)
+    grads = 4 * (sharded if fsdp else full_numel)
+    opt = 8 * (full_numel if p.strategy == "ddp" else sharded) + 4 * n_tensors
+    rows_state = [
+        Row("parameters (fp32 master)", params, f"4 B x {'params / N' if fsdp else 'params'}"),
+        Row("optimizer state (Adam m, v)", opt, f"8 B x {'params' if p.strategy == 'ddp' else 'params / N'}"
+            " + 4 B step per tensor"),
+    ]
+    host = 0.0
+    if p.cpu_offload:
+        host = params + grads + opt
+        rows_state = [Row("parameters (offloaded to host)", 0.0, "CPU offload"),
+                      Row("optimizer state (offloaded to host)", 0.0, "CPU offload")]
+        grads = 0.0
+
+    # activations of the in-flight micro-batches
+    m = p.n_microbatches
+    flight = prof.in_flight[pp_rank]
+    per_stage = [stage_activation_bytes(p, s) for s in stages]
+    per_chunk = sum(s for s, _ in per_stage) / len(per_stage)
+    recompute = max(rc for _, rc in per_stage)
+    acts = per_chunk * (flight if p.pp > 1 else 1)
+    has_last = any(s.last for s in stages)
+    loss_extra = 8 * a.vocab_size * t / p.tp if has_last else 0.0
+
+    # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
+    sizes = [_numel(shapes) for _, shapes in units]
+    block_size = max((_numel(sh) for name, sh in units if name.startswith("block")), default=0)
+    if not wrapped:
+        gathered, how = 0.0, "none (no FSDP units)"
+        if not fsdp and d != 4:
+            gathered, how = d * full_numel, "compute-dtype copies of all weights (autocast)"
+    elif p.reshard == "never":
+        gathered, how = d * sum(sizes), "every unit of the stage (kept from forward to backward)"
+    else:
+        tail = sizes[-1] if p.reshard == "default" else block_size
+        tied_root = sizes[-1] if getattr(a, "tie_word_embeddings", False) and p.reshard != "always" else 0
+        gathered, how = d * (tail + block_size + (tied_root if tied_root != tail else 0)), \
+            "last unit + prefetched block" if p.reshard == "default" else "two units"
+    accum, accum_row = 0.0, None
+    if p.grad_accum_steps > 1 or (p.pp > 1 and m > 1):
+        if wrapped:
+            accum = r * full_numel
+            accum_row = Row("unsharded grads kept across micro-batches (FSDP2 no-sync)", accum, "r x params")
+        elif not p.cpu_offload:
+            accum = 4 * full_numel
+            accum_row = Row("gradients accumulated from earlier micro-batches", accum, "4 B x params")
+
+    rows_bwd = list(rows_state)
+    if accum_row is not None:
+        rows_bwd.append(accum_row)
+    ac_note = "" if p.ac_mode == "none" else f", AC {p.ac_mode}"
+    ac_note += f" {p.ac_option}" if p.ac_mode == "selective" else ""
+    what = ("chunk" if p.pp_stages_per_rank > 1 else "micro-batch") + ("es" if flight > 1 else "")
+    what = what.replace("chunkes", "chunks")
+    rows_bwd += [
+        Row(f"activations ({flight} {what} x {t} tokens{ac_note})", acts,
+            "A x blocks x t (+ last stage: norm/output input, 4 V t log-softmax)"),
+    ]
+    if recompute > loss_extra:
+        rows_bwd.append(Row("recomputed block (AC, during its backward)", recompute, "A x t"))
+    elif loss_extra:
+        rows_bwd.append(Row("loss gradient buffers (fp32)", loss_extra, "8 V t / tp"))
+    rows_bwd.append(Row(f"gathered params: {how}", gathered, "d x unsharded unit params"))
+
+    opt_temp = 4 * (full_numel if p.strategy == "ddp" else sharded) if p.optimizer_impl == "foreach" else 0.0
+    if p.cpu_offload:
+        opt_temp = 0.0
+    rows_opt = list(rows_state) + [Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)"),
+                                   Row(f"optimizer step temporaries ({p.optimizer_impl})", opt_temp,
+                                       "4 B x params / N (foreach sqrt buffer)")]
+    phases = [("start of backward", rows_bwd), ("optimizer step", rows_opt)]
+    if recompute:
+        # With AC little is stored, so gradients may outgrow it: the last block's backward holds every
+        # gradient, the recomputed block and the gathered units (and the in-flight micro-batches).
+        rows_end = list(rows_state) + ([accum_row] if accum_row is not None else []) + [
+            Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)"),
+            Row("recomputed block (AC, during its backward)", recompute, "A x t"),
+            Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]
+        if p.pp > 1 and flight > 1:
+            rows_end.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
+                                "stored activations x (in flight - 1)"))
+        phases.append(("end of backward", rows_end))
+    totals = [(name, rows, sum(row.bytes for row in rows)) for name, rows in phases]
+    phase, rows, peak = max(totals, key=lambda x: x[2])
+    runner_up = max((x for x in totals if x[0] != phase), key=lambda x: x[2])
+    other = (runner_up[0], runner_up[2])
+    notes = []
+    if p.pp > 1 and m < p.pp:
+        notes.append(f"only {m} micro-batches for {p.pp} stages: most of the pipeline idles")
+    return MemoryEstimate(pp_rank, stages, rows, peak, phase, other, host, params_on_rank=full_numel,
+                          in_flight=flight, notes=notes)
+
+
+# ------------------------------------------------------------------------------ the textbook convention
+def textbook_memory(n_params: float, precision: str = "mixed", strategy: str = "none", n_gpus: int = 1) -> dict:
+    """The tutorials' per-GPU model-state arithmetic (no activations), in decimal GB.
+
+    weights: 2 B (mixed/bf16) or 4 B (fp32); gradients: the same; Adam m + v: 8 B. No fp32 master copy
+    (the tutorials omit it). ZeRO-1 divides the optimizer by N, ZeRO-2 also the gradients, ZeRO-3 /
+    FSDP everything. torchtrain's real FSDP2 layout (fp32 master params + fp32 grads + m + v = 16 B per
+    parameter, / N, plus transient bf16 gathers) is `estimate_memory`.
+    """
+    w = 2 if precision == "mixed" else 4
+    shards = {"none": (1, 1, 1), "ddp": (1, 1, 1), "zero1": (1, 1, n_gpus), "zero2": (1, n_gpus, n_gpus),
+              "zero3": (n_gpus, n_gpus, n_gpus), "fsdp": (n_gpus, n_gpus, n_gpus)}[strategy]
+    weights = n_params * w / shards[0] / 1e9
+    grads = n_params * w / shards[1] / 1e9
+    optim = n_params * 8 / shards[2] / 1e9
+    return {"weights_gb": weights, "gradients_gb": grads, "optimizer_gb": optim,
+            "total_gb": weights + grads + optim}

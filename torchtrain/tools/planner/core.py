@@ -1,0 +1,154 @@
+"""One plan: a job file + a world size + a device type -> memory per rank, throughput, cost, validity.
+
+`load_job` reads the job exactly as the trainer does (`parse_args`, the model registry,
+`update_from_config`); `make_plan` computes the analytic estimate of every pipeline rank, traces one
+rank per distinct stage structure (see `trace.py`), estimates throughput and cost, and records
+whether the layout is valid and whether this build can run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtrain.components.hardware import KNOWN_GPUS, GPUSpec
+from torchtrain.config import ConfigError, JobConfig, parse_args
+from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
+from torchtrain.tools.planner.inputs import (PlanInputs, config_overrides, display_overrides,
+                                             inputs_from_config)
+from torchtrain.tools.planner.pipeline import pipeline_of, structure
+from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
+from torchtrain.tools.planner.trace import TraceResult, trace_rank
+from torchtrain.tools.planner.validate import layout_problems, runnable_problems
+
+
+@dataclass
+class RankPlan:
+    pp_rank: int
+    analytic: MemoryEstimate
+    trace: TraceResult | None = None
+    traced_peak: float | None = None
+    traced_phase: str = ""
+    traced_breakdown: dict[str, float] = field(default_factory=dict)
+    traced_in_flight: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        """The figure fit decisions use: traced when available, else analytic."""
+        return self.traced_peak if self.traced_peak is not None else self.analytic.peak
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    ranks: list[RankPlan]
+    throughput: Throughput
+    problems: list[str]
+    blockers: list[str]
+    """Why this torchtrain build would not start the job ([] = it would)."""
+    overrides: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def fits(self) -> bool | None:
+        usable = self.inputs.usable_bytes
+        return None if usable is None or not self.ranks else self.worst.peak <= usable
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+class _VocabOnly:
+    """Stands in for a tokenizer whose files are not on this machine (only its size is checked)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+
+@dataclass
+class Job:
+    argv: list[str]
+    cfg: JobConfig
+    args: Any
+    tokenizer: Any
+    notes: list[str] = field(default_factory=list)
+
+
+def load_job(argv: list[str]) -> Job:
+    """Parse the job (config file + `--section.key value` overrides) and build its model arguments."""
+    from torchtrain.components.tokenizer import build_tokenizer
+    from torchtrain.models.registry import build_model_args, get_model_spec
+
+    cfg = parse_args(argv)
+    spec = get_model_spec(cfg.model.name)
+    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+    notes = []
+    try:
+        tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    except ConfigError as e:
+        tokenizer = _VocabOnly(args.vocab_size)
+        notes.append(f"tokenizer not loaded ({e}); vocabulary size check skipped")
+    args.update_from_config(cfg, tokenizer)
+    return Job(argv, cfg, args, tokenizer, notes)
+
+
+def resolve_gpu(name: str) -> tuple[str, GPUSpec | None]:
+    """(device type, spec) for --gpu: a key of KNOWN_GPUS, or "cpu"."""
+    key = name.lower().replace("-", "_")
+    if key == "cpu":
+        return "cpu", None
+    if key not in KNOWN_GPUS:
+        raise ConfigError(f"unknown --gpu {name!r}; known: cpu, {', '.join(KNOWN_GPUS)}")
+    return "cuda", KNOWN_GPUS[key]
+
+
+def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: float | None = None) -> Plan:
+    p = inputs
+    problems = layout_problems(p)
+    overrides = display_overrides(p, job.cfg)
+    blockers = ["invalid layout"] if problems else runnable_problems(p, job.argv, job.tokenizer)
+    try:
+        prof = pipeline_of(p)
+    except ConfigError as e:  # the trainer's own pipeline checks
+        problems.append(str(e))
+    if problems:  # no per-rank memory for a layout that cannot exist
+        return Plan(p, [], estimate_throughput(p.replace(pp=1), peak_tflops), problems, ["invalid layout"],
+                    overrides, list(job.notes) + p.notes)
+    ranks = [RankPlan(r, estimate_memory(p, r)) for r in range(p.pp)]
+    if trace and not blockers:  # a job the trainer refuses has no real step to trace
+        tcfg = _trace_config(job, p)
+        done: dict[tuple, TraceResult] = {}
+        cache: dict = {}
+        for rank in ranks:
+            key = structure(prof, rank.pp_rank)
+            if key not in done:
+                done[key] = trace_rank(p, tcfg, rank.pp_rank, cache)
+            result = rank.trace = done[key]
+            if result.skipped is None:
+                flight = prof.in_flight[rank.pp_rank]
+                rank.traced_peak, rank.traced_phase, rank.traced_breakdown, rank.traced_in_flight = result.at(flight)
+    if trace and job.cfg.compile.enable:
+        p.notes.append("traced in eager mode (the job compiles its blocks; compiled kernels may keep fewer "
+                       "intermediates, so the traced peak is an upper bound)")
+    peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
+    return Plan(p, ranks, estimate_throughput(p, peak), problems, blockers, overrides, list(job.notes) + p.notes)
+
+
+def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
+    """The job config the trace runs: the job with the layout's knobs, in eager mode (the memory
+    tracker is a dispatch mode, which torch.compile cannot trace through; eager memory is what the
+    trainer's own `metrics.track_tensor_memory` measures too, and bounds the compiled step's)."""
+    overrides, _ = config_overrides(p, job.cfg)
+    return parse_args(job.argv + overrides + ["--compile.enable", "false"])
+
+
+def plan_from_flags(job: Job, world_size: int, gpu: str, flags: dict[str, Any], trace: bool = True,
+                    peak_tflops: float | None = None) -> Plan:
+    device_type, spec = resolve_gpu(gpu)
+    inputs = inputs_from_config(job.cfg, job.args, world_size, device_type, spec, flags)
+    return make_plan(job, inputs, trace, peak_tflops)

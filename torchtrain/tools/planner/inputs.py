@@ -1,0 +1,340 @@
+"""What a plan is computed from: `PlanInputs`, filled from the real job config plus planner flags.
+
+Every knob that changes per-rank memory or speed is a field here, whether or not this torchtrain
+build can run it yet (tensor/pipeline parallelism, DDP / ZeRO-1 / ZeRO-2, activation checkpointing,
+CPU offload). `CONFIG_KEYS` says where each knob lives in the job file; a key the build does not have
+yet is read as the knob's default, and a layout that needs a non-default value of such a knob is
+planned anyway but reported as "needs <key>" (not runnable by this build). Wiring a new feature's key
+is one line in that table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtrain.components.hardware import GPUSpec
+from torchtrain.config import ConfigError, JobConfig
+
+def _schedules() -> tuple[str, ...]:
+    from torchtrain.distributed.pipeline import schedule_names
+
+    return tuple(schedule_names())
+
+
+SCHEDULES = _schedules()
+STRATEGIES = ("zero3", "zero2", "zero1", "ddp")
+SHARDED = ("zero3", "zero2")  # FSDP2-based: parameters sharded over dp_shard
+AC_MODES = ("none", "full", "selective")
+RESHARD = ("default", "always", "never")
+
+# knob -> (section, key) in the job config. Keys of features still under development use torchtitan's
+# names where torchtitan has the feature; check them when the feature lands.
+CONFIG_KEYS: dict[str, tuple[str, str]] = {
+    "dp_replicate": ("parallelism", "data_parallel_replicate_degree"),
+    "dp_shard": ("parallelism", "data_parallel_shard_degree"),
+    "tp": ("parallelism", "tensor_parallel_degree"),
+    "pp": ("parallelism", "pipeline_parallel_degree"),
+    "pp_schedule": ("parallelism", "pipeline_parallel_schedule"),
+    "pp_microbatch_size": ("parallelism", "pipeline_parallel_microbatch_size"),
+    "strategy": ("parallelism", "data_parallel_strategy"),
+    "reshard_after_forward": ("parallelism", "fsdp_reshard_after_forward"),
+    "ac_mode": ("activation_checkpoint", "mode"),
+    "ac_option": ("activation_checkpoint", "selective_ac_option"),
+    "cpu_offload": ("training", "enable_cpu_offload"),
+    "seq_len": ("training", "seq_len"),
+    "local_batch_size": ("training", "local_batch_size"),
+    "global_batch_size": ("training", "global_batch_size"),
+    "param_dtype": ("training", "mixed_precision_param"),
+    "reduce_dtype": ("training", "mixed_precision_reduce"),
+    "optimizer": ("optimizer", "name"),
+    "optimizer_impl": ("optimizer", "implementation"),
+}
+
+
+@dataclass
+class PlanInputs:
+    """One layout of one job on one kind of device: everything the formulas and the trace need."""
+
+    model_name: str
+    args: Any
+    """The model's arguments (flavor + overrides, adapted to the job: `update_from_config`)."""
+    world_size: int
+    flavor: str = ""
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    strategy: str = "zero3"
+    """zero3: FSDP2 (HSDP with dp_replicate > 1), everything sharded over dp_shard; zero2: the same,
+    but gathered parameters kept from forward to backward (FSDP's SHARD_GRAD_OP); zero1: DDP with the
+    optimizer state sharded over dp; ddp: everything replicated (names of parallelism.data_parallel_strategy)."""
+    reshard_after_forward: str = "default"
+    seq_len: int = 2048
+    local_batch_size: int = 8
+    global_batch_size: int = 8
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+    pp_stages_per_rank: int = 1
+    """Virtual stages per rank (2+ for interleaved schedules)."""
+    pp_split: tuple = ()
+    """The job's own pipeline split keys, as the trainer reads them: (first_stage_less_layers,
+    last_stage_less_layers, module_fqns_per_model_part, schedule_csv, layers_per_stage); () = the
+    default even split (with `pp_stages_per_rank` stages per rank)."""
+    ac_mode: str = "none"
+    ac_option: str = "op"
+    """Selective AC: "op" (save matmul/attention outputs per op policy) or an integer N (every N-th block)."""
+    cpu_offload: bool = False
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    optimizer: str = "AdamW"
+    optimizer_impl: str = "fused"
+    device_type: str = "cuda"
+    gpu: GPUSpec | None = None
+    memory_gib: float | None = None
+    """Memory of one device (GiB); None when unknown (CPU target without --memory-gib)."""
+    headroom: float = 0.1
+    """Fraction of device memory kept free for the CUDA context, communication buffers, fragmentation."""
+    mfu: float = 0.4
+    price: float = 2.5
+    tokens: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return max(1, self.global_batch_size // max(1, self.local_batch_size * self.dp))
+
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline micro-batches per step (1 without pipelining): with pipelining, gradient
+        accumulation happens through micro-batches, as in the trainer."""
+        if self.pp == 1:
+            return 1
+        return self.local_batch_size * self.grad_accum_steps // self.pp_microbatch_size
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens in one forward pass on one rank (a pipeline micro-batch or a local batch)."""
+        size = self.pp_microbatch_size if self.pp > 1 else self.local_batch_size
+        return size * self.seq_len
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 strategies (zero3, zero2): parameters, gradients and optimizer state over dp_shard."""
+        return self.strategy in SHARDED
+
+    @property
+    def reshard(self) -> str:
+        """The effective FSDP reshard-after-forward policy (zero2 keeps gathered parameters)."""
+        return "never" if self.strategy == "zero2" else self.reshard_after_forward
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.param_dtype == "float32" else 2
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 4 if self.reduce_dtype == "float32" else 2
+
+    @property
+    def usable_bytes(self) -> float | None:
+        if self.memory_gib is None:
+            return None
+        return self.memory_gib * 2**30 * (1 - self.headroom)
+
+    @property
+    def token_budget(self) -> float:
+        return self.tokens if self.tokens is not None else 20.0 * self.args.num_params()
+
+    def describe(self) -> str:
+        dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
+        parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("tp", self.tp)) if d > 1]
+        text = " x ".join(parts) or "1 rank"
+        if self.strategy != "zero3":
+            text += f" [{self.strategy}]"
+        if self.pp > 1:
+            text += f", {self.pp_schedule}" + (f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+            text += f" m{self.n_microbatches}"
+        if self.ac_mode != "none":
+            text += f", AC {self.ac_mode}" + (f"({self.ac_option})" if self.ac_mode == "selective" else "")
+        if self.cpu_offload:
+            text += ", CPU offload"
+        return text
+
+    def short(self) -> str:
+        """Compact layout for search tables, e.g. "hsdp 2x8 tp4 | pp2 I1F1B v2 m16 | AC op"."""
+        if self.strategy == "zero3":
+            dp = f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1 else (
+                f"fsdp {self.dp_shard}" if self.dp_shard > 1 else f"replicate {self.dp_replicate}")
+        else:
+            dp = f"{self.strategy} {self.dp}"
+        if self.dp == 1:
+            dp = ""
+        parts = [(dp + (f" tp{self.tp}" if self.tp > 1 else "")).strip() or "1 rank"]
+        if self.pp > 1:
+            sched = {"Interleaved1F1B": "I1F1B"}.get(self.pp_schedule, self.pp_schedule)
+            v = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
+            parts.append(f"pp{self.pp} {sched}{v} m{self.n_microbatches}")
+        if self.ac_mode != "none":
+            parts.append("AC " + (self.ac_mode if self.ac_mode == "full" else f"sel-{self.ac_option}"))
+        if self.cpu_offload:
+            parts.append("offload")
+        return " | ".join(parts)
+
+    def replace(self, **changes) -> "PlanInputs":
+        return dataclasses.replace(self, notes=list(self.notes), **changes)
+
+
+# ---------------------------------------------------------------------------------- config adapter
+def config_has(cfg: JobConfig, knob: str) -> bool:
+    section, key = CONFIG_KEYS[knob]
+    obj = getattr(cfg, section, None)
+    return obj is not None and dataclasses.is_dataclass(obj) and key in {f.name for f in dataclasses.fields(obj)}
+
+
+def config_value(cfg: JobConfig, knob: str, default: Any) -> Any:
+    if not config_has(cfg, knob):
+        return default
+    section, key = CONFIG_KEYS[knob]
+    return getattr(getattr(cfg, section), key)
+
+
+def _norm_schedule(name: str) -> str:
+    for s in SCHEDULES:
+        if s.lower() == str(name).lower():
+            return s
+    raise ConfigError(f"pipeline schedule {name!r} is not modelled by the planner; "
+                      f"choose one of {', '.join(SCHEDULES)}")
+
+
+def resolve_degrees(world_size: int, rep: int, shard: int, tp: int, pp: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) with shard -1 resolved as ParallelDims does; ConfigError when impossible."""
+    others = rep * tp * pp
+    if shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"[parallelism] world size {world_size} is not divisible by data_parallel_replicate_degree "
+                f"({rep}) x tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {others}")
+        shard = world_size // others
+    if rep * shard * tp * pp != world_size:
+        raise ConfigError(
+            f"[parallelism] degrees multiply to {rep * shard * tp * pp} (replicate {rep} x shard {shard} x "
+            f"tp {tp} x pp {pp}) but the world size is {world_size}")
+    return rep, shard
+
+
+def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: str, gpu: GPUSpec | None,
+                       flags: dict[str, Any]) -> PlanInputs:
+    """PlanInputs from the job config; `flags` (planner command-line knobs, None = unset) win."""
+
+    def pick(knob: str, default: Any) -> Any:
+        value = flags.get(knob)
+        return config_value(cfg, knob, default) if value is None else value
+
+    tp, pp, rep, shard = int(pick("tp", 1)), int(pick("pp", 1)), int(pick("dp_replicate", 1)), int(pick("dp_shard", -1))
+    notes = []
+    if flags.get("dp_shard") is None and shard != -1 and rep * shard * tp * pp != world_size:
+        notes.append(f"the job's data_parallel_shard_degree {shard} does not fit this world size; "
+                     f"using the remaining ranks (-1)")
+        shard = -1
+    rep, shard = resolve_degrees(world_size, rep, shard, tp, pp)
+    local = int(pick("local_batch_size", 8))
+    global_bs = int(pick("global_batch_size", -1))
+    if global_bs == -1:
+        global_bs = local * rep * shard
+    schedule = _norm_schedule(pick("pp_schedule", "1F1B"))
+    from torchtrain.tools.planner.pipeline import default_stages_per_rank
+
+    par = cfg.parallelism
+    split = (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
+             tuple(tuple(s) for s in par.module_fqns_per_model_part or ()), par.pipeline_parallel_schedule_csv,
+             par.pipeline_parallel_layers_per_stage)
+    split = () if split == (0, 0, (), None, None) or flags.get("pp_stages_per_rank") else split
+    v = flags.get("pp_stages_per_rank") or default_stages_per_rank(schedule)
+    if split and split[4] and pp > 1:
+        v = max(1, (args.n_layers + split[0] + split[1]) // (split[4] * pp))
+    param_dtype = pick("param_dtype", "auto")
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if device_type == "cuda" else "float32"
+    impl = pick("optimizer_impl", "auto")
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    memory = flags.get("memory_gib") or (gpu.memory_gib if gpu is not None else None)
+    inputs = PlanInputs(
+        model_name=cfg.model.name, args=args, world_size=world_size,
+        flavor=cfg.model.flavor + (" (with overrides)" if cfg.model.overrides else ""),
+        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, strategy=pick("strategy", "zero3"),
+        reshard_after_forward=pick("reshard_after_forward", "default"),
+        seq_len=int(pick("seq_len", 2048)), local_batch_size=local, global_batch_size=global_bs,
+        pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),
+        pp_split=split,
+        ac_mode=pick("ac_mode", "none"), ac_option=str(pick("ac_option", "op")),
+        cpu_offload=bool(pick("cpu_offload", False)), param_dtype=param_dtype,
+        reduce_dtype=pick("reduce_dtype", "float32"), optimizer=pick("optimizer", "AdamW"), optimizer_impl=impl,
+        device_type=device_type, gpu=gpu, memory_gib=memory, notes=notes,
+    )
+    for knob in ("mfu", "price", "tokens", "headroom"):
+        if flags.get(knob) is not None:
+            setattr(inputs, knob, flags[knob])
+    return inputs
+
+
+def config_overrides(inputs: PlanInputs, cfg: JobConfig, resolve_auto: bool = True) -> tuple[list[str], list[str]]:
+    """(`--section.key value` overrides that select this layout, config keys this build lacks for it).
+
+    `resolve_auto` also pins values the job leaves to the device ("auto" dtype and optimizer kernel,
+    global batch -1): needed when the trace runs the job on a CPU for a GPU target; a user running
+    the job on the target device does not need them.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanInputs)}
+    values = {k: getattr(inputs, k) for k in CONFIG_KEYS}
+    out, missing = [], []
+    for knob, value in values.items():
+        section, key = CONFIG_KEYS[knob]
+        if config_has(cfg, knob):
+            current = getattr(getattr(cfg, section), key)
+            if not resolve_auto and (current == "auto" or (knob == "global_batch_size" and current == -1 and
+                                                            value == inputs.local_batch_size * inputs.dp)):
+                continue
+            if current != value:
+                out += [f"--{section}.{key}", _cli_value(value)]
+        elif knob in defaults and value != defaults[knob] and not _irrelevant(inputs, knob):
+            missing.append(f"{section}.{key}")
+    if inputs.pp > 1 and not inputs.pp_split:
+        from torchtrain.tools.planner.pipeline import default_stages_per_rank
+
+        if inputs.pp_stages_per_rank != default_stages_per_rank(inputs.pp_schedule):
+            per_stage = inputs.args.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
+            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage)]
+    return out, missing
+
+
+def display_overrides(inputs: PlanInputs, cfg: JobConfig) -> list[str]:
+    """The overrides a user adds to the job to run this layout, including keys of features this build
+    does not have yet (the plan's blockers say which)."""
+    out, missing = config_overrides(inputs, cfg, resolve_auto=False)
+    by_key = {f"{s}.{k}": knob for knob, (s, k) in CONFIG_KEYS.items()}
+    for key in missing:
+        out += [f"--{key}", _cli_value(getattr(inputs, by_key[key]))]
+    return out
+
+
+def _irrelevant(inputs: PlanInputs, knob: str) -> bool:
+    """Knobs whose value does not matter for this layout (e.g. the schedule without pipelining)."""
+    if knob in ("pp_schedule", "pp_microbatch_size"):
+        return inputs.pp == 1
+    if knob == "ac_option":
+        return inputs.ac_mode != "selective"
+    return False
+
+
+def _cli_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

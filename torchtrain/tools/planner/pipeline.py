@@ -1,0 +1,146 @@
+"""Pipeline facts of a layout, taken from the trainer's own pipeline machinery.
+
+* The split and placement are the trainer's (`distributed.pipeline.plan_pipeline` with the model's
+  `stage_modules_fn`): which blocks each stage owns, which stages a rank runs (loop or V placement).
+* The schedule is torch's own schedule object, built here on meta-device stages over a fake
+  process group of the pipeline ranks (no data, no communication), and its action lists are replayed
+  (`distributed.pipeline_timeline`): that gives the bubble fraction the trainer prints at start-up,
+  and per rank the peak number of (stage, micro-batch) forwards whose activations are held at once.
+  GPipe holds all m micro-batches on every rank; 1F1B at most p - r on rank r.
+
+Results are cached per (model, schedule, degrees, micro-batches): a search asks for few distinct ones.
+A layout the trainer would refuse raises the trainer's ConfigError (also cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtrain.config import ConfigError, JobConfig
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    """Stage index in 0..pp x v - 1 (forward order)."""
+    layers: tuple[int, ...]
+    """Global indices of the blocks this stage owns."""
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class PipelineProfile:
+    stages: dict[int, tuple[Stage, ...]]
+    """pipeline rank -> the stages it runs."""
+    in_flight: dict[int, int]
+    """pipeline rank -> peak stage-micro-batch forwards held at once."""
+    bubble: float
+    timeline: str
+    schedule: str
+    n_microbatches: int
+    stages_per_rank: int
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from torchtrain.distributed.pipeline import _schedule_class
+
+    return 1 if issubclass(_schedule_class(schedule), PipelineScheduleSingle) else 2
+
+
+def _stage(index: int, names: list[str]) -> Stage:
+    layers = tuple(int(n.split(".", 1)[1]) for n in names if n.startswith("layers."))
+    return Stage(index, layers, "tok_embeddings" in names, "output" in names or "norm" in names)
+
+
+def profile(model_name: str, args, pp: int, schedule: str, microbatch_size: int, local_sequences: int,
+            stages_per_rank: int, split: tuple = ()) -> PipelineProfile:
+    """The layout's pipeline (cached); raises ConfigError exactly when the trainer would refuse it."""
+    key = (model_name, repr(args), pp, schedule, microbatch_size, local_sequences, stages_per_rank, split)
+    return _profile(key, args)
+
+
+_CACHE: dict[tuple, PipelineProfile | ConfigError] = {}
+
+
+def _profile(key: tuple, args) -> PipelineProfile:
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = _build_profile(*key[:1], args, *key[2:])
+        except ConfigError as e:
+            _CACHE[key] = e
+    value = _CACHE[key]
+    if isinstance(value, ConfigError):
+        raise value
+    return value
+
+
+def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_size: int, local_sequences: int,
+                   stages_per_rank: int, split: tuple) -> PipelineProfile:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.distributed.pipeline import build_schedule, keep_modules, plan_pipeline, schedule_timeline
+    from torchtrain.distributed.pipeline_timeline import peak_in_flight
+    from torchtrain.models.registry import get_model_spec
+
+    spec = get_model_spec(model_name)
+    cfg = JobConfig()
+    cfg.model.name = model_name
+    par = cfg.parallelism
+    par.pipeline_parallel_degree, par.pipeline_parallel_schedule = pp, schedule
+    par.pipeline_parallel_microbatch_size = microbatch_size
+    if split:  # the job's own split keys, read as the trainer reads them
+        (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
+         fqns, par.pipeline_parallel_schedule_csv, par.pipeline_parallel_layers_per_stage) = split
+        par.module_fqns_per_model_part = [list(s) for s in fqns] or None
+    if stages_per_rank != default_stages_per_rank(schedule) and not split:
+        layers = args.n_layers // (pp * stages_per_rank)
+        if layers * pp * stages_per_rank != args.n_layers:
+            raise ConfigError(f"[model.n_layers] {args.n_layers} blocks cannot be split into {pp * stages_per_rank} "
+                              f"equal stages")
+        par.pipeline_parallel_layers_per_stage = layers
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
+    plan = plan_pipeline(cfg, pd, args, spec.stage_modules_fn, local_sequences)
+    stages = {r: tuple(_stage(s, plan.modules_per_stage[s]) for s in plan.stage_ids(r, pp)) for r in range(pp)}
+    if dist.is_initialized():
+        raise RuntimeError("pipeline profiles are built outside the planner's traces")
+    dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
+    try:
+        pd.build_mesh("cpu")
+        with torch.device("meta"):
+            whole = spec.model_cls(args)
+        objs = [PipelineStage(keep_modules(whole, plan.modules_per_stage[s]), s, plan.num_stages, torch.device("cpu"),
+                              group=pd.pp_mesh.get_group()) for s in plan.stage_ids(0, pp)]
+        sched = build_schedule(plan, objs, lambda out, target: out.sum())
+        order = sched.pipeline_order if plan.multi_stage else sched._get_pipeline_order()
+        timeline = schedule_timeline(sched, plan)
+    finally:
+        dist.destroy_process_group()
+    return PipelineProfile(stages, peak_in_flight(order), timeline.bubble_fraction, timeline.render(), plan.schedule_name,
+                           plan.n_microbatches, plan.stages_per_rank)
+
+
+def no_pipeline(n_layers: int) -> PipelineProfile:
+    whole = (Stage(0, tuple(range(n_layers)), True, True),)
+    return PipelineProfile({0: whole}, {0: 1}, 0.0, "", "", 1, 1)
+
+
+def pipeline_of(p) -> PipelineProfile:
+    """The profile of a PlanInputs' layout (ConfigError when the trainer would refuse it)."""
+    if p.pp == 1:
+        return no_pipeline(p.args.n_layers)
+    return profile(p.model_name, p.args, p.pp, p.pp_schedule, p.pp_microbatch_size,
+                   p.local_batch_size * p.grad_accum_steps, p.pp_stages_per_rank, p.pp_split)
+
+
+def structure(prof: PipelineProfile, rank: int) -> tuple:
+    """What a rank's model part looks like: ranks with equal structure hold the same modules and
+    differ only in how many micro-batches they keep in flight (one trace serves them all)."""
+    return tuple((len(s.layers), s.first, s.last) for s in prof.stages[rank])

@@ -1,0 +1,161 @@
+"""`--search`: every layout of a job for a GPU count and type, the ones that fit, fastest first.
+
+Enumerated (the global batch and sequence length of the job stay fixed, so every layout trains the
+same tokens per step):
+
+* tp in {1, 2, 4, 8, ...} up to the GPUs of one node, dividing the world size;
+* pp in powers of two up to the number of blocks, dividing world / tp;
+* dp_replicate x dp_shard = world / (tp pp), every factorisation (dp_shard = 1: pure replication);
+* activation checkpointing: none, selective "op", full (`--ac` restricts);
+* without pipelining: local batch = every divisor of global / dp up to 32 (the rest is accumulation);
+  with pipelining: local batch = global / dp, micro-batch size in {1, 2, 4, 8} dividing it, and
+  schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe;
+* strategies: zero3 (FSDP / HSDP; add zero2, zero1, ddp with `--strategies`).
+
+Each layout is checked (`validate.layout_problems`), its analytic peak computed for the first and the
+last pipeline rank (the others hold fewer micro-batches and neither end) and compared with the usable
+device memory; survivors are ranked by estimated tokens/s (`throughput.py`). The top `verify` entries
+are then traced; one whose traced peak does not fit is rejected and the next one verified instead.
+`--runnable-only` also rejects layouts this build cannot start (features not landed yet). Every
+rejection keeps its reason (`--show-rejected`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from torchtrain.config import ConfigError
+from torchtrain.tools.planner.analytic import estimate_memory
+from torchtrain.tools.planner.core import Job, Plan, make_plan
+from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
+from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
+from torchtrain.tools.planner.validate import layout_problems, runnable_problems
+
+
+@dataclass
+class Candidate:
+    inputs: PlanInputs
+    peak: float = 0.0
+    throughput: Throughput | None = None
+    reason: str | None = None
+    plan: Plan | None = None
+    """The full plan (with traces) of a verified candidate."""
+    blockers: list[str] | None = None
+    overrides: list[str] | None = None
+    """Config overrides selecting this layout (set for the shown entries)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.throughput.tokens_per_s or 0.0) if self.throughput else 0.0
+
+
+@dataclass
+class SearchResult:
+    base: PlanInputs
+    ranked: list[Candidate] = field(default_factory=list)
+    rejected: list[Candidate] = field(default_factory=list)
+    examined: int = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[str]) -> list[PlanInputs]:
+    a, world, out = base.args, base.world_size, []
+    node = base.gpu.gpus_per_node if base.gpu is not None else world
+    for tp in _powers_of_two(min(node, world)):
+        if world % tp:
+            continue
+        for pp in _powers_of_two(min(a.n_layers, world // tp)):
+            if (world // tp) % pp:
+                continue
+            dp = world // (tp * pp)
+            if base.global_batch_size % dp:
+                continue
+            for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
+                if strategy in ("zero1", "ddp") and rep != dp:
+                    continue  # replicated strategies: one data-parallel group, counted once
+                common = dict(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, strategy=strategy, ac_mode=ac,
+                              ac_option="op")
+                per_rank = base.global_batch_size // dp
+                if pp == 1:
+                    for local in (d for d in _divisors(per_rank) if d <= 32):
+                        out.append(base.replace(**common, local_batch_size=local, pp_stages_per_rank=1))
+                    continue
+                for mb, schedule in itertools.product((1, 2, 4, 8), ("1F1B", "Interleaved1F1B", "GPipe")):
+                    if per_rank % mb:
+                        continue
+                    v = 2 if schedule == "Interleaved1F1B" else 1
+                    out.append(base.replace(**common, local_batch_size=per_rank, pp_microbatch_size=mb,
+                                            pp_schedule=schedule, pp_stages_per_rank=v))
+    return out
+
+
+def _worst_analytic(p: PlanInputs) -> float:
+    ranks = {0, p.pp - 1}
+    return max(estimate_memory(p, r).peak for r in ranks)
+
+
+def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str], verify: int = 1,
+           peak_tflops: float | None = None, runnable_only: bool = False) -> SearchResult:
+    result = SearchResult(base)
+    usable = base.usable_bytes
+    candidates = enumerate_layouts(base, ac_modes, strategies)
+    result.examined = len(candidates)
+    survivors = []
+    for p in candidates:
+        c = Candidate(p)
+        problems = layout_problems(p)
+        if problems:
+            c.reason = "invalid: " + "; ".join(problems)
+            result.rejected.append(c)
+            continue
+        try:
+            c.peak = _worst_analytic(p)
+        except ConfigError as e:  # the trainer's pipeline rules (split, micro-batches, schedule)
+            c.reason = f"invalid: {e}"
+            result.rejected.append(c)
+            continue
+        if usable is not None and c.peak > usable:
+            c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
+            result.rejected.append(c)
+            continue
+        c.throughput = estimate_throughput(p, peak_tflops)
+        survivors.append(c)
+    survivors.sort(key=lambda c: (-c.tokens_per_s, c.peak))
+    verified = 0
+    for c in survivors:
+        if runnable_only:
+            c.blockers = runnable_problems(c.inputs, job.argv, job.tokenizer)
+            if c.blockers:
+                c.reason = "not runnable by this build: " + "; ".join(c.blockers)
+                result.rejected.append(c)
+                continue
+        if verified < verify:
+            c.plan = make_plan(job, c.inputs, trace=True, peak_tflops=peak_tflops)
+            traced = [r.traced_peak for r in c.plan.ranks if r.traced_peak is not None]
+            if traced and usable is not None and max(traced) > usable:
+                c.reason = (f"does not fit: traced peak {max(traced) / 2**30:,.1f} GiB > usable "
+                            f"{usable / 2**30:,.1f} GiB (analytic {c.peak / 2**30:,.1f})")
+                result.rejected.append(c)
+                continue
+            verified += 1
+        result.ranked.append(c)
+    return result
+
+
+def annotate_runnable(job: Job, result: SearchResult, top: int) -> None:
+    """Record for the shown entries whether this build would start them (the trainer's own checks)."""
+    for c in result.ranked[:top]:
+        c.blockers = c.plan.blockers if c.plan is not None else runnable_problems(c.inputs, job.argv, job.tokenizer)
+        c.overrides = display_overrides(c.inputs, job.cfg)

@@ -1,0 +1,360 @@
+"""Traced memory: one real training step of the real model under the real parallel plan, on fake tensors.
+
+For one representative rank (the first rank of a pipeline stage: it holds the largest FSDP shards),
+in this one process and for any world size:
+
+1. a fake process group (`torch.testing._internal.distributed.fake_pg`: collectives return at once
+   and move no data) over an *equivalent world* of pp x min(dp_replicate, 2) x dp_shard x tp ranks.
+   Per-rank shapes depend on dp_shard, tp and the stage only; replicas just all-reduce gradients in
+   place, so two of them exercise the HSDP code path exactly as R would. The mesh is the trainer's
+   own (`ParallelDims.build_mesh`);
+2. as in the trainer, the model is built on the meta device, cut to the rank's pipeline stage and
+   wrapped for activation checkpointing where this build's plan does not do it yet
+   (`stage_model.py`), parallelised by the model's own `parallelize_fn`, and materialised -- here
+   under `FakeTensorMode`: tensors with shapes, dtypes and storage sizes but no data, so a 405B
+   model costs no memory;
+3. the optimizer is the trainer's (`OptimizersContainer`, implementation resolved for the target
+   device); the optimizer state a first step would create is created directly (a step on zero
+   gradients), then one measured steady-state step runs under
+   `TensorMemoryTracker` -- the tracker and definition the trainer uses for `memory_tensor_peak_gib`.
+   Without pipelining the step *is* `Trainer.train_step` (micro-batch loop with no-sync
+   accumulation, loss, backward, clipping, optimizer); with pipelining it is a stage step (forward,
+   loss on the last stage, backward from a received gradient, FSDP no-sync / no-reshard on all but
+   the last micro-batch as `torch.distributed.pipelining` does) over two micro-batches;
+4. the optimizer's pre-step hook splits the step into a forward/backward phase and an optimizer phase.
+   A pipeline rank keeps k micro-batches in flight (`pipeline.in_flight`): its peak is the measured
+   forward/backward peak plus (k - 1) x the activation bytes one micro-batch leaves stored after its
+   forward (measured too), or the optimizer phase's peak if larger.
+
+Depth. Blocks are identical, so every term of either phase's peak is affine in the number of blocks
+(parameters, gradients and optimizer state per block; activations per block; FSDP keeps a fixed number
+of units gathered), once the peak has settled on its moment of the step (with full AC, for example,
+the backward peak moves while the depth is below ~3 blocks). A rank with more than
+`FULL_TRACE_MAX_BLOCKS` blocks is therefore traced with 3 and 4 blocks per stage (3N and 4N for
+selective AC every N blocks) -- real shapes, real plan -- and the result extended linearly to its
+real depth; this keeps 405B planning to seconds per stage. (Tested against full traces.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtrain.components.tensor_memory import TensorMemoryTracker, track_modules
+from torchtrain.config import JobConfig
+from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.pipeline import Stage, pipeline_of
+from torchtrain.tools.planner.stage_model import cut_to_stage, has_ac, has_tp
+
+FULL_TRACE_MAX_BLOCKS = 5
+
+
+@dataclass
+class TraceResult:
+    """What one traced step measured on one pipeline rank (bytes).
+
+    `backward` / `optimizer`: peak and breakdown of the forward+backward phase and of the optimizer
+    phase; `per_microbatch`: activation bytes one micro-batch leaves stored after its forward (only
+    measured with pipelining). `at(k)` turns them into the rank's peak with k micro-batches in flight.
+    """
+
+    pp_rank: int
+    backward: float = 0.0
+    backward_breakdown: dict[str, float] = field(default_factory=dict)
+    optimizer: float = 0.0
+    optimizer_breakdown: dict[str, float] = field(default_factory=dict)
+    per_microbatch: float = 0.0
+    seconds: float = 0.0
+    traced_blocks: tuple[int, ...] = ()
+    """Blocks per traced model part; several entries when the result was extended linearly."""
+    skipped: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def at(self, flight: int = 1) -> tuple[float, str, dict[str, float], float]:
+        """(peak, phase, breakdown, in-flight bytes added) with `flight` micro-batches stored at once."""
+        extra = max(0, flight - 1) * self.per_microbatch
+        if self.backward + extra >= self.optimizer:
+            parts = dict(self.backward_breakdown)
+            parts["activations"] = parts.get("activations", 0.0) + extra
+            return self.backward + extra, "forward/backward", parts, extra
+        return self.optimizer, "optimizer step", dict(self.optimizer_breakdown), 0.0
+
+
+def fake_backend_available() -> str | None:
+    """None when fake process groups work here, else why not."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means no tracing
+        return f"torch {torch.__version__} has no fake process group ({e})"
+    return None
+
+
+# ----------------------------------------------------------------------------- entry point
+def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | None = None,
+               fake: bool = True) -> TraceResult:
+    """Trace pipeline rank `pp_rank` (rank 0 of its data/tensor-parallel group); see the module doc.
+
+    `cache` (shared by the ranks of one plan) reuses traces of identical model parts. `fake=False`
+    runs the very same step on real tensors (tests use it to show fake tensors change nothing).
+    """
+    reason = fake_backend_available()
+    if reason:
+        return TraceResult(pp_rank, skipped=reason)
+    t0 = time.perf_counter()
+    cache = {} if cache is None else cache
+
+    def traced(stages: list[Stage]) -> TraceResult:
+        key = tuple((len(s.layers), s.first, s.last) for s in stages)
+        if key not in cache:
+            cache[key] = _trace(p, cfg, pp_rank, stages, fake)
+        return cache[key]
+
+    stages = list(pipeline_of(p).stages[pp_rank])
+    if sum(len(s.layers) for s in stages) <= FULL_TRACE_MAX_BLOCKS:
+        result = dataclasses.replace(traced(stages), pp_rank=pp_rank)
+    else:
+        q = int(p.ac_option) if p.ac_mode == "selective" and p.ac_option != "op" else 1
+        small = [traced(_resized(stages, k * q)) for k in (3, 4)]
+        result = _extend(small[0], small[1], len(stages) * q, sum(len(s.layers) for s in stages))
+        result.pp_rank = pp_rank
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _resized(stages: list[Stage], blocks: int) -> list[Stage]:
+    """The same stages with `blocks` blocks each (indices 0.. in every part: only shapes matter)."""
+    return [Stage(s.index, tuple(range(blocks)), s.first, s.last) for s in stages]
+
+
+def _extend(a: TraceResult, b: TraceResult, step_blocks: int, real_blocks: int) -> TraceResult:
+    """Linear extension in the number of blocks from traces with fewer blocks (see the module doc)."""
+    if a.skipped or b.skipped:
+        return a if a.skipped else b
+    base = sum(a.traced_blocks)
+    scale = (real_blocks - base) / step_blocks
+
+    def lin(x: float, y: float) -> float:
+        return x + (y - x) * scale
+
+    def lin_dict(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
+        return {k: lin(x.get(k, 0.0), y.get(k, 0.0)) for k in x.keys() | y.keys()}
+
+    out = TraceResult(a.pp_rank, lin(a.backward, b.backward), lin_dict(a.backward_breakdown, b.backward_breakdown),
+                      lin(a.optimizer, b.optimizer), lin_dict(a.optimizer_breakdown, b.optimizer_breakdown),
+                      lin(a.per_microbatch, b.per_microbatch), traced_blocks=a.traced_blocks + b.traced_blocks,
+                      notes=list(dict.fromkeys(a.notes + b.notes)))
+    out.notes.append(f"traced with {sum(a.traced_blocks)} and {sum(b.traced_blocks)} blocks, extended linearly "
+                     f"to {real_blocks} (identical blocks)")
+    return out
+
+
+# ----------------------------------------------------------------------------- one trace
+def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fake: bool = True) -> TraceResult:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtrain.distributed import ParallelDims
+
+    result = TraceResult(pp_rank, traced_blocks=tuple(len(s.layers) for s in stages))
+    rep = min(p.dp_replicate, 2)
+    world = p.pp * rep * p.dp_shard * p.tp
+    if dist.is_initialized():
+        raise RuntimeError("the planner's trace needs a process without a process group")
+    dist.init_process_group("fake", rank=pp_rank * (world // p.pp), world_size=world, store=FakeStore())
+    try:
+        pd = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world)
+        pd.build_mesh("cpu")
+        parts, result.notes = _build_parts(p, cfg, pd, stages)
+        # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
+        # and sharding meta tensors is cheap where chunking fake ones 1000s of ways is not.
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            for part in parts:
+                part.to_empty(device="cpu")
+            _run(p, cfg, pd, stages, parts, result)
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+    return result
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation and redistribution caches (Python and C++). They key on
+    mesh *equality*, and the next trace's mesh (same shape, same names, new process groups) equals
+    this one's: a cached result would hand it this trace's destroyed groups."""
+    from torch.distributed.tensor import _redistribute
+
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: only the Python cache
+        from torch.distributed.tensor import DTensor
+
+        def _clear_sharding_prop_cache():
+            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _clear_sharding_prop_cache()
+    fn = getattr(_redistribute, "_gen_transform_infos", None)
+    if fn is not None and hasattr(fn, "cache_clear"):
+        fn.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+
+
+def _build_parts(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
+    from torchtrain.models.registry import get_model_spec
+
+    spec, notes = get_model_spec(p.model_name), []
+    parts = []
+    for stage in stages:
+        n_built = max(stage.layers) + 1
+        with torch.device("meta"):
+            model = spec.model_cls(p.args if n_built == p.args.n_layers else p.args.replace(n_layers=n_built))
+        if p.pp > 1 or n_built != p.args.n_layers:
+            model = cut_to_stage(model, stage)
+        part = spec.parallelize_fn(model, pd, cfg)
+        if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see _local_allreduce_hook
+            part.register_comm_hook(None, _local_allreduce_hook)
+        parts.append(part)
+    return parts, notes
+
+
+def _local_allreduce_hook(state, bucket):
+    """DDP's reducer expects its all-reduce to hand back the bucket; the fake process group hands back
+    nothing, so the trace's gradient buckets are 'reduced' in place, without communication (the same
+    tensors, so the same memory)."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _run(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage], parts: list[nn.Module], result: TraceResult) -> None:
+    from torchtrain.components.loss import ScaledTokenLoss
+    from torchtrain.components.lr_scheduler import LRSchedulersContainer
+    from torchtrain.components.optimizer import OptimizersContainer
+
+    if p.tp > 1 and not any(has_tp(m) for m in parts):
+        result.skipped = ("this build's parallel plan does not apply tensor parallelism (no parameter is "
+                          "sharded over the tp mesh dimension)")
+        return
+    if p.ac_mode != "none" and not any(has_ac(m) for m in parts):
+        result.notes.append(f"AC mode {p.ac_mode!r} requested but the parallel plan applied none")
+    for m in parts:
+        m.train()
+    zero1 = p.strategy == "zero1" and pd.dp_enabled  # as Trainer.__init__ builds it
+    state_device = torch.device("cpu" if p.cpu_offload else p.device_type)
+    optimizers = OptimizersContainer(parts, cfg.optimizer, state_device,
+                                     zero1_group=pd.dp_mesh.get_group() if zero1 else None)
+    schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    tracker = TensorMemoryTracker()
+    track_modules(tracker, parts, optimizers)
+    loss_fn = ScaledTokenLoss()
+    if p.pp == 1:
+        step = functools.partial(_trainer_step, p, pd, cfg, parts, tracker, loss_fn, optimizers, schedulers)
+    else:
+        step = functools.partial(_stage_step, p, pd, parts, stages, tracker, loss_fn, optimizers, schedulers)
+
+    phases: dict[str, tuple[int, dict[str, int]]] = {}
+
+    def end_of_backward(*_):
+        if "backward" not in phases:
+            phases["backward"] = (tracker.peak, tracker.peak_breakdown())
+            tracker.reset_peak()
+
+    _create_optimizer_state(parts, optimizers)
+    hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
+    stored: list[float] = []
+    step(stored)
+    phases["optimizer"] = (tracker.peak, tracker.peak_breakdown())
+    hook.remove()
+    tracker.remove_hooks()
+    if stored:
+        result.per_microbatch = sum(stored) / len(stored)
+    (bwd, bwd_parts), (opt, opt_parts) = phases["backward"], phases["optimizer"]
+    result.backward, result.backward_breakdown = float(bwd), {k: float(v) for k, v in bwd_parts.items()}
+    result.optimizer, result.optimizer_breakdown = float(opt), {k: float(v) for k, v in opt_parts.items()}
+
+
+def _create_optimizer_state(parts: list[nn.Module], optimizers) -> None:
+    """What a first training step leaves behind: optimizer state (Adam m, v, step), gradients freed.
+
+    Stepping once on zero gradients creates exactly that state at a fraction of a real step's cost;
+    the measured step that follows is then a steady-state step.
+    """
+    for part in parts:
+        for q in part.parameters():
+            q.grad = torch.zeros_like(q)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, schedulers,
+                  stored: list[float]) -> None:
+    """`Trainer.train_step` itself, on fake batches of the job's shape (up to two micro-batches).
+
+    The step runs on a Trainer whose `__init__` (data, files, real weights) is skipped and whose
+    step-time attributes are set here. If a later trainer's step needs another attribute, this raises
+    an error naming it: set it below as `Trainer.__init__` does.
+    """
+    from torchtrain.components.precision import LossScaler
+    from torchtrain.distributed.fsdp import DTYPES
+    from torchtrain.train import Trainer
+
+    dtype = DTYPES[p.param_dtype]
+    replicated = p.strategy in ("ddp", "zero1")
+    owner = Trainer.__new__(Trainer)
+    owner.__dict__.update(parallel_dims=pd, model_parts=parts, device=torch.device("cpu"), loss_fn=loss_fn,
+                          job_config=cfg, optimizers=optimizers, lr_schedulers=schedulers, step=1, pp_plan=None,
+                          autocast_dtype=dtype if replicated and dtype != torch.float32 else None,
+                          scaler=LossScaler(dtype == torch.float16, sharded=not replicated, device=torch.device("cpu")))
+    shape = (p.local_batch_size, p.seq_len)
+    batches = [(torch.randint(0, p.args.vocab_size, shape), torch.randint(0, p.args.vocab_size, shape))
+               for _ in range(min(p.grad_accum_steps, 2))]
+    with tracker:
+        try:
+            Trainer.train_step(owner, batches)
+        except AttributeError as e:
+            raise RuntimeError(f"Trainer.train_step needs state the planner's trace does not set ({e}); add it "
+                               f"in torchtrain/tools/planner/trace.py::_trainer_step") from e
+
+
+def _stage_step(p: PlanInputs, pd, parts, stages, tracker, loss_fn, optimizers, schedulers,
+                stored: list[float]) -> None:
+    """One pipeline step of this rank's stage(s) for up to two micro-batches, run one after the other."""
+    from torchtrain.distributed.fsdp import fsdp_modules
+    from torchtrain.distributed.utils import clip_grad_norm_
+
+    mb, dtype = p.pp_microbatch_size, (torch.float32 if p.param_bytes == 4 else torch.bfloat16)
+    n_micro = min(p.n_microbatches, 2)
+    loss_fn.scale = 1.0 / (p.n_microbatches * mb * p.seq_len)
+    inputs = [(torch.randint(0, p.args.vocab_size, (mb, p.seq_len)),
+               torch.randn(mb, p.seq_len // p.tp, p.args.dim, dtype=dtype),  # sequence-parallel shard
+               torch.randint(0, p.args.vocab_size, (mb, p.seq_len))) for _ in range(n_micro)]
+    from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
+
+    with tracker, maybe_loss_parallel(pd.loss_parallel_enabled):  # as the trainer's train_context
+        for i, (tokens, hidden, labels) in enumerate(inputs):
+            last_micro = i == n_micro - 1
+            for part in fsdp_modules(parts):
+                part.set_requires_gradient_sync(last_micro)
+                if hasattr(part, "set_reshard_after_backward"):
+                    part.set_reshard_after_backward(last_micro)
+            for stage, part in zip(stages, parts):
+                x = tokens if stage.first else hidden.detach().requires_grad_(True)
+                before = tracker.current_breakdown()["activations"]
+                out = part(x)
+                if stage.last:
+                    out = loss_fn(out, labels)
+                stored.append(tracker.current_breakdown()["activations"] - before)
+                grad = None if stage.last else torch.ones_like(out)
+                out.backward(grad)
+                del out, grad, x
+        params = [q for part in parts for q in part.parameters()]
+        clip_grad_norm_(params, 1.0, pd.world_mesh["pp"])
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
