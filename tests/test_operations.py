@@ -191,14 +191,15 @@ def test_validation_loss_equals_offline_evaluation(one_node):
 
 def test_validation_under_pipeline_and_tensor_parallelism(one_node, tmp_path):
     dump, _ = one_node
-    args = job(tmp_path, "--training.steps", "4", "--parallelism.pipeline_parallel_degree", "2",
+    args = job(tmp_path, "--parallelism.pipeline_parallel_degree", "2",
                "--parallelism.tensor_parallel_degree", "2", "--validation.local_batch_size", "4",
                "--checkpoint.enable", "false")
     finish(launch(args, NGPU="4"))
-    ref = {r["step"]: r for r in read_metrics(str(dump))}[4]
-    got = {r["step"]: r for r in read_metrics(str(tmp_path))}[4]
-    assert got["validation_tokens"] == ref["validation_tokens"]
-    assert math.isclose(got["validation_loss"], ref["validation_loss"], rel_tol=1e-4)
+    ref = {r["step"]: r for r in read_metrics(str(dump))}
+    got = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    for step in (4, 8):  # same job, same LR schedule: only the layout differs
+        assert got[step]["validation_tokens"] == ref[step]["validation_tokens"]
+        assert math.isclose(got[step]["validation_loss"], ref[step]["validation_loss"], rel_tol=1e-4), step
 
 
 # ------------------------------------------------------------------------------------- SLURM
@@ -265,7 +266,6 @@ def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
     assert "requeueing job 4242" in out
     calls = (shims / "calls").read_text()
     assert "scancel --signal=USR1 4242" in calls and "scontrol requeue 4242" in calls
-    assert "--rdzv_backend=c10d" not in calls  # the shim saw srun's own options only
     assert [r["step"] for r in read_metrics(str(dump))] == [1, 2, 3]
     (shims / "calls").write_text("")
     out = finish(slurm_job(shims, dump, 1))  # the requeued job

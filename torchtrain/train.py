@@ -36,7 +36,7 @@ from torchtrain.distributed.fsdp import resolve_param_dtype
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
-from torchtrain.distributed.utils import (all_reduce, clip_grad_norm_, env_rank_world, init_distributed,
+from torchtrain.distributed.utils import (all_reduce, clip_grad_norm_, env_rank_world, exit_process, init_distributed,
                                           resolve_device, set_determinism, set_gradient_sync,
                                           set_train_timeout)
 from torchtrain.preflight import preflight
@@ -395,4 +395,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # see exit_process: a clean run must not abort in interpreter teardown

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torchtrain.config import parse_args
 from torchtrain.distributed import ParallelDims
 from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.utils import exit_process
 from torchtrain.models.registry import build_model_args, get_model_spec
 
 cfg = parse_args(sys.argv[1:])
@@ -41,3 +42,4 @@ if dist.get_rank() == 0:
     print(f"INIT-OK {sharded} sharded parameters equal the single-process init")
 dist.barrier()  # tear down together: see Trainer.close
 dist.destroy_process_group()
+exit_process(0)

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
+from torchtrain.distributed.utils import exit_process
 from torchtrain.train import Trainer
 
 
@@ -46,3 +47,4 @@ trainer.train_step([next(it) for _ in range(trainer.batch.grad_accum_steps)])
 if trainer.rank == 0:
     print("STATE-BYTES " + json.dumps(seen), flush=True)
 trainer.close(finished=True)
+exit_process(0)
