@@ -330,7 +330,8 @@ class Trainer:
         if self.scaler.enabled:
             record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
                           step_skipped=not out["stepped"])
-        record.update(**self.phases.summary(), **out.get("validation", {}), **self.guard.record())  # [ops]
+        record.update(**self.phases.summary(record["step_time_s"]), **out.get("validation", {}),
+                      **self.guard.record())  # [ops]
         self.metrics.log(self.step, record)
         out["logged"] = True
         self.memory.reset_peak()
@@ -357,6 +358,11 @@ class Trainer:
             dist.destroy_process_group()
 
 
+# torchrun stops all workers as soon as one fails; a quiet rank that failed first would cut the log
+# rank off before it printed the error.
+QUIET_RANK_ERROR_EXIT_DELAY_S = 5.0
+
+
 def _help_model(argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith("--model.name="):
@@ -380,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if is_log_rank():
             print(f"torchtrain: config error: {e}", file=sys.stderr)
+        else:  # every rank finds the error at once: let the log rank say it before torchrun stops the job
+            time.sleep(QUIET_RANK_ERROR_EXIT_DELAY_S)
         return 2
     except GuardAbort as e:  # every rank raises it at the same step (docs/guard.md)
         finished = True  # ... so they can still tear down together

@@ -9,7 +9,7 @@ collection, the loop itself) is the remainder. Over a logging interval of k step
 
 so the phases and the remainder add up to `step_time_s` (= T / k) exactly, and a small remainder
 says the named phases explain the step. The interval is the one of `ThroughputMeter` (both are
-summarised when a step is logged).
+reset together, and the remainder is taken against the step time it reports).
 
 CUDA work is asynchronous: without synchronisation a phase would measure how long it took to
 *queue* kernels. So on CUDA every boundary synchronizes the device, which costs the overlap of CPU
@@ -74,13 +74,17 @@ class PhaseTimer:
     def end_step(self) -> None:
         self.steps += 1
 
-    def summary(self) -> dict[str, float]:
-        """Per-step means over the interval since the last summary; {} when disabled."""
+    def summary(self, step_time: float | None = None) -> dict[str, float]:
+        """Per-step means over the interval since the last summary; {} when disabled. `step_time`:
+        the interval's wall time per step as ThroughputMeter measured it (the one logged as
+        step_time_s), so that the remainder is taken against that very number; None: this timer's
+        own clock since its last reset."""
         if not self.enabled:
             return {}
         steps = max(self.steps, 1)
-        elapsed = time.perf_counter() - self.t_interval
+        if step_time is None:
+            step_time = (time.perf_counter() - self.t_interval) / steps
         out = {f"phase_{name}_s": total / steps for name, total in self.totals.items()}
-        out["phase_other_s"] = elapsed / steps - sum(out.values())
+        out["phase_other_s"] = step_time - sum(out.values())
         self.reset()
         return out

@@ -300,7 +300,10 @@ def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, s
     step-time attributes are set here. If a later trainer's step needs another attribute, this raises
     an error naming it: set it below as `Trainer.__init__` does.
     """
+    from torchtrain.components.guard import TrainingGuard
+    from torchtrain.components.phases import PhaseTimer
     from torchtrain.components.precision import LossScaler
+    from torchtrain.config.operations import Guard
     from torchtrain.distributed.fsdp import DTYPES
     from torchtrain.train import Trainer
 
@@ -310,7 +313,9 @@ def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, s
     owner.__dict__.update(parallel_dims=pd, model_parts=parts, device=torch.device("cpu"), loss_fn=loss_fn,
                           job_config=cfg, optimizers=optimizers, lr_schedulers=schedulers, step=1, pp_plan=None,
                           autocast_dtype=dtype if replicated and dtype != torch.float32 else None,
-                          scaler=LossScaler(dtype == torch.float16, sharded=not replicated, device=torch.device("cpu")))
+                          scaler=LossScaler(dtype == torch.float16, sharded=not replicated, device=torch.device("cpu")),
+                          phases=PhaseTimer(False, torch.device("cpu")),  # no timing, no guard: memory only
+                          guard=TrainingGuard(Guard(policy="off"), [], True, torch.device("cpu")))
     shape = (p.local_batch_size, p.seq_len)
     batches = [(torch.randint(0, p.args.vocab_size, shape), torch.randint(0, p.args.vocab_size, shape))
                for _ in range(min(p.grad_accum_steps, 2))]
