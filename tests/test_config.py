@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -216,3 +217,11 @@ def test_shipped_job_files_are_valid_for_their_cluster(name, world):
     args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
     spec.validate_fn(args, pd, cfg)
     check_layout(cfg, pd, "cuda" if world > 1 else "cpu")
+
+
+def test_help_shows_the_arguments_of_the_jobs_model(monkeypatch):
+    """--help reads --model.name (and job.custom_imports, imported first) from the command line."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "plugins"))
+    text = format_help(["--help", "--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp"])
+    assert "model arguments of 'toy_mlp'" in text
+    assert "model arguments of 'llama3'" in format_help(["--help"])

@@ -363,20 +363,11 @@ class Trainer:
 QUIET_RANK_ERROR_EXIT_DELAY_S = 5.0
 
 
-def _help_model(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--model.name="):
-            return arg.split("=", 1)[1]
-        if arg == "--model.name" and i + 1 < len(argv):
-            return argv[i + 1]
-    return "llama3"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     init_logger()
     if "-h" in argv or "--help" in argv:
-        print(format_help(_help_model(argv)))
+        print(format_help(argv))
         return 0
     trainer, finished = None, False
     try:

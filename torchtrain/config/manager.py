@@ -207,8 +207,16 @@ def _help_entry(prefix: str, name: str, tp: Any, default: Any, doc: str) -> list
     return out
 
 
-def format_help(model_name: str = "llama3") -> str:
-    """Every key: type, default and docstring, section by section (plus the model's arguments)."""
+def format_help(model_name: str | list[str] = "llama3") -> str:
+    """Every key: type, default and docstring, section by section (plus the model's arguments).
+    `model_name` may be the command line, whose `--model.name` (default llama3) is then used."""
+    if isinstance(model_name, list):  # the job's model (CLI > TOML), custom_imports imported first
+        cli = parse_cli([a for a in model_name if a not in ("-h", "--help")])
+        config_file = cli.get("job", {}).get("config_file")
+        from_file = load_toml(config_file) if config_file else {}
+        pick = lambda section, key: cli.get(section, {}).get(key, from_file.get(section, {}).get(key))  # noqa: E731
+        _import_custom_modules(pick("job", "custom_imports"))
+        model_name = pick("model", "name") or "llama3"
     lines = [
         "usage: python -m torchtrain.train [--job.config_file FILE] [--section.key VALUE ...]",
         "",
