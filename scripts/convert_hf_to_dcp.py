@@ -21,7 +21,7 @@ import torch
 
 from torchtrain.components.checkpoint.folder import write_marker
 from torchtrain.components.checkpoint.hf import hf_to_dcp
-from torchtrain.components.checkpoint.manager import DTYPES
+from torchtrain.distributed.fsdp import DTYPES
 from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.models.registry import build_model_args, get_model_spec

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,9 +22,8 @@ TINY_JOB = TINY_MODEL + ["--training.dataset", "synthetic", "--training.seq_len"
                          "--optimizer.lr", "3e-3", "--job.print_config", "false"]
 
 
-def run_train(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None
-              ) -> subprocess.CompletedProcess:
-    """Run the trainer (under torchrun when nproc is given) and return the finished process."""
+def train_command(args: list[str], nproc: int | None = None, env: dict | None = None) -> tuple[list[str], dict]:
+    """(command, environment) that run the trainer, under torchrun when nproc is given."""
     if nproc is None:
         cmd = [sys.executable, "-m", "torchtrain.train", *args]
     else:
@@ -31,7 +31,25 @@ def run_train(args: list[str], nproc: int | None = None, timeout: float = 600, e
                "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("RANK", None)
+    return cmd, full_env
+
+
+def run_train(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run the trainer (under torchrun when nproc is given) and return the finished process."""
+    cmd, full_env = train_command(args, nproc, env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+
+
+def wait_for_pid_file(proc: subprocess.Popen, pid_file, what: str, timeout: float = 300) -> int:
+    """Wait until a parked rank (TORCHTRAIN_TEST_WAIT_FOR_SIGNAL) wrote its pid file; return the pid.
+    Fails with the process's output if it exits first, or with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(pid_file):
+        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return int(open(pid_file).read())
 
 
 def read_metrics(dump_folder: str) -> list[dict]:

@@ -19,8 +19,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from conftest import REPO, TINY_JOB, read_metrics, run_train
+from conftest import REPO, TINY_JOB, read_metrics, run_train, train_command, wait_for_pid_file
 
 pytestmark = pytest.mark.dist
 RTOL = 1e-4
@@ -87,10 +85,7 @@ def fsdp2_ref(tmp_path_factory):
 
 
 def _popen_train(args: list[str], nproc: int, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
-    full_env.pop("RANK", None)
+    cmd, full_env = train_command(args, nproc, env)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=full_env)
 
 
@@ -102,13 +97,8 @@ def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_pa
     args = job(tmp_path, "--checkpoint.interval", "100")
     env = {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": "3:1", "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": "1:SIGTERM"}
     proc = _popen_train(args, 2, env)
-    pid_file = tmp_path / "test_waiting_rank1.pid"
-    deadline = time.monotonic() + 300
-    while not pid_file.exists():
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, "rank 1 never reached step 3"
-        time.sleep(0.05)
-    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    pid = wait_for_pid_file(proc, tmp_path / "test_waiting_rank1.pid", "rank 1 never reached step 3")
+    os.kill(pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
     assert "rank 1 received SIGTERM" in output and "checkpoint step-3 saved, exiting" in output

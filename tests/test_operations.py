@@ -27,15 +27,14 @@ import json
 import math
 import os
 import signal
-import socket
 import stat
 import subprocess
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_JOB, read_metrics
+from conftest import REPO, TINY_JOB, read_metrics, wait_for_pid_file
+from torchtrain.distributed.utils import free_port
 
 pytestmark = pytest.mark.dist
 STEPS = 8
@@ -52,12 +51,6 @@ def job(dump, *extra: str) -> list[str]:
 
 PROFILED = ("--profiling.enable_profiling", "--profiling.profile_freq", "4", "--profiling.profiler_warmup", "1",
             "--profiling.enable_phase_timing", "--profiling.enable_memory_snapshot")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], **env: str) -> subprocess.Popen:
@@ -254,12 +247,7 @@ def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
     # each node's shell forwards it to its training process, all ranks save step-3 and exit 0, and
     # the script requeues the job.
     proc = slurm_job(shims, dump, 0, TORCHTRAIN_TEST_WAIT_FOR_SIGNAL="3:0")
-    pid_file = dump / "test_waiting_rank0.pid"
-    deadline = time.monotonic() + 300
-    while not pid_file.exists():
-        assert proc.poll() is None, proc.communicate()[0][-5000:]
-        assert time.monotonic() < deadline, "rank 0 never reached step 3"
-        time.sleep(0.05)
+    wait_for_pid_file(proc, dump / "test_waiting_rank0.pid", "rank 0 never reached step 3")
     os.kill(proc.pid, signal.SIGUSR1)
     out = finish(proc)
     assert "SIGUSR1 (time limit ahead)" in out and "checkpoint step-3 saved, exiting" in out

@@ -345,12 +345,9 @@ class Trainer:
         """Flush and release everything. `finished`: every rank completed normally, so they meet at a
         barrier first and tear the process group down together (a rank that destroys gloo's group
         while a peer still runs can abort at exit)."""
-        if getattr(self, "profiler", None) is not None:
-            self.profiler.stop()
-        if getattr(self, "gc", None) is not None:
-            self.gc.close()
-        if getattr(self, "checkpointer", None) is not None:
-            self.checkpointer.close()
+        self.profiler.stop()
+        self.gc.close()
+        self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
             if finished:

@@ -40,7 +40,6 @@ class PhaseTimer:
 
     def reset(self) -> None:
         self.totals = {name: 0.0 for name in PHASES}
-        self.t_interval = time.perf_counter()
         self.steps = 0
 
     def _now(self) -> float:
@@ -74,16 +73,13 @@ class PhaseTimer:
     def end_step(self) -> None:
         self.steps += 1
 
-    def summary(self, step_time: float | None = None) -> dict[str, float]:
+    def summary(self, step_time: float) -> dict[str, float]:
         """Per-step means over the interval since the last summary; {} when disabled. `step_time`:
         the interval's wall time per step as ThroughputMeter measured it (the one logged as
-        step_time_s), so that the remainder is taken against that very number; None: this timer's
-        own clock since its last reset."""
+        step_time_s), so that the remainder is taken against that very number."""
         if not self.enabled:
             return {}
         steps = max(self.steps, 1)
-        if step_time is None:
-            step_time = (time.perf_counter() - self.t_interval) / steps
         out = {f"phase_{name}_s": total / steps for name, total in self.totals.items()}
         out["phase_other_s"] = step_time - sum(out.values())
         self.reset()

@@ -39,11 +39,6 @@ class Profiler:
         self.memory = cfg.enable_memory_snapshot and device.type == "cuda"
         self._prof: torch.profiler.profile | None = None
         self._step = 0
-        self.traces_written: list[str] = []
-
-    @property
-    def tracing(self) -> bool:
-        return self._prof is not None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, step: int) -> None:
@@ -102,7 +97,6 @@ class Profiler:
         path = os.path.join(folder, f"rank{self.rank}_trace.json")
         t0 = time.perf_counter()
         prof.export_chrome_trace(path)
-        self.traces_written.append(path)
         logger.info("profiling: trace of step %d written to %s in %.2fs", self._step, path,
                     time.perf_counter() - t0)
 

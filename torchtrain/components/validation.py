@@ -35,6 +35,7 @@ from torchtrain.components.data.dataset import PackedDataset
 from torchtrain.components.data.sources import DocumentSource
 from torchtrain.components.loss import count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.config import ConfigError, JobConfig
+from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.utils.logging import logger
 
@@ -54,9 +55,8 @@ def check_validation_layout(cfg: JobConfig, parallel_dims) -> None:
     if not cfg.validation.enable:
         return
     _, seq_len = resolved_shape(cfg)
-    if parallel_dims.tp > 1 and seq_len % parallel_dims.tp:
-        raise ConfigError(f"[validation.seq_len] {seq_len} is not a multiple of tensor_parallel_degree "
-                          f"{parallel_dims.tp} (sequence parallelism splits every sequence evenly)")
+    check_divisible(parallel_dims.tp, {"validation.seq_len": seq_len},
+                    {"validation.seq_len": "sequence parallelism splits every validation sequence evenly"})
 
 
 def build_validation_source(cfg: JobConfig) -> DocumentSource | None:

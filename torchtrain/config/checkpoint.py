@@ -10,13 +10,13 @@ logged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from torchtrain.config.fields import ConfigError, Ge
 
 # What a checkpoint holds, by top-level key (`exclude_from_loading` picks among these).
-CHECKPOINT_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 StateKey = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
+CHECKPOINT_KEYS: tuple[str, ...] = get_args(StateKey)
 SignalName = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]
 
 

@@ -136,9 +136,9 @@ def _import_custom_modules(raw: Any) -> None:
             raise ConfigError(f"[job.custom_imports] cannot import {name!r}: {e}") from None
 
 
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build and validate the JobConfig (no process group needed; raises ConfigError)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _merge_sources(argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """The raw values of the job file overlaid by the command line, per section, and where each came
+    from; imports job.custom_imports (they may register the models/datasets the job names)."""
     cli = parse_cli(argv)
     config_file = cli.get("job", {}).get("config_file")
     from_file = load_toml(config_file) if config_file else {}
@@ -155,6 +155,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             merged.setdefault(section, {}).update(table)
             origin.setdefault(section, {}).update({k: source for k in table})
     _import_custom_modules(merged.get("job", {}).get("custom_imports"))
+    return merged, origin
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build and validate the JobConfig (no process group needed; raises ConfigError)."""
+    merged, origin = _merge_sources(list(sys.argv[1:] if argv is None else argv))
+    sections = _sections()
     built = {
         name: _build_section(name, cls, merged.get(name, {}), origin.get(name, {}))
         for name, cls in sections.items()
@@ -211,12 +218,8 @@ def format_help(model_name: str | list[str] = "llama3") -> str:
     """Every key: type, default and docstring, section by section (plus the model's arguments).
     `model_name` may be the command line, whose `--model.name` (default llama3) is then used."""
     if isinstance(model_name, list):  # the job's model (CLI > TOML), custom_imports imported first
-        cli = parse_cli([a for a in model_name if a not in ("-h", "--help")])
-        config_file = cli.get("job", {}).get("config_file")
-        from_file = load_toml(config_file) if config_file else {}
-        pick = lambda section, key: cli.get(section, {}).get(key, from_file.get(section, {}).get(key))  # noqa: E731
-        _import_custom_modules(pick("job", "custom_imports"))
-        model_name = pick("model", "name") or "llama3"
+        merged, _ = _merge_sources([a for a in model_name if a not in ("-h", "--help")])
+        model_name = merged.get("model", {}).get("name") or "llama3"
     lines = [
         "usage: python -m torchtrain.train [--job.config_file FILE] [--section.key VALUE ...]",
         "",

@@ -205,12 +205,10 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn):
         if plan.csv_path is not None:
             schedule = _PipelineScheduleRuntime(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
             schedule._load_csv(plan.csv_path)
-        elif plan.multi_stage:
+        else:  # multi-stage schedules take the list, single-stage ones the stage
             cls = get_schedule_class(plan.schedule_name)
-            schedule = cls(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            cls = get_schedule_class(plan.schedule_name)
-            schedule = cls(stages[0], plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = cls(stages if plan.multi_stage else stages[0], plan.n_microbatches, loss_fn=loss_fn,
+                           scale_grads=False)
     except (ValueError, RuntimeError, AssertionError) as e:
         raise ConfigError(f"[parallelism.pipeline_parallel_schedule] {plan.schedule_name}: {e}") from None
     return schedule

@@ -37,7 +37,8 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -49,7 +50,7 @@ def init_distributed(comm: Comm, device: torch.device) -> None:
         return
     if "RANK" not in os.environ:  # `python -m torchtrain.train` without torchrun: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     backend = comm.backend
     if backend == "auto":
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"

@@ -21,10 +21,12 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+
 MARKER = "complete.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Keys that make a checkpoint a resume point (a model-only one is an export or a seed).
-FULL_STATE = frozenset({"model", "optimizer", "lr_scheduler", "dataloader", "train_state"})
+FULL_STATE = frozenset(CHECKPOINT_KEYS) - {"rng"}
 
 
 def step_dir(folder: str, step: int) -> str:

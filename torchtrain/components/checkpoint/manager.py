@@ -38,10 +38,8 @@ from torchtrain.components.checkpoint.validate import (CheckpointError, check_ag
                                                        stored_keys)
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.fsdp import DTYPES
 from torchtrain.utils.logging import logger
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class _Pending:
@@ -151,11 +149,7 @@ class CheckpointManager:
         pd = self.parallel_dims
         template: dict[str, Any] = {}
         for key in keys:
-            if key == "model":
-                template[key] = self.states["model"].state_dict()
-            elif key in ("optimizer", "lr_scheduler", "train_state"):
-                template[key] = self.states[key].state_dict()
-            elif key == "dataloader":
+            if key == "dataloader":
                 own = f"dp_rank_{pd.dp_rank}"
                 stored = stored_keys(metadata, "dataloader")
                 same = meta.get("dp_degree", pd.dp) == pd.dp and own in stored
@@ -164,6 +158,8 @@ class CheckpointManager:
                 own = f"rank_{self.rank}"
                 same = meta.get("world_size", self.world_size) == self.world_size
                 template[key] = {own if same and own in stored_keys(metadata, "rng") else "rank_0": None}
+            else:  # model, optimizer, lr_scheduler, train_state: load into the live state
+                template[key] = self.states[key].state_dict()
         return template
 
     def _load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any]) -> None:

@@ -52,14 +52,11 @@ def flat_keys(state: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _shape(value: Any) -> tuple[int, ...]:
-    return tuple(value.shape)
-
-
 def check_against_metadata(metadata: Metadata, state: dict[str, Any], path: str, label: str) -> str | None:
     """The first problem loading `state` from this checkpoint would hit, or None."""
     stored = metadata.state_dict_metadata
-    for key, leaf in flat_keys(state).items():
+    flat = flat_keys(state)
+    for key, leaf in flat.items():
         entry = stored.get(key)
         if entry is None:
             section = key.split(".", 1)[0]
@@ -70,13 +67,13 @@ def check_against_metadata(metadata: Metadata, state: dict[str, Any], path: str,
         if isinstance(leaf, torch.Tensor):
             if not isinstance(entry, TensorStorageMetadata):
                 return f"[checkpoint] {label} ({path}): key {key!r} is stored as bytes, expected a tensor"
-            if tuple(entry.size) != _shape(leaf):
+            if tuple(entry.size) != tuple(leaf.shape):
                 return (f"[checkpoint] {label} ({path}): key {key!r} has shape {tuple(entry.size)} in the "
-                        f"checkpoint but {_shape(leaf)} in this run: the checkpoint is from a different "
+                        f"checkpoint but {tuple(leaf.shape)} in this run: the checkpoint is from a different "
                         f"model shape (check the [model] settings)")
         elif isinstance(entry, TensorStorageMetadata) and leaf is not None:
             return f"[checkpoint] {label} ({path}): key {key!r} is a tensor in the checkpoint, expected {type(leaf).__name__}"
-    return check_files(metadata, set(flat_keys(state)), path, label)
+    return check_files(metadata, set(flat), path, label)
 
 
 def check_files(metadata: Metadata, keys: set[str], path: str, label: str) -> str | None:

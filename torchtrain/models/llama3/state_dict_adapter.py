@@ -44,7 +44,6 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Llama3StateDictAdapter(StateDictAdapter):
@@ -105,7 +104,7 @@ class Llama3StateDictAdapter(StateDictAdapter):
             "attention_bias": False,
             "mlp_bias": False,
             "initializer_range": 0.02,
-            "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", "")),
+            "torch_dtype": str(dtype).replace("torch.", ""),
         }
         if a.rope_scaling_factor is not None:
             config["rope_scaling"] = {

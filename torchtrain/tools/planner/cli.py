@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from torchtrain.config import ConfigError
+from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES
 
 EPILOG = """\
 Any other argument is a job override, as for the trainer: --section.key value (e.g. --training.seq_len 8192).
@@ -43,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp-replicate", type=int)
     g.add_argument("--tp", type=int, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, help="pipeline-parallel degree")
-    g.add_argument("--strategy", choices=("zero3", "zero2", "zero1", "ddp"),
+    g.add_argument("--strategy", choices=STRATEGIES,
                    help="data-parallel strategy (zero3 = FSDP/HSDP; see docs/planner.md)")
-    g.add_argument("--reshard", choices=("default", "always", "never"), help="FSDP reshard after forward")
-    g.add_argument("--ac", choices=("none", "full", "selective"), help="activation checkpointing mode")
+    g.add_argument("--reshard", choices=RESHARD, help="FSDP reshard after forward")
+    g.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
     g.add_argument("--ac-option", help='selective AC: "op" or N (every N-th block)')
     g.add_argument("--schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), help="pipeline schedule")
     g.add_argument("--microbatch-size", type=int, help="pipeline micro-batch size (sequences)")

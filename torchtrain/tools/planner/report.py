@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from torchtrain.components.tensor_memory import CATEGORIES
 from torchtrain.tools.planner.core import Plan, RankPlan
 
 GIB = 2**30
-_CATS = ("params", "gathered_params", "grads", "optimizer", "activations")
 
 
 def _g(x: float | None, unit: float = GIB) -> str:
@@ -103,7 +103,7 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
     elif rank.trace.skipped:
         lines.append(f"  {'traced peak':<58} {'n/a':>9}  {rank.trace.skipped}")
     else:
-        parts = " | ".join(f"{k.replace('_', ' ')} {_g(rank.traced_breakdown.get(k, 0.0), u)}" for k in _CATS)
+        parts = " | ".join(f"{k.replace('_', ' ')} {_g(rank.traced_breakdown.get(k, 0.0), u)}" for k in CATEGORIES)
         lines.append(f"  {'traced peak (one real step on fake tensors)':<58} {_g(rank.traced_peak, u):>9}  "
                      f"at {rank.traced_phase}: {parts}")
         diff = rank.traced_peak - est.peak

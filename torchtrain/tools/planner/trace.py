@@ -330,10 +330,10 @@ def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, s
 def _stage_step(p: PlanInputs, pd, parts, stages, tracker, loss_fn, optimizers, schedulers,
                 stored: list[float]) -> None:
     """One pipeline step of this rank's stage(s) for up to two micro-batches, run one after the other."""
-    from torchtrain.distributed.fsdp import fsdp_modules
+    from torchtrain.distributed.fsdp import DTYPES, fsdp_modules
     from torchtrain.distributed.utils import clip_grad_norm_
 
-    mb, dtype = p.pp_microbatch_size, (torch.float32 if p.param_bytes == 4 else torch.bfloat16)
+    mb, dtype = p.pp_microbatch_size, DTYPES[p.param_dtype]
     n_micro = min(p.n_microbatches, 2)
     loss_fn.scale = 1.0 / (p.n_microbatches * mb * p.seq_len)
     inputs = [(torch.randint(0, p.args.vocab_size, (mb, p.seq_len)),
