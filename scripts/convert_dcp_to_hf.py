@@ -17,7 +17,7 @@ import sys
 import torch
 
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf
-from torchtrain.distributed.fsdp import DTYPES
+from torchtrain.distributed.layout import DTYPES
 from torchtrain.components.checkpoint.startup import resolve_dcp_path
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.models.registry import build_model_args, get_model_spec
@@ -33,7 +33,7 @@ def model_from(meta: dict, overrides: list[str]):
                           "(e.g. --model.flavor 8B)")
     cfg = parse_args(overrides)
     spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides, cfg.model.override_sources)
     if getattr(args, "max_seq_len", 1) == 0:
         args.max_seq_len = cfg.training.seq_len
     return spec, args

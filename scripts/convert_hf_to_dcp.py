@@ -21,10 +21,10 @@ import torch
 
 from torchtrain.components.checkpoint.folder import write_marker
 from torchtrain.components.checkpoint.hf import hf_to_dcp
-from torchtrain.distributed.fsdp import DTYPES
+from torchtrain.distributed.layout import DTYPES
 from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, parse_args
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.preflight import resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = parse_args(overrides)
-        spec = get_model_spec(cfg.model.name)
+        spec, model_args = resolve_model(cfg, build_tokenizer(cfg.model.hf_assets_path))
         if spec.state_dict_adapter is None:
             raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
-        model_args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-        model_args.update_from_config(cfg, build_tokenizer(cfg.model.hf_assets_path))
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         summary = hf_to_dcp(args.hf_dir, args.out_dir, model, spec.state_dict_adapter(model_args),

@@ -123,7 +123,7 @@ def hf_seed(tmp_path_factory):
     cfg = parse_args(list(TINY_JOB))
     spec = get_model_spec("llama3")
     args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-    args.update_from_config(cfg, build_tokenizer(None))
+    args.update_from_job(cfg.training.seq_len, build_tokenizer(None))
     model = spec.model_cls(args)
     init_model_weights(model, cfg.debug.seed)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "dcp"), no_dist=True)

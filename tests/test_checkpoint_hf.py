@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torchtrain.components.checkpoint.folder import read_marker
 from torchtrain.components.checkpoint.hf import (INDEX_FILE, export_dcp_to_hf, load_hf_into_model,
                                                  plan_shards)
+from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.components.checkpoint.validate import CheckpointError
 from torchtrain.config import ConfigError
 from torchtrain.distributed.param_init import init_model_weights
@@ -95,7 +96,7 @@ def test_export_import_round_trip_is_bitwise(tmp_path, tied):
         config = json.load(f)
     assert config["num_key_value_heads"] == 2 and config["rope_scaling"]["rope_type"] == "llama3"
     fresh = built(tiny_args(tied), seed=99)
-    warnings, used, available = load_hf_into_model([fresh], out, Llama3StateDictAdapter(fresh.args))
+    warnings, used, available = load_hf_into_model(ModelState([fresh]), out, Llama3StateDictAdapter(fresh.args))
     assert warnings == [] and used == available
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -121,7 +122,7 @@ def test_hf_to_dcp_round_trip_and_scripts(tmp_path):
     hf_again = str(tmp_path / "hf_again")
     assert convert_dcp_to_hf.main([out, hf_again, "--dtype", "bfloat16"]) == 0
     fresh = Transformer(tiny_args())
-    load_hf_into_model([fresh], hf_again, Llama3StateDictAdapter(fresh.args))
+    load_hf_into_model(ModelState([fresh]), hf_again, Llama3StateDictAdapter(fresh.args))
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v.bfloat16().float()), k
     assert convert_dcp_to_hf.main([str(tmp_path / "nowhere"), hf_again]) == 2
@@ -132,20 +133,20 @@ def test_bad_hf_folders(tmp_path):
     out = export(model, tmp_path, max_shard_bytes=10**9)  # one model.safetensors
     other = Transformer(tiny_args().replace(n_heads=8))  # same shapes, different head split
     with pytest.raises(ConfigError, match=r"num_attention_heads = 4 but this model has 8 \(model.n_heads\)"):
-        load_hf_into_model([other], out, Llama3StateDictAdapter(other.args))
+        load_hf_into_model(ModelState([other]), out, Llama3StateDictAdapter(other.args))
     wider = Transformer(tiny_args().replace(vocab_size=320))
     with pytest.raises(ConfigError, match="vocab_size = 300 but this model has 320"):
-        load_hf_into_model([wider], out, Llama3StateDictAdapter(wider.args))
+        load_hf_into_model(ModelState([wider]), out, Llama3StateDictAdapter(wider.args))
     os.remove(os.path.join(out, "config.json"))
     with pytest.raises(CheckpointError, match=r"'model.embed_tokens.weight' has shape \(300, 64\) but parameter "
                                               r"tok_embeddings.weight has \(320, 64\)"):
-        load_hf_into_model([wider], out, Llama3StateDictAdapter(wider.args))
+        load_hf_into_model(ModelState([wider]), out, Llama3StateDictAdapter(wider.args))
     path = os.path.join(out, "model.safetensors")
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(CheckpointError, match="model.safetensors is truncated or not a safetensors file"):
-        load_hf_into_model([Transformer(tiny_args())], out, Llama3StateDictAdapter(tiny_args()))
+        load_hf_into_model(ModelState([Transformer(tiny_args())]), out, Llama3StateDictAdapter(tiny_args()))
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_hf_into_model([model], str(tmp_path / "missing"), Llama3StateDictAdapter(tiny_args()))
+        load_hf_into_model(ModelState([model]), str(tmp_path / "missing"), Llama3StateDictAdapter(tiny_args()))
 
 
 @pytest.mark.parametrize("tied", [False, True])

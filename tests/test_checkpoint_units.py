@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtrain.components.checkpoint import folder as fs
-from torchtrain.components.checkpoint.manager import CheckpointManager
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
 from torchtrain.components.checkpoint.startup import plan_start
+from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.checkpoint.validate import CheckpointError, check_against_metadata, read_metadata
 from torchtrain.config import ConfigError, parse_args
 
@@ -85,30 +85,35 @@ def test_config_errors(argv, expected):
     assert expected in str(err.value)
 
 
+def _preflight(cfg) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device, cfg.model.name, has_hf_adapter=True)
+
+
 def test_preflight_errors(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="async_with_pinned_mem needs CUDA"):
-            CheckpointManager.preflight(ck(tmp_path, "--checkpoint.async_mode", "async_with_pinned_mem"))
+            _preflight(ck(tmp_path, "--checkpoint.async_mode", "async_with_pinned_mem"))
     with pytest.raises(ConfigError, match="initial_load_path.*does not exist"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "nope")))
+        _preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="neither a DCP checkpoint"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path)))
+        _preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path)))
     with pytest.raises(ConfigError, match="not a Hugging Face model folder"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path),
+        _preflight(ck(tmp_path, "--checkpoint.initial_load_path", str(tmp_path),
                                        "--checkpoint.initial_load_in_hf"))
     folder = tmp_path / "checkpoint"
     make(folder, 4)
     make(folder, 6, complete=False)
     make(folder, 8, contents=["model"])
     with pytest.raises(ConfigError, match=r"has no step-5 \(complete checkpoints: 4, 8\)"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.load_step", "5"))
+        _preflight(ck(tmp_path, "--checkpoint.load_step", "5"))
     with pytest.raises(ConfigError, match="step-6 .* is incomplete"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.load_step", "6"))
+        _preflight(ck(tmp_path, "--checkpoint.load_step", "6"))
     with pytest.raises(ConfigError, match="holds the model weights only"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.load_step", "8"))
+        _preflight(ck(tmp_path, "--checkpoint.load_step", "8"))
     with pytest.raises(ConfigError, match="already holds checkpoints"):
-        CheckpointManager.preflight(ck(tmp_path, "--checkpoint.create_seed_checkpoint"))
-    CheckpointManager.preflight(ck(tmp_path, "--checkpoint.load_step", "4"))  # fine
+        _preflight(ck(tmp_path, "--checkpoint.create_seed_checkpoint"))
+    _preflight(ck(tmp_path, "--checkpoint.load_step", "4"))  # fine
 
 
 def test_metadata_checks_name_step_and_key(tmp_path):

@@ -9,11 +9,14 @@ import sys
 
 import pytest
 
-from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, resolve_batch, to_toml
+from torchtrain.components.tokenizer import build_tokenizer
+from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.config.fields import field_docs, field_types
 from torchtrain.config.manager import _sections
+from torchtrain.distributed.layout import resolve_batch
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.models.registry import build_model_args, get_model_spec, model_arguments
+from torchtrain.preflight import preflight, resolve_model
 
 from conftest import REPO
 
@@ -58,9 +61,11 @@ def test_int_accepted_for_float_and_float_type_kept(tmp_path):
 def test_model_overrides(tmp_path):
     path = write(tmp_path, "[model]\nflavor = \"debugmodel\"\ndim = 128\n")
     cfg = parse_args(["--job.config_file", path, "--model.n_layers", "3"])
-    assert cfg.model.overrides == {"dim": 128, "n_layers": 3}
+    assert cfg.model.overrides == {"dim": 128, "n_layers": "3"}  # raw: the model registry types them
     args = build_model_args(get_model_spec("llama3"), cfg.model.flavor, cfg.model.overrides)
     assert args.dim == 128 and args.n_layers == 3 and args.n_heads == 16
+    resolve_model(cfg, build_tokenizer(None))
+    assert cfg.model.overrides == {"dim": 128, "n_layers": 3}
 
 
 @pytest.mark.parametrize(
@@ -91,10 +96,11 @@ def test_model_overrides(tmp_path):
     ],
 )
 def test_bad_input_names_the_key(tmp_path, argv, toml, expected):
+    """Parsing, then the trainer's pre-start checks (model arguments and dataset names are known there)."""
     if toml is not None:
         argv = ["--job.config_file", write(tmp_path, toml)] + argv
     with pytest.raises(ConfigError) as err:
-        parse_args(argv)
+        preflight(parse_args(argv), 1, "cpu")
     assert expected in str(err.value)
 
 
@@ -142,16 +148,15 @@ def test_parallel_dims_errors(degrees, world, expected):
 
 
 def test_batch_plan():
-    cfg = parse_args(["--training.local_batch_size", "2", "--training.global_batch_size", "16"])
-    plan = resolve_batch(cfg.training, dp_degree=2)
+    plan = resolve_batch(2, 16, dp_degree=2)
     assert (plan.global_batch_size, plan.grad_accum_steps) == (16, 4)
-    assert resolve_batch(parse_args([]).training, 4).global_batch_size == 32
+    assert resolve_batch(8, -1, 4).global_batch_size == 32
     with pytest.raises(ConfigError, match="not a multiple"):
-        resolve_batch(parse_args(["--training.global_batch_size", "12"]).training, dp_degree=2)
+        resolve_batch(8, 12, dp_degree=2)
 
 
 def test_every_field_documented_and_in_help():
-    text = format_help()
+    text = format_help([], model_arguments)
     for name, cls in _sections().items():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
@@ -208,20 +213,16 @@ def test_config_reference_doc_is_current():
                                          ("llama3_405b", 512)])
 def test_shipped_job_files_are_valid_for_their_cluster(name, world):
     """The GPU jobs pass every pre-start check for the world size their header documents."""
-    from torchtrain.distributed.checks import check_layout
+    from torchtrain.preflight import preflight
 
     cfg = parse_args(["--job.config_file", f"{REPO}/train_configs/{name}.toml"])
-    pd = ParallelDims.from_config(cfg.parallelism, world)
-    resolve_batch(cfg.training, pd.dp)
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-    spec.validate_fn(args, pd, cfg)
-    check_layout(cfg, pd, "cuda" if world > 1 else "cpu")
+    # (the jobs' HF tokenizer files are not on a CI machine: the byte tokenizer stands in)
+    preflight(cfg, world, "cuda" if world > 1 else "cpu", tokenizer=build_tokenizer(None))
 
 
 def test_help_shows_the_arguments_of_the_jobs_model(monkeypatch):
     """--help reads --model.name (and job.custom_imports, imported first) from the command line."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "plugins"))
-    text = format_help(["--help", "--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp"])
+    text = format_help(["--help", "--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp"], model_arguments)
     assert "model arguments of 'toy_mlp'" in text
-    assert "model arguments of 'llama3'" in format_help(["--help"])
+    assert "model arguments of 'llama3'" in format_help(["--help"], model_arguments)

@@ -23,7 +23,8 @@ def test_windows_are_consecutive_slices_of_the_stream():
     expected = []
     for i in range(50):
         expected += [TOK.bos_id] + src[i] + [TOK.eos_id]
-    for k, (x, y) in enumerate(windows):
+    for k, sample in enumerate(windows):
+        x, y = sample["input_ids"], sample["labels"]
         w = expected[k * 32 : (k + 1) * 32]
         assert x.tolist() == w[:-1] and y.tolist() == w[1:]
 
@@ -33,11 +34,11 @@ def test_dp_split_is_disjoint_and_covers_the_single_process_stream(dp):
     src = SyntheticSource(seed=1, num_docs=40)
     single = PackedDataset(src, TOK, seq_len=16, seed=5)
     it = iter(single)
-    reference = [next(it)[0].tolist() for _ in range(4 * dp)]
+    reference = [next(it)["input_ids"].tolist() for _ in range(4 * dp)]
     per_rank = []
     for r in range(dp):
         it = iter(PackedDataset(src, TOK, seq_len=16, dp_rank=r, dp_degree=dp, seed=5))
-        per_rank.append([next(it)[0].tolist() for _ in range(4)])
+        per_rank.append([next(it)["input_ids"].tolist() for _ in range(4)])
     for k in range(4):  # round k: rank r gets window k * dp + r
         for r in range(dp):
             assert per_rank[r][k] == reference[k * dp + r]
@@ -61,7 +62,8 @@ def test_dataloader_state_restores_exactly(name):
     resumed = make()
     resumed.load_state_dict(state)
     got = _batches(resumed, 4)
-    for (ex, ey), (gx, gy) in zip(expected, got):
+    for e, g in zip(expected, got):
+        (ex, ey), (gx, gy) = (e["input_ids"], e["labels"]), (g["input_ids"], g["labels"])
         assert torch.equal(ex, gx) and torch.equal(ey, gy)
 
 
@@ -79,12 +81,12 @@ def test_state_is_rank_independent_and_reshards():
     assert all(s == states[0] for s in states)
     # resume at dp 2: the next windows are the single-process stream's windows 12, 13, ...
     single = iter(PackedDataset(src, TOK, seq_len=20))
-    reference = [next(single)[0] for _ in range(16)]
+    reference = [next(single)["input_ids"] for _ in range(16)]
     for r in range(2):
         ds = PackedDataset(src, TOK, seq_len=20, dp_rank=r, dp_degree=2)
         ds.load_state_dict(states[0])
         it = iter(ds)
-        assert torch.equal(next(it)[0], reference[12 + r]) and torch.equal(next(it)[0], reference[14 + r])
+        assert torch.equal(next(it)["input_ids"], reference[12 + r]) and torch.equal(next(it)["input_ids"], reference[14 + r])
 
 
 def test_epochs_reshuffle_and_continue():

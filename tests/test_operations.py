@@ -151,7 +151,7 @@ def offline_validation_loss(checkpoint: str, batches: int, batch_size: int) -> f
     cfg = parse_args(["--job.config_file", os.path.join(REPO, ENV["CONFIG_FILE"]), *TINY_JOB])
     spec, tokenizer = get_model_spec("llama3"), build_tokenizer(None)
     args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
-    args.update_from_config(cfg, tokenizer)
+    args.update_from_job(cfg.training.seq_len, tokenizer)
     model = spec.model_cls(args).eval()
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
@@ -162,7 +162,8 @@ def offline_validation_loss(checkpoint: str, batches: int, batch_size: int) -> f
     ce, tokens = 0.0, 0
     with torch.no_grad():
         for _ in range(batches):
-            inputs, labels = (torch.stack(t) for t in zip(*(next(windows) for _ in range(batch_size))))
+            samples = [next(windows) for _ in range(batch_size)]
+            inputs, labels = (torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels"))
             ce += F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum").item()
             tokens += labels.numel()
     return ce / tokens

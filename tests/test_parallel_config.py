@@ -8,24 +8,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtrain.distributed.checks import check_layout
-from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.distributed.layout import resolve_layout
 from torchtrain.models.llama3 import Llama3Args, Transformer
-from torchtrain.models.llama3.parallelize import validate_llama_parallel
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.preflight import preflight
 
 from conftest import run_train
 
 
-def layout(argv: list[str], world: int):
-    cfg = parse_args(argv)
-    return cfg, ParallelDims.from_config(cfg.parallelism, world)
-
-
 def model_check(argv: list[str], world: int):
-    cfg, pd = layout(argv, world)
-    args = build_model_args(get_model_spec("llama3"), cfg.model.flavor, cfg.model.overrides)
-    validate_llama_parallel(args, pd, cfg)
+    """The trainer's pre-start checks (the layout and the model's own checks against it)."""
+    preflight(parse_args(argv), world, "cpu")
 
 
 @pytest.mark.parametrize("argv, world, message", [
@@ -59,9 +51,9 @@ def test_tp_valid_shapes_pass():
      "cuda", r"set compile.enable = true"),
 ])
 def test_invalid_combinations(argv, world, device, message):
-    cfg, pd = layout(argv, world)
+    cfg = parse_args(argv)
     with pytest.raises(ConfigError, match=message):
-        check_layout(cfg, pd, device)
+        resolve_layout(cfg, world, device)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -69,6 +61,13 @@ def test_invalid_combinations(argv, world, device, message):
      r"'always' contradicts data_parallel_strategy 'zero2'"),
     (["--parallelism.data_parallel_strategy", "ddp", "--parallelism.fsdp_reshard_after_forward", "never"],
      r"only applies to FSDP strategies"),
+])
+def test_invalid_strategy_keys(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(parse_args(argv), 2, "cpu")
+
+
+@pytest.mark.parametrize("argv, message", [
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
      r"selective_ac_option\] must be \"op\" or a positive integer"),
     (["--compile.components", "model,optimizer"], r"\[compile.components\[1\]\] must be one of"),

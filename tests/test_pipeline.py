@@ -146,15 +146,15 @@ def test_invalid_pipeline_jobs_fail_before_start(argv, message):
 def test_explicit_split_is_used():
     cfg = parse_args(PP_JOB + PP2 + ["--parallelism.module_fqns_per_model_part",
                                      "tok_embeddings,layers.0;layers.1,layers.2,layers.3,norm,output"])
-    plan = preflight(cfg, world_size=2, device_type="cpu").pp_plan
+    plan = preflight(cfg, world_size=2, device_type="cpu").layout.pipeline
     assert plan.modules_per_stage == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
-    v = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]), 2, "cpu").pp_plan
+    v = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]), 2, "cpu").layout.pipeline
     assert v.num_stages == 4 and v.stage_ids(0, 2) == [0, 3] and v.stage_ids(1, 2) == [1, 2]
-    looped = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]), 2, "cpu").pp_plan
+    looped = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]), 2, "cpu").layout.pipeline
     assert looped.stage_ids(0, 2) == [0, 2]
     uneven = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_first_stage_less_layers", "1",
                                                   "--parallelism.pipeline_parallel_last_stage_less_layers", "1",
-                                                  "--model.n_layers", "6"]), 2, "cpu").pp_plan
+                                                  "--model.n_layers", "6"]), 2, "cpu").layout.pipeline
     assert [len([n for n in s if n.startswith("layers")]) for s in uneven.modules_per_stage] == [3, 3]
 
 

@@ -19,7 +19,7 @@ import pytest
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.tools.planner import analytic, pipeline, throughput, trace
 from torchtrain.tools.planner.core import _trace_config, load_job, make_plan, plan_from_flags
-from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_has, config_overrides, inputs_from_config
+from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_overrides, config_variant, inputs_from_config
 from torchtrain.tools.planner.validate import layout_problems
 
 from conftest import TINY_JOB
@@ -106,11 +106,14 @@ KNOBS = dict(strategy=["zero3", "zero2", "zero1", "ddp"], tp=[1, 2], pp=[1, 2], 
 @pytest.mark.parametrize("strategy, tp, pp, ac_mode, cpu_offload", list(itertools.product(*KNOBS.values())))
 def test_every_knob_combination_has_a_consistent_estimate(strategy, tp, pp, ac_mode, cpu_offload):
     world = 8
-    _, p = _inputs(world, gpu="h100", tp=tp, pp=pp, strategy=strategy, ac_mode=ac_mode, cpu_offload=cpu_offload,
-                   pp_microbatch_size=1)
-    problems = layout_problems(p)
+    job, p = _inputs(world, gpu="h100", tp=tp, pp=pp, strategy=strategy, ac_mode=ac_mode, cpu_offload=cpu_offload,
+                     pp_microbatch_size=1)
+    problems = layout_problems(p, job.cfg)
+    if strategy in ("zero1", "ddp") and (tp > 1 or pp > 1):  # the trainer refuses these combinations
+        assert problems and "cannot be combined with" in problems[0]
+        return
     if cpu_offload and strategy in ("zero1", "ddp"):
-        assert problems and "CPU offload" in problems[0]
+        assert problems and "enable_cpu_offload] needs an FSDP strategy" in problems[0]
         return
     assert problems == []
     for r in range(pp):
@@ -191,12 +194,14 @@ def test_throughput_and_cost_arithmetic():
 
 # ---------------------------------------------------------------------------------- validity and config
 def test_layout_problems_name_the_cause():
-    _, p = _inputs(8)
-    assert any("n_kv_heads 4 is not divisible" in x for x in layout_problems(p.replace(tp=8, dp_shard=1)))
-    assert any("cannot fill" in x for x in layout_problems(p.replace(pp=8, dp_shard=1)))
-    assert any("not a multiple" in x for x in layout_problems(p.replace(global_batch_size=12)))
+    """The trainer's own checks (layout resolution and the model's checks) judge the planner's layouts."""
+    job, p = _inputs(8)
+    assert any("n_kv_heads] 4 is not divisible" in x for x in layout_problems(p.replace(tp=8, dp_shard=1), job.cfg))
+    assert any("cannot be split evenly into 8 pipeline stages" in x
+               for x in layout_problems(p.replace(pp=8, dp_shard=1), job.cfg))
+    assert any("not a multiple" in x for x in layout_problems(p.replace(global_batch_size=12), job.cfg))
     tied = p.replace(pp=2, dp_shard=4, args=p.args.replace(tie_word_embeddings=True))
-    assert any("tied embeddings" in x for x in layout_problems(tied))
+    assert any("tied embeddings" in x for x in layout_problems(tied, job.cfg))
 
 
 def test_config_adapter_reads_keys_and_flags():
@@ -206,11 +211,13 @@ def test_config_adapter_reads_keys_and_flags():
     assert (q.dp_replicate, q.dp_shard, q.param_dtype, q.optimizer_impl, q.ac_mode) == \
         (1, 4, "bfloat16", "fused", "full")
     for knob, (section, key) in CONFIG_KEYS.items():
-        if config_has(job.cfg, knob):
-            assert hasattr(getattr(job.cfg, section), key)
-    overrides, missing = config_overrides(q, job.cfg)
+        assert hasattr(getattr(job.cfg, section), key), knob
+    overrides = config_overrides(q, job.cfg)
     assert "--parallelism.data_parallel_replicate_degree" in overrides
-    assert ("activation_checkpoint.mode" in missing) == (not config_has(job.cfg, "ac_mode"))
+    assert overrides[overrides.index("--activation_checkpoint.mode") + 1] == "full"
+    variant = config_variant(job.cfg, q)  # the same layout, as a job config (no parsing)
+    assert (variant.parallelism.data_parallel_replicate_degree, variant.activation_checkpoint.mode) == (1, "full")
+    assert job.cfg.activation_checkpoint.mode == "none"  # the job itself is untouched
 
 
 # ---------------------------------------------------------------------------------- trace
@@ -263,7 +270,7 @@ def test_cli_table_and_json(capsys):
     assert main(args) == 0
     table = capsys.readouterr().out
     for text in ("Memory per GPU", "analytic peak", "traced peak (one real step on fake tensors)", "FITS",
-                 "FLOPs per token", "GPU-hours", "status   valid; this torchtrain build runs it"):
+                 "FLOPs per token", "GPU-hours", "status   valid; the trainer starts it"):
         assert text in table, text
     assert main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -286,7 +293,8 @@ def test_cli_errors_are_one_line(capsys):
 
 def test_plan_of_a_combination_the_trainer_refuses_says_why():
     plan = plan_from_flags(load_job(PLAN_JOB), 4, "h100", {"tp": 2, "strategy": "zero1"})
-    assert plan.valid and plan.blockers and "cannot be combined with tensor parallelism" in plan.blockers[0]
+    assert not plan.valid and "cannot be combined with tensor parallelism" in plan.problems[0]
+    assert plan.blockers == ["invalid layout"]
     ok = plan_from_flags(load_job(PLAN_JOB), 4, "h100", {"tp": 2})
     assert ok.valid and not ok.blockers
 

@@ -81,16 +81,16 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     assert result.ranked, "no layout fits"
     top = result.ranked[0]
     usable = base.usable_bytes
-    assert top.peak <= usable and layout_problems(top.inputs) == []
+    assert top.peak <= usable and layout_problems(top.inputs, job.cfg) == []
     traced = [r.traced_peak for r in top.plan.ranks if r.traced_peak is not None]
     assert all(t <= usable for t in traced)
     assert top.inputs.args.n_heads % top.inputs.tp == 0 and top.inputs.args.kv_heads % top.inputs.tp == 0
     # Valid to run: the trainer's own start-up checks (torchtrain.preflight) accept it on 64 GPUs
     assert top.blockers == [], top.blockers
-    overrides, _ = config_overrides(top.inputs, job.cfg)
+    overrides = config_overrides(top.inputs, job.cfg)
     cfg = parse_args(job.argv + overrides)
     plan = preflight(cfg, 64, "cuda", job.tokenizer)
-    pd = plan.parallel_dims
+    pd = plan.layout.dims
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.pp) == (top.inputs.dp_replicate, top.inputs.dp_shard,
                                                              top.inputs.tp, top.inputs.pp)
     # ranked by estimated throughput

@@ -1,13 +1,14 @@
 """The trainer: `torchrun ... -m torchtrain.train --job.config_file JOB.toml [--section.key value ...]`.
 
 Reading order: `main` parses the job; `Trainer.__init__` checks everything that can be wrong with it
-before any process group starts, then builds mesh -> model (meta) -> parallel plan -> weights ->
-optimizer -> data -> metrics; `Trainer.train` runs the steps and `Trainer.train_step` is one step.
+and resolves the Layout (`preflight`) before any process group starts, then builds mesh -> model
+parts (meta -> parallelised -> weights) -> the train step (optimizer, schedule, loss, precision,
+pipeline) -> data -> metrics -> checkpoints; `Trainer.train` runs the loop and `TrainStep`
+(train_step.py) is one step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -15,31 +16,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchtrain.components.checkpoint import CheckpointManager
+from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
+from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
+from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data import build_dataloader, build_source
 from torchtrain.components.gc_control import GarbageCollection
 from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
-from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.phases import PhaseTimer
-from torchtrain.components.precision import LossScaler
 from torchtrain.components.profiling import Profiler
+from torchtrain.components.step_ops import OperationsHooks
 from torchtrain.components.tensor_memory import StepMemoryMeter
+from torchtrain.components.train_state import TrainState
 from torchtrain.components.validation import Validator, build_validation_source
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.distributed.cluster import check_cluster
-from torchtrain.distributed.compile import compile_loss
-from torchtrain.distributed.fsdp import resolve_param_dtype
-from torchtrain.distributed.param_init import init_model_weights
-from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline
-from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
-from torchtrain.distributed.utils import (all_reduce, clip_grad_norm_, env_rank_world, exit_process, init_distributed,
-                                          resolve_device, set_determinism, set_gradient_sync,
-                                          set_train_timeout)
+from torchtrain.distributed.parallelize import build_model_parts
+from torchtrain.distributed.utils import (env_rank_world, exit_process, init_distributed, resolve_device,
+                                          set_determinism, set_train_timeout)
+from torchtrain.models.registry import model_arguments
 from torchtrain.preflight import preflight
+from torchtrain.train_step import TrainStep
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
 
@@ -49,120 +49,81 @@ class Trainer:
         self.rank, _, world_size = env_rank_world()
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
-        self.device = resolve_device(cfg.training.device)
-        plan = preflight(cfg, world_size, self.device.type)
-        self.parallel_dims = pd = plan.parallel_dims
-        self.batch, self.tokenizer, self.pp_plan = plan.batch, plan.tokenizer, plan.pp_plan
-        self.model_spec = spec = plan.model_spec
-        self.model_args = plan.model_args
+        self.device = device = resolve_device(cfg.training.device)
+        plan = preflight(cfg, world_size, device.type)
+        self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
+        spec, args = plan.model_spec, plan.model_args
+        dims, self.batch = layout.dims, layout.batch
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         source = build_source(cfg.training.dataset, cfg.training.dataset_path, "train", cfg.debug.seed)
-        val_source = build_validation_source(cfg)  # None unless [validation] enable
-        CheckpointManager.preflight(cfg)
+        val_source = build_validation_source(cfg.validation, cfg.training, cfg.debug.seed)  # None unless enabled
+        checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device.type, cfg.model.name,
+                             spec.state_dict_adapter is not None)
 
         # 2. Process group, mesh, RNG.
-        init_distributed(cfg.comm, self.device)
-        pd.build_mesh(self.device.type)
+        init_distributed(cfg.comm, device)
+        dims.build_mesh(device.type)
         set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self._write_config()
-        check_cluster(cfg)  # logs the launch; a multi-node checkpoint folder must be shared
-        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters",
-                    cfg.job.description, world_size, pd.describe(), self.device, cfg.model.name,
-                    cfg.model.flavor, self.model_args.num_params() / 1e6)
+        checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        check_cluster(checkpoint_folder if cfg.checkpoint.enable else None)  # a multi-node folder must be shared
+        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters", cfg.job.description,
+                    world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6)
 
-        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or
-        #    kept whole), parallelised, then materialised and initialised shard by shard with values
-        #    that do not depend on the layout.
-        compile_ce = cfg.compile.enable and "loss" in cfg.compile.components
-        self.loss_fn = ScaledTokenLoss(compile_loss(cross_entropy_sum) if compile_ce else cross_entropy_sum)
-        with torch.device("meta"):
-            whole = spec.model_cls(self.model_args)
-        if self.pp_plan is None:
-            self.model_parts = [self._materialize(spec.parallelize_fn(whole, pd, cfg))]
-        else:
-            self._build_pipeline(whole)
+        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
+        #    whole), parallelised as the layout says, then materialised and initialised shard by shard
+        #    with values that do not depend on the layout.
+        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
 
-        # 4. Precision, optimizer, schedule, data, metrics.
-        param_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, self.device.type)
-        replicated = cfg.parallelism.data_parallel_strategy in ("ddp", "zero1")
-        # FSDP casts parameters itself (mixed-precision policy); replicated strategies use autocast.
-        self.autocast_dtype = param_dtype if replicated and param_dtype != torch.float32 else None
-        self.scaler = LossScaler(param_dtype == torch.float16, sharded=not replicated, device=self.device)
-        zero1 = cfg.parallelism.data_parallel_strategy == "zero1" and pd.dp_enabled
-        state_device = torch.device("cpu") if cfg.training.enable_cpu_offload else self.device
-        self.optimizers = OptimizersContainer(self.model_parts, cfg.optimizer, state_device,
-                                              zero1_group=pd.dp_mesh.get_group() if zero1 else None)
+        # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
+        self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
-        self.dataloader = build_dataloader(source, self.tokenizer, cfg.training.seq_len,
-                                           self.batch.local_batch_size, pd.dp_rank, pd.dp, cfg.debug.seed,
-                                           shuffle=cfg.training.dataset_shuffle)
-        self.flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
-        self.throughput = ThroughputMeter(self.flops_per_token,
-                                          peak_tflops(self.device, param_dtype, cfg.metrics.peak_tflops),
-                                          world_size)
-        self.memory = MemoryMonitor(self.device)
+        self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
+                                    cfg.training.max_norm)
+        if self.train_step.pipeline is not None:
+            self._log_pipeline()
+        self.dataloader = build_dataloader(source, tokenizer, cfg.training.seq_len, self.batch.local_batch_size,
+                                           dims.dp_rank, dims.dp, cfg.debug.seed, shuffle=cfg.training.dataset_shuffle)
+        self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
+        self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
+                                                                            cfg.metrics.peak_tflops), world_size)
+        self.memory = MemoryMonitor(device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0)
-        self.step = 0
-        self._tokens_seen = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.state = TrainState(device)
         # [ops] profiling, phase timing, validation, guard, GC (each inert unless its section enables it)
-        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
-        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, self.device, cfg.profiling.enable_profiling)
-        self.validator = Validator(self, val_source) if val_source is not None else None
+        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, device)
+        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling)
+        self.validator = None if val_source is None else Validator(
+            cfg.validation, cfg.training, val_source, tokenizer, self.train_step, cfg.debug.seed)
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
-                                   check_grad_norm=not self.scaler.enabled, device=self.device)
+                                   check_grad_norm=not layout.loss_scaling, device=device)
+        self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)
         self.gc = GarbageCollection(cfg.training.gc_freq)
         logger.info("global batch %d sequences (%d per rank x %d dp x %d accumulation) of %d tokens; "
-                    "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, pd.dp,
+                    "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, dims.dp,
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
 
         # 5. Checkpoints: resume, or an initial load, or neither (each logged; docs/checkpointing.md).
-        self.checkpointer = CheckpointManager(cfg, pd, self.model_parts, self.optimizers, self.lr_schedulers,
-                                              self.dataloader, self, spec, self.model_args, self.device)
+        states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
+                                 self.state, dims.dp_rank, self.rank, device)
+        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
+                                              cfg.comm.init_timeout_seconds, dims, states,
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, spec.state_dict_adapter))
         self.checkpointer.load()
 
-    def _materialize(self, part: torch.nn.Module) -> torch.nn.Module:
-        offload = self.job_config.training.enable_cpu_offload
-        part.to_empty(device="cpu" if offload else self.device)
-        if offload:  # the sharded state lives in host memory, buffers (RoPE tables) on the GPU
-            for module in part.modules():
-                for name, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[name] = buf.to(self.device)
-        init_model_weights(part, self.job_config.debug.seed)
-        return part.train()
-
-    def _build_pipeline(self, whole: torch.nn.Module) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
-        pd, plan, cfg = self.parallel_dims, self.pp_plan, self.job_config
-        self.model_parts, stages = [], []
-        for stage_id in plan.stage_ids(pd.pp_rank, pd.pp):
-            part = keep_modules(whole, plan.modules_per_stage[stage_id])
-            part = self._materialize(self.model_spec.parallelize_fn(part, pd, cfg))
-            self.model_parts.append(part)
-            stages.append(PipelineStage(part, stage_id, plan.num_stages, self.device, group=pd.pp_mesh.get_group()))
-        self.pp_schedule = build_schedule(plan, stages, self.loss_fn)
-        self.pp_has_first = any(s.is_first for s in stages)
-        self.pp_has_last = any(s.is_last for s in stages)
-        timeline = schedule_timeline(self.pp_schedule, plan)
+    def _log_pipeline(self) -> None:
+        plan, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
+        timeline = self.train_step.pipeline.timeline()
         logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
                     "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
                     plan.schedule_name, plan.num_stages, plan.stages_per_rank, plan.n_microbatches,
                     cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
-                    100 * (pd.pp - 1) / (plan.n_microbatches + pd.pp - 1), timeline.render(),
+                    100 * (pp - 1) / (plan.n_microbatches + pp - 1), timeline.render(),
                     " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
-
-    # The train state a checkpoint restores (with model, optimizer, schedule, data and RNG).
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
-        self._tokens_seen.fill_(int(state["tokens_seen"]))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
@@ -173,82 +134,10 @@ class Trainer:
         if self.job_config.job.print_config:
             logger.info("resolved config:\n%s", text)
 
-    # ------------------------------------------------------------------------------ one step
-    def train_context(self) -> contextlib.ExitStack:
-        """Forward + backward context: loss parallel under TP, autocast for replicated strategies."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(maybe_loss_parallel(self.parallel_dims.loss_parallel_enabled))
-        if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-        return stack
-
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Forward/backward over the step's micro-batches, clip, optimizer and LR step.
-
-        Returns the global mean loss (over all ranks and micro-batches), the global grad norm, the lr
-        used, and the global number of target tokens.
-        """
-        pd, model = self.parallel_dims, self.model_parts[0]
-        self.phases.enter("forward_backward")  # [ops]
-        local_tokens = sum(count_valid_tokens(labels) for _, labels in batches).to(self.device)
-        global_tokens = all_reduce(local_tokens, pd.dp_mesh)
-        self.loss_fn.scale = pd.dp / global_tokens.double()
-        if self.guard.inject_nan(self.step):  # [ops] debug.inject_nonfinite_loss_steps
-            self.loss_fn.scale = self.loss_fn.scale * float("nan")
-        accumulated = torch.zeros((), device=self.device)
-        if self.pp_plan is not None:  # accumulation happens through the schedule's micro-batches
-            accumulated += self._pipeline_step(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-            batches = []
-        for i, (inputs, labels) in enumerate(batches):
-            if len(batches) > 1:
-                set_gradient_sync(self.model_parts, i == len(batches) - 1)
-            with self.train_context():
-                logits = model(inputs.to(self.device, non_blocking=True))
-                loss = self.loss_fn(logits, labels.to(self.device, non_blocking=True))
-                del logits
-                self.scaler.scale(loss).backward()
-            accumulated += local_value(loss.detach()).float()
-        self.phases.enter("optimizer")  # [ops]
-        if self.step == self.job_config.debug.inject_nonfinite_grad_step:
-            self._inject_nonfinite_grad()
-        self.scaler.unscale_(self.optimizers)
-        params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pd.pp_mesh)
-        lr = self.optimizers.lr
-        global_loss = all_reduce(accumulated / pd.dp, pd.dp_mesh)
-        if pd.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
-            global_loss = all_reduce(global_loss, pd.pp_mesh)
-        guard = self.guard.check(self.step, global_loss, grad_norm)  # [ops] agreed by all ranks, before the step
-        stepped = self.scaler.step(self.optimizers) if guard is None else self.scaler.skip(self.optimizers)
-        self.lr_schedulers.step()
-        self.optimizers.zero_grad()
-        self.phases.pause()
-        return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped, "guard": guard}
-
-    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One schedule step over the local batch; returns this rank's summed (scaled) loss."""
-        losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
-        targets = labels.to(self.device) if self.pp_has_last else None
-        args = (inputs.to(self.device),) if self.pp_has_first else ()
-        with self.train_context():
-            self.pp_schedule.step(*args, target=targets, losses=losses)
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([local_value(l.detach()).float() for l in losses]).sum()
-
-    def _inject_nonfinite_grad(self) -> None:
-        """debug.inject_nonfinite_grad_step: poison one gradient with +inf (fault injection)."""
-        from torch.distributed.tensor import DTensor
-
-        grad = next(p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None)
-        (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("inf"))
-        logger.warning("step %d: injected +inf into a gradient (debug.inject_nonfinite_grad_step)", self.step)
-
     # ------------------------------------------------------------------------------ the loop
     def _should_log(self) -> bool:
-        steps = self.job_config.training.steps
-        return self.step == 1 or self.step % self.job_config.metrics.log_freq == 0 or self.step == steps
+        step, steps = self.state.step, self.job_config.training.steps
+        return step == 1 or step % self.job_config.metrics.log_freq == 0 or step == steps
 
     def train(self) -> None:
         cfg = self.job_config
@@ -260,41 +149,41 @@ class Trainer:
         self.throughput.reset()
         self.phases.reset()
         self.memory.reset_peak()
-        self.profiler.start(self.step)
-        first_step = self.step + 1  # > 1 after a resume
-        while self.step < cfg.training.steps:
-            self.step += 1
-            self.gc.step(self.step)  # [ops] training.gc_freq
+        self.profiler.start(self.state.step)
+        first_step = self.state.step + 1  # > 1 after a resume
+        while self.state.step < cfg.training.steps:
+            self.state.step += 1
+            self.gc.step(self.state.step)  # [ops] training.gc_freq
             self.phases.enter("data")
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
             data_time = time.perf_counter() - t0
             with self.tensor_memory.track():
-                out = self.train_step(batches)
+                out = self.train_step(batches, self.hooks)
             self.throughput.add_step(tokens_per_step, data_time)
             self.phases.end_step()
-            self._tokens_seen += out["tokens"]
+            self.state.add_tokens(out["tokens"])
             if out["guard"] in ("rollback", "abort") and self._guard_act(out):  # [ops] True: rolled back
                 continue
-            if self.validator is not None and self.validator.due(self.step):  # [ops]
+            if self.validator is not None and self.validator.due(self.state.step):  # [ops]
                 self.phases.enter("validation")
-                out["validation"] = self.validator.run(self.step)
+                out["validation"] = self.validator.run(self.state.step)
                 self.phases.pause()
             logged = self._should_log() or "validation" in out or out["guard"] is not None
             if logged and not out.get("logged"):
                 self._log(out)
-            if self.step == first_step:
+            if self.state.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             self.phases.enter("checkpoint")
-            stop = self.checkpointer.after_step(self.step)  # saves when due; True: preempted, stop now
+            stop = self.checkpointer.after_step(self.state.step)  # saves when due; True: preempted, stop now
             self.phases.enter("profiler")
-            self.profiler.step(self.step)
+            self.profiler.step(self.state.step)
             self.phases.pause()
             if stop:
                 if not out.get("logged"):
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
-        logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
+        logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
     def _guard_act(self, out: dict) -> bool:
         """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
@@ -303,7 +192,7 @@ class Trainer:
         self._log(out)
         if out["guard"] == "abort":
             raise GuardAbort(self.guard.abort_message())
-        bad = self.step
+        bad = self.state.step
         restored = self.checkpointer.restore_latest(exclude=("dataloader",))
         if restored is None:
             logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
@@ -321,25 +210,21 @@ class Trainer:
             "loss": out["loss"].item(),
             "grad_norm": out["grad_norm"].item(),
             "lr": out["lr"],
-            "tokens_seen": self.tokens_seen,
+            "tokens_seen": self.state.tokens_seen,
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
             **self.tensor_memory.record(),
         }
-        if self.scaler.enabled:
-            record.update(loss_scale=self.scaler.value, skipped_steps=self.scaler.skipped_steps,
+        scaler = self.train_step.scaler
+        if scaler.enabled:
+            record.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps,
                           step_skipped=not out["stepped"])
         record.update(**self.phases.summary(record["step_time_s"]), **out.get("validation", {}),
                       **self.guard.record())  # [ops]
-        self.metrics.log(self.step, record)
+        self.metrics.log(self.state.step, record)
         out["logged"] = True
         self.memory.reset_peak()
-
-    @property
-    def tokens_seen(self) -> int:
-        """Target tokens trained on so far, over all data-parallel ranks."""
-        return int(self._tokens_seen.item())
 
     def close(self, finished: bool = False) -> None:
         """Flush and release everything. `finished`: every rank completed normally, so they meet at a
@@ -364,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     init_logger()
     if "-h" in argv or "--help" in argv:
-        print(format_help(argv))
+        print(format_help(argv, model_arguments))
         return 0
     trainer, finished = None, False
     try:

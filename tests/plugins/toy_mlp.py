@@ -1,17 +1,19 @@
 """A second model with its own tensor-parallel plan, registered from outside torchtrain (loaded with
-`--job.custom_imports toy_mlp`): proof that a model plugs in without touching the trainer."""
+`--job.custom_imports toy_mlp`): proof that a model plugs in without touching the trainer.
+
+It supplies only what is its own -- the module, its arguments, where its blocks live, and a TP plan;
+data parallelism (ddp / zero1 / zero2 / zero3 / HSDP), precision, activation checkpointing and compile
+come from the generic applier (torchtrain/distributed/parallelize.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchtrain.config import ConfigError
-from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.models.base import BaseModelArgs, InitSpec
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
@@ -27,7 +29,7 @@ class ToyArgs(BaseModelArgs):
     vocab_size: int = 512
     """Embedding rows."""
 
-    def update_from_config(self, job_config, tokenizer) -> None:
+    def update_from_job(self, seq_len: int, tokenizer) -> None:
         if tokenizer.vocab_size > self.vocab_size:
             raise ConfigError(f"[model.vocab_size] must be >= {tokenizer.vocab_size}")
 
@@ -72,15 +74,11 @@ class ToyMLP(nn.Module):
         pass
 
 
-def parallelize_toy(model, parallel_dims, job_config):
-    if parallel_dims.tp_enabled:
-        for block in model.blocks:  # Megatron MLP: column-parallel up, row-parallel down
-            parallelize_module(block, parallel_dims.world_mesh["tp"],
-                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    if parallel_dims.dp_enabled:
-        apply_fsdp(model, parallel_dims.fsdp_mesh, list(model.blocks), torch.float32, torch.float32)
-    return model
+def toy_tp_plan(model, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron MLP per block: column-parallel up, row-parallel down (embedding and head replicated)."""
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
-register_model_spec(ModelSpec(name="toy_mlp", model_cls=ToyMLP, args_cls=ToyArgs,
-                              flavors={"small": ToyArgs()}, parallelize_fn=parallelize_toy))
+register_model_spec(ModelSpec(name="toy_mlp", model_cls=ToyMLP, args_cls=ToyArgs, flavors={"small": ToyArgs()},
+                              blocks="blocks", tp_plan=toy_tp_plan))

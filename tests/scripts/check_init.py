@@ -8,17 +8,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed import ParallelDims
 from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.parallelize import apply_parallelism
 from torchtrain.distributed.utils import exit_process
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.preflight import preflight
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")
-pd = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-pd.build_mesh("cpu")
-spec = get_model_spec("llama3")
-args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
+plan = preflight(cfg, dist.get_world_size(), "cpu")
+plan.layout.dims.build_mesh("cpu")
+spec, args = plan.model_spec, plan.model_args
 args.max_seq_len = 32
 
 reference = spec.model_cls(args)
@@ -26,7 +25,7 @@ init_model_weights(reference, seed=7)
 
 with torch.device("meta"):
     model = spec.model_cls(args)
-model = spec.parallelize_fn(model, pd, cfg)
+model = apply_parallelism(model, spec, plan.layout)
 model.to_empty(device="cpu")
 init_model_weights(model, seed=7)
 

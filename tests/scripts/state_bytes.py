@@ -42,7 +42,7 @@ def record_then_zero():
 
 opts.zero_grad = record_then_zero
 it = iter(trainer.dataloader)
-trainer.step = 1
+trainer.state.step = 1
 trainer.train_step([next(it) for _ in range(trainer.batch.grad_accum_steps)])
 if trainer.rank == 0:
     print("STATE-BYTES " + json.dumps(seen), flush=True)

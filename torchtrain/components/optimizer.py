@@ -7,14 +7,14 @@ across layouts like the weights do.
 Weight decay is applied to matrices and embeddings (parameters with >= 2 dims) only; norms' gains are
 not decayed (the common practice of Megatron-LM, nanoGPT and OLMo).
 
-ZeRO-1 (`parallelism.data_parallel_strategy = "zero1"`): parameters and gradients stay replicated,
-but each of the dp ranks keeps Adam state for, and updates, only its 1/dp share of the parameters,
-then broadcasts the updated share (ZeroRedundancyOptimizer): optimizer memory 8 P -> 8 P / dp.
+ZeRO-1 (the layout's `zero1`): parameters and gradients stay replicated, but each of the dp ranks
+keeps Adam state for, and updates, only its 1/dp share of the parameters, then broadcasts the
+updated share (ZeroRedundancyOptimizer): optimizer memory 8 P -> 8 P / dp.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 from torchtrain.config.training import Optimizer as OptimizerConfig
+
+if TYPE_CHECKING:
+    from torchtrain.distributed.layout import Layout
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -38,11 +41,9 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             for (no_decay, _), params in sorted(groups.items(), key=lambda kv: kv[0][0])]  # decay first
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, impl: str,
                     zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+    """`impl`: the resolved kernel ("fused", "foreach" or "for-loop"; see `layout.resolve_optimizer_impl`)."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                   foreach=impl == "foreach", fused=impl == "fused")
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
@@ -57,10 +58,16 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
 class OptimizersContainer:
     """One optimizer per model part, stepped together. `zero1_group`: shard the state over it."""
 
-    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device,
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig, impl: str,
                  zero1_group: "dist.ProcessGroup | None" = None):
         self.model_parts = model_parts
-        self.optimizers = [build_optimizer(part, cfg, device, zero1_group) for part in model_parts]
+        self.optimizers = [build_optimizer(part, cfg, impl, zero1_group) for part in model_parts]
+
+    @classmethod
+    def for_layout(cls, model_parts: list[nn.Module], cfg: OptimizerConfig, layout: "Layout") -> "OptimizersContainer":
+        """The optimizers the layout asks for: its kernel, and ZeRO-1 sharding over the dp ranks."""
+        group = layout.dims.dp_mesh.get_group() if layout.zero1 else None
+        return cls(model_parts, cfg, layout.optimizer_impl, zero1_group=group)
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)

@@ -44,7 +44,11 @@ class Model:
     byte-level tokenizer (256 byte tokens + BOS + EOS), which needs no download."""
 
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
-    """Model arguments set in this section that override the flavor preset (filled by the parser)."""
+    """Model arguments set in this section that override the flavor preset (filled by the parser with
+    the raw values; the model registry checks and converts them with the model's argument types)."""
+
+    override_sources: dict[str, str] = field(default_factory=dict, compare=False, metadata={"internal": True})
+    """Where each override came from ("in FILE" / "on the command line"), for error messages."""
 
 
 @dataclass

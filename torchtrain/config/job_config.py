@@ -43,33 +43,7 @@ class JobConfig:
             check = getattr(getattr(self, name), "validate", None)
             if check is not None:
                 check()
-        from torchtrain.components.data.sources import dataset_names
-
         check_operations(self)  # [profiling] [validation] [guard] against the other sections
-        if self.training.dataset not in dataset_names():
-            raise ConfigError(
-                f"[training.dataset] unknown dataset {self.training.dataset!r}; "
-                f"choose one of: {', '.join(dataset_names())}"
-            )
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How a step's global batch is laid out over data-parallel ranks and micro-batches."""
-
-    local_batch_size: int
-    global_batch_size: int
-    grad_accum_steps: int
-
-
-def resolve_batch(training: Training, dp_degree: int) -> BatchPlan:
-    """global = local x dp x accumulation; a global batch that is not a multiple is a config error."""
-    per_micro = training.local_batch_size * dp_degree
-    global_bs = per_micro if training.global_batch_size == -1 else training.global_batch_size
-    if global_bs % per_micro:
-        raise ConfigError(
-            f"[training.global_batch_size] {global_bs} is not a multiple of training.local_batch_size "
-            f"({training.local_batch_size}) x data-parallel degree ({dp_degree}) = {per_micro}; "
-            f"use a multiple of {per_micro} (or -1 for exactly {per_micro})"
-        )
-    return BatchPlan(training.local_batch_size, global_bs, global_bs // per_micro)
+        if self.compile.enable and self.metrics.track_tensor_memory:
+            raise ConfigError("[metrics.track_tensor_memory] measures every operator in eager mode and cannot run "
+                              "inside torch.compile's graphs; set compile.enable = false to measure memory")

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from torchtrain.config.fields import (ConfigError, coerce, default_of, did_you_mean, field_docs, field_types,
                                       is_bool, type_name)
@@ -87,13 +87,6 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return data
 
 
-def _model_args_fields(model_name: str) -> tuple[type, dict[str, Any]]:
-    from torchtrain.models import registry
-
-    spec = registry.get_model_spec(model_name)
-    return spec.args_cls, field_types(spec.args_cls)
-
-
 def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, str]) -> Any:
     fields = _public_fields(cls)
     types_ = field_types(cls)
@@ -102,7 +95,7 @@ def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, 
     for key, value in raw.items():
         if key in fields:
             kwargs[key] = coerce(value, types_[key], f"{name}.{key}")
-        elif name == "model":
+        elif name == "model":  # a model argument (checked against the model's arguments in preflight)
             extra[key] = value
         else:
             raise ConfigError(
@@ -110,16 +103,9 @@ def _build_section(name: str, cls: type, raw: dict[str, Any], origin: dict[str, 
                 f"Valid keys of [{name}]: {', '.join(fields)}"
             )
     section = cls(**kwargs)
-    if name == "model":
-        args_cls, arg_types = _model_args_fields(section.name)
-        for key, value in extra.items():
-            if key not in arg_types:
-                valid = list(fields) + list(arg_types)
-                raise ConfigError(
-                    f"unknown key model.{key} ({origin[key]}){did_you_mean(key, valid)} "
-                    f"Valid keys of [model] for {section.name!r}: {', '.join(valid)}"
-                )
-            section.overrides[key] = coerce(value, arg_types[key], f"model.{key}")
+    if name == "model":  # the model's own arguments: kept raw here, coerced by the model registry
+        section.overrides.update(extra)
+        section.override_sources.update({key: origin[key] for key in extra})
     return section
 
 
@@ -214,12 +200,15 @@ def _help_entry(prefix: str, name: str, tp: Any, default: Any, doc: str) -> list
     return out
 
 
-def format_help(model_name: str | list[str] = "llama3") -> str:
-    """Every key: type, default and docstring, section by section (plus the model's arguments).
-    `model_name` may be the command line, whose `--model.name` (default llama3) is then used."""
-    if isinstance(model_name, list):  # the job's model (CLI > TOML), custom_imports imported first
-        merged, _ = _merge_sources([a for a in model_name if a not in ("-h", "--help")])
-        model_name = merged.get("model", {}).get("name") or "llama3"
+def format_help(argv: list[str] | None = None,
+                model_arguments: Callable[[str], list[tuple[str, Any, Any, str]]] | None = None) -> str:
+    """Every key: type, default and docstring, section by section.
+
+    `argv` (the command line) selects the job's model (`--model.name`, CLI > TOML, default llama3;
+    job.custom_imports are imported first); `model_arguments(name)` -> [(key, type, default, doc)]
+    lists that model's arguments under [model] (the entry point passes the model registry's)."""
+    merged, _ = _merge_sources([a for a in (argv or []) if a not in ("-h", "--help")])
+    model_name = merged.get("model", {}).get("name") or "llama3"
     lines = [
         "usage: python -m torchtrain.train [--job.config_file FILE] [--section.key VALUE ...]",
         "",
@@ -232,11 +221,9 @@ def format_help(model_name: str | list[str] = "llama3") -> str:
         docs, types_ = field_docs(cls), field_types(cls)
         for fname, f in _public_fields(cls).items():
             lines += _help_entry(name, fname, types_[fname], default_of(f), docs.get(fname, ""))
-        if name == "model":
-            args_cls, arg_types = _model_args_fields(model_name)
+        if name == "model" and model_arguments is not None:
             lines.append(f"  model arguments of {model_name!r} (override the flavor's preset value):")
-            arg_docs = field_docs(args_cls)
-            for f in dataclasses.fields(args_cls):
-                lines += _help_entry(name, f.name, arg_types[f.name], default_of(f), arg_docs.get(f.name, ""))
+            for key, tp, default, doc in model_arguments(model_name):
+                lines += _help_entry(name, key, tp, default, doc)
         lines.append("")
     return "\n".join(lines)

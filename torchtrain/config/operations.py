@@ -125,18 +125,8 @@ class Guard:
 
 
 def check_operations(job) -> None:
-    """Checks of these sections against the rest of the job (JobConfig.validate calls it)."""
-    from torchtrain.components.data.sources import dataset_names
-
-    val, training = job.validation, job.training
-    if val.enable:
-        name = val.dataset or training.dataset
-        if name not in dataset_names():
-            raise ConfigError(f"[validation.dataset] unknown dataset {name!r}; choose one of: "
-                              f"{', '.join(dataset_names())}")
-        if name == "files" and not val.dataset_path:
-            raise ConfigError("[validation.dataset_path] is required with the \"files\" dataset: point it at held-out "
-                              ".txt/.jsonl files (not the training files)")
+    """Checks of these sections against the rest of the job (JobConfig.validate calls it). Dataset names
+    are checked in preflight, where the registered datasets are known."""
     if job.guard.policy == "rollback" and not job.checkpoint.enable:
         raise ConfigError("[guard.policy] rollback restores the newest checkpoint, so it needs --checkpoint.enable "
                           "true (with a checkpoint.interval short enough that little work is lost)")

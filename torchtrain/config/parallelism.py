@@ -82,16 +82,8 @@ class Parallelism:
     (which backward needs first), zero2 keeps all."""
 
     def validate(self) -> None:
-        if self.data_parallel_strategy == "zero2" and self.fsdp_reshard_after_forward == "always":
-            raise ConfigError(
-                "[parallelism.fsdp_reshard_after_forward] 'always' contradicts data_parallel_strategy "
-                "'zero2' (which keeps gathered parameters until backward); use zero3 or 'default'"
-            )
-        if self.data_parallel_strategy in ("zero1", "ddp") and self.fsdp_reshard_after_forward != "default":
-            raise ConfigError(
-                f"[parallelism.fsdp_reshard_after_forward] only applies to FSDP strategies (zero2/zero3), "
-                f"not data_parallel_strategy {self.data_parallel_strategy!r}; leave it 'default'"
-            )
+        # Strategy combinations (zero2 + always, ...) are checked by the resolved layout
+        # (distributed/layout.py), which owns every strategy decision.
         if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
             raise ConfigError(
                 "[parallelism.data_parallel_shard_degree] must be -1 (use the remaining ranks) or >= 1, "

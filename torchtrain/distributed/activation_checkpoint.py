@@ -51,10 +51,12 @@ def wrap_block(block: nn.Module, mode: str, option: str, layer_id: int) -> nn.Mo
     return block
 
 
-def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, option: str) -> None:
-    """Wrap the blocks of `layers` (keyed by global layer index) in place."""
-    for key, block in list(layers.items()):
-        layers[key] = wrap_block(block, mode, option, int(key))
+def apply_activation_checkpointing(blocks: nn.Module, mode: str, option: str) -> None:
+    """Wrap the blocks of `blocks` (an nn.ModuleDict keyed by global block index, or an nn.ModuleList)
+    in place; "every N-th block" counts by that index, so a pipeline stage wraps the same blocks as a
+    whole model would."""
+    for key, block in list(blocks.named_children()):
+        setattr(blocks, key, wrap_block(block, mode, option, int(key)))
 
 
 __all__ = ["apply_activation_checkpointing", "wrap_block"]

@@ -20,7 +20,7 @@ import socket
 
 import torch.distributed as dist
 
-from torchtrain.config import ConfigError
+from torchtrain.config.fields import ConfigError
 from torchtrain.utils.logging import logger
 
 
@@ -76,8 +76,9 @@ def check_shared_folder(folder: str) -> None:
         )
 
 
-def check_cluster(job_config) -> None:
-    """Log the launch; with checkpoints over several nodes, check the checkpoint folder is shared."""
+def check_cluster(checkpoint_folder: str | None) -> None:
+    """Log the launch; over several nodes, check that the checkpoint folder (None: checkpoints are off)
+    is shared."""
     logger.info("launch: %s", describe_launch())
-    if job_config.checkpoint.enable and num_nodes() > 1:
-        check_shared_folder(os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder))
+    if checkpoint_folder is not None and num_nodes() > 1:
+        check_shared_folder(checkpoint_folder)

@@ -25,7 +25,7 @@ def check_compiler(device_type: str) -> None:
                           "install one or set compile.enable = false")
 
 
-def compile_blocks(layers: nn.ModuleDict, with_collectives: bool = False) -> None:
+def compile_blocks(blocks: nn.Module, with_collectives: bool = False) -> None:
     """Compile each block in place. `with_collectives`: the blocks contain process-group collectives
     (tensor parallelism), whose group names Inductor's on-disk caches do not key on: a graph cached by
     a run with another mesh would call a group that does not exist here, so those caches are off."""
@@ -35,7 +35,7 @@ def compile_blocks(layers: nn.ModuleDict, with_collectives: bool = False) -> Non
         torch._inductor.config.fx_graph_cache = False
         if hasattr(torch._functorch.config, "enable_autograd_cache"):
             torch._functorch.config.enable_autograd_cache = False
-    for block in layers.values():
+    for block in blocks.children():
         block.compile(fullgraph=True)
 
 

@@ -20,8 +20,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def apply_fsdp(
     model: nn.Module,
@@ -30,19 +28,17 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
-    zero2: bool = False,
     cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard each unit (in forward order), then the root for whatever parameters remain.
 
-    `default` reshards every unit after forward except the last one, whose parameters backward needs
-    immediately (for zero2: no unit reshards); the root keeps its parameters (they are the first used
-    by backward's tail). `cpu_offload` keeps the sharded state in host memory.
+    `reshard_after_forward` is the effective policy (`layout.effective_reshard`: zero2 and pipeline
+    stages resolve `default` to `never`). `default` reshards every unit after forward except the last
+    one, whose parameters backward needs immediately; the root keeps its parameters (they are the
+    first used by backward's tail). `cpu_offload` keeps the sharded state in host memory.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     extra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
-    if reshard_after_forward == "default" and zero2:
-        reshard_after_forward = "never"
     for i, unit in enumerate(units):
         if reshard_after_forward == "default":
             reshard = i < len(units) - 1
@@ -55,10 +51,3 @@ def apply_fsdp(
 
 def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
     return [m for m in modules if isinstance(m, FSDPModule)]
-
-
-def resolve_param_dtype(mixed_precision_param: str, device_type: str) -> torch.dtype:
-    """`auto` means bfloat16 on CUDA and float32 on CPU."""
-    if mixed_precision_param == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return DTYPES[mixed_precision_param]

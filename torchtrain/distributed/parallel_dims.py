@@ -34,15 +34,10 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_flat: DeviceMesh | None = field(default=None, repr=False)
 
-    @classmethod
-    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
-        """Resolve `data_parallel_shard_degree = -1` and check the degrees multiply to the world size."""
-        rep, shard, tp, pp = (
-            cfg.data_parallel_replicate_degree,
-            cfg.data_parallel_shard_degree,
-            cfg.tensor_parallel_degree,
-            cfg.pipeline_parallel_degree,
-        )
+    @staticmethod
+    def resolve_dp_shard(world_size: int, rep: int, shard: int, tp: int, pp: int) -> int:
+        """`data_parallel_shard_degree`, with -1 resolved to the ranks the other degrees leave; checks
+        that the degrees multiply to the world size (ConfigError naming the keys otherwise)."""
         others = rep * tp * pp
         if shard == -1:
             if world_size % others:
@@ -61,6 +56,13 @@ class ParallelDims:
                 f"{world_size}; make the product equal the number of processes (or set "
                 f"data_parallel_shard_degree = -1 to use the remaining ranks)"
             )
+        return shard
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
+        """The degrees of `[parallelism]` on `world_size` processes (see `resolve_dp_shard`)."""
+        rep, tp, pp = cfg.data_parallel_replicate_degree, cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
+        shard = cls.resolve_dp_shard(world_size, rep, cfg.data_parallel_shard_degree, tp, pp)
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
                    loss_parallel_requested=not cfg.disable_loss_parallel)
 

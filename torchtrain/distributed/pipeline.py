@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtrain.config import ConfigError, JobConfig
-from torchtrain.config.fields import did_you_mean
-from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.config.fields import ConfigError, did_you_mean
+from torchtrain.config.parallelism import Parallelism
 from torchtrain.distributed.pipeline_timeline import Timeline, simulate
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -86,16 +85,17 @@ def _csv_num_stages(path: str) -> int:
     return max(stages) + 1
 
 
-def plan_pipeline(cfg: JobConfig, pd: ParallelDims, model_args, stage_modules_fn, local_sequences: int) -> PipelinePlan:
-    """Resolve and validate the stage split, placement and micro-batching (no process group needed).
+def plan_pipeline(par: Parallelism, p: int, model_args, stage_modules_fn, local_sequences: int,
+                  model_name: str = "") -> PipelinePlan:
+    """Resolve and validate the stage split, placement and micro-batching of `par` over `p` pipeline
+    ranks (no process group needed).
 
     `stage_modules_fn(model_args, num_stages, first_less, last_less)` is the model's split: module
     names (e.g. "tok_embeddings", "layers.3", "output") per stage, or a ConfigError.
     `local_sequences`: sequences one pipeline (one dp rank) processes per step.
     """
-    par, p = cfg.parallelism, pd.pp
     if stage_modules_fn is None:
-        raise ConfigError(f"[parallelism.pipeline_parallel_degree] model {cfg.model.name!r} does not define a "
+        raise ConfigError(f"[parallelism.pipeline_parallel_degree] model {model_name!r} does not define a "
                           f"pipeline split; set pipeline_parallel_degree = 1")
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -232,17 +232,3 @@ def schedule_timeline(schedule, plan: PipelinePlan) -> Timeline:
             renumbered.append(a)
         order[rank] = renumbered
     return simulate(order, plan.num_stages, False)
-
-
-def validate_combination(cfg: JobConfig, pd: ParallelDims) -> None:
-    """Pipeline-specific feature combinations rejected before start-up."""
-    if not pd.pp_enabled:
-        return
-    if cfg.parallelism.data_parallel_strategy in ("ddp", "zero1"):
-        raise ConfigError(
-            f"[parallelism.data_parallel_strategy] {cfg.parallelism.data_parallel_strategy!r} cannot be combined "
-            f"with pipeline parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1"
-        )
-    if cfg.training.mixed_precision_param == "float16":
-        raise ConfigError("[training.mixed_precision_param] float16 (loss scaling) is not supported with pipeline "
-                          "parallelism, whose schedule runs backward itself; use bfloat16")

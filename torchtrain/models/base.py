@@ -3,7 +3,8 @@
 A model is an ordinary ``nn.Module`` with no parallel code. To plug into torchtrain it provides:
 
 * an arguments dataclass deriving :class:`BaseModelArgs` (its fields are the `[model]` keys a job can
-  override; `flops_per_token` and `num_params` are computed from them without building the model);
+  override; `flops_per_token` and `num_params` are computed from them without building the model;
+  `update_from_job` adapts them to the job's sequence length and tokenizer);
 * ``init_spec(fqn) -> InitSpec``: how each parameter is initialised, by its canonical name. The trainer
   applies these specs itself (``torchtrain.distributed.param_init``), so the initial weights are
   bitwise identical whatever the parallel layout;
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torchtrain.components.tokenizer import Tokenizer
-    from torchtrain.config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class InitSpec:
 class BaseModelArgs(abc.ABC):
     """Base of every model's arguments dataclass."""
 
-    def update_from_config(self, job_config: "JobConfig", tokenizer: "Tokenizer") -> None:
-        """Adapt to the job (sequence length, tokenizer); raise ConfigError when incompatible."""
+    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
+        """Adapt to the job's sequence length and tokenizer (e.g. size the RoPE table); raise ConfigError
+        when they are incompatible (a vocabulary smaller than the tokenizer's)."""
 
     def validate(self) -> None:
         """Check the arguments are self-consistent; raise ConfigError naming the `model.<key>`."""

@@ -1,49 +1,70 @@
-"""Model registry: name -> everything the trainer needs to build, parallelise and train a model.
+"""Model registry: name -> what is the model's own, for the trainer to build and parallelise it.
 
-A new model plugs in by calling :func:`register_model_spec` (usually in its package's
-``__init__.py``) and importing that package from ``torchtrain/models/__init__.py``; the trainer and
-the config parser then accept ``[model] name = "<name>"`` without any other change.
+A model supplies only what is specific to it (see docs/architecture.md, "Add a model"): its module
+and arguments, its flavors, where its repeated blocks live, and optionally its tensor-parallel plan,
+FSDP units, checks against the layout, pipeline split and Hugging Face adapter. The generic
+parallelism applier (`distributed/parallelize.py`) does everything else -- the order TP ->
+activation checkpointing -> compile -> FSDP/HSDP/DDP/ZeRO, precision and reshard policy -- from the
+resolved Layout, so every model gets every strategy without writing any of it.
+
+A new model plugs in by calling :func:`register_model_spec` (in its package's ``__init__.py``) and
+importing that package from ``torchtrain/models/__init__.py`` (or from the job's
+``job.custom_imports``); ``[model] name = "<name>"`` then works everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from torchtrain.config.fields import ConfigError, did_you_mean
+from torchtrain.config.fields import ConfigError, coerce, default_of, did_you_mean, field_docs, field_types
 from torchtrain.models.base import BaseModelArgs
 
 if TYPE_CHECKING:
-    from torchtrain.config import JobConfig
-    from torchtrain.distributed.parallel_dims import ParallelDims
-    from torchtrain.models.state_dict_adapter import StateDictAdapter
+    from torch.distributed.device_mesh import DeviceMesh
 
-ParallelizeFn = Callable[[nn.Module, "ParallelDims", "JobConfig"], nn.Module]
-ValidateFn = Callable[[BaseModelArgs, "ParallelDims", "JobConfig"], None]
+    from torchtrain.distributed.layout import Layout
+    from torchtrain.models.state_dict_adapter import StateDictAdapter
 
 
 @dataclass
 class ModelSpec:
-    """Everything model-specific the trainer uses. Optional hooks default to "not supported"."""
+    """Everything model-specific. Optional hooks default to "not supported" (a config error names it)."""
 
     name: str
     model_cls: type[nn.Module]
     args_cls: type[BaseModelArgs]
     flavors: dict[str, BaseModelArgs]
-    parallelize_fn: ParallelizeFn
-    """Apply the model's parallel plan (TP, activation checkpointing, compile, FSDP) in place."""
-    validate_fn: ValidateFn | None = None
-    """Check the model's arguments against the parallel layout (e.g. heads divisible by TP)."""
-    stage_modules_fn: Callable[..., list[list[str]]] | None = None
+    blocks: str = "layers"
+    """Attribute of the model holding its repeated blocks, an nn.ModuleDict keyed by global block
+    index (an nn.ModuleList works when the model has no pipeline split). Activation checkpointing and
+    compile apply per block; by default each block is one FSDP unit."""
+    tp_plan: Callable[[nn.Module, "DeviceMesh", bool], None] | None = None
+    """(model, tp_mesh, loss_parallel): shard the model's matmuls over the TP mesh (DTensor
+    `parallelize_module` plans). None: tensor parallelism is unsupported for this model."""
+    fsdp_units: Callable[[nn.Module], list[nn.Module | list[nn.Module]]] | None = None
+    """The modules FSDP2 shards as units, in forward order (a list groups several into one unit);
+    the root takes the rest. None: each block is a unit."""
+    validate: Callable[[BaseModelArgs, "Layout"], None] | None = None
+    """Check the model's arguments against the resolved layout (heads divisible by the TP degree...);
+    raise ConfigError naming the key."""
+    stage_modules: Callable[[BaseModelArgs, int, int, int], list[list[str]]] | None = None
     """Pipeline split: (args, num_stages, first_less, last_less) -> module names per stage, in model
-    order. Stages are cut with `distributed.pipeline.keep_modules`, so a model's top-level modules
-    must tolerate being None and its repeated blocks must live in an nn.ModuleDict."""
+    order. Stages are cut with `distributed.pipeline.keep_modules`, so the model's top-level modules
+    must tolerate being None and its blocks must live in an nn.ModuleDict."""
     state_dict_adapter: type["StateDictAdapter"] | None = None
     """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Further model-specific hooks for extensions (free-form)."""
+
+    def blocks_of(self, model: nn.Module) -> nn.Module:
+        """The model's container of repeated blocks (`blocks`)."""
+        container = getattr(model, self.blocks, None)
+        if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
+            raise TypeError(f"model {self.name!r}: ModelSpec.blocks = {self.blocks!r} must name an nn.ModuleDict or "
+                            f"nn.ModuleList attribute of {type(model).__name__}")
+        return container
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -55,9 +76,9 @@ def register_model_spec(spec: ModelSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
+# Importing this module runs `torchtrain/models/__init__.py` first (its package), which imports and
+# so registers the built-in models.
 def get_model_spec(name: str) -> ModelSpec:
-    import torchtrain.models  # noqa: F401  (registers the built-in models)
-
     if name not in _REGISTRY:
         hint = did_you_mean(name, list(_REGISTRY))
         raise ConfigError(f"[model.name] unknown model {name!r}{hint} Registered: {', '.join(_REGISTRY)}")
@@ -65,18 +86,42 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def model_names() -> list[str]:
-    import torchtrain.models  # noqa: F401
-
     return list(_REGISTRY)
 
 
-def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any]) -> BaseModelArgs:
+def coerce_overrides(spec: ModelSpec, overrides: dict[str, Any], sources: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
+    """The `[model]` section's model arguments, checked against the model's argument names and
+    converted to their types (ConfigError naming an unknown key, with the closest valid one)."""
+    types_ = field_types(spec.args_cls)
+    out = {}
+    for key, value in overrides.items():
+        if key not in types_:
+            from torchtrain.config.job import Model
+
+            valid = [f.name for f in dataclasses.fields(Model) if not f.metadata.get("internal")] + list(types_)
+            where = f" ({sources[key]})" if sources and key in sources else ""
+            raise ConfigError(f"unknown key model.{key}{where}{did_you_mean(key, valid)} "
+                              f"Valid keys of [model] for {spec.name!r}: {', '.join(valid)}")
+        out[key] = coerce(value, types_[key], f"model.{key}")
+    return out
+
+
+def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any],
+                     sources: dict[str, str] | None = None) -> BaseModelArgs:
     """The flavor preset with the job's `[model]` overrides applied, validated."""
     if flavor not in spec.flavors:
         hint = did_you_mean(flavor, list(spec.flavors))
         raise ConfigError(
             f"[model.flavor] {spec.name} has no flavor {flavor!r}{hint} Flavors: {', '.join(spec.flavors)}"
         )
-    args = spec.flavors[flavor].replace(**overrides)
+    args = spec.flavors[flavor].replace(**coerce_overrides(spec, overrides, sources))
     args.validate()
     return args
+
+
+def model_arguments(name: str) -> list[tuple[str, Any, Any, str]]:
+    """(key, type, default, doc) of every argument of model `name`, for `--help`."""
+    spec = get_model_spec(name)
+    types_, docs = field_types(spec.args_cls), field_docs(spec.args_cls)
+    return [(f.name, types_[f.name], default_of(f), docs.get(f.name, "")) for f in dataclasses.fields(spec.args_cls)]

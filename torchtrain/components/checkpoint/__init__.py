@@ -5,7 +5,7 @@ completion marker, purge), `state` (what is saved), `validate` (checks before lo
 (Hugging Face safetensors), `preemption` (signals), `testing` (test-only fault injection).
 """
 
-from torchtrain.components.checkpoint.manager import CheckpointManager
+from torchtrain.components.checkpoint.manager import CheckpointManager, ModelInfo
 from torchtrain.components.checkpoint.validate import CheckpointError
 
-__all__ = ["CheckpointError", "CheckpointManager"]
+__all__ = ["CheckpointError", "CheckpointManager", "ModelInfo"]

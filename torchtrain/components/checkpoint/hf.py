@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.components.checkpoint.validate import CheckpointError, read_metadata
 from torchtrain.models.state_dict_adapter import StateDictAdapter
 
@@ -175,15 +176,13 @@ def _hf_tensor(ckpt: HFCheckpoint, adapter: StateDictAdapter, key: str, shape: t
     return tensor
 
 
-def load_hf_into_model(model_parts: list[nn.Module], folder: str, adapter: StateDictAdapter
+def load_hf_into_model(model_state: ModelState, folder: str, adapter: StateDictAdapter
                        ) -> tuple[list[str], set[str], set[str]]:
-    """Copy HF weights into the (possibly sharded) model parts of this rank.
+    """Copy HF weights into this rank's (possibly sharded) model parts, through their `ModelState`
+    (one merged state dict; parameter names clashing between parts are an error there).
 
     Returns (config warnings, HF keys used, all HF keys) so the caller can report unused keys over
     all ranks."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
-
     ckpt = HFCheckpoint(folder)
     try:
         if ckpt.config is not None:
@@ -191,20 +190,19 @@ def load_hf_into_model(model_parts: list[nn.Module], folder: str, adapter: State
         else:
             warnings = [f"{folder} has no config.json; only tensor names and shapes are checked"]
         used: set[str] = set()
-        for part in model_parts:
-            sd = get_model_state_dict(part)
-            with torch.no_grad():
-                for key, target in sd.items():
-                    full = _hf_tensor(ckpt, adapter, key, tuple(target.shape)).to(target.dtype)
-                    if isinstance(target, DTensor):
-                        full = full.to(target.device)
-                        local = distribute_tensor(full, target.device_mesh, target.placements,
-                                                  src_data_rank=None).to_local()
-                        target.to_local().copy_(local)
-                    else:
-                        target.copy_(full)
-                    used.add(adapter.hf_key(key))
-            set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+        sd = model_state.state_dict()
+        with torch.no_grad():
+            for key, target in sd.items():
+                full = _hf_tensor(ckpt, adapter, key, tuple(target.shape)).to(target.dtype)
+                if isinstance(target, DTensor):
+                    full = full.to(target.device)
+                    local = distribute_tensor(full, target.device_mesh, target.placements,
+                                              src_data_rank=None).to_local()
+                    target.to_local().copy_(local)
+                else:
+                    target.copy_(full)
+                used.add(adapter.hf_key(key))
+        model_state.load_state_dict(sd)
         return warnings, used, ckpt.keys()
     finally:
         ckpt.close()

@@ -26,19 +26,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.components.checkpoint import testing
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
-from torchtrain.components.checkpoint.startup import StartPlan, plan_start, preflight
-from torchtrain.components.checkpoint.state import DataLoaderState, ModelState, RNGState, Stateful
+from torchtrain.components.checkpoint.startup import StartPlan, plan_start
+from torchtrain.components.checkpoint.state import Stateful
 from torchtrain.components.checkpoint.validate import (CheckpointError, check_against_metadata, read_metadata,
                                                        stored_keys)
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.config.checkpoint import Checkpoint as CheckpointConfig
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.fsdp import DTYPES
+from torchtrain.distributed.layout import DTYPES
 from torchtrain.utils.logging import logger
 
 @dataclass
@@ -50,29 +50,38 @@ class _Pending:
     t0: float
 
 
+@dataclass
+class ModelInfo:
+    """What a checkpoint records about the model, and how to convert it to/from Hugging Face."""
+
+    name: str
+    flavor: str
+    args: Any
+    """The model's arguments dataclass (recorded; a resume with other arguments is warned about)."""
+    adapter: Any = None
+    """The model's StateDictAdapter class, or None (no HF import/export)."""
+
+
 class CheckpointManager:
-    def __init__(self, job_config, parallel_dims, model_parts: list[nn.Module], optimizers: Stateful,
-                 lr_schedulers: Stateful, dataloader: Stateful, train_state: Stateful, model_spec, model_args,
-                 device: torch.device):
-        self.cfg = cfg = job_config.checkpoint
+    """`states` maps the checkpoint's top-level keys (config/checkpoint.py CHECKPOINT_KEYS) to the live
+    Stateful objects (`state.training_states` builds them); `dims` is the layout's ParallelDims."""
+
+    def __init__(self, cfg: CheckpointConfig, dump_folder: str, total_steps: int, timeout_seconds: int,
+                 dims, states: dict[str, Stateful], model: ModelInfo):
+        self.cfg = cfg
         self.enabled = cfg.enable
         self._pending: _Pending | None = None
         self.preemption: PreemptionWatcher | None = None
         if not self.enabled:
             return
-        self.job_config, self.parallel_dims = job_config, parallel_dims
-        self.model_parts, self.model_spec, self.model_args = model_parts, model_spec, model_args
+        self.parallel_dims, self.model, self.dump_folder = dims, model, dump_folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.folder = os.path.join(job_config.job.dump_folder, cfg.folder)
-        self.total_steps = job_config.training.steps
-        self.states: dict[str, Any] = {
-            "model": ModelState(model_parts), "optimizer": optimizers, "lr_scheduler": lr_schedulers,
-            "dataloader": DataLoaderState(dataloader, parallel_dims.dp_rank), "train_state": train_state,
-            "rng": RNGState(self.rank, device),
-        }
+        self.folder = os.path.join(dump_folder, cfg.folder)
+        self.total_steps = total_steps
+        self.states: dict[str, Any] = dict(states)
         # Own gloo groups: checkpoint collectives never interleave with training collectives, use the
         # start-up timeout (saves can be slow), and the background writer has a group of its own.
-        timeout = datetime.timedelta(seconds=job_config.comm.init_timeout_seconds)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
         self._async_pg = dist.new_group(backend="gloo", timeout=timeout) if cfg.async_mode != "disabled" else None
         self._stager = None
@@ -84,9 +93,6 @@ class CheckpointManager:
                                                         use_async_staging=False, use_non_blocking_copy=True))
         if cfg.preemption_signals:
             self.preemption = PreemptionWatcher(cfg.preemption_signals)
-
-    # ------------------------------------------------------------------ checks before start-up
-    preflight = staticmethod(preflight)
 
     # ------------------------------------------------------------------ collectives
     def _agree(self, problem: str | None, error: type[Exception] = CheckpointError) -> None:
@@ -213,15 +219,15 @@ class CheckpointManager:
         saved = (meta.get("model") or {}).get("args")
         if not saved:
             return
-        now = dataclasses.asdict(self.model_args)
+        now = dataclasses.asdict(self.model.args)
         diff = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
         if diff:
             logger.warning("%s was saved with different model arguments: %s", label,
                            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items())))
 
     def _load_hf(self, path: str) -> None:
-        adapter = self.model_spec.state_dict_adapter(self.model_args)
-        result = self._collective_try(lambda: load_hf_into_model(self.model_parts, path, adapter),
+        adapter = self.model.adapter(self.model.args)
+        result = self._collective_try(lambda: load_hf_into_model(self.states["model"], path, adapter),
                                       f"loading Hugging Face weights from {path} failed")
         warnings, used, available = result
         every: list[Any] = [None] * self.world_size
@@ -240,8 +246,8 @@ class CheckpointManager:
         return {
             "step": step, "contents": contents, "tokens_seen": int(train.get("tokens_seen", 0)),
             "world_size": self.world_size, "layout": self.parallel_dims.describe(), "dp_degree": self.parallel_dims.dp,
-            "model": {"name": self.job_config.model.name, "flavor": self.job_config.model.flavor,
-                      "args": dataclasses.asdict(self.model_args)},
+            "model": {"name": self.model.name, "flavor": self.model.flavor,
+                      "args": dataclasses.asdict(self.model.args)},
             "dtype": str(dtype).replace("torch.", ""), "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
         }
@@ -280,7 +286,7 @@ class CheckpointManager:
     def _export_hf(self, path: str, dtype: torch.dtype | None) -> None:
         if self.rank != 0:
             return
-        adapter = self.model_spec.state_dict_adapter(self.model_args)
+        adapter = self.model.adapter(self.model.args)
         out = os.path.join(path, "hf")
         summary = export_dcp_to_hf(path, out, adapter, dtype, self.cfg.hf_max_shard_bytes, os.path.basename(path))
         logger.info("Hugging Face export: %s (%d safetensors files, %.1f MB)", out, summary["files"],
@@ -315,7 +321,7 @@ class CheckpointManager:
             self._wait_pending()
         preempt = False
         if self.preemption is not None:
-            testing.wait_for_signal(step, self.rank, self.job_config.job.dump_folder, lambda: self.preemption.requested)
+            testing.wait_for_signal(step, self.rank, self.dump_folder, lambda: self.preemption.requested)
             if self.preemption.received:
                 logger.warning("rank %d received %s: a checkpoint will be saved and training stopped", self.rank,
                                ", ".join(self.preemption.received))

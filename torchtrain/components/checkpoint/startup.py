@@ -15,8 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.config.fields import ConfigError
@@ -34,12 +32,6 @@ class StartPlan:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _device_type(training_device: str) -> str:
-    if training_device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return training_device
-
-
 def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
     """A DCP checkpoint given as its own folder (with .metadata) or as a checkpoint folder (its newest
     complete step); returns (folder, marker content or {})."""
@@ -55,12 +47,12 @@ def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
     return complete[-1].path, complete[-1].meta
 
 
-def preflight(job_config) -> None:
-    """Checks needing no process group (run on every rank before it starts): ConfigError if bad."""
-    cfg = job_config.checkpoint
+def preflight(cfg, dump_folder: str, device_type: str, model_name: str, has_hf_adapter: bool) -> None:
+    """Checks of `[checkpoint]` needing no process group (run on every rank before it starts, for a job
+    writing into `dump_folder` on `device_type`): ConfigError if bad."""
     if not cfg.enable:
         return
-    if cfg.async_mode == "async_with_pinned_mem" and _device_type(job_config.training.device) != "cuda":
+    if cfg.async_mode == "async_with_pinned_mem" and device_type != "cuda":
         raise ConfigError("[checkpoint.async_mode] async_with_pinned_mem needs CUDA (pinned memory speeds up "
                           "device-to-host copies); on CPU use async_mode = \"async\"")
     if cfg.initial_load_path:
@@ -73,7 +65,7 @@ def preflight(job_config) -> None:
                                   f"(no *.safetensors files)")
         else:
             resolve_dcp_path(path)
-    folder = os.path.join(job_config.job.dump_folder, cfg.folder)
+    folder = os.path.join(dump_folder, cfg.folder)
     found = fs.scan(folder)
     if cfg.load_step >= 0:
         match = [c for c in found if c.step == cfg.load_step]
@@ -90,12 +82,9 @@ def preflight(job_config) -> None:
     if cfg.create_seed_checkpoint and any(c.complete for c in found):
         raise ConfigError(f"[checkpoint.create_seed_checkpoint] {folder} already holds checkpoints; a seed "
                           f"checkpoint goes into an empty checkpoint.folder")
-    if cfg.last_save_in_hf or cfg.initial_load_in_hf:
-        from torchtrain.models.registry import get_model_spec
-
-        if get_model_spec(job_config.model.name).state_dict_adapter is None:
-            raise ConfigError(f"[checkpoint] model {job_config.model.name!r} has no Hugging Face state-dict "
-                              f"adapter; HF import/export is unavailable for it")
+    if (cfg.last_save_in_hf or cfg.initial_load_in_hf) and not has_hf_adapter:
+        raise ConfigError(f"[checkpoint] model {model_name!r} has no Hugging Face state-dict adapter; HF "
+                          f"import/export is unavailable for it")
 
 
 

@@ -101,3 +101,12 @@ def _raw(state: torch.Tensor) -> bytes:
 
 def _tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def training_states(model_parts: list[nn.Module], optimizers: Stateful, lr_schedulers: Stateful,
+                    dataloader: Stateful, train_state: Stateful, dp_rank: int, rank: int,
+                    device: torch.device) -> dict[str, Stateful]:
+    """What a checkpoint saves and restores, by top-level key (see the module docstring)."""
+    return {"model": ModelState(model_parts), "optimizer": optimizers, "lr_scheduler": lr_schedulers,
+            "dataloader": DataLoaderState(dataloader, dp_rank), "train_state": train_state,
+            "rng": RNGState(rank, device)}

@@ -2,7 +2,8 @@
 
 from torchtrain.components.data.dataset import PackedDataset
 from torchtrain.components.data.loader import build_dataloader
-from torchtrain.components.data.sources import DocumentSource, build_source, dataset_names, register_dataset
+from torchtrain.components.data.sources import (DocumentSource, build_source, check_dataset_name, dataset_names,
+                                                register_dataset)
 
-__all__ = ["DocumentSource", "PackedDataset", "build_dataloader", "build_source", "dataset_names",
+__all__ = ["DocumentSource", "PackedDataset", "build_dataloader", "build_source", "check_dataset_name", "dataset_names",
            "register_dataset"]

@@ -27,7 +27,7 @@ from torchtrain.components.tokenizer import Tokenizer
 
 
 class PackedDataset(IterableDataset):
-    """Yields (inputs, labels) int64 tensors of length seq_len for one data-parallel rank."""
+    """Yields {"input_ids", "labels"} int64 tensors of length seq_len for one data-parallel rank."""
 
     def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
                  dp_degree: int = 1, seed: int = 0, shuffle: bool = True, infinite: bool = True):
@@ -78,7 +78,7 @@ class PackedDataset(IterableDataset):
                 cursor.update(doc=cursor["doc"] + 1, offset=0)
         return out
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         cursor, cache = dict(self._state), {}
         window_len = self.seq_len + 1
         while True:
@@ -92,7 +92,7 @@ class PackedDataset(IterableDataset):
             cursor["windows"] += self.dp_degree
             self._state = dict(cursor)
             t = torch.tensor(mine, dtype=torch.long)
-            yield t[:-1], t[1:]
+            yield {"input_ids": t[:-1], "labels": t[1:]}
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
 def build_dataloader(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                      dp_rank: int, dp_degree: int, seed: int, shuffle: bool = True,
                      infinite: bool = True) -> StatefulDataLoader:
-    """Batches of (inputs, labels), each (local_batch_size, seq_len), for data-parallel rank dp_rank.
+    """Batches {"input_ids", "labels"}, each (local_batch_size, seq_len), for data-parallel rank dp_rank.
 
     Loading runs in the training process (num_workers = 0): packing is cheap next to a training step,
     and the loader's state is then exactly the dataset's stream position.

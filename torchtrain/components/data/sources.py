@@ -136,9 +136,14 @@ def dataset_names() -> list[str]:
     return list(_DATASETS)
 
 
-def build_source(name: str, path: str | None, split: str = "train", seed: int = 0) -> DocumentSource:
+def check_dataset_name(name: str, key: str = "training.dataset") -> None:
+    """ConfigError naming `key` when no dataset `name` is registered."""
     if name not in _DATASETS:
-        raise ConfigError(f"[training.dataset] unknown dataset {name!r}; choose one of: {', '.join(_DATASETS)}")
+        raise ConfigError(f"[{key}] unknown dataset {name!r}; choose one of: {', '.join(_DATASETS)}")
+
+
+def build_source(name: str, path: str | None, split: str = "train", seed: int = 0) -> DocumentSource:
+    check_dataset_name(name)
     return _DATASETS[name](path, split, seed)
 
 

@@ -2,7 +2,7 @@
 
 from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
-from torchtrain.models.llama3.parallelize import parallelize_llama, validate_llama_parallel
+from torchtrain.models.llama3.parallelize import apply_tp, fsdp_units, validate_llama
 from torchtrain.models.llama3.pipeline import llama_stage_modules
 from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtrain.models.registry import ModelSpec, register_model_spec
@@ -29,11 +29,13 @@ register_model_spec(
         model_cls=Transformer,
         args_cls=Llama3Args,
         flavors=LLAMA3_FLAVORS,
-        parallelize_fn=parallelize_llama,
-        validate_fn=validate_llama_parallel,
-        stage_modules_fn=llama_stage_modules,
+        blocks="layers",
+        tp_plan=apply_tp,
+        fsdp_units=fsdp_units,
+        validate=validate_llama,
+        stage_modules=llama_stage_modules,
         state_dict_adapter=Llama3StateDictAdapter,
     )
 )
 
-__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Llama3StateDictAdapter", "Transformer", "parallelize_llama"]
+__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Llama3StateDictAdapter", "Transformer"]

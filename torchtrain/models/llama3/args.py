@@ -22,7 +22,6 @@ from torchtrain.models.base import BaseModelArgs
 
 if TYPE_CHECKING:
     from torchtrain.components.tokenizer import Tokenizer
-    from torchtrain.config import JobConfig
 
 
 @dataclass
@@ -112,8 +111,7 @@ class Llama3Args(BaseModelArgs):
         if self.max_seq_len < 0:
             raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
 
-    def update_from_config(self, job_config: "JobConfig", tokenizer: "Tokenizer") -> None:
-        seq_len = job_config.training.seq_len
+    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
         if self.max_seq_len == 0:
             self.max_seq_len = seq_len
         elif self.max_seq_len < seq_len:

@@ -1,40 +1,35 @@
-"""The Llama 3 parallel plan: how this model is sharded. Written in plain Python so a researcher can
-read and change it; the trainer only calls `parallelize_llama` (and `validate_llama_parallel` before
-start-up).
+"""The Llama 3 parallel plan: what is this model's own about sharding it. Plain Python, so a
+researcher can read and change it; the generic applier (`distributed/parallelize.py`) calls these in
+its fixed order (TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP) from the resolved Layout.
 
-Order: tensor parallelism -> activation checkpointing -> compile -> data parallelism (FSDP2 or
-DDP). FSDP units, in forward order: the token embedding, each transformer block, and (norm, output)
-together; the root takes whatever is left (the RoPE buffer; with tied embeddings the shared table,
-which both ends of the model use).
+* `apply_tp`: Megatron-style tensor parallelism with sequence parallelism (the model's TP plan);
+* `fsdp_units`: the FSDP units in forward order -- the token embedding, each transformer block, and
+  (norm, output) together; the root takes whatever is left (the RoPE buffer; with tied embeddings the
+  shared table, which both ends of the model use);
+* `validate_llama`: the model's shape checks against the layout, before any process group starts.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from torchtrain.config import ConfigError, JobConfig
-from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtrain.distributed.compile import compile_blocks
-from torchtrain.distributed.data_parallel import apply_ddp
-from torchtrain.distributed.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
-from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.distributed.tensor_parallel import check_divisible, enable_async_tp
+from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.models.llama3.args import Llama3Args
 
 
-def validate_llama_parallel(args: Llama3Args, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+def validate_llama(args: Llama3Args, layout) -> None:
     """Model-shape checks against the layout, before any process group starts."""
-    if parallel_dims.pp_enabled and args.tie_word_embeddings:
+    dims = layout.dims
+    if dims.pp_enabled and args.tie_word_embeddings:
         raise ConfigError("[model.tie_word_embeddings] tied embeddings cannot be split across pipeline stages "
                           "(the table would live on the first and the last stage); set it false or "
                           "pipeline_parallel_degree = 1")
-    tp = parallel_dims.tp
+    tp = dims.tp
     if tp == 1:
         return
     if args.tie_word_embeddings:
@@ -45,7 +40,7 @@ def validate_llama_parallel(args: Llama3Args, parallel_dims: ParallelDims, job_c
         "model.n_kv_heads": args.kv_heads,
         "model.ffn_hidden_dim (from model.dim, ffn_dim_multiplier, multiple_of)": args.ffn_hidden_dim,
         "model.vocab_size": args.vocab_size,
-        "training.seq_len": job_config.training.seq_len,
+        "training.seq_len": layout.batch.seq_len,
     }, fixes={
         "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
                             f"(extra rows are never produced by the tokenizer)",
@@ -81,14 +76,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         })
 
 
-def materialize_async_output(module: nn.Module, inputs, output):
-    """The embedding's reduce-scatter result arrives as an AsyncCollectiveTensor (a lazily waited
-    tensor subclass). Hand compiled blocks a plain tensor: given the subclass as input, they send
-    its gradient past the subclass's autograd node (wrong gradients, or a crash in DTensor's
-    redistribute backward; seen on torch 2.13 with gloo). The clone is one (batch, seq/tp, dim) copy."""
-    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
-
-
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     units: list[nn.Module | list[nn.Module]] = []
     if model.tok_embeddings is not None and not model.args.tie_word_embeddings:
@@ -98,38 +85,3 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     if tail and not model.args.tie_word_embeddings:
         units.append(tail)
     return units
-
-
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    training, par = job_config.training, job_config.parallelism
-    mesh = parallel_dims.world_mesh
-    if parallel_dims.tp_enabled:
-        apply_tp(model, mesh["tp"], loss_parallel=parallel_dims.loss_parallel_enabled)
-        if par.enable_async_tensor_parallel:
-            enable_async_tp(mesh["tp"])
-    ac = job_config.activation_checkpoint
-    apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        compile_blocks(model.layers, with_collectives=parallel_dims.tp_enabled)
-        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
-            model.tok_embeddings.register_forward_hook(materialize_async_output)
-
-    param_dtype = resolve_param_dtype(training.mixed_precision_param, mesh.device_type)
-    reshard = par.fsdp_reshard_after_forward
-    if parallel_dims.pp_enabled and reshard == "default":
-        reshard = "never"  # each micro-batch's forward would otherwise all-gather the stage again
-    if par.data_parallel_strategy in ("ddp", "zero1"):
-        if parallel_dims.dp_enabled:
-            apply_ddp(model, parallel_dims.dp_mesh)
-    elif parallel_dims.dp_enabled or param_dtype != torch.float32 or training.enable_cpu_offload:
-        apply_fsdp(
-            model,
-            parallel_dims.fsdp_mesh,
-            fsdp_units(model),
-            param_dtype=param_dtype,
-            reduce_dtype=DTYPES[training.mixed_precision_reduce],
-            reshard_after_forward=reshard,
-            zero2=par.data_parallel_strategy == "zero2",
-            cpu_offload=training.enable_cpu_offload,
-        )
-    return model

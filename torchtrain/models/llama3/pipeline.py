@@ -8,7 +8,7 @@ cost about as much as a block or two).
 
 from __future__ import annotations
 
-from torchtrain.config import ConfigError
+from torchtrain.config.fields import ConfigError
 from torchtrain.models.llama3.args import Llama3Args
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
 
@@ -160,14 +161,16 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     n_shard = p.dp_shard if fsdp else p.dp
     sharded = _numel(all_shapes, n_shard)
     n_tensors = len(all_shapes)
-    wrapped = fsdp and (p.dp > 1 or d != 4)  # parallelize_llama applies FSDP2 (gathers/casts units)
+    # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
+    wrapped = applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload)
+    opt_sharded = p.dp_strategy.shards_optimizer_state
 
     params = 4 * (sharded if fsdp else full_numel)
     grads = 4 * (sharded if fsdp else full_numel)
-    opt = 8 * (full_numel if p.strategy == "ddp" else sharded) + 4 * n_tensors
+    opt = 8 * (sharded if opt_sharded else full_numel) + 4 * n_tensors
     rows_state = [
         Row("parameters (fp32 master)", params, f"4 B x {'params / N' if fsdp else 'params'}"),
-        Row("optimizer state (Adam m, v)", opt, f"8 B x {'params' if p.strategy == 'ddp' else 'params / N'}"
+        Row("optimizer state (Adam m, v)", opt, f"8 B x {'params / N' if opt_sharded else 'params'}"
             " + 4 B step per tensor"),
     ]
     host = 0.0
@@ -227,7 +230,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
         rows_bwd.append(Row("loss gradient buffers (fp32)", loss_extra, "8 V t / tp"))
     rows_bwd.append(Row(f"gathered params: {how}", gathered, "d x unsharded unit params"))
 
-    opt_temp = 4 * (full_numel if p.strategy == "ddp" else sharded) if p.optimizer_impl == "foreach" else 0.0
+    opt_temp = 4 * (sharded if opt_sharded else full_numel) if p.optimizer_impl == "foreach" else 0.0
     if p.cpu_offload:
         opt_temp = 0.0
     rows_opt = list(rows_state) + [Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)"),

@@ -12,7 +12,7 @@ from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES
 
 EPILOG = """\
 Any other argument is a job override, as for the trainer: --section.key value (e.g. --training.seq_len 8192).
-Layout flags override the job file's values, including knobs whose config keys this build does not have yet.
+Layout flags override the job file's values.
 
 examples:
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100

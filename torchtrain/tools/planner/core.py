@@ -1,21 +1,21 @@
 """One plan: a job file + a world size + a device type -> memory per rank, throughput, cost, validity.
 
-`load_job` reads the job exactly as the trainer does (`parse_args`, the model registry,
-`update_from_config`); `make_plan` computes the analytic estimate of every pipeline rank, traces one
+`load_job` reads the job exactly as the trainer does (`parse_args`, `preflight.resolve_model`);
+`make_plan` computes the analytic estimate of every pipeline rank, traces one
 rank per distinct stage structure (see `trace.py`), estimates throughput and cost, and records
-whether the layout is valid and whether this build can run it.
+whether the layout is valid and whether the trainer would start it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchtrain.components.hardware import KNOWN_GPUS, GPUSpec
 from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
-from torchtrain.tools.planner.inputs import (PlanInputs, config_overrides, display_overrides,
-                                             inputs_from_config)
+from torchtrain.tools.planner.inputs import PlanInputs, config_variant, display_overrides, inputs_from_config
 from torchtrain.tools.planner.pipeline import pipeline_of, structure
 from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
 from torchtrain.tools.planner.trace import TraceResult, trace_rank
@@ -83,17 +83,18 @@ def load_job(argv: list[str]) -> Job:
     """Parse the job (config file + `--section.key value` overrides) and build its model arguments."""
     from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.models.registry import build_model_args, get_model_spec
+    from torchtrain.preflight import resolve_model
 
     cfg = parse_args(argv)
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
     notes = []
     try:
         tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     except ConfigError as e:
-        tokenizer = _VocabOnly(args.vocab_size)
+        spec = get_model_spec(cfg.model.name)
+        tokenizer = _VocabOnly(build_model_args(spec, cfg.model.flavor, cfg.model.overrides,
+                                                cfg.model.override_sources).vocab_size)
         notes.append(f"tokenizer not loaded ({e}); vocabulary size check skipped")
-    args.update_from_config(cfg, tokenizer)
+    _, args = resolve_model(cfg, tokenizer)
     return Job(argv, cfg, args, tokenizer, notes)
 
 
@@ -109,9 +110,9 @@ def resolve_gpu(name: str) -> tuple[str, GPUSpec | None]:
 
 def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: float | None = None) -> Plan:
     p = inputs
-    problems = layout_problems(p)
+    problems = layout_problems(p, job.cfg)
     overrides = display_overrides(p, job.cfg)
-    blockers = ["invalid layout"] if problems else runnable_problems(p, job.argv, job.tokenizer)
+    blockers = ["invalid layout"] if problems else runnable_problems(p, job.cfg, job.tokenizer)
     try:
         prof = pipeline_of(p)
     except ConfigError as e:  # the trainer's own pipeline checks
@@ -143,8 +144,8 @@ def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
     """The job config the trace runs: the job with the layout's knobs, in eager mode (the memory
     tracker is a dispatch mode, which torch.compile cannot trace through; eager memory is what the
     trainer's own `metrics.track_tensor_memory` measures too, and bounds the compiled step's)."""
-    overrides, _ = config_overrides(p, job.cfg)
-    return parse_args(job.argv + overrides + ["--compile.enable", "false"])
+    variant = config_variant(job.cfg, p)
+    return dataclasses.replace(variant, compile=dataclasses.replace(variant.compile, enable=False))
 
 
 def plan_from_flags(job: Job, world_size: int, gpu: str, flags: dict[str, Any], trace: bool = True,

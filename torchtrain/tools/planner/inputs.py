@@ -1,11 +1,11 @@
 """What a plan is computed from: `PlanInputs`, filled from the real job config plus planner flags.
 
-Every knob that changes per-rank memory or speed is a field here, whether or not this torchtrain
-build can run it yet (tensor/pipeline parallelism, DDP / ZeRO-1 / ZeRO-2, activation checkpointing,
-CPU offload). `CONFIG_KEYS` says where each knob lives in the job file; a key the build does not have
-yet is read as the knob's default, and a layout that needs a non-default value of such a knob is
-planned anyway but reported as "needs <key>" (not runnable by this build). Wiring a new feature's key
-is one line in that table.
+Every knob that changes per-rank memory or speed is a field here; `CONFIG_KEYS` says where each knob
+lives in the job file. The rules that turn knobs into decisions (the data-parallel strategy's
+properties, the effective FSDP reshard policy, `auto` dtypes and optimizer kernels, the `-1`
+data-parallel degree) are the trainer's own, imported from the resolved Layout
+(`distributed/layout.py`), so a plan models exactly what the trainer applies. `config_variant` turns
+a PlanInputs back into the job config that selects it (for the trainer's own checks and the trace).
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError, JobConfig
+from torchtrain.distributed.layout import (DTYPES, DPStrategy, effective_reshard, resolve_batch, resolve_optimizer_impl,
+                                          resolve_param_dtype)
+from torchtrain.distributed.parallel_dims import ParallelDims
+
 
 def _schedules() -> tuple[str, ...]:
     from torchtrain.distributed.pipeline import schedule_names
@@ -24,13 +28,12 @@ def _schedules() -> tuple[str, ...]:
 
 
 SCHEDULES = _schedules()
-STRATEGIES = ("zero3", "zero2", "zero1", "ddp")
-SHARDED = ("zero3", "zero2")  # FSDP2-based: parameters sharded over dp_shard
+STRATEGIES = tuple(s.value for s in DPStrategy)
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 AC_MODES = ("none", "full", "selective")
 RESHARD = ("default", "always", "never")
 
-# knob -> (section, key) in the job config. Keys of features still under development use torchtitan's
-# names where torchtitan has the feature; check them when the feature lands.
+# knob -> (section, key) in the job config.
 CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "dp_replicate": ("parallelism", "data_parallel_replicate_degree"),
     "dp_shard": ("parallelism", "data_parallel_shard_degree"),
@@ -125,14 +128,19 @@ class PlanInputs:
         return size * self.seq_len
 
     @property
+    def dp_strategy(self) -> DPStrategy:
+        return DPStrategy.parse(self.strategy)
+
+    @property
     def sharded(self) -> bool:
         """FSDP2 strategies (zero3, zero2): parameters, gradients and optimizer state over dp_shard."""
-        return self.strategy in SHARDED
+        return self.dp_strategy.sharded
 
     @property
     def reshard(self) -> str:
-        """The effective FSDP reshard-after-forward policy (zero2 keeps gathered parameters)."""
-        return "never" if self.strategy == "zero2" else self.reshard_after_forward
+        """The effective FSDP reshard-after-forward policy, as the trainer applies it
+        (`layout.effective_reshard`: zero2 and pipeline stages keep gathered parameters)."""
+        return effective_reshard(self.dp_strategy, self.pp > 1, self.reshard_after_forward)
 
     @property
     def param_bytes(self) -> int:
@@ -156,7 +164,7 @@ class PlanInputs:
         dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
         parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("tp", self.tp)) if d > 1]
         text = " x ".join(parts) or "1 rank"
-        if self.strategy != "zero3":
+        if self.dp_strategy is not DPStrategy.ZERO3:
             text += f" [{self.strategy}]"
         if self.pp > 1:
             text += f", {self.pp_schedule}" + (f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
@@ -169,7 +177,7 @@ class PlanInputs:
 
     def short(self) -> str:
         """Compact layout for search tables, e.g. "hsdp 2x8 tp4 | pp2 I1F1B v2 m16 | AC op"."""
-        if self.strategy == "zero3":
+        if self.dp_strategy is DPStrategy.ZERO3:
             dp = f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1 else (
                 f"fsdp {self.dp_shard}" if self.dp_shard > 1 else f"replicate {self.dp_replicate}")
         else:
@@ -192,15 +200,7 @@ class PlanInputs:
 
 
 # ---------------------------------------------------------------------------------- config adapter
-def config_has(cfg: JobConfig, knob: str) -> bool:
-    section, key = CONFIG_KEYS[knob]
-    obj = getattr(cfg, section, None)
-    return obj is not None and dataclasses.is_dataclass(obj) and key in {f.name for f in dataclasses.fields(obj)}
-
-
-def config_value(cfg: JobConfig, knob: str, default: Any) -> Any:
-    if not config_has(cfg, knob):
-        return default
+def config_value(cfg: JobConfig, knob: str) -> Any:
     section, key = CONFIG_KEYS[knob]
     return getattr(getattr(cfg, section), key)
 
@@ -213,29 +213,13 @@ def _norm_schedule(name: str) -> str:
                       f"choose one of {', '.join(SCHEDULES)}")
 
 
-def resolve_degrees(world_size: int, rep: int, shard: int, tp: int, pp: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) with shard -1 resolved as ParallelDims does; ConfigError when impossible."""
-    others = rep * tp * pp
-    if shard == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"[parallelism] world size {world_size} is not divisible by data_parallel_replicate_degree "
-                f"({rep}) x tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {others}")
-        shard = world_size // others
-    if rep * shard * tp * pp != world_size:
-        raise ConfigError(
-            f"[parallelism] degrees multiply to {rep * shard * tp * pp} (replicate {rep} x shard {shard} x "
-            f"tp {tp} x pp {pp}) but the world size is {world_size}")
-    return rep, shard
-
-
 def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: str, gpu: GPUSpec | None,
                        flags: dict[str, Any]) -> PlanInputs:
     """PlanInputs from the job config; `flags` (planner command-line knobs, None = unset) win."""
 
-    def pick(knob: str, default: Any) -> Any:
+    def pick(knob: str, default: Any = None) -> Any:
         value = flags.get(knob)
-        return config_value(cfg, knob, default) if value is None else value
+        return config_value(cfg, knob) if value is None else value
 
     tp, pp, rep, shard = int(pick("tp", 1)), int(pick("pp", 1)), int(pick("dp_replicate", 1)), int(pick("dp_shard", -1))
     notes = []
@@ -243,11 +227,11 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         notes.append(f"the job's data_parallel_shard_degree {shard} does not fit this world size; "
                      f"using the remaining ranks (-1)")
         shard = -1
-    rep, shard = resolve_degrees(world_size, rep, shard, tp, pp)
+    shard = ParallelDims.resolve_dp_shard(world_size, rep, shard, tp, pp)
     local = int(pick("local_batch_size", 8))
     global_bs = int(pick("global_batch_size", -1))
     if global_bs == -1:
-        global_bs = local * rep * shard
+        global_bs = resolve_batch(local, -1, rep * shard).global_batch_size
     schedule = _norm_schedule(pick("pp_schedule", "1F1B"))
     from torchtrain.tools.planner.pipeline import default_stages_per_rank
 
@@ -259,12 +243,9 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     v = flags.get("pp_stages_per_rank") or default_stages_per_rank(schedule)
     if split and split[4] and pp > 1:
         v = max(1, (args.n_layers + split[0] + split[1]) // (split[4] * pp))
-    param_dtype = pick("param_dtype", "auto")
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device_type == "cuda" else "float32"
-    impl = pick("optimizer_impl", "auto")
-    if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
+    param_dtype = DTYPE_NAMES[resolve_param_dtype(pick("param_dtype", "auto"), device_type)]
+    cpu_offload = bool(pick("cpu_offload", False))
+    impl = resolve_optimizer_impl(pick("optimizer_impl", "auto"), "cpu" if cpu_offload else device_type)
     memory = flags.get("memory_gib") or (gpu.memory_gib if gpu is not None else None)
     inputs = PlanInputs(
         model_name=cfg.model.name, args=args, world_size=world_size,
@@ -275,7 +256,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),
         pp_split=split,
         ac_mode=pick("ac_mode", "none"), ac_option=str(pick("ac_option", "op")),
-        cpu_offload=bool(pick("cpu_offload", False)), param_dtype=param_dtype,
+        cpu_offload=cpu_offload, param_dtype=param_dtype,
         reduce_dtype=pick("reduce_dtype", "float32"), optimizer=pick("optimizer", "AdamW"), optimizer_impl=impl,
         device_type=device_type, gpu=gpu, memory_gib=memory, notes=notes,
     )
@@ -285,51 +266,58 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     return inputs
 
 
-def config_overrides(inputs: PlanInputs, cfg: JobConfig, resolve_auto: bool = True) -> tuple[list[str], list[str]]:
-    """(`--section.key value` overrides that select this layout, config keys this build lacks for it).
-
-    `resolve_auto` also pins values the job leaves to the device ("auto" dtype and optimizer kernel,
-    global batch -1): needed when the trace runs the job on a CPU for a GPU target; a user running
-    the job on the target device does not need them.
-    """
-    defaults = {f.name: f.default for f in dataclasses.fields(PlanInputs)}
-    values = {k: getattr(inputs, k) for k in CONFIG_KEYS}
-    out, missing = [], []
-    for knob, value in values.items():
-        section, key = CONFIG_KEYS[knob]
-        if config_has(cfg, knob):
-            current = getattr(getattr(cfg, section), key)
-            if not resolve_auto and (current == "auto" or (knob == "global_batch_size" and current == -1 and
-                                                            value == inputs.local_batch_size * inputs.dp)):
-                continue
-            if current != value:
-                out += [f"--{section}.{key}", _cli_value(value)]
-        elif knob in defaults and value != defaults[knob] and not _irrelevant(inputs, knob):
-            missing.append(f"{section}.{key}")
+def _layout_values(inputs: PlanInputs) -> dict[tuple[str, str], Any]:
+    """(section, key) -> value of every job key this layout sets."""
+    values = {CONFIG_KEYS[knob]: getattr(inputs, knob) for knob in CONFIG_KEYS}
     if inputs.pp > 1 and not inputs.pp_split:
         from torchtrain.tools.planner.pipeline import default_stages_per_rank
 
         if inputs.pp_stages_per_rank != default_stages_per_rank(inputs.pp_schedule):
             per_stage = inputs.args.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
-            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage)]
-    return out, missing
+            values[("parallelism", "pipeline_parallel_layers_per_stage")] = per_stage
+    return values
 
 
-def display_overrides(inputs: PlanInputs, cfg: JobConfig) -> list[str]:
-    """The overrides a user adds to the job to run this layout, including keys of features this build
-    does not have yet (the plan's blockers say which)."""
-    out, missing = config_overrides(inputs, cfg, resolve_auto=False)
-    by_key = {f"{s}.{k}": knob for knob, (s, k) in CONFIG_KEYS.items()}
-    for key in missing:
-        out += [f"--{key}", _cli_value(getattr(inputs, by_key[key]))]
+def config_variant(cfg: JobConfig, inputs: PlanInputs) -> JobConfig:
+    """The job config selecting this layout: the job with the layout's keys set (in memory, no parsing;
+    dtype and optimizer kernel pinned to what the layout resolved for its target device)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for (section, key), value in _layout_values(inputs).items():
+        sections.setdefault(section, {})[key] = value
+    changes = {name: dataclasses.replace(getattr(cfg, name), **keys) for name, keys in sections.items()}
+    changes["model"] = dataclasses.replace(cfg.model, overrides=dict(cfg.model.overrides),
+                                           override_sources=dict(cfg.model.override_sources))
+    return dataclasses.replace(cfg, **changes)
+
+
+def config_overrides(inputs: PlanInputs, cfg: JobConfig, resolve_auto: bool = True) -> list[str]:
+    """`--section.key value` overrides that select this layout in the job.
+
+    `resolve_auto` also pins values the job leaves to the device ("auto" dtype and optimizer kernel,
+    global batch -1): needed when the trace runs the job on a CPU for a GPU target; a user running
+    the job on the target device does not need them.
+    """
+    out = []
+    for (section, key), value in _layout_values(inputs).items():
+        current = getattr(getattr(cfg, section), key)
+        if not resolve_auto and (current == "auto" or (key == "global_batch_size" and current == -1 and
+                                                        value == inputs.local_batch_size * inputs.dp)):
+            continue
+        if current != value and not _irrelevant(inputs, key):
+            out += [f"--{section}.{key}", _cli_value(value)]
     return out
 
 
-def _irrelevant(inputs: PlanInputs, knob: str) -> bool:
-    """Knobs whose value does not matter for this layout (e.g. the schedule without pipelining)."""
-    if knob in ("pp_schedule", "pp_microbatch_size"):
+def display_overrides(inputs: PlanInputs, cfg: JobConfig) -> list[str]:
+    """The overrides a user adds to the job to run this layout on its target device."""
+    return config_overrides(inputs, cfg, resolve_auto=False)
+
+
+def _irrelevant(inputs: PlanInputs, key: str) -> bool:
+    """Keys whose value does not matter for this layout (e.g. the schedule without pipelining)."""
+    if key in ("pipeline_parallel_schedule", "pipeline_parallel_microbatch_size"):
         return inputs.pp == 1
-    if knob == "ac_option":
+    if key == "selective_ac_option":
         return inputs.ac_mode != "selective"
     return False
 

@@ -1,7 +1,7 @@
 """Pipeline facts of a layout, taken from the trainer's own pipeline machinery.
 
 * The split and placement are the trainer's (`distributed.pipeline.plan_pipeline` with the model's
-  `stage_modules_fn`): which blocks each stage owns, which stages a rank runs (loop or V placement).
+  `stage_modules`): which blocks each stage owns, which stages a rank runs (loop or V placement).
 * The schedule is torch's own schedule object, built here on meta-device stages over a fake
   process group of the pipeline ranks (no data, no communication), and its action lists are replayed
   (`distributed.pipeline_timeline`): that gives the bubble fraction the trainer prints at start-up,
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtrain.config import ConfigError, JobConfig
+from torchtrain.config import ConfigError
+from torchtrain.config.parallelism import Parallelism
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,7 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
     from torchtrain.models.registry import get_model_spec
 
     spec = get_model_spec(model_name)
-    cfg = JobConfig()
-    cfg.model.name = model_name
-    par = cfg.parallelism
+    par = Parallelism()
     par.pipeline_parallel_degree, par.pipeline_parallel_schedule = pp, schedule
     par.pipeline_parallel_microbatch_size = microbatch_size
     if split:  # the job's own split keys, read as the trainer reads them
@@ -107,7 +106,7 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
                               f"equal stages")
         par.pipeline_parallel_layers_per_stage = layers
     pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
-    plan = plan_pipeline(cfg, pd, args, spec.stage_modules_fn, local_sequences)
+    plan = plan_pipeline(par, pp, args, spec.stage_modules, local_sequences, model_name)
     stages = {r: tuple(_stage(s, plan.modules_per_stage[s]) for s in plan.stage_ids(r, pp)) for r in range(pp)}
     if dist.is_initialized():
         raise RuntimeError("pipeline profiles are built outside the planner's traces")

@@ -67,8 +67,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  dtypes   compute {p.param_dtype}, master weights float32, gradient reduction {p.reduce_dtype}; "
                  f"{p.optimizer} ({p.optimizer_impl})")
     status = "INVALID: " + "; ".join(plan.problems) if plan.problems else (
-        "valid; this torchtrain build runs it" if not plan.blockers else
-        "valid, but this build cannot run it yet: " + "; ".join(plan.blockers))
+        "valid; the trainer starts it" if not plan.blockers else
+        "valid layout, but the trainer's start-up checks refuse the job: " + "; ".join(plan.blockers))
     lines.append(f"  status   {status}")
     if plan.overrides:
         lines.append("  run with " + " ".join(plan.overrides))

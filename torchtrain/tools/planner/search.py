@@ -16,7 +16,7 @@ Each layout is checked (`validate.layout_problems`), its analytic peak computed 
 last pipeline rank (the others hold fewer micro-batches and neither end) and compared with the usable
 device memory; survivors are ranked by estimated tokens/s (`throughput.py`). The top `verify` entries
 are then traced; one whose traced peak does not fit is rejected and the next one verified instead.
-`--runnable-only` also rejects layouts this build cannot start (features not landed yet). Every
+`--runnable-only` also rejects layouts the trainer would not start (its full preflight). Every
 rejection keeps its reason (`--show-rejected`).
 """
 
@@ -26,6 +26,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from torchtrain.config import ConfigError
+from torchtrain.distributed.layout import DPStrategy
 from torchtrain.tools.planner.analytic import estimate_memory
 from torchtrain.tools.planner.core import Job, Plan, make_plan
 from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
@@ -83,7 +84,7 @@ def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[st
             if base.global_batch_size % dp:
                 continue
             for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
-                if strategy in ("zero1", "ddp") and rep != dp:
+                if DPStrategy.parse(strategy).replicated and rep != dp:
                     continue  # replicated strategies: one data-parallel group, counted once
                 common = dict(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, strategy=strategy, ac_mode=ac,
                               ac_option="op")
@@ -115,7 +116,7 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     survivors = []
     for p in candidates:
         c = Candidate(p)
-        problems = layout_problems(p)
+        problems = layout_problems(p, job.cfg)
         if problems:
             c.reason = "invalid: " + "; ".join(problems)
             result.rejected.append(c)
@@ -136,9 +137,9 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     verified = 0
     for c in survivors:
         if runnable_only:
-            c.blockers = runnable_problems(c.inputs, job.argv, job.tokenizer)
+            c.blockers = runnable_problems(c.inputs, job.cfg, job.tokenizer)
             if c.blockers:
-                c.reason = "not runnable by this build: " + "; ".join(c.blockers)
+                c.reason = "refused by the trainer's start-up checks: " + "; ".join(c.blockers)
                 result.rejected.append(c)
                 continue
         if verified < verify:
@@ -155,7 +156,7 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
 
 
 def annotate_runnable(job: Job, result: SearchResult, top: int) -> None:
-    """Record for the shown entries whether this build would start them (the trainer's own checks)."""
+    """Record for the shown entries whether the trainer would start them (its own start-up checks)."""
     for c in result.ranked[:top]:
-        c.blockers = c.plan.blockers if c.plan is not None else runnable_problems(c.inputs, job.argv, job.tokenizer)
+        c.blockers = c.plan.blockers if c.plan is not None else runnable_problems(c.inputs, job.cfg, job.tokenizer)
         c.overrides = display_overrides(c.inputs, job.cfg)

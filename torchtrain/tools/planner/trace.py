@@ -8,16 +8,16 @@ in this one process and for any world size:
    Per-rank shapes depend on dp_shard, tp and the stage only; replicas just all-reduce gradients in
    place, so two of them exercise the HSDP code path exactly as R would. The mesh is the trainer's
    own (`ParallelDims.build_mesh`);
-2. as in the trainer, the model is built on the meta device, cut to the rank's pipeline stage and
-   wrapped for activation checkpointing where this build's plan does not do it yet
-   (`stage_model.py`), parallelised by the model's own `parallelize_fn`, and materialised -- here
-   under `FakeTensorMode`: tensors with shapes, dtypes and storage sizes but no data, so a 405B
+2. as in the trainer, the model is built on the meta device, cut to the rank's pipeline stage
+   (`stage_model.py`), parallelised by the generic applier from the job's resolved Layout
+   (`distributed/parallelize.py::apply_parallelism`, the trainer's own call), and materialised --
+   here under `FakeTensorMode`: tensors with shapes, dtypes and storage sizes but no data, so a 405B
    model costs no memory;
-3. the optimizer is the trainer's (`OptimizersContainer`, implementation resolved for the target
+3. the optimizer is the trainer's (`OptimizersContainer.for_layout`, kernel resolved for the target
    device); the optimizer state a first step would create is created directly (a step on zero
    gradients), then one measured steady-state step runs under
    `TensorMemoryTracker` -- the tracker and definition the trainer uses for `memory_tensor_peak_gib`.
-   Without pipelining the step *is* `Trainer.train_step` (micro-batch loop with no-sync
+   Without pipelining the step *is* the trainer's `TrainStep` (micro-batch loop with no-sync
    accumulation, loss, backward, clipping, optimizer); with pipelining it is a stage step (forward,
    loss on the last stage, backward from a received gradient, FSDP no-sync / no-reshard on all but
    the last micro-batch as `torch.distributed.pipelining` does) over two micro-batches;
@@ -160,24 +160,22 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from torchtrain.distributed import ParallelDims
-
     result = TraceResult(pp_rank, traced_blocks=tuple(len(s.layers) for s in stages))
     rep = min(p.dp_replicate, 2)
     world = p.pp * rep * p.dp_shard * p.tp
     if dist.is_initialized():
         raise RuntimeError("the planner's trace needs a process without a process group")
+    layout = _trace_layout(p, cfg, rep, world)
     dist.init_process_group("fake", rank=pp_rank * (world // p.pp), world_size=world, store=FakeStore())
     try:
-        pd = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world)
-        pd.build_mesh("cpu")
-        parts, result.notes = _build_parts(p, cfg, pd, stages)
+        layout.dims.build_mesh("cpu")
+        parts, result.notes = _build_parts(p, layout, stages)
         # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
         # and sharding meta tensors is cheap where chunking fake ones 1000s of ways is not.
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             for part in parts:
                 part.to_empty(device="cpu")
-            _run(p, cfg, pd, stages, parts, result)
+            _run(p, cfg, layout, stages, parts, result)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -205,7 +203,20 @@ def _forget_meshes() -> None:
         _redistribute.clear_redistribute_planner_cache()
 
 
-def _build_parts(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
+def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
+    """The job's resolved Layout for its target device, on the trace's equivalent world."""
+    from torchtrain.distributed.layout import resolve_layout
+    from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.models.registry import get_model_spec
+
+    layout = resolve_layout(cfg, p.world_size, p.device_type, p.args, get_model_spec(p.model_name))
+    dims = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world,
+                        loss_parallel_requested=layout.dims.loss_parallel_requested)
+    return dataclasses.replace(layout, dims=dims)
+
+
+def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
+    from torchtrain.distributed.parallelize import apply_parallelism
     from torchtrain.models.registry import get_model_spec
 
     spec, notes = get_model_spec(p.model_name), []
@@ -216,7 +227,7 @@ def _build_parts(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage]) -> tupl
             model = spec.model_cls(p.args if n_built == p.args.n_layers else p.args.replace(n_layers=n_built))
         if p.pp > 1 or n_built != p.args.n_layers:
             model = cut_to_stage(model, stage)
-        part = spec.parallelize_fn(model, pd, cfg)
+        part = apply_parallelism(model, spec, layout)
         if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see _local_allreduce_hook
             part.register_comm_hook(None, _local_allreduce_hook)
         parts.append(part)
@@ -232,31 +243,28 @@ def _local_allreduce_hook(state, bucket):
     return fut
 
 
-def _run(p: PlanInputs, cfg: JobConfig, pd, stages: list[Stage], parts: list[nn.Module], result: TraceResult) -> None:
+def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list[nn.Module],
+         result: TraceResult) -> None:
     from torchtrain.components.loss import ScaledTokenLoss
     from torchtrain.components.lr_scheduler import LRSchedulersContainer
     from torchtrain.components.optimizer import OptimizersContainer
 
     if p.tp > 1 and not any(has_tp(m) for m in parts):
-        result.skipped = ("this build's parallel plan does not apply tensor parallelism (no parameter is "
-                          "sharded over the tp mesh dimension)")
+        result.skipped = ("the model's tensor-parallel plan sharded no parameter over the tp mesh dimension")
         return
     if p.ac_mode != "none" and not any(has_ac(m) for m in parts):
         result.notes.append(f"AC mode {p.ac_mode!r} requested but the parallel plan applied none")
     for m in parts:
         m.train()
-    zero1 = p.strategy == "zero1" and pd.dp_enabled  # as Trainer.__init__ builds it
-    state_device = torch.device("cpu" if p.cpu_offload else p.device_type)
-    optimizers = OptimizersContainer(parts, cfg.optimizer, state_device,
-                                     zero1_group=pd.dp_mesh.get_group() if zero1 else None)
+    optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)  # as Trainer.__init__ builds it
     schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
-    loss_fn = ScaledTokenLoss()
     if p.pp == 1:
-        step = functools.partial(_trainer_step, p, pd, cfg, parts, tracker, loss_fn, optimizers, schedulers)
+        step = functools.partial(_trainer_step, p, layout, cfg, parts, tracker, optimizers, schedulers)
     else:
-        step = functools.partial(_stage_step, p, pd, parts, stages, tracker, loss_fn, optimizers, schedulers)
+        step = functools.partial(_stage_step, p, layout, parts, stages, tracker, ScaledTokenLoss(), optimizers,
+                                 schedulers)
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
@@ -292,45 +300,23 @@ def _create_optimizer_state(parts: list[nn.Module], optimizers) -> None:
     optimizers.zero_grad()
 
 
-def _trainer_step(p: PlanInputs, pd, cfg, parts, tracker, loss_fn, optimizers, schedulers,
-                  stored: list[float]) -> None:
-    """`Trainer.train_step` itself, on fake batches of the job's shape (up to two micro-batches).
+def _trainer_step(p: PlanInputs, layout, cfg, parts, tracker, optimizers, schedulers, stored: list[float]) -> None:
+    """The trainer's own `TrainStep`, on fake batches of the job's shape (up to two micro-batches)."""
+    from torchtrain.train_step import TrainStep
 
-    The step runs on a Trainer whose `__init__` (data, files, real weights) is skipped and whose
-    step-time attributes are set here. If a later trainer's step needs another attribute, this raises
-    an error naming it: set it below as `Trainer.__init__` does.
-    """
-    from torchtrain.components.guard import TrainingGuard
-    from torchtrain.components.phases import PhaseTimer
-    from torchtrain.components.precision import LossScaler
-    from torchtrain.config.operations import Guard
-    from torchtrain.distributed.fsdp import DTYPES
-    from torchtrain.train import Trainer
-
-    dtype = DTYPES[p.param_dtype]
-    replicated = p.strategy in ("ddp", "zero1")
-    owner = Trainer.__new__(Trainer)
-    owner.__dict__.update(parallel_dims=pd, model_parts=parts, device=torch.device("cpu"), loss_fn=loss_fn,
-                          job_config=cfg, optimizers=optimizers, lr_schedulers=schedulers, step=1, pp_plan=None,
-                          autocast_dtype=dtype if replicated and dtype != torch.float32 else None,
-                          scaler=LossScaler(dtype == torch.float16, sharded=not replicated, device=torch.device("cpu")),
-                          phases=PhaseTimer(False, torch.device("cpu")),  # no timing, no guard: memory only
-                          guard=TrainingGuard(Guard(policy="off"), [], True, torch.device("cpu")))
+    step = TrainStep(layout, parts, optimizers, schedulers, torch.device("cpu"), cfg.training.max_norm)
     shape = (p.local_batch_size, p.seq_len)
-    batches = [(torch.randint(0, p.args.vocab_size, shape), torch.randint(0, p.args.vocab_size, shape))
-               for _ in range(min(p.grad_accum_steps, 2))]
+    batches = [{"input_ids": torch.randint(0, p.args.vocab_size, shape),
+                "labels": torch.randint(0, p.args.vocab_size, shape)} for _ in range(min(p.grad_accum_steps, 2))]
     with tracker:
-        try:
-            Trainer.train_step(owner, batches)
-        except AttributeError as e:
-            raise RuntimeError(f"Trainer.train_step needs state the planner's trace does not set ({e}); add it "
-                               f"in torchtrain/tools/planner/trace.py::_trainer_step") from e
+        step(batches)
 
 
-def _stage_step(p: PlanInputs, pd, parts, stages, tracker, loss_fn, optimizers, schedulers,
+def _stage_step(p: PlanInputs, layout, parts, stages, tracker, loss_fn, optimizers, schedulers,
                 stored: list[float]) -> None:
     """One pipeline step of this rank's stage(s) for up to two micro-batches, run one after the other."""
-    from torchtrain.distributed.fsdp import DTYPES, fsdp_modules
+    from torchtrain.distributed.fsdp import fsdp_modules
+    from torchtrain.distributed.layout import DTYPES
     from torchtrain.distributed.utils import clip_grad_norm_
 
     mb, dtype = p.pp_microbatch_size, DTYPES[p.param_dtype]
@@ -341,7 +327,8 @@ def _stage_step(p: PlanInputs, pd, parts, stages, tracker, loss_fn, optimizers, 
                torch.randint(0, p.args.vocab_size, (mb, p.seq_len))) for _ in range(n_micro)]
     from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 
-    with tracker, maybe_loss_parallel(pd.loss_parallel_enabled):  # as the trainer's train_context
+    pd = layout.dims
+    with tracker, maybe_loss_parallel(layout.loss_parallel):  # as the train step's context
         for i, (tokens, hidden, labels) in enumerate(inputs):
             last_micro = i == n_micro - 1
             for part in fsdp_modules(parts):

@@ -1,0 +1,267 @@
+"""The architecture's rules, checked on the code itself (docs/architecture.md):
+
+* the package import graph is acyclic, function-level imports included;
+* `torchtrain/config/` imports nothing from the rest of torchtrain;
+* one decision, one place: no module but the resolved layout compares data-parallel strategy names;
+* the generic parallelism applier gives a model that supplies only a TP plan every strategy, AC and
+  compile (the toy plugin; its multi-process parity is in test_parallel_features.py);
+* the planner models the FSDP reshard policy the trainer applies (a pipeline job keeps every unit's
+  parameters gathered from forward to backward; without pipelining all but the last unit reshard).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "torchtrain")
+STRATEGY_NAMES = {"zero1", "zero2", "zero3", "ddp"}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> path, for every module of the package (packages by their __init__)."""
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                out[dotted.removesuffix(".__init__")] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Nodes inside `if TYPE_CHECKING:` blocks (never executed)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for n in ast.walk(node)}
+    return skip
+
+
+def _imported(module: str, path: str, modules: dict[str, str]) -> set[str]:
+    """Package modules that importing/running `module` imports, at any nesting level.
+
+    `import a.b.c` / `from a.b import c` run `a.b.c` (or `a.b` when c is a name) and, first, every
+    package above it; a package that contains `module` is already being imported, so it is no edge.
+    """
+    tree = ast.parse(open(path).read())
+    skip = _type_checking_nodes(tree)
+    is_package = path.endswith("__init__.py")
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+            targets |= subs
+            if len(subs) < len(node.names):
+                targets.add(base)
+    edges = set()
+    for target in targets:
+        if target not in modules:
+            continue
+        parts = target.split(".")
+        for i in range(2, len(parts) + 1):
+            dep = ".".join(parts[:i])
+            if dep in modules and dep != module and not (module + ".").startswith(dep + "."):
+                edges.add(dep)
+    return edges
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imported(m, p, modules) for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_import_graph_is_acyclic():
+    graph = _graph()
+    assert len(graph) > 50 and graph["torchtrain.train"], "the walker found the package"
+    assert _cycles(graph) == []
+
+
+def test_the_checker_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_config_imports_nothing_else_from_torchtrain():
+    graph = _graph()
+    for module, deps in graph.items():
+        if module.startswith("torchtrain.config"):
+            outside = {d for d in deps if not d.startswith("torchtrain.config")}
+            assert not outside, f"{module} imports {sorted(outside)}"
+
+
+def _compares_strategy_names(tree: ast.AST) -> list[int]:
+    """Line numbers of comparisons (==, !=, in, not in) against a strategy name literal."""
+    lines = []
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(names(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(names(o) & STRATEGY_NAMES for o in operands):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_layout_compares_strategy_names():
+    offenders = []
+    for module, path in _modules().items():
+        if module == "torchtrain.distributed.layout":
+            continue
+        for line in _compares_strategy_names(ast.parse(open(path).read())):
+            offenders.append(f"{os.path.relpath(path, REPO)}:{line}")
+    assert offenders == [], "compare layout.strategy properties instead: " + ", ".join(offenders)
+    sample = ast.parse('if strategy in ("zero1", "ddp"): pass\nok = x == "zero3"\nfine = y == "zero7"')
+    assert _compares_strategy_names(sample) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- the applier
+@pytest.fixture
+def fake_world():
+    """A fake process group (no communication): meshes and wrappers are built as on a real cluster."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world: int) -> None:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _plan(argv: list[str], world: int):
+    from torchtrain.config import parse_args
+    from torchtrain.preflight import preflight
+
+    plan = preflight(parse_args(argv), world, "cpu")
+    plan.layout.dims.build_mesh("cpu")
+    return plan
+
+
+def _meta_parts(plan) -> list[torch.nn.Module]:
+    from torchtrain.distributed.parallelize import apply_parallelism, stage_parts
+
+    with torch.device("meta"):
+        whole = plan.model_spec.model_cls(plan.model_args)
+    return [apply_parallelism(part, plan.model_spec, plan.layout) for _, part in stage_parts(whole, plan.layout)]
+
+
+TOY = ["--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp", "--model.flavor", "small",
+       "--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_a_model_with_only_a_tp_plan_gets_every_strategy_ac_and_compile(strategy, fake_world, monkeypatch):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "tests", "plugins"))
+    fake_world(2)
+    plan = _plan(TOY + ["--parallelism.data_parallel_strategy", strategy, "--activation_checkpoint.mode", "full",
+                        "--compile.enable", "true"], 2)
+    (model,) = _meta_parts(plan)
+    blocks = list(model.blocks)
+    assert all(isinstance(b, CheckpointWrapper) for b in blocks)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    if plan.layout.strategy.sharded:
+        assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in blocks)
+    else:
+        assert not isinstance(model, FSDPModule) and hasattr(model, "register_comm_hook")  # replicate (DDP)
+    assert plan.layout.zero1 == (strategy == "zero1")
+    assert plan.layout.autocast_dtype is None  # fp32 here; bf16/fp16 on ddp/zero1 would autocast
+
+
+def _units_kept_after_forward(part: torch.nn.Module) -> list[bool]:
+    """Per FSDP unit (not the root), whether it keeps its gathered parameters after forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    kept, seen = [], set()
+    for module in part.modules():
+        if isinstance(module, FSDPModule) and module is not part:
+            state = module._get_fsdp_state()  # one state per unit (a unit may group several modules)
+            if id(state) not in seen:
+                seen.add(id(state))
+                kept.append(state._fsdp_param_group.post_forward_mesh_info is None)
+    return kept
+
+
+@pytest.mark.parametrize("pp, expected_row", [(2, "every unit of the stage"), (1, "last unit + prefetched block")])
+def test_planner_models_the_reshard_policy_the_trainer_applies(pp, expected_row, fake_world):
+    from torchtrain.tools.planner.analytic import estimate_memory
+    from torchtrain.tools.planner.core import load_job
+    from torchtrain.tools.planner.inputs import inputs_from_config
+
+    argv = ["--model.n_layers", "4", "--training.local_batch_size", "2", "--training.seq_len", "16",
+            "--parallelism.pipeline_parallel_degree", str(pp)]
+    job = load_job(argv)
+    p = inputs_from_config(job.cfg, job.args, 4, "cpu", None, {})
+    rows = [r.name for r in estimate_memory(p, 0).rows if r.name.startswith("gathered params")]
+    assert len(rows) == 1 and expected_row in rows[0]
+    fake_world(4)
+    plan = _plan(argv, 4)
+    assert plan.layout.reshard_after_forward == p.reshard
+    kept = _units_kept_after_forward(_meta_parts(plan)[0])
+    if expected_row.startswith("every unit"):
+        assert kept and all(kept)
+    else:
+        assert kept[-1] and not any(kept[:-1])

@@ -1,0 +1,47 @@
+"""The run's operations plugged into every train step: phase timing, fault injection, the guard.
+
+`TrainStep` (train_step.py) knows nothing about them; it calls these `StepHooks` at its phase
+boundaries, after backward, and before the optimizer step ([profiling] phase timing, [guard],
+`debug.inject_nonfinite_*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtrain.components.guard import TrainingGuard
+from torchtrain.components.phases import PhaseTimer
+from torchtrain.components.train_state import TrainState
+from torchtrain.train_step import StepHooks
+from torchtrain.utils.logging import logger
+
+
+class OperationsHooks(StepHooks):
+    def __init__(self, phases: PhaseTimer, guard: TrainingGuard, state: TrainState,
+                 inject_nonfinite_grad_step: int | None):
+        self.phases, self.guard, self.state = phases, guard, state
+        self.inject_grad_step = inject_nonfinite_grad_step
+
+    def phase(self, name: str | None) -> None:
+        if name is None:
+            self.phases.pause()
+        else:
+            self.phases.enter(name)
+
+    def loss_multiplier(self) -> float | None:
+        """debug.inject_nonfinite_loss_steps: NaN on the listed steps (each once)."""
+        return float("nan") if self.guard.inject_nan(self.state.step) else None
+
+    def after_backward(self, model_parts: list[nn.Module]) -> None:
+        """debug.inject_nonfinite_grad_step: poison one gradient with +inf (fault injection)."""
+        if self.state.step != self.inject_grad_step:
+            return
+        from torch.distributed.tensor import DTensor
+
+        grad = next(p.grad for part in model_parts for p in part.parameters() if p.grad is not None)
+        (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("inf"))
+        logger.warning("step %d: injected +inf into a gradient (debug.inject_nonfinite_grad_step)", self.state.step)
+
+    def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        return self.guard.check(self.state.step, loss, grad_norm)

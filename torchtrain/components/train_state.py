@@ -1,0 +1,28 @@
+"""The progress of a run: the step counter and the tokens trained on (checkpointed as `train_state`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TrainState:
+    """`step`: optimizer steps done; `tokens_seen`: target tokens trained on, over all data-parallel
+    ranks (kept as a device tensor so adding a step's count needs no host synchronisation)."""
+
+    def __init__(self, device: torch.device):
+        self.step = 0
+        self._tokens = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self._tokens.item())
+
+    def add_tokens(self, count: torch.Tensor) -> None:
+        self._tokens += count
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self._tokens.fill_(int(state["tokens_seen"]))

@@ -1,0 +1,296 @@
+"""The resolved Layout: every decision about how a job is laid out over ranks and devices, made once.
+
+A job file says what the user asks for (`[parallelism]`, `[training]` precision and offload,
+`[activation_checkpoint]`, `[compile]`, `optimizer.implementation`); `resolve_layout` turns that,
+for one world size and device type, into the decisions everything else reads:
+
+* the parallel degrees and mesh dimensions (`ParallelDims`: pp x dp_replicate x dp_shard x tp);
+* the data-parallel strategy as a `DPStrategy` (`replicated`, `sharded`, `zero1`), and from it which
+  wrapper is applied (FSDP2 `fully_shard`, DDP `replicate`, or none), whether the optimizer state is
+  sharded (ZeRO-1), and the effective FSDP reshard-after-forward policy;
+* dtypes (`auto` resolved for the device), autocast (replicated strategies) vs FSDP's cast, loss
+  scaling (float16), the optimizer kernel, where optimizer state lives (CPU offload);
+* activation checkpointing and compile choices, async TP, loss parallel;
+* the batch plan (global = local x dp x accumulation) and the pipeline plan (stages, placement,
+  schedule, micro-batches).
+
+The trainer, the planner and the launch-time check all consume a Layout; no other module compares
+strategy names or re-derives a default (`tests/test_architecture.py` enforces the first). Every
+combination that cannot work is rejected here with a ConfigError naming the key, before any process
+group exists.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from torchtrain.config import JobConfig
+    from torchtrain.distributed.pipeline import PipelinePlan
+    from torchtrain.models.base import BaseModelArgs
+    from torchtrain.models.registry import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Reshard = Literal["default", "always", "never"]
+
+
+class DPStrategy(str, enum.Enum):
+    """`parallelism.data_parallel_strategy` (ZeRO paper names; see config/parallelism.py)."""
+
+    ZERO3 = "zero3"
+    ZERO2 = "zero2"
+    ZERO1 = "zero1"
+    DDP = "ddp"
+
+    @classmethod
+    def parse(cls, name: str) -> "DPStrategy":
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(f"[parallelism.data_parallel_strategy] must be one of "
+                              f"{', '.join(repr(s.value) for s in cls)}, got {name!r}") from None
+
+    @property
+    def replicated(self) -> bool:
+        """Parameters and gradients whole on every data-parallel rank (DDP all-reduce)."""
+        return self in (DPStrategy.ZERO1, DPStrategy.DDP)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: parameters, gradients and optimizer state sharded over dp_shard."""
+        return not self.replicated
+
+    @property
+    def zero1(self) -> bool:
+        """Replicated parameters/gradients with the optimizer state sharded over dp."""
+        return self is DPStrategy.ZERO1
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Adam state split over the data-parallel ranks (everything but plain DDP)."""
+        return self is not DPStrategy.DDP
+
+    @property
+    def keeps_gathered_params(self) -> bool:
+        """ZeRO-2: gathered parameters stay from forward to backward (FSDP's SHARD_GRAD_OP)."""
+        return self is DPStrategy.ZERO2
+
+
+# ----------------------------------------------------------------------------- single decisions
+def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
+    """`training.mixed_precision_param`: `auto` means bfloat16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_optimizer_impl(name: str, state_device_type: str) -> str:
+    """`optimizer.implementation`: `auto` means the fused kernel where the optimizer state lives on CUDA,
+    foreach where it lives in host memory (CPU training, or CPU offload)."""
+    if name == "auto":
+        return "fused" if state_device_type == "cuda" else "foreach"
+    return name
+
+
+def effective_reshard(strategy: DPStrategy, pp_enabled: bool, requested: Reshard) -> Reshard:
+    """The FSDP reshard-after-forward policy actually applied.
+
+    `default` resolves to `never` for zero2 (its definition) and under pipeline parallelism (each
+    micro-batch's forward would otherwise all-gather the stage's parameters again); otherwise
+    `default` stays `default`: every unit reshards after forward except the last (backward needs it
+    first). `always` / `never` are taken as given (the contradictions are rejected in `resolve_layout`).
+    """
+    if requested == "default" and (strategy.keeps_gathered_params or pp_enabled):
+        return "never"
+    return requested
+
+
+def applies_fsdp(strategy: DPStrategy, dp: int, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
+    """FSDP2 wraps the model: a sharded strategy with data parallelism, a compute dtype to cast to
+    (FSDP's mixed-precision policy), or CPU offload (FSDP's offload policy)."""
+    return strategy.sharded and (dp > 1 or param_dtype != torch.float32 or cpu_offload)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's global batch is laid out over data-parallel ranks and micro-batches."""
+
+    local_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+    seq_len: int = 0
+
+    @property
+    def local_sequences(self) -> int:
+        """Sequences one data-parallel rank processes per step (all micro-batches)."""
+        return self.local_batch_size * self.grad_accum_steps
+
+
+def resolve_batch(local_batch_size: int, global_batch_size: int, dp_degree: int, seq_len: int = 0) -> BatchPlan:
+    """global = local x dp x accumulation; a global batch that is not a multiple is a config error."""
+    per_micro = local_batch_size * dp_degree
+    global_bs = per_micro if global_batch_size == -1 else global_batch_size
+    if global_bs % per_micro:
+        raise ConfigError(
+            f"[training.global_batch_size] {global_bs} is not a multiple of training.local_batch_size "
+            f"({local_batch_size}) x data-parallel degree ({dp_degree}) = {per_micro}; "
+            f"use a multiple of {per_micro} (or -1 for exactly {per_micro})"
+        )
+    return BatchPlan(local_batch_size, global_bs, global_bs // per_micro, seq_len)
+
+
+# ----------------------------------------------------------------------------- the layout
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    device_type: str
+    strategy: DPStrategy
+    reshard_after_forward: Reshard
+    """The effective FSDP policy (`effective_reshard`): `default` = every unit but the last."""
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    optimizer_impl: str
+    cpu_offload: bool
+    ac_mode: str
+    ac_option: str
+    compile_model: bool
+    compile_loss: bool
+    async_tp: bool
+    batch: BatchPlan
+    pipeline: "PipelinePlan | None" = None
+
+    # ------------------------------------------------------------------ what gets applied
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 wraps the model (`applies_fsdp`)."""
+        return applies_fsdp(self.strategy, self.dims.dp, self.param_dtype, self.cpu_offload)
+
+    @property
+    def ddp(self) -> bool:
+        """DDP (`replicate`) all-reduces gradients: a replicated strategy with data parallelism."""
+        return self.strategy.replicated and self.dims.dp_enabled
+
+    @property
+    def zero1(self) -> bool:
+        """The optimizer state is sharded over the data-parallel ranks (ZeroRedundancyOptimizer)."""
+        return self.strategy.zero1 and self.dims.dp_enabled
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Replicated strategies compute in a lower precision through torch.autocast; FSDP casts
+        parameters itself (its mixed-precision policy), so it needs none."""
+        if self.strategy.replicated and self.param_dtype != torch.float32:
+            return self.param_dtype
+        return None
+
+    @property
+    def loss_scaling(self) -> bool:
+        """float16 needs dynamic loss scaling (components/precision.py)."""
+        return self.param_dtype == torch.float16
+
+    @property
+    def state_device_type(self) -> str:
+        """Where parameters' optimizer state lives: host memory under CPU offload."""
+        return "cpu" if self.cpu_offload else self.device_type
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.dims.loss_parallel_enabled
+
+    def describe(self) -> str:
+        text = self.dims.describe()
+        if self.dims.dp_enabled and self.strategy is not DPStrategy.ZERO3:
+            text += f" [{self.strategy.value}]"
+        return text
+
+
+def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrategy, device_type: str) -> None:
+    """Feature combinations that cannot work together."""
+    par, training = cfg.parallelism, cfg.training
+    reshard = par.fsdp_reshard_after_forward
+    if strategy.keeps_gathered_params and reshard == "always":
+        raise ConfigError("[parallelism.fsdp_reshard_after_forward] 'always' contradicts data_parallel_strategy "
+                          "'zero2' (which keeps gathered parameters until backward); use zero3 or 'default'")
+    if strategy.replicated and reshard != "default":
+        raise ConfigError(f"[parallelism.fsdp_reshard_after_forward] only applies to FSDP strategies (zero2/zero3), "
+                          f"not data_parallel_strategy {strategy.value!r}; leave it 'default'")
+    if strategy.replicated and dims.tp_enabled:
+        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with tensor "
+                          f"parallelism (tensor_parallel_degree {dims.tp}); use zero3 (FSDP x TP) or zero3 with "
+                          f"data_parallel_replicate_degree > 1 (HSDP x TP)")
+    if strategy.replicated and dims.pp_enabled:
+        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with pipeline "
+                          f"parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")
+    if dims.pp_enabled and training.mixed_precision_param == "float16":
+        raise ConfigError("[training.mixed_precision_param] float16 (loss scaling) is not supported with pipeline "
+                          "parallelism, whose schedule runs backward itself; use bfloat16")
+    if training.enable_cpu_offload:
+        if device_type != "cuda":
+            raise ConfigError("[training.enable_cpu_offload] CPU offload moves state from an accelerator to host "
+                              "memory, so it needs a CUDA device (FSDP2 refuses it on a CPU-only run); set it to "
+                              "false on CPU")
+        if not strategy.sharded:
+            raise ConfigError(f"[training.enable_cpu_offload] needs an FSDP strategy (zero2/zero3), not "
+                              f"{strategy.value!r}")
+    compile_model = cfg.compile.enable and "model" in cfg.compile.components
+    if par.enable_async_tensor_parallel:
+        if not dims.tp_enabled:
+            raise ConfigError("[parallelism.enable_async_tensor_parallel] needs tensor_parallel_degree > 1")
+        if device_type != "cuda":
+            raise ConfigError("[parallelism.enable_async_tensor_parallel] needs CUDA (symmetric memory); set it to "
+                              "false on CPU")
+        if not compile_model:
+            raise ConfigError("[parallelism.enable_async_tensor_parallel] works through torch.compile: set "
+                              "compile.enable = true (with \"model\" in compile.components)")
+    if cfg.compile.enable:
+        from torchtrain.distributed.compile import check_compiler
+
+        check_compiler(device_type)
+
+
+def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_args: "BaseModelArgs | None" = None,
+                   spec: "ModelSpec | None" = None) -> Layout:
+    """The job's Layout on `world_size` processes of `device_type` (ConfigError when impossible).
+
+    With `model_args` and `spec` the model's own checks against the layout run too (heads divisible
+    by the TP degree, ...), and a pipeline-parallel job gets its pipeline plan (the model's split)."""
+    par, training = cfg.parallelism, cfg.training
+    dims = ParallelDims.from_config(par, world_size)
+    strategy = DPStrategy.parse(par.data_parallel_strategy)
+    _check_combinations(cfg, dims, strategy, device_type)
+    batch = resolve_batch(training.local_batch_size, training.global_batch_size, dims.dp, training.seq_len)
+    layout = Layout(
+        dims=dims, device_type=device_type, strategy=strategy,
+        reshard_after_forward=effective_reshard(strategy, dims.pp_enabled, par.fsdp_reshard_after_forward),
+        param_dtype=resolve_param_dtype(training.mixed_precision_param, device_type),
+        reduce_dtype=DTYPES[training.mixed_precision_reduce],
+        optimizer_impl=resolve_optimizer_impl(cfg.optimizer.implementation,
+                                              "cpu" if training.enable_cpu_offload else device_type),
+        cpu_offload=training.enable_cpu_offload,
+        ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
+        compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+        compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,
+        async_tp=par.enable_async_tensor_parallel, batch=batch,
+    )
+    if spec is None:
+        return layout
+    if dims.tp_enabled and spec.tp_plan is None:
+        raise ConfigError(f"[parallelism.tensor_parallel_degree] model {spec.name!r} has no tensor-parallel plan; "
+                          f"set tensor_parallel_degree = 1")
+    if spec.validate is not None and model_args is not None:
+        spec.validate(model_args, layout)
+    if dims.pp_enabled:
+        from dataclasses import replace
+
+        from torchtrain.distributed.pipeline import plan_pipeline
+
+        plan = plan_pipeline(par, dims.pp, model_args, spec.stage_modules, batch.local_sequences, spec.name)
+        layout = replace(layout, pipeline=plan)
+    return layout

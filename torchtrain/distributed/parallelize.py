@@ -1,0 +1,104 @@
+"""From a model on the meta device to this rank's parallelised, materialised, initialised model parts.
+
+`apply_parallelism(model, spec, layout)` is the one place that turns a Layout into wrappers, for any
+model. It applies, in this fixed order:
+
+1. **tensor parallelism**: the model's own plan (`spec.tp_plan`) over the "tp" mesh dimension, plus
+   async TP when the layout asks for it;
+2. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
+3. **compile** per block (identical blocks share one compiled graph);
+4. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
+   each block) with the layout's mixed-precision, reshard and offload policies; or DDP
+   (`replicate`) for replicated strategies; or nothing (one rank in float32).
+
+The order matters: TP must see plain `nn.Linear`s; checkpoint wrappers must sit inside the compiled
+region so the recomputation is compiled too; FSDP must wrap last so that it shards the DTensors TP
+made (2-D FSDP x TP) and its hooks see the checkpointed, compiled blocks. A model therefore supplies
+only what is its own (see `models/registry.py::ModelSpec`); every strategy, precision, AC mode and
+compile setting comes from here.
+
+`build_model_parts` builds the model on the meta device, cuts this rank's pipeline stages out of it
+(or keeps it whole), applies the above to each part, then materialises and initialises them with
+layout-independent values (`param_init.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtrain.distributed.compile import compile_blocks
+from torchtrain.distributed.data_parallel import apply_ddp
+from torchtrain.distributed.fsdp import apply_fsdp
+from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.pipeline import keep_modules
+from torchtrain.distributed.tensor_parallel import enable_async_tp
+from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.registry import ModelSpec
+
+
+def materialize_async_output(module: nn.Module, inputs, output):
+    """Under TP, a sequence-parallel output (e.g. the embedding's reduce-scatter) arrives as an
+    AsyncCollectiveTensor (a lazily waited tensor subclass). Hand compiled blocks a plain tensor:
+    given the subclass as input, they send its gradient past the subclass's autograd node (wrong
+    gradients, or a crash in DTensor's redistribute backward; seen on torch 2.13 with gloo). The
+    clone is one (batch, seq/tp, dim) copy, only when such a tensor appears."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
+def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
+    """Apply TP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
+    dims = layout.dims
+    blocks = spec.blocks_of(model)
+    if dims.tp_enabled:
+        tp_mesh = dims.world_mesh["tp"]
+        spec.tp_plan(model, tp_mesh, layout.loss_parallel)
+        if layout.async_tp:
+            enable_async_tp(tp_mesh)
+    apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
+    if layout.compile_model:
+        compile_blocks(blocks, with_collectives=dims.tp_enabled)
+        if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
+            for child in model.children():
+                if child is not blocks:
+                    child.register_forward_hook(materialize_async_output)
+    if layout.ddp:
+        apply_ddp(model, dims.dp_mesh)
+    elif layout.fsdp:
+        units = spec.fsdp_units(model) if spec.fsdp_units is not None else list(blocks.children())
+        apply_fsdp(model, dims.fsdp_mesh, units, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
+                   reshard_after_forward=layout.reshard_after_forward, cpu_offload=layout.cpu_offload)
+    return model
+
+
+def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int) -> nn.Module:
+    """Allocate a meta-device part on its device and initialise it (values independent of the layout).
+    Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU."""
+    part.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in part.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    init_model_weights(part, seed)
+    return part.train()
+
+
+def stage_parts(whole: nn.Module, layout: Layout) -> list[tuple[int, nn.Module]]:
+    """(stage index, module) of this rank's pipeline stages, cut from `whole` (or the whole model)."""
+    plan, dims = layout.pipeline, layout.dims
+    if plan is None:
+        return [(0, whole)]
+    return [(s, keep_modules(whole, plan.modules_per_stage[s])) for s in plan.stage_ids(dims.pp_rank, dims.pp)]
+
+
+def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, device: torch.device,
+                      seed: int) -> list[nn.Module]:
+    """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised."""
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed)
+            for _, part in stage_parts(whole, layout)]

@@ -1,0 +1,102 @@
+"""Running this rank's pipeline stages: a training step through torch's schedule, and a forward-only
+pass for evaluation.
+
+Training (`PipelineRunner.step`): the step's local batch goes to the schedule, which cuts it into the
+plan's micro-batches and runs forwards and backwards in the schedule's order; the last stage applies
+the loss to each micro-batch and records it.
+
+Evaluation (`PipelineRunner.forward`): the stages' forward is run directly, stage by stage in stage
+order, over the whole batch, sending each stage's output to the rank of the next stage (a
+shape/dtype header, then the tensor, over the pipeline process group). Unlike the schedule's
+forward-only mode (`schedule.eval()`, torch >= 2.9) this works with every schedule and placement on
+torch 2.11 and later, accepts any batch and sequence length (the schedule's buffers are sized for the
+training micro-batches), and leaves the training schedule's state untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.pipeline import build_schedule, schedule_timeline
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 8  # dtype code, ndim, up to 6 dimensions
+
+
+class PipelineRunner:
+    """This rank's stages (`model_parts`, in stage order) and the schedule that trains them."""
+
+    def __init__(self, layout: Layout, model_parts: list[nn.Module], device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        from torch.distributed.pipelining import PipelineStage
+
+        plan, dims = layout.pipeline, layout.dims
+        self.plan, self.device = plan, device
+        self.group = dims.pp_mesh.get_group()
+        self.pp_rank, self.pp = dims.pp_rank, dims.pp
+        self.stage_ids = plan.stage_ids(self.pp_rank, self.pp)
+        self.model_parts = model_parts
+        stages = [PipelineStage(part, s, plan.num_stages, device, group=self.group)
+                  for s, part in zip(self.stage_ids, model_parts)]
+        self.schedule = build_schedule(plan, stages, loss_fn)
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+
+    def timeline(self):
+        return schedule_timeline(self.schedule, self.plan)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, local_value) -> torch.Tensor:
+        """One schedule step over the local batch; this rank's summed (scaled) loss (0 off the last stage)."""
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        targets = labels.to(self.device) if self.has_last else None
+        args = (inputs.to(self.device),) if self.has_first else ()
+        self.schedule.step(*args, target=targets, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's output (logits) for `inputs` on the rank that holds it, else None."""
+        mine = dict(zip(self.stage_ids, self.model_parts))
+        owner = {s: r for r in range(self.pp) for s in self.plan.stage_ids(r, self.pp)}
+        h = None
+        for s in range(self.plan.num_stages):
+            if s not in mine:
+                continue
+            if s == 0:
+                x = inputs.to(self.device)
+            elif owner[s - 1] == self.pp_rank:
+                x = h
+            else:
+                x = _recv(dist.get_global_rank(self.group, owner[s - 1]), self.group, self.device)
+            h = mine[s](x)
+            if s + 1 < self.plan.num_stages and owner[s + 1] != self.pp_rank:
+                _send(h, dist.get_global_rank(self.group, owner[s + 1]), self.group)
+        return h if self.plan.num_stages - 1 in mine else None
+
+
+def _send(t: torch.Tensor, dst: int, group) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):  # stage outputs are local tensors under TP (use_local_output)
+        t = t.to_local()
+    t = t.contiguous()
+    if t.dim() > _HEADER - 2:
+        raise ValueError(f"stage output has {t.dim()} dimensions; at most {_HEADER - 2} can be sent")
+    header = [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
+    dist.send(torch.tensor(header, dtype=torch.int64, device=t.device), dst, group=group)
+    dist.send(t, dst, group=group)
+
+
+def _recv(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    code, ndim, *dims = header.tolist()
+    out = torch.empty(dims[:ndim], dtype=_WIRE_DTYPES[code], device=device)
+    dist.recv(out, src, group=group)
+    return out

@@ -1,0 +1,136 @@
+"""One optimisation step -- the train module, separate from the Trainer's loop.
+
+`TrainStep` holds what a step needs (model parts, loss, optimizers, LR schedule, loss scaler,
+autocast, the pipeline runner), all configured from the resolved Layout, and nothing about the run
+around it (data, logging, checkpoints, validation cadence). The Trainer calls it every step, the
+planner's trace runs the very same step on fake tensors to measure memory, and the validator
+evaluates through its `forward`.
+
+One step over the micro-batches m of this rank (gradient accumulation), with dp data-parallel ranks:
+
+    N     = global number of valid target tokens of the step (all-reduced over dp)
+    loss  = sum_t CE(m, t) * dp / N           per micro-batch, then backward
+            (data-parallel gradient sync only on the last micro-batch; under PP the schedule runs
+            the micro-batches)
+    unscale (float16) -> clip to the global gradient norm -> the hooks' verdict (skip?) ->
+    optimizer step (or skip) -> LR step -> zero grads
+    reported loss = sum over ranks and micro-batches of the scaled losses / dp = the global token mean
+
+so the gradient is exactly that of the global token-mean loss under any layout (components/loss.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
+from torchtrain.components.lr_scheduler import LRSchedulersContainer
+from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.precision import LossScaler
+from torchtrain.distributed.compile import compile_loss
+from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.pipeline_runtime import PipelineRunner
+from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
+from torchtrain.distributed.utils import all_reduce, clip_grad_norm_, set_gradient_sync
+
+
+class StepHooks:
+    """What the run around a step plugs into it (phase timing, fault injection, the guard).
+    Every method is a no-op here; the trainer overrides what it uses."""
+
+    def phase(self, name: str | None) -> None:
+        """Entering a phase of the step ("forward_backward", "optimizer"), or None when it ends."""
+
+    def loss_multiplier(self) -> float | None:
+        """A factor applied to every micro-batch's loss before backward (fault injection), or None."""
+        return None
+
+    def after_backward(self, model_parts: list[nn.Module]) -> None:
+        """Gradients are complete and not yet unscaled or clipped."""
+
+    def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        """Decide on the step before the optimizer runs: None to step, else a reason to skip it."""
+        return None
+
+
+class TrainStep:
+    def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
+                 lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float):
+        self.layout, self.model_parts, self.device = layout, model_parts, device
+        self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
+        ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
+        self.loss_fn = ScaledTokenLoss(ce)
+        self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
+        self.pipeline = PipelineRunner(layout, model_parts, device, self.loss_fn) if layout.pipeline else None
+
+    def context(self) -> contextlib.ExitStack:
+        """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(maybe_loss_parallel(self.layout.loss_parallel))
+        dtype = self.layout.autocast_dtype
+        if dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        return stack
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `inputs` (call inside `context()`); under PP only on the rank of the last stage."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(inputs)
+        return self.model_parts[0](inputs.to(self.device, non_blocking=True))
+
+    def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Backward over the step's micro-batches; returns this rank's summed scaled loss."""
+        accumulated = torch.zeros((), device=self.device)
+        if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
+            inputs = torch.cat([b["input_ids"] for b in batches])
+            labels = torch.cat([b["labels"] for b in batches])
+            with self.context():
+                return accumulated + self.pipeline.step(inputs, labels, local_value)
+        model = self.model_parts[0]
+        for i, batch in enumerate(batches):
+            if len(batches) > 1:
+                set_gradient_sync(self.model_parts, i == len(batches) - 1)
+            with self.context():
+                logits = model(batch["input_ids"].to(self.device, non_blocking=True))
+                loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
+                del logits
+                self.scaler.scale(loss).backward()
+            accumulated += local_value(loss.detach()).float()
+        return accumulated
+
+    def __call__(self, batches: list[dict[str, torch.Tensor]], hooks: StepHooks | None = None
+                 ) -> dict[str, torch.Tensor | float | bool | str | None]:
+        """Forward/backward over the step's micro-batches, clip, optimizer and LR step.
+
+        Returns the global mean loss (over all ranks and micro-batches), the global grad norm, the lr
+        used, the global number of target tokens, whether the optimizer stepped, and the hooks'
+        verdict."""
+        hooks = hooks or StepHooks()
+        dims = self.layout.dims
+        hooks.phase("forward_backward")
+        local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches).to(self.device)
+        global_tokens = all_reduce(local_tokens, dims.dp_mesh)
+        self.loss_fn.scale = dims.dp / global_tokens.double()
+        multiplier = hooks.loss_multiplier()
+        if multiplier is not None:
+            self.loss_fn.scale = self.loss_fn.scale * multiplier
+        accumulated = self._forward_backward(batches)
+        hooks.phase("optimizer")
+        hooks.after_backward(self.model_parts)
+        self.scaler.unscale_(self.optimizers)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh)
+        lr = self.optimizers.lr
+        global_loss = all_reduce(accumulated / dims.dp, dims.dp_mesh)
+        if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
+            global_loss = all_reduce(global_loss, dims.pp_mesh)
+        verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
+        stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        hooks.phase(None)
+        return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
+                "stepped": stepped, "guard": verdict}
