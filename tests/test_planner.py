@@ -73,6 +73,7 @@ def test_activation_formula_matches_the_real_block(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.models.common.attention import AttentionContext
     from torchtrain.models.llama3 import Llama3Args, Transformer
 
     args = Llama3Args(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=256, max_seq_len=64)
@@ -92,7 +93,7 @@ def test_activation_formula_matches_the_real_block(dtype):
                 base = tracker.current
                 h = x
                 for block in list(model.layers.values())[:n_blocks]:
-                    h = block(h, model.rope_cache)
+                    h = block(h, model.rope_cache, AttentionContext())
                 stored.append(tracker.current - base)
                 del h, x
     per_block = stored[1] - stored[0]
@@ -227,6 +228,7 @@ LAYOUTS = [  # world, flags, job args
     (2, {}, ["--training.global_batch_size", "16"]), (1, {}, []), (2, {"reshard_after_forward": "never"}, []),
     (4, {"pp": 2, "pp_microbatch_size": 1}, []), (4, {"pp": 2, "pp_microbatch_size": 1, "pp_schedule": "GPipe"}, []),
     (2, {"pp": 2, "pp_microbatch_size": 1, "pp_schedule": "Interleaved1F1B"}, []),
+    (4, {"cp": 2}, []), (4, {"cp": 2, "tp": 2}, []),
 ]
 
 

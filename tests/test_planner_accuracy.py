@@ -9,7 +9,7 @@ Tolerance: 10% relative (the acceptance criterion). Both sides run the same code
 so they agree to well under 1% today; what 10% leaves room for is a later feature changing the real
 step in a way the planner's trace does not follow exactly (e.g. pipeline schedule internals).
 
-Layouts are a table (12 rows: every data-parallel flavour, TP, FSDP x TP, PP, AC modes); every row
+Layouts are a table (13 rows: every data-parallel flavour, TP, FSDP x TP, PP, CP, AC modes); every row
 runs, none is skipped.
 """
 
@@ -44,6 +44,7 @@ LAYOUTS = [
     ("tp2", 2, _p("tensor_parallel_degree", 2)),
     ("fsdp2_tp2", 4, _p("tensor_parallel_degree", 2)),
     ("pp2", 2, _p("pipeline_parallel_degree", 2) + ["--training.local_batch_size", "4"]),
+    ("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
 ]
 
 

@@ -46,5 +46,5 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     spec, args = resolve_model(cfg, tokenizer)
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
-    check_validation(cfg.validation, cfg.training, layout.dims.tp)
+    check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
     return Preflight(layout, tokenizer, spec, args)

@@ -6,22 +6,27 @@ around it (data, logging, checkpoints, validation cadence). The Trainer calls it
 planner's trace runs the very same step on fake tensors to measure memory, and the validator
 evaluates through its `forward`.
 
-One step over the micro-batches m of this rank (gradient accumulation), with dp data-parallel ranks:
+One step over the micro-batches m of this rank (gradient accumulation), with R = dp x cp ranks
+holding different tokens (data-parallel ranks, each sequence split over context-parallel ranks):
 
-    N     = global number of valid target tokens of the step (all-reduced over dp)
-    loss  = sum_t CE(m, t) * dp / N           per micro-batch, then backward
+    N     = global number of valid target tokens of the step (all-reduced over the R ranks)
+    loss  = sum_t CE(m, t) * R / N            per micro-batch, over this rank's tokens, then backward
             (data-parallel gradient sync only on the last micro-batch; under PP the schedule runs
             the micro-batches)
     unscale (float16) -> clip to the global gradient norm -> the hooks' verdict (skip?) ->
     optimizer step (or skip) -> LR step -> zero grads
-    reported loss = sum over ranks and micro-batches of the scaled losses / dp = the global token mean
+    reported loss = sum over ranks and micro-batches of the scaled losses / R = the global token mean
 
-so the gradient is exactly that of the global token-mean loss under any layout (components/loss.py).
+FSDP / DDP average gradients over those R ranks, so the gradient is exactly that of the global
+token-mean loss under any layout (components/loss.py). Under context parallelism each batch is first
+cut to this rank's chunks of every sequence (`shard`); a model whose forward takes `positions` gets
+the data's document positions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -31,6 +36,7 @@ from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
 from torchtrain.distributed.compile import compile_loss
+from torchtrain.distributed.context_parallel import shard_batch
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
@@ -65,6 +71,19 @@ class TrainStep:
         self.loss_fn = ScaledTokenLoss(ce)
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
         self.pipeline = PipelineRunner(layout, model_parts, device, self.loss_fn) if layout.pipeline else None
+        accepted = inspect.signature(model_parts[0].forward).parameters
+        self.model_inputs = [k for k in ("positions", "seq_index") if k in accepted]
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a batch: under context parallelism its chunks of every sequence (and
+        their `seq_index`)."""
+        dims = self.layout.dims
+        return shard_batch(batch, dims.cp, dims.cp_rank) if dims.cp_enabled else batch
+
+    def model_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keyword inputs of the model besides the tokens that it takes: document positions, and the
+        tokens' sequence indices under context parallelism."""
+        return {k: batch[k].to(self.device, non_blocking=True) for k in self.model_inputs if k in batch}
 
     def context(self) -> contextlib.ExitStack:
         """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies."""
@@ -75,26 +94,27 @@ class TrainStep:
             stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
         return stack
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """Logits of `inputs` (call inside `context()`); under PP only on the rank of the last stage."""
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Logits of a (`shard`ed) batch (call inside `context()`); under PP only on the rank of the
+        last stage."""
         if self.pipeline is not None:
-            return self.pipeline.forward(inputs)
-        return self.model_parts[0](inputs.to(self.device, non_blocking=True))
+            return self.pipeline.forward(batch["input_ids"], self.model_kwargs(batch))
+        return self.model_parts[0](batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
 
     def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Backward over the step's micro-batches; returns this rank's summed scaled loss."""
+        """Backward over the step's (`shard`ed) micro-batches; returns this rank's summed scaled loss."""
         accumulated = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
-            inputs = torch.cat([b["input_ids"] for b in batches])
-            labels = torch.cat([b["labels"] for b in batches])
+            merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
             with self.context():
-                return accumulated + self.pipeline.step(inputs, labels, local_value)
+                return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], local_value,
+                                                        self.model_kwargs(merged))
         model = self.model_parts[0]
         for i, batch in enumerate(batches):
             if len(batches) > 1:
                 set_gradient_sync(self.model_parts, i == len(batches) - 1)
             with self.context():
-                logits = model(batch["input_ids"].to(self.device, non_blocking=True))
+                logits = model(batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
                 loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
                 del logits
                 self.scaler.scale(loss).backward()
@@ -111,9 +131,10 @@ class TrainStep:
         hooks = hooks or StepHooks()
         dims = self.layout.dims
         hooks.phase("forward_backward")
+        batches = [self.shard(b) for b in batches]
         local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches).to(self.device)
-        global_tokens = all_reduce(local_tokens, dims.dp_mesh)
-        self.loss_fn.scale = dims.dp / global_tokens.double()
+        global_tokens = all_reduce(local_tokens, dims.loss_mesh)
+        self.loss_fn.scale = dims.loss_degree / global_tokens.double()
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:
             self.loss_fn.scale = self.loss_fn.scale * multiplier
@@ -124,7 +145,7 @@ class TrainStep:
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh)
         lr = self.optimizers.lr
-        global_loss = all_reduce(accumulated / dims.dp, dims.dp_mesh)
+        global_loss = all_reduce(accumulated / dims.loss_degree, dims.loss_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step

@@ -47,9 +47,10 @@ def resolved_shape(v: Validation, training: Training) -> tuple[int, int]:
             v.seq_len if v.seq_len > 0 else training.seq_len)
 
 
-def check_validation(v: Validation, training: Training, tp: int) -> None:
-    """Checks before start-up: the dataset exists, held-out files are given, and sequence parallelism
-    (TP degree `tp`) splits validation sequences evenly."""
+def check_validation(v: Validation, training: Training, tp: int, cp: int = 1) -> None:
+    """Checks before start-up: the dataset exists, held-out files are given, and context parallelism
+    (degree `cp`: 2 cp chunks) and sequence parallelism (TP degree `tp`) split validation sequences
+    evenly."""
     if not v.enable:
         return
     name = v.dataset or training.dataset
@@ -58,8 +59,10 @@ def check_validation(v: Validation, training: Training, tp: int) -> None:
         raise ConfigError(f"[validation.dataset_path] is required with the {name!r} dataset: point it at held-out "
                           f"data (not the training data)")
     _, seq_len = resolved_shape(v, training)
-    check_divisible(tp, {"validation.seq_len": seq_len},
-                    {"validation.seq_len": "sequence parallelism splits every validation sequence evenly"})
+    if seq_len % (2 * cp):
+        raise ConfigError(f"[validation.seq_len] {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
+    check_divisible(tp, {"validation.seq_len": seq_len // cp},
+                    {"validation.seq_len": "sequence parallelism splits every rank's validation sequence evenly"})
 
 
 def build_validation_source(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
@@ -122,17 +125,18 @@ class Validator:
         try:
             for batch in self.batches():
                 n += 1
+                local = train_step.shard(batch)  # context parallelism: this rank's chunks
                 with train_step.context():
-                    logits = train_step.forward(batch["input_ids"])
+                    logits = train_step.forward(local)
                     if logits is not None:
-                        labels = batch["labels"].to(device)
+                        labels = local["labels"].to(device)
                         totals[0] += local_value(cross_entropy_sum(logits, labels)).double()
                         totals[1] += count_valid_tokens(labels)
                 del logits
         finally:
             for part in train_step.model_parts:
                 part.train()
-        all_reduce(totals, dims.dp_mesh)
+        all_reduce(totals, dims.loss_mesh)
         if dims.pp_enabled:
             all_reduce(totals, dims.pp_mesh)
         ce_sum, tokens = totals.tolist()

@@ -35,6 +35,12 @@ class Parallelism:
     """Tensor (Megatron-style) parallel degree: every attention / feed-forward matmul is split over
     this many ranks, with sequence parallelism for norms and the residual stream. 1 disables it."""
 
+    context_parallel_degree: Annotated[int, Ge(1)] = 1
+    """Context parallel degree: the sequence of every sample is split over this many ranks (each
+    holds a head and a tail chunk, balancing causal attention work), attention gathers keys and
+    values across them, and FSDP shards parameters over data_parallel_shard_degree x this
+    (docs/long_context.md). training.seq_len must be divisible by 2 x this. 1 disables it."""
+
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and
     the cross-entropy is computed on the shards (loss parallel), so full logits are never gathered.

@@ -112,10 +112,10 @@ def effective_reshard(strategy: DPStrategy, pp_enabled: bool, requested: Reshard
     return requested
 
 
-def applies_fsdp(strategy: DPStrategy, dp: int, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
-    """FSDP2 wraps the model: a sharded strategy with data parallelism, a compute dtype to cast to
-    (FSDP's mixed-precision policy), or CPU offload (FSDP's offload policy)."""
-    return strategy.sharded and (dp > 1 or param_dtype != torch.float32 or cpu_offload)
+def applies_fsdp(strategy: DPStrategy, ranks: int, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
+    """FSDP2 wraps the model: a sharded strategy with gradients to reduce over `ranks` > 1 (data x
+    context parallel), a compute dtype to cast to (FSDP's mixed-precision policy), or CPU offload."""
+    return strategy.sharded and (ranks > 1 or param_dtype != torch.float32 or cpu_offload)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,12 @@ class Layout:
     @property
     def fsdp(self) -> bool:
         """FSDP2 wraps the model (`applies_fsdp`)."""
-        return applies_fsdp(self.strategy, self.dims.dp, self.param_dtype, self.cpu_offload)
+        return applies_fsdp(self.strategy, self.dims.loss_degree, self.param_dtype, self.cpu_offload)
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds (seq_len / context parallel degree)."""
+        return self.batch.seq_len // self.dims.cp
 
     @property
     def ddp(self) -> bool:
@@ -225,6 +230,14 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with tensor "
                           f"parallelism (tensor_parallel_degree {dims.tp}); use zero3 (FSDP x TP) or zero3 with "
                           f"data_parallel_replicate_degree > 1 (HSDP x TP)")
+    if strategy.replicated and dims.cp_enabled:
+        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with context "
+                          f"parallelism, which folds into the FSDP sharding dimension (dp_shard x cp); use zero3 or "
+                          f"zero2")
+    if dims.cp_enabled and training.seq_len % (2 * dims.cp):
+        raise ConfigError(f"[training.seq_len] {training.seq_len} is not divisible by 2 x context_parallel_degree = "
+                          f"{2 * dims.cp}: each CP rank holds a head and a tail chunk of seq_len / (2 x cp) tokens; "
+                          f"use a multiple of {2 * dims.cp}")
     if strategy.replicated and dims.pp_enabled:
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with pipeline "
                           f"parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")
@@ -281,6 +294,9 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     )
     if spec is None:
         return layout
+    if dims.cp_enabled and not spec.context_parallel:
+        raise ConfigError(f"[parallelism.context_parallel_degree] model {spec.name!r} does not support context "
+                          f"parallelism (its attention is not models/common/attention.py's); set it to 1")
     if dims.tp_enabled and spec.tp_plan is None:
         raise ConfigError(f"[parallelism.tensor_parallel_degree] model {spec.name!r} has no tensor-parallel plan; "
                           f"set tensor_parallel_degree = 1")

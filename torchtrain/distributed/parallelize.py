@@ -5,15 +5,18 @@ model. It applies, in this fixed order:
 
 1. **tensor parallelism**: the model's own plan (`spec.tp_plan`) over the "tp" mesh dimension, plus
    async TP when the layout asks for it;
-2. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
-3. **compile** per block (identical blocks share one compiled graph);
-4. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
-   each block) with the layout's mixed-precision, reshard and offload policies; or DDP
-   (`replicate`) for replicated strategies; or nothing (one rank in float32).
+2. **context parallelism**: the model's attention modules become their sequence-sharded version over
+   the "cp" mesh dimension (`context_parallel.py`; models whose spec says `context_parallel`);
+3. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
+4. **compile** per block (identical blocks share one compiled graph);
+5. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
+   each block) over dp_shard x cp, with the layout's mixed-precision, reshard and offload policies;
+   or DDP (`replicate`) for replicated strategies; or nothing (one rank in float32).
 
-The order matters: TP must see plain `nn.Linear`s; checkpoint wrappers must sit inside the compiled
-region so the recomputation is compiled too; FSDP must wrap last so that it shards the DTensors TP
-made (2-D FSDP x TP) and its hooks see the checkpointed, compiled blocks. A model therefore supplies
+The order matters: TP must see plain `nn.Linear`s; CP swaps modules inside the blocks before they
+are wrapped; checkpoint wrappers must sit inside the compiled region so the recomputation is compiled
+too; FSDP must wrap last so that it shards the DTensors TP made (2-D FSDP x TP) and its hooks see the
+checkpointed, compiled blocks. A model therefore supplies
 only what is its own (see `models/registry.py::ModelSpec`); every strategy, precision, AC mode and
 compile setting comes from here.
 
@@ -30,6 +33,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtrain.distributed.compile import compile_blocks
+from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
@@ -50,7 +54,7 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply TP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
+    """Apply TP -> CP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
     dims = layout.dims
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
@@ -58,9 +62,11 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         spec.tp_plan(model, tp_mesh, layout.loss_parallel)
         if layout.async_tp:
             enable_async_tp(tp_mesh)
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.cp_mesh)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
     if layout.compile_model:
-        compile_blocks(blocks, with_collectives=dims.tp_enabled)
+        compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled)
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for child in model.children():
                 if child is not blocks:

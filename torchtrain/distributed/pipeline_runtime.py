@@ -50,17 +50,18 @@ class PipelineRunner:
     def timeline(self):
         return schedule_timeline(self.schedule, self.plan)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, local_value) -> torch.Tensor:
-        """One schedule step over the local batch; this rank's summed (scaled) loss (0 off the last stage)."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, local_value, kwargs: dict | None = None) -> torch.Tensor:
+        """One schedule step over the local batch; this rank's summed (scaled) loss (0 off the last stage).
+        `kwargs` (per-token tensors such as positions) go to every stage, cut into micro-batches."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         targets = labels.to(self.device) if self.has_last else None
         args = (inputs.to(self.device),) if self.has_first else ()
-        self.schedule.step(*args, target=targets, losses=losses)
+        self.schedule.step(*args, target=targets, losses=losses, **(kwargs or {}))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, inputs: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor | None:
         """The last stage's output (logits) for `inputs` on the rank that holds it, else None."""
         mine = dict(zip(self.stage_ids, self.model_parts))
         owner = {s: r for r in range(self.pp) for s in self.plan.stage_ids(r, self.pp)}
@@ -74,7 +75,7 @@ class PipelineRunner:
                 x = h
             else:
                 x = _recv(dist.get_global_rank(self.group, owner[s - 1]), self.group, self.device)
-            h = mine[s](x)
+            h = mine[s](x, **(kwargs or {}))
             if s + 1 < self.plan.num_stages and owner[s + 1] != self.pp_rank:
                 _send(h, dist.get_global_rank(self.group, owner[s + 1]), self.group)
         return h if self.plan.num_stages - 1 in mine else None

@@ -57,6 +57,9 @@ class ModelSpec:
     must tolerate being None and its blocks must live in an nn.ModuleDict."""
     state_dict_adapter: type["StateDictAdapter"] | None = None
     """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
+    context_parallel: bool = False
+    """The model's attention is `models/common/attention.py::AttentionCore` and its forward takes
+    `seq_index` (and `positions`), so context parallelism can shard its sequences."""
 
     def blocks_of(self, model: nn.Module) -> nn.Module:
         """The model's container of repeated blocks (`blocks`)."""

@@ -71,6 +71,11 @@ PRESETS: dict[str, Layout] = {
         Layout("pp2_fsdp2_tp2", 8, _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
         Layout("pp2_hsdp2x2_tp2", 16, _p("pipeline_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)
                + _p("tensor_parallel_degree", 2)),
+        Layout("cp2", 2, _p("context_parallel_degree", 2)),
+        Layout("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
+        Layout("cp2_tp2", 4, _p("context_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        Layout("pp2_cp2", 4, _p("pipeline_parallel_degree", 2) + _p("context_parallel_degree", 2)),
+        Layout("cp2_hsdp2x2", 8, _p("context_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
     )
 }
 

@@ -4,7 +4,9 @@ Global sample g is window `w` of source `s` (`sampling.py`: the mixture picks s,
 permutation picks w). A window is seq_len + 1 consecutive tokens of that source's stream; it gives
 
     input_ids = window[:-1]      labels = window[1:]
-    positions = each input token's position in its document (0 at every document start)
+    positions = each input token's position in its document within the window: 0 at every document
+                start and at the window's first token (a document continued from the previous
+                window starts over), so positions stay below seq_len
 
 `positions` carry the document boundaries to the model (block-causal attention, per-document RoPE);
 with `mask_cross_document_labels` the label of the token before a document start (the next
@@ -84,7 +86,7 @@ class WindowDataset(Dataset):
         s, _, w = self.locate(g)
         corpus, n = self.sources[s].corpus, self.seq_len + 1
         tokens = corpus.read(w * n, n)
-        pos = corpus.positions(w * n, n)
+        pos = np.minimum(corpus.positions(w * n, n), np.arange(n))  # a continued document restarts at 0
         labels = tokens[1:].copy()
         if self.mask_cross_document_labels:
             labels[pos[1:] == 0] = IGNORE_INDEX

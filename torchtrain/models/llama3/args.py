@@ -15,7 +15,7 @@ comparable with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
@@ -73,6 +73,11 @@ class Llama3Args(BaseModelArgs):
 
     depth_init: bool = True
     """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
+
+    attention_mask: Literal["causal", "block_causal"] = "causal"
+    """`causal`: every token attends to all earlier tokens of its window. `block_causal`: only to
+    earlier tokens of its own document (documents packed in a window are kept apart, from the data's
+    per-token positions), and RoPE positions restart at each document (docs/long_context.md)."""
 
     # ------------------------------------------------------------------ derived
     @property

@@ -1,14 +1,17 @@
 """Llama 3: RMSNorm, RoPE with Llama 3 frequency scaling, grouped-query attention (SDPA), SwiGLU.
 
-Plain PyTorch, no parallel code: tensor/pipeline/data parallelism are applied from outside
-(`parallelize.py`) and work because
+Plain PyTorch, no parallel code: tensor/pipeline/context/data parallelism are applied from outside
+(`parallelize.py`, `distributed/`) and work because
 
 * attention reshapes with ``-1`` heads, so a tensor-parallel shard holding n_heads / tp heads runs
   the same code;
 * the blocks live in an ``nn.ModuleDict`` keyed by their global index, so a pipeline stage that keeps
   blocks 8..15 still names them ``layers.8`` ... (checkpoints and init stay layout-independent);
 * ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` on a pipeline stage that does not own
-  them; forward then takes/returns hidden states instead of tokens/logits.
+  them; forward then takes/returns hidden states instead of tokens/logits;
+* the attention itself is `models/common/attention.py::AttentionCore` (causal or block-causal masks),
+  which context parallelism replaces by its sequence-sharded version, and RoPE reads explicit token
+  positions (document positions, or the tokens' indices in the full sequence) when they are given.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.base import InitSpec
+from torchtrain.models.common.attention import AttentionContext, AttentionCore, prepare_attention
 from torchtrain.models.llama3.args import Llama3Args
 
 
@@ -65,11 +69,20 @@ def rope_table(args: Llama3Args, device: torch.device | None = None) -> torch.Te
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by their angles."""
-    seqlen, half = x.shape[1], x.shape[-1] // 2
-    cos = table[:seqlen, :half].view(1, seqlen, 1, half)
-    sin = table[:seqlen, half:].view(1, seqlen, 1, half)
+def rope_rows(table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """RoPE rows for a forward: the whole table when tokens sit at 0..seq-1 (None; `apply_rope` takes
+    the first rows), else the rows of explicit (batch, seq) `positions` -> (batch, seq, head_dim)."""
+    return table if positions is None else table[positions.to(table.device)]
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by their angles;
+    `rope` holds (cos, sin) rows: the table (rows 0..seq-1 are used) or per-token rows (`rope_rows`)."""
+    half = x.shape[-1] // 2
+    if rope.dim() == 2:
+        rope = rope[: x.shape[1]].unsqueeze(0)
+    cos = rope[..., :half].unsqueeze(2)
+    sin = rope[..., half:].unsqueeze(2)
     pairs = x.float().unflatten(-1, (half, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
@@ -84,15 +97,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = AttentionCore(args.attention_mask)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v, ctx)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -117,8 +131,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, ctx)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -126,7 +140,13 @@ _LAYER_ID = re.compile(r"^layers\.(\d+)\.")
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab_size)."""
+    """tokens (batch, seq) -> logits (batch, seq, vocab_size).
+
+    `positions` (batch, seq): each token's position in its document (the data's, 0 at document
+    starts); used by `block_causal` attention (mask and RoPE), ignored by `causal`. `seq_index`
+    (batch, seq): each token's index in its full sequence (default 0..seq-1; under context
+    parallelism the indices of the chunks this rank holds). Both are per-token, batch-first tensors,
+    so a pipeline schedule cuts them into micro-batches like the tokens."""
 
     def __init__(self, args: Llama3Args):
         super().__init__()
@@ -139,10 +159,18 @@ class Transformer(nn.Module):
         )
         self.register_buffer("rope_cache", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        documents = self.args.attention_mask == "block_causal" and positions is not None
+        token_positions = positions if documents else seq_index
+        # (a pipeline stage's input may be sequence-sharded hidden states: take lengths from the positions)
+        seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
+        ctx = prepare_attention(self, AttentionContext(positions=positions if documents else None), tokens.shape[0],
+                                seqlen, self.rope_cache.device)
+        rope = rope_rows(self.rope_cache, token_positions)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope, ctx)
         if self.norm is None:
             return h  # a pipeline stage that ends before the head passes hidden states on
         h = self.norm(h)

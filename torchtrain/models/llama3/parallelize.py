@@ -40,11 +40,12 @@ def validate_llama(args: Llama3Args, layout) -> None:
         "model.n_kv_heads": args.kv_heads,
         "model.ffn_hidden_dim (from model.dim, ffn_dim_multiplier, multiple_of)": args.ffn_hidden_dim,
         "model.vocab_size": args.vocab_size,
-        "training.seq_len": layout.batch.seq_len,
+        "training.seq_len": layout.local_seq_len,
     }, fixes={
         "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
                             f"(extra rows are never produced by the tokenizer)",
-        "training.seq_len": "sequence parallelism splits the sequence evenly; use a multiple of the TP degree",
+        "training.seq_len": "sequence parallelism splits each rank's sequence evenly; use a multiple of the TP "
+                            "degree (x the context parallel degree, whose ranks each hold seq_len / cp tokens)",
     })
 
 
@@ -63,7 +64,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

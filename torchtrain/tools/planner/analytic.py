@@ -32,6 +32,9 @@ RoPE, SDPA flash attention (no t^2 term; saves out + logsumexp), GQA, SwiGLU, no
 With tensor + sequence parallelism (torchtitan's plan) the norm terms are sequence-sharded and the
 attention/FFN terms head-sharded, but the gathered projection inputs are full:
 A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h + 2 d h_kv + 4 n_heads + 4 d F) / tp.
+With context parallelism (cp ranks per sequence) t counts the rank's seq_len / cp tokens of each
+sequence, and attention also keeps the keys and values gathered from the other cp - 1 ranks:
+A_cp = A_tp + 2 d h_kv (cp - 1) / tp per local token (`distributed/context_parallel.py`).
 Activation checkpointing keeps per block only: full -> its input (d h / tp); selective "N" -> every
 N-th block checkpointed; selective "op" -> the block input and every matmul and attention output
 (`distributed/activation_checkpoint.py`): q, k, v, attention out (+ logsumexp), w1, w3 head- or
@@ -111,13 +114,14 @@ def _numel(shapes, n: int = 1) -> int:
     return sum(math.ceil(r / n) * c for r, c in shapes)
 
 
-def act_per_token_per_block(a, d: int, tp: int) -> float:
-    """A_tp: bytes of activations a block stores for backward per token (no checkpointing)."""
+def act_per_token_per_block(a, d: int, tp: int, cp: int = 1) -> float:
+    """A_tp (A_cp with context parallelism): bytes of activations a block stores for backward per local
+    token (no checkpointing)."""
     h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
     seq_sharded = 2 * (4 + d) * h + 8
     gathered = 2 * d * h
     head_sharded = 2 * d * h + 2 * d * hkv + 4 * a.n_heads + 4 * d * F
-    return seq_sharded / tp + gathered + head_sharded / tp
+    return seq_sharded / tp + gathered + head_sharded / tp + 2 * d * hkv * (cp - 1) / tp
 
 
 def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tuple[float, str]:
@@ -132,7 +136,7 @@ def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tupl
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
     a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
-    full = act_per_token_per_block(a, d, tp) * t
+    full = act_per_token_per_block(a, d, tp, p.cp) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
         stored, recompute = n * full, 0.0
@@ -158,11 +162,11 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     all_shapes = [s for _, shapes in units for s in shapes]
     full_numel = _numel(all_shapes)
     fsdp = p.sharded
-    n_shard = p.dp_shard if fsdp else p.dp
+    n_shard = p.fsdp_degree if fsdp else p.dp
     sharded = _numel(all_shapes, n_shard)
     n_tensors = len(all_shapes)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
-    wrapped = applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload)
+    wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
     opt_sharded = p.dp_strategy.shards_optimizer_state
 
     params = 4 * (sharded if fsdp else full_numel)

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp-replicate", type=int)
     g.add_argument("--tp", type=int, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    g.add_argument("--cp", type=int, help="context-parallel degree (sequences split over this many ranks)")
     g.add_argument("--strategy", choices=STRATEGIES,
                    help="data-parallel strategy (zero3 = FSDP/HSDP; see docs/planner.md)")
     g.add_argument("--reshard", choices=RESHARD, help="FSDP reshard after forward")
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flags(ns: argparse.Namespace) -> dict:
-    flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp,
+    flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp,
              "strategy": ns.strategy, "reshard_after_forward": ns.reshard, "ac_mode": ns.ac, "ac_option": ns.ac_option,
              "pp_schedule": ns.schedule, "pp_microbatch_size": ns.microbatch_size,
              "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload, "memory_gib": ns.memory_gib,
@@ -84,7 +85,8 @@ def _world_size(ns: argparse.Namespace, job) -> int:
     par = job.cfg.parallelism
     degrees = [ns.dp_replicate or par.data_parallel_replicate_degree,
                ns.dp_shard or par.data_parallel_shard_degree,
-               ns.tp or par.tensor_parallel_degree, ns.pp or par.pipeline_parallel_degree]
+               ns.tp or par.tensor_parallel_degree, ns.pp or par.pipeline_parallel_degree,
+               ns.cp or par.context_parallel_degree]
     if -1 in degrees:
         raise ConfigError("--world-size is required when data_parallel_shard_degree is -1 (give the GPU count)")
     out = 1
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "mfu",
                                                                                    "price", "tokens")})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
-                                ns.runnable_only)
+                                ns.runnable_only, cp=ns.cp)
                 annotate_runnable(job, result, ns.top)
                 out = (json.dumps(report.search_to_dict(result, ns.top, ns.show_rejected), indent=1) if ns.json
                        else report.format_search(result, ns.top, ns.show_rejected))

@@ -39,6 +39,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "dp_shard": ("parallelism", "data_parallel_shard_degree"),
     "tp": ("parallelism", "tensor_parallel_degree"),
     "pp": ("parallelism", "pipeline_parallel_degree"),
+    "cp": ("parallelism", "context_parallel_degree"),
     "pp_schedule": ("parallelism", "pipeline_parallel_schedule"),
     "pp_microbatch_size": ("parallelism", "pipeline_parallel_microbatch_size"),
     "strategy": ("parallelism", "data_parallel_strategy"),
@@ -69,6 +70,8 @@ class PlanInputs:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks; FSDP shards over dp_shard x cp."""
     strategy: str = "zero3"
     """zero3: FSDP2 (HSDP with dp_replicate > 1), everything sharded over dp_shard; zero2: the same,
     but gathered parameters kept from forward to backward (FSDP's SHARD_GRAD_OP); zero1: DDP with the
@@ -123,9 +126,15 @@ class PlanInputs:
 
     @property
     def microbatch_tokens(self) -> int:
-        """Tokens in one forward pass on one rank (a pipeline micro-batch or a local batch)."""
+        """Tokens in one forward pass on one rank (a pipeline micro-batch or a local batch; under
+        context parallelism the rank's seq_len / cp tokens of each sequence)."""
         size = self.pp_microbatch_size if self.pp > 1 else self.local_batch_size
-        return size * self.seq_len
+        return size * self.seq_len // self.cp
+
+    @property
+    def fsdp_degree(self) -> int:
+        """Ranks FSDP shards each parameter over (dp_shard x cp, as `ParallelDims.fsdp_shard_degree`)."""
+        return self.dp_shard * self.cp
 
     @property
     def dp_strategy(self) -> DPStrategy:
@@ -162,7 +171,7 @@ class PlanInputs:
 
     def describe(self) -> str:
         dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
-        parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("tp", self.tp)) if d > 1]
+        parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("cp", self.cp), ("tp", self.tp)) if d > 1]
         text = " x ".join(parts) or "1 rank"
         if self.dp_strategy is not DPStrategy.ZERO3:
             text += f" [{self.strategy}]"
@@ -184,7 +193,8 @@ class PlanInputs:
             dp = f"{self.strategy} {self.dp}"
         if self.dp == 1:
             dp = ""
-        parts = [(dp + (f" tp{self.tp}" if self.tp > 1 else "")).strip() or "1 rank"]
+        parts = [(dp + (f" cp{self.cp}" if self.cp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")).strip()
+                 or "1 rank"]
         if self.pp > 1:
             sched = {"Interleaved1F1B": "I1F1B"}.get(self.pp_schedule, self.pp_schedule)
             v = f" v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
@@ -222,12 +232,13 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         return config_value(cfg, knob) if value is None else value
 
     tp, pp, rep, shard = int(pick("tp", 1)), int(pick("pp", 1)), int(pick("dp_replicate", 1)), int(pick("dp_shard", -1))
+    cp = int(pick("cp", 1))
     notes = []
-    if flags.get("dp_shard") is None and shard != -1 and rep * shard * tp * pp != world_size:
+    if flags.get("dp_shard") is None and shard != -1 and rep * shard * tp * pp * cp != world_size:
         notes.append(f"the job's data_parallel_shard_degree {shard} does not fit this world size; "
                      f"using the remaining ranks (-1)")
         shard = -1
-    shard = ParallelDims.resolve_dp_shard(world_size, rep, shard, tp, pp)
+    shard = ParallelDims.resolve_dp_shard(world_size, rep, shard, tp, pp, cp)
     local = int(pick("local_batch_size", 8))
     global_bs = int(pick("global_batch_size", -1))
     if global_bs == -1:
@@ -250,7 +261,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     inputs = PlanInputs(
         model_name=cfg.model.name, args=args, world_size=world_size,
         flavor=cfg.model.flavor + (" (with overrides)" if cfg.model.overrides else ""),
-        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, strategy=pick("strategy", "zero3"),
+        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, strategy=pick("strategy", "zero3"),
         reshard_after_forward=pick("reshard_after_forward", "default"),
         seq_len=int(pick("seq_len", 2048)), local_batch_size=local, global_batch_size=global_bs,
         pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),

@@ -5,7 +5,10 @@ same tokens per step):
 
 * tp in {1, 2, 4, 8, ...} up to the GPUs of one node, dividing the world size;
 * pp in powers of two up to the number of blocks, dividing world / tp;
-* dp_replicate x dp_shard = world / (tp pp), every factorisation (dp_shard = 1: pure replication);
+* cp (context parallelism, FSDP strategies only) in powers of two that leave every rank at least
+  `CP_MIN_LOCAL_TOKENS` tokens of each sequence (shorter local sequences make the key/value exchange
+  outweigh the attention it splits), dividing world / (tp pp); `--cp` fixes it;
+* dp_replicate x dp_shard = world / (tp pp cp), every factorisation (dp_shard = 1: pure replication);
 * activation checkpointing: none, selective "op", full (`--ac` restricts);
 * without pipelining: local batch = every divisor of global / dp up to 32 (the rest is accumulation);
   with pipelining: local batch = global / dp, micro-batch size in {1, 2, 4, 8} dividing it, and
@@ -71,23 +74,33 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[str]) -> list[PlanInputs]:
+CP_MIN_LOCAL_TOKENS = 8192
+
+
+def _cp_degrees(base: PlanInputs, ranks: int, fixed: int | None) -> list[int]:
+    if fixed is not None:
+        return [fixed] if ranks % fixed == 0 else []
+    return [c for c in _powers_of_two(ranks) if c == 1 or (ranks % c == 0 and base.seq_len % (2 * c) == 0
+                                                         and base.seq_len // c >= CP_MIN_LOCAL_TOKENS)]
+
+
+def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[str],
+                      cp: int | None = None) -> list[PlanInputs]:
     a, world, out = base.args, base.world_size, []
     node = base.gpu.gpus_per_node if base.gpu is not None else world
     for tp in _powers_of_two(min(node, world)):
         if world % tp:
             continue
-        for pp in _powers_of_two(min(a.n_layers, world // tp)):
-            if (world // tp) % pp:
-                continue
-            dp = world // (tp * pp)
+        for pp, c in ((pp, c) for pp in _powers_of_two(min(a.n_layers, world // tp)) if (world // tp) % pp == 0
+                      for c in _cp_degrees(base, world // (tp * pp), cp)):
+            dp = world // (tp * pp * c)
             if base.global_batch_size % dp:
                 continue
             for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
-                if DPStrategy.parse(strategy).replicated and rep != dp:
-                    continue  # replicated strategies: one data-parallel group, counted once
-                common = dict(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, strategy=strategy, ac_mode=ac,
-                              ac_option="op")
+                if DPStrategy.parse(strategy).replicated and (rep != dp or c > 1):
+                    continue  # replicated strategies: one data-parallel group, counted once; no CP
+                common = dict(tp=tp, pp=pp, cp=c, dp_replicate=rep, dp_shard=dp // rep, strategy=strategy,
+                              ac_mode=ac, ac_option="op")
                 per_rank = base.global_batch_size // dp
                 if pp == 1:
                     for local in (d for d in _divisors(per_rank) if d <= 32):
@@ -108,10 +121,10 @@ def _worst_analytic(p: PlanInputs) -> float:
 
 
 def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str], verify: int = 1,
-           peak_tflops: float | None = None, runnable_only: bool = False) -> SearchResult:
+           peak_tflops: float | None = None, runnable_only: bool = False, cp: int | None = None) -> SearchResult:
     result = SearchResult(base)
     usable = base.usable_bytes
-    candidates = enumerate_layouts(base, ac_modes, strategies)
+    candidates = enumerate_layouts(base, ac_modes, strategies, cp)
     result.examined = len(candidates)
     survivors = []
     for p in candidates:

@@ -11,7 +11,11 @@
                         * TP (sequence parallel): 8 collectives of t h d x (tp-1)/tp bytes per block
                           per micro-batch (2 all-gathers + 2 reduce-scatters, forward and backward),
                           not overlapped;
-                        * FSDP: all-gather d x params (forward, and again in backward unless
+                        * CP: per block and micro-batch, keys and values all-gathered in forward
+                          and their gradients reduce-scattered in backward (again in forward when
+                          AC recomputes the block): 2 x 2 t h_kv d (cp-1) / tp bytes, not overlapped
+                          (t: the rank's tokens, seq_len / cp per sequence);
+                        * FSDP (over dp_shard x cp): all-gather d x params (forward, and again in backward unless
                           reshard is "never") per micro-batch, reduce-scatter r x params per step,
                           x (N-1)/N; HSDP adds an all-reduce 2 r params/N x (R-1)/R; DDP/ZeRO an
                           all-reduce 2 r params x (dp-1)/dp. Overlapped with compute: only the part
@@ -84,6 +88,18 @@ def _bandwidth(p: PlanInputs, group_span: int) -> float | None:
     return bw * 1e9 if bw else None
 
 
+def kv_exchange_bytes(p: PlanInputs) -> float:
+    """Context parallelism: bytes one rank receives (all-gather of keys and values in forward, again
+    when AC recomputes the block) and sends (reduce-scatter of their gradients in backward) per block
+    and micro-batch (`distributed/context_parallel.py`)."""
+    if p.cp == 1:
+        return 0.0
+    a = p.args
+    once = 2 * p.microbatch_tokens * a.kv_heads * a.head_dim * p.param_bytes * (p.cp - 1) / p.tp
+    forwards = 2 if p.ac_mode == "full" else 1
+    return once * (forwards + 1)
+
+
 def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
     """Exposed communication seconds per step, by kind (see the module docstring)."""
     a, d, r = p.args, p.param_bytes, p.reduce_bytes
@@ -101,18 +117,23 @@ def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
         bw = _bandwidth(p, p.tp)
         if bw:
             out["tensor parallel"] = 8 * t * a.dim * d * (p.tp - 1) / p.tp * blocks * passes / bw
+    if p.cp > 1:
+        bw = _bandwidth(p, p.cp * p.tp)
+        if bw:
+            out["context parallel"] = kv_exchange_bytes(p) * blocks * passes / bw
     dp_s = dp_s_floor = 0.0
-    if p.sharded and p.dp_shard > 1:
-        bw = _bandwidth(p, p.dp_shard * p.tp)
+    n_fsdp = p.fsdp_degree
+    if p.sharded and n_fsdp > 1:
+        bw = _bandwidth(p, n_fsdp * p.tp)
         gathers = 1 if p.reshard == "never" else 2
-        ring = (p.dp_shard - 1) / p.dp_shard
+        ring = (n_fsdp - 1) / n_fsdp
         if bw:
             dp_s += (gathers * d * numel * passes + r * numel) * ring / bw
             dp_s_floor = (d + r) * biggest_unit * ring / bw
         if p.dp_replicate > 1:
-            bw2 = _bandwidth(p, p.dp_replicate * p.dp_shard * p.tp)
+            bw2 = _bandwidth(p, p.dp_replicate * n_fsdp * p.tp)
             if bw2:
-                dp_s += 2 * r * numel / p.dp_shard * (p.dp_replicate - 1) / p.dp_replicate / bw2
+                dp_s += 2 * r * numel / n_fsdp * (p.dp_replicate - 1) / p.dp_replicate / bw2
     elif p.dp > 1:
         bw = _bandwidth(p, p.dp * p.tp)
         if bw:

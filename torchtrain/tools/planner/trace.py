@@ -162,7 +162,7 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
 
     result = TraceResult(pp_rank, traced_blocks=tuple(len(s.layers) for s in stages))
     rep = min(p.dp_replicate, 2)
-    world = p.pp * rep * p.dp_shard * p.tp
+    world = p.pp * rep * p.dp_shard * p.cp * p.tp
     if dist.is_initialized():
         raise RuntimeError("the planner's trace needs a process without a process group")
     layout = _trace_layout(p, cfg, rep, world)
@@ -211,12 +211,13 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
 
     layout = resolve_layout(cfg, p.world_size, p.device_type, p.args, get_model_spec(p.model_name))
     dims = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world,
-                        loss_parallel_requested=layout.dims.loss_parallel_requested)
+                        loss_parallel_requested=layout.dims.loss_parallel_requested, cp=p.cp)
     return dataclasses.replace(layout, dims=dims)
 
 
 def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
     from torchtrain.distributed.parallelize import apply_parallelism
+    from torchtrain.models.common.attention import AttentionCore
     from torchtrain.models.registry import get_model_spec
 
     spec, notes = get_model_spec(p.model_name), []
@@ -228,6 +229,10 @@ def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Mo
         if p.pp > 1 or n_built != p.args.n_layers:
             model = cut_to_stage(model, stage)
         part = apply_parallelism(model, spec, layout)
+        if p.device_type == "cuda":  # masked attention runs FlexAttention there: trace its memory, not the CPU's
+            for module in part.modules():
+                if isinstance(module, AttentionCore):
+                    module.backend = "memory_proxy"
         if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see _local_allreduce_hook
             part.register_comm_hook(None, _local_allreduce_hook)
         parts.append(part)

@@ -1,0 +1,1 @@
+"""Building blocks shared by model families (attention with masks; more as families arrive)."""

@@ -1,0 +1,135 @@
+"""Masked attention shared by the models: causal or block-causal (documents packed in one sequence).
+
+    out = softmax(q k^T / sqrt(d) + M) v,   M[i, j] = 0 where key j is visible to query i, else -inf
+
+* `causal`: key j is visible to query i when seq(j) <= seq(i);
+* `block_causal`: additionally doc(j) == doc(i), so a token attends only to earlier tokens of its own
+  document. Documents come from the batch's per-token `positions` (0 at every document start, from
+  the data): doc = the running count of document starts. Positions also restart RoPE per document,
+  so a packed window computes exactly what running each document alone does.
+
+`seq` is a token's index in its full sequence (0..L-1 on one rank). Context parallelism hands a rank
+only some chunks of the sequence and replaces `AttentionCore` by its subclass
+(`distributed/context_parallel.py`), which gathers keys and values from the other ranks and builds the
+mask from the gathered tokens' `seq` and `doc` with the same formula, so CP and one rank agree.
+
+The mask is built once per forward, before the blocks run (`prepare_attention`, called by the model on
+its first attention module), and shared by every layer through the `AttentionContext`; compiled
+blocks only read it. Kernels: the plain causal case uses SDPA's `is_causal` (flash / memory-efficient
+kernels); any other mask uses FlexAttention on CUDA (compiled, with a block mask) and SDPA with a dense
+boolean mask elsewhere (FlexAttention has no CPU backward). Both give the same result (tested on the
+forward, where both run on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MaskType = Literal["causal", "block_causal"]
+Backend = Literal["auto", "sdpa", "flex", "memory_proxy"]
+"""`auto`: FlexAttention for masks on CUDA, SDPA elsewhere. `memory_proxy`: SDPA's causal kernel
+whatever the mask -- wrong numbers, but the tensors CUDA's kernels keep (output and log-sum-exp, no
+dense mask); the planner traces GPU jobs on fake CPU tensors with it."""
+
+
+@dataclass
+class AttentionContext:
+    """What one forward's attention layers share: document positions and the prepared mask."""
+
+    positions: torch.Tensor | None = None
+    """(B, L) position of each local token in its document (0 at document starts), or None."""
+    mask: Any = None
+    """Set by `AttentionCore.prepare`: None (plain causal), a dense bool mask, or a flex BlockMask."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """(B, L) document number of each token: the running count of document starts (positions == 0).
+    A window that starts mid-document gives its first tokens document 0 as well."""
+    return torch.cumsum((positions == 0).to(torch.int32), dim=1)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + M) v for q (B, H, Lq, D) and k, v (B, Hkv, Lk, D), M as the module
+    docstring says (grouped-query attention when Hkv < H)."""
+
+    def __init__(self, mask: MaskType = "causal", backend: Backend = "auto"):
+        super().__init__()
+        self.mask_type, self.backend = mask, backend
+
+    def extra_repr(self) -> str:
+        return f"mask={self.mask_type}"
+
+    def _use_flex(self, device: torch.device) -> bool:
+        return self.backend == "flex" or (self.backend == "auto" and device.type == "cuda")
+
+    def build_mask(self, batch: int, q_seq: torch.Tensor, k_seq: torch.Tensor, q_doc: torch.Tensor | None,
+                   k_doc: torch.Tensor | None) -> Any:
+        """Visibility of keys (seq k_seq, documents k_doc) to queries (q_seq, q_doc): a flex BlockMask,
+        or a dense (B or 1, 1, Lq, Lk) additive float32 mask (0 visible, -inf hidden)."""
+        if self.backend == "memory_proxy":
+            return None
+        if self._use_flex(q_seq.device):
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def mask_mod(b, h, i, j):
+                visible = k_seq[j] <= q_seq[i]
+                return visible & (q_doc[b, i] == k_doc[b, j]) if q_doc is not None else visible
+
+            return create_block_mask(mask_mod, batch if q_doc is not None else None, None, len(q_seq), len(k_seq),
+                                     device=q_seq.device)
+        mask = (k_seq[None, :] <= q_seq[:, None])[None, None]
+        if q_doc is not None:
+            mask = mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+        # as an additive float mask: SDPA would otherwise convert (and keep for backward) a copy in
+        # every layer; one shared copy per forward is enough
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+    def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device) -> None:
+        """Build the mask of a forward over local sequences of `length` tokens into `ctx`."""
+        if self.mask_type == "block_causal" and ctx.positions is not None:
+            seq = torch.arange(length, device=device)
+            doc = document_ids(ctx.positions.to(device))
+            ctx.mask = self.build_mask(batch, seq, seq, doc, doc)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, torch.Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
+        flex = _compiled_flex() if q.is_cuda else _eager_flex()
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return self.attend(q, k, v, ctx.mask)
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def prepare_attention(model: nn.Module, ctx: AttentionContext, batch: int, length: int,
+                      device: torch.device) -> AttentionContext:
+    """Let the model's attention modules build this forward's mask once (the first module decides:
+    every attention module of a model is configured alike)."""
+    for module in model.modules():
+        if isinstance(module, AttentionCore):
+            module.prepare(ctx, batch, length, device)
+            break
+    return ctx
