@@ -35,6 +35,14 @@ class Parallelism:
     """Tensor (Megatron-style) parallel degree: every attention / feed-forward matmul is split over
     this many ranks, with sequence parallelism for norms and the residual stream. 1 disables it."""
 
+    expert_parallel_degree: Annotated[int, Ge(1)] = 1
+    """Expert parallelism (MoE models): the experts of every MoE layer are split over this many ranks,
+    and each token is sent to the ranks of its experts and back with all-to-all. The EP group is
+    borrowed from data_parallel_shard_degree x tensor_parallel_degree (with tensor parallelism it
+    holds whole TP groups: a multiple of tensor_parallel_degree); the experts' FSDP shards over the
+    data-parallel ranks that remain. Needs an FSDP strategy (zero3/zero2). 1 disables it
+    (docs/moe.md)."""
+
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and
     the cross-entropy is computed on the shards (loss parallel), so full logits are never gathered.
