@@ -68,7 +68,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         apply_expert_parallel(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
     if layout.compile_model:
-        compile_blocks(blocks, with_collectives=dims.tp_enabled)
+        compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.ep_enabled, fullgraph=not experts)
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for child in model.children():
                 if child is not blocks:
