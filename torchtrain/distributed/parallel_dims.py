@@ -46,6 +46,7 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_flat: DeviceMesh | None = field(default=None, repr=False)
     _ep_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _dp_shard_flat: DeviceMesh | None = field(default=None, repr=False)
 
     @staticmethod
     def resolve_dp_shard(world_size: int, rep: int, shard: int, tp: int, pp: int) -> int:
@@ -183,7 +184,7 @@ class ParallelDims:
                                      ("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep),
                                      ("tp", self.tp)) if d > 1 or n.startswith("dp_shard_")]
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
-        mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp_shard")
+        self._dp_shard_flat = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp_shard")
         if self.dp_replicate > 1:
             self._dp_flat = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp")
         self._ep_mesh = (mesh["dp_shard_in_ep", "tp"]._flatten(mesh_dim_name="ep") if self.tp_enabled
@@ -216,14 +217,19 @@ class ParallelDims:
             return self._dp_flat
         if self.dp_replicate > 1:
             return self.world_mesh["dp_replicate"]
-        return self.world_mesh["dp_shard"] if self.dp_shard > 1 else None
+        return self._dp_shard_mesh if self.dp_shard > 1 else None
+
+    @property
+    def _dp_shard_mesh(self) -> DeviceMesh:
+        """The dp_shard dimension (under EP the flattened dp_shard_mod_ep x dp_shard_in_ep, kept as built)."""
+        return self._dp_shard_flat if self._dp_shard_flat is not None else self.world_mesh["dp_shard"]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """Mesh for fully_shard: (dp_replicate, dp_shard) for HSDP, else the 1-D data-parallel mesh."""
         if self.dp_replicate > 1:
             return self.world_mesh["dp_replicate", "dp_shard"]
-        return self.world_mesh["dp_shard"]
+        return self._dp_shard_mesh
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:

@@ -9,7 +9,7 @@ head before RoPE, and RoPE base 1e6. FLOPs per token follow the Llama 3 conventi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Qwen3Args(BaseModelArgs):
+    qk_norm: ClassVar[bool] = True  # per-head query/key RMSNorm (for the planner's activation formula)
+
     dim: int = 4096
     """Hidden size (HF hidden_size)."""
 

@@ -24,14 +24,16 @@ RoPE, SDPA flash attention (no t^2 term; saves out + logsumexp), GQA, SwiGLU, no
 
     A = 2 (4 + d) h        two RMSNorms: fp32 input copy + normalised output (d=4: the input itself)
       + 2 d h              inputs of the q/k/v and w1/w3 projections
-      + 2 d h + 2 d h_kv   rotated q, k, v and the attention output (wo's input is a view of it)
+      + 2 d h_q + 2 d h_kv rotated q, k, v and the attention output (wo's input is a view of it);
+                           h_q = n_heads x head_dim (= h for Llama 3, not for Qwen3)
       + 4 n_heads          attention logsumexp (fp32)
       + 4 d F              SwiGLU: w1 out, silu(w1 out), w3 out, their product
       + 8                  two fp32 rsqrt statistics
 
 With tensor + sequence parallelism (torchtitan's plan) the norm terms are sequence-sharded and the
 attention/FFN terms head-sharded, but the gathered projection inputs are full:
-A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h + 2 d h_kv + 4 n_heads + 4 d F) / tp.
+A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h_q + 2 d h_kv + 4 n_heads + 4 d F) / tp. Qwen3's per-head
+query/key RMSNorms add (4 + d)(h_q + h_kv) + 4 (n_heads + n_kv_heads), head-sharded.
 Activation checkpointing keeps per block only: full -> its input (d h / tp); selective "N" -> every
 N-th block checkpointed; selective "op" -> the block input and every matmul and attention output
 (`distributed/activation_checkpoint.py`): q, k, v, attention out (+ logsumexp), w1, w3 head- or
@@ -51,8 +53,10 @@ parameters are the router (E x h, replicated over TP) and E experts of 3 h H eac
 parallelism a rank holds E / ep of them, FSDP-sharded over efsdp = dp_shard / dp_shard_in_ep (not
 dp_shard), and the other parameters as above. Per token they store, instead of the SwiGLU's 4 d F,
 
-    A_moe = d h + 8 E + k (2 d h + 4 d H)     router input, fp32 scores, each of the k routed rows
-                                               (input, SwiGLU intermediates, output)
+    A_moe = d h + 4 E + 4 + k (2 d h + 4 d H + 28 + d (+ 16 with EP))
+                                  router input, fp32 scores, each of the k routed rows (input, SwiGLU
+                                  intermediates, output), per route three int64 indices, its fp32
+                                  and d-byte gate weight (and the EP permutations)
 
 which sequence parallelism divides by tp (each TP rank routes its own sequence shard).
 
@@ -150,44 +154,54 @@ def _numel(shapes, n: int = 1) -> int:
     return sum(math.ceil(r / n) * c for r, c in shapes)
 
 
-def _moe_act(a, d: int) -> float:
+def _moe_act(a, d: int, ep: int = 1) -> float:
     """A_moe per token (see the module doc); 0 for a dense model."""
     if not getattr(a, "num_experts", 0):
         return 0.0
-    shared = 4 * d * a.moe_intermediate_size * a.num_shared_experts
-    return d * a.dim + 8 * a.num_experts + a.num_experts_per_tok * (2 * d * a.dim + 4 * d * a.moe_intermediate_size) \
-        + shared
+    k, h, H = a.num_experts_per_tok, a.dim, a.moe_intermediate_size
+    per_route = 2 * d * h + 4 * d * H + 24 + 4 + d + (16 if ep > 1 else 0)
+    return d * h + 4 * a.num_experts + 4 + k * per_route + 4 * d * H * a.num_shared_experts
 
 
-def act_per_token_per_block(a, d: int, tp: int) -> float:
+def _attention_act(a, d: int) -> float:
+    """Head-sharded attention activations per token: rotated q, k, v and the attention output, the
+    logsumexp, and (Qwen3) the per-head query/key norms' fp32 inputs, outputs and statistics."""
+    hq, hkv = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+    out = 2 * d * hq + 2 * d * hkv + 4 * a.n_heads
+    if getattr(a, "qk_norm", False):
+        out += (4 + d) * (hq + hkv) + 4 * (a.n_heads + a.kv_heads)
+    return out
+
+
+def act_per_token_per_block(a, d: int, tp: int, ep: int = 1) -> float:
     """A_tp: bytes of activations a block stores for backward per token (no checkpointing)."""
-    h, hkv = a.dim, a.kv_heads * a.head_dim
+    h = a.dim
     seq_sharded = 2 * (4 + d) * h + 8
     if getattr(a, "num_experts", 0):  # the MoE layer works on this rank's sequence shard
-        return seq_sharded / tp + d * h + (2 * d * h + 2 * d * hkv + 4 * a.n_heads) / tp + _moe_act(a, d) / tp
+        return seq_sharded / tp + d * h + _attention_act(a, d) / tp + _moe_act(a, d, ep) / tp
     gathered = 2 * d * h
-    head_sharded = 2 * d * h + 2 * d * hkv + 4 * a.n_heads + 4 * d * ffn_dim(a)
+    head_sharded = _attention_act(a, d) + 4 * d * ffn_dim(a)
     return seq_sharded / tp + gathered + head_sharded / tp
 
 
 def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tuple[float, str]:
     """Bytes a checkpointed block keeps per token, with a label."""
-    h, hkv = a.dim, a.kv_heads * a.head_dim
+    h, hq, hkv = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim
     if mode == "full" or (mode == "selective" and option != "op"):
         return d * h / tp, "block input d h / tp"
     if getattr(a, "num_experts", 0):  # matmul outputs: router scores, each routed row's w1/w3/w2 outputs
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
-        sharded = 3 * d * h + 2 * d * hkv + 4 * a.n_heads + 4 * a.num_experts + k * (2 * d * H + d * h)
-        return sharded / tp + d * h, "(3 d h + 2 d h_kv + 4 n_heads + 4 E + k (2 d H + d h)) / tp + d h"
+        sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 4 * a.num_experts + k * (2 * d * H + d * h)
+        return sharded / tp + d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 4 E + k (2 d H + d h)) / tp + d h"
     F = ffn_dim(a)
-    sharded = 3 * d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
-    return sharded / tp + 2 * d * h, "(3 d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
+    sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
+    return sharded / tp + 2 * d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
 
 
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
     a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
-    full = act_per_token_per_block(a, d, tp) * t
+    full = act_per_token_per_block(a, d, tp, p.ep) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
         stored, recompute = n * full, 0.0
