@@ -12,9 +12,13 @@ bias update from other counts than one process's would show within a few steps.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import ParitySuite
+from conftest import REPO, ParitySuite
 
 pytestmark = pytest.mark.dist
 RTOL = 1e-4
@@ -46,3 +50,13 @@ def test_expert_parallel_layouts_match_one_process(moe_suite, layout):
 
 def test_qwen3_dense_fsdp2_x_tp2_matches_one_process(tmp_path):
     ParitySuite(str(tmp_path), TINY_QWEN3).check(["fsdp2_tp2"], rtol=RTOL)
+
+
+def test_expert_weights_initialise_identically_under_expert_parallelism():
+    """Experts split over 2 EP ranks and FSDP-sharded over 2 more (2-D DTensors) hold exactly the
+    single-process initial values (init keyed by global name and shape, not by the rank's slice)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "check_init.py"), *TINY_MOE,
+           "--parallelism.expert_parallel_degree", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0 and "INIT-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
