@@ -67,3 +67,24 @@ def test_expert_parallel_checkpoint_reshards_to_one_process(ep_ref, tmp_path):
     final_ep, final_one = load_all(ckpt(ep_ref, 8)), load_all(ckpt(tmp_path, 8))
     key = "model.layers.0.feed_forward.expert_bias"
     torch.testing.assert_close(final_one[key], final_ep[key], rtol=0, atol=1e-6)
+
+
+def test_hf_weights_load_into_an_expert_parallel_job(tmp_path):
+    """A Hugging Face Qwen3-MoE folder (per-expert tensors) streamed into EP 2 x FSDP 2 (each rank keeps
+    its experts' shards) trains exactly like one process that loaded the same folder (1e-4 per step)."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed")
+    from conftest import ParitySuite
+
+    config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=64, rope_theta=1e6,
+                                         initializer_range=0.1)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    load = ["--model.hidden_dim", "128", "--checkpoint.enable", "--checkpoint.interval", "100",
+            "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"]
+    suite = ParitySuite(str(tmp_path / "runs"), TINY_MOE + load, steps=3)
+    assert "model weights loaded from the Hugging Face folder" in suite.baseline.log
+    run, = suite.check(["ep2_fsdp2"], rtol=RTOL)
+    assert "model weights loaded from the Hugging Face folder" in run.log
