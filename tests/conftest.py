@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One dataset cache for the whole session (every trainer subprocess inherits it): document datasets are
+# prepared once per session, in a fresh folder, never in the user's ~/.cache.
+_CACHE = os.environ.setdefault("TORCHTRAIN_CACHE", tempfile.mkdtemp(prefix="torchtrain-test-cache-"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.path.basename(_CACHE).startswith("torchtrain-test-cache-"):
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 # A model small enough that a 10-step multi-process run takes seconds on 2 CPU cores, with GQA
 # (n_kv_heads < n_heads) so grouped-query attention is exercised too, and head counts that

@@ -54,3 +54,32 @@ def test_initial_weights_are_layout_independent(nproc, layout):
            *TINY_MODEL, "--model.vocab_size", "301", *layout]  # odd vocab: uneven FSDP shards
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0 and "INIT-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_layouts_match_on_a_prepared_token_mixture(tmp_path):
+    """The `tokens` path end to end: two folders prepared with the CLI, mixed 3:1, cross-document labels
+    masked, a background loader worker; FSDP and FSDP x TP match one process (same tolerance)."""
+    from torchtrain.components.data.sources import python_stdlib_source
+
+    files = sorted(p.path for p in python_stdlib_source("train").pieces())
+    folders = []
+    for name, chunk in (("code_a", files[:40]), ("code_b", files[40:60])):
+        out = subprocess.run([sys.executable, "-m", "torchtrain.data.prepare", *_as_txt(tmp_path, name, chunk),
+                              "--out", str(tmp_path / name), "--workers", "2", "--shard-size-mb", "0.2"],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr
+        folders.append(str(tmp_path / name))
+    data = ["--training.dataset", "tokens", "--training.datasets", f"{folders[0]}:3,{folders[1]}:1",
+            "--training.mask_cross_document_labels", "true", "--training.dataloader_workers", "1"]
+    ok, table, _ = check_parity("single", ["fsdp2", "fsdp2_tp2"], None, 10, list(TINY_JOB) + data, RTOL)
+    print(table)
+    assert ok, table
+
+
+def _as_txt(tmp_path, name: str, files: list[str]) -> list[str]:
+    """Copies of the files as .txt inputs (one document each) in a folder of their own."""
+    folder = tmp_path / f"{name}-in"
+    folder.mkdir()
+    for i, path in enumerate(files):
+        (folder / f"{i:03d}.txt").write_bytes(open(path, "rb").read())
+    return [str(folder)]

@@ -142,8 +142,8 @@ def offline_validation_loss(checkpoint: str, batches: int, batch_size: int) -> f
     import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
 
-    from torchtrain.components.data import build_source
-    from torchtrain.components.data.dataset import PackedDataset
+    from torchtrain.components.data.build import resolve_sources
+    from torchtrain.components.data.dataset import WindowDataset
     from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
     from torchtrain.models.registry import build_model_args, get_model_spec
@@ -156,13 +156,12 @@ def offline_validation_loss(checkpoint: str, batches: int, batch_size: int) -> f
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     model.load_state_dict(state["model"])
-    data = PackedDataset(build_source("synthetic", None, "validation", cfg.debug.seed), tokenizer,
-                         cfg.training.seq_len, shuffle=False, infinite=False)
-    windows = iter(data)
+    sources = resolve_sources("synthetic", None, [], "text", None, None, tokenizer, "validation", cfg.debug.seed)
+    data = WindowDataset(sources, cfg.training.seq_len, shuffle=False)  # the split in stream order
     ce, tokens = 0.0, 0
     with torch.no_grad():
-        for _ in range(batches):
-            samples = [next(windows) for _ in range(batch_size)]
+        for b in range(batches):
+            samples = [data[g] for g in range(b * batch_size, (b + 1) * batch_size)]
             inputs, labels = (torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels"))
             ce += F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum").item()
             tokens += labels.numel()

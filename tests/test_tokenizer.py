@@ -57,3 +57,62 @@ def test_hf_tokenizer_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
         HFTokenizer(str(tmp_path))
+
+
+def _bpe_ranks(texts: list[str], merges: int) -> dict[bytes, int]:
+    """A tiny BPE vocabulary learned from `texts`: the 256 bytes, then the most frequent adjacent pairs."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([b]) for b in w.encode()] for t in texts for w in t.split()]
+    for _ in range(merges):
+        pairs: dict[tuple[bytes, bytes], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks[a + b] = len(ranks)
+        merged = []
+        for w in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged.append(out)
+        words = merged
+    return ranks
+
+
+@pytest.fixture
+def tiktoken_file(tmp_path):
+    pytest.importorskip("tiktoken", reason="`tiktoken` (the [tiktoken] extra) reads tokenizer.model files")
+    import base64
+
+    ranks = _bpe_ranks(TEXTS * 3 + ["hello hello hello world world"], merges=40)
+    with open(tmp_path / "tokenizer.model", "w") as f:
+        for token, rank in ranks.items():
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    return tmp_path / "tokenizer.model", ranks
+
+
+def test_tiktoken_bpe_file_llama3_layout(tiktoken_file):
+    from torchtrain.components.tokenizer import TiktokenTokenizer
+
+    path, ranks = tiktoken_file
+    tok = build_tokenizer(str(path.parent))  # the folder: tokenizer.model found
+    assert isinstance(tok, TiktokenTokenizer)
+    n = len(ranks)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (n, n + 1, n + 256)  # Llama 3: 256 specials after BPE
+    for text in TEXTS + ["<|end_of_text|> is plain text inside a document"]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and all(i < n for i in ids[1:-1])
+        assert tok.decode(ids) == text
+    assert tok.encode("hello", bos=False, eos=False) == [ranks[b"hello"]]  # merges applied
+    assert tok.identity["kind"] == "tiktoken" and len(tok.identity["sha256"]) == 64
+    path.write_text("not base64 at all\n")
+    with pytest.raises(ConfigError, match="line 1 is not `base64-token rank`"):
+        build_tokenizer(str(path))

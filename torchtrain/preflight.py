@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtrain.components.data import check_dataset_name
+from torchtrain.components.data.sources import check_dataset_name
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.components.validation import check_validation
 from torchtrain.config import JobConfig

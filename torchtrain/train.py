@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.checkpoint.state import training_states
-from torchtrain.components.data import build_dataloader, build_source
+from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.gc_control import GarbageCollection
 from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
@@ -58,8 +58,11 @@ class Trainer:
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
-        source = build_source(cfg.training.dataset, cfg.training.dataset_path, "train", cfg.debug.seed)
-        val_source = build_validation_source(cfg.validation, cfg.training, cfg.debug.seed)  # None unless enabled
+        # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
+        # the cache on first use, by one process while the others wait).
+        sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
+        val_source = build_validation_source(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
+                                             cfg.debug.seed)  # None unless enabled
         checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device.type, cfg.model.name,
                              spec.state_dict_adapter is not None)
 
@@ -88,8 +91,8 @@ class Trainer:
                                     cfg.training.max_norm, self.moe)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
-        self.dataloader = build_dataloader(source, tokenizer, cfg.training.seq_len, self.batch.local_batch_size,
-                                           dims.dp_rank, dims.dp, cfg.debug.seed, shuffle=cfg.training.dataset_shuffle)
+        self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, dims.dp_rank, dims.dp,
+                                           cfg.debug.seed, device.type)
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
                                                                             cfg.metrics.peak_tflops), world_size)
@@ -102,7 +105,7 @@ class Trainer:
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, device)
         self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling)
         self.validator = None if val_source is None else Validator(
-            cfg.validation, cfg.training, val_source, tokenizer, self.train_step, cfg.debug.seed)
+            cfg.validation, cfg.training, val_source, self.train_step)
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
                                    check_grad_norm=not layout.loss_scaling, device=device)
         self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)

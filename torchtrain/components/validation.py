@@ -10,8 +10,10 @@ a global token mean like the training loss, but not scaled for gradient accumula
 backward): each rank sums its cross-entropy in float32 per batch, the sums and token counts are
 accumulated in float64, all-reduced over data-parallel ranks (and pipeline stages, where only the
 last stage holds a loss) and divided once. Windows are dealt round-robin over data-parallel ranks
-like training data, so a validation batch over all ranks is exactly what one process with a dp
-times larger batch reads, and the value does not depend on the layout.
+in stream order (no shuffling) like training samples, so a validation batch over all ranks is
+exactly what one process with a dp times larger batch reads, and the value does not depend on the
+layout. Every dataset kind works: prepared token folders, and the document datasets (prepared into
+the cache on first use).
 
 Pipeline parallelism: the forward runs through the train step's pipeline runner
 (`distributed/pipeline_runtime.py::PipelineRunner.forward`: stage by stage, any batch shape), so only
@@ -24,11 +26,11 @@ import math
 import time
 
 import torch
-from torch.utils.data import DataLoader
 
-from torchtrain.components.data import build_source, check_dataset_name
-from torchtrain.components.data.dataset import PackedDataset
-from torchtrain.components.data.sources import DocumentSource
+from torchtrain.components.data.build import resolve_sources
+from torchtrain.components.data.dataset import Source, WindowDataset
+from torchtrain.components.data.loader import DataLoader
+from torchtrain.components.data.sources import TOKENS, check_dataset_name
 from torchtrain.components.loss import count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config import ConfigError
@@ -52,38 +54,47 @@ def check_validation(v: Validation, training: Training, tp: int) -> None:
         return
     name = v.dataset or training.dataset
     check_dataset_name(name, "validation.dataset")
-    if name == "files" and not v.dataset_path:
-        raise ConfigError("[validation.dataset_path] is required with the \"files\" dataset: point it at held-out "
-                          ".txt/.jsonl files (not the training files)")
+    if name in ("files", TOKENS) and not v.dataset_path:
+        raise ConfigError(f"[validation.dataset_path] is required with the {name!r} dataset: point it at held-out "
+                          f"data (not the training data)")
     _, seq_len = resolved_shape(v, training)
     check_divisible(tp, {"validation.seq_len": seq_len},
                     {"validation.seq_len": "sequence parallelism splits every validation sequence evenly"})
 
 
-def build_validation_source(v: Validation, training: Training, seed: int) -> DocumentSource | None:
-    """The held-out documents (None when validation is off); ConfigError when they cannot be read."""
+def build_validation_source(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
+                            seed: int) -> Source | None:
+    """The held-out data, prepared (None when validation is off); ConfigError when it cannot be read."""
     if not v.enable:
         return None
     name = v.dataset or training.dataset
     path = v.dataset_path
-    if name == "files" and path == training.dataset_path:
+    if name in ("files", TOKENS) and path == training.dataset_path:
         logger.warning("validation.dataset_path is the training data: the validation loss is not held out")
-    try:
-        return build_source(name, path, "validation", seed)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("[training.", "[validation.")) from None
+    (source,) = resolve_sources(name, path, [], training.dataset_text_field, training.dataset_cache_dir,
+                                tokenizer_path, tokenizer, "validation", seed, section="validation")
+    return source
 
 
 class Validator:
     """Evaluates a train step's model parts on the validation split (see the module docstring)."""
 
-    def __init__(self, cfg: Validation, training: Training, source: DocumentSource, tokenizer: Tokenizer,
-                 train_step, seed: int):
+    def __init__(self, cfg: Validation, training: Training, source: Source, train_step):
         self.cfg, self.train_step = cfg, train_step
         self.dims = train_step.layout.dims
         self.local_batch_size, self.seq_len = resolved_shape(cfg, training)
-        self.dataset = PackedDataset(source, tokenizer, self.seq_len, dp_rank=self.dims.dp_rank,
-                                     dp_degree=self.dims.dp, seed=seed, shuffle=False, infinite=False)
+        try:
+            dataset = WindowDataset([source], self.seq_len, shuffle=False,
+                                    mask_cross_document_labels=training.mask_cross_document_labels)
+        except ValueError as e:
+            raise ConfigError(f"[validation.seq_len] {e}") from None
+        if dataset.num_windows < self.local_batch_size * self.dims.dp:
+            raise ConfigError(f"[validation] the validation split holds {dataset.num_windows} windows of "
+                              f"{self.seq_len + 1} tokens, less than one batch ({self.local_batch_size} x {self.dims.dp}"
+                              f" data-parallel ranks); use a larger split or a smaller validation.local_batch_size / "
+                              f"seq_len")
+        self.loader = DataLoader(dataset, self.local_batch_size, self.dims.dp_rank, self.dims.dp,
+                                 limit=dataset.num_windows, log_epochs=False)
         limit = "the whole split" if cfg.steps == -1 else f"{cfg.steps} batches"
         logger.info("validation every %d steps: %s of %d x %d sequences of %d tokens (%s)", cfg.freq, limit,
                     self.local_batch_size, self.dims.dp, self.seq_len, cfg.dataset or training.dataset)
@@ -93,9 +104,8 @@ class Validator:
 
     def batches(self):
         """The validation batches of this rank, from the start of the split."""
-        self.dataset.load_state_dict({"epoch": 0, "doc": 0, "offset": 0, "windows": 0})
-        loader = DataLoader(self.dataset, batch_size=self.local_batch_size, num_workers=0, drop_last=True)
-        for i, batch in enumerate(loader):
+        self.loader.samples = 0
+        for i, batch in enumerate(self.loader):
             if self.cfg.steps != -1 and i >= self.cfg.steps:
                 return
             yield batch
@@ -122,10 +132,6 @@ class Validator:
         finally:
             for part in train_step.model_parts:
                 part.train()
-        if n == 0:
-            raise ConfigError(f"[validation] the validation split holds less than one batch ({self.local_batch_size} x "
-                              f"{dims.dp} sequences of {self.seq_len + 1} tokens); use a larger split or smaller "
-                              f"validation.local_batch_size / seq_len")
         all_reduce(totals, dims.dp_mesh)
         if dims.pp_enabled:
             all_reduce(totals, dims.pp_mesh)

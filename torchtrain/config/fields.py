@@ -109,6 +109,8 @@ def type_name(tp: Any) -> str:
     if origin in (list, tuple):
         (arg, *_) = typing.get_args(base) or (Any,)
         name = f"list[{type_name(arg)}]"
+    elif dataclasses.is_dataclass(base):
+        name = "{" + ", ".join(f"{k}: {type_name(t)}" for k, t in field_types(base).items()) + "}"
     else:
         name = getattr(base, "__name__", str(base))
     if meta:
@@ -185,7 +187,29 @@ def _coerce_base(value: Any, tp: Any, key: str) -> Any:
         raise _fail(key, value, "a string")
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):
+        return _coerce_table(value, tp, key)
     raise ConfigError(f"[{key}] has an unsupported type {tp!r} (a bug in the config declaration)")
+
+
+def _coerce_table(value: Any, tp: type, key: str) -> Any:
+    """A TOML table (dict) into the dataclass `tp`, each field coerced; a string goes through
+    `tp.parse(text)` when the class offers a command-line form."""
+    if isinstance(value, tp):
+        return value
+    if isinstance(value, str) and hasattr(tp, "parse"):
+        value = tp.parse(value, key)
+    if not isinstance(value, dict):
+        raise _fail(key, value, f"a table {type_name(tp)}")
+    types_ = field_types(tp)
+    unknown = [k for k in value if k not in types_]
+    if unknown:
+        raise ConfigError(f"[{key}] unknown key {unknown[0]!r}{did_you_mean(unknown[0], list(types_))} "
+                          f"Valid keys: {', '.join(types_)}")
+    missing = [f.name for f in dataclasses.fields(tp) if f.name not in value and default_of(f) is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"[{key}] needs {', '.join(missing)} ({type_name(tp)})")
+    return tp(**{k: coerce(v, types_[k], f"{key}.{k}") for k, v in value.items()})
 
 
 def is_bool(tp: Any) -> bool:

@@ -173,6 +173,9 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):  # an inline table
+        return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}"
+                               for f in dataclasses.fields(value)) + "}"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 

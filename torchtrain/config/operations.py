@@ -75,11 +75,12 @@ class Validation:
 
     dataset: str | None = None
     """Dataset of the held-out data. Unset: training.dataset. Its `validation` split is used:
-    python_stdlib holds out 2% of its files, synthetic uses another seed; for `files` set
-    `dataset_path` to files that are not in the training set."""
+    python_stdlib holds out 2% of its files, synthetic uses another seed; for `files` and `tokens`
+    set `dataset_path` to data that is not in the training set."""
 
     dataset_path: str | None = None
-    """For dataset "files": the held-out .txt/.jsonl file, folder or glob (required)."""
+    """For dataset "files": the held-out .txt/.jsonl/.parquet file, folder or glob; for "tokens": a
+    prepared folder of held-out data (required for both)."""
 
     local_batch_size: int = -1
     """Sequences per validation batch on each data-parallel rank; -1: training.local_batch_size."""

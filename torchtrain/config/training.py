@@ -2,25 +2,72 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 from torchtrain.config.fields import ConfigError, Ge, Gt, Le
 
 
 @dataclass
+class DatasetEntry:
+    """One source of a data mixture: a prepared token folder and its share of the samples."""
+
+    path: str
+    """A folder written by `python -m torchtrain.data.prepare`."""
+
+    weight: Annotated[float, Gt(0)] = 1.0
+    """Relative share of the training samples (weights are normalised to sum to 1)."""
+
+    @classmethod
+    def parse(cls, text: str, key: str) -> dict[str, Any]:
+        """The command-line form `PATH:WEIGHT` (or just `PATH`, weight 1)."""
+        path, sep, weight = text.strip().rpartition(":")
+        try:
+            return {"path": path, "weight": float(weight)} if sep else {"path": text.strip()}
+        except ValueError:
+            return {"path": text.strip()}
+
+
+@dataclass
 class Training:
     dataset: str = "python_stdlib"
-    """Dataset to train on: `python_stdlib` (the Python standard library's source files, present on
-    every machine), `files` (your .txt/.jsonl files at `dataset_path`) or `synthetic` (deterministic
-    generated tokens, for tests)."""
+    """Dataset to train on: `tokens` (folders prepared by `python -m torchtrain.data.prepare`: the
+    scalable path), `python_stdlib` (the Python standard library's source files, present on every
+    machine), `files` (your .txt/.jsonl/.parquet files at `dataset_path`) or `synthetic`
+    (deterministic generated tokens, for tests). Every dataset but `tokens` is prepared once into
+    `dataset_cache_dir` on first use and then read like `tokens` (docs/data.md)."""
 
     dataset_path: str | None = None
-    """For `dataset = "files"`: a .txt/.jsonl file, a folder of them, or a glob. A .txt file is one
-    document; each .jsonl line is one document (its "text" field)."""
+    """For `tokens`: the prepared folder (or use `datasets` for a mixture). For `files`: a
+    .txt/.jsonl/.parquet file (.txt/.jsonl may be .gz/.zst), a folder of them, or a glob. A .txt file
+    is one document; each .jsonl line or .parquet row is one (its `dataset_text_field`)."""
+
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    """For `tokens`: a mixture of prepared folders, each with a weight, as TOML tables
+    `[[training.datasets]]` with `path` and `weight` (or on the command line
+    `--training.datasets /a:0.7,/b:0.3`). Samples follow the weights deterministically (any 1,000
+    consecutive samples within 1% of them); a source that runs out starts its next epoch."""
+
+    dataset_text_field: str = "text"
+    """For `files`: the document field of .jsonl records and the column of .parquet files."""
+
+    dataset_cache_dir: str | None = None
+    """Where `python_stdlib`, `files` and `synthetic` are prepared into token folders (keyed by the
+    files and the tokenizer; prepared by one process, safely under concurrent starts). Unset:
+    $TORCHTRAIN_CACHE, else $XDG_CACHE_HOME/torchtrain, else ~/.cache/torchtrain."""
 
     dataset_shuffle: bool = True
-    """Shuffle the document order each epoch (deterministically from `debug.seed`)."""
+    """Visit the windows of each epoch in a seeded random order (from `debug.seed` and the epoch);
+    false: in stream order."""
+
+    mask_cross_document_labels: bool = False
+    """Ignore in the loss the label that crosses a document boundary (the next document's first
+    token after the previous one's EOS). Default off, as is standard: the model learns to predict
+    the start of a document too."""
+
+    dataloader_workers: Annotated[int, Ge(0)] = 0
+    """Background loader processes (torchdata StatefulDataLoader workers with prefetching, and pinned
+    memory on CUDA). 0 loads in the training process. Resume is exact for any number."""
 
     local_batch_size: Annotated[int, Ge(1)] = 8
     """Sequences per micro-batch on each data-parallel rank."""
@@ -70,8 +117,14 @@ class Training:
         if self.dataset == "files" and not self.dataset_path:
             raise ConfigError(
                 "[training.dataset_path] is required with training.dataset = \"files\": point it at a "
-                ".txt/.jsonl file, a folder of them, or a glob"
+                ".txt/.jsonl/.parquet file, a folder of them, or a glob"
             )
+        if self.datasets and self.dataset != "tokens":
+            raise ConfigError("[training.datasets] a mixture is read from prepared token folders: set "
+                              "training.dataset = \"tokens\" (prepare folders with python -m torchtrain.data.prepare)")
+        if self.dataset == "tokens" and bool(self.dataset_path) == bool(self.datasets):
+            raise ConfigError("[training.dataset_path] training.dataset = \"tokens\" reads either one prepared folder "
+                              "(dataset_path) or a mixture ([[training.datasets]]): set exactly one of them")
 
 
 @dataclass

@@ -47,9 +47,12 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = 0.1 if self.tty else interval
         self.enabled = enabled
+        self.postfix = ""
+        """Extra text shown after the numbers (e.g. a second rate); the caller updates it."""
         self.done = 0.0
         self.start = time.monotonic()
         self._last_draw = -float("inf")
+        self._drawn: float | None = None  # `done` at the last draw
 
     # ------------------------------------------------------------------ numbers
     @property
@@ -74,6 +77,8 @@ class Progress:
         parts.append(f"{human(self.rate)} {self.unit}/s")
         eta = self.eta
         parts.append(f"ETA {duration(eta)}" if eta is not None else f"elapsed {duration(self.elapsed)}")
+        if self.postfix:
+            parts.append(self.postfix)
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ drawing
@@ -85,6 +90,7 @@ class Progress:
             self._draw()
 
     def _draw(self) -> None:
+        self._drawn = self.done
         if self.tty:
             frac = min(1.0, self.done / self.total) if self.total else 0.0
             bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac)) if self.total else ""
@@ -98,7 +104,8 @@ class Progress:
         """Final state (always printed), then `summary` if given."""
         if not self.enabled:
             return
-        self._draw()
+        if self._drawn != self.done or self.tty:
+            self._draw()
         if self.tty:
             self.stream.write("\n")
         if summary:

@@ -1,9 +1,6 @@
-"""Data: document sources -> tokenized, packed windows -> a stateful, data-parallel-aware loader."""
+"""Data: raw text -> prepared token shards (format.py, readers.py, prepare.py) -> windows chosen by
+global sample index (sampling.py, dataset.py) -> a stateful, data-parallel loader (loader.py), with
+the built-in text datasets prepared once into a cache (sources.py, cache.py). See docs/data.md.
 
-from torchtrain.components.data.dataset import PackedDataset
-from torchtrain.components.data.loader import build_dataloader
-from torchtrain.components.data.sources import (DocumentSource, build_source, check_dataset_name, dataset_names,
-                                                register_dataset)
-
-__all__ = ["DocumentSource", "PackedDataset", "build_dataloader", "build_source", "check_dataset_name", "dataset_names",
-           "register_dataset"]
+Import the submodules directly: this package imports nothing, so the offline preparation tool
+starts without loading torch."""

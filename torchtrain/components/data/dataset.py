@@ -1,106 +1,106 @@
-"""Packing documents into fixed windows, split over data-parallel ranks, with exact resumable state.
+"""Global sample index -> training sample: windows of prepared token streams (docs/data.md).
 
-The token stream is: the documents in (per-epoch shuffled) order, each tokenized with BOS ... EOS,
-concatenated. It is cut into consecutive, non-overlapping windows of seq_len + 1 tokens; a window w
-gives inputs w[:-1] and labels w[1:].
+Global sample g is window `w` of source `s` (`sampling.py`: the mixture picks s, the epoch's seeded
+permutation picks w). A window is seq_len + 1 consecutive tokens of that source's stream; it gives
 
-Data-parallel split: windows are dealt round-robin, window k going to dp rank k mod dp. Every rank
-walks the same stream (tokenizing every document, keeping only its own windows), which buys two
-guarantees worth the extra tokenization:
+    input_ids = window[:-1]      labels = window[1:]
+    positions = each input token's position in its document (0 at every document start)
 
-* the union of one step's batches over the dp ranks is exactly the batch a single process would
-  read, so every layout trains on identical data (the parity tests rely on this);
-* the state after a step is the same on every rank (a position in the stream, stored at the end of a
-  round of dp windows), so a checkpoint resumes exactly, even under a different dp degree.
+`positions` carry the document boundaries to the model (block-causal attention, per-document RoPE);
+with `mask_cross_document_labels` the label of the token before a document start (the next
+document's first token, predicted from the previous document's EOS) is ignored by the loss.
+
+Reading a sample touches only that window (a memory-mapped slice and a binary search in the
+document offsets), so a rank's cost does not depend on how many ranks share the data.
 """
 
 from __future__ import annotations
 
-import random
-from typing import Any, Iterator
+import hashlib
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset
 
-from torchtrain.components.data.sources import DocumentSource
-from torchtrain.components.tokenizer import Tokenizer
+from torchtrain.components.data.format import TokenCorpus
+from torchtrain.components.data.sampling import Mixture, Permutation
+from torchtrain.components.loss import IGNORE_INDEX
 
 
-class PackedDataset(IterableDataset):
-    """Yields {"input_ids", "labels"} int64 tensors of length seq_len for one data-parallel rank."""
+@dataclass
+class Source:
+    """One prepared dataset of a mixture."""
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
-                 dp_degree: int = 1, seed: int = 0, shuffle: bool = True, infinite: bool = True):
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank {dp_rank} out of range for dp_degree {dp_degree}")
-        self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
-        # Position of the next unread token of the global stream, and windows consumed so far.
-        self._state = {"epoch": 0, "doc": 0, "offset": 0, "windows": 0}
-        self._order_cache: tuple[int, list[int] | range] | None = None
+    corpus: TokenCorpus
+    weight: float
+    name: str
 
-    # -------------------------------------------------------------------- stream
-    def _order(self, epoch: int) -> list[int] | range:
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order: list[int] | range = range(len(self.source))
-            if self.shuffle:
-                order = list(order)
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
 
-    def _tokens(self, index: int) -> list[int]:
-        doc = self.source[index]
-        if isinstance(doc, str):
-            return self.tokenizer.encode(doc, bos=True, eos=True)
-        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-        return bos + list(doc) + [self.tokenizer.eos_id]
+def _seed_of(*parts: int) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
-    def _read(self, cursor: dict[str, int], n: int, cache: dict[str, Any]) -> list[int] | None:
-        """Next n tokens of the stream from `cursor` (advanced in place); None at the end (finite)."""
-        out: list[int] = []
-        while len(out) < n:
-            order = self._order(cursor["epoch"])
-            if cursor["doc"] >= len(order):
-                if not self.infinite:
-                    return None
-                cursor.update(epoch=cursor["epoch"] + 1, doc=0, offset=0)
-                continue
-            key = (cursor["epoch"], cursor["doc"])
-            if cache.get("key") != key:
-                cache.update(key=key, tokens=self._tokens(order[cursor["doc"]]))
-            tokens = cache["tokens"]
-            take = tokens[cursor["offset"] : cursor["offset"] + n - len(out)]
-            out += take
-            cursor["offset"] += len(take)
-            if cursor["offset"] >= len(tokens):
-                cursor.update(doc=cursor["doc"] + 1, offset=0)
-        return out
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        cursor, cache = dict(self._state), {}
-        window_len = self.seq_len + 1
-        while True:
-            mine = None
-            for k in range(self.dp_degree):  # one round: a window for every dp rank
-                window = self._read(cursor, window_len, cache)
-                if window is None:
-                    return
-                if k == self.dp_rank:
-                    mine = window
-            cursor["windows"] += self.dp_degree
-            self._state = dict(cursor)
-            t = torch.tensor(mine, dtype=torch.long)
-            yield {"input_ids": t[:-1], "labels": t[1:]}
+class WindowDataset(Dataset):
+    """Map-style dataset over global sample indices (infinite for training; see `num_windows` for a
+    single unshuffled source read once, as validation does)."""
 
-    # -------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, int]:
-        """The stream position after the last yielded round (identical on every dp rank)."""
-        return dict(self._state)
+    def __init__(self, sources: list[Source], seq_len: int, seed: int = 0, shuffle: bool = True,
+                 mask_cross_document_labels: bool = False):
+        self.sources, self.seq_len, self.seed, self.shuffle = sources, seq_len, seed, shuffle
+        self.mask_cross_document_labels = mask_cross_document_labels
+        self.windows = [s.corpus.num_tokens // (seq_len + 1) for s in sources]
+        for s, w in zip(sources, self.windows):
+            if w < 1:
+                raise ValueError(f"dataset {s.name!r} holds {s.corpus.num_tokens} tokens, fewer than one window of "
+                                 f"seq_len + 1 = {seq_len + 1}")
+        self.mixture = Mixture([s.weight for s in sources])
+        self._perms: dict[tuple[int, int], Permutation] = {}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        missing = {"epoch", "doc", "offset", "windows"} - set(state)
-        if missing:
-            raise ValueError(f"dataset state lacks {sorted(missing)}")
-        self._state = {k: int(state[k]) for k in ("epoch", "doc", "offset", "windows")}
+    @property
+    def num_windows(self) -> int:
+        return sum(self.windows)
+
+    def locate(self, g: int) -> tuple[int, int, int]:
+        """(source, epoch, window) of global sample g."""
+        s, j = self.mixture.locate(g)
+        epoch, k = divmod(j, self.windows[s])
+        if not self.shuffle:
+            return s, epoch, k
+        key = (s, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            perm = self._perms[key] = Permutation(self.windows[s], _seed_of(self.seed, s, epoch))
+        return s, epoch, perm(k)
+
+    def epochs(self, samples: int) -> list[int]:
+        """The epoch each source is in once `samples` global samples have been read."""
+        return [n // w for n, w in zip(self.mixture.counts_before(samples), self.windows)]
+
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids, labels, positions) of global sample g, int64 arrays of seq_len."""
+        s, _, w = self.locate(g)
+        corpus, n = self.sources[s].corpus, self.seq_len + 1
+        tokens = corpus.read(w * n, n)
+        pos = corpus.positions(w * n, n)
+        labels = tokens[1:].copy()
+        if self.mask_cross_document_labels:
+            labels[pos[1:] == 0] = IGNORE_INDEX
+        return tokens[:-1], labels, pos[:-1]
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        x, y, p = self.sample(g)
+        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y), "positions": torch.from_numpy(p)}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A whole batch at once (the DataLoader's batched fetch): stacked (len(indices), seq_len)."""
+        parts = [self.sample(g) for g in indices]
+        return {name: torch.from_numpy(np.stack([p[i] for p in parts]))
+                for i, name in enumerate(("input_ids", "labels", "positions"))}
+
+    def fingerprint(self) -> dict:
+        """What decides the sample order: a resumed run with other values reads other data."""
+        return {"seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle,
+                "sources": [[s.name, s.corpus.num_tokens, s.weight] for s in self.sources]}

@@ -1,0 +1,84 @@
+"""From a job's data settings to prepared sources and this rank's loader, with every problem a
+ConfigError that names the key: a folder that is not a prepared dataset, a tokenizer that differs from
+the one the data was prepared with, a mixture weight too small to ever be drawn, a dataset shorter
+than one window.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torchtrain.components.data.cache import cache_root, cached_dataset
+from torchtrain.components.data.dataset import Source, WindowDataset
+from torchtrain.components.data.format import FormatError, TokenCorpus, tokenizer_matches
+from torchtrain.components.data.loader import DataLoader
+from torchtrain.components.data.sampling import MIXTURE_PERIOD
+from torchtrain.components.data.sources import TOKENS, build_source
+from torchtrain.components.tokenizer import Tokenizer
+from torchtrain.config.fields import ConfigError
+from torchtrain.config.training import DatasetEntry, Training
+from torchtrain.utils.logging import is_log_rank, logger
+
+
+def _describe(identity: dict[str, Any]) -> str:
+    sha = str(identity.get("sha256", ""))
+    return f"{identity.get('kind')} (vocab {identity.get('vocab_size')}, sha256 {sha[:12]})"
+
+
+def open_prepared(path: str, tokenizer: Tokenizer, key: str) -> TokenCorpus:
+    """A prepared folder, checked against the job's tokenizer."""
+    try:
+        corpus = TokenCorpus(path)
+    except (FormatError, OSError) as e:
+        raise ConfigError(f"[{key}] {e}") from None
+    if not tokenizer_matches(corpus.tokenizer, tokenizer.identity):
+        raise ConfigError(f"[{key}] {path} was prepared with the tokenizer {_describe(corpus.tokenizer)}, but this job "
+                          f"uses {_describe(tokenizer.identity)}: set model.hf_assets_path to the tokenizer the data "
+                          f"was prepared with, or prepare it again with --tokenizer <this job's tokenizer>")
+    return corpus
+
+
+def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry], text_field: str,
+                    cache_dir: str | None, tokenizer_path: str | None, tokenizer: Tokenizer, split: str, seed: int,
+                    section: str = "training") -> list[Source]:
+    """The prepared sources of a dataset setting: token folders as they are, document sources through
+    the cache (prepared on first use; other processes wait)."""
+    if dataset == TOKENS:
+        items = [(path, 1.0)] if path else [(e.path, e.weight) for e in entries]
+        key = f"{section}.dataset_path" if path else f"{section}.datasets"
+        total = sum(w for _, w in items)
+        names: list[str] = []
+        sources = []
+        for i, (p, weight) in enumerate(items):
+            if weight / total * MIXTURE_PERIOD < 0.5:
+                raise ConfigError(f"[{key}] weight {weight} of {p} is below 1/{MIXTURE_PERIOD} of the total {total}: "
+                                  f"it would never be drawn; raise it or drop the source")
+            name = os.path.basename(os.path.normpath(p)) or p
+            names.append(name if name not in names else f"{name}#{i}")
+            sources.append(Source(open_prepared(p, tokenizer, key), weight, names[-1]))
+        return sources
+    try:
+        source = build_source(dataset, path, split, seed, text_field)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("[training.", f"[{section}.")) from None
+    folder = cached_dataset(source, f"{dataset}-{split}", tokenizer_path, tokenizer.identity, cache_root(cache_dir),
+                            logger.info, show_progress=is_log_rank())
+    return [Source(open_prepared(folder, tokenizer, f"{section}.dataset"), 1.0, dataset)]
+
+
+def training_sources(training: Training, tokenizer_path: str | None, tokenizer: Tokenizer, seed: int) -> list[Source]:
+    return resolve_sources(training.dataset, training.dataset_path, training.datasets, training.dataset_text_field,
+                           training.dataset_cache_dir, tokenizer_path, tokenizer, "train", seed)
+
+
+def build_dataloader(sources: list[Source], training: Training, local_batch_size: int, dp_rank: int, dp_degree: int,
+                     seed: int, device_type: str = "cpu") -> DataLoader:
+    """This rank's training loader (infinite; epochs restart each source in a new order)."""
+    try:
+        dataset = WindowDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
+                                mask_cross_document_labels=training.mask_cross_document_labels)
+    except ValueError as e:
+        raise ConfigError(f"[training.seq_len] {e}") from None
+    return DataLoader(dataset, local_batch_size, dp_rank, dp_degree, workers=training.dataloader_workers,
+                      pin_memory=device_type == "cuda")

@@ -1,0 +1,269 @@
+"""Prepare once, offline: raw text -> token shards (docs/data.md).
+
+    python -m torchtrain.data.prepare INPUT [INPUT ...] --out DIR [--workers N] [--tokenizer PATH]
+
+The inputs (files, folders, globs of .txt / .jsonl[.gz|.zst] / .parquet) are cut into pieces
+(`readers.py`), and consecutive pieces are grouped into units of about `--shard-size-mb` input
+megabytes; unit i becomes shard i. The plan depends only on the inputs and the options, so the
+output is byte-identical for any worker count. Workers tokenize units in parallel; each shard is
+written atomically (`format.ShardWriter`), so a re-run skips finished shards and a killed run never
+leaves a shard, or a manifest, that reads as complete. The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from torchtrain.components.data.format import (FORMAT, MANIFEST, PROBLEMS, VERSION, ShardWriter, read_json,
+                                               shard_is_complete, shard_name, token_dtype, write_json)
+from torchtrain.components.data.readers import Piece, Problem, discover, documents, pieces_of
+from torchtrain.components.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from torchtrain.utils.progress import Progress, human
+
+MAX_PROBLEM_DETAILS = 10_000  # per shard; the counts are always exact
+
+
+class PrepareError(Exception):
+    """Preparation cannot go on (bad input under --strict, an output folder that holds other data)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    text_field: str = "text"
+    """The document field of .jsonl records and the column of .parquet files."""
+    shard_bytes: int = 256 << 20
+    """Input bytes per shard (about): the unit of parallel work and of resuming."""
+    strict: bool = False
+    """Stop at the first bad record instead of reporting, counting and skipping it."""
+
+
+def plan_units(pieces: list[Piece], shard_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces grouped into units of >= shard_bytes input bytes (the last may be smaller)."""
+    units: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        current.append(piece)
+        size += (piece.end - piece.start) if piece.kind == "jsonl" and piece.end >= 0 else piece.size
+        if size >= shard_bytes:
+            units.append(current)
+            current, size = [], 0
+    if current:
+        units.append(current)
+    return units
+
+
+def _unit_bytes(unit: list[Piece]) -> int:
+    return sum((p.end - p.start) if p.kind == "jsonl" and p.end >= 0 else p.size for p in unit)
+
+
+def _encoder(tok: Tokenizer) -> Callable[[str], np.ndarray]:
+    if isinstance(tok, ByteTokenizer):  # the bytes are the tokens: no Python list on the way
+        head, tail = np.array([tok.bos_id]), np.array([tok.eos_id])
+        return lambda text: np.concatenate([head, np.frombuffer(text.encode("utf-8"), np.uint8), tail])
+    return lambda text: np.asarray(tok.encode(text, bos=True, eos=True), dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------- worker
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_path: str | None, tokens_done, bytes_done, pool: bool = True) -> None:
+    if pool:  # one thread per worker: parallelism comes from the workers
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["RAYON_NUM_THREADS"] = "1"
+    _WORKER.update(tokenizer=build_tokenizer(tokenizer_path, "--tokenizer"), tokens=tokens_done, bytes=bytes_done)
+
+
+def _prepare_unit(job: tuple[int, list[Piece], str, str, Options, dict]) -> dict[str, Any]:
+    index, unit, folder, dtype, options, identity = job
+    encode = _encoder(_WORKER["tokenizer"])
+    writer = ShardWriter(folder, index, dtype)
+    problems: list[Problem] = []
+    per_piece = []
+    pending = 0
+    try:
+        for piece in unit:
+            docs0, tokens0 = writer.documents, writer.tokens
+            for text in documents(piece, options.text_field, problems):
+                if options.strict and problems:
+                    break
+                writer.add(encode(text))
+                pending += 1
+                if pending == 256:
+                    _add(_WORKER["tokens"], writer.tokens - tokens0)
+                    tokens0, pending = writer.tokens, 0
+            _add(_WORKER["tokens"], writer.tokens - tokens0)
+            _add(_WORKER["bytes"], _unit_bytes([piece]))
+            if options.strict and problems:
+                raise PrepareError(f"{problems[0]} (--strict: stopped at the first bad record)")
+            per_piece.append({**piece.describe(), "documents": writer.documents - docs0})
+        counts: dict[str, int] = {}
+        for p in problems:
+            counts[p.reason] = counts.get(p.reason, 0) + 1
+        return writer.close({"pieces": per_piece, "tokenizer": identity, "text_field": options.text_field,
+                             "problem_count": len(problems),
+                             "problems": [[p.path, p.line, p.reason] for p in problems[:MAX_PROBLEM_DETAILS]]})
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _add(counter, n: int) -> None:
+    if counter is not None and n:
+        with counter.get_lock():
+            counter.value += n
+
+
+# ------------------------------------------------------------------------------------------- driver
+def _plan_digest(units: list[list[Piece]], identity: dict, options: Options, dtype: str) -> str:
+    plan = {"units": [[p.describe() for p in u] for u in units], "tokenizer": identity,
+            "text_field": options.text_field, "dtype": dtype}
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _reusable(folder: str, index: int, unit: list[Piece], identity: dict, options: Options, dtype: str):
+    record = read_json(os.path.join(folder, f"{shard_name(index)}.json"))
+    if (record is None or record.get("tokenizer") != identity or record.get("text_field") != options.text_field
+            or [{k: v for k, v in p.items() if k != "documents"} for p in record.get("pieces", [])]
+            != [p.describe() for p in unit]):
+        return None
+    return record if shard_is_complete(folder, record, dtype) else None
+
+
+def prepare(pieces: list[Piece], out: str, tokenizer_path: str | None = None, options: Options = Options(),
+            workers: int = 1, overwrite: bool = False, log: Callable[[str], None] = print,
+            show_progress: bool = True, tokenizer_key: str = "--tokenizer") -> dict[str, Any]:
+    """Tokenize `pieces` into a prepared dataset at `out`; returns its manifest (module docstring)."""
+    tokenizer = build_tokenizer(tokenizer_path, tokenizer_key)
+    identity = tokenizer.identity
+    dtype = token_dtype(tokenizer.vocab_size)
+    units = plan_units(pieces, options.shard_bytes)
+    digest = _plan_digest(units, identity, options, dtype)
+    os.makedirs(out, exist_ok=True)
+    existing = read_json(os.path.join(out, MANIFEST))
+    if existing is not None:
+        if existing.get("plan_sha256") == digest:
+            log(f"{out} is already prepared from these inputs ({human(existing['num_tokens'])} tokens): nothing to do")
+            return existing
+        if not overwrite:
+            raise PrepareError(f"{out} already holds a prepared dataset made from other inputs or options; choose "
+                               f"another --out, or pass --overwrite to replace it")
+        os.remove(os.path.join(out, MANIFEST))  # from here on the folder is not a dataset until we finish
+    records: list[dict | None] = [_reusable(out, i, u, identity, options, dtype) for i, u in enumerate(units)]
+    todo = [i for i, r in enumerate(records) if r is None]
+    total_bytes = sum(_unit_bytes(u) for u in units)
+    if len(todo) < len(units):
+        log(f"resuming: {len(units) - len(todo)} of {len(units)} shards already prepared")
+    workers = max(1, min(workers, len(todo)))
+    t0 = time.monotonic()
+    ctx = mp.get_context("spawn")
+    tokens_done, bytes_done = ctx.Value("q", 0), ctx.Value("q", 0)
+    bar = Progress("prepare", total=sum(_unit_bytes(units[i]) for i in todo) / 1e6, unit="MB",
+                   enabled=show_progress)
+    jobs = [(i, units[i], out, dtype, options, identity) for i in todo]
+
+    def tick() -> None:
+        bar.postfix = f"{human(tokens_done.value / max(bar.elapsed, 1e-9))} tokens/s"
+        bar.update(bytes_done.value / 1e6 - bar.done)
+
+    if workers == 1:
+        _init_worker(tokenizer_path, tokens_done, bytes_done, pool=False)
+        for job in jobs:
+            records[job[0]] = _prepare_unit(job)
+            tick()
+    else:
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path, tokens_done, bytes_done)) as pool:
+            result = pool.map_async(_prepare_unit, jobs, chunksize=1)
+            while not result.ready():
+                result.wait(0.5)
+                tick()
+            for job, record in zip(jobs, result.get()):
+                records[job[0]] = record
+    bar.postfix = f"{human(tokens_done.value / max(bar.elapsed, 1e-9))} tokens/s"
+    bar.done = bytes_done.value / 1e6
+    bar.close()
+    manifest = _manifest(out, len(units), [r for r in records if r is not None], identity, dtype, digest,
+                         options.text_field)
+    _summary(manifest, out, time.monotonic() - t0, sum(records[i]["tokens"] for i in todo), total_bytes, log)
+    return manifest
+
+
+def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dtype: str, digest: str,
+              text_field: str) -> dict[str, Any]:
+    sources: dict[str, dict[str, int]] = {}
+    problems: list[list] = []
+    for record in records:
+        for p in record["pieces"]:
+            entry = sources.setdefault(p["path"], {"bytes": p["size"], "documents": 0})
+            entry["documents"] += p["documents"]
+        problems += record["problems"]
+    with open(os.path.join(out, PROBLEMS + ".tmp"), "w") as f:
+        for path, line, reason in problems:
+            f.write(json.dumps({"path": path, "line": line, "reason": reason}) + "\n")
+    os.replace(os.path.join(out, PROBLEMS + ".tmp"), os.path.join(out, PROBLEMS))
+    for name in os.listdir(out):  # shards of an earlier, longer plan (--overwrite)
+        stem = name.split(".")[0]
+        if stem.startswith("shard-") and stem[6:].isdigit() and int(stem[6:]) >= num_shards:
+            os.remove(os.path.join(out, name))
+    manifest = {
+        "format": FORMAT, "version": VERSION, "dtype": dtype, "tokenizer": identity, "plan_sha256": digest,
+        "text_field": text_field,
+        "num_tokens": sum(r["tokens"] for r in records), "num_documents": sum(r["documents"] for r in records),
+        "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256")} for r in records],
+        "sources": [{"path": path, **info} for path, info in sources.items()],
+        "problems": sum(r["problem_count"] for r in records),
+    }
+    write_json(os.path.join(out, MANIFEST), manifest)
+    return manifest
+
+
+def _summary(manifest: dict, out: str, seconds: float, new_tokens: int, total_bytes: int,
+             log: Callable[[str], None]) -> None:
+    log(f"prepared {out}: {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens "
+        f"({manifest['dtype']}) in {len(manifest['shards'])} shard(s) from {len(manifest['sources'])} file(s) "
+        f"({human(total_bytes)}B); {seconds:.1f}s, {human(new_tokens / max(seconds, 1e-9))} tokens/s")
+    if manifest["problems"]:
+        shown = []
+        with open(os.path.join(out, PROBLEMS)) as f:
+            for line, _ in zip(f, range(10)):
+                p = json.loads(line)
+                shown.append(f"  {p['path']}{':' + str(p['line']) if p['line'] else ''}: {p['reason']}")
+        log(f"{manifest['problems']:,} bad or empty inputs skipped (all listed in {os.path.join(out, PROBLEMS)}):\n"
+            + "\n".join(shown))
+
+
+def write_documents(docs: Iterable[str | list[int]], out: str, tokenizer_path: str | None, label: str,
+                    tokenizer_key: str = "--tokenizer") -> dict[str, Any]:
+    """A one-shard dataset from in-memory documents: text (tokenized) or token ids (BOS/EOS added)."""
+    tokenizer = build_tokenizer(tokenizer_path, tokenizer_key)
+    identity, dtype = tokenizer.identity, token_dtype(tokenizer.vocab_size)
+    encode = _encoder(tokenizer)
+    head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    os.makedirs(out, exist_ok=True)
+    writer = ShardWriter(out, 0, dtype)
+    try:
+        for doc in docs:
+            writer.add(encode(doc) if isinstance(doc, str) else np.asarray(head + list(doc) + [tokenizer.eos_id]))
+    except BaseException:
+        writer.abort()
+        raise
+    record = writer.close({"pieces": [{"path": label, "size": 0, "documents": writer.documents}], "tokenizer": identity,
+                           "text_field": "", "problem_count": 0, "problems": []})
+    digest = hashlib.sha256(json.dumps([label, identity], sort_keys=True).encode()).hexdigest()
+    return _manifest(out, 1, [record], identity, dtype, digest, "")
+
+
+def prepare_files(inputs: Iterable[str], out: str, **kwargs) -> dict[str, Any]:
+    """`prepare` for files, folders and globs (each expanded as `readers.discover` says)."""
+    options: Options = kwargs.get("options", Options())
+    pieces = [p for f in discover(list(inputs)) for p in pieces_of(f, options.shard_bytes)]
+    return prepare(pieces, out, **kwargs)

@@ -1,0 +1,63 @@
+"""`python -m torchtrain.data.prepare` (alias `torchtrain-prepare`): raw text -> token shards, once, offline.
+
+    python -m torchtrain.data.prepare data/*.jsonl.zst --out /data/web-tokens --workers 32 \
+        --tokenizer /models/llama3/tokenizer.model
+
+then train on them with `--training.dataset tokens --training.dataset_path /data/web-tokens`.
+The format and the guarantees (byte-identical output for any worker count, resumable, atomic) are
+in docs/data.md; the work itself is `torchtrain/components/data/prepare.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torchtrain.components.data.prepare import Options, PrepareError, prepare_files
+from torchtrain.config.fields import ConfigError
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m torchtrain.data.prepare",
+                                description="Tokenize .txt / .jsonl[.gz|.zst] / .parquet files into token shards "
+                                            "that `training.dataset = \"tokens\"` reads (docs/data.md).")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="a file, a folder (searched recursively) or a glob")
+    p.add_argument("--out", required=True, help="output folder (created; re-running resumes)")
+    p.add_argument("--workers", type=int, default=1, help="parallel tokenizing processes (default 1)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json, tiktoken tokenizer.model, or a folder holding one; default: the built-in "
+                        "byte tokenizer. Train with the same file as model.hf_assets_path")
+    p.add_argument("--text-field", default="text", help="document field of .jsonl records / .parquet column")
+    p.add_argument("--shard-size-mb", type=float, default=256,
+                   help="input megabytes per shard, the unit of parallel work and of resuming (default 256)")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first bad record (default: report it with file and line, count it, skip it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already prepared at --out from other inputs")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    if args.shard_size_mb <= 0:
+        p.error("--shard-size-mb must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    options = Options(text_field=args.text_field, shard_bytes=int(args.shard_size_mb * (1 << 20)), strict=args.strict)
+    try:
+        prepare_files(args.inputs, args.out, tokenizer_path=args.tokenizer, options=options, workers=args.workers,
+                      overwrite=args.overwrite, show_progress=True)
+    except (PrepareError, ConfigError, ValueError, OSError) as e:
+        print(f"torchtrain-prepare: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"torchtrain-prepare: interrupted; finished shards in {os.path.abspath(args.out)} are kept and a re-run "
+              f"resumes", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
