@@ -254,3 +254,25 @@ def test_expert_parallel_borrows_from_dp_shard_and_tp():
                                        "--parallelism.tensor_parallel_degree", "2"]), 8, "cpu").layout.dims
     assert (dims.dp_shard, dims.tp, dims.ep, dims.dp_shard_in_ep, dims.expert_fsdp_degree) == (4, 2, 4, 2, 2)
     assert dims.describe() == "dp_shard 4 x tp 2, ep 4"
+
+
+def test_moe_metrics_reach_console_jsonl_and_tensorboard(tmp_path):
+    """A real (one-process) run logs the auxiliary loss and the per-layer-group expert load everywhere."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import read_metrics, run_train
+
+    out = run_train(["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+                     "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "4",
+                     "--model.moe_intermediate_size", "32", "--training.dataset", "synthetic", "--training.seq_len",
+                     "32", "--training.local_batch_size", "2", "--training.steps", "2", "--metrics.log_freq", "1",
+                     "--job.print_config", "false", "--job.dump_folder", str(tmp_path)], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "moe aux 1." in out.stdout and "load max/mean" in out.stdout
+    assert "parameters (" in out.stdout and "active per token)" in out.stdout
+    record = read_metrics(str(tmp_path))[-1]
+    assert record["moe_aux_loss"] >= 1.0 and record["moe_load_max_mean"] >= 1.0
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"moe_aux_loss", "moe_load_max_mean", "moe_load_max_mean/layers_0-0", "moe_load_max_mean/layers_1-1"} <= tags
