@@ -127,10 +127,12 @@ class _AuxLoss(torch.autograd.Function):
         return grad, scale.to(torch.float32).reshape(()), None
 
 
-def _histogram(keys: torch.Tensor, bins: int) -> torch.Tensor:
-    """How many of `keys` (integers in [0, bins)) fall in each bin, by sorting: deterministic on every
-    device and static in shape (it also runs on the planner's fake tensors, unlike bincount)."""
-    ordered = torch.sort(keys.reshape(-1)).values
+def _histogram(keys: torch.Tensor, bins: int, ordered: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of `keys` (integers in [0, bins)) fall in each bin, by sorting (`ordered`: keys already
+    sorted): deterministic on every device and static in shape (it also runs on the planner's fake
+    tensors, unlike bincount)."""
+    if ordered is None:
+        ordered = torch.sort(keys.reshape(-1)).values
     edges = torch.searchsorted(ordered, torch.arange(bins + 1, device=keys.device, dtype=keys.dtype))
     return edges.diff()
 
@@ -193,7 +195,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         scores, idx, weights = self.route(tokens)
         pairs = idx.reshape(-1)
-        counts = _histogram(pairs, self.num_experts)
+        order = torch.argsort(pairs, stable=True)  # (token, k) pairs grouped by expert
+        counts = _histogram(pairs, self.num_experts, ordered=pairs[order])
         use_aux = self.training and self.aux_loss_coeff > 0
         aux = self._aux_loss(scores, idx, batch) if use_aux else None
         if self.training and forward_is_counted() and _first_pass() and not counts.is_meta:
@@ -202,7 +205,6 @@ class MoE(nn.Module):
                 if aux is not None:
                     self.aux_loss_sum.add_(aux.detach())
 
-        order = torch.argsort(pairs, stable=True)  # (token, k) pairs grouped by expert
         routed = self.experts(tokens[order // self.top_k], counts)
         unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         routed = routed[unsort].view(-1, self.top_k, dim)
