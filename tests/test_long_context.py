@@ -204,3 +204,16 @@ def test_planner_models_context_parallelism():
     short = base.replace(seq_len=8192)
     assert {p.cp for p in enumerate_layouts(short, ["full"], ["zero3"])} == {1}
     assert {p.cp for p in enumerate_layouts(short, ["full"], ["zero3"], cp=2)} == {2}
+
+
+@pytest.mark.dist
+def test_context_parallel_with_a_mixture_of_experts_model(tmp_path):
+    """Qwen3-MoE (both balancing modes on: the auxiliary loss's per-sequence expert counts are summed
+    over the CP ranks) with block-causal masks: CP 2 x FSDP 2 matches one process."""
+    moe = ["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8",
+           "--model.n_kv_heads", "4", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
+           "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32",
+           "--model.moe_load_balance_coeff", "0.01", "--training.dataset", "synthetic", "--training.seq_len", "64",
+           "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
+           "--optimizer.lr", "3e-3", *BLOCK]
+    ParitySuite(str(tmp_path), moe, 10).check(["cp2_fsdp2"])

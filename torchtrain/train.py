@@ -25,6 +25,7 @@ from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
+from torchtrain.components.moe_balance import MoEBalancer
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.phases import PhaseTimer
 from torchtrain.components.profiling import Profiler
@@ -72,8 +73,10 @@ class Trainer:
         self._write_config()
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         check_cluster(checkpoint_folder if cfg.checkpoint.enable else None)  # a multi-node folder must be shared
-        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters", cfg.job.description,
-                    world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6)
+        active = getattr(args, "num_active_params", args.num_params)()
+        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters%s", cfg.job.description,
+                    world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6,
+                    f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
 
         # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard
@@ -83,8 +86,9 @@ class Trainer:
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.moe = MoEBalancer.for_model(self.model_parts, device, args)  # None unless the model has experts
         self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
-                                    cfg.training.max_norm)
+                                    cfg.training.max_norm, self.moe)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
         self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, dims.dp_rank, dims.dp,
@@ -223,6 +227,8 @@ class Trainer:
         if scaler.enabled:
             record.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps,
                           step_skipped=not out["stepped"])
+        if out.get("moe") is not None:
+            record.update(self.moe.record(out["moe"]))
         record.update(**self.phases.summary(record["step_time_s"]), **out.get("validation", {}),
                       **self.guard.record())  # [ops]
         self.metrics.log(self.state.step, record)

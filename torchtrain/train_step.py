@@ -21,6 +21,9 @@ FSDP / DDP average gradients over those R ranks, so the gradient is exactly that
 token-mean loss under any layout (components/loss.py). Under context parallelism each batch is first
 cut to this rank's chunks of every sequence (`shard`); a model whose forward takes `positions` gets
 the data's document positions.
+A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
+scale, and its global expert loads are reduced (and its routing bias updated) after the step
+(`components/moe_balance.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 
 from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
+from torchtrain.components.moe_balance import MoEBalancer
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
 from torchtrain.distributed.compile import compile_loss
@@ -64,8 +68,9 @@ class StepHooks:
 
 class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
-                 lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float):
-        self.layout, self.model_parts, self.device = layout, model_parts, device
+                 lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
+                 moe: MoEBalancer | None = None):
+        self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce)
@@ -138,6 +143,8 @@ class TrainStep:
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:
             self.loss_fn.scale = self.loss_fn.scale * multiplier
+        if self.moe is not None:
+            self.moe.begin_step(self.loss_fn.scale * self.scaler.factor)
         accumulated = self._forward_backward(batches)
         hooks.phase("optimizer")
         hooks.after_backward(self.model_parts)
@@ -152,6 +159,7 @@ class TrainStep:
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
+        moe_stats = self.moe.end_step(stepped) if self.moe is not None else None
         hooks.phase(None)
         return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped, "guard": verdict}
+                "stepped": stepped, "guard": verdict, "moe": moe_stats}

@@ -83,14 +83,18 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
+        moe = ""  # mixture-of-experts models: auxiliary loss and expert load imbalance (docs/moe.md)
+        if "moe_load_max_mean" in record:
+            moe = f" | moe aux {_fmt(record.get('moe_aux_loss'), '.4f')} load max/mean " \
+                  f"{_fmt(record['moe_load_max_mean'], '.2f')}"
         logger.info(
             "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
-            "mem %s GiB (%s) | data %s%%",
+            "mem %s GiB (%s) | data %s%%%s",
             step, _fmt(record.get("loss"), ".4f"), _fmt(record.get("grad_norm"), ".3f"),
             _fmt(record.get("lr"), ".2e"), _fmt(record.get("tokens_per_s_per_device"), ",.0f"),
             _fmt(record.get("tflops_per_device"), ".3f"), _fmt(record.get("mfu_pct"), ".1f"),
             _fmt(record.get("memory_peak_gib"), ".2f"), record.get("memory_kind", "?"),
-            _fmt(record.get("data_loading_pct"), ".1f"),
+            _fmt(record.get("data_loading_pct"), ".1f"), moe,
         )
 
     def close(self) -> None:

@@ -59,5 +59,10 @@ class LossScaler:
         return False
 
     @property
+    def factor(self) -> float:
+        """What `scale` multiplies the loss by now (1 without loss scaling)."""
+        return self._scaler.get_scale() if self.enabled else 1.0
+
+    @property
     def value(self) -> float | None:
         return self._scaler.get_scale() if self.enabled else None

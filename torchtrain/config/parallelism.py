@@ -40,6 +40,13 @@ class Parallelism:
     holds a head and a tail chunk, balancing causal attention work), attention gathers keys and
     values across them, and FSDP shards parameters over data_parallel_shard_degree x this
     (docs/long_context.md). training.seq_len must be divisible by 2 x this. 1 disables it."""
+    expert_parallel_degree: Annotated[int, Ge(1)] = 1
+    """Expert parallelism (MoE models): the experts of every MoE layer are split over this many ranks,
+    and each token is sent to the ranks of its experts and back with all-to-all. The EP group is
+    borrowed from data_parallel_shard_degree x tensor_parallel_degree (with tensor parallelism it
+    holds whole TP groups: a multiple of tensor_parallel_degree); the experts' FSDP shards over the
+    data-parallel ranks that remain. Needs an FSDP strategy (zero3/zero2). 1 disables it
+    (docs/moe.md)."""
 
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and

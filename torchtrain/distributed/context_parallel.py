@@ -43,8 +43,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, document_ids
+from torchtrain.models.common.moe import SequenceSum
 
+# (torch 2.13 renamed these; 2.11 has only the older names)
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 @functools.lru_cache(maxsize=64)
@@ -93,8 +96,7 @@ class ContextParallelAttention(AttentionCore):
         k_seq = torch.cat([cp_indices(seq_len, self.cp, r, device) for r in range(self.cp)])
         q_doc = k_doc = None
         if self.mask_type == "block_causal" and ctx.positions is not None:
-            gathered = funcol.all_gather_tensor(ctx.positions.to(device).contiguous(), gather_dim=1,
-                                                group=self.cp_mesh)
+            gathered = _all_gather(ctx.positions.to(device).contiguous(), gather_dim=1, group=self.cp_mesh)
             gathered = funcol.wait_tensor(gathered) if hasattr(funcol, "wait_tensor") else gathered
             full = torch.empty_like(gathered)
             full[:, k_seq] = gathered  # back to sequence order
@@ -108,14 +110,25 @@ class ContextParallelAttention(AttentionCore):
         return self.attend(q, k, v, ctx.mask)
 
 
+def _sum_over_cp(cp_mesh: DeviceMesh):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        summed = funcol.all_reduce(output, "sum", group=cp_mesh)
+        return funcol.wait_tensor(summed) if hasattr(funcol, "wait_tensor") else summed
+    return hook
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
     """Shard the model's attention over `cp_mesh`: every `AttentionCore` becomes a
-    `ContextParallelAttention`. (The trainer hands the model its chunks' `seq_index`: `TrainStep.shard`.)
-    Returns how many attention modules were replaced."""
+    `ContextParallelAttention`, and per-sequence statistics (`SequenceSum`, e.g. the MoE auxiliary
+    loss's expert counts) are summed over the CP ranks, which each hold part of every sequence. (The
+    trainer hands the model its chunks' `seq_index`: `TrainStep.shard`.) Returns how many attention
+    modules were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is AttentionCore:
                 setattr(parent, name, ContextParallelAttention(child, cp_mesh))
                 replaced += 1
+            elif isinstance(child, SequenceSum):
+                child.register_forward_hook(_sum_over_cp(cp_mesh))
     return replaced

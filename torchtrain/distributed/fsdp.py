@@ -29,8 +29,14 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     cpu_offload: bool = False,
+    expert_units: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard each unit (in forward order), then the root for whatever parameters remain.
+
+    `expert_units` (expert parallelism): modules whose parameters are already split over the EP mesh;
+    each becomes its own unit over `expert_mesh` first (sharded on dim 1, `expert_fsdp_placement`), so
+    the enclosing units leave them out.
 
     `reshard_after_forward` is the effective policy (`layout.effective_reshard`: zero2 and pipeline
     stages resolve `default` to `never`). `default` reshards every unit after forward except the last
@@ -39,6 +45,13 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     extra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    if expert_units:
+        from torchtrain.distributed.expert_parallel import expert_fsdp_placement
+
+        placement = expert_fsdp_placement(expert_mesh.size(expert_mesh.ndim - 1))
+        for unit in expert_units:
+            fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward != "never",
+                        shard_placement_fn=placement, **extra)
     for i, unit in enumerate(units):
         if reshard_after_forward == "default":
             reshard = i < len(units) - 1

@@ -4,7 +4,8 @@ A job file says what the user asks for (`[parallelism]`, `[training]` precision 
 `[activation_checkpoint]`, `[compile]`, `optimizer.implementation`); `resolve_layout` turns that,
 for one world size and device type, into the decisions everything else reads:
 
-* the parallel degrees and mesh dimensions (`ParallelDims`: pp x dp_replicate x dp_shard x tp);
+* the parallel degrees and mesh dimensions (`ParallelDims`: pp x dp_replicate x dp_shard x tp, and the
+  expert-parallel group borrowed from dp_shard x tp);
 * the data-parallel strategy as a `DPStrategy` (`replicated`, `sharded`, `zero1`), and from it which
   wrapper is applied (FSDP2 `fully_shard`, DDP `replicate`, or none), whether the optimizer state is
   sharded (ZeRO-1), and the effective FSDP reshard-after-forward policy;
@@ -238,6 +239,14 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         raise ConfigError(f"[training.seq_len] {training.seq_len} is not divisible by 2 x context_parallel_degree = "
                           f"{2 * dims.cp}: each CP rank holds a head and a tail chunk of seq_len / (2 x cp) tokens; "
                           f"use a multiple of {2 * dims.cp}")
+    if strategy.replicated and dims.ep_enabled:
+        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with expert "
+                          f"parallelism (expert_parallel_degree {dims.ep}): replicated gradients would be averaged "
+                          f"across ranks that hold different experts; use zero3 or zero2")
+    if dims.cp_enabled and dims.ep_enabled:
+        raise ConfigError("[parallelism.context_parallel_degree] context parallelism is not combined with expert "
+                          "parallelism yet (both borrow the data-parallel shard ranks); set expert_parallel_degree = 1 "
+                          "(MoE layers then run unsplit) or context_parallel_degree = 1")
     if strategy.replicated and dims.pp_enabled:
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with pipeline "
                           f"parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")
@@ -266,6 +275,21 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         from torchtrain.distributed.compile import check_compiler
 
         check_compiler(device_type)
+
+
+def _check_experts(model_args: "BaseModelArgs", dims: ParallelDims, model_name: str) -> None:
+    """Expert parallelism needs experts to split: a mixture-of-experts model (`num_experts` > 0) whose
+    expert count the EP degree divides."""
+    if not dims.ep_enabled:
+        return
+    experts = getattr(model_args, "num_experts", 0)
+    if not experts:
+        raise ConfigError(f"[parallelism.expert_parallel_degree] {dims.ep} needs a mixture-of-experts model; model "
+                          f"{model_name!r} has no experts. Set expert_parallel_degree = 1")
+    if experts % dims.ep:
+        raise ConfigError(f"[parallelism.expert_parallel_degree] {dims.ep} does not divide model.num_experts "
+                          f"({experts}): every EP rank holds num_experts / expert_parallel_degree experts; use a "
+                          f"divisor of {experts}")
 
 
 def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_args: "BaseModelArgs | None" = None,
@@ -300,6 +324,8 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     if dims.tp_enabled and spec.tp_plan is None:
         raise ConfigError(f"[parallelism.tensor_parallel_degree] model {spec.name!r} has no tensor-parallel plan; "
                           f"set tensor_parallel_degree = 1")
+    if model_args is not None:
+        _check_experts(model_args, dims, spec.name)
     if spec.validate is not None and model_args is not None:
         spec.validate(model_args, layout)
     if dims.pp_enabled:

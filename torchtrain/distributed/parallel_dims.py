@@ -16,6 +16,18 @@ model state too, as in torchtitan.  The dimensions > 1 become mesh dimensions (d
 even of size 1, so fully_shard always has a mesh); flattened dimensions: "dp" = dp_replicate x
 dp_shard, "dp_shard_cp" = dp_shard x cp, "dp_cp" = dp_replicate x dp_shard x cp (when they combine
 more than one dimension > 1).
+
+Expert parallelism (ep > 1, MoE models) adds no ranks: the EP group is borrowed from dp_shard x tp
+(as torchtitan does). dp_shard is split into dp_shard_mod_ep x dp_shard_in_ep, with
+
+    dp_shard_in_ep = ep / tp (tp > 1: the EP group holds whole TP groups)  or  ep (tp = 1)
+    ep   = dp_shard_in_ep x tp          (flattened mesh "ep": the all-to-all group)
+    efsdp = dp_shard_mod_ep              (the experts' FSDP mesh; x dp_replicate for HSDP)
+
+so the mesh is pp x dp_replicate x dp_shard_mod_ep x dp_shard_in_ep x tp (expert and context
+parallelism are not combined: `layout.py` refuses it), "dp_shard" is the
+flattened dp_shard_mod_ep x dp_shard_in_ep (what every non-expert parameter uses, as without EP), and
+every expert is held by exactly one rank of each EP group (distributed/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -37,8 +49,10 @@ class ParallelDims:
     world_size: int
     loss_parallel_requested: bool = True
     cp: int = 1
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    """Flattened meshes by name ("dp", "dp_shard_cp", "dp_cp"; under EP "dp_shard", "dp", "ep")."""
 
     @staticmethod
     def resolve_dp_shard(world_size: int, rep: int, shard: int, tp: int, pp: int, cp: int = 1) -> int:
@@ -63,14 +77,40 @@ class ParallelDims:
             )
         return shard
 
+    @staticmethod
+    def resolve_dp_shard_in_ep(ep: int, dp_shard: int, tp: int) -> int:
+        """How many dp_shard ranks the EP group borrows (ep / tp with tensor parallelism, else ep);
+        ConfigError naming the keys when the EP group does not fit the mesh."""
+        if ep == 1:
+            return 1
+        if tp > 1:
+            if ep % tp:
+                raise ConfigError(
+                    f"[parallelism.expert_parallel_degree] {ep} must be a multiple of tensor_parallel_degree ({tp}): "
+                    f"experts are not tensor-parallel, so the EP group holds whole TP groups (each TP rank "
+                    f"routes its own part of the sequence); use {tp}, {2 * tp}, ..."
+                )
+            in_ep = ep // tp
+        else:
+            in_ep = ep
+        if dp_shard % in_ep:
+            raise ConfigError(
+                f"[parallelism.expert_parallel_degree] {ep} does not fit the mesh: the EP group is borrowed from "
+                f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) and needs {in_ep} "
+                f"data-parallel shard ranks, which must divide data_parallel_shard_degree; use an expert-parallel "
+                f"degree whose share of the data-parallel ranks divides {dp_shard}"
+            )
+        return in_ep
+
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
         """The degrees of `[parallelism]` on `world_size` processes (see `resolve_dp_shard`)."""
         rep, tp, pp = cfg.data_parallel_replicate_degree, cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
         cp = cfg.context_parallel_degree
         shard = cls.resolve_dp_shard(world_size, rep, cfg.data_parallel_shard_degree, tp, pp, cp)
+        cls.resolve_dp_shard_in_ep(cfg.expert_parallel_degree, shard, tp)
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
-                   loss_parallel_requested=not cfg.disable_loss_parallel, cp=cp)
+                   loss_parallel_requested=not cfg.disable_loss_parallel, cp=cp, ep=cfg.expert_parallel_degree)
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -113,6 +153,20 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """Data-parallel shard ranks inside one EP group (the rest of the group are TP ranks)."""
+        return self.resolve_dp_shard_in_ep(self.ep, self.dp_shard, self.tp)
+
+    @property
+    def expert_fsdp_degree(self) -> int:
+        """Ranks one expert's parameters are FSDP-sharded over (dp_shard_mod_ep)."""
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
     def loss_parallel_enabled(self) -> bool:
         """Cross-entropy on vocabulary-sharded logits (TP only, unless disabled)."""
         return self.tp_enabled and self.loss_parallel_requested
@@ -127,10 +181,13 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"{n} {d}" for n, d in self._named() if d > 1]
-        return " x ".join(parts) if parts else "single process"
+        text = " x ".join(parts) if parts else "single process"
+        return text + (f", ep {self.ep}" if self.ep_enabled else "")
 
     # ------------------------------------------------------------------ mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        if self.ep_enabled:
+            return self._build_mesh_with_ep(device_type)
         # dp_shard is always a mesh dimension (even of size 1), so fully_shard always has a mesh to
         # use, e.g. for mixed precision on one data-parallel rank.
         dims = [(n, d) for n, d in self._named() if d > 1 or n == "dp_shard"]
@@ -145,6 +202,34 @@ class ParallelDims:
                 self._flat[flat] = mesh[parts]._flatten(mesh_dim_name=flat)
         return mesh
 
+    def _build_mesh_with_ep(self, device_type: str) -> DeviceMesh:
+        """pp x dp_replicate x dp_shard_mod_ep x dp_shard_in_ep x tp, with "dp_shard", "dp" and "ep"
+        flattened from them (see the module doc)."""
+        in_ep = self.dp_shard_in_ep
+        dims = [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                                     ("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep),
+                                     ("tp", self.tp)) if d > 1 or n.startswith("dp_shard_")]
+        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        self._mesh, self._flat = mesh, {}
+        self._flat["dp_shard"] = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp_shard")
+        if self.dp_replicate > 1:
+            self._flat["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp")
+        self._flat["ep"] = (mesh["dp_shard_in_ep", "tp"]._flatten(mesh_dim_name="ep") if self.tp_enabled
+                            else mesh["dp_shard_in_ep"])
+        return mesh
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of one EP group (the all-to-all group), None without expert parallelism."""
+        return self._flat["ep"] if self.ep_enabled else None
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """fully_shard mesh of expert parameters under EP: dp_shard_mod_ep (x dp_replicate: HSDP)."""
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.world_mesh["dp_shard_mod_ep"]
+
     @property
     def world_mesh(self) -> DeviceMesh:
         if self._mesh is None:
@@ -156,7 +241,11 @@ class ParallelDims:
         if flat in self._flat:
             return self._flat[flat]
         bigger = [p for p in parts if getattr(self, p) > 1]
-        return self.world_mesh[bigger[0]] if bigger else None
+        return self._dim(bigger[0]) if bigger else None
+
+    def _dim(self, name: str) -> DeviceMesh:
+        """One named dimension: a mesh dimension, or a flattened one (under EP, "dp_shard")."""
+        return self._flat[name] if name in self._flat else self.world_mesh[name]
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -178,7 +267,7 @@ class ParallelDims:
                                                                       else "dp_shard")
         if self.dp_replicate > 1:
             return self.world_mesh["dp_replicate", shard]
-        return self._flat.get(shard) or self.world_mesh[shard]
+        return self._dim(shard)
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:

@@ -7,11 +7,14 @@ model. It applies, in this fixed order:
    async TP when the layout asks for it;
 2. **context parallelism**: the model's attention modules become their sequence-sharded version over
    the "cp" mesh dimension (`context_parallel.py`; models whose spec says `context_parallel`);
-3. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
-4. **compile** per block (identical blocks share one compiled graph);
-5. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
-   each block) over dp_shard x cp, with the layout's mixed-precision, reshard and offload policies;
-   or DDP (`replicate`) for replicated strategies; or nothing (one rank in float32).
+3. **expert parallelism** (MoE models): every `GroupedExperts` module's experts split over the "ep"
+   mesh, with the all-to-all dispatch and combine around it (`expert_parallel.py`);
+4. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
+5. **compile** per block (identical blocks share one compiled graph);
+6. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
+   each block) over dp_shard x cp, with the layout's mixed-precision, reshard and offload policies --
+   under EP each experts module first becomes its own unit over the expert-FSDP mesh; or DDP
+   (`replicate`) for replicated strategies; or nothing (one rank in float32).
 
 The order matters: TP must see plain `nn.Linear`s; CP swaps modules inside the blocks before they
 are wrapped; checkpoint wrappers must sit inside the compiled region so the recomputation is compiled
@@ -35,12 +38,14 @@ from torchtrain.distributed.activation_checkpoint import apply_activation_checkp
 from torchtrain.distributed.compile import compile_blocks
 from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
+from torchtrain.distributed.expert_parallel import apply_expert_parallel
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.distributed.tensor_parallel import enable_async_tp
 from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.registry import ModelSpec
 
 
@@ -54,7 +59,7 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply TP -> CP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
+    """Apply TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
     dims = layout.dims
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
@@ -64,9 +69,13 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
             enable_async_tp(tp_mesh)
     if dims.cp_enabled:
         apply_context_parallel(model, dims.cp_mesh)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if dims.ep_enabled:
+        apply_expert_parallel(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
     if layout.compile_model:
-        compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled)
+        compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
+                       fullgraph=not experts)
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for child in model.children():
                 if child is not blocks:
@@ -76,7 +85,9 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     elif layout.fsdp:
         units = spec.fsdp_units(model) if spec.fsdp_units is not None else list(blocks.children())
         apply_fsdp(model, dims.fsdp_mesh, units, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
-                   reshard_after_forward=layout.reshard_after_forward, cpu_offload=layout.cpu_offload)
+                   reshard_after_forward=layout.reshard_after_forward, cpu_offload=layout.cpu_offload,
+                   expert_units=experts if dims.ep_enabled else (),
+                   expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None)
     return model
 
 

@@ -3,7 +3,9 @@ pass for evaluation.
 
 Training (`PipelineRunner.step`): the step's local batch goes to the schedule, which cuts it into the
 plan's micro-batches and runs forwards and backwards in the schedule's order; the last stage applies
-the loss to each micro-batch and records it.
+the loss to each micro-batch and records it. Only the schedule's micro-batch forwards count toward
+the model's step statistics (`models.base.forward_counting`): the extra forward torch's stages run
+on their first step to infer shapes (on empty tensors, for stages past the first) does not.
 
 Evaluation (`PipelineRunner.forward`): the stages' forward is run directly, stage by stage in stage
 order, over the whole batch, sending each stage's output to the rank of the next stage (a
@@ -23,6 +25,7 @@ from torch import nn
 
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline import build_schedule, schedule_timeline
+from torchtrain.models.base import forward_counting
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # dtype code, ndim, up to 6 dimensions
@@ -33,15 +36,13 @@ class PipelineRunner:
 
     def __init__(self, layout: Layout, model_parts: list[nn.Module], device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        from torch.distributed.pipelining import PipelineStage
-
         plan, dims = layout.pipeline, layout.dims
         self.plan, self.device = plan, device
         self.group = dims.pp_mesh.get_group()
         self.pp_rank, self.pp = dims.pp_rank, dims.pp
         self.stage_ids = plan.stage_ids(self.pp_rank, self.pp)
         self.model_parts = model_parts
-        stages = [PipelineStage(part, s, plan.num_stages, device, group=self.group)
+        stages = [_counting_stage()(part, s, plan.num_stages, device, group=self.group)
                   for s, part in zip(self.stage_ids, model_parts)]
         self.schedule = build_schedule(plan, stages, loss_fn)
         self.has_first = any(s.is_first for s in stages)
@@ -56,7 +57,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         targets = labels.to(self.device) if self.has_last else None
         args = (inputs.to(self.device),) if self.has_first else ()
-        self.schedule.step(*args, target=targets, losses=losses, **(kwargs or {}))
+        with forward_counting(False):  # shape inference; the micro-batch forwards count (_counting_stage)
+            self.schedule.step(*args, target=targets, losses=losses, **(kwargs or {}))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
@@ -79,6 +81,18 @@ class PipelineRunner:
             if s + 1 < self.plan.num_stages and owner[s + 1] != self.pp_rank:
                 _send(h, dist.get_global_rank(self.group, owner[s + 1]), self.group)
         return h if self.plan.num_stages - 1 in mine else None
+
+
+def _counting_stage():
+    """torch's PipelineStage whose micro-batch forwards (`forward_one_chunk`) count as training forwards."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountingStage(PipelineStage):
+        def forward_one_chunk(self, *args, **kwargs):
+            with forward_counting(True):
+                return super().forward_one_chunk(*args, **kwargs)
+
+    return CountingStage
 
 
 def _send(t: torch.Tensor, dst: int, group) -> None:

@@ -10,11 +10,16 @@ A model is an ordinary ``nn.Module`` with no parallel code. To plug into torchtr
   bitwise identical whatever the parallel layout;
 * ``init_buffers()``: recompute non-persistent buffers (e.g. RoPE tables) after the model has been
   materialised from the meta device.
+
+A model may keep statistics of its training forwards (an MoE layer's per-expert token counts, which
+drive load balancing). `forward_counting(False)` marks forwards that are not part of training -- the
+pipeline schedule's shape-inference pass -- so they leave those statistics untouched.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -54,3 +59,21 @@ class BaseModelArgs(abc.ABC):
 
     def replace(self, **changes) -> "BaseModelArgs":
         return dataclasses.replace(self, **changes)
+
+
+_COUNTING = [True]
+
+
+@contextlib.contextmanager
+def forward_counting(enabled: bool):
+    """Forwards run inside count toward the step's statistics (`enabled`) or not."""
+    _COUNTING.append(enabled)
+    try:
+        yield
+    finally:
+        _COUNTING.pop()
+
+
+def forward_is_counted() -> bool:
+    """Whether the forward running now counts (see `forward_counting`)."""
+    return _COUNTING[-1]

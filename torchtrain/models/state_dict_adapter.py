@@ -1,10 +1,14 @@
 """The contract between a model and the Hugging Face checkpoint format (used by
 `components/checkpoint/hf.py` and the conversion scripts).
 
-An adapter maps one torchtrain parameter to one HF tensor, key by key, so conversions stream: a
+An adapter maps one torchtrain parameter to its HF tensors, key by key, so conversions stream: a
 tensor is read, converted and written without the rest of the model in memory, and a sharded
-parameter on a rank converts to the same HF tensor whatever the layout. It also writes and checks
-HF's config.json. A model registers its adapter as `ModelSpec.state_dict_adapter`.
+parameter on a rank converts to the same HF tensors whatever the layout. Usually one parameter is one
+HF tensor (`hf_key`, `to_hf`, `from_hf`); a parameter HF stores in pieces -- stacked MoE experts,
+one HF tensor per expert -- lists several names (`hf_keys`) and is cut along dim 0 on export and
+stacked on import; a buffer HF has no counterpart for lists none (it keeps its initial value on
+import). It also writes and checks HF's config.json. A model registers its adapter as
+`ModelSpec.state_dict_adapter`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,23 @@ class StateDictAdapter(abc.ABC):
     @abc.abstractmethod
     def hf_key(self, key: str) -> str:
         """HF name of the torchtrain parameter `key` (a canonical name, e.g. `layers.0.attention.wq.weight`)."""
+
+    def hf_keys(self, key: str) -> list[str]:
+        """HF names of `key`: one; several when HF stores dim 0 of the tensor as separate tensors (in
+        order); none when HF has no counterpart."""
+        return [self.hf_key(key)]
+
+    def to_hf_tensors(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF tensors of `key` by HF name (`hf_keys`; pieces are dim-0 slices)."""
+        names = self.hf_keys(key)
+        tensor = self.to_hf(key, tensor)
+        if len(names) == 1:
+            return {names[0]: tensor}
+        return dict(zip(names, tensor.unbind(0)))
+
+    def from_hf_tensors(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """`key`'s tensor from its HF tensors (in `hf_keys` order)."""
+        return self.from_hf(key, tensors[0] if len(tensors) == 1 else torch.stack(tensors))
 
     def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The torchtrain tensor of `key` in HF's layout (e.g. a row permutation)."""

@@ -69,6 +69,11 @@ PRESETS: dict[str, Layout] = {
                     "DualPipeV")),
         Layout("pp4_1f1b", 4, _p("pipeline_parallel_degree", 4)),
         Layout("pp2_fsdp2_tp2", 8, _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        Layout("ep2", 2, _p("expert_parallel_degree", 2)),
+        Layout("ep2_fsdp2", 4, _p("expert_parallel_degree", 2)),
+        Layout("ep2_tp2", 4, _p("expert_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        Layout("pp2_ep2", 4, _p("expert_parallel_degree", 2) + _p("pipeline_parallel_degree", 2)),
+        Layout("ep2_hsdp2x2", 4, _p("expert_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
         Layout("pp2_hsdp2x2_tp2", 16, _p("pipeline_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)
                + _p("tensor_parallel_degree", 2)),
         Layout("cp2", 2, _p("context_parallel_degree", 2)),

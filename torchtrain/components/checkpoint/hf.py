@@ -76,7 +76,8 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
             entries.append((key[len("model."):], tuple(md.size), md.properties.dtype))
     if not entries:
         raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}) holds no model weights to export")
-    entries.sort(key=lambda e: _natural(adapter.hf_key(e[0])))
+    entries = [e for e in entries if adapter.hf_keys(e[0])]  # buffers HF does not store are left out
+    entries.sort(key=lambda e: _natural(adapter.hf_keys(e[0])[0]))
     out_dtype = {e[0]: dtype or e[2] for e in entries}
     by_key = {e[0]: e for e in entries}
     sizes = [(e[0], torch.Size(e[1]).numel() * out_dtype[e[0]].itemsize) for e in entries]
@@ -91,8 +92,8 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
         except Exception as e:  # DCP wraps read errors of any kind
             raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}): reading weights for the HF export "
                                   f"failed: {e}") from None
-        tensors = {adapter.hf_key(k): adapter.to_hf(k, placeholders[k]).to(out_dtype[k]).contiguous()
-                   for k in keys}
+        tensors = {hf: t.to(out_dtype[k]).contiguous()
+                   for k in keys for hf, t in adapter.to_hf_tensors(k, placeholders[k]).items()}
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update({hf: name for hf in tensors})
         del placeholders, tensors
@@ -164,13 +165,15 @@ class HFCheckpoint:
 
 
 def _hf_tensor(ckpt: HFCheckpoint, adapter: StateDictAdapter, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    hf_key = adapter.hf_key(key)
-    if hf_key not in ckpt.weight_map:
-        raise CheckpointError(f"[checkpoint.initial_load_path] {ckpt.folder} lacks {hf_key!r} (parameter {key})")
-    tensor = adapter.from_hf(key, ckpt.get(hf_key))
+    hf_keys = adapter.hf_keys(key)
+    for hf_key in hf_keys:
+        if hf_key not in ckpt.weight_map:
+            raise CheckpointError(f"[checkpoint.initial_load_path] {ckpt.folder} lacks {hf_key!r} (parameter {key})")
+    tensor = adapter.from_hf_tensors(key, [ckpt.get(k) for k in hf_keys])
     if tuple(tensor.shape) != tuple(shape):
+        shown = hf_keys[0] if len(hf_keys) == 1 else f"{hf_keys[0]} ... ({len(hf_keys)} tensors)"
         raise CheckpointError(
-            f"[checkpoint.initial_load_path] {ckpt.folder}: {hf_key!r} has shape {tuple(tensor.shape)} but "
+            f"[checkpoint.initial_load_path] {ckpt.folder}: {shown!r} has shape {tuple(tensor.shape)} but "
             f"parameter {key} has {tuple(shape)}; the HF model has a different shape (check [model])"
         )
     return tensor
@@ -193,6 +196,8 @@ def load_hf_into_model(model_state: ModelState, folder: str, adapter: StateDictA
         sd = model_state.state_dict()
         with torch.no_grad():
             for key, target in sd.items():
+                if not adapter.hf_keys(key):  # not stored by HF (e.g. an MoE routing bias): keeps its value
+                    continue
                 full = _hf_tensor(ckpt, adapter, key, tuple(target.shape)).to(target.dtype)
                 if isinstance(target, DTensor):
                     full = full.to(target.device)
@@ -201,7 +206,7 @@ def load_hf_into_model(model_state: ModelState, folder: str, adapter: StateDictA
                     target.to_local().copy_(local)
                 else:
                     target.copy_(full)
-                used.add(adapter.hf_key(key))
+                used.update(adapter.hf_keys(key))
         model_state.load_state_dict(sd)
         return warnings, used, ckpt.keys()
     finally:
@@ -223,8 +228,11 @@ def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAda
         warnings = adapter.check_hf_config(ckpt.config, folder) if ckpt.config else []
         state = {}
         for key, shape, model_dtype in iter_model_keys(model):
-            state[key] = _hf_tensor(ckpt, adapter, key, shape).to(dtype or model_dtype).contiguous()
-        unused = ckpt.keys() - {adapter.hf_key(k) for k in state} - adapter.ignored_hf_keys()
+            if adapter.hf_keys(key):
+                state[key] = _hf_tensor(ckpt, adapter, key, shape).to(dtype or model_dtype).contiguous()
+            else:  # a buffer HF does not store (an MoE routing bias) starts at zero, as a fresh model's
+                state[key] = torch.zeros(shape, dtype=model_dtype)
+        unused = ckpt.keys() - {h for k in state for h in adapter.hf_keys(k)} - adapter.ignored_hf_keys()
     finally:
         ckpt.close()
     dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)

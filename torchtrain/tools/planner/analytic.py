@@ -24,14 +24,16 @@ RoPE, SDPA flash attention (no t^2 term; saves out + logsumexp), GQA, SwiGLU, no
 
     A = 2 (4 + d) h        two RMSNorms: fp32 input copy + normalised output (d=4: the input itself)
       + 2 d h              inputs of the q/k/v and w1/w3 projections
-      + 2 d h + 2 d h_kv   rotated q, k, v and the attention output (wo's input is a view of it)
+      + 2 d h_q + 2 d h_kv rotated q, k, v and the attention output (wo's input is a view of it);
+                           h_q = n_heads x head_dim (= h for Llama 3, not for Qwen3)
       + 4 n_heads          attention logsumexp (fp32)
       + 4 d F              SwiGLU: w1 out, silu(w1 out), w3 out, their product
       + 8                  two fp32 rsqrt statistics
 
 With tensor + sequence parallelism (torchtitan's plan) the norm terms are sequence-sharded and the
 attention/FFN terms head-sharded, but the gathered projection inputs are full:
-A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h + 2 d h_kv + 4 n_heads + 4 d F) / tp.
+A_tp = (2 (4 + d) h + 8) / tp + 2 d h + (2 d h_q + 2 d h_kv + 4 n_heads + 4 d F) / tp. Qwen3's per-head
+query/key RMSNorms add (4 + d)(h_q + h_kv) + 4 (n_heads + n_kv_heads), head-sharded.
 With context parallelism (cp ranks per sequence) t counts the rank's seq_len / cp tokens of each
 sequence, and attention also keeps the keys and values gathered from the other cp - 1 ranks:
 A_cp = A_tp + 2 d h_kv (cp - 1) / tp per local token (`distributed/context_parallel.py`).
@@ -48,6 +50,18 @@ such buffers at the start of backward; FSDP2 keeps gathered units (d bytes per u
 with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
 every unit of the stage. Gradient accumulation without synchronisation (and pipeline micro-batches)
 keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded parameters.
+
+Mixture-of-experts blocks (`num_experts` E > 0, top-k, expert hidden size H): the feed-forward
+parameters are the router (E x h, replicated over TP) and E experts of 3 h H each; with expert
+parallelism a rank holds E / ep of them, FSDP-sharded over efsdp = dp_shard / dp_shard_in_ep (not
+dp_shard), and the other parameters as above. Per token they store, instead of the SwiGLU's 4 d F,
+
+    A_moe = d h + 4 E + 4 + k (2 d h + 4 d H + 28 + d (+ 16 with EP))
+                                  router input, fp32 scores, each of the k routed rows (input, SwiGLU
+                                  intermediates, output), per route three int64 indices, its fp32
+                                  and d-byte gate weight (and the EP permutations)
+
+which sequence parallelism divides by tp (each TP rank routes its own sequence shard).
 
 The peak is the largest of these moments: the start of backward (state + all stored activations +
 loss buffers or the first recomputed block + gathered units), the optimizer step (state + gradients +
@@ -90,19 +104,48 @@ class MemoryEstimate:
 
 
 # ------------------------------------------------------------------------------ parameter shapes
-def _unit_shapes(a, stages: list[Stage], tp: int) -> list[tuple[str, list[tuple[int, int]]]]:
-    """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor."""
+def ffn_dim(a) -> int:
+    """The dense SwiGLU hidden size (Llama 3: ffn_hidden_dim; Qwen3: hidden_dim)."""
+    return getattr(a, "ffn_hidden_dim", None) or a.hidden_dim
+
+
+def ffn_matmul_params(a, active: bool = True) -> int:
+    """Matmul parameters of one block's feed-forward: dense 3 h F; MoE: router, shared and the routed
+    experts one token uses (active) or all of them."""
+    if getattr(a, "num_experts", 0):
+        total, used = a.moe_params(a.dim)
+        return used if active else total
+    return 3 * a.dim * ffn_dim(a)
+
+
+def _block_shapes(a, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(TP-local shapes of a block's FSDP unit, shapes of its experts unit on one EP rank)."""
     hd, kv = a.head_dim, a.kv_heads
-    block = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
-             (a.dim, a.n_heads * hd // tp), (a.ffn_hidden_dim // tp, a.dim), (a.dim, a.ffn_hidden_dim // tp),
-             (a.ffn_hidden_dim // tp, a.dim), (a.dim, 1), (a.dim, 1)]
+    attn = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
+            (a.dim, a.n_heads * hd // tp), (a.dim, 1), (a.dim, 1)]
+    experts = getattr(a, "num_experts", 0)
+    if not experts:
+        F = ffn_dim(a)
+        return attn + [(F // tp, a.dim), (a.dim, F // tp), (F // tp, a.dim)], []
+    H, local, shared = a.moe_intermediate_size, experts // ep, a.moe_intermediate_size * a.num_shared_experts
+    dense = attn + [(experts, a.dim)] + ([(shared, a.dim), (a.dim, shared), (shared, a.dim)] if shared else [])
+    return dense, [(local * H, a.dim), (local * a.dim, H), (local * H, a.dim)]
+
+
+def _unit_shapes(a, stages: list[Stage], tp: int, ep: int = 1) -> list[tuple[str, list[tuple[int, int]]]]:
+    """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor (an MoE
+    block's experts are a unit of their own, "experts i", before their block)."""
+    block, experts = _block_shapes(a, tp, ep)
     table = (math.ceil(a.vocab_size / tp), a.dim)
     units: list[tuple[str, list[tuple[int, int]]]] = []
     tied = getattr(a, "tie_word_embeddings", False)
     for s in stages:
         if s.first and not tied:
             units.append(("embedding", [table]))
-        units += [(f"block {i}", list(block)) for i in s.layers]
+        for i in s.layers:
+            if experts:
+                units.append((f"experts {i}", list(experts)))
+            units.append((f"block {i}", list(block)))
         if s.last:
             units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
     if tied:
@@ -114,29 +157,56 @@ def _numel(shapes, n: int = 1) -> int:
     return sum(math.ceil(r / n) * c for r, c in shapes)
 
 
-def act_per_token_per_block(a, d: int, tp: int, cp: int = 1) -> float:
+def _moe_act(a, d: int, ep: int = 1) -> float:
+    """A_moe per token (see the module doc); 0 for a dense model."""
+    if not getattr(a, "num_experts", 0):
+        return 0.0
+    k, h, H = a.num_experts_per_tok, a.dim, a.moe_intermediate_size
+    per_route = 2 * d * h + 4 * d * H + 24 + 4 + d + (16 if ep > 1 else 0)
+    return d * h + 4 * a.num_experts + 4 + k * per_route + 4 * d * H * a.num_shared_experts
+
+
+def _attention_act(a, d: int) -> float:
+    """Head-sharded attention activations per token: rotated q, k, v and the attention output, the
+    logsumexp, and (Qwen3) the per-head query/key norms' fp32 inputs, outputs and statistics."""
+    hq, hkv = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+    out = 2 * d * hq + 2 * d * hkv + 4 * a.n_heads
+    if getattr(a, "qk_norm", False):
+        out += (4 + d) * (hq + hkv) + 4 * (a.n_heads + a.kv_heads)
+    return out
+
+
+def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1) -> float:
     """A_tp (A_cp with context parallelism): bytes of activations a block stores for backward per local
     token (no checkpointing)."""
-    h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    h = a.dim
     seq_sharded = 2 * (4 + d) * h + 8
+    cp_kv = 2 * d * a.kv_heads * a.head_dim * (cp - 1) / tp  # keys and values gathered from the other CP ranks
+    if getattr(a, "num_experts", 0):  # the MoE layer works on this rank's sequence shard
+        return seq_sharded / tp + d * h + _attention_act(a, d) / tp + _moe_act(a, d, ep) / tp + cp_kv
     gathered = 2 * d * h
-    head_sharded = 2 * d * h + 2 * d * hkv + 4 * a.n_heads + 4 * d * F
-    return seq_sharded / tp + gathered + head_sharded / tp + 2 * d * hkv * (cp - 1) / tp
+    head_sharded = _attention_act(a, d) + 4 * d * ffn_dim(a)
+    return seq_sharded / tp + gathered + head_sharded / tp + cp_kv
 
 
 def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tuple[float, str]:
     """Bytes a checkpointed block keeps per token, with a label."""
-    h, hkv, F = a.dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+    h, hq, hkv = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim
     if mode == "full" or (mode == "selective" and option != "op"):
         return d * h / tp, "block input d h / tp"
-    sharded = 3 * d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
-    return sharded / tp + 2 * d * h, "(3 d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
+    if getattr(a, "num_experts", 0):  # matmul outputs: router scores, each routed row's w1/w3/w2 outputs
+        k, H = a.num_experts_per_tok, a.moe_intermediate_size
+        sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 4 * a.num_experts + k * (2 * d * H + d * h)
+        return sharded / tp + d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 4 E + k (2 d H + d h)) / tp + d h"
+    F = ffn_dim(a)
+    sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
+    return sharded / tp + 2 * d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
 
 
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
     a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
-    full = act_per_token_per_block(a, d, tp, p.cp) * t
+    full = act_per_token_per_block(a, d, tp, p.ep, p.cp) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
         stored, recompute = n * full, 0.0
@@ -158,12 +228,15 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     a, d, r, t = p.args, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
     prof = pipeline_of(p)
     stages = list(prof.stages[pp_rank])
-    units = _unit_shapes(a, stages, p.tp)
+    units = _unit_shapes(a, stages, p.tp, p.ep)
     all_shapes = [s for _, shapes in units for s in shapes]
+    expert_shapes = [s for name, shapes in units if name.startswith("experts") for s in shapes]
     full_numel = _numel(all_shapes)
     fsdp = p.sharded
     n_shard = p.fsdp_degree if fsdp else p.dp
-    sharded = _numel(all_shapes, n_shard)
+    # experts: E / ep per rank (in their shapes), FSDP-sharded over the expert-FSDP ranks only
+    sharded = _numel(all_shapes, n_shard) - _numel(expert_shapes, n_shard) + \
+        _numel(expert_shapes, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
     n_tensors = len(all_shapes)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
     wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
@@ -172,9 +245,10 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     params = 4 * (sharded if fsdp else full_numel)
     grads = 4 * (sharded if fsdp else full_numel)
     opt = 8 * (sharded if opt_sharded else full_numel) + 4 * n_tensors
+    per = "params / N" + (f" (experts: E/{p.ep} per rank / {p.expert_fsdp})" if p.ep > 1 else "")
     rows_state = [
-        Row("parameters (fp32 master)", params, f"4 B x {'params / N' if fsdp else 'params'}"),
-        Row("optimizer state (Adam m, v)", opt, f"8 B x {'params / N' if opt_sharded else 'params'}"
+        Row("parameters (fp32 master)", params, f"4 B x {per if fsdp else 'params'}"),
+        Row("optimizer state (Adam m, v)", opt, f"8 B x {per if opt_sharded else 'params'}"
             " + 4 B step per tensor"),
     ]
     host = 0.0
@@ -196,7 +270,8 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
 
     # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
     sizes = [_numel(shapes) for _, shapes in units]
-    block_size = max((_numel(sh) for name, sh in units if name.startswith("block")), default=0)
+    block_size = max((_numel(sh) for name, sh in units if name.startswith("block")), default=0) + \
+        max((_numel(sh) for name, sh in units if name.startswith("experts")), default=0)
     if not wrapped:
         gathered, how = 0.0, "none (no FSDP units)"
         if not fsdp and d != 4:

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, help="pipeline-parallel degree")
     g.add_argument("--cp", type=int, help="context-parallel degree (sequences split over this many ranks)")
+    g.add_argument("--ep", type=int, help="expert-parallel degree (MoE models; borrowed from dp-shard x tp)")
     g.add_argument("--strategy", choices=STRATEGIES,
                    help="data-parallel strategy (zero3 = FSDP/HSDP; see docs/planner.md)")
     g.add_argument("--reshard", choices=RESHARD, help="FSDP reshard after forward")
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flags(ns: argparse.Namespace) -> dict:
-    flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp,
+    flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep,
              "strategy": ns.strategy, "reshard_after_forward": ns.reshard, "ac_mode": ns.ac, "ac_option": ns.ac_option,
              "pp_schedule": ns.schedule, "pp_microbatch_size": ns.microbatch_size,
              "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload, "memory_gib": ns.memory_gib,

@@ -38,6 +38,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "dp_replicate": ("parallelism", "data_parallel_replicate_degree"),
     "dp_shard": ("parallelism", "data_parallel_shard_degree"),
     "tp": ("parallelism", "tensor_parallel_degree"),
+    "ep": ("parallelism", "expert_parallel_degree"),
     "pp": ("parallelism", "pipeline_parallel_degree"),
     "cp": ("parallelism", "context_parallel_degree"),
     "pp_schedule": ("parallelism", "pipeline_parallel_schedule"),
@@ -72,6 +73,8 @@ class PlanInputs:
     pp: int = 1
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks; FSDP shards over dp_shard x cp."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): borrowed from dp_shard x tp, adds no ranks."""
     strategy: str = "zero3"
     """zero3: FSDP2 (HSDP with dp_replicate > 1), everything sharded over dp_shard; zero2: the same,
     but gathered parameters kept from forward to backward (FSDP's SHARD_GRAD_OP); zero1: DDP with the
@@ -111,6 +114,21 @@ class PlanInputs:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        return getattr(self.args, "num_experts", 0)
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """Data-parallel shard ranks inside one EP group (the trainer's rule: `ParallelDims`)."""
+        return ParallelDims.resolve_dp_shard_in_ep(self.ep, self.dp_shard, self.tp)
+
+    @property
+    def expert_fsdp(self) -> int:
+        """Ranks each expert's parameters are FSDP-sharded over (dp_shard_mod_ep)."""
+        return self.dp_shard // self.dp_shard_in_ep
 
     @property
     def grad_accum_steps(self) -> int:
@@ -173,6 +191,8 @@ class PlanInputs:
         dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
         parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("cp", self.cp), ("tp", self.tp)) if d > 1]
         text = " x ".join(parts) or "1 rank"
+        if self.ep > 1:
+            text += f", ep {self.ep}"
         if self.dp_strategy is not DPStrategy.ZERO3:
             text += f" [{self.strategy}]"
         if self.pp > 1:
@@ -193,7 +213,8 @@ class PlanInputs:
             dp = f"{self.strategy} {self.dp}"
         if self.dp == 1:
             dp = ""
-        parts = [(dp + (f" cp{self.cp}" if self.cp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")).strip()
+        parts = [(dp + (f" cp{self.cp}" if self.cp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
+                  + (f" ep{self.ep}" if self.ep > 1 else "")).strip()
                  or "1 rank"]
         if self.pp > 1:
             sched = {"Interleaved1F1B": "I1F1B"}.get(self.pp_schedule, self.pp_schedule)
@@ -233,6 +254,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
 
     tp, pp, rep, shard = int(pick("tp", 1)), int(pick("pp", 1)), int(pick("dp_replicate", 1)), int(pick("dp_shard", -1))
     cp = int(pick("cp", 1))
+    ep = int(pick("ep", 1))
     notes = []
     if flags.get("dp_shard") is None and shard != -1 and rep * shard * tp * pp * cp != world_size:
         notes.append(f"the job's data_parallel_shard_degree {shard} does not fit this world size; "
@@ -261,7 +283,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     inputs = PlanInputs(
         model_name=cfg.model.name, args=args, world_size=world_size,
         flavor=cfg.model.flavor + (" (with overrides)" if cfg.model.overrides else ""),
-        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, strategy=pick("strategy", "zero3"),
+        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, strategy=pick("strategy", "zero3"),
         reshard_after_forward=pick("reshard_after_forward", "default"),
         seq_len=int(pick("seq_len", 2048)), local_batch_size=local, global_batch_size=global_bs,
         pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),

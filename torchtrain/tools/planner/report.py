@@ -56,10 +56,31 @@ def _stage_text(rank: RankPlan) -> str:
     return "; ".join(parts)
 
 
+def _params(a) -> str:
+    """"N parameters", with the active ones of a mixture-of-experts model."""
+    text = f"{_si(a.num_params())} parameters"
+    active = getattr(a, "num_active_params", a.num_params)()
+    return text + (f", {_si(active)} active per token" if active != a.num_params() else "")
+
+
+def _experts_line(plan: Plan) -> str | None:
+    p, t = plan.inputs, plan.throughput
+    if not p.num_experts:
+        return None
+    if p.ep == 1:
+        return f"  experts  {p.num_experts} per MoE layer on every rank (no expert parallelism: --ep)"
+    return (f"  experts  ep {p.ep}: {p.num_experts // p.ep} of {p.num_experts} experts per rank, FSDP-sharded over "
+            f"{p.expert_fsdp} ranks; all-to-all {_si(t.expert_all_to_all_bytes, 'B')} sent per rank per step "
+            f"(4 k h d (ep-1)/ep per routed token and MoE block)")
+
+
 def format_plan(plan: Plan) -> str:
     p, a, lines = plan.inputs, plan.inputs.args, []
-    lines.append(f"torchtrain plan: {p.model_name} {p.flavor} ({_si(a.num_params())} parameters) on {_device(plan)}")
+    lines.append(f"torchtrain plan: {p.model_name} {p.flavor} ({_params(a)}) on {_device(plan)}")
     lines.append(f"  layout   {p.describe()}")
+    experts = _experts_line(plan)
+    if experts:
+        lines.append(experts)
     lines.append(f"  batch    {p.local_batch_size} sequences x dp {p.dp} x {p.grad_accum_steps} accumulation = "
                  f"{p.global_batch_size} sequences of {p.seq_len} tokens"
                  + (f"; pipeline micro-batch {p.pp_microbatch_size} ({p.n_microbatches} per batch)"
@@ -191,7 +212,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "peak_bytes": r.peak,
         })
     return {
-        "model": {"name": p.model_name, "args": _clean(p.args), "num_params": p.args.num_params()},
+        "model": {"name": p.model_name, "args": _clean(p.args), "num_params": p.args.num_params(),
+                  "num_active_params": getattr(p.args, "num_active_params", p.args.num_params)()},
         "inputs": inputs, "valid": plan.valid, "problems": plan.problems, "runnable": not plan.blockers,
         "blockers": plan.blockers, "overrides": plan.overrides,
         "memory": {"ranks": ranks, "worst_rank": plan.worst.pp_rank if ranks else None,
@@ -218,7 +240,7 @@ def format_search(result, top: int, show_rejected: bool) -> str:
     b = result.base
     gpu = b.gpu.name if b.gpu is not None else "CPU"
     usable = _g(b.usable_bytes) if b.usable_bytes is not None else "unknown"
-    lines = [f"torchtrain search: {b.model_name} {b.flavor} ({_si(b.args.num_params())} parameters) on "
+    lines = [f"torchtrain search: {b.model_name} {b.flavor} ({_params(b.args)}) on "
              f"{b.world_size} x {gpu}; "
              f"global batch {b.global_batch_size} x {b.seq_len} tokens; usable memory {usable} GiB per GPU",
              f"  {result.examined:,} layouts examined: {len(result.ranked):,} fit, {len(result.rejected):,} rejected "
@@ -252,7 +274,8 @@ def format_search(result, top: int, show_rejected: bool) -> str:
 def search_to_dict(result, top: int, show_rejected: bool) -> dict[str, Any]:
     def entry(c) -> dict[str, Any]:
         out = {"layout": c.inputs.describe(), "dp_replicate": c.inputs.dp_replicate, "dp_shard": c.inputs.dp_shard,
-               "tp": c.inputs.tp, "pp": c.inputs.pp, "strategy": c.inputs.strategy, "ac_mode": c.inputs.ac_mode,
+               "tp": c.inputs.tp, "pp": c.inputs.pp, "ep": c.inputs.ep, "strategy": c.inputs.strategy,
+               "ac_mode": c.inputs.ac_mode,
                "ac_option": c.inputs.ac_option, "pp_schedule": c.inputs.pp_schedule,
                "pp_stages_per_rank": c.inputs.pp_stages_per_rank, "pp_microbatch_size": c.inputs.pp_microbatch_size,
                "local_batch_size": c.inputs.local_batch_size, "grad_accum_steps": c.inputs.grad_accum_steps,

@@ -9,6 +9,8 @@ same tokens per step):
   `CP_MIN_LOCAL_TOKENS` tokens of each sequence (shorter local sequences make the key/value exchange
   outweigh the attention it splits), dividing world / (tp pp); `--cp` fixes it;
 * dp_replicate x dp_shard = world / (tp pp cp), every factorisation (dp_shard = 1: pure replication);
+* MoE models: the expert-parallel degree ep in the powers of two dividing num_experts that the mesh
+  admits (borrowed from dp_shard x tp; a multiple of tp with tensor parallelism), 1 included;
 * activation checkpointing: none, selective "op", full (`--ac` restricts);
 * without pipelining: local batch = every divisor of global / dp up to 32 (the rest is accumulation);
   with pipelining: local batch = global / dp, micro-batch size in {1, 2, 4, 8} dividing it, and
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.config import ConfigError
 from torchtrain.distributed.layout import DPStrategy
+from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.tools.planner.analytic import estimate_memory
 from torchtrain.tools.planner.core import Job, Plan, make_plan
 from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
@@ -99,19 +102,40 @@ def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[st
             for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
                 if DPStrategy.parse(strategy).replicated and (rep != dp or c > 1):
                     continue  # replicated strategies: one data-parallel group, counted once; no CP
-                common = dict(tp=tp, pp=pp, cp=c, dp_replicate=rep, dp_shard=dp // rep, strategy=strategy,
-                              ac_mode=ac, ac_option="op")
-                per_rank = base.global_batch_size // dp
-                if pp == 1:
-                    for local in (d for d in _divisors(per_rank) if d <= 32):
-                        out.append(base.replace(**common, local_batch_size=local, pp_stages_per_rank=1))
-                    continue
-                for mb, schedule in itertools.product((1, 2, 4, 8), ("1F1B", "Interleaved1F1B", "GPipe")):
-                    if per_rank % mb:
-                        continue
-                    v = 2 if schedule == "Interleaved1F1B" else 1
-                    out.append(base.replace(**common, local_batch_size=per_rank, pp_microbatch_size=mb,
-                                            pp_schedule=schedule, pp_stages_per_rank=v))
+                for ep in (_expert_degrees(base, dp // rep, tp, DPStrategy.parse(strategy)) if c == 1 else [1]):
+                    out += _batchings(base, dict(tp=tp, pp=pp, cp=c, ep=ep, dp_replicate=rep, dp_shard=dp // rep,
+                                                 strategy=strategy, ac_mode=ac, ac_option="op"), dp)
+    return out
+
+
+def _expert_degrees(base: PlanInputs, shard: int, tp: int, strategy: DPStrategy) -> list[int]:
+    """EP degrees to try: 1, and for an MoE model the powers of two dividing its experts that fit the
+    mesh (the trainer's rule, `ParallelDims.resolve_dp_shard_in_ep`); EP needs an FSDP strategy."""
+    experts = base.num_experts
+    if not experts or strategy.replicated:
+        return [1]
+    out = [1]
+    for ep in _powers_of_two(min(experts, shard * tp))[1:]:
+        try:
+            ParallelDims.resolve_dp_shard_in_ep(ep, shard, tp)
+        except ConfigError:
+            continue
+        if experts % ep == 0:
+            out.append(ep)
+    return out
+
+
+def _batchings(base: PlanInputs, common: dict, dp: int) -> list[PlanInputs]:
+    """The layout `common` with every local batch (no pipelining), or every micro-batch size and schedule."""
+    per_rank = base.global_batch_size // dp
+    if common["pp"] == 1:
+        return [base.replace(**common, local_batch_size=local, pp_stages_per_rank=1)
+                for local in _divisors(per_rank) if local <= 32]
+    out = []
+    for mb, schedule in itertools.product((1, 2, 4, 8), ("1F1B", "Interleaved1F1B", "GPipe")):
+        if per_rank % mb == 0:
+            out.append(base.replace(**common, local_batch_size=per_rank, pp_microbatch_size=mb, pp_schedule=schedule,
+                                    pp_stages_per_rank=2 if schedule == "Interleaved1F1B" else 1))
     return out
 
 

@@ -20,7 +20,12 @@
                           x (N-1)/N; HSDP adds an all-reduce 2 r params/N x (R-1)/R; DDP/ZeRO an
                           all-reduce 2 r params x (dp-1)/dp. Overlapped with compute: only the part
                           longer than T_c is exposed, plus one unit's gather and reduce-scatter;
-                        * PP: activations t h d sent forward and back per micro-batch, not overlapped.
+                        * PP: activations t h d sent forward and back per micro-batch, not overlapped;
+                        * EP (MoE): the dispatch and combine all-to-alls, 4 k h d x (ep-1)/ep bytes
+                          per routed token and MoE block (forward and backward; x 1.5 with full AC,
+                          which repeats the forward's two), over the EP group, not overlapped
+                          (`distributed/expert_parallel.py`). Expert weights' FSDP traffic uses
+                          the expert-FSDP group (dp_shard / dp_shard_in_ep ranks).
     step time           T = T_p + exposed communication
     effective MFU       tokens/step x F_m / world / T / peak
 
@@ -49,6 +54,8 @@ class Throughput:
     step_s: float | None = None
     tokens_per_s: float | None = None
     effective_mfu: float | None = None
+    expert_all_to_all_bytes: float = 0.0
+    """Bytes one rank sends through the expert-parallel all-to-alls per step (0 without EP)."""
     budget_tokens: float = 0.0
     steps: int = 0
     train_s: float | None = None
@@ -57,17 +64,31 @@ class Throughput:
 
 
 def recompute_flops_per_token(p: PlanInputs) -> float:
+    from torchtrain.tools.planner.analytic import ffn_matmul_params
+
     a = p.args
     hkv, hq = a.kv_heads * a.head_dim, a.n_heads * a.head_dim
-    block_matmul = 2 * a.dim * hq + 2 * a.dim * hkv + 3 * a.dim * a.ffn_hidden_dim
+    ffn = ffn_matmul_params(a)  # an MoE block: the routed experts one token uses (+ router, shared)
+    block_matmul = 2 * a.dim * hq + 2 * a.dim * hkv + ffn
     block_fwd = 2 * block_matmul + 4 * hq * p.seq_len
     if p.ac_mode == "full":
         return a.n_layers * block_fwd
     if p.ac_mode == "selective":
         if p.ac_option == "op":
-            return a.n_layers * 2 * (a.dim * hkv + a.dim * hq + a.dim * a.ffn_hidden_dim)
+            return a.n_layers * 2 * (a.dim * hkv + a.dim * hq + ffn / 3)
         return (a.n_layers // int(p.ac_option)) * block_fwd
     return 0.0
+
+
+def expert_all_to_all_bytes(p: PlanInputs) -> float:
+    """Bytes one rank sends through the EP all-to-alls per step (see the module doc)."""
+    a = p.args
+    if p.ep == 1 or not p.num_experts:
+        return 0.0
+    blocks = sum(len(s.layers) for s in pipeline_of(p).stages[0])
+    tokens = p.microbatch_tokens / p.tp * p.grad_accum_steps * p.n_microbatches  # routed on this rank
+    per_token = 4 * a.num_experts_per_tok * a.dim * p.param_bytes * (p.ep - 1) / p.ep
+    return per_token * tokens * blocks * (1.5 if p.ac_mode == "full" else 1.0)
 
 
 def peak_tflops(p: PlanInputs, override: float | None = None) -> float | None:
@@ -106,8 +127,9 @@ def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
     from torchtrain.tools.planner.analytic import _numel, _unit_shapes
 
     stages = list(pipeline_of(p).stages[0])
-    units = _unit_shapes(a, stages, p.tp)
+    units = _unit_shapes(a, stages, p.tp, p.ep)
     numel = _numel([s for _, sh in units for s in sh])
+    expert_numel = _numel([s for name, sh in units if name.startswith("experts") for s in sh])
     biggest_unit = max(_numel(sh) for _, sh in units)
     blocks = sum(len(s.layers) for s in stages)
     passes = p.grad_accum_steps * p.n_microbatches  # forward passes per step on one rank
@@ -128,7 +150,11 @@ def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
         gathers = 1 if p.reshard == "never" else 2
         ring = (n_fsdp - 1) / n_fsdp
         if bw:
-            dp_s += (gathers * d * numel * passes + r * numel) * ring / bw
+            if p.ep > 1:  # expert weights travel within their expert-FSDP group only
+                expert_ring = (p.expert_fsdp - 1) / p.expert_fsdp
+                dp_s += (gathers * d * passes + r) * ((numel - expert_numel) * ring + expert_numel * expert_ring) / bw
+            else:
+                dp_s += (gathers * d * numel * passes + r * numel) * ring / bw
             dp_s_floor = (d + r) * biggest_unit * ring / bw
         if p.dp_replicate > 1:
             bw2 = _bandwidth(p, p.dp_replicate * n_fsdp * p.tp)
@@ -145,6 +171,11 @@ def communication(p: PlanInputs, compute_s: float) -> dict[str, float]:
         bw = _bandwidth(p, p.world_size)
         if bw:
             out["pipeline p2p"] = 2 * t * a.dim * d * passes / bw
+    a2a = expert_all_to_all_bytes(p)
+    if a2a:
+        bw = _bandwidth(p, p.ep)  # the EP group: dp_shard_in_ep x tp neighbouring ranks
+        if bw:
+            out["expert all-to-all"] = a2a / bw
     return out
 
 
@@ -155,7 +186,8 @@ def estimate_throughput(p: PlanInputs, peak_override: float | None = None) -> Th
     tokens = p.global_batch_size * p.seq_len
     peak = peak_tflops(p, peak_override)
     bubble = pipeline_of(p).bubble
-    out = Throughput(f_model, f_rec, tokens, peak, bubble, budget_tokens=p.token_budget)
+    out = Throughput(f_model, f_rec, tokens, peak, bubble, expert_all_to_all_bytes=expert_all_to_all_bytes(p),
+                     budget_tokens=p.token_budget)
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak:
         return out

@@ -211,7 +211,7 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
 
     layout = resolve_layout(cfg, p.world_size, p.device_type, p.args, get_model_spec(p.model_name))
     dims = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world,
-                        loss_parallel_requested=layout.dims.loss_parallel_requested, cp=p.cp)
+                        loss_parallel_requested=layout.dims.loss_parallel_requested, cp=p.cp, ep=p.ep)
     return dataclasses.replace(layout, dims=dims)
 
 

@@ -1,0 +1,120 @@
+"""The planner on Qwen3 and Qwen3-MoE: activation formulas against the real blocks, expert sharding
+and all-to-all arithmetic, analytic vs traced memory under expert parallelism, EP in `--search`, and
+Qwen3-MoE 235B-A22B on 256 H100s planned in under a minute.
+
+Tolerances: the per-block activation formula is derived op by op and held exactly (as Llama 3's in
+test_planner.py); analytic vs trace within 15% (test_planner.py's bound); the 235B plan's CPU time
+(user + system of the planner process, which other processes do not inflate) below 60 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchtrain.tools.planner import analytic, throughput
+from torchtrain.tools.planner.core import make_plan
+from torchtrain.tools.planner.search import search
+
+from test_planner import _inputs
+from test_planner_scale import _plan
+
+MOE_JOB = ["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "8",
+           "--model.n_kv_heads", "4", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
+           "--model.moe_intermediate_size", "32", "--training.dataset", "synthetic", "--training.seq_len", "64",
+           "--training.local_batch_size", "4", "--job.print_config", "false"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_activation_formula_matches_the_real_qwen3_blocks(family, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.models.common.attention import AttentionContext
+    from torchtrain.models.qwen3 import Qwen3Args, Transformer
+    from torchtrain.models.qwen3_moe import MoETransformer, Qwen3MoeArgs
+
+    shape = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=32, vocab_size=256, max_seq_len=64)
+    if family == "qwen3":  # n_heads x head_dim (256) != dim (128): the formula must use both
+        cls, args = Transformer, Qwen3Args(**shape, hidden_dim=256)
+    else:  # routing on fake tensors is taken as balanced (the planner's assumption)
+        cls, args = MoETransformer, Qwen3MoeArgs(**shape, num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=64, moe_aux_loss_coeff=0.0)
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(args).train()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        tracker = TensorMemoryTracker()
+        tracker.register_model(model)
+        stored = []
+        with tracker:
+            for n_blocks in (1, 2):
+                x = torch.randn(2, 64, 128, dtype=dtype, requires_grad=True)
+                base, h = tracker.current, x
+                for block in list(model.layers.values())[:n_blocks]:
+                    h = block(h, model.rope_cache, AttentionContext())
+                stored.append(tracker.current - base)
+                del h, x
+    assert stored[1] - stored[0] == analytic.act_per_token_per_block(args, dtype.itemsize, 1) * 2 * 64
+
+
+def test_expert_parallelism_shards_only_the_experts_and_costs_an_all_to_all():
+    _, p = _inputs(8, base=MOE_JOB, gpu="h100", dp_shard=8)
+    a, dense_state = p.args, {}
+    for ep in (1, 2, 4, 8):
+        q = p.replace(ep=ep)
+        est = analytic.estimate_memory(q)
+        units = analytic._unit_shapes(a, est.stages, 1, ep)
+        experts = analytic._numel([s for n, sh in units if n.startswith("experts") for s in sh])
+        others = analytic._numel([s for n, sh in units if not n.startswith("experts") for s in sh])
+        assert experts * ep == a.n_layers * 3 * a.num_experts * a.dim * a.moe_intermediate_size
+        params = next(r.bytes for r in est.rows if r.name.startswith("parameters"))
+        # 4 B x (other params / dp_shard + the rank's experts / expert-FSDP degree), rows padded per tensor
+        assert math.isclose(params, 4 * (others / 8 + experts / q.expert_fsdp), rel_tol=0.02)
+        dense_state[ep] = params
+        tokens = q.local_batch_size * q.seq_len
+        expect = 4 * a.num_experts_per_tok * a.dim * 2 * (ep - 1) / ep * tokens * a.n_layers
+        assert throughput.expert_all_to_all_bytes(q) == pytest.approx(expect)
+    assert dense_state[1] == pytest.approx(dense_state[8], rel=0.02)  # the same total: 1/8 of everything
+
+
+@pytest.mark.parametrize("world, flags", [(2, {"ep": 2}), (4, {"ep": 2}), (4, {"ep": 2, "tp": 2}),
+                                          (4, {"ep": 2, "pp": 2, "pp_microbatch_size": 1})])
+def test_moe_analytic_estimate_is_close_to_the_trace(world, flags):
+    job, p = _inputs(world, base=MOE_JOB, **flags)
+    plan = make_plan(job, p)
+    assert plan.valid and not plan.blockers, plan.problems + plan.blockers
+    for rank in plan.ranks:
+        assert rank.trace.skipped is None, rank.trace.skipped
+        assert abs(rank.analytic.peak - rank.traced_peak) <= 0.15 * rank.traced_peak, (rank.pp_rank, plan.ranks)
+
+
+def test_search_includes_expert_parallel_layouts():
+    job, p = _inputs(4, base=MOE_JOB, gpu="h100")
+    result = search(job, p, ["none"], ["zero3"], verify=1)
+    eps = {c.inputs.ep for c in result.ranked}
+    assert {1, 2, 4} <= eps, eps
+    assert result.ranked[0].plan is not None and result.ranked[0].plan.valid
+    tp_without_ep = [c for c in result.rejected if c.inputs.tp > 1 and c.inputs.ep == 1]
+    assert tp_without_ep and all("needs expert parallelism" in c.reason for c in tp_without_ep)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_235b_on_256_h100_plans_in_under_a_minute(tmp_path):
+    data, cpu_s, rss_gib = _plan(["--world-size", "256", "--gpu", "h100", "--model.name", "qwen3_moe",
+                                  "--model.flavor", "235B-A22B", "--training.seq_len", "4096",
+                                  "--training.local_batch_size", "4", "--pp", "2", "--tp", "2", "--ep", "8",
+                                  "--ac", "full"], tmp_path)
+    print(f"235B-A22B on 256 x H100: {cpu_s:.1f} s CPU, {rss_gib:.2f} GiB RSS")
+    assert cpu_s < 60 and rss_gib < 4
+    assert data["valid"] and data["inputs"]["ep"] == 8
+    assert round(data["model"]["num_params"] / 1e9) == 235 and round(data["model"]["num_active_params"] / 1e9) == 22
+    assert data["throughput"]["expert_all_to_all_bytes"] > 0
+    for rank in data["memory"]["ranks"]:
+        traced = rank["traced"]["peak_bytes"]
+        assert traced and abs(rank["analytic"]["peak_bytes"] - traced) <= 0.15 * traced

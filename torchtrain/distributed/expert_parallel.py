@@ -1,0 +1,156 @@
+"""Expert parallelism (EP): the experts of every MoE layer split over the ranks of an EP group, tokens
+sent to their experts' ranks and back with all-to-all.
+
+Mesh (`parallel_dims.py`): the EP group of ep ranks is borrowed from dp_shard x tp -- whole TP groups
+when tp > 1, so ep = dp_shard_in_ep x tp -- and adds no ranks. Rank r of a group holds experts
+[r E/ep, (r+1) E/ep) of every layer: the stacked expert weights (E, ., .) become DTensors sharded on
+dim 0 over the "ep" mesh (`apply_expert_parallel`), so initialisation, checkpoints (any EP <-> any
+layout), HF import and gradient clipping see the global tensors. Under FSDP the experts are their own
+FSDP unit over the remaining data-parallel ranks (dp_shard_mod_ep, with dp_replicate for HSDP),
+sharded on dim 1 (`parallelize.py`).
+
+One MoE layer's forward on a rank with T tokens, top-k, hidden size D, b bytes per element:
+
+1. the router picks k experts per token; the T k (token, expert) rows are sorted by expert;
+2. **dispatch**: the per-expert row counts are exchanged (all-to-all of E integers), then each rank
+   sends every row to the rank of its expert (`all_to_all_single`, uneven splits). A rank receives
+   the rows of its E/ep experts from every rank of the group, ordered (source rank, expert), and
+   reorders them to (expert, source rank) so each expert's rows are contiguous;
+3. the local experts run (grouped GEMM or a loop, `models/common/experts.py`);
+4. **combine**: the reverse reorder and all-to-all bring every result back to the rank of its token,
+   where the layer sums each token's k results with its gate weights.
+
+Volume per token and MoE layer: dispatch and combine each move k D b bytes, of which a fraction
+(ep - 1)/ep leaves the rank under balanced routing, in forward; backward sends the same again (the
+gradients of both all-to-alls). So per token and layer, sent per rank:
+
+    4 k D b (ep - 1) / ep  bytes      (e.g. Qwen3-235B-A22B, k 8, D 4096, bf16: 0.25 MiB x (ep-1)/ep)
+
+Memory per rank: the routed-expert parameters, gradients and optimizer state are divided by
+ep x efsdp (= ep x dp_shard / dp_shard_in_ep), the other parameters by dp_shard as without EP; the
+received rows add k T D b of activations per layer (as one process would hold).
+
+Gradients. Every expert gradient is the sum over the tokens of all ranks of the EP group (the
+all-to-all backward brings them to the expert's rank); FSDP's reduce-scatter then averages over the
+expert-FSDP ranks (and replicas). The job's loss is scaled so that averaging over all dp ranks gives
+the exact gradient (`components/loss.py`); the EP group holds dp_shard_in_ep of them (its TP ranks
+see disjoint sequence shards of the same batch), so the expert gradients are divided by
+dp_shard_in_ep once more: the rows entering the experts carry a backward factor 1/dp_shard_in_ep and
+the rows leaving carry dp_shard_in_ep (`_ScaleGrad`), which scales exactly the expert weights'
+gradients (exact in floating point for powers of two).
+
+The pieces of an MoE layer that every rank holds (router, shared experts) run on the rank's own
+tokens; with tensor parallelism those are sequence shards, and `moe_tp_plan` makes the router and
+shared experts replicated DTensors (their gradients summed over the TP ranks) and the per-sequence
+statistics of the auxiliary loss whole-sequence sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+from torchtrain.utils.sizes import host_split_sizes
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+class ExpertDispatcher:
+    """Forward hooks of a GroupedExperts module under EP: dispatch before it, combine after it."""
+
+    def __init__(self, mesh: DeviceMesh, grad_scale: int):
+        self.mesh, self.group, self.size = mesh, mesh.get_group(), mesh.size()
+        self.grad_scale = grad_scale
+        self._pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+    def dispatch(self, module: nn.Module, args: tuple) -> tuple:
+        x, counts = args
+        local = counts.numel() // self.size
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [source][local expert]
+        received = received.view(self.size, local)
+        send = host_split_sizes(counts.view(self.size, local).sum(1), x.shape[0])
+        recv = host_split_sizes(received.sum(1), x.shape[0])
+        rows = funcol.all_to_all_single_autograd(x.contiguous(), recv, send, self.group)
+        perm = self._permutation(received, sum(recv), x.device)
+        rows = rows[perm]
+        if self.grad_scale != 1:
+            rows = _ScaleGrad.apply(rows, float(self.grad_scale))
+        self._pending.append((perm, send, recv))
+        return rows, received.sum(0)
+
+    @staticmethod
+    def _permutation(received: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+        """Row permutation from (source rank, expert) order to (expert, source rank) order."""
+        ep, local = received.shape
+        sizes = received.reshape(-1)
+        starts = (sizes.cumsum(0) - sizes).view(ep, local).t().reshape(-1)  # source start of each target segment
+        target_sizes = received.t().reshape(-1)
+        segment = torch.repeat_interleave(torch.arange(ep * local, device=device), target_sizes, output_size=total)
+        within = torch.arange(total, device=device) - (target_sizes.cumsum(0) - target_sizes)[segment]
+        return starts[segment] + within
+
+    def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        perm, send, recv = self._pending.pop()
+        if self.grad_scale != 1:
+            out = _ScaleGrad.apply(out, 1.0 / self.grad_scale)
+        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        out = funcol.all_to_all_single_autograd(out[back].contiguous(), send, recv, self.group)
+        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int) -> None:
+    """Split every module's stacked expert weights (dim 0) over `ep_mesh` and install the dispatch and
+    combine around its forward. `grad_scale`: dp_shard_in_ep (see the module doc). Works on a model on
+    the meta device (before materialisation): each rank keeps only its slice."""
+    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    for module in experts:
+        for name, param in list(module.named_parameters(recurse=False)):
+            local = param.detach().chunk(size, dim=0)[rank]
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                    stride=param.stride())
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        dispatcher = ExpertDispatcher(ep_mesh, grad_scale)
+        module.register_forward_pre_hook(dispatcher.dispatch)
+        module.register_forward_hook(dispatcher.combine)
+
+
+def expert_fsdp_placement(mesh_size: int):
+    """FSDP placement of expert weights: dim 1 (dim 0 is already split by EP) when it divides evenly."""
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(1) if param.dim() > 1 and param.shape[1] % mesh_size == 0 else Shard(0)
+    return placement
+
+
+def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:
+    """TP styles of an MoE layer at `prefix` (relative to its block) with sequence parallelism: the
+    layer works on this rank's sequence shard (no gather), the router and shared experts are
+    replicated with their gradients summed over the TP ranks (their inputs are the rank's tokens, a
+    shard of dim 0), and the per-sequence counts of the auxiliary loss are summed over the shards.
+    The routed experts are not tensor-parallel (the EP group contains the TP group)."""
+    plan: dict[str, object] = {
+        prefix: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                   use_local_output=True),
+        f"{prefix}.router": SequenceParallel(sequence_dim=0, use_local_output=True),
+        f"{prefix}.sequence_sum": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(Replicate(),),
+                                                     use_local_output=True),
+    }
+    if shared_experts:
+        plan[f"{prefix}.shared_experts"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return plan

@@ -1,0 +1,110 @@
+"""Routed experts: SwiGLU feed-forwards applied to tokens grouped by expert.
+
+Input: x (M, D), its rows sorted by expert -- the first counts[0] rows go to expert 0, the next
+counts[1] to expert 1, ... -- and the weights of every expert stacked on dim 0:
+
+    w1, w3: (E, H, D)      w2: (E, D, H)      (each expert's matrix in nn.Linear's (out, in) layout,
+                                               i.e. Hugging Face's per-expert gate_proj / up_proj / down_proj)
+    y[rows of e] = (silu(x_e w1[e]^T) * (x_e w3[e]^T)) w2[e]^T
+
+Two implementations, equal within fp32 rounding (tests/test_moe.py):
+
+* **grouped GEMM** (`torch._grouped_mm`): one kernel per matmul for all experts, over the sorted rows
+  with group offsets. Each group is padded to a multiple of `GROUP_ALIGN` rows (what the kernels need
+  for 16-byte-aligned groups in every dtype); padding rows are zero and dropped again. The padded
+  buffer has the static size M + E x (GROUP_ALIGN - 1), so no host synchronisation is needed. Used on
+  CUDA devices of compute capability 9.0+ (Hopper) in bfloat16, where the kernel exists.
+* **portable loop**: one matmul per expert over its rows (any device and dtype; the group sizes are
+  read on the host). Used everywhere else -- CPU training and older GPUs. (torch 2.13 also ships a
+  CPU `_grouped_mm`, but its backward rejects the zero-stride gradients autograd can hand it, so CPU
+  training does not use it; the test compares the two paths on it.)
+
+Every expert's weights take part in the computation even when it receives no rows (its gradient is
+then zero, not None), so data-parallel gradient reduction sees the same parameters on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtrain.utils.sizes import host_split_sizes
+
+GROUP_ALIGN = 16
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped-GEMM path runs on `device` in `dtype` (see the module doc)."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _compute_dtype(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weights[0].dtype
+
+
+def swiglu_looped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """The portable path: one SwiGLU per expert over its (possibly empty) group of rows."""
+    outs = []
+    for e, xe in enumerate(torch.split(x, host_split_sizes(counts, x.shape[0]))):
+        h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])
+        outs.append(F.linear(h, w2[e]))
+    return torch.cat(outs)
+
+
+def swiglu_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """The grouped-GEMM path: rows scattered into groups padded to GROUP_ALIGN, three `_grouped_mm`s."""
+    dtype = _compute_dtype(x, (w1,))
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    rows, experts = x.shape[0], counts.numel()
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends = padded.cumsum(0)
+    group = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=rows)
+    within = torch.arange(rows, device=x.device) - (counts.cumsum(0) - counts)[group]
+    dest = (ends - padded)[group] + within  # row of each token in the padded buffer
+    buf = x.new_zeros(rows + experts * (GROUP_ALIGN - 1), x.shape[1]).index_put((dest,), x)
+    offs = ends.to(torch.int32)
+    h = F.silu(torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)) * \
+        torch._grouped_mm(buf, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
+
+
+def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                  use_grouped_mm: bool = True) -> torch.Tensor:
+    """y for rows `x` sorted by expert with `counts` rows per expert (grouped GEMM where supported)."""
+    if use_grouped_mm and grouped_mm_supported(x.device, _compute_dtype(x, (w1,))):
+        return swiglu_grouped(x, counts, w1, w2, w3)
+    return swiglu_looped(x, counts, w1, w2, w3)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight that expert parallelism split into a DTensor; `t` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights. forward(x, counts): rows of x sorted by expert.
+
+    Expert parallelism (`distributed/expert_parallel.py`) splits the stacked weights on dim 0 into
+    DTensors and wraps this forward with the token dispatch and combine; the forward then computes
+    this rank's experts (`local_tensor`) over the rows it received, with `counts` of its own experts.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        return expert_swiglu(x, counts, w1, w2, w3, self.use_grouped_mm)

@@ -1,0 +1,253 @@
+"""A reusable mixture-of-experts feed-forward layer: router, load balancing, dispatch to the experts.
+
+For the T tokens of one forward (x reshaped to (T, D)), with E routed experts and top-k:
+
+1. **route**: scores s = softmax(x W_r^T) (or sigmoid), each token's k experts are the top-k of
+   s + b (b: the load-balancing bias, zero unless enabled), and its gate weights are those experts'
+   scores s (renormalised to sum 1 with `norm_topk_prob`, times `route_scale`);
+2. **dispatch**: the T x k (token, expert) pairs are sorted by expert (a stable sort, so the order is
+   the same under any layout) and the experts (`experts.py`) run over their groups of rows -- every
+   pair is computed: no capacity limit, no token dropped;
+3. **combine**: each token's output is the gate-weighted sum of its k experts' outputs (summed in
+   the order of its top-k), plus the shared experts' output when the layer has any.
+
+Expert parallelism wraps step 2 (`distributed/expert_parallel.py`); the layer itself has no
+parallel code.
+
+**Load balancing** (docs/moe.md), each switchable:
+
+* the auxiliary loss (Switch Transformer / GShard), `aux_loss_coeff` = alpha. For the tokens t of one
+  sequence, f_i = E x (pairs routed to expert i) / (pairs of the sequence) and p_t the token's score
+  distribution (the scores themselves for softmax; normalised to sum 1 for sigmoid). Each token adds
+  alpha x sum_i f_i p_t,i to its loss, so the term joins the token-mean loss with the same
+  normalisation (1/N over the step's target tokens) and equals alpha x E x sum_i f_i P_i per sequence,
+  minimal (alpha) when the load is uniform. f is computed per sequence -- not per micro-batch or per
+  rank -- so the loss is the same under any data-parallel layout or accumulation, and f is constant
+  (its gradient flows through p only). The term's gradient is injected in backward (`_AuxLoss`): the
+  layer's output is unchanged, so the loss reaches pipeline stages that do not compute the
+  cross-entropy. The trainer sets `aux_loss_scale` to the scale of the step's loss (dp / N, x the
+  float16 loss scale);
+* the auxiliary-loss-free bias of DeepSeek-V3, `load_balance_coeff` = gamma: the buffer b is added to
+  the scores for the top-k choice only; after each step the trainer moves it by gamma towards balance
+  from the step's global per-expert token counts (`components/moe_balance.py`).
+
+During training forwards the layer adds each expert's token count (`tokens_per_expert`) and its
+summed auxiliary loss (`aux_loss_sum`) to buffers that the trainer reads and resets every step. A
+forward recomputed by activation checkpointing (it runs inside backward) or marked uncounted
+(`models.base.forward_counting`) adds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.base import InitSpec, forward_is_counted
+from torchtrain.models.common.experts import GroupedExperts
+from torchtrain.models.common.layers import FeedForward
+
+
+@dataclass
+class MoEModelArgs:
+    """The mixture-of-experts arguments of a model (a mixin of its arguments dataclass: `[model]` keys)."""
+
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+
+    moe_intermediate_size: int = 256
+    """Hidden size of each expert's SwiGLU."""
+
+    norm_topk_prob: bool = True
+    """Renormalise a token's top-k gate weights to sum 1."""
+
+    num_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (one SwiGLU of this many times
+    moe_intermediate_size)."""
+
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts, or an independent sigmoid per expert (DeepSeek-V3)."""
+
+    route_scale: float = 1.0
+    """Factor applied to the gate weights."""
+
+    moe_aux_loss_coeff: float = 0.001
+    """Weight of the auxiliary load-balancing loss (Switch/GShard, computed per sequence); 0 disables it."""
+
+    moe_load_balance_coeff: float = 0.0
+    """Step size of DeepSeek-V3's auxiliary-loss-free balancing: after every step each expert's
+    routing bias moves by this much towards balance (from the step's global token counts); 0 disables it."""
+
+    use_grouped_mm: bool = True
+    """Compute the experts with one grouped GEMM per matmul where the device supports it (CUDA sm90+
+    in bfloat16); otherwise (or false) a loop over the experts."""
+
+    def validate_moe(self) -> None:
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"[model.num_experts_per_tok] {self.num_experts_per_tok} exceeds model.num_experts "
+                              f"({self.num_experts}): a token cannot be routed to more experts than exist")
+        for key in ("num_shared_experts",):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"[model.{key}] must be >= 0, got {getattr(self, key)}")
+        for key in ("moe_aux_loss_coeff", "moe_load_balance_coeff"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"[model.{key}] must be >= 0 (0 disables it), got {getattr(self, key)}")
+        if self.route_scale <= 0:
+            raise ConfigError(f"[model.route_scale] must be > 0, got {self.route_scale}")
+
+    def moe_params(self, dim: int) -> tuple[int, int]:
+        """(total, active per token) parameters of one MoE layer of width `dim`: routed experts (all,
+        or top-k), shared experts and the router."""
+        expert = 3 * dim * self.moe_intermediate_size
+        fixed = self.num_shared_experts * expert + dim * self.num_experts
+        return self.num_experts * expert + fixed, self.num_experts_per_tok * expert + fixed
+
+
+class SequenceSum(nn.Identity):
+    """Sums per-sequence statistics over the ranks that hold parts of one sequence: the identity on one
+    rank; tensor parallelism's plan makes it an all-reduce over the sequence-parallel shards
+    (`distributed/expert_parallel.py::moe_tp_plan`), context parallelism one over the CP ranks
+    (`distributed/context_parallel.py`)."""
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Identity on `out`; backward also sends `scale` as the gradient of the (scalar) `aux` loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(torch.float32).reshape(()), None
+
+
+def _histogram(keys: torch.Tensor, bins: int, ordered: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of `keys` (integers in [0, bins)) fall in each bin, by sorting (`ordered`: keys already
+    sorted): deterministic on every device and static in shape (it also runs on the planner's fake
+    tensors, unlike bincount)."""
+    if ordered is None:
+        ordered = torch.sort(keys.reshape(-1)).values
+    edges = torch.searchsorted(ordered, torch.arange(bins + 1, device=keys.device, dtype=keys.dtype))
+    return edges.diff()
+
+
+def _first_pass() -> bool:
+    """False while activation checkpointing recomputes a forward (inside backward)."""
+    if torch.compiler.is_compiling():  # compiled recomputation never reruns Python
+        return True
+    return torch._C._current_graph_task_id() == -1
+
+
+class MoE(nn.Module):
+    """x (B, S, D) -> (B, S, D). See the module doc."""
+
+    def __init__(self, dim: int, args: MoEModelArgs):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.score_func, self.norm_topk_prob, self.route_scale = args.score_func, args.norm_topk_prob, args.route_scale
+        self.aux_loss_coeff, self.load_balance_coeff = args.moe_aux_loss_coeff, args.moe_load_balance_coeff
+        self.router = nn.Linear(dim, args.num_experts, bias=False)
+        self.experts = GroupedExperts(dim, args.moe_intermediate_size, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (FeedForward(dim, args.moe_intermediate_size * args.num_shared_experts)
+                               if args.num_shared_experts else None)
+        self.sequence_sum = SequenceSum()
+        if self.load_balance_coeff > 0:
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
+
+    # ------------------------------------------------------------------ routing
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores (T, E) float32, top-k expert ids (T, k), gate weights (T, k) float32)."""
+        logits = self.router(tokens).float()
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        return scores, idx, weights * self.route_scale
+
+    def _aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
+        """Sum over this forward's tokens of sum_i f_i p_t,i (f per sequence; see the module doc)."""
+        E = self.num_experts
+        seq_of = torch.arange(batch, device=idx.device).repeat_interleave(idx.numel() // batch) * E
+        pairs = _histogram(seq_of + idx.reshape(-1), batch * E).view(batch, E).float()
+        pairs = self.sequence_sum(pairs)  # whole-sequence counts under sequence sharding
+        f = E * pairs / pairs.sum(-1, keepdim=True).clamp(min=1.0)
+        p = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return (p.view(batch, -1, E) * f.unsqueeze(1)).sum()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, dim = x.shape[0], x.shape[-1]
+        tokens = x.reshape(-1, dim)
+        scores, idx, weights = self.route(tokens)
+        pairs = idx.reshape(-1)
+        order = torch.argsort(pairs, stable=True)  # (token, k) pairs grouped by expert
+        counts = _histogram(pairs, self.num_experts, ordered=pairs[order])
+        use_aux = self.training and self.aux_loss_coeff > 0
+        aux = self._aux_loss(scores, idx, batch) if use_aux else None
+        if self.training and forward_is_counted() and _first_pass() and not counts.is_meta:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.float())
+                if aux is not None:
+                    self.aux_loss_sum.add_(aux.detach())
+
+        routed = self.experts(tokens[order // self.top_k], counts)
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        routed = routed[unsort].view(-1, self.top_k, dim)
+        out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view_as(x)
+        if aux is not None:
+            out = _AuxLoss.apply(out, aux, self.aux_loss_scale * self.aux_loss_coeff)
+        return out
+
+    # ------------------------------------------------------------------ init
+    @staticmethod
+    def init_spec(name: str, std: float, out_std: float) -> InitSpec:
+        """Init of the layer's parameter `name` (relative to the layer): truncated normal with `std`,
+        `out_std` for the matrices that write back to the residual stream (experts' w2)."""
+        if name.endswith("w2") or name.endswith("w2.weight"):
+            return InitSpec("trunc_normal", std=out_std)
+        return InitSpec("trunc_normal", std=std)
+
+    def reset_statistics(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+
+    def init_buffers(self) -> None:
+        """Initial buffer values (after materialisation from the meta device): no bias, no counts."""
+        self.reset_statistics()
+        self.aux_loss_scale.fill_(1.0)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
+    """(canonical name, layer) of every MoE layer in `module` (wrapper prefixes removed)."""
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+                name = name.replace(prefix, "")
+            out.append((name, m))
+    return out

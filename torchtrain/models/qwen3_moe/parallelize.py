@@ -1,0 +1,34 @@
+"""The Qwen3-MoE parallel plan: Qwen3's attention TP plan with the MoE layer's
+(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and
+its checks against the layout. Expert parallelism itself is generic (the applier splits every
+`GroupedExperts`); FSDP units and the pipeline split are Llama 3's.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.expert_parallel import moe_tp_plan
+from torchtrain.models.qwen3.parallelize import apply_top_tp, attention_plan, validate_qwen3
+from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
+
+
+def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
+    validate_qwen3(args, layout)
+    dims = layout.dims
+    if dims.tp_enabled and not dims.ep_enabled:
+        raise ConfigError(
+            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {dims.tp}) of an MoE "
+            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
+            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {dims.tp}"
+        )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    apply_top_tp(model, tp_mesh, loss_parallel)
+    shared = model.args.num_shared_experts > 0
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {**attention_plan(), **moe_tp_plan("feed_forward", shared)})
