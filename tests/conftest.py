@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -86,8 +85,11 @@ def assert_no_trainer_traceback(text: str) -> None:
 
 
 def read_metrics(dump_folder: str) -> list[dict]:
-    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """metrics.jsonl's records, parsed as strict JSON (a bare NaN/Infinity token fails the test);
+    non-finite values, written as null + "non_finite", come back as floats."""
+    from torchtrain.utils.strict_json import read_jsonl
+
+    return read_jsonl(os.path.join(dump_folder, "metrics.jsonl"))
 
 
 @pytest.fixture

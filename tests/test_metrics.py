@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -66,3 +67,30 @@ def test_non_logging_rank_writes_nothing(tmp_path):
     log.log(1, {"loss": 1.0})
     log.close()
     assert not (tmp_path / "x").exists()
+
+
+def test_jsonl_is_strict_json_with_non_finite_values_flagged(tmp_path):
+    """NaN / Infinity are not JSON: they are written as null and named under "non_finite", so strict
+    parsers (jq, JSON.parse, pandas) read every line; read_jsonl restores the floats."""
+    from torchtrain.utils.strict_json import read_jsonl
+
+    log = MetricsLogger(str(tmp_path), enable_tensorboard=True, tb_folder="tb", enabled=True)
+    log.log(1, {"loss": 2.5, "grad_norm": 1.0})
+    log.log(2, {"loss": float("nan"), "grad_norm": float("inf"), "guard_reason": "non-finite loss (nan)",
+                "memory_tensor_breakdown_gib": {"grads": float("-inf"), "params": 0.5}})
+    log.close()
+
+    def strict(token):
+        raise AssertionError(f"bare {token} in metrics.jsonl")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    raw = [json.loads(line, parse_constant=strict) for line in lines]
+    assert "non_finite" not in raw[0]
+    assert raw[1]["loss"] is None and raw[1]["grad_norm"] is None
+    assert raw[1]["non_finite"] == {"loss": "nan", "grad_norm": "inf", "memory_tensor_breakdown_gib.grads": "-inf"}
+    assert raw[1]["memory_tensor_breakdown_gib"] == {"grads": None, "params": 0.5}
+    back = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert back[0] == {"step": 1, "loss": 2.5, "grad_norm": 1.0}
+    assert math.isnan(back[1]["loss"]) and back[1]["grad_norm"] == math.inf
+    assert back[1]["memory_tensor_breakdown_gib"] == {"grads": -math.inf, "params": 0.5}
+    assert back[1]["guard_reason"] == "non-finite loss (nan)" and "non_finite" not in back[1]

@@ -6,16 +6,19 @@ Definitions (per logging interval of k steps taking t seconds of wall time):
 * TFLOPs per device   = tokens/s per device x flops_per_token / 1e12
 * MFU                 = TFLOPs per device / peak TFLOP/s of the device (n/a when the peak is unknown)
 * data loading %      = time spent waiting for batches / t
+
+metrics.jsonl is strict JSON: a non-finite value (a NaN loss) is written as null and named under
+"non_finite" (`utils/strict_json.py`); `strict_json.read_jsonl` reads it back with the floats restored.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Any
 
+from torchtrain.utils import strict_json
 from torchtrain.utils.logging import logger
 
 
@@ -78,7 +81,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **record}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(strict_json.dumps(record) + "\n")  # NaN/inf: null + "non_finite" (docs/metrics.md)
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):

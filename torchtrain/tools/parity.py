@@ -16,7 +16,6 @@ A layout is a preset name (see `PRESETS`) or "NPROC [--section.key value ...]", 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+
+from torchtrain.utils.strict_json import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,7 @@ def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: l
     with open(os.path.join(dump, "launch.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     path = os.path.join(dump, "metrics.jsonl")
-    records = []
-    if os.path.exists(path):
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(path) if os.path.exists(path) else []  # non-finite losses come back as floats
     return RunResult(layout, records, proc.returncode, proc.stdout + proc.stderr)
 
 
