@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES
+from torchtrain.utils import strict_json
 
 EPILOG = """\
 Any other argument is a job override, as for the trainer: --section.key value (e.g. --training.seq_len 8192).
@@ -119,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
                                 ns.runnable_only)
                 annotate_runnable(job, result, ns.top)
-                out = (json.dumps(report.search_to_dict(result, ns.top, ns.show_rejected), indent=1) if ns.json
-                       else report.format_search(result, ns.top, ns.show_rejected))
+                data = report.search_to_dict(result, ns.top, ns.show_rejected) if ns.json else None
+                out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
+                                                                                              ns.show_rejected)
             else:
                 plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops)
-                out = json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
+                out = strict_json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
     except ConfigError as e:
         print(f"torchtrain.plan: error: {e}", file=sys.stderr)
         return 2
