@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
-from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.gc_control import GarbageCollection
@@ -38,7 +37,7 @@ from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.utils import (env_rank_world, exit_process, init_distributed, resolve_device,
                                           set_determinism, set_train_timeout)
 from torchtrain.models.registry import model_arguments
-from torchtrain.preflight import preflight
+from torchtrain.preflight import check_job
 from torchtrain.train_step import TrainStep
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
@@ -50,7 +49,7 @@ class Trainer:
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
         self.device = device = resolve_device(cfg.training.device)
-        plan = preflight(cfg, world_size, device.type)
+        plan = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
         self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
         spec, args = plan.model_spec, plan.model_args
         dims, self.batch = layout.dims, layout.batch
@@ -62,8 +61,6 @@ class Trainer:
         sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
         val_source = build_validation_source(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
                                              cfg.debug.seed)  # None unless enabled
-        checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device.type, cfg.model.name,
-                             spec.state_dict_adapter is not None)
 
         # 2. Process group, mesh, RNG.
         init_distributed(cfg.comm, device)

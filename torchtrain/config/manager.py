@@ -79,6 +79,13 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"[job.config_file] {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 only
+        line = 1 + e.object[:e.start].count(b"\n")
+        raise ConfigError(f"[job.config_file] {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at line "
+                          f"{line}); TOML files must be UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"[job.config_file] cannot read {path}: {e.strerror}") from None
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(
