@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.data.sources import check_dataset_name
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
+from torchtrain.components.wandb_sink import check_wandb
 from torchtrain.components.validation import check_validation
 from torchtrain.config import JobConfig
 from torchtrain.distributed.layout import Layout, resolve_layout
@@ -53,10 +54,12 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
 
 
 def check_job(cfg: JobConfig, world_size: int, device_type: str) -> Preflight:
-    """`preflight` plus the checkpoint folder's start-up checks: everything the trainer checks before
-    its process group starts, except building the dataset (which reads the data). The trainer runs it
-    on every rank; `launch_check` runs it once before torchrun starts any."""
+    """`preflight` plus the checkpoint folder's start-up checks and the metrics backends' packages:
+    everything the trainer checks before its process group starts, except building the dataset
+    (which reads the data). The trainer runs it on every rank; `launch_check` runs it once before
+    torchrun starts any."""
     plan = preflight(cfg, world_size, device_type)
     checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device_type, cfg.model.name,
                          plan.model_spec.state_dict_adapter is not None)
+    check_wandb(cfg.metrics)
     return plan

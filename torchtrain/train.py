@@ -31,7 +31,7 @@ from torchtrain.components.step_ops import OperationsHooks
 from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.train_state import TrainState
 from torchtrain.components.validation import Validator, build_validation_source
-from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
+from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_dict, to_toml
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.utils import (env_rank_world, exit_process, init_distributed, resolve_device,
@@ -91,8 +91,7 @@ class Trainer:
                                                                             cfg.metrics.peak_tflops), world_size)
         self.memory = MemoryMonitor(device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard,
-                                     cfg.metrics.save_tb_folder, enabled=self.rank == 0)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         self.state = TrainState(device)
         # [ops] profiling, phase timing, validation, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, device)

@@ -1,4 +1,5 @@
-"""Step metrics: throughput / MFU arithmetic and the rank-0 sinks (console, metrics.jsonl, TensorBoard).
+"""Step metrics: throughput / MFU arithmetic and the rank-0 sinks (console, metrics.jsonl, TensorBoard,
+Weights & Biases: `wandb_sink.py`).
 
 Definitions (per logging interval of k steps taking t seconds of wall time):
 
@@ -18,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from torchtrain.config.job import Metrics
 from torchtrain.utils import strict_json
 from torchtrain.utils.logging import logger
 
@@ -60,22 +62,34 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
-class MetricsLogger:
-    """Writes one record per logged step to the console, `metrics.jsonl` and TensorBoard (rank 0 only)."""
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a record (what TensorBoard and W&B plot)."""
+    return {k: v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def __init__(self, dump_folder: str, enable_tensorboard: bool, tb_folder: str, enabled: bool):
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, `metrics.jsonl`, TensorBoard and W&B (rank 0
+    only). `run_config`: the resolved job config, recorded by W&B."""
+
+    def __init__(self, cfg: Metrics, dump_folder: str, enabled: bool, run_config: dict[str, Any] | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a", buffering=1)
-        if enable_tensorboard:
+        if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, tb_folder))
+            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, cfg.save_tb_folder))
+        if cfg.enable_wandb:
+            from torchtrain.components.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(cfg, dump_folder, run_config or {})
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -83,9 +97,10 @@ class MetricsLogger:
         record = {"step": step, **record}
         self._jsonl.write(strict_json.dumps(record) + "\n")  # NaN/inf: null + "non_finite" (docs/metrics.md)
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in _scalars(record).items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, _scalars(record))
         logger.info(
             "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
             "mem %s GiB (%s) | data %s%%",
@@ -103,3 +118,6 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None

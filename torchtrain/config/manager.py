@@ -186,18 +186,24 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
-def to_toml(config: JobConfig) -> str:
-    """The resolved config as TOML that `--job.config_file` reads back to the same JobConfig."""
-    lines: list[str] = []
+def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
+    """The resolved config as {section: {key: value}} (unset keys are None): what `to_toml` writes."""
+    out: dict[str, dict[str, Any]] = {}
     for name in _sections():
         section = getattr(config, name)
-        lines.append(f"[{name}]")
         items = [(f.name, getattr(section, f.name)) for f in _public_fields(type(section)).values()]
         if name == "model":
             items += sorted(section.overrides.items())
-        for key, value in items:
-            if name == "job" and key == "config_file":
-                continue
+        out[name] = {key: value for key, value in items if not (name == "job" and key == "config_file")}
+    return out
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved config as TOML that `--job.config_file` reads back to the same JobConfig."""
+    lines: list[str] = []
+    for name, items in to_dict(config).items():
+        lines.append(f"[{name}]")
+        for key, value in items.items():
             lines.append(f"# {key} unset" if value is None else f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
