@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "mfu",
                                                                                    "price", "tokens")})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
-                                ns.runnable_only)
+                                ns.runnable_only, show_progress=True)
                 annotate_runnable(job, result, ns.top)
                 data = report.search_to_dict(result, ns.top, ns.show_rejected) if ns.json else None
                 out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
