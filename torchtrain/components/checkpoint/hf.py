@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -41,6 +42,14 @@ from torchtrain.utils.progress import Progress
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning: one process is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _natural(key: str) -> list:
@@ -91,7 +100,8 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
         name = shard_file_name(i, len(shards))
         placeholders = {k: torch.empty(by_key[k][1], dtype=by_key[k][2]) for k in keys}
         try:
-            dcp.load({"model": placeholders}, checkpoint_id=ckpt_path, no_dist=True)
+            with _one_process():
+                dcp.load({"model": placeholders}, checkpoint_id=ckpt_path, no_dist=True)
         except Exception as e:  # DCP wraps read errors of any kind
             raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}): reading weights for the HF export "
                                   f"failed: {e}") from None
@@ -239,6 +249,7 @@ def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAda
     finally:
         ckpt.close()
     with Progress("write DCP", None, "bytes", enabled=show_progress) as bar:  # one call: time and rate at the end
-        dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
+        with _one_process():
+            dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
         bar.done = sum(t.numel() * t.element_size() for t in state.values())
     return {"tensors": len(state), "warnings": warnings, "unused": sorted(unused)}
