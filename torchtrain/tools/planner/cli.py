@@ -17,8 +17,7 @@ Layout flags override the job file's values.
 examples:
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100 --search
-  python -m torchtrain.plan --config train_configs/llama3_405b.toml --world-size 16384 --tp 8 --pp 16 \\
-      --dp-replicate 1 --training.local_batch_size 16 --json
+  python -m torchtrain.plan --config train_configs/llama3_405b.toml --world-size 16384 --gpu h100 --json
 """
 
 
