@@ -17,13 +17,11 @@
 #                or dynamic c10d rendezvous at host:port (node ranks are assigned on arrival),
 #                with a job id shared by all nodes (default "torchtrain")
 # Every further argument is a config override: --section.key value
+# The job is checked once before torchrun starts (python -m torchtrain.launch_check, for NGPU x NNODES
+# processes): a bad job prints one "torchtrain: config error: ..." line and exits 2.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if [ -z "${NGPU:-}" ]; then
-  NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
-  [ "$NGPU" -ge 1 ] || NGPU=1
-fi
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 NNODES=${NNODES:-1}
 export LOG_RANK=${LOG_RANK:-0}
@@ -43,6 +41,11 @@ else
        "RDZV_ENDPOINT (c10d rendezvous); see docs/cluster.md" >&2
   exit 2
 fi
+
+# Check the job in this one process (no torchrun, no traceback, no wait on other ranks); it prints the
+# processes per node (NGPU, or every visible GPU / 1 when unset).
+NGPU=$(python -m torchtrain.launch_check --nproc-per-node "${NGPU:-auto}" --nnodes "$NNODES" \
+         --job.config_file "$CONFIG_FILE" "$@") || exit $?
 
 exec torchrun --nproc_per_node="$NGPU" "${RDZV[@]}" \
   "${FILTER[@]}" --role rank --tee 3 \

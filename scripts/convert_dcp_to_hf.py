@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
         dtype = DTYPES[args.dtype] if args.dtype else None
         summary = export_dcp_to_hf(path, args.out_dir, spec.state_dict_adapter(model_args), dtype,
-                                   args.max_shard_bytes, label=path)
+                                   args.max_shard_bytes, label=path, show_progress=True)
     except ConfigError as e:
         print(f"convert_dcp_to_hf: error: {e}", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         summary = hf_to_dcp(args.hf_dir, args.out_dir, model, spec.state_dict_adapter(model_args),
-                            DTYPES[args.dtype] if args.dtype else None)
+                            DTYPES[args.dtype] if args.dtype else None, show_progress=True)
     except ConfigError as e:
         print(f"convert_hf_to_dcp: error: {e}", file=sys.stderr)
         return 2

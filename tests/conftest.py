@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +13,8 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.join(REPO, "torchtrain")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
 
 # One dataset cache for the whole session (every trainer subprocess inherits it): document datasets are
 # prepared once per session, in a fresh folder, never in the user's ~/.cache.
@@ -63,9 +65,31 @@ def wait_for_pid_file(proc: subprocess.Popen, pid_file, what: str, timeout: floa
     return int(open(pid_file).read())
 
 
+def package_frames(text: str) -> list[str]:
+    """Python traceback frames in `text` that point into torchtrain's own package. Decided by the
+    frame's file, not by a substring of the output: the checkout folder (often named `torchtrain`),
+    a virtual environment inside it, the user name or the working directory can appear anywhere."""
+    package = os.path.realpath(PACKAGE_DIR) + os.sep
+    return [f for f in _FRAME.findall(text) if os.path.realpath(f).startswith(package)]
+
+
+def assert_no_traceback(text: str) -> None:
+    """The output holds no Python traceback at all (a launcher that checked the job itself)."""
+    assert "Traceback (most recent call last)" not in text and not _FRAME.search(text), text[-3000:]
+
+
+def assert_no_trainer_traceback(text: str) -> None:
+    """The trainer reported its error as a message: no traceback frame of torchtrain's code. (torchrun
+    itself still prints its ChildFailedError traceback of the launcher when a worker exits non-zero.)"""
+    assert not package_frames(text), text[-3000:]
+
+
 def read_metrics(dump_folder: str) -> list[dict]:
-    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """metrics.jsonl's records, parsed as strict JSON (a bare NaN/Infinity token fails the test);
+    non-finite values, written as null + "non_finite", come back as floats."""
+    from torchtrain.utils.strict_json import read_jsonl
+
+    return read_jsonl(os.path.join(dump_folder, "metrics.jsonl"))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.registry import build_model_args, get_model_spec, model_arguments
 from torchtrain.preflight import preflight, resolve_model
 
-from conftest import REPO
+from conftest import REPO, assert_no_traceback
 
 
 def write(tmp_path, text: str) -> str:
@@ -198,7 +198,7 @@ def test_cli_help_and_errors_exit_cleanly():
     bad = _cli("--training.stepz", "3")
     assert bad.returncode == 2
     assert "config error: unknown key training.stepz" in bad.stderr and "did you mean 'steps'" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    assert_no_traceback(bad.stderr)
 
 
 def test_config_reference_doc_is_current():
@@ -226,3 +226,18 @@ def test_help_shows_the_arguments_of_the_jobs_model(monkeypatch):
     text = format_help(["--help", "--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp"], model_arguments)
     assert "model arguments of 'toy_mlp'" in text
     assert "model arguments of 'llama3'" in format_help(["--help"], model_arguments)
+
+
+def test_traceback_check_ignores_where_the_checkout_lives():
+    """The no-traceback assertions look at traceback frames, not at path substrings: a checkout in a
+    folder named `torchtrain` with its virtual environment inside (the README's setup) puts that
+    name into torchrun's own frames, which must not count as a trainer traceback."""
+    from conftest import PACKAGE_DIR, package_frames
+
+    launcher = (f'Traceback (most recent call last):\n  File "{REPO}/.venv/bin/torchrun", line 8, in <module>\n'
+                f'  File "{REPO}/.venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run\n'
+                f'torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n'
+                f'torchtrain: config error: [checkpoint] {REPO}/torchtrain/outputs/step-4 is truncated\n')
+    assert package_frames(launcher) == []
+    trainer = launcher + f'  File "{PACKAGE_DIR}/train.py", line 251, in main\n'
+    assert package_frames(trainer) == [f"{PACKAGE_DIR}/train.py"]

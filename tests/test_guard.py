@@ -16,6 +16,7 @@ two policies into exact, bitwise comparisons of deterministic runs:
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 
@@ -77,6 +78,10 @@ def test_skip_policy_skips_the_update_on_every_rank(skip_run):
     assert all(math.isfinite(r["loss"]) for r in records if r["step"] != 5)
     assert records[-1]["guard_bad_steps"] == 1
     assert "guard: step 5 is bad: non-finite loss (nan); the optimizer step is skipped" in log
+    # metrics.jsonl is strict JSON: the NaN loss is null plus a flag naming it (read_metrics restores it)
+    raw = json.loads((dump / "metrics.jsonl").read_text().splitlines()[4], parse_constant=pytest.fail)
+    assert raw["loss"] is None and raw["grad_norm"] is None
+    assert raw["non_finite"] == {"loss": "nan", "grad_norm": "nan"}
     # Every rank skipped: the sharded weights and Adam state saved after step 5 are those of step 4.
     before, after = (flat(load(os.path.join(str(dump), "checkpoint", f"step-{s}"))) for s in (4, 5))
     state = [k for k in before if k.startswith(("/model", "/optimizer"))]

@@ -77,21 +77,21 @@ def test_fp16_overflow_skips_exactly_that_step(tmp_path):
     assert all(r["loss"] < 10 for r in inject)  # ... and training continued normally
 
 
-def _state_bytes(strategy: str) -> dict:
+def _state_bytes(strategy: str, dump_folder) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "state_bytes.py"), *TINY_JOB,
            "--model.n_layers", "4", "--parallelism.data_parallel_strategy", strategy,
-           "--metrics.enable_tensorboard", "false", "--job.dump_folder", "/tmp/torchtrain-state-bytes"]
+           "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump_folder)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     lines = [l for l in out.stdout.splitlines() if "STATE-BYTES " in l]
     assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads(lines[0].split("STATE-BYTES ", 1)[1])
 
 
-def test_sharding_is_real():
+def test_sharding_is_real(tmp_path):
     """Per-rank bytes with 2 data-parallel ranks. Halves are approximate where shards are uneven
     (ZeRO-1 partitions whole parameters between ranks), hence the 0.35-0.65 windows."""
-    b = {s: _state_bytes(s) for s in ("ddp", "zero1", "zero2", "zero3")}
+    b = {s: _state_bytes(s, tmp_path / s) for s in ("ddp", "zero1", "zero2", "zero3")}
     ddp = b["ddp"]
     assert ddp["grads"] == ddp["params_rest"] and ddp["optimizer"] == 2 * ddp["params_rest"]
     frac = lambda s, k: b[s][k] / ddp[k]  # noqa: E731

@@ -229,6 +229,13 @@ LAYOUTS = [  # world, flags, job args
     (4, {"pp": 2, "pp_microbatch_size": 1}, []), (4, {"pp": 2, "pp_microbatch_size": 1, "pp_schedule": "GPipe"}, []),
     (2, {"pp": 2, "pp_microbatch_size": 1, "pp_schedule": "Interleaved1F1B"}, []),
     (4, {"cp": 2}, []), (4, {"cp": 2, "tp": 2}, []),
+    # Llama 3 405B's structure scaled down: PP x FSDP x TP (sequence parallel) x AC full, bf16, a large
+    # vocabulary (its embedding gradient, whole on every TP rank, dominates pipeline rank 0)
+    (8, {"pp": 2, "tp": 2, "pp_microbatch_size": 1, "ac_mode": "full"},
+     ["--model.dim", "128", "--model.n_layers", "6", "--model.vocab_size", "16384", "--training.seq_len", "256",
+      "--training.local_batch_size", "8", "--training.mixed_precision_param", "bfloat16",
+      "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "1"]),
 ]
 
 

@@ -9,8 +9,17 @@ Tolerance: 10% relative (the acceptance criterion). Both sides run the same code
 so they agree to well under 1% today; what 10% leaves room for is a later feature changing the real
 step in a way the planner's trace does not follow exactly (e.g. pipeline schedule internals).
 
-Layouts are a table (13 rows: every data-parallel flavour, TP, FSDP x TP, PP, CP, AC modes); every row
-runs, none is skipped.
+Layouts are a table (14 rows: every data-parallel flavour, TP, FSDP x TP, PP, CP, AC modes, and the
+structure of Llama 3 405B's pre-training layout); every row runs, none is skipped.
+
+The 405B structure -- PP x FSDP x TP with sequence parallelism x AC full, bf16 compute with fp32
+gradient reduction, first and last stage one block less, many micro-batches -- scaled down to 8
+processes (PP 2 x FSDP 2 x TP 2, 8 micro-batches) with the 405B's proportions where they matter: a
+vocabulary much larger than the hidden size. On 405B (TP 8 x PP 16 x DP 128) the analytic and the
+traced peak of pipeline rank 0 once differed by 80%; this run decided which was right (the trace:
+DTensor computes the TP-sharded embedding's gradient for the whole vocabulary on every TP rank, and
+FSDP2's no-sync accumulator keeps it whole), so for this row the analytic peak is held to the
+measurement as well.
 """
 
 from __future__ import annotations
@@ -29,6 +38,14 @@ def _p(key: str, value) -> list[str]:
     return [f"--parallelism.{key}", str(value)]
 
 
+# Llama 3 405B's structure, scaled down (see the module docstring).
+PP_TP_AC_FULL = (["--model.dim", "128", "--model.n_layers", "6", "--model.vocab_size", "16384",
+                  "--training.seq_len", "256", "--training.local_batch_size", "8",
+                  "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+                  "--activation_checkpoint.mode", "full"]
+                 + _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)
+                 + _p("pipeline_parallel_first_stage_less_layers", 1) + _p("pipeline_parallel_last_stage_less_layers", 1))
+
 # name, processes, overrides (the same for the trainer and the planner)
 LAYOUTS = [
     ("fsdp2", 2, []),
@@ -45,7 +62,9 @@ LAYOUTS = [
     ("fsdp2_tp2", 4, _p("tensor_parallel_degree", 2)),
     ("pp2", 2, _p("pipeline_parallel_degree", 2) + ["--training.local_batch_size", "4"]),
     ("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
+    ("pp2_fsdp2_tp2_sp_ac_full", 8, PP_TP_AC_FULL),
 ]
+ANALYTIC_CHECKED = {"pp2_fsdp2_tp2_sp_ac_full"}
 
 
 @pytest.mark.parametrize("name, nproc, overrides", LAYOUTS, ids=[row[0] for row in LAYOUTS])
@@ -64,3 +83,5 @@ def test_traced_peak_matches_training(tmp_path, name, nproc, overrides):
     print(f"{name}: measured {measured / 2**20:.4f} MiB, traced {predicted / 2**20:.4f} MiB, "
           f"analytic {rank0.analytic.peak / 2**20:.4f} MiB")
     assert abs(predicted - measured) <= RTOL * measured, (name, predicted, measured)
+    if name in ANALYTIC_CHECKED:
+        assert abs(rank0.analytic.peak - measured) <= RTOL * measured, (name, rank0.analytic.rows, measured)

@@ -1,5 +1,7 @@
-"""Planner acceptance at scale: 405B on 16,384 GPUs and 70B on 64 GPUs plan in under a minute without
-running out of memory, and `--search` for 70B on 64 x H100 returns a valid, fitting layout first.
+"""Planner acceptance at scale: every shipped job file (train_configs/*.toml) plans VALID and FITS at
+the size its header's `plan:` line documents -- 405B on 16,384 GPUs in Meta's layout, 70B on 64, 8B
+on 8 -- in under a minute without running out of memory, and `--search` for 70B on 64 x H100 returns
+a valid, fitting layout first.
 
 Timing is asserted on the CPU time of the planner process (user + system, from `os.wait4`), which
 other processes sharing the machine do not inflate, against the 60 s requirement; today each plan
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -34,23 +37,26 @@ def _plan(args: list[str], tmp_path) -> tuple[dict, float, float]:
     return json.loads(out_path.read_text()), usage.ru_utime + usage.ru_stime, rss_gib
 
 
-# 126 blocks over 16 stages: the first and last stage (which also embed / run the head) take one block
-# fewer, 7 + 14 x 8 + 7 = 126.
-PP16_SPLIT = ["--parallelism.pipeline_parallel_first_stage_less_layers", "1",
-              "--parallelism.pipeline_parallel_last_stage_less_layers", "1"]
+def documented_plan(job_file: str) -> list[str]:
+    """The planner arguments of the `plan:` line in a job file's header (its documented size)."""
+    lines = [line for line in open(os.path.join(REPO, job_file)) if "python -m torchtrain.plan " in line]
+    assert len(lines) == 1, f"{job_file}: expected one '#   plan: python -m torchtrain.plan ...' header line"
+    return shlex.split(lines[0].split("python -m torchtrain.plan ", 1)[1])
 
-SCALE = [
-    ("405B TP8 x PP16 x DP128", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--tp", "8",
-                                 "--pp", "16", "--dp-replicate", "1", "--training.local_batch_size", "16", *PP16_SPLIT]),
+
+JOB_FILES = sorted(os.path.join("train_configs", f) for f in os.listdir(os.path.join(REPO, "train_configs"))
+                   if f.endswith(".toml"))
+SCALE = [(f"{f} as documented", documented_plan(f)) for f in JOB_FILES] + [
+    # a traced pipeline at scale: every rank of 405B's 16 stages without TP, 1F1B
     ("405B PP16 x DP1024 (traced)", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--tp",
-                                     "1", "--pp", "16", "--dp-replicate", "1", "--training.local_batch_size", "16",
-                                     *PP16_SPLIT]),
-    ("70B on 64", ["--config", "train_configs/llama3_70b.toml", "--world-size", "64", "--gpu", "h100"]),
+                                     "1", "--schedule", "1F1B", "--training.global_batch_size", "-1"]),
 ]
 
 
 @pytest.mark.parametrize("name, args", SCALE, ids=[s[0] for s in SCALE])
 def test_large_plans_are_fast_and_small(tmp_path, name, args):
+    """Every shipped job file plans VALID and FITS at the size its header documents (and the trainer
+    would start it), in under a minute of CPU and 4 GiB."""
     data, cpu_s, rss_gib = _plan(args, tmp_path)
     print(f"{name}: {cpu_s:.1f} s CPU, {rss_gib:.2f} GiB RSS")
     assert cpu_s < 60 and rss_gib < 4
@@ -59,10 +65,27 @@ def test_large_plans_are_fast_and_small(tmp_path, name, args):
     traced = [r["traced"] for r in ranks if r["traced"] and not r["traced"]["skipped"]]
     for t in traced:
         assert t["peak_bytes"] > 0
+    if "as documented" in name:
+        assert data["valid"] and data["runnable"], (data["problems"], data["blockers"])
+        assert data["memory"]["fits"] is True, data["memory"]["worst_peak_bytes"]
     if "(traced)" in name:
         assert len(traced) == len(ranks)
         # stage 0 keeps 16 micro-batches in flight, the last stage 1
         assert ranks[0]["in_flight"] == 16 and ranks[-1]["in_flight"] == 1
+
+
+def test_405b_job_is_metas_layout():
+    """The shipped 405B job: TP 8 x PP 16 x DP 128 on 16,384 GPUs, first and last stage one block less,
+    an interleaved schedule, a global batch of ~16M tokens."""
+    from torchtrain.config import parse_args
+
+    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs/llama3_405b.toml")])
+    par, tr = cfg.parallelism, cfg.training
+    assert (par.tensor_parallel_degree, par.pipeline_parallel_degree) == (8, 16)
+    assert documented_plan("train_configs/llama3_405b.toml")[3] == "16384"  # --world-size: dp = 16384 / 128 = 128
+    assert (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers) == (1, 1)
+    assert par.pipeline_parallel_schedule == "Interleaved1F1B"
+    assert tr.global_batch_size * tr.seq_len == 2048 * 8192  # 16.8M tokens
 
 
 def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():

@@ -44,3 +44,15 @@ def test_unknown_total_reports_elapsed_time():
 def test_number_formatting():
     assert human(999) == "999" and human(1234) == "1.23K" and human(12_345_678) == "12.3M"
     assert duration(3725.4) == "1:02:05"
+
+
+def test_plain_lines_start_after_the_interval_and_are_not_repeated():
+    out = io.StringIO()
+    with Progress("trace", total=None, unit="traces", stream=out, interval=10.0) as bar:
+        bar.update()  # within the first interval: no line yet
+        assert out.getvalue() == ""
+    assert out.getvalue().count("trace: 1 traces") == 1  # the final line, once
+    out = io.StringIO()
+    with Progress("trace", total=None, unit="traces", stream=out, interval=0.0) as bar:
+        bar.update()
+    assert out.getvalue().count("trace: 1 traces") == 1  # drawn by the update, not repeated by close

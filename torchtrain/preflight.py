@@ -2,7 +2,8 @@
 
 The trainer runs this on every rank before starting distributed, so a bad job fails in a second
 with a message naming the key instead of hanging or failing deep inside PyTorch; the planner, the
-launch-time check and the tests run the same checks for any world size on one CPU process.
+launch-time check (`launch_check.py`, run by run_train.sh and the SLURM script before torchrun) and
+the tests run the same checks for any world size on one CPU process.
 
 It resolves the job into a `Preflight`: the model (spec and arguments, the job's `[model]` overrides
 checked and converted), the tokenizer, and the resolved `Layout` (distributed/layout.py) that every
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.data.sources import check_dataset_name
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
+from torchtrain.components.wandb_sink import check_wandb
 from torchtrain.components.validation import check_validation
 from torchtrain.config import JobConfig
 from torchtrain.distributed.layout import Layout, resolve_layout
@@ -48,3 +51,15 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     check_dataset_name(cfg.training.dataset, "training.dataset")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
     return Preflight(layout, tokenizer, spec, args)
+
+
+def check_job(cfg: JobConfig, world_size: int, device_type: str) -> Preflight:
+    """`preflight` plus the checkpoint folder's start-up checks and the metrics backends' packages:
+    everything the trainer checks before its process group starts, except building the dataset
+    (which reads the data). The trainer runs it on every rank; `launch_check` runs it once before
+    torchrun starts any."""
+    plan = preflight(cfg, world_size, device_type)
+    checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device_type, cfg.model.name,
+                         plan.model_spec.state_dict_adapter is not None)
+    check_wandb(cfg.metrics)
+    return plan

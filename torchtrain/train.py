@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
-from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.gc_control import GarbageCollection
@@ -33,13 +32,13 @@ from torchtrain.components.step_ops import OperationsHooks
 from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.train_state import TrainState
 from torchtrain.components.validation import Validator, build_validation_source
-from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
+from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_dict, to_toml
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.utils import (env_rank_world, exit_process, init_distributed, resolve_device,
                                           set_determinism, set_train_timeout)
 from torchtrain.models.registry import model_arguments
-from torchtrain.preflight import preflight
+from torchtrain.preflight import check_job
 from torchtrain.train_step import TrainStep
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
@@ -51,7 +50,7 @@ class Trainer:
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
         self.device = device = resolve_device(cfg.training.device)
-        plan = preflight(cfg, world_size, device.type)
+        plan = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
         self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
         spec, args = plan.model_spec, plan.model_args
         dims, self.batch = layout.dims, layout.batch
@@ -63,8 +62,6 @@ class Trainer:
         sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
         val_source = build_validation_source(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
                                              cfg.debug.seed)  # None unless enabled
-        checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device.type, cfg.model.name,
-                             spec.state_dict_adapter is not None)
 
         # 2. Process group, mesh, RNG.
         init_distributed(cfg.comm, device)
@@ -98,8 +95,7 @@ class Trainer:
                                                                             cfg.metrics.peak_tflops), world_size)
         self.memory = MemoryMonitor(device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard,
-                                     cfg.metrics.save_tb_folder, enabled=self.rank == 0)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         self.state = TrainState(device)
         # [ops] profiling, phase timing, validation, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, device)

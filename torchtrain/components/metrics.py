@@ -1,4 +1,5 @@
-"""Step metrics: throughput / MFU arithmetic and the rank-0 sinks (console, metrics.jsonl, TensorBoard).
+"""Step metrics: throughput / MFU arithmetic and the rank-0 sinks (console, metrics.jsonl, TensorBoard,
+Weights & Biases: `wandb_sink.py`).
 
 Definitions (per logging interval of k steps taking t seconds of wall time):
 
@@ -6,16 +7,20 @@ Definitions (per logging interval of k steps taking t seconds of wall time):
 * TFLOPs per device   = tokens/s per device x flops_per_token / 1e12
 * MFU                 = TFLOPs per device / peak TFLOP/s of the device (n/a when the peak is unknown)
 * data loading %      = time spent waiting for batches / t
+
+metrics.jsonl is strict JSON: a non-finite value (a NaN loss) is written as null and named under
+"non_finite" (`utils/strict_json.py`); `strict_json.read_jsonl` reads it back with the floats restored.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Any
 
+from torchtrain.config.job import Metrics
+from torchtrain.utils import strict_json
 from torchtrain.utils.logging import logger
 
 
@@ -57,32 +62,45 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
-class MetricsLogger:
-    """Writes one record per logged step to the console, `metrics.jsonl` and TensorBoard (rank 0 only)."""
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a record (what TensorBoard and W&B plot)."""
+    return {k: v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def __init__(self, dump_folder: str, enable_tensorboard: bool, tb_folder: str, enabled: bool):
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, `metrics.jsonl`, TensorBoard and W&B (rank 0
+    only). `run_config`: the resolved job config, recorded by W&B."""
+
+    def __init__(self, cfg: Metrics, dump_folder: str, enabled: bool, run_config: dict[str, Any] | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a", buffering=1)
-        if enable_tensorboard:
+        if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, tb_folder))
+            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, cfg.save_tb_folder))
+        if cfg.enable_wandb:
+            from torchtrain.components.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(cfg, dump_folder, run_config or {})
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **record}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(strict_json.dumps(record) + "\n")  # NaN/inf: null + "non_finite" (docs/metrics.md)
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in _scalars(record).items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, _scalars(record))
         moe = ""  # mixture-of-experts models: auxiliary loss and expert load imbalance (docs/moe.md)
         if "moe_load_max_mean" in record:
             moe = f" | moe aux {_fmt(record.get('moe_aux_loss'), '.4f')} load max/mean " \
@@ -104,3 +122,6 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from torchtrain.config.fields import Ge, Gt
 
@@ -62,6 +62,23 @@ class Metrics:
 
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to the dump folder."""
+
+    enable_wandb: bool = False
+    """Log metrics to Weights & Biases too (rank 0 only), with the resolved job config as the run's
+    config and `job.description` as its notes. Needs the optional `wandb` package
+    (`pip install "torchtrain[wandb]"`); sign-in and entity as usual for W&B (`wandb login`,
+    WANDB_API_KEY, WANDB_ENTITY). See docs/metrics.md."""
+
+    wandb_project: str | None = None
+    """W&B project. Unset: $WANDB_PROJECT, else "torchtrain"."""
+
+    wandb_run_name: str | None = None
+    """W&B run name. Unset: $WANDB_NAME, else the dump folder's name (e.g. "debug_model")."""
+
+    wandb_mode: Literal["online", "offline"] | None = None
+    """online: stream the run to the W&B server; offline: write it under `{dump_folder}/wandb/` with no
+    network at all (upload it later with `wandb sync`). Unset: W&B's own setting ($WANDB_MODE,
+    `wandb offline`), else online."""
 
     track_tensor_memory: bool = False
     """Measure the live bytes of every tensor storage during each training step and log the peak as

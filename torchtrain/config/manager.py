@@ -79,6 +79,13 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"[job.config_file] {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 only
+        line = 1 + e.object[:e.start].count(b"\n")
+        raise ConfigError(f"[job.config_file] {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at line "
+                          f"{line}); TOML files must be UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"[job.config_file] cannot read {path}: {e.strerror}") from None
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(
@@ -179,18 +186,24 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
-def to_toml(config: JobConfig) -> str:
-    """The resolved config as TOML that `--job.config_file` reads back to the same JobConfig."""
-    lines: list[str] = []
+def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
+    """The resolved config as {section: {key: value}} (unset keys are None): what `to_toml` writes."""
+    out: dict[str, dict[str, Any]] = {}
     for name in _sections():
         section = getattr(config, name)
-        lines.append(f"[{name}]")
         items = [(f.name, getattr(section, f.name)) for f in _public_fields(type(section)).values()]
         if name == "model":
             items += sorted(section.overrides.items())
-        for key, value in items:
-            if name == "job" and key == "config_file":
-                continue
+        out[name] = {key: value for key, value in items if not (name == "job" and key == "config_file")}
+    return out
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved config as TOML that `--job.config_file` reads back to the same JobConfig."""
+    lines: list[str] = []
+    for name, items in to_dict(config).items():
+        lines.append(f"[{name}]")
+        for key, value in items.items():
             lines.append(f"# {key} unset" if value is None else f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

@@ -22,14 +22,21 @@ def env_rank_world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def resolve_device(choice: str) -> torch.device:
-    """`auto`: this process's GPU when CUDA is available, else the CPU."""
-    _, local_rank, _ = env_rank_world()
+def resolve_device_type(choice: str) -> str:
+    """training.device -> the device type this machine runs it on (`auto`: cuda when CUDA is available)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             from torchtrain.config import ConfigError
 
             raise ConfigError("[training.device] is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        return "cuda"
+    return "cpu"
+
+
+def resolve_device(choice: str) -> torch.device:
+    """`auto`: this process's GPU when CUDA is available, else the CPU."""
+    _, local_rank, _ = env_rank_world()
+    if resolve_device_type(choice) == "cuda":
         n = torch.cuda.device_count()
         device = torch.device("cuda", local_rank % n)
         torch.cuda.set_device(device)

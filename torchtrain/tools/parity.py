@@ -16,7 +16,6 @@ A layout is a preset name (see `PRESETS`) or "NPROC [--section.key value ...]", 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -24,6 +23,9 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+
+from torchtrain.utils.progress import Progress
+from torchtrain.utils.strict_json import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,7 @@ def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: l
     with open(os.path.join(dump, "launch.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     path = os.path.join(dump, "metrics.jsonl")
-    records = []
-    if os.path.exists(path):
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(path) if os.path.exists(path) else []  # non-finite losses come back as floats
     return RunResult(layout, records, proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -198,7 +197,10 @@ def format_table(baseline: RunResult, comparisons: list[Comparison], rtol: float
 
 
 def check_parity(baseline: str, candidates: list[str], config_file: str | None, steps: int,
-                 overrides: list[str], rtol: float, workdir: str | None = None) -> tuple[bool, str, list[Comparison]]:
+                 overrides: list[str], rtol: float, workdir: str | None = None, show_progress: bool = False
+                 ) -> tuple[bool, str, list[Comparison]]:
+    """Run the baseline and every candidate; (all match, the table, the comparisons). `show_progress`:
+    a progress line on stderr after each run (runs done, rate, ETA)."""
     layouts = [parse_layout(baseline)] + [parse_layout(c) for c in candidates]
     if not any(o.startswith("--training.global_batch_size") for o in overrides):
         # One global batch for all layouts: local batch x the largest process count.
@@ -206,7 +208,11 @@ def check_parity(baseline: str, candidates: list[str], config_file: str | None, 
         overrides = overrides + ["--training.global_batch_size", str(local * max(l.nproc for l in layouts))]
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         workdir = workdir or tmp
-        results = [run_layout(l, config_file, steps, overrides, workdir) for l in layouts]
+        results = []
+        with Progress("parity", len(layouts), "runs", interval=0.0, enabled=show_progress) as bar:
+            for layout in layouts:
+                results.append(run_layout(layout, config_file, steps, overrides, workdir))
+                bar.update()
     comparisons = [compare(results[0], r, steps, rtol) for r in results[1:]]
     ok = all(c.ok for c in comparisons)
     return ok, format_table(results[0], comparisons, rtol), comparisons
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     overrides = [o for o in overrides if o != "--"]
     ok, table, _ = check_parity(args.baseline, args.candidate, args.config, args.steps, overrides, args.rtol,
-                                args.workdir)
+                                args.workdir, show_progress=True)
     print(table)
     return 0 if ok else 1
 

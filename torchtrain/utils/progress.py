@@ -51,7 +51,9 @@ class Progress:
         """Extra text shown after the numbers (e.g. a second rate); the caller updates it."""
         self.done = 0.0
         self.start = time.monotonic()
-        self._last_draw = -float("inf")
+        # a terminal shows the bar at once; a log gets its first line after `interval` (a rate measured
+        # over a few items would be noise), and short work only its final line
+        self._last_draw = -float("inf") if self.tty else self.start
         self._drawn: float | None = None  # `done` at the last draw
 
     # ------------------------------------------------------------------ numbers

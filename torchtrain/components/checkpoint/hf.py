@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -36,10 +37,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.components.checkpoint.validate import CheckpointError, read_metadata
 from torchtrain.models.state_dict_adapter import StateDictAdapter
+from torchtrain.utils.progress import Progress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning: one process is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _natural(key: str) -> list:
@@ -67,8 +77,10 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 
 
 def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dtype: torch.dtype | None = None,
-                     max_shard_bytes: int = 5 * 1024**3, label: str = "checkpoint") -> dict[str, Any]:
-    """Write the `model.*` tensors of a DCP checkpoint as an HF folder; returns a summary."""
+                     max_shard_bytes: int = 5 * 1024**3, label: str = "checkpoint", show_progress: bool = False
+                     ) -> dict[str, Any]:
+    """Write the `model.*` tensors of a DCP checkpoint as an HF folder; returns a summary.
+    `show_progress`: a progress line (bytes written, rate, ETA) on stderr, shard by shard."""
     metadata = read_metadata(ckpt_path, label)
     entries = []  # (torchtrain key, global size, stored dtype)
     for key, md in metadata.state_dict_metadata.items():
@@ -84,11 +96,13 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
     shards = plan_shards(sizes, max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
     weight_map: dict[str, str] = {}
+    bar = Progress("export to HF", sum(n for _, n in sizes), "bytes", enabled=show_progress)
     for i, keys in enumerate(shards):
         name = shard_file_name(i, len(shards))
         placeholders = {k: torch.empty(by_key[k][1], dtype=by_key[k][2]) for k in keys}
         try:
-            dcp.load({"model": placeholders}, checkpoint_id=ckpt_path, no_dist=True)
+            with _one_process():
+                dcp.load({"model": placeholders}, checkpoint_id=ckpt_path, no_dist=True)
         except Exception as e:  # DCP wraps read errors of any kind
             raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}): reading weights for the HF export "
                                   f"failed: {e}") from None
@@ -96,7 +110,9 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
                    for k in keys for hf, t in adapter.to_hf_tensors(k, placeholders[k]).items()}
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update({hf: name for hf in tensors})
+        bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
         del placeholders, tensors
+    bar.close()
     total = sum(n for _, n in sizes)
     if len(shards) > 1:
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
@@ -219,21 +235,29 @@ def iter_model_keys(model: nn.Module) -> Iterator[tuple[str, tuple[int, ...], to
 
 
 def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAdapter,
-              dtype: torch.dtype | None = None) -> dict[str, Any]:
+              dtype: torch.dtype | None = None, show_progress: bool = False) -> dict[str, Any]:
     """Offline, one process: an HF folder -> a model-only DCP checkpoint at `out_dir` (keys `model.*`).
 
-    `model` only provides names and shapes (it may live on the meta device)."""
+    `model` only provides names and shapes (it may live on the meta device). `show_progress`: progress
+    lines on stderr (bytes read, rate, ETA; then the DCP write)."""
     ckpt = HFCheckpoint(folder)
+    keys = list(iter_model_keys(model))
+    out_bytes = lambda shape, model_dtype: torch.Size(shape).numel() * (dtype or model_dtype).itemsize  # noqa: E731
     try:
         warnings = adapter.check_hf_config(ckpt.config, folder) if ckpt.config else []
         state = {}
-        for key, shape, model_dtype in iter_model_keys(model):
-            if adapter.hf_keys(key):
-                state[key] = _hf_tensor(ckpt, adapter, key, shape).to(dtype or model_dtype).contiguous()
-            else:  # a buffer HF does not store (an MoE routing bias) starts at zero, as a fresh model's
-                state[key] = torch.zeros(shape, dtype=model_dtype)
+        with Progress("read HF", sum(out_bytes(s, d) for _, s, d in keys), "bytes", enabled=show_progress) as bar:
+            for key, shape, model_dtype in keys:
+                if adapter.hf_keys(key):
+                    state[key] = _hf_tensor(ckpt, adapter, key, shape).to(dtype or model_dtype).contiguous()
+                else:  # a buffer HF does not store (an MoE routing bias) starts at zero, as a fresh model's
+                    state[key] = torch.zeros(shape, dtype=model_dtype)
+                bar.update(out_bytes(shape, model_dtype))
         unused = ckpt.keys() - {h for k in state for h in adapter.hf_keys(k)} - adapter.ignored_hf_keys()
     finally:
         ckpt.close()
-    dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
+    with Progress("write DCP", None, "bytes", enabled=show_progress) as bar:  # one call: time and rate at the end
+        with _one_process():
+            dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
+        bar.done = sum(t.numel() * t.element_size() for t in state.values())
     return {"tensors": len(state), "warnings": warnings, "unused": sorted(unused)}

@@ -44,7 +44,10 @@ hidden-sharded, and the row-parallel wo / w2 outputs, which are whole-sequence p
 their reduce-scatter: (d h + d h + 2 d h_kv + d h + 4 n_heads + 2 d F) / tp + 2 d h. One block is
 recomputed at a time during backward (+ A for that block).
 
-Other terms: the final norm + output input (4 + 2d) h t / tp on the last stage; the loss keeps the
+Other terms: each in-flight micro-batch's stage output (d h t / tp, every stage but the last); under
+FSDP2 mixed precision each block's RoPE-table input cast to d; with TP, the embedding's gradient for
+the whole vocabulary (DTensor computes it unsharded: d V h, and the FSDP2 accumulator keeps r V h);
+the final norm + output input (4 + 2d) h t / tp on the last stage; the loss keeps the
 fp32 log-softmax (4 V t / tp, loss-parallel with TP) per in-flight micro-batch and needs two more
 such buffers at the start of backward; FSDP2 keeps gathered units (d bytes per unsharded parameter):
 with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
@@ -65,8 +68,9 @@ which sequence parallelism divides by tp (each TP rank routes its own sequence s
 
 The peak is the largest of these moments: the start of backward (state + all stored activations +
 loss buffers or the first recomputed block + gathered units), the optimizer step (state + gradients +
-the foreach implementation's one temporary per parameter) and, with AC, the end of backward (state +
-all gradients + a recomputed block + gathered units).
+the foreach implementation's one temporary per parameter), with AC the end of backward (state +
+all gradients, or the accumulator while micro-batches accumulate, + a recomputed block + gathered
+units), and with TP on the embedding's stage the embedding's backward.
 """
 
 from __future__ import annotations
@@ -220,6 +224,10 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
         recompute = full if n_ckpt else 0.0
     if stage.last:
         stored += (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp  # final norm, output input; log-softmax
+    elif p.pp > 1:
+        stored += d * a.dim * t / tp  # the stage's output, kept by the schedule until its backward
+    if d != 4 and applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload):
+        stored += n * a.max_seq_len * a.head_dim * d  # FSDP2 casts each block's RoPE-table input to d; kept for backward
     return stored, recompute
 
 
@@ -242,8 +250,18 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
     opt_sharded = p.dp_strategy.shards_optimizer_state
 
+    # TP shards the token embedding by vocabulary rows (RowwiseParallel), but DTensor computes its weight
+    # gradient for the whole vocabulary on every TP rank (embedding_dense_backward has no vocabulary-
+    # sharded strategy): a transient of the whole table at the end of the first stage's backward, which
+    # FSDP2 reduce-scatters to the shard, but which FSDP2's unsharded no-sync accumulator, and without
+    # FSDP the parameter's .grad itself, keep whole. Measured under torchrun (tests/
+    # test_planner_accuracy.py: PP x FSDP x TP with sequence parallelism x AC full).
+    tied = getattr(a, "tie_word_embeddings", False)
+    emb_full = a.vocab_size * a.dim if p.tp > 1 and any(s.first for s in stages) and not tied else 0
+    emb_extra = emb_full - math.ceil(a.vocab_size / p.tp) * a.dim if emb_full else 0
+
     params = 4 * (sharded if fsdp else full_numel)
-    grads = 4 * (sharded if fsdp else full_numel)
+    grads = 4 * (sharded if fsdp else full_numel + emb_extra)
     opt = 8 * (sharded if opt_sharded else full_numel) + 4 * n_tensors
     per = "params / N" + (f" (experts: E/{p.ep} per rank / {p.expert_fsdp})" if p.ep > 1 else "")
     rows_state = [
@@ -283,14 +301,15 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
         tied_root = sizes[-1] if getattr(a, "tie_word_embeddings", False) and p.reshard != "always" else 0
         gathered, how = d * (tail + block_size + (tied_root if tied_root != tail else 0)), \
             "last unit + prefetched block" if p.reshard == "default" else "two units"
+    whole = " (the embedding's for the whole vocabulary)" if emb_extra else ""
     accum, accum_row = 0.0, None
     if p.grad_accum_steps > 1 or (p.pp > 1 and m > 1):
         if wrapped:
-            accum = r * full_numel
-            accum_row = Row("unsharded grads kept across micro-batches (FSDP2 no-sync)", accum, "r x params")
+            accum = r * (full_numel + emb_extra)
+            accum_row = Row("unsharded grads kept across micro-batches (FSDP2 no-sync)", accum, "r x params" + whole)
         elif not p.cpu_offload:
-            accum = 4 * full_numel
-            accum_row = Row("gradients accumulated from earlier micro-batches", accum, "4 B x params")
+            accum = 4 * (full_numel + emb_extra)
+            accum_row = Row("gradients accumulated from earlier micro-batches", accum, "4 B x params" + whole)
 
     rows_bwd = list(rows_state)
     if accum_row is not None:
@@ -319,14 +338,31 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     if recompute:
         # With AC little is stored, so gradients may outgrow it: the last block's backward holds every
         # gradient, the recomputed block and the gathered units (and the in-flight micro-batches).
-        rows_end = list(rows_state) + ([accum_row] if accum_row is not None else []) + [
-            Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)"),
+        # (Accumulating micro-batches, the gradients are the accumulator until the last one is reduced.)
+        grad_rows = [accum_row] if accum_row is not None else [
+            Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)")]
+        rows_end = list(rows_state) + grad_rows + [
             Row("recomputed block (AC, during its backward)", recompute, "A x t"),
             Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]
         if p.pp > 1 and flight > 1:
             rows_end.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
                                 "stored activations x (in flight - 1)"))
         phases.append(("end of backward", rows_end))
+    if emb_full and (wrapped or accum_row is not None):
+        # The embedding's backward ends the stage's: the blocks' transients are gone; its gradient for the
+        # whole vocabulary is alive (in the compute dtype under FSDP2, else fp32), beside the accumulator
+        # or, reduced by FSDP2 in another dtype, beside that dtype's copy. (Without FSDP and accumulation
+        # the new gradient simply becomes .grad: the optimizer-step moment covers it.)
+        de = d if wrapped else 4
+        copy = r * emb_full if wrapped and accum_row is None and r != d else 0.0
+        rows_emb = list(rows_state) + ([accum_row] if accum_row is not None else []) + [
+            Row("embedding gradient, whole vocabulary (DTensor, TP)", de * emb_full + copy,
+                ("d" if wrapped else "4 B") + " x V h" + (" + r V h reduce copy" if copy else "")),
+            Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]
+        if p.pp > 1 and flight > 1:
+            rows_emb.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
+                                "stored activations x (in flight - 1)"))
+        phases.append(("embedding backward", rows_emb))
     totals = [(name, rows, sum(row.bytes for row in rows)) for name, rows in phases]
     phase, rows, peak = max(totals, key=lambda x: x[2])
     runner_up = max((x for x in totals if x[0] != phase), key=lambda x: x[2])

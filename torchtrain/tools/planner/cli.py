@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES
+from torchtrain.utils import strict_json
 
 EPILOG = """\
 Any other argument is a job override, as for the trainer: --section.key value (e.g. --training.seq_len 8192).
@@ -17,8 +17,7 @@ Layout flags override the job file's values.
 examples:
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100 --search
-  python -m torchtrain.plan --config train_configs/llama3_405b.toml --world-size 16384 --tp 8 --pp 16 \\
-      --dp-replicate 1 --training.local_batch_size 16 --json
+  python -m torchtrain.plan --config train_configs/llama3_405b.toml --world-size 16384 --gpu h100 --json
 """
 
 
@@ -120,13 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "mfu",
                                                                                    "price", "tokens")})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
-                                ns.runnable_only, cp=ns.cp)
+                                ns.runnable_only, show_progress=True, cp=ns.cp)
                 annotate_runnable(job, result, ns.top)
-                out = (json.dumps(report.search_to_dict(result, ns.top, ns.show_rejected), indent=1) if ns.json
-                       else report.format_search(result, ns.top, ns.show_rejected))
+                data = report.search_to_dict(result, ns.top, ns.show_rejected) if ns.json else None
+                out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
+                                                                                              ns.show_rejected)
             else:
                 plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops)
-                out = json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
+                out = strict_json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
     except ConfigError as e:
         print(f"torchtrain.plan: error: {e}", file=sys.stderr)
         return 2

@@ -115,8 +115,9 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
     blockers = ["invalid layout"] if problems else runnable_problems(p, job.cfg, job.tokenizer)
     try:
         prof = pipeline_of(p)
-    except ConfigError as e:  # the trainer's own pipeline checks
-        problems.append(str(e))
+    except ConfigError as e:  # the trainer's own pipeline checks (once: resolve_layout may have said it)
+        if str(e) not in problems:
+            problems.append(str(e))
     if problems:  # no per-rank memory for a layout that cannot exist
         return Plan(p, [], estimate_throughput(p.replace(pp=1), peak_tflops), problems, ["invalid layout"],
                     overrides, list(job.notes) + p.notes)

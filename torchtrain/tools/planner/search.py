@@ -38,6 +38,7 @@ from torchtrain.tools.planner.core import Job, Plan, make_plan
 from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
 from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
 from torchtrain.tools.planner.validate import layout_problems, runnable_problems
+from torchtrain.utils.progress import Progress
 
 
 @dataclass
@@ -145,32 +146,53 @@ def _worst_analytic(p: PlanInputs) -> float:
 
 
 def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str], verify: int = 1,
-           peak_tflops: float | None = None, runnable_only: bool = False, cp: int | None = None) -> SearchResult:
+           peak_tflops: float | None = None, runnable_only: bool = False, show_progress: bool = False,
+           cp: int | None = None) -> SearchResult:
+    """`show_progress`: progress lines (rate, ETA) on stderr while checking layouts and tracing; `cp`:
+    only this context-parallel degree (default: those `_cp_degrees` admits)."""
     result = SearchResult(base)
     usable = base.usable_bytes
     candidates = enumerate_layouts(base, ac_modes, strategies, cp)
     result.examined = len(candidates)
     survivors = []
-    for p in candidates:
-        c = Candidate(p)
-        problems = layout_problems(p, job.cfg)
-        if problems:
-            c.reason = "invalid: " + "; ".join(problems)
-            result.rejected.append(c)
-            continue
-        try:
-            c.peak = _worst_analytic(p)
-        except ConfigError as e:  # the trainer's pipeline rules (split, micro-batches, schedule)
-            c.reason = f"invalid: {e}"
-            result.rejected.append(c)
-            continue
-        if usable is not None and c.peak > usable:
-            c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
-            result.rejected.append(c)
-            continue
-        c.throughput = estimate_throughput(p, peak_tflops)
-        survivors.append(c)
+    with Progress("search: checking layouts", len(candidates), "layouts", enabled=show_progress) as bar:
+        for p in candidates:
+            bar.update()
+            _check(job, p, usable, peak_tflops, result, survivors)
     survivors.sort(key=lambda c: (-c.tokens_per_s, c.peak))
+    # traces: `verify`, plus one more for each traced layout that turns out not to fit
+    with Progress(f"search: tracing the best layouts (--verify {verify})", None, "traces",
+                  enabled=show_progress and verify > 0 and bool(survivors)) as bar:
+        _verify(job, survivors, verify, usable, peak_tflops, runnable_only, result, bar)
+    return result
+
+
+def _check(job: Job, p: PlanInputs, usable: float | None, peak_tflops: float | None, result: SearchResult,
+           survivors: list[Candidate]) -> None:
+    """Reject the layout with its reason, or add it to `survivors` with its analytic peak and speed."""
+    c = Candidate(p)
+    problems = layout_problems(p, job.cfg)
+    if problems:
+        c.reason = "invalid: " + "; ".join(problems)
+        result.rejected.append(c)
+        return
+    try:
+        c.peak = _worst_analytic(p)
+    except ConfigError as e:  # the trainer's pipeline rules (split, micro-batches, schedule)
+        c.reason = f"invalid: {e}"
+        result.rejected.append(c)
+        return
+    if usable is not None and c.peak > usable:
+        c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
+        result.rejected.append(c)
+        return
+    c.throughput = estimate_throughput(p, peak_tflops)
+    survivors.append(c)
+
+
+def _verify(job: Job, survivors: list[Candidate], verify: int, usable: float | None, peak_tflops: float | None,
+            runnable_only: bool, result: SearchResult, bar: Progress) -> None:
+    """Rank the survivors; trace the best `verify` of them and reject those whose traced peak does not fit."""
     verified = 0
     for c in survivors:
         if runnable_only:
@@ -181,6 +203,7 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
                 continue
         if verified < verify:
             c.plan = make_plan(job, c.inputs, trace=True, peak_tflops=peak_tflops)
+            bar.update()
             traced = [r.traced_peak for r in c.plan.ranks if r.traced_peak is not None]
             if traced and usable is not None and max(traced) > usable:
                 c.reason = (f"does not fit: traced peak {max(traced) / 2**30:,.1f} GiB > usable "
@@ -189,7 +212,6 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
                 continue
             verified += 1
         result.ranked.append(c)
-    return result
 
 
 def annotate_runnable(job: Job, result: SearchResult, top: int) -> None:

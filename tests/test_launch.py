@@ -1,0 +1,86 @@
+"""The launchers check the job once, before torchrun starts (torchtrain/launch_check.py): a bad job is
+one `torchtrain: config error: ...` line and exit code 2 -- no torchrun, no traceback per rank, no
+wait on other ranks or nodes. Each case runs one Python process (~2 s)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_JOB, assert_no_traceback
+from torchtrain.config import ConfigError
+from torchtrain.launch_check import parse_launch
+
+ENV = {"CUDA_VISIBLE_DEVICES": "", "CONFIG_FILE": "train_configs/debug_model.toml"}
+
+
+def run_train_sh(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    full = dict(os.environ, **{**ENV, **env})
+    full.pop("RANK", None)
+    return subprocess.run(["./run_train.sh", *args], cwd=REPO, env=full, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_clean_error(out: subprocess.CompletedProcess, message: str) -> None:
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line
+    assert out.stderr.startswith("torchtrain: config error: ") and message in out.stderr, out.stderr
+    assert_no_traceback(out.stdout + out.stderr)
+    assert "[rank" not in out.stdout + out.stderr  # torchrun never started a worker
+
+
+def test_run_train_reports_an_unknown_key_once_without_torchrun():
+    out = run_train_sh("--training.stepz", "10", NGPU="2")
+    assert_one_clean_error(out, "unknown key training.stepz (on the command line); did you mean 'steps'?")
+
+
+def test_multi_node_job_is_checked_for_the_whole_world_before_the_rendezvous():
+    """2 nodes x 2 processes = world size 4 is checked on this node alone: without the check this
+    node's torchrun would wait for the other node's rendezvous (here: the 60 s timeout)."""
+    out = run_train_sh(*TINY_JOB, "--parallelism.tensor_parallel_degree", "3", NGPU="2", NNODES="2", NODE_RANK="0",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    assert_one_clean_error(out, "world size 4 is not divisible by")
+
+
+def test_non_utf8_job_file_is_a_config_error_naming_the_file(tmp_path):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[job]\ndescription = "café"\n'.encode("latin-1"))
+    out = run_train_sh(CONFIG_FILE=str(bad))
+    assert_one_clean_error(out, f"[job.config_file] {bad} is not UTF-8 text (byte 0xe9 at line 2)")
+
+
+def test_slurm_script_checks_the_job_before_srun(tmp_path):
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    for name in ("srun", "scontrol", "scancel"):
+        (shims / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{tmp_path}/calls"\n'
+                                  + ('[ "$1" = show ] && echo localhost\n' if name == "scontrol" else ""))
+        (shims / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, **ENV, PATH=f"{shims}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_NNODES="2",
+               SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="8")
+    env.pop("RANK", None)
+    out = subprocess.run(["bash", "scripts/multinode_trainer.slurm", *TINY_JOB, "--parallelism.tensor_parallel_degree",
+                          "32"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert_one_clean_error(out, "world size 16 is not divisible")  # 2 nodes x GPUS_PER_NODE 8
+    assert "srun" not in (tmp_path / "calls").read_text()
+
+
+def test_launch_check_passes_a_good_job_and_prints_the_processes_per_node():
+    out = subprocess.run([sys.executable, "-m", "torchtrain.launch_check", "--nproc-per-node", "4", "--nnodes", "2",
+                          "--job.config_file", "train_configs/debug_model.toml", *TINY_JOB], cwd=REPO,
+                         env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "4\n", "")
+
+
+def test_parse_launch():
+    assert parse_launch(["--nproc-per-node", "8", "--nnodes", "4", "--training.steps", "3"]) == (
+        8, 4, ["--training.steps", "3"])
+    assert parse_launch(["--nnodes", "1:4", "--nproc-per-node", "2"]) == (2, None, [])  # elastic: no world size
+    with pytest.raises(ConfigError, match="--nproc-per-node '0'"):
+        parse_launch(["--nproc-per-node", "0"])
+    with pytest.raises(ConfigError, match="usage"):
+        parse_launch(["--training.steps", "3"])

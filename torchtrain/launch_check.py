@@ -1,0 +1,92 @@
+"""Check a job once, before a launcher starts any training process.
+
+    python -m torchtrain.launch_check --nproc-per-node 8 --nnodes 2 --job.config_file JOB.toml [--section.key value ...]
+
+`run_train.sh` and `scripts/multinode_trainer.slurm` run this before `torchrun`. In this one process,
+without a process group, it parses the job and runs the trainer's own start-up checks
+(`preflight.check_job`) for world size = processes per node x nodes on this machine's device type. A
+bad job prints `torchtrain: config error: ...` once and exits 2 -- instead of once per rank, after
+torchrun's wait on the other ranks, under torchrun's own traceback. A good job exits 0 and prints
+only the number of processes per node (`--nproc-per-node auto`: every visible GPU, or 1 without
+one; run_train.sh reads it, saving a second Python start). The trainer repeats the checks on every
+rank, so a direct `torchrun` launch is checked too.
+
+`--nnodes MIN:MAX` (an elastic range) leaves the world size open: then only the job file and the
+overrides are checked here, the layout by the trainer once the world is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+from torchtrain.config import ConfigError
+
+USAGE = "usage: python -m torchtrain.launch_check --nproc-per-node N|auto [--nnodes M] [trainer arguments ...]"
+
+
+def _positive(flag: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{flag} {value!r}: expected a positive number of processes / nodes")
+    return n
+
+
+def local_devices() -> int:
+    """Processes per node for `auto`: the visible GPUs, or 1 without a GPU."""
+    import torch
+
+    return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def parse_launch(argv: list[str]) -> tuple[int, int | None, list[str]]:
+    """(processes per node, nodes or None for an elastic range, the trainer's arguments)."""
+    nproc, nnodes, i = None, "1", 0
+    while i < len(argv) and argv[i] in ("--nproc-per-node", "--nnodes"):
+        if i + 1 >= len(argv):
+            raise ConfigError(f"{argv[i]} needs a value; {USAGE}")
+        if argv[i] == "--nproc-per-node":
+            value = argv[i + 1]
+            nproc = local_devices() if value == "auto" else _positive("--nproc-per-node", value)
+        else:
+            nnodes = argv[i + 1]
+        i += 2
+    if nproc is None:
+        raise ConfigError(USAGE)
+    nodes = None if ":" in nnodes else _positive("--nnodes", nnodes)
+    return nproc, nodes, argv[i:]
+
+
+def check(argv: list[str]) -> int:
+    """The processes per node; ConfigError when the job cannot start."""
+    from torchtrain.config import parse_args
+    from torchtrain.distributed.utils import resolve_device_type
+    from torchtrain.preflight import check_job
+
+    nproc, nodes, job_argv = parse_launch(argv)
+    if "-h" in job_argv or "--help" in job_argv:
+        return nproc  # the trainer prints the help
+    cfg = parse_args(job_argv)
+    if nodes is not None:
+        check_job(cfg, nproc * nodes, resolve_device_type(cfg.training.device))
+    return nproc
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.getLogger("torchtrain").setLevel(logging.ERROR)  # the trainer logs; this only gates the launch
+    warnings.simplefilter("ignore")
+    try:
+        nproc = check(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"torchtrain: config error: {e}", file=sys.stderr)
+        return 2
+    print(nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

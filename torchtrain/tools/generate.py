@@ -1,0 +1,249 @@
+"""Sample text from a trained model, to see what it learned (one process, CPU or GPU).
+
+    python -m torchtrain.generate --checkpoint outputs/debug_model/checkpoint --prompt "def main(" \\
+        [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] \\
+        [--num-samples 1] [--device auto] [--dtype auto] [--config JOB.toml] [--section.key value ...]
+
+`--checkpoint` is a torchtrain DCP checkpoint -- a job's dump folder, its checkpoint folder (the newest
+complete step) or one `step-N` folder, saved under any layout (FSDP, TP, PP...: DCP stores global
+shapes, read here into one unsharded model) -- or a Hugging Face folder (config.json + *.safetensors,
+e.g. a `step-N/hf` export). The model and tokenizer are the job's: `--config` and overrides, else the
+`job_config.toml` the trainer saved above the checkpoint, else (a DCP checkpoint) the model recorded
+in its `complete.json` with the built-in tokenizer. For a Hugging Face folder without
+`model.hf_assets_path`, its own tokenizer.json is used when it has one.
+
+There is no KV cache: each new token runs the model over the whole context (at most the model's
+`max_seq_len` last tokens), which is plenty to inspect a model and no serving engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from torchtrain.config import ConfigError
+
+JOB_CONFIG = "job_config.toml"
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.8
+    """0 = greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches p (1 = all)."""
+
+
+def sample_next(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` (batch, vocab): greedy at temperature 0, else sampled from the
+    temperature-scaled distribution restricted by top-k, then top-p."""
+    if s.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / s.temperature
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if s.top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= s.top_p  # the mass before a token already reaches p
+        logits = torch.full_like(logits, -float("inf")).scatter(-1, order, ordered.masked_fill(outside, -float("inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, s: Sampling, num_samples: int = 1,
+             seed: int = 0, eos_id: int | None = None, vocab_limit: int | None = None,
+             max_seq_len: int | None = None, progress=None) -> list[list[int]]:
+    """`num_samples` continuations of `prompt` (token ids), each at most `max_new_tokens` long and
+    ending before the first `eos_id`. Only ids < `vocab_limit` are sampled (the tokenizer's)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
+    done = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        logits = model(tokens if max_seq_len is None else tokens[:, -max_seq_len:])[:, -1, :]
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = -float("inf")
+        nxt = sample_next(logits, s, generator)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if progress is not None:
+            progress.update(num_samples)
+        if bool(done.all()):
+            break
+    out = []
+    for row in tokens[:, len(prompt):].tolist():
+        out.append(row[:row.index(eos_id)] if eos_id is not None and eos_id in row else row)
+    return out
+
+
+# ------------------------------------------------------------------------------------- loading
+def _is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
+def find_job_config(path: str, levels: int = 4) -> str | None:
+    """The trainer's saved job_config.toml in `path` or one of its parents (dump/checkpoint/step-N/hf)."""
+    folder = os.path.abspath(path)
+    for _ in range(levels + 1):
+        candidate = os.path.join(folder, JOB_CONFIG)
+        if os.path.isfile(candidate):
+            return candidate
+        folder = os.path.dirname(folder)
+    return None
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    args: object
+    source: str
+    """What was loaded, for the log line."""
+
+
+def load(checkpoint: str, config: str | None, overrides: list[str], device: torch.device,
+         dtype: torch.dtype) -> Loaded:
+    """The job's model with the checkpoint's weights, in eval mode, and the job's tokenizer."""
+    from torchtrain.components.checkpoint.startup import resolve_dcp_path
+    from torchtrain.components.tokenizer import build_tokenizer
+    from torchtrain.config import parse_args
+    from torchtrain.preflight import resolve_model
+
+    if not os.path.exists(checkpoint):
+        raise ConfigError(f"--checkpoint {checkpoint} does not exist")
+    config = config or find_job_config(checkpoint)
+    cfg = parse_args((["--job.config_file", config] if config else []) + overrides)
+    path = checkpoint
+    if config and os.path.dirname(os.path.abspath(config)) == os.path.abspath(path):  # a dump folder
+        path = os.path.join(path, cfg.checkpoint.folder)
+    hf = _is_hf_folder(path)
+    meta: dict = {}
+    if not hf:
+        path, meta = resolve_dcp_path(path)
+    assets = cfg.model.hf_assets_path
+    if hf and not assets and os.path.exists(os.path.join(path, "tokenizer.json")):
+        assets = path
+    tokenizer = build_tokenizer(assets)
+    if not config and not overrides and meta.get("model"):  # no job at hand: the checkpoint's own record
+        from torchtrain.models.registry import get_model_spec
+
+        spec = get_model_spec(meta["model"]["name"])
+        args = spec.args_cls(**meta["model"]["args"])
+    else:
+        spec, args = resolve_model(cfg, tokenizer)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    model.init_buffers()
+    if hf:
+        _load_hf(model, spec, args, path)
+    else:
+        _load_dcp(model, path)
+    for p in model.parameters():  # parameters only: buffers (the RoPE table) keep their float32
+        p.data = p.data.to(dtype)
+    where = f"job {config}" if config else ("overrides" if overrides else "the checkpoint's complete.json")
+    return Loaded(model.eval(), tokenizer, args, f"{'HF' if hf else 'DCP'} {path} (model from {where})")
+
+
+def _load_dcp(model: torch.nn.Module, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torchtrain.components.checkpoint.validate import CheckpointError, check_against_metadata, read_metadata
+
+    state = {"model": model.state_dict()}
+    problem = check_against_metadata(read_metadata(path, "checkpoint"), state, path, "checkpoint")
+    if problem:
+        raise CheckpointError(problem)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)  # in place, each tensor at its global shape
+
+
+def _load_hf(model: torch.nn.Module, spec, args, path: str) -> None:
+    from torchtrain.components.checkpoint.hf import load_hf_into_model
+    from torchtrain.components.checkpoint.state import ModelState
+
+    if spec.state_dict_adapter is None:
+        raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter; use a DCP checkpoint")
+    warnings, _, _ = load_hf_into_model(ModelState([model]), path, spec.state_dict_adapter(args))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m torchtrain.generate", allow_abbrev=False,
+                                 description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="DCP checkpoint (dump, checkpoint or step-N folder) or an "
+                                                        "HF folder")
+    ap.add_argument("--config", help="the job's TOML file (default: the job_config.toml saved above the checkpoint)")
+    ap.add_argument("--prompt", default="", help="text to continue (default: none, start from BOS)")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                    help="parameter dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    return ap
+
+
+def _check(ns: argparse.Namespace) -> None:
+    if ns.max_new_tokens < 1 or ns.num_samples < 1:
+        raise ConfigError("--max-new-tokens and --num-samples must be >= 1")
+    if ns.temperature < 0 or ns.top_k < 0 or not 0 < ns.top_p <= 1:
+        raise ConfigError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtrain.utils.progress import Progress
+
+    ns, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        bad = [a for a in overrides if a.startswith("--") and "." not in a.split("=", 1)[0]]
+        if bad:
+            raise ConfigError(f"unknown flag {bad[0]} (see --help); job overrides look like --section.key value")
+        _check(ns)
+        device = torch.device("cuda" if ns.device == "cuda" or (ns.device == "auto" and torch.cuda.is_available())
+                              else "cpu")
+        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}[ns.dtype]
+        t0 = time.perf_counter()
+        job = load(ns.checkpoint, ns.config, overrides, device, dtype)
+        tok = job.tokenizer
+        prompt = tok.encode(ns.prompt, bos=True, eos=False)
+        if not prompt:
+            raise ConfigError("--prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
+        print(f"loaded {job.source} on {device} ({str(dtype).removeprefix('torch.')}) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        with Progress("generate", total=ns.max_new_tokens * ns.num_samples, unit="tokens") as bar:
+            outs = generate(job.model, prompt, ns.max_new_tokens, Sampling(ns.temperature, ns.top_k, ns.top_p),
+                            ns.num_samples, ns.seed, None if ns.ignore_eos else tok.eos_id, tok.vocab_size,
+                            getattr(job.args, "max_seq_len", None) or None, bar)
+    except ConfigError as e:
+        print(f"torchtrain.generate: error: {e}", file=sys.stderr)
+        return 2
+    for i, ids in enumerate(outs):
+        if ns.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        print(ns.prompt + tok.decode(ids))
+    return 0
