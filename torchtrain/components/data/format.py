@@ -35,7 +35,9 @@ MANIFEST = "manifest.json"
 PROBLEMS = "problems.jsonl"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _OFFSETS = np.dtype("<u8")
-_PAGE = mmap.PAGESIZE
+# A page fault on a file mapping maps the pages around it too (Linux "fault-around", 64 KiB): release
+# whole aligned 64 KiB blocks so those neighbours leave the resident set as well.
+_RELEASE = max(mmap.PAGESIZE, 64 << 10)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -191,8 +193,8 @@ class TokenCorpus:
         as this process's memory."""
         if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        lo = start_byte // _PAGE * _PAGE
-        hi = min(len(mm), -(-end_byte // _PAGE) * _PAGE)
+        lo = start_byte // _RELEASE * _RELEASE
+        hi = min(len(mm), -(-end_byte // _RELEASE) * _RELEASE)
         if hi > lo:
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
