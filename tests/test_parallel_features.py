@@ -47,7 +47,16 @@ def test_activation_checkpointing(suite):
 
 
 def test_compile(suite):
-    suite.check(["compile", "fsdp2_tp2_compile"])
+    """Compiled runs match one process, report their compile time, and never recompile after step 2
+    (the monitor counts the graphs Dynamo compiles inside training steps: components/compile_monitor.py)."""
+    for run in suite.check(["compile", "fsdp2_tp2_compile"]):
+        name, records = run.layout.name, run.records
+        assert "compile: the first step took" in run.log and "spent compiling" in run.log, name
+        assert "compile_time_s" in records[1] and records[1]["compile_time_s"] >= 0, (name, records[1])
+        assert records[0]["compile_graphs"] > 0, (name, records[0])
+        assert len({r["compile_graphs"] for r in records[1:]}) == 1, (name, [r["compile_graphs"] for r in records])
+        assert all(r["compile_recompiles"] == 0 for r in records), name
+        assert "recompiled" not in run.log, run.log[-3000:]
 
 
 def test_low_precision_tracks_fp32(suite):

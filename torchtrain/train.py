@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
 from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data.build import build_dataloader, training_sources
+from torchtrain.components.compile_monitor import CompileMonitor
 from torchtrain.components.gc_control import GarbageCollection
 from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
@@ -94,6 +95,7 @@ class Trainer:
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
                                                                             cfg.metrics.peak_tflops), world_size)
         self.memory = MemoryMonitor(device)
+        self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         self.state = TrainState(device)
@@ -161,8 +163,10 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
             data_time = time.perf_counter() - t0
+            self.compile_monitor.start()
             with self.tensor_memory.track():
                 out = self.train_step(batches, self.hooks)
+            self.compile_monitor.stop(self.state.step)
             self.throughput.add_step(tokens_per_step, data_time)
             self.phases.end_step()
             self.state.add_tokens(out["tokens"])
@@ -218,6 +222,7 @@ class Trainer:
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
             **self.tensor_memory.record(),
+            **self.compile_monitor.record(),
         }
         scaler = self.train_step.scaler
         if scaler.enabled:

@@ -35,4 +35,5 @@ class Compile:
 
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
     """What to compile: `model` compiles each transformer block separately (identical blocks share
-    one compiled graph), `loss` compiles the cross-entropy."""
+    one compiled graph) and the model's final norm (not under TP), `loss` compiles the cross-entropy.
+    The first step's compile time is logged, and a recompilation after step 2 is a warning."""

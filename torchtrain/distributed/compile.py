@@ -1,4 +1,4 @@
-"""torch.compile per transformer block (and of the loss).
+"""torch.compile per transformer block (plus the model's final norm, and the loss).
 
 Blocks are compiled one by one with `nn.Module.compile()` (in place: parameter names and the
 module tree are unchanged, so checkpoints and initialisation are unaffected). Identical blocks
@@ -40,6 +40,13 @@ def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph:
             torch._functorch.config.enable_autograd_cache = False
     for block in blocks.children():
         block.compile(fullgraph=fullgraph)
+
+
+def compile_modules(modules: list[nn.Module]) -> None:
+    """Compile whole modules in place (each its own graph): the model's element-wise work outside
+    the blocks, such as its final norm, which eager mode would run as several separate kernels."""
+    for module in modules:
+        module.compile(fullgraph=True)
 
 
 def compile_loss(loss_fn: Callable) -> Callable:

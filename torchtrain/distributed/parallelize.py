@@ -10,7 +10,8 @@ model. It applies, in this fixed order:
 3. **expert parallelism** (MoE models): every `GroupedExperts` module's experts split over the "ep"
    mesh, with the all-to-all dispatch and combine around it (`expert_parallel.py`);
 4. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
-5. **compile** per block (identical blocks share one compiled graph);
+5. **compile** per block (identical blocks share one compiled graph), and the modules the model
+   names in `spec.compile_also` (its final norm) when there is no TP;
 6. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
    each block) over dp_shard x cp, with the layout's mixed-precision, reshard and offload policies --
    under EP each experts module first becomes its own unit over the expert-FSDP mesh; or DDP
@@ -35,7 +36,7 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtrain.distributed.compile import compile_blocks
+from torchtrain.distributed.compile import compile_blocks, compile_modules
 from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
 from torchtrain.distributed.expert_parallel import apply_expert_parallel
@@ -76,6 +77,8 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
                        fullgraph=not experts)
+        if not dims.tp_enabled:  # (under TP these carry the plan's redistribution hooks: they stay eager)
+            compile_modules([m for m in (getattr(model, name, None) for name in spec.compile_also) if m is not None])
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for child in model.children():
                 if child is not blocks:

@@ -57,6 +57,11 @@ class ModelSpec:
     must tolerate being None and its blocks must live in an nn.ModuleDict."""
     state_dict_adapter: type["StateDictAdapter"] | None = None
     """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
+    compile_also: tuple[str, ...] = ()
+    """Top-level modules compiled beside the blocks when the model is compiled (element-wise work
+    outside the blocks, e.g. the final norm before the output projection). A module that is None on
+    this pipeline stage is skipped. Not applied under tensor parallelism (those modules carry the
+    plan's DTensor redistribution hooks and stay eager)."""
     context_parallel: bool = False
     """The model's attention is `models/common/attention.py::AttentionCore` and its forward takes
     `seq_index` (and `positions`), so context parallelism can shard its sequences."""

@@ -35,6 +35,7 @@ register_model_spec(
         validate=validate_llama,
         stage_modules=llama_stage_modules,
         state_dict_adapter=Llama3StateDictAdapter,
+        compile_also=("norm",),
         context_parallel=True,
     )
 )

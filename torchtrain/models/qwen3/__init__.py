@@ -33,6 +33,7 @@ register_model_spec(
         validate=validate_qwen3,
         stage_modules=llama_stage_modules,
         state_dict_adapter=Qwen3StateDictAdapter,
+        compile_also=("norm",),
         context_parallel=True,
     )
 )

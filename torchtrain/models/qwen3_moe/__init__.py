@@ -32,6 +32,7 @@ register_model_spec(
         validate=validate_qwen3_moe,
         stage_modules=llama_stage_modules,
         state_dict_adapter=Qwen3MoeStateDictAdapter,
+        compile_also=("norm",),
         context_parallel=True,
     )
 )
