@@ -13,8 +13,8 @@ only some chunks of the sequence and replaces `AttentionCore` by its subclass
 (`distributed/context_parallel.py`), which gathers keys and values from the other ranks and builds the
 mask from the gathered tokens' `seq` and `doc` with the same formula, so CP and one rank agree.
 
-The mask is built once per forward, before the blocks run (`prepare_attention`, called by the model on
-its first attention module), and shared by every layer through the `AttentionContext`; compiled
+The mask is built once per forward, before the blocks run (`attention_inputs` -> `prepare_attention`,
+called by the model on its first attention module), and shared by every layer through the `AttentionContext`; compiled
 blocks only read it. Kernels: the plain causal case uses SDPA's `is_causal` (flash / memory-efficient
 kernels); any other mask uses FlexAttention on CUDA (compiled, with a block mask) and SDPA with a dense
 boolean mask elsewhere (FlexAttention has no CPU backward). Both give the same result (tested on the
@@ -133,3 +133,20 @@ def prepare_attention(model: nn.Module, ctx: AttentionContext, batch: int, lengt
             module.prepare(ctx, batch, length, device)
             break
     return ctx
+
+
+def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor, tokens: torch.Tensor,
+                     positions: torch.Tensor | None, seq_index: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, AttentionContext]:
+    """(RoPE rows, attention context) of one forward of a decoder whose forward takes `positions` and
+    `seq_index` (see `models/llama3/model.py::Transformer`). Block-causal attention uses the document
+    positions (mask and RoPE restart per document); causal uses each token's index in its sequence
+    (None: 0..seq-1, the table's first rows). `tokens` may be a pipeline stage's sequence-sharded hidden
+    states, so lengths come from the positions when there are any."""
+    documents = mask == "block_causal" and positions is not None
+    token_positions = positions if documents else seq_index
+    seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
+    ctx = prepare_attention(model, AttentionContext(positions=positions if documents else None), tokens.shape[0],
+                            seqlen, rope_table.device)
+    rope = rope_table if token_positions is None else rope_table[token_positions.to(rope_table.device)]
+    return rope, ctx

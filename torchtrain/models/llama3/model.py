@@ -24,22 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.base import InitSpec
-from torchtrain.models.common.attention import AttentionContext, AttentionCore, prepare_attention
+from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
+from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.llama3.args import Llama3Args
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
 
 
 def rope_frequencies(args: Llama3Args) -> torch.Tensor:
@@ -69,15 +56,10 @@ def rope_table(args: Llama3Args, device: torch.device | None = None) -> torch.Te
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def rope_rows(table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """RoPE rows for a forward: the whole table when tokens sit at 0..seq-1 (None; `apply_rope` takes
-    the first rows), else the rows of explicit (batch, seq) `positions` -> (batch, seq, head_dim)."""
-    return table if positions is None else table[positions.to(table.device)]
-
-
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by their angles;
-    `rope` holds (cos, sin) rows: the table (rows 0..seq-1 are used) or per-token rows (`rope_rows`)."""
+    `rope` holds (cos, sin) rows: the table (rows 0..seq-1 are used) or per-token rows
+    (`common/attention.py::attention_inputs`)."""
     half = x.shape[-1] // 2
     if rope.dim() == 2:
         rope = rope[: x.shape[1]].unsqueeze(0)
@@ -108,19 +90,6 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
         out = self.core(q, k, v, ctx)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -161,13 +130,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        documents = self.args.attention_mask == "block_causal" and positions is not None
-        token_positions = positions if documents else seq_index
-        # (a pipeline stage's input may be sequence-sharded hidden states: take lengths from the positions)
-        seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
-        ctx = prepare_attention(self, AttentionContext(positions=positions if documents else None), tokens.shape[0],
-                                seqlen, self.rope_cache.device)
-        rope = rope_rows(self.rope_cache, token_positions)
+        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope, ctx)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.base import InitSpec
-from torchtrain.models.common.attention import AttentionContext, AttentionCore, prepare_attention
+from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
 from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.qwen3.args import Qwen3Args
 
@@ -112,12 +112,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        documents = self.args.attention_mask == "block_causal" and positions is not None
-        token_positions = positions if documents else seq_index
-        seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
-        ctx = prepare_attention(self, AttentionContext(positions=positions if documents else None), tokens.shape[0],
-                                seqlen, self.rope_cache.device)
-        rope = self.rope_cache if token_positions is None else self.rope_cache[token_positions.to(self.rope_cache.device)]
+        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope, ctx)
