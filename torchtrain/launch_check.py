@@ -11,8 +11,11 @@ only the number of processes per node (`--nproc-per-node auto`: every visible GP
 one; run_train.sh reads it, saving a second Python start). The trainer repeats the checks on every
 rank, so a direct `torchrun` launch is checked too.
 
-`--nnodes MIN:MAX` (an elastic range) leaves the world size open: then only the job file and the
-overrides are checked here, the layout by the trainer once the world is known.
+The data are checked too, cheaply (`preflight.check_data`: manifests and shard sizes, no tokens read):
+a missing, unprepared or truncated token folder, or a bad mixture, ends here as well.
+
+`--nnodes MIN:MAX` (an elastic range) leaves the world size open: then the job file, the overrides
+and the data are checked here, the layout by the trainer once the world is known.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def parse_launch(argv: list[str]) -> tuple[int, int | None, list[str]]:
 
 def check(argv: list[str]) -> int:
     """The processes per node; ConfigError when the job cannot start."""
+    from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
     from torchtrain.distributed.utils import resolve_device_type
-    from torchtrain.preflight import check_job
+    from torchtrain.preflight import check_data, check_job
 
     nproc, nodes, job_argv = parse_launch(argv)
     if "-h" in job_argv or "--help" in job_argv:
@@ -73,6 +77,8 @@ def check(argv: list[str]) -> int:
     cfg = parse_args(job_argv)
     if nodes is not None:
         check_job(cfg, nproc * nodes, resolve_device_type(cfg.training.device))
+    else:
+        check_data(cfg, build_tokenizer(cfg.model.hf_assets_path))
     return nproc
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
+from torchtrain.components.data.build import check_sources
 from torchtrain.components.data.sources import check_dataset_name
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.components.wandb_sink import check_wandb
-from torchtrain.components.validation import check_validation
+from torchtrain.components.validation import check_validation, check_validation_data
 from torchtrain.config import JobConfig
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.models.base import BaseModelArgs
@@ -53,13 +54,23 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     return Preflight(layout, tokenizer, spec, args)
 
 
+def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
+    """The data checks that read no tokens and prepare nothing (`data.build.check_sources`): every
+    prepared folder of the job (training and validation) by its manifest and file sizes, the mixture,
+    and the inputs of a `files` dataset. They do not depend on the world size."""
+    t = cfg.training
+    check_sources(t.dataset, t.dataset_path, t.datasets, t.dataset_text_field, t.seq_len, tokenizer)
+    check_validation_data(cfg.validation, t, tokenizer)
+
+
 def check_job(cfg: JobConfig, world_size: int, device_type: str) -> Preflight:
-    """`preflight` plus the checkpoint folder's start-up checks and the metrics backends' packages:
-    everything the trainer checks before its process group starts, except building the dataset
-    (which reads the data). The trainer runs it on every rank; `launch_check` runs it once before
-    torchrun starts any."""
+    """`preflight` plus the checkpoint folder's start-up checks, the metrics backends' packages and the
+    cheap data checks (`check_data`): everything the trainer checks before its process group starts,
+    except preparing document datasets and building the loader. The trainer runs it on every rank;
+    `launch_check` runs it once before torchrun starts any."""
     plan = preflight(cfg, world_size, device_type)
     checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device_type, cfg.model.name,
                          plan.model_spec.state_dict_adapter is not None)
     check_wandb(cfg.metrics)
+    check_data(cfg, plan.tokenizer)
     return plan

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from torchtrain.components.data.build import resolve_sources
+from torchtrain.components.data.build import check_sources, resolve_sources
 from torchtrain.components.data.dataset import Source, WindowDataset
 from torchtrain.components.data.loader import DataLoader
 from torchtrain.components.data.sources import TOKENS, check_dataset_name
@@ -63,6 +63,13 @@ def check_validation(v: Validation, training: Training, tp: int, cp: int = 1) ->
         raise ConfigError(f"[validation.seq_len] {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
     check_divisible(tp, {"validation.seq_len": seq_len // cp},
                     {"validation.seq_len": "sequence parallelism splits every rank's validation sequence evenly"})
+
+
+def check_validation_data(v: Validation, training: Training, tokenizer: Tokenizer) -> None:
+    """The cheap checks of the held-out data (`data.build.check_sources`), when validation is on."""
+    if v.enable:
+        check_sources(v.dataset or training.dataset, v.dataset_path, [], training.dataset_text_field,
+                      resolved_shape(v, training)[1], tokenizer, section="validation")
 
 
 def build_validation_source(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,

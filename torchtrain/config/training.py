@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -20,12 +21,22 @@ class DatasetEntry:
 
     @classmethod
     def parse(cls, text: str, key: str) -> dict[str, Any]:
-        """The command-line form `PATH:WEIGHT` (or just `PATH`, weight 1)."""
-        path, sep, weight = text.strip().rpartition(":")
+        """The command-line form `PATH:WEIGHT` (or just `PATH`, weight 1). After the last ':' comes the
+        weight, unless that part holds a '/' (then the ':' is part of the path): anything else that is
+        not a number is an error, not a path. A path that itself ends in ':name' goes in a table."""
+        text = text.strip()
+        path, sep, weight = text.rpartition(":")
+        if not sep or "/" in weight or "\\" in weight:
+            return {"path": text}
         try:
-            return {"path": path, "weight": float(weight)} if sep else {"path": text.strip()}
+            value = float(weight)
         except ValueError:
-            return {"path": text.strip()}
+            raise ConfigError(f"[{key}] {weight!r} in {text!r} is not a weight: write PATH:WEIGHT with a number "
+                              f"> 0 (e.g. {path or 'PATH'}:0.5); a path that holds ':' goes in a "
+                              f"[[training.datasets]] table with `path` and `weight`") from None
+        if not path:
+            raise ConfigError(f"[{key}] {text!r} names no folder: write PATH:WEIGHT")
+        return {"path": path, "weight": value}
 
 
 @dataclass
@@ -122,6 +133,10 @@ class Training:
         if self.datasets and self.dataset != "tokens":
             raise ConfigError("[training.datasets] a mixture is read from prepared token folders: set "
                               "training.dataset = \"tokens\" (prepare folders with python -m torchtrain.data.prepare)")
+        for i, entry in enumerate(self.datasets):
+            if not math.isfinite(entry.weight):  # `Gt(0)` let inf through (nan fails it)
+                raise ConfigError(f"[training.datasets[{i}].weight] must be a finite number > 0, got {entry.weight} "
+                                  f"(for {entry.path})")
         if self.dataset == "tokens" and bool(self.dataset_path) == bool(self.datasets):
             raise ConfigError("[training.dataset_path] training.dataset = \"tokens\" reads either one prepared folder "
                               "(dataset_path) or a mixture ([[training.datasets]]): set exactly one of them")

@@ -33,6 +33,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="input megabytes per shard, the unit of parallel work and of resuming (default 256)")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (default: report it with file and line, count it, skip it)")
+    p.add_argument("--max-bad-fraction", type=float, default=Options.max_bad_fraction, metavar="F",
+                   help="fail, writing no dataset, when more than this share of the input records is bad "
+                        f"(default {Options.max_bad_fraction:g}); a run that keeps no document always fails")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset already prepared at --out from other inputs")
     args = p.parse_args(argv)
@@ -40,12 +43,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--workers must be >= 1")
     if args.shard_size_mb <= 0:
         p.error("--shard-size-mb must be > 0")
+    if not 0 <= args.max_bad_fraction <= 1:
+        p.error(f"--max-bad-fraction must be between 0 and 1, got {args.max_bad_fraction:g}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    options = Options(text_field=args.text_field, shard_bytes=int(args.shard_size_mb * (1 << 20)), strict=args.strict)
+    options = Options(text_field=args.text_field, shard_bytes=int(args.shard_size_mb * (1 << 20)), strict=args.strict,
+                      max_bad_fraction=args.max_bad_fraction)
     try:
         prepare_files(args.inputs, args.out, tokenizer_path=args.tokenizer, options=options, workers=args.workers,
                       overwrite=args.overwrite, show_progress=True)

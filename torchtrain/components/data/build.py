@@ -1,7 +1,10 @@
 """From a job's data settings to prepared sources and this rank's loader, with every problem a
-ConfigError that names the key: a folder that is not a prepared dataset, a tokenizer that differs from
-the one the data was prepared with, a mixture weight too small to ever be drawn, a dataset shorter
-than one window.
+ConfigError that names the key: a folder that is missing or not a (complete, undamaged) prepared
+dataset, a tokenizer that differs from the one the data was prepared with, a mixture weight too small
+to ever be drawn, a dataset shorter than one window, document files that give no dataset.
+
+`check_sources` is the cheap part of this (manifests and file sizes, no tokens read, nothing
+prepared), run by `preflight.check_job`, so the launch check reports bad data before torchrun starts.
 """
 
 from __future__ import annotations
@@ -9,12 +12,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from torchtrain.components.data.bad_input import PrepareError
 from torchtrain.components.data.cache import cache_root, cached_dataset
 from torchtrain.components.data.dataset import Source, WindowDataset
 from torchtrain.components.data.format import FormatError, TokenCorpus, tokenizer_matches
 from torchtrain.components.data.loader import DataLoader
 from torchtrain.components.data.sampling import MIXTURE_PERIOD
-from torchtrain.components.data.sources import TOKENS, build_source
+from torchtrain.components.data.sources import FILES, TOKENS, build_source, files_source
 from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
@@ -39,31 +43,56 @@ def open_prepared(path: str, tokenizer: Tokenizer, key: str) -> TokenCorpus:
     return corpus
 
 
+def _token_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Tokenizer, section: str) -> list[Source]:
+    """The prepared folders of a `tokens` setting, opened (manifest and shard sizes) and checked."""
+    items = [(path, 1.0)] if path else [(e.path, e.weight) for e in entries]
+    total = sum(w for _, w in items)
+    names: list[str] = []
+    sources = []
+    for i, (p, weight) in enumerate(items):
+        key = f"{section}.dataset_path" if path else f"{section}.datasets[{i}]"
+        if weight / total * MIXTURE_PERIOD < 0.5:
+            raise ConfigError(f"[{key}] weight {weight} of {p} is below 1/{MIXTURE_PERIOD} of the total {total}: "
+                              f"it would never be drawn; raise it or drop the source")
+        name = os.path.basename(os.path.normpath(p)) or p
+        names.append(name if name not in names else f"{name}#{i}")
+        sources.append(Source(open_prepared(p, tokenizer, key), weight, names[-1]))
+    return sources
+
+
+def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], text_field: str, seq_len: int,
+                  tokenizer: Tokenizer, section: str = "training") -> None:
+    """What can be checked of a dataset setting without reading tokens or preparing anything: every
+    token folder (its manifest, each shard's file sizes against it, the tokenizer, mixture weights,
+    at least one window of seq_len + 1 tokens), and that a `files` path names input files. Other
+    document datasets are checked when the trainer prepares them."""
+    if dataset == TOKENS:
+        for source in _token_sources(path, entries, tokenizer, section):
+            if source.corpus.num_tokens < seq_len + 1:
+                raise ConfigError(f"[{section}.seq_len] {source.corpus.folder} holds {source.corpus.num_tokens} "
+                                  f"tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+    elif dataset == FILES:
+        files_source(path or "", text_field, f"{section}.dataset_path")
+
+
 def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry], text_field: str,
                     cache_dir: str | None, tokenizer_path: str | None, tokenizer: Tokenizer, split: str, seed: int,
                     section: str = "training") -> list[Source]:
     """The prepared sources of a dataset setting: token folders as they are, document sources through
     the cache (prepared on first use; other processes wait)."""
     if dataset == TOKENS:
-        items = [(path, 1.0)] if path else [(e.path, e.weight) for e in entries]
-        key = f"{section}.dataset_path" if path else f"{section}.datasets"
-        total = sum(w for _, w in items)
-        names: list[str] = []
-        sources = []
-        for i, (p, weight) in enumerate(items):
-            if weight / total * MIXTURE_PERIOD < 0.5:
-                raise ConfigError(f"[{key}] weight {weight} of {p} is below 1/{MIXTURE_PERIOD} of the total {total}: "
-                                  f"it would never be drawn; raise it or drop the source")
-            name = os.path.basename(os.path.normpath(p)) or p
-            names.append(name if name not in names else f"{name}#{i}")
-            sources.append(Source(open_prepared(p, tokenizer, key), weight, names[-1]))
-        return sources
+        return _token_sources(path, entries, tokenizer, section)
     try:
         source = build_source(dataset, path, split, seed, text_field)
     except ConfigError as e:
         raise ConfigError(str(e).replace("[training.", f"[{section}.")) from None
-    folder = cached_dataset(source, f"{dataset}-{split}", tokenizer_path, tokenizer.identity, cache_root(cache_dir),
-                            logger.info, show_progress=is_log_rank())
+    key = f"{section}.dataset_path" if dataset == FILES else f"{section}.dataset"
+    try:
+        folder = cached_dataset(source, f"{dataset}-{split}", tokenizer_path, tokenizer.identity,
+                                cache_root(cache_dir), logger.info, show_progress=is_log_rank())
+    except PrepareError as e:
+        raise ConfigError(f"[{key}] preparing the {dataset!r} dataset ({path or split}) into the dataset cache: "
+                          f"{e}") from None
     return [Source(open_prepared(folder, tokenizer, f"{section}.dataset"), 1.0, dataset)]
 
 

@@ -22,6 +22,9 @@ from torchtrain.components.data.format import MANIFEST, VERSION, read_json
 from torchtrain.components.data.prepare import Options, prepare, write_documents
 
 SHARD_BYTES = 64 << 20  # input bytes per shard of a cached source
+# A cached source keeps the default share of bad input (prepare.Options.max_bad_fraction); the way past it:
+ALLOW_MORE = ("prepare the files with `python -m torchtrain.data.prepare ... --max-bad-fraction F` and train on the "
+              "folder with training.dataset = \"tokens\"")
 
 
 def cache_root(configured: str | None) -> str:
@@ -70,7 +73,8 @@ def cached_dataset(source: Any, label: str, tokenizer_path: str | None, identity
             if hasattr(source, "pieces"):
                 options = Options(text_field=getattr(source, "text_field", "text"), shard_bytes=SHARD_BYTES)
                 prepare(source.pieces(), folder, tokenizer_path, options, workers=workers or min(8, os.cpu_count() or 1),
-                        log=log, show_progress=show_progress, tokenizer_key="model.hf_assets_path")
+                        log=log, show_progress=show_progress, tokenizer_key="model.hf_assets_path",
+                        text_field_key="training.dataset_text_field", allow_more=ALLOW_MORE)
             else:
                 write_documents((source[i] for i in range(len(source))), folder, tokenizer_path, label,
                                 tokenizer_key="model.hf_assets_path")

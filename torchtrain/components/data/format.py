@@ -96,6 +96,17 @@ class ShardWriter:
     def documents(self) -> int:
         return len(self.offsets) - 1
 
+    def mark(self) -> tuple:
+        """The writer's position, for `rollback`."""
+        return self._bin.tell(), len(self.offsets), self.tokens, self._hash.copy()
+
+    def rollback(self, mark: tuple) -> None:
+        """Drop every document added since `mark` (an input that broke off partway)."""
+        position, offsets, self.tokens, self._hash = mark
+        self._bin.seek(position)
+        self._bin.truncate()
+        del self.offsets[offsets:]
+
     def close(self, record: dict[str, Any]) -> dict[str, Any]:
         """Finish the shard; `record` (its provenance) is stored with its counts and checksum."""
         self._bin.flush()
@@ -143,26 +154,42 @@ class TokenCorpus:
 
     def __init__(self, folder: str):
         self.folder = folder
+        if not os.path.isdir(folder):
+            raise FormatError(f"{folder}: no such folder (prepare one with `python -m torchtrain.data.prepare ... "
+                              f"--out {folder}`)")
         manifest = read_json(os.path.join(folder, MANIFEST))
         if manifest is None:
             raise FormatError(f"{folder} has no readable {MANIFEST}: not a prepared dataset, or its preparation "
-                              f"did not finish (run `python -m torchtrain.data.prepare ... --out {folder}`)")
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+                              f"failed or did not finish (run `python -m torchtrain.data.prepare ... --out {folder}`)")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise FormatError(f"{folder}/{MANIFEST} is not a {FORMAT} v{VERSION} manifest")
         self.manifest = manifest
-        self.dtype = _DTYPES[manifest["dtype"]]
-        self.tokenizer: dict[str, Any] = manifest["tokenizer"]
-        self.shards = [s["name"] for s in manifest["shards"]]
-        counts = [s["tokens"] for s in manifest["shards"]]
+        try:
+            self.dtype = _DTYPES[manifest["dtype"]]
+            self.tokenizer: dict[str, Any] = dict(manifest["tokenizer"])
+            shards = [(str(s["name"]), int(s["tokens"]), int(s["documents"])) for s in manifest["shards"]]
+            self.num_documents = int(manifest["num_documents"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{folder}/{MANIFEST} has a missing or malformed field ({type(e).__name__}: {e}): the "
+                              f"dataset is damaged; prepare it again") from None
+        self.shards = [name for name, _, _ in shards]
+        counts = [tokens for _, tokens, _ in shards]
         self.bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self.num_tokens = int(self.bounds[-1])
-        self.num_documents = int(manifest["num_documents"])
-        for name, count in zip(self.shards, counts):
-            size = os.path.getsize(os.path.join(folder, f"{name}.bin")) if os.path.exists(
-                os.path.join(folder, f"{name}.bin")) else -1
-            if size != count * self.dtype.itemsize:
-                raise FormatError(f"{folder}/{name}.bin is missing or has {size} bytes, but the manifest says "
-                                  f"{count} {manifest['dtype']} tokens: the dataset is damaged; prepare it again")
+        if self.num_tokens == 0:
+            raise FormatError(f"{folder} holds no documents: its preparation found no usable text (see "
+                              f"{os.path.join(folder, PROBLEMS)}); fix the input and prepare it again")
+        for name, tokens, documents in shards:  # sizes only: a stat per file, no data read
+            expected = (("bin", tokens, self.dtype.itemsize, f"{manifest['dtype']} tokens"),
+                        ("idx", documents + 1, _OFFSETS.itemsize, "document offsets"))
+            for kind, count, itemsize, what in expected:
+                path = os.path.join(folder, f"{name}.{kind}")
+                size = os.path.getsize(path) if os.path.exists(path) else -1
+                if size != count * itemsize:
+                    state = "is missing" if size < 0 else f"has {size} bytes"
+                    raise FormatError(f"{path} {state}, but the manifest says {count} {what} "
+                                      f"({count * itemsize} bytes): the dataset is damaged (a truncated copy?); "
+                                      f"copy or prepare it again")
         self._maps: dict[tuple[int, str], tuple[mmap.mmap, np.ndarray]] = {}
         self._pid = os.getpid()
 

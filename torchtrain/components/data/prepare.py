@@ -7,7 +7,10 @@ The inputs (files, folders, globs of .txt / .jsonl[.gz|.zst] / .parquet) are cut
 megabytes; unit i becomes shard i. The plan depends only on the inputs and the options, so the
 output is byte-identical for any worker count. Workers tokenize units in parallel; each shard is
 written atomically (`format.ShardWriter`), so a re-run skips finished shards and a killed run never
-leaves a shard, or a manifest, that reads as complete. The manifest is written last.
+leaves a shard, or a manifest, that reads as complete. The manifest is written last, and only when
+the run passes the keep-or-fail rule for bad input (`bad_input.py`). Replacing a dataset
+(`--overwrite`) prepares the new one beside it, in `<out>/.overwrite`, and swaps it in only once it
+is complete and good: a failed or killed run leaves the old dataset as it was.
 """
 
 from __future__ import annotations
@@ -16,23 +19,22 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from torchtrain.components.data.bad_input import PrepareError, bad_records, check_bad_input
 from torchtrain.components.data.format import (FORMAT, MANIFEST, PROBLEMS, VERSION, ShardWriter, read_json,
                                                shard_is_complete, shard_name, token_dtype, write_json)
-from torchtrain.components.data.readers import Piece, Problem, discover, documents, pieces_of
+from torchtrain.components.data.readers import Piece, Problem, Unreadable, discover, documents, pieces_of
 from torchtrain.components.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from torchtrain.utils.progress import Progress, human
 
 MAX_PROBLEM_DETAILS = 10_000  # per shard; the counts are always exact
-
-
-class PrepareError(Exception):
-    """Preparation cannot go on (bad input under --strict, an output folder that holds other data)."""
+STAGING = ".overwrite"  # where --overwrite prepares the replacement of a dataset, inside the output folder
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class Options:
     """Input bytes per shard (about): the unit of parallel work and of resuming."""
     strict: bool = False
     """Stop at the first bad record instead of reporting, counting and skipping it."""
+    max_bad_fraction: float = 0.01
+    """The largest share of input records that may be dropped as bad (docs/data.md) for the run to
+    write a dataset; a run that keeps no document fails whatever this is."""
 
 
 def plan_units(pieces: list[Piece], shard_bytes: int) -> list[list[Piece]]:
@@ -92,26 +97,30 @@ def _prepare_unit(job: tuple[int, list[Piece], str, str, Options, dict]) -> dict
     pending = 0
     try:
         for piece in unit:
-            docs0, tokens0 = writer.documents, writer.tokens
-            for text in documents(piece, options.text_field, problems):
-                if options.strict and problems:
-                    break
-                writer.add(encode(text))
-                pending += 1
-                if pending == 256:
-                    _add(_WORKER["tokens"], writer.tokens - tokens0)
-                    tokens0, pending = writer.tokens, 0
-            _add(_WORKER["tokens"], writer.tokens - tokens0)
+            mark = writer.mark()
+            docs0, counted = writer.documents, writer.tokens
+            try:
+                for text in documents(piece, options.text_field, problems):
+                    if options.strict and problems:
+                        break
+                    writer.add(encode(text))
+                    pending += 1
+                    if pending == 256:
+                        _add(_WORKER["tokens"], writer.tokens - counted)
+                        counted, pending = writer.tokens, 0
+            except Unreadable as e:  # a file that breaks off: none of it is kept, all of it counts as bad
+                e.problem.records += writer.documents - docs0
+                writer.rollback(mark)
+                problems.append(e.problem)
+            _add(_WORKER["tokens"], writer.tokens - counted)
             _add(_WORKER["bytes"], _unit_bytes([piece]))
             if options.strict and problems:
                 raise PrepareError(f"{problems[0]} (--strict: stopped at the first bad record)")
             per_piece.append({**piece.describe(), "documents": writer.documents - docs0})
-        counts: dict[str, int] = {}
-        for p in problems:
-            counts[p.reason] = counts.get(p.reason, 0) + 1
         return writer.close({"pieces": per_piece, "tokenizer": identity, "text_field": options.text_field,
-                             "problem_count": len(problems),
-                             "problems": [[p.path, p.line, p.reason] for p in problems[:MAX_PROBLEM_DETAILS]]})
+                             "problem_count": len(problems), "bad_records": sum(p.records for p in problems),
+                             "problems": [[p.path, p.line, p.reason, p.records]
+                                          for p in problems[:MAX_PROBLEM_DETAILS]]})
     except BaseException:
         writer.abort()
         raise
@@ -141,24 +150,21 @@ def _reusable(folder: str, index: int, unit: list[Piece], identity: dict, option
 
 def prepare(pieces: list[Piece], out: str, tokenizer_path: str | None = None, options: Options = Options(),
             workers: int = 1, overwrite: bool = False, log: Callable[[str], None] = print,
-            show_progress: bool = True, tokenizer_key: str = "--tokenizer") -> dict[str, Any]:
-    """Tokenize `pieces` into a prepared dataset at `out`; returns its manifest (module docstring)."""
+            show_progress: bool = True, tokenizer_key: str = "--tokenizer", text_field_key: str = "--text-field",
+            allow_more: str = "allow more with --max-bad-fraction (a re-run reuses the finished shards)"
+            ) -> dict[str, Any]:
+    """Tokenize `pieces` into a prepared dataset at `out`; returns its manifest (module docstring).
+    PrepareError when the input gives no dataset (`bad_input.py`); the keys name the caller's settings
+    in that message."""
     tokenizer = build_tokenizer(tokenizer_path, tokenizer_key)
     identity = tokenizer.identity
     dtype = token_dtype(tokenizer.vocab_size)
     units = plan_units(pieces, options.shard_bytes)
     digest = _plan_digest(units, identity, options, dtype)
-    os.makedirs(out, exist_ok=True)
-    existing = read_json(os.path.join(out, MANIFEST))
-    if existing is not None:
-        if existing.get("plan_sha256") == digest:
-            log(f"{out} is already prepared from these inputs ({human(existing['num_tokens'])} tokens): nothing to do")
-            return existing
-        if not overwrite:
-            raise PrepareError(f"{out} already holds a prepared dataset made from other inputs or options; choose "
-                               f"another --out, or pass --overwrite to replace it")
-        os.remove(os.path.join(out, MANIFEST))  # from here on the folder is not a dataset until we finish
-    records: list[dict | None] = [_reusable(out, i, u, identity, options, dtype) for i, u in enumerate(units)]
+    work = _work_folder(out, digest, overwrite, log)
+    if isinstance(work, dict):  # already prepared
+        return work
+    records: list[dict | None] = [_reusable(work, i, u, identity, options, dtype) for i, u in enumerate(units)]
     todo = [i for i, r in enumerate(records) if r is None]
     total_bytes = sum(_unit_bytes(u) for u in units)
     if len(todo) < len(units):
@@ -169,7 +175,7 @@ def prepare(pieces: list[Piece], out: str, tokenizer_path: str | None = None, op
     tokens_done, bytes_done = ctx.Value("q", 0), ctx.Value("q", 0)
     bar = Progress("prepare", total=sum(_unit_bytes(units[i]) for i in todo) / 1e6, unit="MB",
                    enabled=show_progress)
-    jobs = [(i, units[i], out, dtype, options, identity) for i in todo]
+    jobs = [(i, units[i], work, dtype, options, identity) for i in todo]
 
     def tick() -> None:
         bar.postfix = f"{human(tokens_done.value / max(bar.elapsed, 1e-9))} tokens/s"
@@ -191,25 +197,76 @@ def prepare(pieces: list[Piece], out: str, tokenizer_path: str | None = None, op
     bar.postfix = f"{human(tokens_done.value / max(bar.elapsed, 1e-9))} tokens/s"
     bar.done = bytes_done.value / 1e6
     bar.close()
-    manifest = _manifest(out, len(units), [r for r in records if r is not None], identity, dtype, digest,
-                         options.text_field)
-    _summary(manifest, out, time.monotonic() - t0, sum(records[i]["tokens"] for i in todo), total_bytes, log)
+    done = [r for r in records if r is not None]
+    _write_problems(work, done)
+    check_bad_input(done, options.max_bad_fraction, os.path.join(work, PROBLEMS), options.text_field, text_field_key,
+                    allow_more, any(p.kind != "text" for p in pieces))
+    manifest = _manifest(work, len(units), done, identity, dtype, digest, options.text_field)
+    if work != out:
+        _promote(work, out)
+    _summary(manifest, out, time.monotonic() - t0, sum(records[i]["tokens"] for i in todo), total_bytes,
+             options.max_bad_fraction, log)
     return manifest
+
+
+def _work_folder(out: str, digest: str, overwrite: bool, log: Callable[[str], None]) -> str | dict[str, Any]:
+    """Where to prepare: `out`, or beside the dataset it holds when replacing it (--overwrite); the
+    existing manifest when `out` already holds this very plan."""
+    os.makedirs(out, exist_ok=True)
+    staging = os.path.join(out, STAGING)
+    if read_json(os.path.join(staging, MANIFEST)) is not None and read_json(os.path.join(out, MANIFEST)) is None:
+        _promote(staging, out)  # a replacement that was killed while being swapped in: finish the swap
+    existing = read_json(os.path.join(out, MANIFEST))
+    if existing is not None and not (isinstance(existing, dict) and existing.get("num_tokens")):
+        os.remove(os.path.join(out, MANIFEST))  # a manifest of nothing (older releases wrote one): not a dataset
+        existing = None
+    if existing is None:
+        shutil.rmtree(staging, ignore_errors=True)  # an abandoned replacement of a dataset that is gone
+        return out
+    if existing.get("plan_sha256") == digest:
+        log(f"{out} is already prepared from these inputs ({human(existing['num_tokens'])} tokens): nothing to do")
+        return existing
+    if not overwrite:
+        raise PrepareError(f"{out} already holds a prepared dataset made from other inputs or options; choose "
+                           f"another --out, or pass --overwrite to replace it")
+    log(f"{out} keeps its current dataset until the new one is complete and passes the bad-input check "
+        f"(preparing in {staging})")
+    os.makedirs(staging, exist_ok=True)
+    return staging
+
+
+def _promote(staging: str, out: str) -> None:
+    """Swap the complete dataset in `staging` into `out`, manifest last: a kill on the way leaves `out`
+    without a manifest (not a dataset) and `staging` with its own, and the next run finishes the swap."""
+    if os.path.exists(os.path.join(out, MANIFEST)):
+        os.remove(os.path.join(out, MANIFEST))
+    keep = {PROBLEMS} | {f"{s['name']}.{kind}" for s in read_json(os.path.join(staging, MANIFEST))["shards"]
+                         for kind in ("bin", "idx", "json")}
+    for name in os.listdir(out):  # the replaced dataset's shards that the new one does not overwrite
+        if name.startswith("shard-") and name not in keep:
+            os.remove(os.path.join(out, name))
+    for name in sorted(os.listdir(staging)):
+        if name in keep:
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+    os.replace(os.path.join(staging, MANIFEST), os.path.join(out, MANIFEST))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_problems(folder: str, records: list[dict]) -> None:
+    with open(os.path.join(folder, PROBLEMS + ".tmp"), "w") as f:
+        for record in records:
+            for path, line, reason, *count in record["problems"]:
+                f.write(json.dumps({"path": path, "line": line, "reason": reason, "records": (count or [1])[0]}) + "\n")
+    os.replace(os.path.join(folder, PROBLEMS + ".tmp"), os.path.join(folder, PROBLEMS))
 
 
 def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dtype: str, digest: str,
               text_field: str) -> dict[str, Any]:
     sources: dict[str, dict[str, int]] = {}
-    problems: list[list] = []
     for record in records:
         for p in record["pieces"]:
             entry = sources.setdefault(p["path"], {"bytes": p["size"], "documents": 0})
             entry["documents"] += p["documents"]
-        problems += record["problems"]
-    with open(os.path.join(out, PROBLEMS + ".tmp"), "w") as f:
-        for path, line, reason in problems:
-            f.write(json.dumps({"path": path, "line": line, "reason": reason}) + "\n")
-    os.replace(os.path.join(out, PROBLEMS + ".tmp"), os.path.join(out, PROBLEMS))
     for name in os.listdir(out):  # shards of an earlier, longer plan (--overwrite)
         stem = name.split(".")[0]
         if stem.startswith("shard-") and stem[6:].isdigit() and int(stem[6:]) >= num_shards:
@@ -220,13 +277,13 @@ def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dt
         "num_tokens": sum(r["tokens"] for r in records), "num_documents": sum(r["documents"] for r in records),
         "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256")} for r in records],
         "sources": [{"path": path, **info} for path, info in sources.items()],
-        "problems": sum(r["problem_count"] for r in records),
+        "problems": sum(r["problem_count"] for r in records), "bad_records": sum(bad_records(r) for r in records),
     }
     write_json(os.path.join(out, MANIFEST), manifest)
     return manifest
 
 
-def _summary(manifest: dict, out: str, seconds: float, new_tokens: int, total_bytes: int,
+def _summary(manifest: dict, out: str, seconds: float, new_tokens: int, total_bytes: int, max_bad_fraction: float,
              log: Callable[[str], None]) -> None:
     log(f"prepared {out}: {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens "
         f"({manifest['dtype']}) in {len(manifest['shards'])} shard(s) from {len(manifest['sources'])} file(s) "
@@ -237,7 +294,9 @@ def _summary(manifest: dict, out: str, seconds: float, new_tokens: int, total_by
             for line, _ in zip(f, range(10)):
                 p = json.loads(line)
                 shown.append(f"  {p['path']}{':' + str(p['line']) if p['line'] else ''}: {p['reason']}")
-        log(f"{manifest['problems']:,} bad or empty inputs skipped (all listed in {os.path.join(out, PROBLEMS)}):\n"
+        bad, total = manifest["bad_records"], manifest["bad_records"] + manifest["num_documents"]
+        log(f"{manifest['problems']:,} bad or empty inputs skipped (all listed in {os.path.join(out, PROBLEMS)}); "
+            f"{bad:,} of {total:,} input records dropped ({bad / total:.2%}, allowed {max_bad_fraction:g}):\n"
             + "\n".join(shown))
 
 
@@ -253,12 +312,15 @@ def write_documents(docs: Iterable[str | list[int]], out: str, tokenizer_path: s
     try:
         for doc in docs:
             writer.add(encode(doc) if isinstance(doc, str) else np.asarray(head + list(doc) + [tokenizer.eos_id]))
+        if not writer.documents:
+            raise PrepareError(f"no documents: the {label} source gave none; no dataset was written")
     except BaseException:
         writer.abort()
         raise
     record = writer.close({"pieces": [{"path": label, "size": 0, "documents": writer.documents}], "tokenizer": identity,
                            "text_field": "", "problem_count": 0, "problems": []})
     digest = hashlib.sha256(json.dumps([label, identity], sort_keys=True).encode()).hexdigest()
+    _write_problems(out, [record])
     return _manifest(out, 1, [record], identity, dtype, digest, "")
 
 

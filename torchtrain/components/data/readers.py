@@ -10,6 +10,11 @@ Formats (by file name; `.gz` via gzip, `.zst` via the `zstandard` package):
 Large uncompressed `.jsonl` files are cut into pieces at line boundaries, and `.parquet` files at row
 groups, so that one big file still spreads over many preparation workers; compressed files are read
 whole. Piece boundaries depend only on the files and the target size, never on the worker count.
+
+Bad input is reported, never dropped silently: a bad record is a `Problem` (file, line, reason, and
+how many input records it drops), and a piece that cannot be read to its end (a truncated or damaged
+compressed file, an I/O error) raises `Unreadable`: the reader of the piece drops everything it
+had from it (`prepare.py` then applies one keep-or-fail rule to the whole run, docs/data.md).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import gzip
 import io
 import json
 import os
+import sys
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -49,10 +56,33 @@ class Problem:
     path: str
     line: int  # 1-based line (jsonl), row (parquet); 0 for the whole file
     reason: str
+    records: int = 1
+    """Input records (lines, rows, files) whose text this drops; 0 when there was no text to keep
+    (an empty file or an empty field): those are reported but do not count as bad input."""
 
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}" if self.line else self.path
         return f"{where}: {self.reason}"
+
+
+class Unreadable(Exception):
+    """A piece that cannot be read to its end; `problem` says where and why."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged file raises: a truncated gzip stream (EOFError), not gzip or a bad CRC
+    and I/O errors (OSError), corrupt deflate data (zlib.error), corrupt zstd data, a damaged parquet
+    file (pyarrow's ArrowException). The optional packages only once a reader has imported them."""
+    errors: list[type[BaseException]] = [EOFError, OSError, zlib.error]
+    if "zstandard" in sys.modules:
+        errors.append(sys.modules["zstandard"].ZstdError)
+    if "pyarrow" in sys.modules:
+        errors.append(sys.modules["pyarrow"].ArrowException)
+    return tuple(errors)
 
 
 def kind_of(path: str) -> tuple[str, str] | None:
@@ -125,7 +155,10 @@ def pieces_of(path: str, target: int, kind: tuple[str, str] | None = None) -> li
         return [Piece(**base, start=s, end=e, start_line=n) for s, e, n in _jsonl_pieces(path, st.st_size, target)]
     if kind[0] == "parquet" and st.st_size > target:
         pq = _pyarrow()
-        meta = pq.ParquetFile(path).metadata
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except _read_errors():  # damaged: one piece, which its reader reports as unreadable
+            return [Piece(**base)]
         groups, acc, start = [], 0, 0
         for g in range(meta.num_row_groups):
             acc += meta.row_group(g).total_byte_size
@@ -154,16 +187,53 @@ def _open_binary(piece: Piece) -> io.BufferedIOBase:
         except ImportError:
             raise ValueError(f"{piece.path}: reading .zst needs the `zstandard` package: "
                              f"pip install 'torchtrain[data]'") from None
-        raw = zstandard.ZstdDecompressor().stream_reader(open(piece.path, "rb"), closefd=True)
-        return io.BufferedReader(raw, 1 << 20)  # readline() needs a buffered stream
+        return io.BufferedReader(_Zstd(piece.path, zstandard), 1 << 20)  # readline() needs a buffered stream
     return open(piece.path, "rb")
+
+
+class _Zstd(io.RawIOBase):
+    """A .zst file decompressed frame after frame, raising EOFError when the file ends inside a frame:
+    zstandard's own stream_reader returns a truncated stream as if it were complete."""
+
+    def __init__(self, path: str, zstandard):
+        self._file = open(path, "rb")
+        self._frame = zstandard.ZstdDecompressor().decompressobj
+        self._decoder, self._in_frame = self._frame(), False
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            data = self._file.read(1 << 18)  # compressed bytes at a time: bounds the memory of one step
+            if not data:
+                if self._in_frame:
+                    raise EOFError("the zstd stream ends inside a frame")
+                return 0
+            out = []
+            while data:
+                out.append(self._decoder.decompress(data))
+                self._in_frame = not self._decoder.eof
+                data = self._decoder.unused_data if self._decoder.eof else b""
+                if self._decoder.eof:
+                    self._decoder = self._frame()
+            self._out, self._pos = b"".join(out), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = memoryview(self._out)[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _text(piece: Piece, problems: list[Problem]) -> Iterator[str]:
     with _open_binary(piece) as f:
         data = f.read()
     if not data.strip():
-        problems.append(Problem(piece.path, 0, "empty file (no document)"))
+        problems.append(Problem(piece.path, 0, "empty file (no document)", records=0))
         return
     try:
         yield data.decode("utf-8")
@@ -206,37 +276,47 @@ def _jsonl(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]:
                 problems.append(Problem(piece.path, line_no, what))
                 continue
             if not text:
-                problems.append(Problem(piece.path, line_no, f"empty {field!r}"))
+                problems.append(Problem(piece.path, line_no, f"empty {field!r}", records=0))
                 continue
             yield text
     if not found and piece.start == 0:
-        problems.append(Problem(piece.path, 0, "empty file (no records)"))
+        problems.append(Problem(piece.path, 0, "empty file (no records)", records=0))
 
 
 def _parquet(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]:
     pq = _pyarrow()
     pf = pq.ParquetFile(piece.path)
+    end = pf.metadata.num_row_groups if piece.end < 0 else piece.end
     if field not in pf.schema_arrow.names:
         columns = ", ".join(pf.schema_arrow.names)
-        problems.append(Problem(piece.path, 0, f"no {field!r} column (it has: {columns}); the whole file"))
+        rows = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start, end))
+        problems.append(Problem(piece.path, 0, f"no {field!r} column (it has: {columns}); the whole file", rows))
         return
-    end = pf.metadata.num_row_groups if piece.end < 0 else piece.end
     row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
     if pf.metadata.num_rows == 0:
-        problems.append(Problem(piece.path, 0, "empty file (no rows)"))
+        problems.append(Problem(piece.path, 0, "empty file (no rows)", records=0))
     for g in range(piece.start, end):
         for value in pf.read_row_group(g, columns=[field]).column(0).to_pylist():
             row += 1
             if not isinstance(value, str) or not value:
-                problems.append(Problem(piece.path, row, f"{field!r} is {'empty' if value == '' else 'not a string'}"))
+                problems.append(Problem(piece.path, row, f"{field!r} is {'empty' if value == '' else 'not a string'}",
+                                        records=int(value != "")))
                 continue
             yield value
 
 
 def documents(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]:
-    """The documents of `piece`; bad records are appended to `problems` and skipped."""
+    """The documents of `piece`; bad records are appended to `problems` and skipped. Raises `Unreadable`
+    when the piece cannot be read to its end (the documents it gave are then to be dropped with it)."""
     if piece.kind == "jsonl":
-        return _jsonl(piece, field, problems)
-    if piece.kind == "parquet":
-        return _parquet(piece, field, problems)
-    return _text(piece, problems)
+        reader = _jsonl(piece, field, problems)
+    elif piece.kind == "parquet":
+        reader = _parquet(piece, field, problems)
+    else:
+        reader = _text(piece, problems)
+    try:
+        yield from reader
+    except _read_errors() as e:
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise Unreadable(Problem(piece.path, 0, f"cannot be read to its end ({reason}; a truncated or damaged "
+                                                f"file?): dropped whole")) from None

@@ -28,6 +28,7 @@ from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
 
 TOKENS = "tokens"
+FILES = "files"
 
 
 class DocumentSource(Protocol):
@@ -128,7 +129,7 @@ def build_source(name: str, path: str | None, split: str = "train", seed: int = 
 
 
 register_dataset("python_stdlib", lambda path, split, seed, field: python_stdlib_source(split))
-register_dataset("files", lambda path, split, seed, field: files_source(path or "", field))
+register_dataset(FILES, lambda path, split, seed, field: files_source(path or "", field))
 # The validation split: 2,000 documents (~0.4M tokens) generated from another seed.
 register_dataset("synthetic", lambda path, split, seed, field: SyntheticSource(seed) if split == "train"
                  else SyntheticSource(seed + 1_000_003, num_docs=2_000))
