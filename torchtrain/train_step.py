@@ -21,6 +21,9 @@ FSDP / DDP average gradients over those R ranks, so the gradient is exactly that
 token-mean loss under any layout (components/loss.py). Under context parallelism each batch is first
 cut to this rank's chunks of every sequence (`shard`); a model whose forward takes `positions` gets
 the data's document positions.
+Under replica-group fault tolerance (distributed/replica_ft.py) R is the data-parallel ranks of the
+replica groups in the step's quorum: N and the loss are also summed across those groups, and a step
+whose cross-group collectives failed is not applied (verdict "replica_lost").
 A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
 (`components/moe_balance.py`).
@@ -69,8 +72,9 @@ class StepHooks:
 class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
-                 moe: MoEBalancer | None = None):
+                 moe: MoEBalancer | None = None, replicas=None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
+        self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce)
@@ -139,7 +143,10 @@ class TrainStep:
         batches = [self.shard(b) for b in batches]
         local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches).to(self.device)
         global_tokens = all_reduce(local_tokens, dims.loss_mesh)
-        self.loss_fn.scale = dims.loss_degree / global_tokens.double()
+        degree = dims.loss_degree
+        if self.replicas is not None:
+            global_tokens, degree = self.replicas.sum_(global_tokens), degree * self.replicas.live
+        self.loss_fn.scale = degree / global_tokens.double()
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:
             self.loss_fn.scale = self.loss_fn.scale * multiplier
@@ -152,10 +159,15 @@ class TrainStep:
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh)
         lr = self.optimizers.lr
-        global_loss = all_reduce(accumulated / dims.loss_degree, dims.loss_mesh)
+        global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
-        verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
+        if self.replicas is not None:
+            global_loss = self.replicas.sum_(global_loss)
+        if self.replicas is not None and not self.replicas.commit():  # a group was lost during the step
+            verdict = "replica_lost"
+        else:
+            verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
