@@ -215,6 +215,7 @@ class Trainer:
 
     def _replica_quorum(self) -> bool:
         """The step's quorum of replica groups; True when this group received the live state."""
+        self.fault.mark("quorum")
         wait = self.state.step + 1 == fault_testing.replica_wait_step()
         return self.replicas.begin_step(self.state.step, wait_for_all=wait)
 
@@ -226,7 +227,7 @@ class Trainer:
         if out["guard"] == "abort":
             raise GuardAbort(self.guard.abort_message())
         bad = self.state.step
-        self.fault.checkpoint_phase()
+        self.fault.mark("checkpoint")
         restored = self.checkpointer.restore_latest(exclude=("dataloader",))
         if restored is None:
             logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
@@ -271,7 +272,7 @@ class Trainer:
         """Flush and release everything. `finished`: every rank completed normally, so they meet at a
         barrier first and tear the process group down together (a rank that destroys gloo's group
         while a peer still runs can abort at exit)."""
-        self.fault.shutdown_phase()
+        self.fault.mark("shutdown")
         self.profiler.stop()
         self.gc.close()
         self.checkpointer.close()

@@ -32,8 +32,9 @@ class Fault:
 
     slow_phase_timeout_s: Annotated[float, Gt(0)] = 240.0
     """The hang timeout of phases that are legitimately long: start-up until the first step is done
-    (model build, checkpoint load, compilation), checkpoint saves, validation and the final
-    shutdown. Must be shorter than comm.init_timeout_seconds (their collective timeout)."""
+    (model build, checkpoint load, compilation), checkpoint saves and restores, validation, waiting
+    for the replica groups' quorum (replica_ft) and the final shutdown. Must be shorter than
+    comm.init_timeout_seconds (their collective timeout)."""
 
     max_restarts: Annotated[int, Ge(0)] = 0
     """How often torchrun restarts the workers after a failure (a crashed or killed rank, a detected
@@ -73,10 +74,11 @@ class Fault:
     """With replica_ft: a step is applied only when at least this many replica groups took part in
     it."""
 
-    replica_timeout_s: Annotated[float, Gt(0)] = 60.0
+    replica_timeout_s: Annotated[float, Gt(0)] = 30.0
     """With replica_ft: the timeout of collectives across replica groups and of forming a quorum; a
     group that does not answer within it is dropped from the step. Also how long a starting job waits
-    for every replica group before its first step."""
+    for every replica group before its first step. Must be shorter than hang_timeout_s (a step that
+    waits for a lost group is not a hang)."""
 
 
 def check_fault(job) -> None:
@@ -105,6 +107,10 @@ def check_fault(job) -> None:
         raise ConfigError(f"[fault.replica_id] must name this job's replica group, 0 .. {replicas - 1} "
                           f"(parallelism.data_parallel_replicate_degree = {replicas}), got {fault.replica_id}; "
                           f"launch every group with its own --fault.replica_id")
+    if fault.hang_timeout_s is not None and fault.replica_timeout_s >= fault.hang_timeout_s:
+        raise ConfigError(f"[fault.replica_timeout_s] {fault.replica_timeout_s:g} must be shorter than "
+                          f"fault.hang_timeout_s ({fault.hang_timeout_s:g}): a step waiting that long for a lost replica "
+                          f"group would be taken for a hang")
     if fault.min_replica_groups > replicas:
         raise ConfigError(f"[fault.min_replica_groups] {fault.min_replica_groups} exceeds the number of replica "
                           f"groups ({replicas})")

@@ -9,7 +9,7 @@ workers hang) every `interval` seconds and watches the heartbeats of the ranks o
              (measured on the watcher's own clock, so hosts need no synchronised clocks)
 
 A rank whose age exceeds its limit (`hang_timeout_s`, or `slow_phase_timeout_s` in start-up until the
-first step is done, checkpoint, validation and shutdown) is hung. The first watcher to see one
+first step is done, checkpoint, validation, the replica groups' quorum and shutdown) is hung. The first watcher to see one
 declares the hang once for the whole job (`compare_set` of one store key) with every rank's
 heartbeat, read twice one interval apart (a rank whose publication did not change has a monitor
 thread that does not run: the process is stopped, dead, or stuck outside Python). Then every rank
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torchtrain.utils import exit_codes
 from torchtrain.utils.logging import logger
 
-SLOW_PHASES = ("startup", "checkpoint", "validation", "shutdown")
+SLOW_PHASES = ("startup", "checkpoint", "validation", "quorum", "shutdown")
 HANG_KEY = "hang"
 
 
@@ -229,10 +229,9 @@ class HangMonitor:
 def summarize(decl: dict, acks: dict[int, dict], host: str) -> str:
     """The hang report: which ranks are stuck and where every rank is."""
     ranks = {int(r): v for r, v in decl["ranks"].items()}
-    silent = [r for r in ranks if r not in acks]
-    waiting = [r for r in acks if acks[r]["waiting"]]
-    busy = [r for r in acks if not acks[r]["waiting"]]
-    stuck = sorted(silent + (busy if waiting else []))
+    silent = [r for r in ranks if r not in acks]  # no stacks: stopped, dead, or not running Python
+    busy = [r for r in acks if not acks[r]["waiting"]]  # somewhere else than in a collective
+    stuck = sorted(silent + busy)
     lines = [f"hang detected (declared by rank {decl['declared_by']}): "
              + (f"stuck rank(s) {', '.join(map(str, stuck))}" if stuck else
                 "every rank waits in torch.distributed: the ranks are in different collectives (compare the stacks)")]
@@ -248,6 +247,7 @@ def summarize(decl: dict, acks: dict[int, dict], host: str) -> str:
         else:
             proc = _proc_state(info["pid"]) if info["host"] == host else None
             state = ("did not respond: stopped, dead, or not running Python"
-                     + (f" (process state {proc}{', stopped' if proc == 'T' else ''})" if proc else ""))
+                     + (f" (process state {proc}{', stopped' if proc == 'T' else ''})" if proc else "")
+                     + "; its last heartbeat is shown")
         lines.append(f"{head}: {state}")
     return "\n".join(lines)

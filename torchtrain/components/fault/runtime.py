@@ -87,10 +87,11 @@ class FaultRuntime:
                 busy_compute(self.delay, self.device)
             testing.park_in_step(step, self.rank, self.dump_folder)
 
-    def checkpoint_phase(self) -> None:
-        """Work that is checkpoint I/O outside the step's own phases (a guard rollback's restore)."""
+    def mark(self, phase: str) -> None:
+        """Work outside the PhaseTimer's phases: "checkpoint" (a guard rollback's restore), "quorum" (waiting
+        for the replica groups under fault.replica_ft). Both are slow phases for the hang monitor."""
         if self.monitor is not None:
-            self.monitor.progress(self.state.step, "checkpoint")
+            self.monitor.progress(self.state.step, phase)
 
     def _new_step(self, step: int) -> None:
         self._step = step
@@ -160,10 +161,6 @@ class FaultRuntime:
             out.update(self._result)
             self._result = None
         return out
-
-    def shutdown_phase(self) -> None:
-        if self.monitor is not None:
-            self.monitor.progress(self.state.step, "shutdown")
 
     def close(self) -> None:
         if self.monitor is not None:
