@@ -18,11 +18,13 @@ that can:
 1. writes `{dump_folder}/hangs/<time>/rank-<r>.txt`: its heartbeat and all its threads' Python
    stacks (faulthandler), and on CUDA `rank-<r>.nccl_trace.pkl`, the NCCL flight recorder;
 2. reports where its training thread is and whether it waits inside torch.distributed;
-3. after a grace period, the declaring rank writes `summary.txt` / `summary.json`: the stuck ranks
-   (unresponsive, or responsive but not waiting in a collective while others are) and where each
-   rank is; rank 0 and the declaring rank log it. A rank that never answered and runs on this host
-   is killed (SIGKILL: it cannot act on SIGTERM, and torchrun would wait 30 s for it);
-4. exits with status 4 (`utils/exit_codes.HANG`), so torchrun restarts the job (fault.max_restarts)
+3. continues a stopped process (Linux state T) on its own host with SIGCONT, so that the stopped
+   rank's monitor thread writes its stacks too (the job ends anyway);
+4. after a grace period, the declaring rank writes `summary.txt` / `summary.json`: the stuck ranks
+   (those that did not answer, and those not waiting inside torch.distributed) and where each rank
+   is; rank 0 and the declaring rank log it. A rank that never answered and runs on this host is
+   killed (SIGKILL: it cannot act on SIGTERM, and torchrun would wait 30 s for it);
+5. exits with status 4 (`utils/exit_codes.HANG`), so torchrun restarts the job (fault.max_restarts)
    or the launcher reports the hang.
 
 Cost: nothing on the training thread beyond the in-memory record; per rank one store write and one
@@ -45,6 +47,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from torchtrain.distributed.utils import agent_store, worker_start
 from torchtrain.utils import exit_codes
 from torchtrain.utils.logging import logger
 
@@ -54,11 +57,9 @@ HANG_KEY = "hang"
 
 def connect_store(timeout_s: float) -> dist.Store:
     """A client of the job's rendezvous TCPStore (MASTER_ADDR:MASTER_PORT: torchrun's agent store, or
-    the store init_process_group started in a one-process run), under a prefix of this run and restart."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    return dist.PrefixStore(f"torchtrain/fault/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    the store init_process_group started in a one-process run), under a prefix of this start of the
+    workers (`worker_start`: keys of an earlier attempt are never read)."""
+    return agent_store(datetime.timedelta(seconds=timeout_s), f"torchtrain/start_{worker_start()}/fault/")
 
 
 def _where(frame) -> tuple[str, bool]:
@@ -172,6 +173,8 @@ class HangMonitor:
             ranks[r] = {"reported": True, "step": hb["step"], "phase": hb["phase"], "host": hb["host"],
                         "pid": hb["pid"], "age_s": round(hb["age"], 2), "limit_s": hb["limit"],
                         "responsive": responsive}
+            if not responsive and hb["host"] == self.host:
+                ranks[r]["state"] = _proc_state(hb["pid"])
         decl = {"time": now, "tag": datetime.datetime.fromtimestamp(now).strftime("%Y%m%d-%H%M%S"),
                 "declared_by": self.rank, "noticed": stale, "ranks": ranks}
         self.store.compare_set(HANG_KEY, "", json.dumps(decl))
@@ -189,7 +192,14 @@ class HangMonitor:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         self._dump_flight_recorder(folder)
-        self.store.set(f"ack/{self.rank}", json.dumps({"where": where, "waiting": waiting}))
+        self.store.set(f"ack/{self.rank}", json.dumps({"where": where, "waiting": waiting, "step": self.step,
+                                                       "phase": self.phase, "age_s": time.monotonic() - self._t}))
+        for info in decl["ranks"].values():  # a stopped process on this host: let it write its own stacks
+            if info.get("state") == "T" and info.get("host") == self.host:
+                try:
+                    os.kill(info["pid"], signal.SIGCONT)
+                except OSError:
+                    pass
         self._stop.wait(max(3 * self.interval, 2.0))  # the others write theirs
         acks = {}
         for r in range(self.world_size):
@@ -240,14 +250,16 @@ def summarize(decl: dict, acks: dict[int, dict], host: str) -> str:
         if not info.get("reported"):
             lines.append(f"  rank {r}: never reported a heartbeat")
             continue
-        head = (f"  rank {r} (host {info['host']}, pid {info['pid']}): step {info['step']} {info['phase']}, "
-                f"{info['age_s']:.1f} s without progress (limit {info['limit_s']:g} s)")
-        if r in acks:
-            state = ("waiting in a collective at " if acks[r]["waiting"] else "at ") + acks[r]["where"]
+        ack = acks.get(r)
+        now = ack or info  # a rank that answered says where it is now; else its last heartbeat
+        head = (f"  rank {r} (host {info['host']}, pid {info['pid']}): step {now['step']} {now['phase']}, "
+                f"{now['age_s']:.1f} s without progress (limit {info['limit_s']:g} s)")
+        stopped = " (its process was stopped, state T; continued to write its stacks)" if info.get("state") == "T" else ""
+        if ack is not None:
+            state = ("waiting in a collective at " if ack["waiting"] else "at ") + ack["where"] + stopped
         else:
             proc = _proc_state(info["pid"]) if info["host"] == host else None
             state = ("did not respond: stopped, dead, or not running Python"
-                     + (f" (process state {proc}{', stopped' if proc == 'T' else ''})" if proc else "")
-                     + "; its last heartbeat is shown")
+                     + (f" (process state {proc})" if proc else "") + "; its last heartbeat is shown")
         lines.append(f"{head}: {state}")
     return "\n".join(lines)
