@@ -17,11 +17,14 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   launcher exits with that status and no traceback of its own (torchrun would add its
   ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
+  The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
+  see them.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import signal
 import sys
@@ -45,6 +48,14 @@ def _describe_failures(failures: dict) -> str:
     return ", ".join(f"rank {r}: {describe_exit(f.exitcode)}" for r, f in sorted(failures.items()))
 
 
+def final_status(failures: dict) -> int | None:
+    """The final status (config error, guard abort) the failed workers reported, if that is what stopped
+    them: every worker that exited by itself exited with it (the others were ended by a signal, the
+    agent's SIGTERM when it stopped the group)."""
+    codes = {f.exitcode for f in failures.values() if f.exitcode > 0}
+    return codes.pop() if len(codes) == 1 and codes <= set(exit_codes.FINAL) else None
+
+
 def install_restart_policy() -> None:
     """Drop the agent's remaining restarts after a final failure; announce every restart."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -57,7 +68,7 @@ def install_restart_policy() -> None:
         result = original(self, worker_group)
         failures = getattr(result, "failures", None) or {}
         if result.is_failed() and failures:
-            if all(f.exitcode in exit_codes.FINAL for f in failures.values()):
+            if final_status(failures) is not None:
                 self._remaining_restarts = 0
             elif getattr(self, "_remaining_restarts", 0) > 0:
                 spec = worker_group.spec
@@ -95,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    if "LOGLEVEL" not in os.environ:  # the agent's lines ("Sending process ... closing signal", "failed
+        # (exitcode: 2)") repeat what the launcher reports in one line
+        logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     job = _job(args.training_script_args) if args.training_script == "torchtrain.train" else None
@@ -105,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if exit_codes.HANG in codes:
+        if any(f.exitcode == exit_codes.HANG for f in e.failures.values()):
             print(f"torchtrain: {hang_report(job)}", file=sys.stderr, flush=True)
             return exit_codes.HANG
-        if len(codes) == 1 and codes <= set(exit_codes.FINAL):
-            return codes.pop()  # the workers printed the one-line reason already
+        final = final_status(e.failures)
+        if final is not None:
+            return final  # the workers printed the one-line reason already
         print(f"torchtrain: training failed ({_describe_failures(e.failures)})\n{e}", file=sys.stderr, flush=True)
         return 1
     return 0
