@@ -38,9 +38,11 @@ The contract
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -73,7 +75,7 @@ def check_replica_ft(fault: Fault) -> None:
     if not fault.replica_ft:
         return
     try:
-        import torchft  # noqa: F401
+        _import_torchft()
     except ImportError as e:
         raise ConfigError(f"[fault.replica_ft] needs torchft: pip install \"torchtrain[ft]\" ({e})") from None
     lighthouse_address(fault)
@@ -105,7 +107,7 @@ def state_digest(states: dict[str, Any], group: dist.ProcessGroup | None = None)
         for name, value in sorted(_to_local(states[key].state_dict()).items()):
             h.update(name.encode())
             if isinstance(value, torch.Tensor):
-                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
             else:
                 h.update(pickle.dumps(value))
     mine = h.hexdigest()
@@ -115,15 +117,44 @@ def state_digest(states: dict[str, Any], group: dist.ProcessGroup | None = None)
     return hashlib.sha256("".join(every).encode()).hexdigest()[:16]
 
 
+class _Unactionable(logging.Filter):
+    """torchft warns at every new quorum that it cannot reset the NCCL flight recorder (always so on CPU)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def _import_torchft():
+    """torchft, with its logs at a useful level: its Rust side logs every quorum at INFO (RUST_LOG, read
+    when the module loads), its Python side a flight-recorder warning per quorum on CPU."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    import torchft
+
+    logging.getLogger("torchft.manager").addFilter(_Unactionable())
+    # the healing group's load of the streamed state: torch warns that the received buffer is read-only
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return torchft
+
+
 class ReplicaGroups:
     """This job's membership in the replica groups (the contract in the module docstring).
     `states`: the Stateful training states (checkpoint/state.py `training_states`)."""
 
     def __init__(self, cfg: Fault, groups: int, replica_id: int, device: torch.device, states: dict[str, Any]):
-        import torchft
+        torchft = _import_torchft()
+        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
         self.cfg, self.groups, self.replica_id, self.states = cfg, groups, replica_id, states
         timeout = timedelta(seconds=cfg.replica_timeout_s)
+        # torchft's Manager publishes its address in the job's store (MASTER_ADDR:MASTER_PORT) under fixed
+        # keys; torchrun keeps that store across restarts, so a restarted group could read the address of
+        # its dead predecessor's manager. Group rank 0 clears the keys before any rank looks for them.
+        if dist.get_rank() == 0:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout, wait_for_workers=False)
+            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+                store.delete_key(key)
+        dist.barrier()
         pg = torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(timeout=timeout)
         # Synchronous quorum: a group that must heal receives the live state before the step reads data.
         # init_sync=False: initial weights are identical in every group already (param_init.py).
@@ -180,8 +211,9 @@ class ReplicaGroups:
                            "fault.replica_timeout_s = %gs)", self.live, self.groups, self.cfg.replica_timeout_s)
         self._first = False
         if self.healed:
-            logger.warning("replica group %d rejoined at step %d: received the live training state from a "
-                           "surviving group (%d of %d groups live)", self.replica_id, step, self.live, self.groups)
+            logger.warning("replica group %d rejoined: received the live training state after step %d from a "
+                           "surviving group instead of continuing from step %d (%d of %d groups live)", self.replica_id,
+                           self.states["train_state"].step, step, self.live, self.groups)
         return self.healed
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
