@@ -38,8 +38,11 @@ INTERVAL = HANG_S / 8  # the monitor's check interval (monitor.py)
 ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LOG_RANK": "0", "PYTHONUNBUFFERED": "1"}
 
 
+CONFIG = "train_configs/debug_model.toml"  # what run_train.sh passes; the launcher runs get it too
+
+
 def job(dump, *extra: str) -> list[str]:
-    return [*TINY_JOB, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--debug.deterministic",
+    return ["--job.config_file", CONFIG, *TINY_JOB, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--debug.deterministic",
             "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), "--checkpoint.enable",
             "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--fault.hang_timeout_s", str(HANG_S),
             "--fault.max_restarts", "1", "--fault.straggler_freq", "3", "--fault.straggler_threshold", "1.0", *extra]
@@ -96,10 +99,9 @@ def stopped(tmp_path_factory):
 def killed(tmp_path_factory):
     """Rank 1 killed mid-step 5 (SIGKILL), through run_train.sh; rank 3 made a straggler."""
     dump = tmp_path_factory.mktemp("killed")
-    full = dict(os.environ, **ENV, NGPU=str(NPROC), CONFIG_FILE="train_configs/debug_model.toml",
-                TORCHTRAIN_TEST_PARK_IN_STEP="5:1")
+    full = dict(os.environ, **ENV, NGPU=str(NPROC), CONFIG_FILE=CONFIG, TORCHTRAIN_TEST_PARK_IN_STEP="5:1")
     full.pop("RANK", None)
-    args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2")
+    args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2")[2:]  # run_train.sh adds the file
     proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     pid = wait_for_pid_file(proc, dump / "test_parked_rank1.pid", "rank 1 never reached step 5")

@@ -164,6 +164,7 @@ class ReplicaGroups:
             lighthouse_addr=lighthouse_address(cfg), init_sync=False, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout)
         self.live = 0
+        self.lost_steps = 0
         self.healed = False
         self._first = True
 
@@ -226,8 +227,10 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every cross-group collective of the step succeeded with enough groups (agreed by this
-        group's ranks): if not, the step must not be applied."""
-        return self.manager.should_commit()
+        group's ranks): if not, the step must not be applied (counted in `replica_lost_steps`)."""
+        committed = self.manager.should_commit()
+        self.lost_steps += int(not committed)
+        return committed
 
     @property
     def saver(self) -> bool:
@@ -235,7 +238,7 @@ class ReplicaGroups:
         return self.manager.participating_rank() == 0
 
     def record(self) -> dict[str, Any]:
-        return {"replica_groups_live": self.live}
+        return {"replica_groups_live": self.live, "replica_lost_steps": self.lost_steps}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
