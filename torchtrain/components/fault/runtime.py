@@ -53,6 +53,7 @@ class FaultRuntime:
             logger.warning("restart %d of %d (torchrun --max-restarts): resuming from the newest complete checkpoint",
                            self.restart, self.max_restarts)
         self.delay = debug.inject_delay_s if rank in debug.inject_delay_ranks else 0.0
+        self._park = testing.park_spec()  # tests only
         self._first: int | None = None
         self._step = -1
         timeout = cfg.slow_phase_timeout_s
@@ -85,7 +86,8 @@ class FaultRuntime:
         if name == "forward_backward":
             if self.delay:
                 busy_compute(self.delay, self.device)
-            testing.park_in_step(step, self.rank, self.dump_folder)
+            if self._park is not None and self._park == (step, self.rank):
+                testing.park_in_step(self.rank, self.dump_folder)
 
     def mark(self, phase: str) -> None:
         """Work outside the PhaseTimer's phases: "checkpoint" (a guard rollback's restore), "quorum" (waiting

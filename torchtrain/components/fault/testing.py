@@ -19,13 +19,17 @@ PARK_IN_STEP = "TORCHTRAIN_TEST_PARK_IN_STEP"
 REPLICA_WAIT = "TORCHTRAIN_TEST_REPLICA_WAIT"
 
 
-def park_in_step(step: int, rank: int, dump_folder: str) -> None:
+def park_spec() -> tuple[int, int] | None:
+    """(STEP, RANK) of TORCHTRAIN_TEST_PARK_IN_STEP in the first attempt of a job, else None."""
     spec = os.environ.get(PARK_IN_STEP)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    want_step, _, want_rank = spec.partition(":")
-    if (int(want_step), int(want_rank)) != (step, rank):
-        return
+        return None
+    step, _, rank = spec.partition(":")
+    return int(step), int(rank)
+
+
+def park_in_step(rank: int, dump_folder: str) -> None:
+    """Write this process's pid file and wait (see the module docstring)."""
     pid_file = os.path.join(dump_folder, f"test_parked_rank{rank}.pid")
     with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
