@@ -168,8 +168,9 @@ def float8_layouts(tmp_path_factory):
     from torchtrain.tools.parity import Layout, parse_layout, run_layout
 
     workdir = str(tmp_path_factory.mktemp("float8"))
-    overrides = TINY_JOB + EMULATED + ["--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
-                                       "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
+    overrides = TINY_JOB + GLOBAL_BATCH + EMULATED + [
+        "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
+        "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the one-process run too (torchrun sets it for the others)
     try:
@@ -188,6 +189,7 @@ def float8_layouts(tmp_path_factory):
 
 
 STEPS = 6
+GLOBAL_BATCH = ["--training.global_batch_size", "4"]  # one process accumulates 2 micro-batches, the others 1
 # Float8 runs of different layouts are not bitwise equal, unlike fp32 ones (1e-4): tensorwise scales
 # of the activations come from each rank's own tokens (one process: the whole batch), so the e4m3
 # rounding points differ. Measured over 10 steps: <= 1.3e-3 relative in loss and grad norm; 5e-3
@@ -223,7 +225,7 @@ def test_float8_checkpoint_stays_high_precision_and_resumes_without_float8(float
     meta = FileSystemReader(folder).read_metadata().state_dict_metadata
     weights = {k: v for k, v in meta.items() if k.startswith("model.") and k.endswith("weight")}
     assert len(weights) >= 15 and {str(v.properties.dtype) for v in weights.values()} == {"torch.float32"}
-    out = run_train(TINY_JOB + ["--training.steps", str(STEPS + 2), "--job.dump_folder", dump,
+    out = run_train(TINY_JOB + GLOBAL_BATCH + ["--training.steps", str(STEPS + 2), "--job.dump_folder", dump,
                                 "--checkpoint.enable", "true", "--checkpoint.interval", "100",
                                 "--metrics.log_freq", "1"], env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -8,8 +8,9 @@
 * `convert_linears` swaps the model's nn.Linear modules for torchao's `Float8Linear` on the meta
   device, after the model is built and before any parallelism (`distributed/parallelize.py`): TP,
   FSDP, AC and compile then see float8 layers. `Float8Linear` keeps `weight` and `bias` as they are,
-  so parameter names, initialisation and checkpoints stay exactly as without float8 (high-precision
-  weights, loadable by a job without float8).
+  so parameter names, initialisation and checkpoints stay exactly as without float8; under float8
+  all-gather the checkpoint stores the weights unwrapped (`high_precision`), loadable by a job
+  without float8 or torchao.
 * `precompute_scales` runs after each optimizer step that stepped (`train_step.py`) when the plan says
   so: one all-reduce for the float8 scales of every sharded weight.
 
@@ -150,6 +151,23 @@ def convert_linears(model: nn.Module, plan: Float8Plan) -> int:
     if plan.log_model:
         logger.info("model after conversion:\n%s", model)
     return converted
+
+
+def high_precision(t: torch.Tensor) -> torch.Tensor:
+    """`t` without torchao's float8 all-gather wrapper: under float8 all-gather FSDP's sharded weights
+    are `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), which DCP would pickle as that class,
+    unloadable by a job without torchao. The wrapper holds the high-precision tensor itself (`_tensor`),
+    so this returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if not type(local).__module__.startswith("torchao.") or not isinstance(getattr(local, "_tensor", None),
+                                                                         torch.Tensor):
+        return t
+    if isinstance(t, DTensor):
+        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                                  run_check=False)
+    return local._tensor
 
 
 def precompute_scales(model_parts: list[nn.Module]) -> None:
