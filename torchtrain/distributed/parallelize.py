@@ -19,7 +19,8 @@ model. It applies, in this fixed order:
    under EP each experts module first becomes its own unit over the expert-FSDP mesh; or DDP
    (`replicate`) for replicated strategies; or nothing (one rank in float32).
 
-The order matters: TP must see plain `nn.Linear`s; CP swaps modules inside the blocks before they
+The order matters: float8 conversion comes first so that every wrapper sees the float8 layers (a
+`Float8Linear` is an `nn.Linear`); TP must see the `nn.Linear` modules unwrapped; CP swaps modules inside the blocks before they
 are wrapped; checkpoint wrappers must sit inside the compiled region so the recomputation is compiled
 too; FSDP must wrap last so that it shards the DTensors TP made (2-D FSDP x TP) and its hooks see the
 checkpointed, compiled blocks. A model therefore supplies
