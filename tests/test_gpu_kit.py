@@ -8,9 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from conftest import REPO
 
