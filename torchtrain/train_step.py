@@ -14,7 +14,8 @@ holding different tokens (data-parallel ranks, each sequence split over context-
             (data-parallel gradient sync only on the last micro-batch; under PP the schedule runs
             the micro-batches)
     unscale (float16) -> clip to the global gradient norm -> the hooks' verdict (skip?) ->
-    optimizer step (or skip) -> LR step -> zero grads
+    optimizer step (or skip) -> float8 scales (float8 all-gather with precomputed scales) ->
+    LR step -> zero grads
     reported loss = sum over ranks and micro-batches of the scaled losses / R = the global token mean
 
 FSDP / DDP average gradients over those R ranks, so the gradient is exactly that of the global
@@ -41,6 +42,7 @@ from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.context_parallel import shard_batch
+from torchtrain.distributed.float8 import precompute_scales
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
@@ -157,6 +159,8 @@ class TrainStep:
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
+        if stepped and self.layout.float8 is not None and self.layout.float8.precompute_scale:
+            precompute_scales(self.model_parts)  # float8 all-gather: next forward's scales, one all-reduce
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         moe_stats = self.moe.end_step(stepped) if self.moe is not None else None

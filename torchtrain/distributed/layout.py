@@ -12,6 +12,7 @@ for one world size and device type, into the decisions everything else reads:
 * dtypes (`auto` resolved for the device), autocast (replicated strategies) vs FSDP's cast, loss
   scaling (float16), the optimizer kernel, where optimizer state lives (CPU offload);
 * activation checkpointing and compile choices, async TP, loss parallel;
+* float8 training (`distributed/float8.py::resolve_float8`): whether it runs here and how;
 * the batch plan (global = local x dp x accumulation) and the pipeline plan (stages, placement,
   schedule, micro-batches).
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.float8 import Float8Plan, resolve_float8
 from torchtrain.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -166,6 +168,8 @@ class Layout:
     async_tp: bool
     batch: BatchPlan
     pipeline: "PipelinePlan | None" = None
+    float8: Float8Plan | None = None
+    """Float8 training of the Linear layers (`resolve_float8`); None: off."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -316,6 +320,13 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,
         async_tp=par.enable_async_tensor_parallel, batch=batch,
     )
+    float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
+                            fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,
+                            print_after_conversion=cfg.model.print_after_conversion)
+    if float8 is not None:
+        from dataclasses import replace
+
+        layout = replace(layout, float8=float8)
     if spec is None:
         return layout
     if dims.cp_enabled and not spec.context_parallel:
