@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "memory (analytic and traced), pipeline bubble, throughput and cost.")
     ap.add_argument("--config", help="job TOML file (as --job.config_file for the trainer)")
     ap.add_argument("--world-size", type=int, help="number of GPUs (default: the product of the job's degrees)")
-    ap.add_argument("--gpu", default="h100", help="device type: a key of components/hardware.py KNOWN_GPUS "
+    ap.add_argument("--gpu", default="h100", help="device type: a key of components/devices.py KNOWN_GPUS "
                                                   "(h100, h200, a100, b200, ...) or cpu (default h100)")
     ap.add_argument("--memory-gib", type=float, help="device memory in GiB (default: the GPU's)")
     ap.add_argument("--headroom", type=float, help="share of device memory kept free (default 0.1)")

@@ -173,10 +173,12 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     for mm in shapes.matmuls(a):
         gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
             mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
-        if mm.kind == "column":
-            fwd, dgrad, wgrad = linear_seconds(dev, t, mm.in_features, mm.out_features / tp, gemm_dtype)
-        elif mm.kind == "row":
-            fwd, dgrad, wgrad = linear_seconds(dev, t, mm.in_features / tp, mm.out_features, gemm_dtype)
+        if mm.kind in ("column", "row"):
+            k, n = (mm.in_features, mm.out_features / tp) if mm.kind == "column" else (mm.in_features / tp,
+                                                                                      mm.out_features)
+            fwd, dgrad, wgrad = linear_seconds(dev, t, k, n, gemm_dtype)
+            if p.async_tp and tp > 1:  # forward and input gradient run as tp GEMMs of t / tp rows each
+                fwd, dgrad, _ = (tp * x for x in linear_seconds(dev, t / tp, k, n, gemm_dtype))
         elif mm.kind == "local":
             fwd, dgrad, wgrad = linear_seconds(dev, t / tp, mm.in_features, mm.out_features, dtype)
         else:  # routed experts: top-k routed rows of this rank's sequence shard, spread over its local experts

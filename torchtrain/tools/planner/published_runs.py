@@ -94,9 +94,11 @@ _CP_MISS = ("torchtitan's context parallelism of Dec 2024 (ring attention throug
             "context_parallel) ran attention at about half of FlashAttention-2's rate at cp 4-8: 548 tok/s at "
             "256k needs attention alone to run below 0.19 of peak. The model is of torchtrain's all-gather-KV "
             "attention, one FA2 call per block, and does not reproduce that implementation's cost")
-_ASYNC_MISS = ("the model lets every chunk of an async-TP collective after the first hide behind its GEMM; "
-               "torchtitan measured +9-16% from async TP where the model credits +19-28%: the symmetric-memory "
-               "copies and SM reductions slow the GEMMs they overlap more than comm_sm_share accounts for")
+_ASYNC_MISS = ("the model runs async TP's forward and input-gradient GEMMs as tp chunks of 1/tp of the rows and "
+               "lets every chunk of a collective after the first hide behind them; torchtitan measured +6-10% from "
+               "async TP (597 -> 652, 4,378 -> 4,809, 829 -> 876 tok/s) where the model credits +17-21%: the "
+               "symmetric-memory copies and SM reductions slow the GEMMs they overlap more than comm_sm_share "
+               "accounts for")
 _PP_MISS = ("early torchtitan pipelining (Dec 2024) at 73-83 GB of 96: measured at 50-75% of the model's figure "
             "for the layout. The 1F1B / interleaved ratio (1.28 measured, 1.52 predicted) points at per-micro-batch "
             "costs of that implementation that the model does not have")
