@@ -75,24 +75,26 @@ def test_batches_score_every_request_once_with_equal_shapes_on_every_rank():
     items = builtin_items("copy", 37)
     requests = build_requests("copy", items, TOK, seq_len=128)
     dp, b = 2, 5
-    plans = [plan_batches(requests, b, dp, rank, seq_len=128, multiple=4, pad_id=TOK.eos_id) for rank in range(dp)]
+    plans = [plan_batches(requests, b, dp, rank, seq_len=128, multiple=4) for rank in range(dp)]
     assert len(plans[0]) == len(plans[1]) == math.ceil(len(requests) / (b * dp))
     seen = []
     for batches in zip(*plans):
-        assert len({x.input_ids.shape for x in batches}) == 1  # same shape on every rank
-        length = batches[0].input_ids.shape[1]
+        shapes = {tuple(x.tensors(requests, TOK.eos_id)["input_ids"].shape) for x in batches}
+        assert len(shapes) == 1  # the same shape on every rank
+        (_, length), = shapes
         assert length % 64 == 0 and length <= 128
         for x in batches:
+            t = x.tensors(requests, TOK.eos_id)
             for row, r in enumerate(x.rows):
                 if r < 0:
-                    assert (x.labels[row] == IGNORE_INDEX).all()
+                    assert (t["labels"][row] == IGNORE_INDEX).all()
                     continue
                 seen.append(r)
                 tokens, n = requests[r].tokens, requests[r].n_cont
-                labelled = (x.labels[row] != IGNORE_INDEX).nonzero().flatten()
+                labelled = (t["labels"][row] != IGNORE_INDEX).nonzero().flatten()
                 assert labelled.tolist() == list(range(len(tokens) - 1 - n, len(tokens) - 1))
-                assert x.input_ids[row, :len(tokens) - 1].tolist() == list(tokens[:-1])
-                assert x.labels[row, labelled].tolist() == list(tokens[-n:])
+                assert t["input_ids"][row, :len(tokens) - 1].tolist() == list(tokens[:-1])
+                assert t["labels"][row, labelled].tolist() == list(tokens[-n:])
     assert sorted(seen) == list(range(len(requests)))
 
 
@@ -105,11 +107,11 @@ def test_batched_padded_scores_equal_unpadded_forwards():
     model.eval()
     items = builtin_items("keywords", 6) + builtin_items("copy", 6)
     requests = build_requests("t", items, TOK, seq_len=128)
-    (batches,) = [plan_batches(requests, 7, 1, 0, seq_len=128, multiple=2, pad_id=TOK.eos_id)]
     scores = {}
     with torch.no_grad():
-        for x in batches:
-            for r, ll in zip(x.rows, token_logprobs(model(x.input_ids), x.labels).tolist()):
+        for x in plan_batches(requests, 7, 1, 0, seq_len=128, multiple=2):
+            t = x.tensors(requests, TOK.eos_id)
+            for r, ll in zip(x.rows, token_logprobs(model(t["input_ids"]), t["labels"]).tolist()):
                 if r >= 0:
                     scores[r] = ll
         for i, r in enumerate(requests):

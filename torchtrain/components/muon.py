@@ -19,12 +19,13 @@ own weight decay (`components/optimizer.py`: none for norms and biases).
 
 **Sharded parameters.** Momentum and the weight update are element-wise: on FSDP / TP shards they run
 locally. Newton-Schulz needs whole matrices, so for a DTensor weight the Nesterov update is
-all-gathered (`full_tensor`: one fp32 all-gather of the matrix per step over the mesh it is sharded
-on -- the volume of one FSDP parameter all-gather in fp32), orthogonalised on every rank alike, and
-each rank keeps its own shard (a local slice, no communication). Gather-free: a 3-D expert weight
-sharded only along its expert dimension (expert parallelism) holds whole matrices locally, and
-replicated (DDP) or ZeRO-1 parameters are plain tensors (ZeRO-1 gives each rank a share of whole
-parameters to update, so Newton-Schulz work is split over the data-parallel ranks for free).
+all-gathered over the mesh dimensions that split its matrices (one fp32 all-gather of the matrix per
+step -- the volume of one FSDP parameter all-gather in fp32), orthogonalised on every rank alike, and
+each rank keeps its own shard (a local slice, no communication). Expert weights split over the
+expert-parallel ranks by expert stay split that way: only their expert-FSDP sharding inside each
+matrix is gathered, and with whole matrices locally nothing is. Replicated (DDP) and ZeRO-1
+parameters are plain tensors (ZeRO-1 gives each rank a share of whole parameters to update, so the
+Newton-Schulz work is split over the data-parallel ranks for free).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2
@@ -52,22 +53,24 @@ def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
     return x if wide else x.mT
 
 
-def _whole_matrices_local(t: DTensor) -> bool:
-    """Every placement shards a leading (non-matrix) dimension or replicates: each rank's local
-    tensor is a stack of whole matrices."""
-    return all(not isinstance(p, Shard) or p.dim < t.dim() - 2 for p in t.placements
-               if not p.is_partial())
-
-
 def orthogonalize(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """Newton-Schulz of `u`; a DTensor comes back with `u`'s placements (see the module docstring)."""
+    """Newton-Schulz of `u`; a DTensor comes back with `u`'s placements (see the module docstring):
+    gathered over the mesh dimensions that split its matrices (none for experts split by expert only),
+    orthogonalised, and sliced back to this rank's shard."""
     if not isinstance(u, DTensor):
         return newton_schulz(u, steps)
-    if _whole_matrices_local(u):
-        return DTensor.from_local(newton_schulz(u.to_local(), steps), u.device_mesh, u.placements,
-                                  run_check=False, shape=u.shape, stride=u.stride())
-    full = newton_schulz(u.full_tensor(), steps)
-    return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    mesh, placements = u.device_mesh, tuple(u.placements)
+    whole = tuple(Replicate() if isinstance(p, Shard) and p.dim >= u.dim() - 2 and mesh.size(i) > 1 else p
+                  for i, p in enumerate(placements))
+    if whole == placements:  # every local matrix is whole: no communication
+        return DTensor.from_local(newton_schulz(u.to_local(), steps), mesh, placements, run_check=False,
+                                  shape=u.shape, stride=u.stride())
+    if all(isinstance(p, Replicate) for p in whole):
+        return distribute_tensor(newton_schulz(u.full_tensor(), steps), mesh, placements, src_data_rank=None)
+    gathered = u.redistribute(mesh, whole)
+    ortho = DTensor.from_local(newton_schulz(gathered.to_local(), steps), mesh, whole, run_check=False,
+                               shape=u.shape, stride=gathered.stride())
+    return ortho.redistribute(mesh, placements)
 
 
 def rms_scale(shape: torch.Size) -> float:
@@ -114,7 +117,7 @@ class Muon(torch.optim.Optimizer):
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state, (beta1, beta2) = self.state[p], group["betas"]
         if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.tensor(0.0)  # a CPU scalar as in torch.optim.AdamW (its value is read back)
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
         state["step"] += 1

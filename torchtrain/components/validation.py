@@ -119,24 +119,24 @@ def build_validation_sources(v: Validation, training: Training, tokenizer_path: 
 
 @torch.no_grad()
 def forward_batches(train_step, batches: Iterable[dict[str, torch.Tensor]],
-                    score: Callable[[torch.Tensor, dict[str, torch.Tensor]], None]) -> int:
-    """Run every (global-layout) batch through the train step's forward with the model in eval mode and
-    no gradients; `score(logits, local_batch)` is called inside the forward context (loss parallel,
-    autocast) on the ranks that hold logits (under PP: the last stage's), with this rank's part of the
-    batch (its context-parallel chunks). Every rank of the job must call this with the same number of
-    batches of the same shapes. Returns the number of batches."""
+                    score: Callable[[int, torch.Tensor, dict[str, torch.Tensor]], None]) -> int:
+    """Run every batch (this data-parallel rank's) through the train step's forward with the model in
+    eval mode and no gradients; `score(i, logits, local_batch)` is called for the i-th batch inside the
+    forward context (loss parallel, autocast) on the ranks that hold logits (under PP: the last
+    stage's), with this rank's part of the batch (its context-parallel chunks). Every rank of the job
+    must call this with the same number of batches of the same shapes. Returns the number of batches."""
     for part in train_step.model_parts:
         part.eval()
     n = 0
     try:
         for batch in batches:
-            n += 1
             local = train_step.shard(batch)  # context parallelism: this rank's chunks
             with train_step.context():
                 logits = train_step.forward(local)
                 if logits is not None:
-                    score(logits, local)
+                    score(n, logits, local)
             del logits
+            n += 1
     finally:
         for part in train_step.model_parts:
             part.train()
@@ -182,7 +182,7 @@ class Validator:
         dims, device = self.dims, self.train_step.device
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, target tokens
 
-        def score(logits: torch.Tensor, local: dict[str, torch.Tensor]) -> None:
+        def score(_: int, logits: torch.Tensor, local: dict[str, torch.Tensor]) -> None:
             labels = local["labels"].to(device)
             totals[0] += local_value(cross_entropy_sum(logits, labels)).double()
             totals[1] += count_valid_tokens(labels)

@@ -74,13 +74,28 @@ def build_requests(task_name: str, items: list[Item], tokenizer, seq_len: int) -
 
 @dataclass
 class Batch:
+    """One batch of this rank: which requests its rows hold, and its length (tensors are built when
+    scored, so a large task costs no memory between evaluations)."""
+
     rows: list[int]  # request indices of this rank's rows (-1: padding)
-    input_ids: torch.Tensor
-    labels: torch.Tensor
+    length: int
+
+    def tensors(self, requests: list[Request], pad_id: int) -> dict[str, torch.Tensor]:
+        """input_ids and labels (see the module docstring)."""
+        input_ids = torch.full((len(self.rows), self.length), pad_id, dtype=torch.long)
+        labels = torch.full((len(self.rows), self.length), IGNORE_INDEX, dtype=torch.long)
+        for b, r in enumerate(self.rows):
+            if r < 0:
+                continue
+            tokens, n = requests[r].tokens, requests[r].n_cont
+            t = torch.tensor(tokens, dtype=torch.long)
+            input_ids[b, :len(tokens) - 1] = t[:-1]
+            labels[b, len(tokens) - 1 - n:len(tokens) - 1] = t[-n:]
+        return {"input_ids": input_ids, "labels": labels}
 
 
 def plan_batches(requests: list[Request], local_batch_size: int, dp: int, dp_rank: int, seq_len: int,
-                 multiple: int, pad_id: int) -> list[Batch]:
+                 multiple: int) -> list[Batch]:
     """This rank's batches (see the module docstring); `multiple`: what every batch length must divide by."""
     order = sorted(range(len(requests)), key=lambda r: (-len(requests[r].tokens), r))
     step = math.lcm(_ROUND, multiple)
@@ -89,17 +104,6 @@ def plan_batches(requests: list[Request], local_batch_size: int, dp: int, dp_ran
     for start in range(0, len(order), per_batch):
         group = order[start:start + per_batch]
         longest = max(len(requests[r].tokens) - 1 for r in group)
-        length = min(seq_len, -(-longest // step) * step)
         rows = group[dp_rank::dp]
-        rows += [-1] * (local_batch_size - len(rows))
-        input_ids = torch.full((local_batch_size, length), pad_id, dtype=torch.long)
-        labels = torch.full((local_batch_size, length), IGNORE_INDEX, dtype=torch.long)
-        for b, r in enumerate(rows):
-            if r < 0:
-                continue
-            tokens, n = requests[r].tokens, requests[r].n_cont
-            t = torch.tensor(tokens, dtype=torch.long)
-            input_ids[b, :len(tokens) - 1] = t[:-1]
-            labels[b, len(tokens) - 1 - n:len(tokens) - 1] = t[-n:]
-        batches.append(Batch(rows, input_ids, labels))
+        batches.append(Batch(rows + [-1] * (local_batch_size - len(rows)), min(seq_len, -(-longest // step) * step)))
     return batches

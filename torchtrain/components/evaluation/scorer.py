@@ -77,9 +77,9 @@ class TaskEvaluator:
         self.requests = {t.name: build_requests(t.name, t.items, tokenizer, seq_len) for t in tasks}
         multiple = 2 * dims.cp * dims.tp  # context and sequence parallelism split every row evenly
         self.batches: dict[str, list[Batch]] = {
-            t.name: plan_batches(self.requests[t.name], cfg.local_batch_size, dims.dp, dims.dp_rank, seq_len, multiple,
-                                 tokenizer.eos_id)
+            t.name: plan_batches(self.requests[t.name], cfg.local_batch_size, dims.dp, dims.dp_rank, seq_len, multiple)
             for t in tasks}
+        self.pad_id = tokenizer.eos_id
         for t in tasks:
             logger.info("eval task %s (%s): %d items, %d requests in %d batches of %d x %d", t.name, t.origin,
                         len(t.items), len(self.requests[t.name]), len(self.batches[t.name]), cfg.local_batch_size,
@@ -90,22 +90,19 @@ class TaskEvaluator:
         requests, batches = self.requests[task.name], self.batches[task.name]
         device, dims = self.train_step.device, self.dims
         totals = torch.zeros(len(requests), dtype=torch.float64, device=device)
-        current: list[Batch] = []
+        rows = [torch.tensor(b.rows, device=device) for b in batches]
 
-        def batch_iter(bar: Progress):
-            for b in batches:
-                current[:] = [b]
-                yield {"input_ids": b.input_ids, "labels": b.labels}
-                bar.update()
-
-        def add(logits: torch.Tensor, local: dict[str, torch.Tensor]) -> None:
-            rows = torch.tensor(current[0].rows, device=device)
-            lls = token_logprobs(logits, local["labels"].to(device))
-            keep = rows >= 0
-            totals.index_add_(0, rows[keep], lls[keep])
+        def add(i: int, logits: torch.Tensor, local: dict[str, torch.Tensor]) -> None:
+            keep = rows[i] >= 0  # padding rows score nothing
+            totals.index_add_(0, rows[i][keep], token_logprobs(logits, local["labels"].to(device))[keep])
 
         with Progress(f"eval {task.name}", len(batches), "batches", enabled=is_log_rank(), delay=10.0) as bar:
-            forward_batches(self.train_step, batch_iter(bar), add)
+            def inputs():
+                for b in batches:
+                    yield b.tensors(requests, self.pad_id)
+                    bar.update()
+
+            forward_batches(self.train_step, inputs(), add)
         all_reduce(totals, dims.loss_mesh)
         if dims.pp_enabled:
             all_reduce(totals, dims.pp_mesh)
