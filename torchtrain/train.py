@@ -20,6 +20,8 @@ from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
 from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.compile_monitor import CompileMonitor
+from torchtrain.components.evaluation.in_loop import InLoopEvaluation
+from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.gc_control import GarbageCollection
 from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
@@ -32,8 +34,6 @@ from torchtrain.components.profiling import Profiler
 from torchtrain.components.step_ops import OperationsHooks
 from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.train_state import TrainState
-from torchtrain.components.evaluation.in_loop import InLoopEvaluation
-from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.validation import build_validation_sources
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_dict, to_toml
 from torchtrain.distributed.cluster import check_cluster
