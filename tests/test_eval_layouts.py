@@ -11,8 +11,9 @@ checkpoints after every step (one process, FSDP 2, TP 2). Against the one-proces
 * training with Muon and z-loss matches one process within 1e-5 relative per step in loss, gradient
   norm and z-loss under all four layouts; on FSDP 2 and TP 2 (sharded DTensor parameters, gathered
   for Newton-Schulz) the weights after every step agree within 1e-5 absolute (observed ~1e-7);
-* the named validation sets are logged separately (validation/<name>/loss, perplexity) with values
-  that do not depend on the layout (relative 1e-5);
+* the named validation sets are logged separately (validation/<name>/loss, perplexity: console,
+  metrics.jsonl, TensorBoard, as the eval metrics) with values that do not depend on the layout
+  (relative 1e-5);
 * a resumed run (from step 4's checkpoint) repeats steps 5-8 bitwise: Muon's state is checkpointed;
 * expert parallelism (Qwen3-MoE, EP 2; Muon on expert weights without a gather) runs and logs every
   metric (a smoke check);
@@ -52,7 +53,7 @@ def job(dump, held_out: str, val_batch: int, *extra: str) -> list[str]:
 
 
 LAYOUTS = {  # name: (processes, validation batch per rank for a global validation batch of 4, overrides)
-    "single": (None, 4, ()),
+    "single": (None, 4, ("--metrics.enable_tensorboard", "true")),
     "fsdp2": (2, 2, ()),
     "tp2": (2, 4, ("--parallelism.tensor_parallel_degree", "2")),
     "pp2": (2, 4, ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable", "false")),
@@ -69,12 +70,13 @@ def held_out(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, held_out):
-    """name -> dump folder, one launch per layout."""
+    """name -> dump folder, one launch per layout (its console output in `console.log` there)."""
     out = {}
     for name, (nproc, val_batch, extra) in LAYOUTS.items():
         dump = tmp_path_factory.mktemp(name)
         proc = run_train(job(dump, held_out, val_batch, *extra), nproc=nproc, env=ENV)
         assert proc.returncode == 0, (name, (proc.stdout + proc.stderr)[-4000:])
+        (dump / "console.log").write_text(proc.stdout + proc.stderr)
         out[name] = str(dump)
     return out
 
@@ -141,6 +143,15 @@ def test_named_validation_sets_are_logged_separately(runs):
             for layout, records in by_layout.items():
                 assert rel(records[step][f"validation/{name}/loss"], r[f"validation/{name}/loss"]) <= 1e-5, layout
         assert "validation_loss" not in r  # the single-set names only without [[validation.sets]]
+    console = open(os.path.join(runs["single"], "console.log")).read()
+    assert "step     4 | validation synth loss" in console and "step     4 | validation text loss" in console
+    assert "step     8 | eval copy acc" in console and "| z-loss " in console
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(os.path.join(runs["single"], "tb"))
+    tb.Reload()
+    for key in ("validation/synth/loss", "validation/text/perplexity", "eval/copy/acc", "eval/keywords/acc_norm"):
+        assert [e.step for e in tb.Scalars(key)] == [4, STEPS], key
 
 
 def test_resume_with_muon_is_exact(runs, held_out, tmp_path):
