@@ -171,12 +171,12 @@ def test_expert_parallel_smoke(tmp_path, held_out):
     moe = ["--model.name", "qwen3_moe", "--model.head_dim", "16", "--model.num_experts", "4",
            "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32"]
     proc = run_train(job(tmp_path, held_out, 2, *moe, "--parallelism.expert_parallel_degree", "2",
-                         "--checkpoint.enable", "false"), nproc=2, env=ENV)
+                         "--checkpoint.enable", "false", "--training.steps", "4"), nproc=2, env=ENV)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     last = read_metrics(str(tmp_path))[-1]
     for task in TASKS:
         assert 0 <= last[f"eval/{task}/acc"] <= 1 and 0 <= last[f"eval/{task}/acc_norm"] <= 1
-    assert math.isfinite(last["validation/text/loss"]) and math.isfinite(last["z_loss"]) and last["loss"] < 6.5
+    assert all(math.isfinite(last[k]) for k in ("loss", "z_loss", "validation/text/loss", "validation/synth/loss"))
 
 
 @pytest.mark.slow

@@ -6,15 +6,14 @@ shape of task files (`format.py`), with no delimiter between context and choice:
 
 * `copy` (copy a pattern in context): a random phrase of letters repeated two to four times and cut
   anywhere; the gold choice continues the pattern for 3-6 characters, the three others are random
-  letters of other lengths (so `acc` and `acc_norm` differ). Chance: 25%. A model learns it from
-  repetition in its data: within a few dozen steps on the `synthetic` dataset (random phrases
-  repeated), much later on natural text or code (it needs "induction heads").
+  letters of other lengths (so `acc` and `acc_norm` differ). Chance: 25%. It takes in-context
+  copying ("induction heads"), which small models acquire late: the harder task, for longer runs.
 * `keywords` (the vocabulary of Python): a line of Python code begun, then the right continuation
   (`return self.value`, `import os`, `except ValueError:` ...) and three misspellings of its
   first word (two neighbouring letters swapped; same length, so acc = acc_norm). Chance: 25%. The
-  debug model on the Python standard library passes it within a few hundred steps.
+  debug model on the Python standard library passes it within a few dozen steps (0.9 by step 50).
 
-docs/evaluation.md shows both moving.
+docs/evaluation.md has the measured numbers.
 """
 
 from __future__ import annotations
