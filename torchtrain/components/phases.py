@@ -24,7 +24,7 @@ import time
 
 import torch
 
-PHASES = ("data", "forward_backward", "optimizer", "validation", "checkpoint", "profiler")
+PHASES = ("data", "forward_backward", "optimizer", "validation", "eval", "checkpoint", "profiler")
 
 
 class PhaseTimer:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.config.fields import ConfigError
+from torchtrain.config.evaluation import Eval
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism
@@ -34,6 +35,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     guard: Guard = field(default_factory=Guard)
     comm: Comm = field(default_factory=Comm)

@@ -230,9 +230,9 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if dataclasses.is_dataclass(value):  # an inline table
+    if dataclasses.is_dataclass(value):  # an inline table; unset (None) keys are left out, as TOML has no null
         return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}"
-                               for f in dataclasses.fields(value)) + "}"
+                               for f in dataclasses.fields(value) if getattr(value, f.name) is not None) + "}"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 

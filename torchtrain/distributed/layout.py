@@ -265,6 +265,10 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         if not strategy.sharded:
             raise ConfigError(f"[training.enable_cpu_offload] needs an FSDP strategy (zero2/zero3), not "
                               f"{strategy.value!r}")
+        if cfg.optimizer.name == "Muon":
+            raise ConfigError("[optimizer.name] Muon is not combined with training.enable_cpu_offload: its step gathers "
+                              "each sharded matrix across ranks, which the host-side optimizer step of CPU offload would "
+                              "run over host memory; use AdamW with CPU offload, or turn offload off")
     compile_model = cfg.compile.enable and "model" in cfg.compile.components
     if par.enable_async_tensor_parallel:
         if not dims.tp_enabled:

@@ -209,11 +209,16 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
 
     params = 4 * (sharded if fsdp else full_numel)
     grads = 4 * (sharded if fsdp else full_numel + emb_extra)
-    opt = 8 * (sharded if opt_sharded else full_numel) + 4 * n_tensors
+    state_bytes, state_name = 8.0, "Adam m, v"
+    if p.optimizer == "Muon":  # one momentum buffer (4 B) per hidden matrix; Adam's m, v for the rest
+        matrices = _numel([s for name, shapes in units if name.startswith(("block", "experts")) for s in shapes
+                           if s[1] > 1])
+        state_bytes, state_name = 8.0 - 4.0 * matrices / max(full_numel, 1), "Muon momentum; Adam m, v"
+    opt = state_bytes * (sharded if opt_sharded else full_numel) + 4 * n_tensors
     per = "params / N" + (f" (experts: E/{p.ep} per rank / {p.expert_fsdp})" if p.ep > 1 else "")
     rows_state = [
         Row("parameters (fp32 master)", params, f"4 B x {per if fsdp else 'params'}"),
-        Row("optimizer state (Adam m, v)", opt, f"8 B x {per if opt_sharded else 'params'}"
+        Row(f"optimizer state ({state_name})", opt, f"{state_bytes:.3g} B x {per if opt_sharded else 'params'}"
             " + 4 B step per tensor"),
     ]
     host = 0.0
