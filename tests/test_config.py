@@ -12,7 +12,7 @@ import pytest
 from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.config.fields import field_docs, field_types
-from torchtrain.config.manager import _sections
+from torchtrain.config.manager import _sections, tables
 from torchtrain.distributed.layout import resolve_batch
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.registry import build_model_args, get_model_spec, model_arguments
@@ -157,13 +157,15 @@ def test_batch_plan():
 
 def test_every_field_documented_and_in_help():
     text = format_help([], model_arguments)
-    for name, cls in _sections().items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("internal"):
-                continue
-            assert docs.get(f.name), f"{name}.{f.name} has no docstring"
-            assert f"--{name}.{f.name} " in text
+    for section, klass in _sections().items():
+        for name, cls in tables(section, klass):  # nested tables too, e.g. [quantize.linear.float8]
+            docs = field_docs(cls)
+            for f in dataclasses.fields(cls):
+                if f.metadata.get("internal"):
+                    continue
+                assert docs.get(f.name), f"{name}.{f.name} has no docstring"
+                if not dataclasses.is_dataclass(field_types(cls)[f.name]):
+                    assert f"--{name}.{f.name} " in text
     spec = get_model_spec("llama3")
     for f in dataclasses.fields(spec.args_cls):
         assert field_docs(spec.args_cls).get(f.name), f"model.{f.name} has no docstring"

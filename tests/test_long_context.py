@@ -186,7 +186,8 @@ def test_planner_models_context_parallelism():
     from torchtrain.tools.planner.core import load_job
     from torchtrain.tools.planner.inputs import inputs_from_config
     from torchtrain.tools.planner.search import enumerate_layouts
-    from torchtrain.tools.planner.throughput import estimate_throughput, kv_exchange_bytes
+    from torchtrain.tools.planner.comm_time import kv_exchange_bytes
+    from torchtrain.tools.planner.step_time import estimate_step
 
     job = load_job(["--model.flavor", "8B", "--training.seq_len", "65536", "--training.local_batch_size", "1",
                     "--training.global_batch_size", "4"])
@@ -198,7 +199,7 @@ def test_planner_models_context_parallelism():
     # per block and micro-batch: K and V of the other rank gathered in forward, again in the AC recompute,
     # and their gradients reduce-scattered in backward
     assert kv_exchange_bytes(two) == 3 * 2 * 32768 * a.kv_heads * a.head_dim * 2 * 1
-    assert "context parallel" in estimate_throughput(two).comm_s
+    assert "context parallel" in estimate_step(two).comm_s
     cps = {p.cp for p in enumerate_layouts(base, ["full"], ["zero3"])}
     assert cps == {1, 2, 4, 8}  # 65536-token sequences: CP down to 8192 local tokens
     short = base.replace(seq_len=8192)

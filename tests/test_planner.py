@@ -1,4 +1,4 @@
-"""The planner: textbook figures, analytic formulas for every knob, pipeline math, throughput and cost,
+"""The planner: textbook figures, analytic formulas for every knob, pipeline math, step time and cost,
 trace vs. analytic vs. real execution, CLI output (table and JSON).
 
 Tolerances: the textbook and arithmetic checks are exact (floating-point equality within 1e-9
@@ -17,7 +17,7 @@ import math
 import pytest
 
 from torchtrain.components.hardware import KNOWN_GPUS
-from torchtrain.tools.planner import analytic, pipeline, throughput, trace
+from torchtrain.tools.planner import analytic, pipeline, shapes, step_time, trace
 from torchtrain.tools.planner.core import _trace_config, load_job, make_plan, plan_from_flags
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_overrides, config_variant, inputs_from_config
 from torchtrain.tools.planner.validate import layout_problems
@@ -60,7 +60,7 @@ def test_real_fsdp_layout_is_16_bytes_per_parameter_over_n():
         est = analytic.estimate_memory(q)
         rows = {r.name: r.bytes for r in est.rows}
         state = rows["parameters (fp32 master)"] + rows["optimizer state (Adam m, v)"]
-        sharded = analytic._numel([s for _, sh in analytic._unit_shapes(q.args, est.stages, 1) for s in sh], world)
+        sharded = shapes.numel([s for _, sh in shapes.unit_shapes(q.args, est.stages, 1) for s in sh], world)
         assert _close(state, 12 * sharded + 4 * (9 * q.args.n_layers + 3))
         assert abs(sharded * world - n) / n < 1e-3  # FSDP pads each tensor's rows up to a multiple of N
 
@@ -178,19 +178,23 @@ def test_pipeline_profile_comes_from_the_real_schedule():
 
 
 # ---------------------------------------------------------------------------------- throughput and cost
-def test_throughput_and_cost_arithmetic():
-    _, p = _inputs(1, gpu="h100", dp_shard=1, tp=1, tokens=1e9, price=3.0, mfu=0.5)
-    t = throughput.estimate_throughput(p)
+def test_step_time_and_cost_arithmetic():
+    """The step is the sum of its parts; tokens/s, MFU, GPU-hours and cost follow from it exactly."""
+    _, p = _inputs(1, gpu="h100", dp_shard=1, tp=1, tokens=1e9, price=3.0)
+    t = step_time.estimate_step(p)
     tokens = p.global_batch_size * p.seq_len
-    assert t.tokens_per_step == tokens and t.comm_s == {} and t.bubble == 0
-    assert _close(t.step_s, tokens * t.flops_per_token / (989.4e12 * 0.5))
-    assert _close(t.effective_mfu, 0.5)
+    assert t.tokens_per_step == tokens and t.comm_s == {} and t.bubble == 0 and t.bubble_s == 0
+    assert _close(t.step_s, t.compute_s + t.optimizer_s)
+    assert _close(t.compute_s, sum(t.compute_breakdown_s.values()))
+    assert _close(t.tokens_per_s, tokens / t.step_s)
+    assert _close(t.effective_mfu, tokens * t.flops_per_token / t.step_s / (989.4e12))
     assert t.steps == math.ceil(1e9 / tokens)
     assert _close(t.gpu_hours, t.steps * t.step_s / 3600) and _close(t.cost, t.gpu_hours * 3.0)
-    chinchilla = throughput.estimate_throughput(p.replace(tokens=None))
+    chinchilla = step_time.estimate_step(p.replace(tokens=None))
     assert _close(chinchilla.budget_tokens, 20 * p.args.num_params())
-    full_ac = throughput.estimate_throughput(p.replace(ac_mode="full"))
+    full_ac = step_time.estimate_step(p.replace(ac_mode="full"))
     assert full_ac.recompute_flops_per_token > 0 and full_ac.effective_mfu < t.effective_mfu
+    assert full_ac.compute_breakdown_s["recomputation"] > 0
 
 
 # ---------------------------------------------------------------------------------- validity and config

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from torchtrain.tools.planner import analytic, throughput
+from torchtrain.tools.planner import analytic, comm_time, shapes
 from torchtrain.tools.planner.core import make_plan
 from torchtrain.tools.planner.search import search
 
@@ -69,9 +69,9 @@ def test_expert_parallelism_shards_only_the_experts_and_costs_an_all_to_all():
     for ep in (1, 2, 4, 8):
         q = p.replace(ep=ep)
         est = analytic.estimate_memory(q)
-        units = analytic._unit_shapes(a, est.stages, 1, ep)
-        experts = analytic._numel([s for n, sh in units if n.startswith("experts") for s in sh])
-        others = analytic._numel([s for n, sh in units if not n.startswith("experts") for s in sh])
+        units = shapes.unit_shapes(a, est.stages, 1, ep)
+        experts = shapes.numel([s for n, sh in units if n.startswith("experts") for s in sh])
+        others = shapes.numel([s for n, sh in units if not n.startswith("experts") for s in sh])
         assert experts * ep == a.n_layers * 3 * a.num_experts * a.dim * a.moe_intermediate_size
         params = next(r.bytes for r in est.rows if r.name.startswith("parameters"))
         # 4 B x (other params / dp_shard + the rank's experts / expert-FSDP degree), rows padded per tensor
@@ -79,7 +79,7 @@ def test_expert_parallelism_shards_only_the_experts_and_costs_an_all_to_all():
         dense_state[ep] = params
         tokens = q.local_batch_size * q.seq_len
         expect = 4 * a.num_experts_per_tok * a.dim * 2 * (ep - 1) / ep * tokens * a.n_layers
-        assert throughput.expert_all_to_all_bytes(q) == pytest.approx(expect)
+        assert comm_time.expert_all_to_all_bytes(q) == pytest.approx(expect)
     assert dense_state[1] == pytest.approx(dense_state[8], rel=0.02)  # the same total: 1/8 of everything
 
 

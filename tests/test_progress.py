@@ -56,3 +56,18 @@ def test_plain_lines_start_after_the_interval_and_are_not_repeated():
     with Progress("trace", total=None, unit="traces", stream=out, interval=0.0) as bar:
         bar.update()
     assert out.getvalue().count("trace: 1 traces") == 1  # drawn by the update, not repeated by close
+
+
+def test_delay_keeps_short_work_silent():
+    import time
+
+    for out in (io.StringIO(), _Tty()):
+        with Progress("eval", total=3, stream=out, interval=0.0, delay=60.0) as bar:
+            bar.update(3)
+        assert out.getvalue() == ""  # done within the delay: no bar, no final line
+    out = io.StringIO()
+    with Progress("eval", total=2, stream=out, interval=0.0, delay=0.01) as bar:
+        time.sleep(0.02)
+        bar.update(1)
+        bar.update(1)
+    assert out.getvalue().splitlines()[-1].startswith("eval: 2/2 items, 100.0%")

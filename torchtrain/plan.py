@@ -5,7 +5,7 @@
 
 Runs on a laptop CPU in one process for any world size. See docs/planner.md and
 `torchtrain/tools/planner/` (analytic.py: closed-form memory; trace.py: one real step on fake tensors;
-throughput.py: speed and cost; search.py: layout search; report.py: tables and JSON).
+step_time.py: speed and cost from compute_time.py and comm_time.py; search.py: layout search; report.py: tables and JSON).
 """
 
 import sys

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.data.build import check_sources
 from torchtrain.components.data.sources import check_dataset_name
+from torchtrain.components.evaluation.tasks import check_eval
 from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.components.wandb_sink import check_wandb
 from torchtrain.components.validation import check_validation, check_validation_data
@@ -52,6 +53,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
+    check_eval(cfg.eval, cfg.training.seq_len, layout.dims.tp, layout.dims.cp)
     return Preflight(layout, tokenizer, spec, args)
 
 

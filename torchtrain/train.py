@@ -22,6 +22,8 @@ from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.compile_monitor import CompileMonitor
 from torchtrain.components.fault import FaultRuntime
 from torchtrain.components.fault import testing as fault_testing
+from torchtrain.components.evaluation.in_loop import InLoopEvaluation
+from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.gc_control import GarbageCollection
 from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
@@ -34,7 +36,7 @@ from torchtrain.components.profiling import Profiler
 from torchtrain.components.step_ops import OperationsHooks
 from torchtrain.components.tensor_memory import StepMemoryMeter
 from torchtrain.components.train_state import TrainState
-from torchtrain.components.validation import Validator, build_validation_source
+from torchtrain.components.validation import build_validation_sources
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_dict, to_toml
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
@@ -65,8 +67,9 @@ class Trainer:
         # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
         # the cache on first use, by one process while the others wait).
         sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
-        val_source = build_validation_source(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
-                                             cfg.debug.seed)  # None unless enabled
+        held_out = build_validation_sources(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
+                                            cfg.debug.seed)  # [] unless enabled
+        eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
 
         # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).
         init_distributed(cfg.comm, device)
@@ -95,7 +98,7 @@ class Trainer:
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.moe = MoEBalancer.for_model(self.model_parts, device, args)  # None unless the model has experts
         self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
-                                    cfg.training.max_norm, self.moe)
+                                    cfg.training.max_norm, self.moe, cfg.training.z_loss)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
         self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
@@ -107,12 +110,12 @@ class Trainer:
         self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
-        # [ops] profiling, phase timing, validation, guard, GC (each inert unless its section enables it)
+        # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
         self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
                                  listener=self.fault.phase)
-        self.validator = None if val_source is None else Validator(
-            cfg.validation, cfg.training, val_source, self.train_step)
+        self.evaluation = InLoopEvaluation(cfg.validation, cfg.eval, cfg.training, held_out, eval_tasks, tokenizer,
+                                           self.train_step, self.run_folder, self.rank == 0)
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
                                    check_grad_norm=not layout.loss_scaling, device=device)
         self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)
@@ -192,11 +195,9 @@ class Trainer:
             if out["guard"] == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
                                "surviving group (its batches are not trained on)", self.state.step)
-            if self.validator is not None and self.validator.due(self.state.step):  # [ops]
-                self.phases.enter("validation")
-                out["validation"] = self.validator.run(self.state.step)
-                self.phases.pause()
-            logged = self._should_log() or "validation" in out or out["guard"] is not None
+            if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
+                out["evaluation"] = self.evaluation.run(self.state.step, self.phases)
+            logged = self._should_log() or "evaluation" in out or out["guard"] is not None
             if logged and not out.get("logged"):
                 self._log(out)
             if self.state.step == first_step:
@@ -258,7 +259,9 @@ class Trainer:
                           step_skipped=not out["stepped"])
         if out.get("moe") is not None:
             record.update(self.moe.record(out["moe"]))
-        record.update(**self.phases.summary(record["step_time_s"]), **out.get("validation", {}),
+        if out.get("z_loss") is not None:
+            record["z_loss"] = out["z_loss"].item()
+        record.update(**self.phases.summary(record["step_time_s"]), **out.get("evaluation", {}),
                       **self.guard.record(), **self.fault.record())  # [ops]
         if self.replicas is not None:
             record.update(self.replicas.record())

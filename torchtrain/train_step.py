@@ -14,7 +14,8 @@ holding different tokens (data-parallel ranks, each sequence split over context-
             (data-parallel gradient sync only on the last micro-batch; under PP the schedule runs
             the micro-batches)
     unscale (float16) -> clip to the global gradient norm -> the hooks' verdict (skip?) ->
-    optimizer step (or skip) -> LR step -> zero grads
+    optimizer step (or skip) -> float8 scales (float8 all-gather with precomputed scales) ->
+    LR step -> zero grads
     reported loss = sum over ranks and micro-batches of the scaled losses / R = the global token mean
 
 FSDP / DDP average gradients over those R ranks, so the gradient is exactly that of the global
@@ -24,6 +25,8 @@ the data's document positions.
 Under replica-group fault tolerance (distributed/replica_ft.py) R is the data-parallel ranks of the
 replica groups in the step's quorum: N and the loss are also summed across those groups, and a step
 whose cross-group collectives failed is not applied (verdict "replica_lost").
+With `training.z_loss`, each token's loss also holds the z-loss term (components/loss.py); the
+returned `loss` is the cross-entropy alone and `z_loss` that term, reduced the same way.
 A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
 (`components/moe_balance.py`).
@@ -44,6 +47,7 @@ from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.context_parallel import shard_batch
+from torchtrain.distributed.float8 import precompute_scales
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
@@ -72,16 +76,17 @@ class StepHooks:
 class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
-                 moe: MoEBalancer | None = None, replicas=None):
+                 moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
-        self.loss_fn = ScaledTokenLoss(ce)
+        self.loss_fn = ScaledTokenLoss(ce, z_loss)
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
         self.pipeline = PipelineRunner(layout, model_parts, device, self.loss_fn) if layout.pipeline else None
         accepted = inspect.signature(model_parts[0].forward).parameters
         self.model_inputs = [k for k in ("positions", "seq_index") if k in accepted]
+        self._pipeline_losses = 0  # micro-batch losses of the last pipeline step on this rank
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a batch: under context parallelism its chunks of every sequence (and
@@ -115,8 +120,14 @@ class TrainStep:
         accumulated = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
             merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+            self._pipeline_losses = 0
+
+            def value(loss: torch.Tensor) -> torch.Tensor:  # counts the micro-batch losses the schedule returns
+                self._pipeline_losses += 1
+                return local_value(loss)
+
             with self.context():
-                return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], local_value,
+                return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], value,
                                                         self.model_kwargs(merged))
         model = self.model_parts[0]
         for i, batch in enumerate(batches):
@@ -159,19 +170,27 @@ class TrainStep:
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh)
         lr = self.optimizers.lr
+        if self.loss_fn.z_weight:  # the z-loss is logged on its own: `loss` stays the cross-entropy
+            z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
+            accumulated = torch.stack([accumulated - z, z])
         global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         if self.replicas is not None:
             global_loss = self.replicas.sum_(global_loss)
+        z_loss = None
+        if self.loss_fn.z_weight:
+            global_loss, z_loss = global_loss[0], global_loss[1]
         if self.replicas is not None and not self.replicas.commit():  # a group was lost during the step
             verdict = "replica_lost"
         else:
             verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
+        if stepped and self.layout.float8 is not None and self.layout.float8.precompute_scale:
+            precompute_scales(self.model_parts)  # float8 all-gather: next forward's scales, one all-reduce
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         moe_stats = self.moe.end_step(stepped) if self.moe is not None else None
         hooks.phase(None)
         return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped, "guard": verdict, "moe": moe_stats}
+                "stepped": stepped, "guard": verdict, "moe": moe_stats, "z_loss": z_loss}

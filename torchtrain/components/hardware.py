@@ -1,6 +1,7 @@
-"""Facts about accelerators (peak FLOP/s, memory) and measuring a process's peak memory.
+"""Which accelerator this is (its peak FLOP/s for MFU) and measuring a process's peak memory.
 
-Peak figures are the vendors' dense (no sparsity) numbers. A device that is not in the table gets no
+The device table with its sources is `components/devices.py`; peak figures are the vendors' dense
+(no sparsity) numbers. A device that is not in the table gets no
 peak, and MFU is then reported as n/a rather than against a guessed figure; `metrics.peak_tflops`
 supplies one explicitly.
 """
@@ -10,46 +11,10 @@ from __future__ import annotations
 import re
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class GPUSpec:
-    key: str
-    name: str
-    memory_gib: float
-    bf16_tflops: float
-    """Dense bf16/fp16 tensor-core peak."""
-    fp32_tflops: float | None
-    """Dense fp32 (non-tensor-core) peak, when published."""
-    pattern: str
-    """Regex matched against torch.cuda.get_device_name() (lower-cased)."""
-    intra_node_gbps: float | None = None
-    """GPU-to-GPU bandwidth inside a node, GB/s per GPU per direction (NVLink / Infinity Fabric;
-    PCIe where there is none). Used by the planner's communication estimate."""
-    inter_node_gbps: float | None = None
-    """Network bandwidth per GPU between nodes, GB/s per direction (the usual one NIC per GPU of the
-    reference systems: 400 Gb/s InfiniBand NDR = 50 GB/s, 200 Gb/s HDR = 25 GB/s)."""
-    gpus_per_node: int = 8
-    """GPUs per node of the reference system (HGX / DGX / OAM platforms)."""
-
-
-KNOWN_GPUS: dict[str, GPUSpec] = {
-    g.key: g
-    for g in (
-        GPUSpec("h100", "NVIDIA H100 SXM 80GB", 80, 989.4, 66.9, r"h100(?!.*(pcie|nvl))", 450, 50),
-        GPUSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 51.2, r"h100.*pcie", 64, 50),
-        GPUSpec("h100_nvl", "NVIDIA H100 NVL 94GB", 94, 835.5, 60.0, r"h100.*nvl", 300, 50),
-        GPUSpec("h200", "NVIDIA H200 141GB", 141, 989.4, 66.9, r"h200", 450, 50),
-        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25),
-        GPUSpec("a100_40gb", "NVIDIA A100 40GB", 40, 312.0, 19.5, r"a100(?!.*80)", 300, 25),
-        GPUSpec("b200", "NVIDIA B200 180GB", 180, 2250.0, None, r"b200", 900, 50),
-        GPUSpec("l40s", "NVIDIA L40S 48GB", 48, 362.1, 91.6, r"l40s", 32, 25),
-        GPUSpec("mi300x", "AMD Instinct MI300X 192GB", 192, 1307.4, 163.4, r"mi300x", 448, 50),
-    )
-}
+from torchtrain.components.devices import KNOWN_GPUS, GPUSpec  # noqa: F401  (re-exported)
 
 
 def gpu_spec_for_name(device_name: str) -> GPUSpec | None:

@@ -101,10 +101,12 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(step, _scalars(record))
-        moe = ""  # mixture-of-experts models: auxiliary loss and expert load imbalance (docs/moe.md)
+        extra = ""  # mixture-of-experts models: auxiliary loss and expert load imbalance (docs/moe.md)
         if "moe_load_max_mean" in record:
-            moe = f" | moe aux {_fmt(record.get('moe_aux_loss'), '.4f')} load max/mean " \
+            extra = f" | moe aux {_fmt(record.get('moe_aux_loss'), '.4f')} load max/mean " \
                   f"{_fmt(record['moe_load_max_mean'], '.2f')}"
+        if "z_loss" in record:  # training.z_loss (docs/optimizers.md)
+            extra += f" | z-loss {_fmt(record['z_loss'], '.3e')}"
         logger.info(
             "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
             "mem %s GiB (%s) | data %s%%%s",
@@ -112,7 +114,7 @@ class MetricsLogger:
             _fmt(record.get("lr"), ".2e"), _fmt(record.get("tokens_per_s_per_device"), ",.0f"),
             _fmt(record.get("tflops_per_device"), ".3f"), _fmt(record.get("mfu_pct"), ".1f"),
             _fmt(record.get("memory_peak_gib"), ".2f"), record.get("memory_kind", "?"),
-            _fmt(record.get("data_loading_pct"), ".1f"), moe,
+            _fmt(record.get("data_loading_pct"), ".1f"), extra,
         )
 
     def close(self) -> None:

@@ -1,11 +1,14 @@
-"""Optimizers (one per model part, so pipeline stages each own theirs) behind one step()/zero_grad().
+"""Optimizers (one per model part, so pipeline stages each own theirs) behind one step()/zero_grad():
+AdamW, Adam, or Muon (`components/muon.py`: hidden weight matrices orthogonalised, the rest AdamW).
 
 The container is Stateful for checkpoints: its state dict is the flattened optimizer state of every
 part keyed by parameter name (`state.<param>.exp_avg`, `param_groups.<param>.lr`), so it reshards
 across layouts like the weights do.
 
 Weight decay is applied to matrices and embeddings (parameters with >= 2 dims) only; norms' gains are
-not decayed (the common practice of Megatron-LM, nanoGPT and OLMo).
+not decayed (the common practice of Megatron-LM, nanoGPT and OLMo). Muon takes the parameters with
+>= 2 dims except embeddings (`nn.Embedding` weights) and the output head (the model's top-level
+`output` or `lm_head` module), as in Moonshot AI's and K. Jordan's recipes.
 
 ZeRO-1 (the layout's `zero1`): parameters and gradients stay replicated, but each of the dp ranks
 keeps Adam state for, and updates, only its 1/dp share of the parameters, then broadcasts the
@@ -23,31 +26,54 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from torchtrain.components.muon import Muon
 from torchtrain.config.training import Optimizer as OptimizerConfig
 
 if TYPE_CHECKING:
     from torchtrain.distributed.layout import Layout
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+_OUTPUT_HEADS = ("output", "lm_head")
+
+
+def muon_params(model: nn.Module) -> set[int]:
+    """ids of the parameters Muon orthogonalises: >= 2 dims, not an embedding nor the output head."""
+    adamw = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    for name in _OUTPUT_HEADS:
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            adamw.update(id(p) for p in head.parameters())
+    return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) not in adamw}
+
+
+def _param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
     """Decay / no-decay groups, further split by tensor kind (plain, or DTensor per device mesh):
-    the foreach / fused kernels cannot mix plain tensors and DTensors, nor DTensor meshes."""
+    the foreach / fused kernels cannot mix plain tensors and DTensors, nor DTensor meshes. With
+    `muon`, the Muon matrices form groups of their own (`use_muon`)."""
+    orthogonal = muon_params(model) if muon else set()
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
             kind = p.device_mesh if isinstance(p, DTensor) else None
-            groups.setdefault((p.dim() < 2, kind), []).append(p)
-    return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
-            for (no_decay, _), params in sorted(groups.items(), key=lambda kv: kv[0][0])]  # decay first
+            groups.setdefault((p.dim() < 2, id(p) in orthogonal, kind), []).append(p)
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1]))  # decay first, Muon first
+    return [{"params": params, "weight_decay": 0.0 if no_decay else weight_decay, **({"use_muon": m} if muon else {})}
+            for (no_decay, m, _), params in ordered]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, impl: str,
                     zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
-    """`impl`: the resolved kernel ("fused", "foreach" or "for-loop"; see `layout.resolve_optimizer_impl`)."""
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                  foreach=impl == "foreach", fused=impl == "fused")
-    cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    groups = _param_groups(model, cfg.weight_decay)
+    """`impl`: the resolved kernel ("fused", "foreach" or "for-loop"; see `layout.resolve_optimizer_impl`),
+    for AdamW and Adam (Muon has one implementation)."""
+    groups = _param_groups(model, cfg.weight_decay, muon=cfg.name == "Muon")
+    if cfg.name == "Muon":
+        cls = Muon
+        kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.muon_momentum,
+                      nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps)
+    else:
+        cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                      foreach=impl == "foreach", fused=impl == "fused")
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-PHASES = ("data", "forward_backward", "optimizer", "validation", "checkpoint", "profiler")
+PHASES = ("data", "forward_backward", "optimizer", "validation", "eval", "checkpoint", "profiler")
 
 
 class PhaseTimer:

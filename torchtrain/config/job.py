@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from torchtrain.config.fields import Ge, Gt
+from torchtrain.config.quantize import check_converters
 
 
 @dataclass
@@ -43,12 +44,24 @@ class Model:
     """Hugging Face tokenizer: a `tokenizer.json` file or a folder holding one. Unset: the built-in
     byte-level tokenizer (256 byte tokens + BOS + EOS), which needs no download."""
 
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied after the model is built and before parallelism: `float8` (also
+    written `quantize.linear.float8`) trains its nn.Linear layers in float8 through torchao, as
+    `[quantize.linear.float8]` configures (needs `pip install "torchtrain[float8]"` and a GPU of
+    compute capability 8.9+, or quantize.linear.float8.emulate; docs/float8.md)."""
+
+    print_after_conversion: bool = False
+    """Log the model (rank 0) after the converters have been applied."""
+
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
     """Model arguments set in this section that override the flavor preset (filled by the parser with
     the raw values; the model registry checks and converts them with the model's argument types)."""
 
     override_sources: dict[str, str] = field(default_factory=dict, compare=False, metadata={"internal": True})
     """Where each override came from ("in FILE" / "on the command line"), for error messages."""
+
+    def validate(self) -> None:
+        check_converters(self.converters)
 
 
 @dataclass

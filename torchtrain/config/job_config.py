@@ -12,9 +12,11 @@ from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
+from torchtrain.config.evaluation import Eval
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism
+from torchtrain.config.quantize import Quantize
 from torchtrain.config.training import LRScheduler, Optimizer, Training
 
 
@@ -30,9 +32,11 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     guard: Guard = field(default_factory=Guard)
     fault: Fault = field(default_factory=Fault)

@@ -38,6 +38,49 @@ def _public_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)}
 
 
+def _is_table(tp: Any) -> bool:
+    """A field typed as a dataclass is a nested table: `[section.field]` in TOML (e.g. [quantize.linear.float8])."""
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
+def tables(name: str, cls: type) -> list[tuple[str, type]]:
+    """(dotted name, dataclass) of a section and of its nested tables, depth first; a section whose
+    fields are all tables (e.g. [quantize]) lists only the tables."""
+    types_ = field_types(cls)
+    own = [f for f in _public_fields(cls) if not _is_table(types_[f])]
+    out = [(name, cls)] if own or not any(_is_table(t) for t in types_.values()) else []
+    for f in _public_fields(cls):
+        if _is_table(types_[f]):
+            out += tables(f"{name}.{f}", types_[f])
+    return out
+
+
+def _leaf_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The public fields of a table that are values, not nested tables."""
+    types_ = field_types(cls)
+    return {k: f for k, f in _public_fields(cls).items() if not _is_table(types_[k])}
+
+
+def _field_type(cls: type | None, dotted: str) -> Any:
+    """The type of `a.b.c` inside section `cls` (following nested tables), or None when unknown."""
+    for part in dotted.split("."):
+        types_ = field_types(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
+        if part not in types_:
+            return None
+        cls = types_[part]
+    return cls
+
+
+def _deep_update(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Merge `new` into `into`; nested tables merge key by key (a command-line key overrides one key of
+    a TOML table, not the whole table)."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value
+
+
 def _split_key(flag: str) -> tuple[str, str]:
     section, dot, key = flag.partition(".")
     if not dot or not section or not key:
@@ -45,8 +88,9 @@ def _split_key(flag: str) -> tuple[str, str]:
     return section, key
 
 
-def parse_cli(argv: list[str]) -> dict[str, dict[str, str]]:
-    """Parse `--section.key value`, `--section.key=value` and bare boolean flags into a nested dict."""
+def parse_cli(argv: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.key value`, `--section.key=value` and bare boolean flags into a nested dict
+    (`--quantize.linear.float8.emulate` sets the key of a nested table)."""
     out: dict[str, dict[str, str]] = {}
     sections = _sections()
     i = 0
@@ -58,15 +102,21 @@ def parse_cli(argv: list[str]) -> dict[str, dict[str, str]]:
         section, key = _split_key(flag)
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            cls = sections.get(section)
-            bool_flag = cls is not None and key in field_types(cls) and is_bool(field_types(cls)[key])
+            tp = _field_type(sections.get(section), key)
+            bool_flag = tp is not None and is_bool(tp)
             if nxt is None or (nxt.startswith("--") and bool_flag):
                 if not bool_flag:
                     raise ConfigError(f"--{flag} needs a value (--{flag} VALUE or --{flag}=VALUE)")
                 value = "true"
             else:
                 value, i = nxt, i + 1
-        out.setdefault(section, {})[key] = value
+        *path, leaf = key.split(".")
+        table = out.setdefault(section, {})
+        for part in path:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--{flag}: {section}.{part} is given a value and a nested key")
+        table[leaf] = value
         i += 1
     return out
 
@@ -145,7 +195,7 @@ def _merge_sources(argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str
                     f"unknown config section [{section}] ({source}){did_you_mean(section, list(sections))}"
                     f" Sections: {', '.join(sections)}"
                 )
-            merged.setdefault(section, {}).update(table)
+            _deep_update(merged.setdefault(section, {}), table)
             origin.setdefault(section, {}).update({k: source for k in table})
     _import_custom_modules(merged.get("job", {}).get("custom_imports"))
     return merged, origin
@@ -180,21 +230,25 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if dataclasses.is_dataclass(value):  # an inline table
+    if dataclasses.is_dataclass(value):  # an inline table; unset (None) keys are left out, as TOML has no null
         return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}"
-                               for f in dataclasses.fields(value)) + "}"
+                               for f in dataclasses.fields(value) if getattr(value, f.name) is not None) + "}"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
-    """The resolved config as {section: {key: value}} (unset keys are None): what `to_toml` writes."""
+    """The resolved config as {section: {key: value}} (unset keys are None): what `to_toml` writes.
+    Nested tables are entries of their own, keyed by their dotted name ("quantize.linear.float8")."""
     out: dict[str, dict[str, Any]] = {}
-    for name in _sections():
-        section = getattr(config, name)
-        items = [(f.name, getattr(section, f.name)) for f in _public_fields(type(section)).values()]
-        if name == "model":
-            items += sorted(section.overrides.items())
-        out[name] = {key: value for key, value in items if not (name == "job" and key == "config_file")}
+    for name, cls in _sections().items():
+        for dotted, _ in tables(name, cls):
+            table = config
+            for part in dotted.split("."):
+                table = getattr(table, part)
+            items = [(key, getattr(table, key)) for key in _leaf_fields(type(table))]
+            if dotted == "model":
+                items += sorted(table.overrides.items())
+            out[dotted] = {key: value for key, value in items if not (dotted == "job" and key == "config_file")}
     return out
 
 
@@ -232,10 +286,10 @@ def format_help(argv: list[str] | None = None,
         "true); lists are comma-separated; `none` unsets an optional key.",
         "",
     ]
-    for name, cls in _sections().items():
+    for name, cls in ((t, c) for section, klass in _sections().items() for t, c in tables(section, klass)):
         lines.append(f"[{name}]")
         docs, types_ = field_docs(cls), field_types(cls)
-        for fname, f in _public_fields(cls).items():
+        for fname, f in _leaf_fields(cls).items():
             lines += _help_entry(name, fname, types_[fname], default_of(f), docs.get(fname, ""))
         if name == "model" and model_arguments is not None:
             lines.append(f"  model arguments of {model_name!r} (override the flavor's preset value):")

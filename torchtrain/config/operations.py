@@ -6,15 +6,16 @@ docs/profiling.md, docs/validation.md, docs/guard.md):
 * [profiling]: torch.profiler traces of the last `profiler_active` steps of every `profile_freq`
   steps, per rank; CUDA allocator snapshots; an opt-in per-step phase breakdown.
 * [validation]: the loss on held-out data every `freq` steps, a global token mean over `steps`
-  batches, and its perplexity.
+  batches, and its perplexity; several named held-out sets with `[[validation.sets]]`.
 * [guard]: non-finite loss / gradient norm and loss spikes, agreed on by every rank before the
   optimizer step, answered by skipping the step, rolling back to the last checkpoint, or aborting.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Literal
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 from torchtrain.config.fields import ConfigError, Ge, Gt
 
@@ -67,6 +68,43 @@ class Profiling:
             )
 
 
+_SET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass
+class ValidationSet:
+    """One named held-out set of `[[validation.sets]]`. Unset keys take the `[validation]` value."""
+
+    name: str
+    """Name of the set in the metrics: validation/<name>/loss and validation/<name>/perplexity
+    (letters, digits, `_`, `-`, `.`)."""
+
+    dataset: str | None = None
+    """Dataset of this set (its `validation` split is read); unset: validation.dataset."""
+
+    dataset_path: str | None = None
+    """For `files` / `tokens`: the held-out data of this set; unset: validation.dataset_path."""
+
+    local_batch_size: int | None = None
+    """Sequences per batch on each data-parallel rank; unset: validation.local_batch_size."""
+
+    seq_len: int | None = None
+    """Tokens per sequence; unset: validation.seq_len."""
+
+    steps: int | None = None
+    """Batches per evaluation (-1: the whole split); unset: validation.steps."""
+
+    @classmethod
+    def parse(cls, text: str, key: str) -> dict[str, Any]:
+        """The command-line form `NAME=DATASET` or `NAME=DATASET:PATH`."""
+        name, eq, rest = text.strip().partition("=")
+        if not eq or not name.strip() or not rest.strip():
+            raise ConfigError(f"[{key}] expects NAME=DATASET or NAME=DATASET:PATH (e.g. code=files:/data/val.jsonl), "
+                              f"got {text!r}")
+        dataset, colon, path = rest.strip().partition(":")
+        return {"name": name.strip(), "dataset": dataset, **({"dataset_path": path} if colon else {})}
+
+
 @dataclass
 class Validation:
     enable: bool = False
@@ -96,11 +134,33 @@ class Validation:
     rank); -1: the whole validation split once. Every evaluation reads the same batches, from the
     start of the split, so successive values are comparable."""
 
+    sets: list[ValidationSet] = field(default_factory=list)
+    """Several named held-out sets, each evaluated every `freq` steps and logged as
+    validation/<name>/loss and validation/<name>/perplexity: TOML tables `[[validation.sets]]` with
+    `name` and any of `dataset`, `dataset_path`, `local_batch_size`, `seq_len`, `steps` (unset keys
+    take the values above), or on the command line `--validation.sets a=python_stdlib,b=files:/val.jsonl`.
+    Empty: one set from the keys above, logged as validation_loss and validation_perplexity."""
+
     def validate(self) -> None:
         for key in ("local_batch_size", "seq_len", "steps"):
             value = getattr(self, key)
             if value == 0 or value < -1:
                 raise ConfigError(f"[validation.{key}] must be -1 (see its doc) or >= 1, got {value}")
+        seen: set[str] = set()
+        for i, s in enumerate(self.sets):
+            if not _SET_NAME.match(s.name):
+                raise ConfigError(f"[validation.sets] set {i} has the name {s.name!r}: use letters, digits, '_', '-' "
+                                  f"and '.' (it becomes part of the metric name validation/<name>/loss)")
+            if s.name in seen:
+                raise ConfigError(f"[validation.sets] the name {s.name!r} is used twice: give every set its own name")
+            seen.add(s.name)
+            for key in ("local_batch_size", "seq_len", "steps"):
+                value = getattr(s, key)
+                if value is not None and (value == 0 or value < -1):
+                    raise ConfigError(f"[validation.sets] {s.name}.{key} must be -1 or >= 1, got {value}")
+        if self.sets and not self.enable:
+            raise ConfigError("[validation.sets] lists held-out sets but validation.enable is false: set "
+                              "validation.enable = true to evaluate them (or remove the sets)")
 
 
 @dataclass

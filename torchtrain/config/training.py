@@ -114,6 +114,12 @@ class Training:
     optimizer step runs on the CPU (FSDP2 CPUOffloadPolicy). Needs a CUDA device and an FSDP
     strategy (zero2/zero3)."""
 
+    z_loss: Annotated[float, Ge(0)] = 0.0
+    """Weight of the z-loss (PaLM): every target token adds z_loss x logsumexp(logits)^2 to its
+    cross-entropy, pulling the softmax normaliser towards 1 for logit stability (1e-4 is the usual
+    value). Logged separately as `z_loss` (its token mean, weighted); `loss` stays the cross-entropy.
+    0 disables it."""
+
     gc_freq: Annotated[int, Ge(0)] = 50
     """Python garbage collection at step boundaries only: automatic collection is turned off and a
     generation-1 collection runs every gc_freq steps (so the collector never pauses a step midway,
@@ -144,8 +150,12 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer. AdamW applies decoupled weight decay to matrices and embeddings only (not norms)."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """Optimizer. AdamW applies decoupled weight decay to matrices and embeddings only (not norms).
+    Muon orthogonalises the momentum of every hidden weight matrix by Newton-Schulz iterations and
+    scales it to AdamW's update RMS (Moonshot AI's 0.2 x sqrt(max(rows, cols))), so `lr` and
+    `weight_decay` carry over; embeddings, the output head, norms and biases use AdamW with the
+    settings below (docs/optimizers.md)."""
 
     lr: Annotated[float, Gt(0)] = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
@@ -163,7 +173,17 @@ class Optimizer:
     """Decoupled weight decay coefficient."""
 
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
-    """Kernel implementation: `auto` = fused on CUDA, foreach on CPU."""
+    """Kernel implementation: `auto` = fused on CUDA, foreach on CPU (AdamW/Adam; Muon has one)."""
+
+    muon_momentum: Annotated[float, Ge(0), Le(1)] = 0.95
+    """Muon: momentum of the matrices' gradient buffer."""
+
+    muon_nesterov: bool = True
+    """Muon: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the
+    buffer itself."""
+
+    muon_ns_steps: Annotated[int, Ge(1)] = 5
+    """Muon: Newton-Schulz iterations per matrix and step (quintic, float32)."""
 
 
 @dataclass

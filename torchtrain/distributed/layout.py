@@ -12,6 +12,7 @@ for one world size and device type, into the decisions everything else reads:
 * dtypes (`auto` resolved for the device), autocast (replicated strategies) vs FSDP's cast, loss
   scaling (float16), the optimizer kernel, where optimizer state lives (CPU offload);
 * activation checkpointing and compile choices, async TP, loss parallel;
+* float8 training (`distributed/float8.py::resolve_float8`): whether it runs here and how;
 * the batch plan (global = local x dp x accumulation) and the pipeline plan (stages, placement,
   schedule, micro-batches);
 * replica-group fault tolerance (fault.replica_ft): the data_parallel_replicate_degree replica groups
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.float8 import Float8Plan, resolve_float8
 from torchtrain.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -173,6 +175,8 @@ class Layout:
     """Replica groups run as separate jobs under fault.replica_ft (1 otherwise; distributed/replica_ft.py)."""
     replica_id: int = 0
     """This job's replica group under fault.replica_ft."""
+    float8: Float8Plan | None = None
+    """Float8 training of the Linear layers (`resolve_float8`); None: off."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -281,6 +285,10 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         if not strategy.sharded:
             raise ConfigError(f"[training.enable_cpu_offload] needs an FSDP strategy (zero2/zero3), not "
                               f"{strategy.value!r}")
+        if cfg.optimizer.name == "Muon":
+            raise ConfigError("[optimizer.name] Muon is not combined with training.enable_cpu_offload: its step gathers "
+                              "each sharded matrix across ranks, which the host-side optimizer step of CPU offload would "
+                              "run over host memory; use AdamW with CPU offload, or turn offload off")
     compile_model = cfg.compile.enable and "model" in cfg.compile.components
     if par.enable_async_tensor_parallel:
         if not dims.tp_enabled:
@@ -359,6 +367,13 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         async_tp=par.enable_async_tensor_parallel, batch=batch,
         replica_groups=replicas, replica_id=cfg.fault.replica_id or 0,
     )
+    float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
+                            fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,
+                            print_after_conversion=cfg.model.print_after_conversion)
+    if float8 is not None:
+        from dataclasses import replace
+
+        layout = replace(layout, float8=float8)
     if spec is None:
         return layout
     if dims.cp_enabled and not spec.context_parallel:

@@ -230,6 +230,12 @@ class ParallelDims:
             return self.world_mesh["dp_replicate", "dp_shard_mod_ep"]
         return self.world_mesh["dp_shard_mod_ep"]
 
+    def named_meshes(self) -> dict[str, DeviceMesh]:
+        """Every 1-D mesh the job uses, by name: each dimension of the world mesh and each flattened one
+        (dp, dp_shard_cp, ep, ...). For naming the process group a collective runs on."""
+        mesh = self.world_mesh
+        return {**{name: mesh[name] for name in mesh.mesh_dim_names}, **self._flat}
+
     @property
     def world_mesh(self) -> DeviceMesh:
         if self._mesh is None:

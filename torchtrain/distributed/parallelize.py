@@ -3,6 +3,8 @@
 `apply_parallelism(model, spec, layout)` is the one place that turns a Layout into wrappers, for any
 model. It applies, in this fixed order:
 
+0. **model converters**: float8 training swaps nn.Linear for torchao's Float8Linear
+   (`float8.py`, when `layout.float8` says so), so that every wrapper below sees the float8 layers;
 1. **tensor parallelism**: the model's own plan (`spec.tp_plan`) over the "tp" mesh dimension, plus
    async TP when the layout asks for it;
 2. **context parallelism**: the model's attention modules become their sequence-sharded version over
@@ -17,7 +19,8 @@ model. It applies, in this fixed order:
    under EP each experts module first becomes its own unit over the expert-FSDP mesh; or DDP
    (`replicate`) for replicated strategies; or nothing (one rank in float32).
 
-The order matters: TP must see plain `nn.Linear`s; CP swaps modules inside the blocks before they
+The order matters: float8 conversion comes first so that every wrapper sees the float8 layers (a
+`Float8Linear` is an `nn.Linear`); TP must see the `nn.Linear` modules unwrapped; CP swaps modules inside the blocks before they
 are wrapped; checkpoint wrappers must sit inside the compiled region so the recomputation is compiled
 too; FSDP must wrap last so that it shards the DTensors TP made (2-D FSDP x TP) and its hooks see the
 checkpointed, compiled blocks. A model therefore supplies
@@ -40,6 +43,7 @@ from torchtrain.distributed.compile import compile_blocks, compile_modules
 from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
 from torchtrain.distributed.expert_parallel import apply_expert_parallel
+from torchtrain.distributed.float8 import convert_linears
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.param_init import init_model_weights
@@ -60,8 +64,11 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
+    """Apply converters -> TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout`
+    decides."""
     dims = layout.dims
+    if layout.float8 is not None:
+        convert_linears(model, layout.float8)
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
         tp_mesh = dims.world_mesh["tp"]

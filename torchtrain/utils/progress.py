@@ -41,12 +41,14 @@ class Progress:
     """A progress bar with rate and ETA (see the module docstring). `total` may be None (unknown)."""
 
     def __init__(self, description: str, total: float | None = None, unit: str = "items",
-                 stream: TextIO | None = None, interval: float = 10.0, enabled: bool = True):
+                 stream: TextIO | None = None, interval: float = 10.0, enabled: bool = True, delay: float = 0.0):
         self.description, self.total, self.unit = description, total, unit
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = 0.1 if self.tty else interval
         self.enabled = enabled
+        self.delay = delay
+        """Work finished within `delay` seconds shows nothing at all (no bar, no final line)."""
         self.postfix = ""
         """Extra text shown after the numbers (e.g. a second rate); the caller updates it."""
         self.done = 0.0
@@ -87,7 +89,7 @@ class Progress:
     def update(self, n: float = 1, force: bool = False) -> None:
         self.done += n
         now = time.monotonic()
-        if self.enabled and (force or now - self._last_draw >= self.interval):
+        if self.enabled and (force or now - self._last_draw >= self.interval) and now - self.start >= self.delay:
             self._last_draw = now
             self._draw()
 
@@ -104,7 +106,8 @@ class Progress:
 
     def close(self, summary: str | None = None) -> None:
         """Final state (always printed), then `summary` if given."""
-        if not self.enabled:
+        if not self.enabled or (self.delay and self._drawn is None):
+            self.enabled = False
             return
         if self._drawn != self.done or self.tty:
             self._draw()

@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 
+from torchtrain.distributed.float8 import high_precision
+
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
@@ -48,6 +50,7 @@ class ModelState:
             if clash:
                 raise RuntimeError(f"model parts share parameter names: {sorted(clash)[:3]}")
             merged.update(sd)
+        merged = {k: high_precision(v) for k, v in merged.items()}  # float8 all-gather wraps the weights
         if dtype is not None:
             merged = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
                       for k, v in merged.items()}

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
+from torchtrain.tools.planner.shapes import ffn_dim, numel, unit_shapes
 
 GIB = 2**30
 
@@ -105,60 +106,6 @@ class MemoryEstimate:
     params_on_rank: int = 0
     in_flight: int = 1
     notes: list[str] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------------------ parameter shapes
-def ffn_dim(a) -> int:
-    """The dense SwiGLU hidden size (Llama 3: ffn_hidden_dim; Qwen3: hidden_dim)."""
-    return getattr(a, "ffn_hidden_dim", None) or a.hidden_dim
-
-
-def ffn_matmul_params(a, active: bool = True) -> int:
-    """Matmul parameters of one block's feed-forward: dense 3 h F; MoE: router, shared and the routed
-    experts one token uses (active) or all of them."""
-    if getattr(a, "num_experts", 0):
-        total, used = a.moe_params(a.dim)
-        return used if active else total
-    return 3 * a.dim * ffn_dim(a)
-
-
-def _block_shapes(a, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(TP-local shapes of a block's FSDP unit, shapes of its experts unit on one EP rank)."""
-    hd, kv = a.head_dim, a.kv_heads
-    attn = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
-            (a.dim, a.n_heads * hd // tp), (a.dim, 1), (a.dim, 1)]
-    experts = getattr(a, "num_experts", 0)
-    if not experts:
-        F = ffn_dim(a)
-        return attn + [(F // tp, a.dim), (a.dim, F // tp), (F // tp, a.dim)], []
-    H, local, shared = a.moe_intermediate_size, experts // ep, a.moe_intermediate_size * a.num_shared_experts
-    dense = attn + [(experts, a.dim)] + ([(shared, a.dim), (a.dim, shared), (shared, a.dim)] if shared else [])
-    return dense, [(local * H, a.dim), (local * a.dim, H), (local * H, a.dim)]
-
-
-def _unit_shapes(a, stages: list[Stage], tp: int, ep: int = 1) -> list[tuple[str, list[tuple[int, int]]]]:
-    """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor (an MoE
-    block's experts are a unit of their own, "experts i", before their block)."""
-    block, experts = _block_shapes(a, tp, ep)
-    table = (math.ceil(a.vocab_size / tp), a.dim)
-    units: list[tuple[str, list[tuple[int, int]]]] = []
-    tied = getattr(a, "tie_word_embeddings", False)
-    for s in stages:
-        if s.first and not tied:
-            units.append(("embedding", [table]))
-        for i in s.layers:
-            if experts:
-                units.append((f"experts {i}", list(experts)))
-            units.append((f"block {i}", list(block)))
-        if s.last:
-            units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
-    if tied:
-        units.append(("root (tied embedding)", [table]))
-    return units
-
-
-def _numel(shapes, n: int = 1) -> int:
-    return sum(math.ceil(r / n) * c for r, c in shapes)
 
 
 def _moe_act(a, d: int, ep: int = 1) -> float:
@@ -236,15 +183,15 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     a, d, r, t = p.args, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
     prof = pipeline_of(p)
     stages = list(prof.stages[pp_rank])
-    units = _unit_shapes(a, stages, p.tp, p.ep)
+    units = unit_shapes(a, stages, p.tp, p.ep)
     all_shapes = [s for _, shapes in units for s in shapes]
     expert_shapes = [s for name, shapes in units if name.startswith("experts") for s in shapes]
-    full_numel = _numel(all_shapes)
+    full_numel = numel(all_shapes)
     fsdp = p.sharded
     n_shard = p.fsdp_degree if fsdp else p.dp
     # experts: E / ep per rank (in their shapes), FSDP-sharded over the expert-FSDP ranks only
-    sharded = _numel(all_shapes, n_shard) - _numel(expert_shapes, n_shard) + \
-        _numel(expert_shapes, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
+    sharded = numel(all_shapes, n_shard) - numel(expert_shapes, n_shard) + \
+        numel(expert_shapes, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
     n_tensors = len(all_shapes)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
     wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
@@ -262,11 +209,16 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
 
     params = 4 * (sharded if fsdp else full_numel)
     grads = 4 * (sharded if fsdp else full_numel + emb_extra)
-    opt = 8 * (sharded if opt_sharded else full_numel) + 4 * n_tensors
+    state_bytes, state_name = 8.0, "Adam m, v"
+    if p.optimizer == "Muon":  # one momentum buffer (4 B) per hidden matrix; Adam's m, v for the rest
+        matrices = _numel([s for name, shapes in units if name.startswith(("block", "experts")) for s in shapes
+                           if s[1] > 1])
+        state_bytes, state_name = 8.0 - 4.0 * matrices / max(full_numel, 1), "Muon momentum; Adam m, v"
+    opt = state_bytes * (sharded if opt_sharded else full_numel) + 4 * n_tensors
     per = "params / N" + (f" (experts: E/{p.ep} per rank / {p.expert_fsdp})" if p.ep > 1 else "")
     rows_state = [
         Row("parameters (fp32 master)", params, f"4 B x {per if fsdp else 'params'}"),
-        Row("optimizer state (Adam m, v)", opt, f"8 B x {per if opt_sharded else 'params'}"
+        Row(f"optimizer state ({state_name})", opt, f"{state_bytes:.3g} B x {per if opt_sharded else 'params'}"
             " + 4 B step per tensor"),
     ]
     host = 0.0
@@ -287,9 +239,9 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     loss_extra = 8 * a.vocab_size * t / p.tp if has_last else 0.0
 
     # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
-    sizes = [_numel(shapes) for _, shapes in units]
-    block_size = max((_numel(sh) for name, sh in units if name.startswith("block")), default=0) + \
-        max((_numel(sh) for name, sh in units if name.startswith("experts")), default=0)
+    sizes = [numel(shapes) for _, shapes in units]
+    block_size = max((numel(sh) for name, sh in units if name.startswith("block")), default=0) + \
+        max((numel(sh) for name, sh in units if name.startswith("experts")), default=0)
     if not wrapped:
         gathered, how = 0.0, "none (no FSDP units)"
         if not fsdp and d != 4:

@@ -28,12 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
                                              "memory (analytic and traced), pipeline bubble, throughput and cost.")
     ap.add_argument("--config", help="job TOML file (as --job.config_file for the trainer)")
     ap.add_argument("--world-size", type=int, help="number of GPUs (default: the product of the job's degrees)")
-    ap.add_argument("--gpu", default="h100", help="device type: a key of components/hardware.py KNOWN_GPUS "
+    ap.add_argument("--gpu", default="h100", help="device type: a key of components/devices.py KNOWN_GPUS "
                                                   "(h100, h200, a100, b200, ...) or cpu (default h100)")
     ap.add_argument("--memory-gib", type=float, help="device memory in GiB (default: the GPU's)")
     ap.add_argument("--headroom", type=float, help="share of device memory kept free (default 0.1)")
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: the GPU's, by dtype)")
-    ap.add_argument("--mfu", type=float, help="kernel MFU assumed for throughput (default 0.4)")
+    ap.add_argument("--device", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override one figure of the device table (components/devices.py), e.g. "
+                         "--device inter_node_gbps=25 for 200 Gb/s NICs; repeatable. With --gpu cpu: the CPU's "
+                         "measured rates, e.g. --device fp32_tflops=0.3 --device hbm_tbps=0.02")
+    ap.add_argument("--document-tokens", type=float,
+                    help="mean document length, for block-causal attention's FLOPs (default: counted as causal)")
     ap.add_argument("--price", type=float, help="$ per GPU-hour (default 2.5)")
     ap.add_argument("--tokens", type=float, help="token budget to train (default 20 x parameters)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -73,7 +78,7 @@ def _flags(ns: argparse.Namespace) -> dict:
              "strategy": ns.strategy, "reshard_after_forward": ns.reshard, "ac_mode": ns.ac, "ac_option": ns.ac_option,
              "pp_schedule": ns.schedule, "pp_microbatch_size": ns.microbatch_size,
              "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload, "memory_gib": ns.memory_gib,
-             "headroom": ns.headroom, "mfu": ns.mfu, "price": ns.price, "tokens": ns.tokens}
+             "headroom": ns.headroom, "price": ns.price, "tokens": ns.tokens, "document_tokens": ns.document_tokens}
     if ns.microbatches is not None:
         flags["local_batch_size"] = ns.microbatches * (ns.microbatch_size or 1)
     return flags
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ns, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         bad = [a for a in rest if a.startswith("--") and "." not in a.split("=", 1)[0]]
+        if bad and bad[0].split("=", 1)[0] == "--mfu":
+            raise ConfigError("--mfu is gone: the step time comes from the device's measured kernel and link rates "
+                              "(docs/planner.md, 'Time model'); to describe your own system, override its figures "
+                              "with --device FIELD=VALUE")
         if bad:
             raise ConfigError(f"unknown planner flag {bad[0]} (see --help); job overrides look like "
                               f"--section.key value")
@@ -114,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if ns.search:
-                device_type, gpu = resolve_gpu(ns.gpu)
+                device_type, gpu = resolve_gpu(ns.gpu, ns.device)
                 base = inputs_from_config(job.cfg, job.args, world, device_type, gpu,
-                                          {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "mfu",
-                                                                                   "price", "tokens")})
+                                          {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "price",
+                                                                                   "tokens", "document_tokens")})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
                                 ns.runnable_only, show_progress=True, cp=ns.cp)
                 annotate_runnable(job, result, ns.top)
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
                                                                                               ns.show_rejected)
             else:
-                plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops)
+                plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops,
+                                       device=ns.device)
                 out = strict_json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
     except ConfigError as e:
         print(f"torchtrain.plan: error: {e}", file=sys.stderr)

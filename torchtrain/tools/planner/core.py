@@ -12,12 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtrain.components.hardware import KNOWN_GPUS, GPUSpec
+from torchtrain.components.devices import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.inputs import PlanInputs, config_variant, display_overrides, inputs_from_config
 from torchtrain.tools.planner.pipeline import pipeline_of, structure
-from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
+from torchtrain.tools.planner.step_time import StepTime, estimate_step
 from torchtrain.tools.planner.trace import TraceResult, trace_rank
 from torchtrain.tools.planner.validate import layout_problems, runnable_problems
 
@@ -42,7 +42,7 @@ class RankPlan:
 class Plan:
     inputs: PlanInputs
     ranks: list[RankPlan]
-    throughput: Throughput
+    throughput: StepTime
     problems: list[str]
     blockers: list[str]
     """Why this torchtrain build would not start the job ([] = it would)."""
@@ -98,14 +98,23 @@ def load_job(argv: list[str]) -> Job:
     return Job(argv, cfg, args, tokenizer, notes)
 
 
-def resolve_gpu(name: str) -> tuple[str, GPUSpec | None]:
-    """(device type, spec) for --gpu: a key of KNOWN_GPUS, or "cpu"."""
+def resolve_gpu(name: str, overrides: list[str] | None = None) -> tuple[str, GPUSpec | None]:
+    """(device type, spec) for --gpu: a key of KNOWN_GPUS, or "cpu" (no spec unless `overrides`, the
+    `--device key=value` flags, give its measured rates), with the overrides applied."""
     key = name.lower().replace("-", "_")
     if key == "cpu":
-        return "cpu", None
+        return "cpu", with_overrides(CPU, overrides) if overrides else None
     if key not in KNOWN_GPUS:
         raise ConfigError(f"unknown --gpu {name!r}; known: cpu, {', '.join(KNOWN_GPUS)}")
-    return "cuda", KNOWN_GPUS[key]
+    return "cuda", with_overrides(KNOWN_GPUS[key], overrides or [])
+
+
+def with_peak(p: PlanInputs, peak_tflops: float | None) -> PlanInputs:
+    """`--peak-tflops` (or the job's metrics.peak_tflops): the device's peak for the compute dtype."""
+    if peak_tflops is None:
+        return p
+    field_name = "fp32_tflops" if p.param_dtype == "float32" else "bf16_tflops"
+    return p.replace(gpu=dataclasses.replace(p.gpu or CPU, **{field_name: peak_tflops}))
 
 
 def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: float | None = None) -> Plan:
@@ -119,7 +128,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
         if str(e) not in problems:
             problems.append(str(e))
     if problems:  # no per-rank memory for a layout that cannot exist
-        return Plan(p, [], estimate_throughput(p.replace(pp=1), peak_tflops), problems, ["invalid layout"],
+        return Plan(p, [], estimate_step(with_peak(p.replace(pp=1), peak_tflops)), problems, ["invalid layout"],
                     overrides, list(job.notes) + p.notes)
     ranks = [RankPlan(r, estimate_memory(p, r)) for r in range(p.pp)]
     if trace and not blockers:  # a job the trainer refuses has no real step to trace
@@ -138,7 +147,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
         p.notes.append("traced in eager mode (the job compiles its blocks; compiled kernels may keep fewer "
                        "intermediates, so the traced peak is an upper bound)")
     peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
-    return Plan(p, ranks, estimate_throughput(p, peak), problems, blockers, overrides, list(job.notes) + p.notes)
+    return Plan(p, ranks, estimate_step(with_peak(p, peak)), problems, blockers, overrides, list(job.notes) + p.notes)
 
 
 def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
@@ -150,7 +159,7 @@ def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
 
 
 def plan_from_flags(job: Job, world_size: int, gpu: str, flags: dict[str, Any], trace: bool = True,
-                    peak_tflops: float | None = None) -> Plan:
-    device_type, spec = resolve_gpu(gpu)
+                    peak_tflops: float | None = None, device: list[str] | None = None) -> Plan:
+    device_type, spec = resolve_gpu(gpu, device)
     inputs = inputs_from_config(job.cfg, job.args, world_size, device_type, spec, flags)
     return make_plan(job, inputs, trace, peak_tflops)

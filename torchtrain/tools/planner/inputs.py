@@ -55,6 +55,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "reduce_dtype": ("training", "mixed_precision_reduce"),
     "optimizer": ("optimizer", "name"),
     "optimizer_impl": ("optimizer", "implementation"),
+    "compile": ("compile", "enable"),
+    "async_tp": ("parallelism", "enable_async_tensor_parallel"),
 }
 
 
@@ -105,7 +107,21 @@ class PlanInputs:
     """Memory of one device (GiB); None when unknown (CPU target without --memory-gib)."""
     headroom: float = 0.1
     """Fraction of device memory kept free for the CUDA context, communication buffers, fragmentation."""
-    mfu: float = 0.4
+    compile: bool = False
+    """torch.compile of the blocks and the loss (`compile.enable`): fused memory-bound kernels."""
+    float8: bool = False
+    """Float8 linear layers (`model.converters` includes float8): the blocks' GEMMs at the fp8 rate."""
+    float8_all_gather: bool = False
+    """FSDP all-gathers the float8 linears' weights in float8 (`enable_fsdp_float8_all_gather`)."""
+    async_tp: bool = False
+    """Tensor-parallel collectives overlapped with the neighbouring GEMMs
+    (`parallelism.enable_async_tensor_parallel`)."""
+    document_tokens: float | None = None
+    """Mean document length, for block-causal attention's FLOPs (None: as causal, an upper bound)."""
+    sac_matmul_share: float = 0.0
+    """Share of a block's forward matmul FLOPs that selective "op" checkpointing recomputes: 0 for
+    torchtrain's policy (it saves every matmul output); 0.5 for torchtitan's (every second matmul),
+    used when the planner models runs measured with it (`published_runs.py`)."""
     price: float = 2.5
     tokens: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -292,8 +308,14 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         cpu_offload=cpu_offload, param_dtype=param_dtype,
         reduce_dtype=pick("reduce_dtype", "float32"), optimizer=pick("optimizer", "AdamW"), optimizer_impl=impl,
         device_type=device_type, gpu=gpu, memory_gib=memory, notes=notes,
+        compile=bool(pick("compile", False)), async_tp=bool(pick("async_tp", False)),
     )
-    for knob in ("mfu", "price", "tokens", "headroom"):
+    converters = [str(c).lower() for c in getattr(cfg.model, "converters", [])]
+    inputs.float8 = any("float8" in c for c in converters)
+    quantize = getattr(cfg, "quantize", None)
+    inputs.float8_all_gather = bool(inputs.float8 and quantize is not None
+                                    and quantize.linear.float8.enable_fsdp_float8_all_gather)
+    for knob in ("price", "tokens", "headroom", "document_tokens"):
         if flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])
     return inputs

@@ -160,14 +160,18 @@ def _pipeline_table(plan: Plan) -> str:
 
 def _throughput_lines(plan: Plan) -> list[str]:
     p, t = plan.inputs, plan.throughput
-    peak = f"{t.peak_tflops:,.1f} TFLOP/s peak" if t.peak_tflops else "peak unknown (give --peak-tflops)"
+    device = (f"{t.device}, {t.peak_tflops:,.1f} TFLOP/s {p.param_dtype} peak; rates from components/devices.py"
+              if t.peak_tflops else "no device rates: give --gpu, or --gpu cpu with --device FIELD=VALUE")
     rows = [("FLOPs per token (model: 6N + attention)", _si(t.flops_per_token, "FLOP")),
             ("+ recomputation (activation checkpointing)", _si(t.recompute_flops_per_token, "FLOP")),
             ("tokens per step", f"{t.tokens_per_step:,}")]
     if t.step_s is not None:
-        comm = ", ".join(f"{k} {v:.3f} s" for k, v in t.comm_s.items()) or "none"
-        rows += [("compute time per step", f"{t.compute_s:,.3f} s"), ("pipeline bubble", f"{t.bubble:.1%}"),
-                 ("exposed communication", comm), ("step time", f"{t.step_s:,.3f} s"),
+        work = ", ".join(f"{k} {v:,.3f}" for k, v in t.compute_breakdown_s.items() if v)
+        comm = ", ".join(f"{k} {v:,.3f} s" for k, v in t.comm_s.items()) or "none"
+        rows += [("compute on the critical path", f"{t.compute_s:,.3f} s ({work})"),
+                 ("pipeline bubble", f"{t.bubble_s:,.3f} s ({t.bubble:.1%} of the schedule)"),
+                 ("exposed communication", comm), ("optimizer step", f"{t.optimizer_s:,.3f} s"),
+                 ("step time", f"{t.step_s:,.3f} s"),
                  ("tokens/s", f"{t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per GPU)"),
                  ("effective MFU", f"{t.effective_mfu:.1%}")]
     budget = "Chinchilla: 20 x parameters" if p.tokens is None else "--tokens"
@@ -175,8 +179,7 @@ def _throughput_lines(plan: Plan) -> list[str]:
     if t.train_s is not None:
         rows += [("time to train", _duration(t.train_s)), ("GPU-hours", f"{t.gpu_hours:,.0f}"),
                  (f"cost at ${p.price:,.2f} per GPU-hour (--price)", f"${t.cost:,.0f}")]
-    return [f"Throughput and cost ({peak}, kernel MFU {p.mfu:.0%} assumed: --mfu)"] + [
-        f"  {label:<46} {value}" for label, value in rows]
+    return [f"Step time and cost ({device})"] + [f"  {label:<46} {value}" for label, value in rows]
 
 
 # ----------------------------------------------------------------------------------------- JSON
@@ -244,7 +247,7 @@ def format_search(result, top: int, show_rejected: bool) -> str:
              f"{b.world_size} x {gpu}; "
              f"global batch {b.global_batch_size} x {b.seq_len} tokens; usable memory {usable} GiB per GPU",
              f"  {result.examined:,} layouts examined: {len(result.ranked):,} fit, {len(result.rejected):,} rejected "
-             f"(kernel MFU {b.mfu:.0%} assumed; ranked by estimated tokens/s)",
+             "(ranked by predicted tokens/s: docs/planner.md, 'Time model')",
              "",
              f"  {'#':>3}  {'layout':<42} {'batch':>7} {'analytic':>9} {'traced':>9} {'tokens/s':>12} "
              f"{'MFU':>7} {'step s':>8}  runs now"]

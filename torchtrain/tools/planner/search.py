@@ -19,7 +19,7 @@ same tokens per step):
 
 Each layout is checked (`validate.layout_problems`), its analytic peak computed for the first and the
 last pipeline rank (the others hold fewer micro-batches and neither end) and compared with the usable
-device memory; survivors are ranked by estimated tokens/s (`throughput.py`). The top `verify` entries
+device memory; survivors are ranked by predicted tokens/s (`step_time.py`). The top `verify` entries
 are then traced; one whose traced peak does not fit is rejected and the next one verified instead.
 `--runnable-only` also rejects layouts the trainer would not start (its full preflight). Every
 rejection keeps its reason (`--show-rejected`).
@@ -34,9 +34,9 @@ from torchtrain.config import ConfigError
 from torchtrain.distributed.layout import DPStrategy
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.tools.planner.analytic import estimate_memory
-from torchtrain.tools.planner.core import Job, Plan, make_plan
+from torchtrain.tools.planner.core import Job, Plan, make_plan, with_peak
 from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
-from torchtrain.tools.planner.throughput import Throughput, estimate_throughput
+from torchtrain.tools.planner.step_time import StepTime, estimate_step
 from torchtrain.tools.planner.validate import layout_problems, runnable_problems
 from torchtrain.utils.progress import Progress
 
@@ -45,7 +45,7 @@ from torchtrain.utils.progress import Progress
 class Candidate:
     inputs: PlanInputs
     peak: float = 0.0
-    throughput: Throughput | None = None
+    throughput: StepTime | None = None
     reason: str | None = None
     plan: Plan | None = None
     """The full plan (with traces) of a verified candidate."""
@@ -186,7 +186,7 @@ def _check(job: Job, p: PlanInputs, usable: float | None, peak_tflops: float | N
         c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
         result.rejected.append(c)
         return
-    c.throughput = estimate_throughput(p, peak_tflops)
+    c.throughput = estimate_step(with_peak(p, peak_tflops))
     survivors.append(c)
 
 

@@ -51,6 +51,7 @@ from torchtrain.components.tensor_memory import TensorMemoryTracker, track_modul
 from torchtrain.config import JobConfig
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
+from torchtrain.tools.fake_world import fake_backend_available, fake_world, local_allreduce_hook
 from torchtrain.tools.planner.stage_model import cut_to_stage, has_ac, has_tp
 
 FULL_TRACE_MAX_BLOCKS = 5
@@ -85,15 +86,6 @@ class TraceResult:
             parts["activations"] = parts.get("activations", 0.0) + extra
             return self.backward + extra, "forward/backward", parts, extra
         return self.optimizer, "optimizer step", dict(self.optimizer_breakdown), 0.0
-
-
-def fake_backend_available() -> str | None:
-    """None when fake process groups work here, else why not."""
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means no tracing
-        return f"torch {torch.__version__} has no fake process group ({e})"
-    return None
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -158,7 +150,6 @@ def _extend(a: TraceResult, b: TraceResult, step_blocks: int, real_blocks: int) 
 # ----------------------------------------------------------------------------- one trace
 def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fake: bool = True) -> TraceResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     result = TraceResult(pp_rank, traced_blocks=tuple(len(s.layers) for s in stages))
     rep = min(p.dp_replicate, 2)
@@ -166,8 +157,7 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
     if dist.is_initialized():
         raise RuntimeError("the planner's trace needs a process without a process group")
     layout = _trace_layout(p, cfg, rep, world)
-    dist.init_process_group("fake", rank=pp_rank * (world // p.pp), world_size=world, store=FakeStore())
-    try:
+    with fake_world(world, rank=pp_rank * (world // p.pp)):
         layout.dims.build_mesh("cpu")
         parts, result.notes = _build_parts(p, layout, stages)
         # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
@@ -176,31 +166,7 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
             for part in parts:
                 part.to_empty(device="cpu")
             _run(p, cfg, layout, stages, parts, result)
-    finally:
-        dist.destroy_process_group()
-        _forget_meshes()
     return result
-
-
-def _forget_meshes() -> None:
-    """Clear DTensor's sharding-propagation and redistribution caches (Python and C++). They key on
-    mesh *equality*, and the next trace's mesh (same shape, same names, new process groups) equals
-    this one's: a cached result would hand it this trace's destroyed groups."""
-    from torch.distributed.tensor import _redistribute
-
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # older torch: only the Python cache
-        from torch.distributed.tensor import DTensor
-
-        def _clear_sharding_prop_cache():
-            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _clear_sharding_prop_cache()
-    fn = getattr(_redistribute, "_gen_transform_infos", None)
-    if fn is not None and hasattr(fn, "cache_clear"):
-        fn.cache_clear()
-    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
-        _redistribute.clear_redistribute_planner_cache()
 
 
 def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
@@ -233,19 +199,10 @@ def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Mo
             for module in part.modules():
                 if isinstance(module, AttentionCore):
                     module.backend = "memory_proxy"
-        if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see _local_allreduce_hook
-            part.register_comm_hook(None, _local_allreduce_hook)
+        if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see local_allreduce_hook
+            part.register_comm_hook(None, local_allreduce_hook)
         parts.append(part)
     return parts, notes
-
-
-def _local_allreduce_hook(state, bucket):
-    """DDP's reducer expects its all-reduce to hand back the bucket; the fake process group hands back
-    nothing, so the trace's gradient buckets are 'reduced' in place, without communication (the same
-    tensors, so the same memory)."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
 
 
 def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list[nn.Module],
@@ -268,7 +225,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list
     if p.pp == 1:
         step = functools.partial(_trainer_step, p, layout, cfg, parts, tracker, optimizers, schedulers)
     else:
-        step = functools.partial(_stage_step, p, layout, parts, stages, tracker, ScaledTokenLoss(), optimizers,
+        step = functools.partial(stage_step, p, layout, parts, stages, tracker, ScaledTokenLoss(), optimizers,
                                  schedulers)
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
@@ -317,7 +274,7 @@ def _trainer_step(p: PlanInputs, layout, cfg, parts, tracker, optimizers, schedu
         step(batches)
 
 
-def _stage_step(p: PlanInputs, layout, parts, stages, tracker, loss_fn, optimizers, schedulers,
+def stage_step(p: PlanInputs, layout, parts, stages, tracker, loss_fn, optimizers, schedulers,
                 stored: list[float]) -> None:
     """One pipeline step of this rank's stage(s) for up to two micro-batches, run one after the other."""
     from torchtrain.distributed.fsdp import fsdp_modules

@@ -1,0 +1,174 @@
+"""What the GPU evidence kit's parts share: the run context, in-process trainer runs, the measured GEMM
+peak, and the part results that `summary.md` is written from (benchmarks/gpu/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Context:
+    out: str
+    """The output folder: one sub-folder and one <part>.json per part, summary.md."""
+    dry: bool
+    """--dry-run: CPU, tiny shapes, CUDA-only variants reported as not run."""
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry else "cuda"
+
+    def folder(self, part: str, *names: str) -> str:
+        path = os.path.join(self.out, part, *names)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+
+@dataclass
+class PartResult:
+    part: str
+    title: str
+    columns: list[str]
+    rows: list[list] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ok: bool = True
+    seconds: float = 0.0
+
+    def save(self, ctx: Context) -> None:
+        with open(os.path.join(ctx.out, f"{self.part}.json"), "w") as f:
+            json.dump(self.__dict__, f, indent=1)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for name in ("torchao", "torchtitan", "torchdata"):
+        try:
+            from importlib.metadata import version
+
+            env[name] = version(name)
+        except Exception:  # noqa: BLE001 - not installed
+            env[name] = "not installed"
+    return env
+
+
+# ----------------------------------------------------------------------------- training runs
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Run:
+    name: str
+    records: list[dict]
+    error: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.records)
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+    def falling(self) -> bool:
+        """The loss ends lower than it starts (mean of the last 3 steps < mean of the first 3)."""
+        loss = self.losses()
+        return len(loss) >= 4 and statistics.mean(loss[-3:]) < statistics.mean(loss[:3])
+
+    def steady(self, key: str) -> float | None:
+        """Median of `key` over the steps after the first three (compile, warm-up)."""
+        values = [r[key] for r in self.records[3:] if r.get(key) is not None] or \
+                 [r[key] for r in self.records[1:] if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def peak_gib(self) -> float | None:
+        values = [r["memory_peak_gib"] for r in self.records if r.get("memory_peak_gib") is not None]
+        return max(values) if values else None
+
+
+def train(dump: str, argv: list[str], name: str = "") -> Run:
+    """One in-process run of the trainer (a world of one; metrics every step into `dump`). A failure is
+    recorded, not raised: one broken variant must not cost the others their evidence."""
+    import torch
+
+    from torchtrain.config import parse_args
+    from torchtrain.distributed.utils import free_port
+    from torchtrain.train import Trainer
+
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    trainer, error, finished, t0 = None, None, False, time.perf_counter()
+    try:
+        trainer = Trainer(parse_args(argv + ["--job.dump_folder", dump, "--metrics.log_freq", "1",
+                                             "--metrics.enable_tensorboard", "false", "--job.print_config", "false"]))
+        trainer.train()
+        finished = True
+    except Exception as e:  # noqa: BLE001 - reported in the summary
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+        with open(os.path.join(dump, "error.txt"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        try:
+            if trainer is not None:
+                trainer.close(finished)
+            else:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            torch._dynamo.reset()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    path = os.path.join(dump, "metrics.jsonl")
+    records = []
+    if os.path.exists(path):
+        from torchtrain.utils.strict_json import read_jsonl
+
+        records = read_jsonl(path)
+    return Run(name or os.path.basename(dump), records, error, time.perf_counter() - t0)
+
+
+def gemm_peak_tflops(dry: bool) -> tuple[float, str]:
+    """The device's measured dense matmul rate: 8192^3 bf16 on CUDA (median of 10 timed products after
+    3 warm-ups, CUDA events, random data); in a dry run 512^3 fp32 on the CPU."""
+    import torch
+
+    if dry:
+        n, dtype, device = 512, torch.float32, "cpu"
+    else:
+        n, dtype, device = 8192, torch.bfloat16, "cuda"
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    times = []
+    for i in range(13):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            a @ b
+            seconds = time.perf_counter() - t0
+        if i >= 3:
+            times.append(seconds)
+    return 2 * n**3 / statistics.median(times) / 1e12, f"{n}^3 {str(dtype).replace('torch.', '')} matmul on {device}"
+
+
+def log(message: str) -> None:
+    print(f"[gpu-kit {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,227 @@
+"""The GPU evidence kit's parts (a)-(f) but (d) (titan.py); each returns a PartResult
+(benchmarks/gpu/README.md says what each measures and how summary.md shows it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+from kit import REPO, Context, PartResult, gemm_peak_tflops, log, train
+
+# A dry run's stand-in for every model: the suite's tiny Llama (tests/conftest.py TINY_MODEL).
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
+        "--model.vocab_size", "512"]
+COMMON = ["--training.dataset", "synthetic", "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-3"]
+FLOAT8 = ["--model.converters", "float8"]
+
+
+def model(ctx: Context, name: str) -> list[str]:
+    """The debug model, or the ~1B Llama 3 shape (untied output, as torchtitan's llama3 builds it)."""
+    if ctx.dry:
+        return TINY
+    if name == "debug":
+        return ["--model.flavor", "debugmodel"]
+    return ["--model.flavor", "1B", "--model.tie_word_embeddings", "false"]
+
+
+def shape(ctx: Context, seq: int, batch: int) -> list[str]:
+    return ["--training.seq_len", str(64 if ctx.dry else seq), "--training.local_batch_size", str(2 if ctx.dry else batch)]
+
+
+def float8(ctx: Context) -> list[str]:
+    return FLOAT8 + (["--quantize.linear.float8.emulate", "true"] if ctx.dry else [])
+
+
+def compiled(ctx: Context) -> list[str] | None:
+    """None in a dry run: compiling costs ~20 s a run on a CPU, and the kit's CI run must stay short."""
+    return None if ctx.dry else ["--compile.enable", "true"]
+
+
+# ----------------------------------------------------------------------------- (a)
+def part_a(ctx: Context) -> PartResult:
+    """The suite's single-process cases (not `dist`, not `slow`) on this machine's device."""
+    res = PartResult("a", "Single-process test cases on the device", ["selection", "passed", "failed", "skipped",
+                                                                        "errors", "seconds"])
+    junit = os.path.join(ctx.folder("a"), "junit.xml")
+    select = ["tests/test_lr_scheduler.py"] if ctx.dry else ["tests", "-m", "not dist and not slow"]
+    cmd = [sys.executable, "-m", "pytest", *select, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480, env=env)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"pytest stopped after 480 s\n{e.stdout or ''}"
+        res.notes.append("pytest ran past 480 s and was stopped: the counts cover the tests that finished")
+    with open(os.path.join(ctx.out, "a", "pytest.log"), "w") as f:
+        f.write(output if isinstance(output, str) else output.decode())
+    if not os.path.exists(junit):
+        res.ok = False
+        res.notes.append("pytest wrote no report; see a/pytest.log")
+        return res
+    suite = ET.parse(junit).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    res.rows.append([" ".join(select), passed, counts["failures"], counts["skipped"], counts["errors"],
+                     round(float(suite.get("time", 0)), 1)])
+    failed = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    res.notes += [f"failed: {name}" for name in failed[:30]]
+    res.ok = not failed
+    return res
+
+
+# ----------------------------------------------------------------------------- (b)
+def part_b(ctx: Context) -> PartResult:
+    """Short bf16 runs, FSDP on a 1-rank mesh, each feature on its own: does the loss fall?"""
+    res = PartResult("b", "Short runs per feature: the loss falls", ["model", "variant", "steps", "first loss",
+                                                                     "last loss", "falling", "peak GiB", "error"])
+    variants = [("ac none", ["--activation_checkpoint.mode", "none"]),
+                ("ac selective", ["--activation_checkpoint.mode", "selective"]),
+                ("ac full", ["--activation_checkpoint.mode", "full"]),
+                ("compile", compiled(ctx)),
+                ("fp16 + loss scaling", ["--training.mixed_precision_param", "float16"]),
+                ("cpu offload", None if ctx.dry else ["--training.enable_cpu_offload", "true"]),
+                ("float8", float8(ctx))]
+    models = [("debug", 30, 256, 8)] + ([] if ctx.dry else [("1B", 20, 2048, 2)])
+    for name, steps, seq, batch in models:
+        for variant, extra in variants:
+            if extra is None:
+                res.notes.append(f"{name} {variant}: not run in a dry run (CUDA only, or too slow on a CPU)")
+                continue
+            log(f"(b) {name} {variant}")
+            precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
+            run = train(ctx.folder("b", f"{name}_{variant.replace(' ', '_').replace('+', '')}"),
+                        model(ctx, name) + COMMON + shape(ctx, seq, batch) + precision + extra
+                        + ["--training.steps", str(6 if ctx.dry else steps)])
+            loss = run.losses()
+            res.rows.append([name, variant, len(loss), round(loss[0], 4) if loss else None,
+                             round(loss[-1], 4) if loss else None, run.falling(), run.peak_gib(), run.error])
+            res.ok &= run.ok and run.falling()
+    return res
+
+
+# ----------------------------------------------------------------------------- (c)
+def part_c(ctx: Context) -> PartResult:
+    """Tokens/s and MFU of the 1B shape, eager vs compile vs compile + float8, against the measured peak."""
+    peak, how = gemm_peak_tflops(ctx.dry)
+    res = PartResult("c", "1B throughput and MFU", ["seq", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
+                                                     "MFU vs table peak", "peak GiB", "error"])
+    res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how}); steady state = median over steps 4..N")
+    modes = [("eager", []), ("compile", compiled(ctx)),
+             ("compile + float8", None if ctx.dry else ["--compile.enable", "true"] + FLOAT8)]
+    if ctx.dry:
+        modes.append(("float8 (emulated)", float8(ctx)))
+    for seq, batch in ((2048, 2), (8192, 1)):
+        for mode, extra in modes:
+            if extra is None:
+                res.notes.append(f"seq {seq} {mode}: not run in a dry run (compiling is ~20 s a run on a CPU)")
+                continue
+            log(f"(c) seq {seq} {mode}")
+            precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
+            run = train(ctx.folder("c", f"seq{seq}_{mode.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"),
+                        model(ctx, "1B") + COMMON + shape(ctx, seq, batch) + precision + extra
+                        + ["--activation_checkpoint.mode", "selective", "--training.steps", str(6 if ctx.dry else 15)])
+            tflops = run.steady("tflops_per_device")
+            res.rows.append([seq, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
+                             None if tflops is None else f"{100 * tflops / peak:.1f}%",
+                             None if run.steady("mfu_pct") is None else f"{run.steady('mfu_pct'):.1f}%",
+                             run.peak_gib(), run.error])
+            res.ok &= run.ok
+    return res
+
+
+def _round(value, digits: int = 0):
+    return None if value is None else round(value, digits)
+
+
+# ----------------------------------------------------------------------------- (e)
+PLAN_STEP_KEYS = ("step_s", "step_time_s", "step_seconds")
+"""The planner's predicted step time: the JSON report's `throughput.step_s` (the first of these names
+present, so that a renamed field still reads)."""
+
+
+def planner_prediction(argv: list[str], gpu: str) -> tuple[float | None, float | None, str | None]:
+    """(peak GiB, step seconds, error) from the planner's entry point (`python -m torchtrain.plan ...
+    --json`, called in this process), reading only the report's top-level `memory.worst_peak_bytes` and
+    `throughput` fields."""
+    import contextlib
+    import io
+
+    from torchtrain.plan import main as plan_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan_main(["--world-size", "1", "--gpu", gpu, "--json", *argv])
+    if code != 0:
+        return None, None, (err.getvalue().strip().splitlines() or ["planner failed"])[-1][:300]
+    report = json.loads(out.getvalue())
+    peak = (report.get("memory") or {}).get("worst_peak_bytes")
+    throughput = report.get("throughput") or {}
+    step = next((throughput[k] for k in PLAN_STEP_KEYS if throughput.get(k) is not None), None)
+    return (None if peak is None else peak / 2**30), step, None
+
+
+def part_e(ctx: Context) -> PartResult:
+    """The planner's memory and step time against torch.cuda.max_memory_allocated and the measured step."""
+    import torch
+
+    gpu = "h100"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        gpu = "h200" if "h200" in name else "h100" if "h100" in name else gpu
+    res = PartResult("e", f"Planner vs measured ({gpu})", ["job", "planned GiB", "measured GiB", "ratio",
+                                                           "planned step s", "measured step s", "ratio", "error"])
+    if ctx.dry:
+        res.notes.append("dry run: measured on a CPU (process RSS, CPU step time) against a plan for a GPU; the "
+                         "ratios mean nothing, the mechanism is what runs")
+    precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
+    jobs = [("debug model", model(ctx, "debug") + shape(ctx, 256, 8)),
+            ("1B, AC selective, seq 2048", model(ctx, "1B") + shape(ctx, 2048, 2)
+             + ["--activation_checkpoint.mode", "selective"]),
+            ("1B, AC full, seq 8192", model(ctx, "1B") + shape(ctx, 8192, 2) + ["--activation_checkpoint.mode", "full"]),
+            ("1B, AC none, seq 2048 x 1", model(ctx, "1B") + shape(ctx, 2048, 1)
+             + ["--activation_checkpoint.mode", "none"])]
+    for name, argv in jobs:
+        argv = argv + COMMON + precision
+        log(f"(e) {name}")
+        planned_gib, planned_step, error = planner_prediction(argv, gpu)
+        run = train(ctx.folder("e", name.replace(" ", "_").replace(",", "")), argv
+                    + ["--training.steps", str(5 if ctx.dry else 10)])
+        measured_step, measured_gib = run.steady("step_time_s"), run.peak_gib()
+        res.rows.append([name, planned_gib, measured_gib, _ratio(planned_gib, measured_gib),
+                         planned_step, measured_step, _ratio(planned_step, measured_step),
+                         error or run.error])
+        res.ok &= run.ok and error is None
+    return res
+
+
+def _ratio(a, b) -> str | None:
+    return None if not a or not b else f"{a / b:.2f}"
+
+
+# ----------------------------------------------------------------------------- (f)
+def part_f(ctx: Context) -> PartResult:
+    """DCP save and resume: 8 steps straight vs 4 steps, a checkpoint, a resume to 8; losses bitwise."""
+    res = PartResult("f", "Checkpoint save/resume exactness", ["run", "steps 5-8 loss", "max |diff|", "error"])
+    # A constant LR after warmup (decay_ratio 0): the schedule must not depend on training.steps, which
+    # differs between the 4-step and the 8-step run.
+    argv = model(ctx, "debug") + COMMON + shape(ctx, 256, 8) + ["--debug.deterministic", "true",
+                                                                "--lr_scheduler.decay_ratio", "0"] + \
+        ([] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"])
+    straight = train(ctx.folder("f", "straight"), argv + ["--training.steps", "8"])
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    folder = ctx.folder("f", "resumed")
+    first = train(folder, argv + ckpt + ["--training.steps", "4"])
+    second = train(folder, argv + ckpt + ["--training.steps", "8"])
+    a = [r["loss"] for r in straight.records if r["step"] > 4]
+    b = [r["loss"] for r in second.records if r["step"] > 4][-4:]
+    diff = max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) == 4 else None
+    res.rows.append(["straight", [round(x, 6) for x in a], None, straight.error])
+    res.rows.append(["saved at 4, resumed", [round(x, 6) for x in b], diff, first.error or second.error])
+    res.ok = diff == 0.0
+    res.notes.append("deterministic algorithms on (debug.deterministic); a resume must repeat the losses bitwise")
+    return res

@@ -1,0 +1,103 @@
+"""The planner's time model: published runs predicted within the stated band, per-token costs that do
+not grow with gradient accumulation, no free efficiency knob, device overrides, ranking by time.
+
+Tolerance: `published_runs.BAND` (+/- 25%, the target the issue set) for every published row that is
+not listed as a known miss; a known miss keeps its reason in the table and must stay on the side the
+reason explains (a model that moved it further than 100% off, or across, has changed something).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from torchtrain.components.devices import KNOWN_GPUS
+from torchtrain.config import ConfigError
+from torchtrain.tools.planner import published_runs
+from torchtrain.tools.planner.core import load_job, resolve_gpu
+from torchtrain.tools.planner.inputs import inputs_from_config
+from torchtrain.tools.planner.step_time import estimate_step
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return [published_runs.check(r) for r in published_runs.RUNS]
+
+
+def test_published_runs_are_predicted_within_the_band(checks):
+    assert len(checks) >= 20
+    within = [c for c in checks if not c.run.miss]
+    assert len(within) >= len(checks) // 2
+    for c in within:
+        assert abs(c.error) <= published_runs.BAND, (c.run.name, c.predicted, c.measured)
+    for c in checks:
+        if c.run.miss:
+            direction = 1 if c.run.miss_direction > 0 else -1
+            assert 0 < direction * c.error < 1.0, (c.run.name, c.error, c.run.miss)
+    assert "| run |" in published_runs.table(checks)
+
+
+def _plan_405b(global_batch: int):
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_405b.toml",
+                    "--training.global_batch_size", str(global_batch),
+                    "--training.local_batch_size", str(global_batch // 8)])
+    device_type, gpu = resolve_gpu("h100")
+    p = inputs_from_config(job.cfg, job.args, 512, device_type, gpu, {"pp": 8, "dp_shard": 8, "tp": 8})
+    return estimate_step(p)
+
+
+def test_per_token_costs_do_not_grow_with_accumulation():
+    """The issue's case: 405B on 512 GPUs, 8x the batch. Compute and per-micro-batch communication
+    grow 8x (per token: equal), the data-parallel traffic of a pipeline stage happens once per step."""
+    small, big = _plan_405b(256), _plan_405b(2048)
+    assert big.tokens_per_step == 8 * small.tokens_per_step
+    for kind in ("tensor parallel", "pipeline p2p"):
+        assert big.comm_s[kind] == pytest.approx(8 * small.comm_s[kind], rel=1e-6)
+    assert big.compute_s == pytest.approx(8 * small.compute_s, rel=0.01)
+    assert big.comm_s["data parallel"] == pytest.approx(small.comm_s["data parallel"], rel=0.05)
+    assert big.bubble < small.bubble  # more micro-batches fill the pipeline better
+    assert big.tokens_per_s > small.tokens_per_s
+
+
+def test_the_breakdown_adds_up_to_the_step():
+    t = _plan_405b(256)
+    total = t.compute_s + t.bubble_s + sum(t.comm_s.values()) + t.optimizer_s
+    assert t.step_s == pytest.approx(total, rel=1e-9)
+    assert {"matmuls", "attention", "memory-bound", "recomputation"} <= set(t.compute_breakdown_s)
+
+
+def test_mfu_is_no_longer_an_input_and_device_figures_can_be_overridden():
+    cmd = [sys.executable, "-m", "torchtrain.plan", "--config", "train_configs/llama3_8b.toml", "--world-size", "8",
+           "--no-trace"]
+    gone = subprocess.run(cmd + ["--mfu", "0.5"], cwd=REPO, capture_output=True, text=True)
+    assert gone.returncode == 2 and "--mfu is gone" in gone.stderr and "--device" in gone.stderr
+    bad = subprocess.run(cmd + ["--device", "nvlink=3"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--device nvlink: not a device field" in bad.stderr
+    with pytest.raises(ConfigError, match="not a number"):
+        resolve_gpu("h100", ["inter_node_gbps=fast"])
+    _, slow_net = resolve_gpu("h100", ["inter_node_gbps=12.5"])
+    assert slow_net.inter_node_gbps == 12.5 and KNOWN_GPUS["h100"].inter_node_gbps == 50
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml"])
+    fast = inputs_from_config(job.cfg, job.args, 128, "cuda", KNOWN_GPUS["h100"], {})
+    assert estimate_step(fast.replace(gpu=slow_net)).step_s > estimate_step(fast).step_s
+
+
+def test_every_device_states_its_sources():
+    for spec in KNOWN_GPUS.values():
+        assert spec.sources and spec.hbm_tbps and spec.bf16_tflops and spec.intra_node_gbps, spec.key
+    for key in ("h100", "h800", "h200", "a100", "b200", "mi300x"):
+        assert key in KNOWN_GPUS
+
+
+def test_float8_compile_and_async_tp_are_read_from_the_job():
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--compile.enable", "true",
+                    "--model.converters", "float8", "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true"])
+    p = inputs_from_config(job.cfg, job.args, 8, "cuda", KNOWN_GPUS["h100"], {})
+    assert p.compile and p.float8 and p.float8_all_gather
+    base = estimate_step(p.replace(float8=False, compile=False)).step_s
+    assert estimate_step(p.replace(float8=False)).step_s < base  # fused memory-bound kernels
+    assert estimate_step(p).step_s < estimate_step(p.replace(float8=False)).step_s  # fp8 GEMMs

@@ -1,0 +1,178 @@
+"""Float8 training of nn.Linear layers through torchao (`model.converters = ["float8"]`; docs/float8.md).
+
+* `resolve_float8` is the rule, decided once by `resolve_layout` and kept as `Layout.float8`: whether
+  float8 runs (a converter asks for it), whether it can run here (torchao installed; a GPU of compute
+  capability 8.9+, or `quantize.linear.float8.emulate`), and what it does under this layout (the
+  recipe; float8 all-gather only where FSDP shards over more than one rank; the precomputed scales
+  only with it). Everything that cannot work is a ConfigError naming the key.
+* `convert_linears` swaps the model's nn.Linear modules for torchao's `Float8Linear` on the meta
+  device, after the model is built and before any parallelism (`distributed/parallelize.py`): TP,
+  FSDP, AC and compile then see float8 layers. `Float8Linear` keeps `weight` and `bias` as they are,
+  so parameter names, initialisation and checkpoints stay exactly as without float8; under float8
+  all-gather the checkpoint stores the weights unwrapped (`high_precision`), loadable by a job
+  without float8 or torchao.
+* `precompute_scales` runs after each optimizer step that stepped (`train_step.py`) when the plan says
+  so: one all-reduce for the float8 scales of every sharded weight.
+
+torchao is imported only here and only when float8 runs, so a job without it needs no torchao.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR, MX, Quantize
+from torchtrain.utils.logging import logger
+
+MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: float8 tensor cores (torch._scaled_mm)
+AUTO_FILTER = "auto_filter_small_kn"
+
+
+@dataclass(frozen=True)
+class Float8Plan:
+    """What float8 training does in this job (`Layout.float8`; None when float8 is off)."""
+
+    recipe: str
+    """torchao recipe: tensorwise, rowwise or rowwise_with_gw_hp."""
+    emulate: bool
+    """Matmuls in high precision (CPU, tests)."""
+    fsdp_float8_all_gather: bool
+    """FSDP all-gathers float8 weights (effective: requested, tensorwise, FSDP over > 1 rank)."""
+    precompute_scale: bool
+    """One all-reduce of every weight's scale after the optimizer step (only with float8 all-gather)."""
+    filter_fqns: tuple[str, ...] = ()
+    """Linear layers left in high precision (by name substring); "auto_filter_small_kn" included."""
+    log_model: bool = False
+    """Log the converted model (model.print_after_conversion)."""
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    """torchao's import warns about CUDA-only extension libraries it cannot load on a CPU machine and
+    about a deprecated pytree registration: noise on every rank, not a problem of the job."""
+    names = ("torchao", "torch.utils._pytree")
+    levels = [logging.getLogger(n).level for n in names]
+    if not torch.cuda.is_available():
+        for n in names:
+            logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, level in zip(names, levels):
+            logging.getLogger(n).setLevel(level)
+
+
+def _import_float8():
+    with _quiet_import():
+        import torchao.float8 as float8
+    return float8
+
+
+def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, fsdp_shards: bool,
+                   print_after_conversion: bool = False) -> Float8Plan | None:
+    """The job's float8 plan, or None without a float8 converter; ConfigError when it cannot run.
+
+    `fsdp_shards`: FSDP shards the parameters over more than one rank (float8 all-gather applies).
+    The GPU's capability is checked where a GPU is visible (the trainer, the launch check on a GPU
+    node); planning for CUDA on a machine without one checks everything else."""
+    for name in converters:
+        if name in MX:
+            raise ConfigError(f"[model.converters] {name!r}: MX formats (MXFP8) are not supported by torchtrain "
+                              f"(torchao runs them on Blackwell GPUs, compute capability 10.0, only); use \"float8\" "
+                              f"or remove it")
+        if name in FLOAT8_GROUPED_MM:
+            raise ConfigError(f"[model.converters] {name!r}: float8 grouped GEMMs for MoE experts are not supported "
+                              f"yet: torchao runs them on CUDA 9.0+ only, with no emulation a CPU test could check "
+                              f"(docs/float8.md); remove it (\"float8\" still converts the dense Linear layers)")
+    if not any(name in FLOAT8_LINEAR for name in converters):
+        return None
+    cfg = quantize.linear.float8
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("[model.converters] float8 training needs torchao: pip install \"torchtrain[float8]\" "
+                          "(or remove \"float8\" from model.converters)")
+    if not cfg.emulate:
+        if device_type != "cuda":
+            raise ConfigError("[model.converters] float8 needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper "
+                              "or newer); this run is on CPU. Remove \"float8\", or set "
+                              "quantize.linear.float8.emulate = true to test float8 numerics (slow)")
+        if torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            if cap < MIN_CAPABILITY:
+                raise ConfigError(f"[model.converters] float8 needs a GPU of compute capability 8.9+ (Ada, Hopper or "
+                                  f"newer); {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Remove \"float8\", "
+                                  f"or set quantize.linear.float8.emulate = true to test float8 numerics")
+    recipe = cfg.recipe_name or "tensorwise"
+    all_gather = cfg.enable_fsdp_float8_all_gather and fsdp_shards
+    return Float8Plan(recipe=recipe, emulate=cfg.emulate, fsdp_float8_all_gather=all_gather,
+                      precompute_scale=all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp,
+                      filter_fqns=tuple(cfg.filter_fqns), log_model=print_after_conversion)
+
+
+def _module_filter(plan: Float8Plan):
+    """Which nn.Linear modules become Float8Linear: not named in filter_fqns, both dimensions
+    multiples of 16 (the float8 matmul kernels' requirement); torchao's size filter on request."""
+    skip = [f for f in plan.filter_fqns if f != AUTO_FILTER]
+    if AUTO_FILTER in plan.filter_fqns:
+        return _import_float8()._auto_filter_for_recipe(plan.recipe, filter_fqns=skip)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or any(s in fqn for s in skip):
+            return False
+        out_features, in_features = module.weight.shape
+        return out_features % 16 == 0 and in_features % 16 == 0
+
+    return keep
+
+
+def convert_linears(model: nn.Module, plan: Float8Plan) -> int:
+    """Swap `model`'s eligible nn.Linear modules for Float8Linear in place; returns how many."""
+    float8 = _import_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(plan.recipe)
+    config = dataclasses.replace(config, emulate=plan.emulate,
+                                 enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather)
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    float8.convert_to_float8_training(model, module_filter_fn=_module_filter(plan), config=config)
+    converted = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
+    if converted == 0:
+        logger.warning("float8: no Linear layer was converted (%d kept: named in quantize.linear.float8.filter_fqns "
+                       "or a dimension not divisible by 16); the job trains in high precision", before)
+    else:
+        logger.info("float8 (%s%s%s): %d of %d Linear layers converted", plan.recipe,
+                    ", emulated" if plan.emulate else "", ", float8 all-gather" if plan.fsdp_float8_all_gather else "",
+                    converted, before)
+    if plan.log_model:
+        logger.info("model after conversion:\n%s", model)
+    return converted
+
+
+def high_precision(t: torch.Tensor) -> torch.Tensor:
+    """`t` without torchao's float8 all-gather wrapper: under float8 all-gather FSDP's sharded weights
+    are `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), which DCP would pickle as that class,
+    unloadable by a job without torchao. The wrapper holds the high-precision tensor itself (`_tensor`),
+    so this returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if not type(local).__module__.startswith("torchao.") or not isinstance(getattr(local, "_tensor", None),
+                                                                         torch.Tensor):
+        return t
+    if isinstance(t, DTensor):
+        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                                  run_check=False)
+    return local._tensor
+
+
+def precompute_scales(model_parts: list[nn.Module]) -> None:
+    """After an optimizer step: the float8 scales of every FSDP-sharded float8 weight, in one all-reduce
+    (`Float8Plan.precompute_scale`)."""
+    float8 = _import_float8()
+    for part in model_parts:
+        float8.precompute_float8_dynamic_scale_for_fsdp(part)

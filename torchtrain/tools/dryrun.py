@@ -1,0 +1,301 @@
+"""Fake-backend dry run: the trainer's path for a few steps of any job, at its real world size, in one
+CPU process (docs/dry_run.md).
+
+    python -m torchtrain.dryrun --world-size 64 --job.config_file train_configs/llama3_8b.toml [--steps 2]
+
+For each traced rank (default: the first and the last rank of pipeline stage 0, which differ in
+every other mesh coordinate), in a fake world of the job's size (`tools/fake_world.py`: a fake
+process group, no communication):
+
+1. the job is parsed and resolved as the trainer does (`preflight`: model, Layout, every config
+   check), for the target device type (`--device`, default cuda);
+2. the trainer's mesh (`ParallelDims.build_mesh`) and model parts (meta model -> this rank's
+   pipeline stages -> `apply_parallelism`: converters, TP, CP, EP, AC, FSDP/DDP) are built, then
+   materialised as fake tensors (`param_init` is skipped: there are no values to initialise);
+3. the trainer's optimizers, LR schedule, MoE balancer and `TrainStep` run `--steps` steps on batches
+   of the job's shape (fake token ids), under `CollectiveLog` (`tools/collective_log.py`), which
+   checks the shapes of every collective as it is issued.
+
+Then the ranks' collectives are compared: ranks of the same pipeline stage must issue the same
+collectives, over the same mesh dimensions, with the same shapes and dtypes, in the same order.
+
+What it cannot catch (values are fake and nothing moves): numerics (NaN, loss parity: the parity
+tool's job), kernels that exist only on CUDA (FlexAttention runs as a memory proxy here, compile is
+traced eagerly), real memory limits (the planner's job), hangs from a collective order that differs
+between pipeline stages (point-to-point traffic is not matched across ranks), ranks not traced,
+NCCL/network faults and speed. `--device cuda` checks the GPU rules without a GPU, except the GPU's
+capability (float8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchtrain.tools.collective_log import Collective, CollectiveLog, CollectiveMismatch, mesh_group_names
+from torchtrain.tools.fake_world import fake_backend_available, fake_world, local_allreduce_hook
+
+
+@dataclass
+class RankRun:
+    """What the dry run saw on one rank."""
+
+    rank: int
+    coords: dict[str, int]
+    """This rank's coordinate on each mesh dimension of size > 1."""
+    params: int = 0
+    """Parameter elements this rank holds (local shards)."""
+    steps: int = 0
+    seconds: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            key = f"{c.op} over {c.group}"
+            counts[key] = counts.get(key, 0) + 1
+        where = ", ".join(f"{k} {v}" for k, v in self.coords.items()) or "single process"
+        ops = "; ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        return (f"rank {self.rank} ({where}): {self.params / 1e6:,.1f}M parameter elements held, {self.steps} steps "
+                f"in {self.seconds:.1f}s, {len(self.collectives)} collectives: {ops or 'none'}")
+
+
+@dataclass
+class DryRun:
+    description: str
+    ranks: list[RankRun]
+    agreement: list[str]
+    """One line per compared group of ranks."""
+    notes: list[str] = field(default_factory=list)
+
+
+class DisagreeingRanks(RuntimeError):
+    """Two ranks of one pipeline stage issued different collectives."""
+
+
+def default_ranks(layout) -> list[int]:
+    """The first and the last rank of pipeline stage 0 (ranks are laid out pp-major)."""
+    per_stage = layout.dims.world_size // layout.dims.pp
+    return sorted({0, per_stage - 1})
+
+
+def _job(argv: list[str], world: int, device_type: str):
+    from torchtrain.components.tokenizer import build_tokenizer
+    from torchtrain.config import parse_args
+    from torchtrain.preflight import preflight
+
+    cfg = parse_args(argv)
+    notes = []
+    if cfg.compile.enable:  # dispatch modes cannot be traced through by torch.compile (as the planner)
+        cfg.compile.enable = False
+        notes.append("compile traced in eager mode")
+    try:
+        tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    except Exception as e:  # noqa: BLE001 - the job's tokenizer files are often not on this machine
+        tokenizer = build_tokenizer(None)
+        notes.append(f"tokenizer not found ({type(e).__name__}): the byte tokenizer stands in; the model keeps "
+                     f"its vocabulary")
+    return cfg, preflight(cfg, world, device_type, tokenizer=tokenizer), notes
+
+
+def _parts(plan, cfg, device_type: str) -> list[nn.Module]:
+    from torchtrain.distributed.parallelize import apply_parallelism, stage_parts
+    from torchtrain.models.common.attention import AttentionCore
+
+    with torch.device("meta"):
+        whole = plan.model_spec.model_cls(plan.model_args)
+    parts = [apply_parallelism(part, plan.model_spec, plan.layout) for _, part in stage_parts(whole, plan.layout)]
+    for part in parts:
+        if device_type == "cuda":  # FlexAttention is CUDA-only: the planner's proxy stands in
+            for module in part.modules():
+                if isinstance(module, AttentionCore):
+                    module.backend = "memory_proxy"
+        if hasattr(part, "register_comm_hook"):  # DDP: the fake group hands no bucket back
+            part.register_comm_hook(None, local_allreduce_hook)
+    return parts
+
+
+def _batches(plan, cfg) -> list[dict[str, torch.Tensor]]:
+    shape = (plan.layout.batch.local_batch_size, cfg.training.seq_len)
+    vocab = plan.model_args.vocab_size
+    return [{"input_ids": torch.randint(0, vocab, shape), "labels": torch.randint(0, vocab, shape)}
+            for _ in range(plan.layout.batch.grad_accum_steps)]
+
+
+def run_rank(argv: list[str], world: int, rank: int, device_type: str = "cuda", steps: int = 2) -> RankRun:
+    """The trainer's build and `steps` steps for `rank` of a fake world of `world` ranks (module doc)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtrain.components.lr_scheduler import LRSchedulersContainer
+    from torchtrain.components.moe_balance import MoEBalancer
+    from torchtrain.components.optimizer import OptimizersContainer
+    from torchtrain.train_step import TrainStep
+
+    cfg, plan, _ = _job(argv, world, device_type)
+    layout, device = plan.layout, torch.device("cpu")
+    t0 = time.perf_counter()
+    with fake_world(world, rank):
+        dims = layout.dims
+        dims.build_mesh("cpu")
+        mesh = dims.world_mesh
+        coords = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
+        parts = _parts(plan, cfg, device_type)
+        log = CollectiveLog(mesh_group_names(dims.named_meshes()))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for part in parts:  # (param_init is skipped: fake tensors hold no values to initialise)
+                part.to_empty(device=device).train()
+            optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)
+            schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
+            if layout.pipeline is None:
+                moe = MoEBalancer.for_model(parts, device, plan.model_args)
+                step = TrainStep(layout, parts, optimizers, schedulers, device, cfg.training.max_norm, moe)
+                batches = _batches(plan, cfg)
+                run = functools.partial(step, batches)
+            else:
+                run = _stage_steps(cfg, plan, world, device_type, parts, optimizers, schedulers)
+            with log:
+                for _ in range(steps):
+                    run()
+        params = sum(_local_numel(p) for part in parts for p in part.parameters())
+    return RankRun(rank, coords, params, steps, time.perf_counter() - t0, log.records)
+
+
+def _stage_steps(cfg, plan, world: int, device_type: str, parts, optimizers, schedulers):
+    """A pipeline rank's step without torch's schedule, whose start-up reads values sent by other ranks
+    (a warm-up exchange, shape inference), which a fake world cannot give: the planner's stage step
+    (`planner/trace.py::stage_step`) -- each of this rank's stages runs forward and backward on
+    micro-batches of the job's shape (fake activations at stage boundaries), FSDP no-sync on all but the
+    last, then clipping and the optimizer step, as the schedule would."""
+    from torchtrain.components.loss import ScaledTokenLoss
+    from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.pipeline import Stage
+    from torchtrain.tools.planner.trace import stage_step
+
+    layout = plan.layout
+    p = inputs_from_config(cfg, plan.model_args, world, device_type, None, {})
+    pipe, dims = layout.pipeline, layout.dims
+    stages = [Stage(s, (), s == 0, s == pipe.num_stages - 1) for s in pipe.stage_ids(dims.pp_rank, dims.pp)]
+    return functools.partial(stage_step, p, layout, parts, stages, TensorMemoryTracker(), ScaledTokenLoss(),
+                             optimizers, schedulers, [])
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+def compare(runs: list[RankRun], pp_dim: str = "pp") -> list[str]:
+    """Ranks of one pipeline stage must issue identical collectives (DisagreeingRanks otherwise)."""
+    lines = []
+    by_stage: dict[int, list[RankRun]] = {}
+    for run in runs:
+        by_stage.setdefault(run.coords.get(pp_dim, 0), []).append(run)
+    for stage, group in sorted(by_stage.items()):
+        first = group[0]
+        for other in group[1:]:
+            a, b = first.collectives, other.collectives
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    raise DisagreeingRanks(f"ranks {first.rank} and {other.rank} disagree at collective {i + 1}: "
+                                           f"{x} vs {y}")
+            if len(a) != len(b):
+                raise DisagreeingRanks(f"rank {first.rank} issued {len(a)} collectives, rank {other.rank} {len(b)}")
+        ranks = ", ".join(str(r.rank) for r in group)
+        lines.append(f"pipeline stage {stage}: ranks {ranks} issued the same {len(first.collectives)} collectives "
+                     f"(mesh dimension, shapes, dtype, order)" if len(group) > 1 else
+                     f"pipeline stage {stage}: rank {ranks} traced alone ({len(first.collectives)} collectives)")
+    return lines
+
+
+def dry_run(argv: list[str], world: int, ranks: list[int] | None = None, device_type: str = "cuda",
+            steps: int = 2) -> DryRun:
+    """Trace `ranks` (default: `default_ranks`) and compare their collectives; ConfigError for a bad job."""
+    reason = fake_backend_available()
+    if reason:
+        raise RuntimeError(reason)
+    cfg, plan, notes = _job(argv, world, device_type)
+    ranks = default_ranks(plan.layout) if ranks is None else ranks
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        from torchtrain.config import ConfigError
+
+        raise ConfigError(f"--ranks {bad}: ranks are 0 .. {world - 1}")
+    runs = [run_rank(argv, world, r, device_type, steps) for r in ranks]
+    desc = (f"{cfg.model.name}/{cfg.model.flavor}, {world} ranks: {plan.layout.describe()} (target {device_type}; "
+            f"fake process group, fake tensors)")
+    if plan.layout.float8 is not None:
+        desc += f"; float8 {dataclasses.asdict(plan.layout.float8)['recipe']}"
+    return DryRun(desc, runs, compare(runs), notes)
+
+
+# ----------------------------------------------------------------------------- command line
+USAGE = ("usage: python -m torchtrain.dryrun --world-size N [--ranks R,R,...] [--steps S] [--device cuda|cpu] "
+         "[--job.config_file F] [--section.key value ...]")
+
+
+def _parse(argv: list[str]) -> tuple[int, list[int] | None, int, str, list[str]]:
+    from torchtrain.config import ConfigError
+
+    opts = {"--world-size": None, "--ranks": None, "--steps": "2", "--device": "cuda"}
+    rest, i = [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in opts:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{flag} needs a value; {USAGE}")
+                value, i = argv[i + 1], i + 1
+            opts[flag] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        world = int(opts["--world-size"] or "")
+        ranks = None if opts["--ranks"] is None else [int(r) for r in opts["--ranks"].split(",") if r.strip()]
+        steps = int(opts["--steps"])
+    except ValueError:
+        raise ConfigError(USAGE) from None
+    if world < 1 or steps < 1 or opts["--device"] not in ("cuda", "cpu"):
+        raise ConfigError(USAGE)
+    return world, ranks, steps, opts["--device"], rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    import sys
+    import warnings
+
+    from torchtrain.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
+        return 0
+    logging.getLogger("torchtrain").setLevel(logging.WARNING)  # the trainer's per-rank logs: not here
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # per-op advice
+    warnings.simplefilter("ignore")
+    try:
+        world, ranks, steps, device, job_argv = _parse(argv)
+        result = dry_run(job_argv, world, ranks, device, steps)
+    except ConfigError as e:
+        print(f"torchtrain: config error: {e}", file=sys.stderr)
+        return 2
+    except (DisagreeingRanks, CollectiveMismatch) as e:
+        print(f"dry run: FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"dry run: {result.description}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    for run in result.ranks:
+        print("  " + run.summary())
+    for line in result.agreement:
+        print("  " + line)
+    print("dry run: OK (the layout builds, every collective's shapes are consistent, the steps ran)")
+    return 0

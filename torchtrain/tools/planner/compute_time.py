@@ -1,0 +1,243 @@
+"""Compute time on one rank, from each kernel's shape and the device's rates (`components/devices.py`).
+
+**GEMMs.** A matmul of an m x k input with a k x n weight does F = 2 m k n FLOPs and moves
+B = (m k + k n + m n) x dtype bytes. On a device with dense peak P (bf16, fp32 or fp8), achievable
+share e (MAMF / peak) and S streaming multiprocessors,
+
+    t = max(F / (P e w), B / (HBM e_mem)) + 4 us            w = tiles / (waves x S)
+
+where the output is cut into 128 x 256 tiles (the common Hopper/Ampere cuBLAS tile), tiles =
+ceil(m / 128) ceil(n / 256), and they run in waves = ceil(tiles / S) of one tile per SM: a GEMM with
+too few tiles leaves SMs idle (wave quantization). Backward runs the input gradient (m x n @ n x k)
+and the weight gradient (k x m @ m x n) the same way. Under float8 (`model.converters`) the blocks'
+linear layers run all three GEMMs at the fp8 rate, plus the casts (below); the output head stays in
+bf16 (torchtitan's and the shipped jobs' `filter_fqns = ["output"]`).
+
+**Attention** (flash attention, which stores no s x s matrix): forward FLOPs per sequence and head
+2 s_q s_k (d_qk + d_v), halved by the causal mask, scaled by L / s for block-causal masks over
+documents of mean length L (FlexAttention skips empty blocks; its kernel runs at 0.9 of flash
+attention's rate: FlexAttention paper, Dong et al. 2024); backward 2.5 x forward (FlashAttention-2's
+five matmuls against two). The device's attention shares apply at long sequences; shorter keys ramp
+them by s_k / (s_k + 250) (FlashAttention-3 paper, Fig. 5, FA2 on H100: the backward runs at 0.66 of
+its long-sequence rate at 512 tokens, 0.81 at 1k, 0.90 at 2k, 0.96 at 4k).
+
+**Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
+HBM e_mem. Per token and block, with d-byte activations and fp32 norms, eager PyTorch moves in forward
+
+    2 (4d + 24) h       two RMSNorms: cast to fp32, square, mean, scale, cast back, weight
+    (2d + 16)(h_q+h_kv) RoPE on q and k (through complex fp32)
+    2 d h_q             the attention output's transpose back to tokens x features
+    6 d h               two residual adds
+    5 d F               SwiGLU: silu(w1 x) and its product with w3 x
+    (MoE: 4 d h k for dispatch and combine, 5 d H per route and shared expert; Qwen3's q/k norms
+     (4d + 24)(h_q + h_kv))
+
+and a compiled block (`compile.enable`: Inductor fuses each chain into one kernel that reads its
+inputs and writes its outputs once) 4 d h + 2 d (h_q + h_kv) + 2 d h_q + 4 d h + 3 d F. Backward moves
+twice the forward's bytes. The loss moves 44 V / tp bytes per token eager (fp32 cast, log-softmax
+and their backward) and 12 V / tp compiled. A float8 linear casts its input and output gradient
+per token: (2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its
+backward GEMMs need), (d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
+
+**Recomputation** (activation checkpointing) repeats forward work in backward: `full` the whole
+block, selective every-N-th the N-th blocks, selective `op` the memory-bound kernels only
+(torchtrain's policy saves every matmul and attention output) plus `sac_matmul_share` of the
+matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchtrain.components.devices import GPUSpec
+from torchtrain.tools.planner import shapes
+from torchtrain.tools.planner.inputs import PlanInputs
+
+LAUNCH_S = 4e-6
+TILE_M, TILE_N = 128, 256
+ATTN_RAMP_TOKENS = 250
+FLEX_ATTENTION_SHARE = 0.9
+ATTN_BWD_OVER_FWD = 2.5
+
+
+@dataclass
+class BlockTime:
+    """Seconds one block takes on one rank for one micro-batch."""
+
+    gemm_fwd: float = 0.0
+    gemm_bwd: float = 0.0
+    attn_fwd: float = 0.0
+    attn_bwd: float = 0.0
+    mem_fwd: float = 0.0
+    mem_bwd: float = 0.0
+    recompute: float = 0.0
+    """Forward work activation checkpointing repeats in backward."""
+    tp_gemm: dict[str, tuple[float, float]] | None = None
+    """(forward, input-gradient) GEMM seconds next to each tensor-parallel collective, which async TP
+    can overlap with it (keys attn_in, attn_out, ffn_in, ffn_out). The weight-gradient GEMM needs the
+    whole gathered tensor, so it cannot hide the collective."""
+
+    @property
+    def total(self) -> float:
+        return (self.gemm_fwd + self.gemm_bwd + self.attn_fwd + self.attn_bwd + self.mem_fwd + self.mem_bwd
+                + self.recompute)
+
+
+# ------------------------------------------------------------------------------ kernels
+def gemm_seconds(dev: GPUSpec, m: float, k: float, n: float, dtype: str) -> float:
+    """One GEMM of an m x k input with a k x n weight (see the module docstring)."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0
+    peak = dev.matmul_tflops(dtype)
+    eff = dev.fp8_matmul_efficiency if dtype == "float8" else dev.matmul_efficiency
+    wave = 1.0
+    if dev.sm_count:
+        tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+        wave = tiles / (math.ceil(tiles / dev.sm_count) * dev.sm_count)
+    flop_s = 2 * m * k * n / (peak * 1e12 * eff * wave)
+    size = {"float8": 1, "float32": 4}.get(dtype, 2)
+    mem_s = (m * k + k * n + m * n) * size / (dev.hbm_tbps * 1e12 * dev.memory_efficiency) if dev.hbm_tbps else 0.0
+    return max(flop_s, mem_s) + LAUNCH_S
+
+
+def linear_seconds(dev: GPUSpec, m: float, k: float, n: float, dtype: str) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) seconds of a linear layer on m tokens: y = x W (k -> n)."""
+    return gemm_seconds(dev, m, k, n, dtype), gemm_seconds(dev, m, n, k, dtype), gemm_seconds(dev, k, m, n, dtype)
+
+
+def memory_seconds(dev: GPUSpec, nbytes: float) -> float:
+    if not nbytes or not dev.hbm_tbps:
+        return 0.0
+    return nbytes / (dev.hbm_tbps * 1e12 * dev.memory_efficiency)
+
+
+def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention on this rank for one micro-batch: `heads`
+    TP-local heads, each sequence's seq_len / cp queries against all its keys."""
+    s = p.seq_len
+    seqs = p.microbatch_tokens * p.cp / s
+    share = 0.5  # causal
+    eff_scale = 1.0
+    if getattr(p.args, "attention_mask", "causal") == "block_causal":
+        share *= min(1.0, (p.document_tokens or s) / s)
+        eff_scale = FLEX_ATTENTION_SHARE
+    flops = 2 * s * s * (qk + v) * share * heads * seqs / p.cp
+    peak = dev.matmul_tflops(p.param_dtype) * 1e12
+    ramp = s / (s + ATTN_RAMP_TOKENS) * eff_scale
+    fwd = flops / (peak * dev.attention_fwd_efficiency * ramp) + LAUNCH_S
+    bwd = ATTN_BWD_OVER_FWD * flops / (peak * dev.attention_bwd_efficiency * ramp) + LAUNCH_S
+    return fwd, bwd
+
+
+# ------------------------------------------------------------------------------ memory-bound bytes
+def block_memory_bytes(a, d: int, compiled: bool) -> float:
+    """Forward bytes per token of a block's memory-bound kernels, before tensor-parallel sharding
+    (see the module docstring)."""
+    att = shapes.attention(a)
+    h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
+    hq_qk = att.heads * att.qk_head_dim
+    if compiled:
+        out = 8 * d * h + 2 * d * (hq_qk + hkv) + 2 * d * hq
+        per_ffn, qk_norm = 3 * d, 2 * d * (hq_qk + hkv)
+    else:
+        out = 2 * (4 * d + 24) * h + (2 * d + 16) * (hq_qk + hkv) + 2 * d * hq + 6 * d * h
+        per_ffn, qk_norm = 5 * d, (4 * d + 24) * (hq_qk + hkv)
+    if getattr(a, "qk_norm", False):
+        out += qk_norm
+    if shapes.is_moe(a):
+        k, H = a.num_experts_per_tok, a.moe_intermediate_size
+        out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
+    else:
+        out += per_ffn * shapes.ffn_dim(a)
+    return out
+
+
+def float8_cast_bytes(mm: shapes.Matmul, d: int, compiled: bool) -> float:
+    """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward."""
+    per = (d + 1) if compiled else (2 * d + 1)
+    return (per + 2) * (mm.in_features + mm.out_features)
+
+
+# ------------------------------------------------------------------------------ one block
+def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
+    """One block on one rank for one micro-batch: GEMMs by their TP/EP-local shapes, attention,
+    memory-bound kernels, and what activation checkpointing recomputes."""
+    a, tp, d = p.args, p.tp, p.param_bytes
+    t = p.microbatch_tokens  # tokens of this micro-batch on the rank (seq_len / cp per sequence)
+    dtype = p.param_dtype
+    out = BlockTime(tp_gemm={"attn_in": (0.0, 0.0), "attn_out": (0.0, 0.0), "ffn_in": (0.0, 0.0),
+                             "ffn_out": (0.0, 0.0)})
+    mm_fwd_s = 0.0
+    fp8_bytes = 0.0
+    for mm in shapes.matmuls(a):
+        gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
+            mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
+        if mm.kind in ("column", "row"):
+            k, n = (mm.in_features, mm.out_features / tp) if mm.kind == "column" else (mm.in_features / tp,
+                                                                                      mm.out_features)
+            fwd, dgrad, wgrad = linear_seconds(dev, t, k, n, gemm_dtype)
+            if p.async_tp and tp > 1:  # forward and input gradient run as tp GEMMs of t / tp rows each
+                fwd, dgrad, _ = (tp * x for x in linear_seconds(dev, t / tp, k, n, gemm_dtype))
+        elif mm.kind == "local":
+            fwd, dgrad, wgrad = linear_seconds(dev, t / tp, mm.in_features, mm.out_features, dtype)
+        else:  # routed experts: top-k routed rows of this rank's sequence shard, spread over its local experts
+            local = max(1, a.num_experts // p.ep)
+            rows = t / tp * a.num_experts_per_tok / local
+            fwd, dgrad, wgrad = (local * x for x in linear_seconds(dev, rows, mm.in_features, mm.out_features, dtype))
+        bwd = dgrad + wgrad
+        if gemm_dtype == "float8":
+            fp8_bytes += float8_cast_bytes(mm, d, p.compile) * t / tp
+        out.gemm_fwd += fwd
+        out.gemm_bwd += bwd
+        mm_fwd_s += fwd
+        side = "attn" if mm.name in ("wq", "wk", "wv", "wo") else "ffn"
+        if mm.kind in ("column", "row"):
+            key = f"{side}_{'in' if mm.kind == 'column' else 'out'}"
+            out.tp_gemm[key] = (out.tp_gemm[key][0] + fwd, out.tp_gemm[key][1] + dgrad)
+    att = shapes.attention(a)
+    out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim)
+    mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile) * t / tp)
+    fp8_s = memory_seconds(dev, fp8_bytes)
+    out.mem_fwd = mem_fwd + fp8_s / 3
+    out.mem_bwd = 2 * mem_fwd + 2 * fp8_s / 3
+    out.recompute = _recompute_share(p) * (out.gemm_fwd + out.attn_fwd + out.mem_fwd)
+    if p.ac_mode == "selective" and p.ac_option == "op":
+        out.recompute = out.mem_fwd + p.sac_matmul_share * mm_fwd_s
+    return out
+
+
+def _recompute_share(p: PlanInputs) -> float:
+    """Share of the blocks whose whole forward is recomputed (full AC: all; selective N: 1 / N)."""
+    if p.ac_mode == "full":
+        return 1.0
+    if p.ac_mode == "selective" and p.ac_option != "op":
+        return 1.0 / int(p.ac_option)
+    return 0.0
+
+
+# ------------------------------------------------------------------------------ around the blocks
+def embedding_seconds(p: PlanInputs, dev: GPUSpec) -> float:
+    """Embedding forward + backward for one micro-batch (the first stage): lookups, and the gradient
+    table written whole (DTensor computes it for the whole vocabulary, see analytic.py)."""
+    a, d, t = p.args, p.param_bytes, p.microbatch_tokens
+    return memory_seconds(dev, 3 * d * a.dim * t + 4 * a.vocab_size * a.dim)
+
+
+def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
+    """Final norm, output projection (vocabulary-parallel under TP) and the loss, forward and
+    backward, for one micro-batch (the last stage)."""
+    a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
+    fwd, dgrad, wgrad = linear_seconds(dev, t, a.dim, a.vocab_size / tp, p.param_dtype)
+    bwd = dgrad + wgrad
+    loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t
+    norm_bytes = (6 * d if p.compile else 3 * (4 * d + 24)) * a.dim * t / tp
+    return fwd + bwd + memory_seconds(dev, loss_bytes + norm_bytes)
+
+
+def optimizer_seconds(p: PlanInputs, dev: GPUSpec, local_params: float) -> float:
+    """The optimizer step over this rank's parameters: AdamW reads param, grad, m, v and writes
+    param, m, v (28 bytes per fp32 parameter; the foreach kernels make about twice the passes), plus
+    the gradient-norm pass and the clipping scale (12 bytes)."""
+    per_param = 28 if p.optimizer_impl == "fused" else 56
+    return memory_seconds(dev, (per_param + 12) * local_params)

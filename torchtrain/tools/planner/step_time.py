@@ -1,0 +1,220 @@
+"""Step time, tokens/s, MFU and cost of a layout: the schedule that puts compute and communication together.
+
+Read top-down; this module calls `compute_time` (kernels, from shapes and device rates),
+`comm_time` (collectives, from message sizes and links) and `pipeline` (the schedule's bubble,
+replayed), and nothing calls back.
+
+1. **One micro-batch on one rank** (`_rank_microbatch`): every block of the rank's stages
+   (`compute_time.block_time`: GEMMs, attention, memory-bound kernels, recomputation) plus the
+   embedding and the head on the first and last stage, plus the collectives that sit on the critical
+   path between kernels: tensor-parallel all-gathers / reduce-scatters (with
+   `parallelism.enable_async_tensor_parallel` each is hidden behind the GEMM next to it, and only what
+   the GEMM cannot cover is exposed), context parallelism's key/value exchange and expert
+   parallelism's all-to-alls (not overlapped in torchtrain).
+2. **The schedule.** Without pipelining a step is `accumulation` micro-batches back to back. With
+   pipelining, the slowest pipeline rank sets the pace: m micro-batches of it, stretched by the
+   schedule's bubble b (replayed from torch's own schedule, `pipeline.py`): m t / (1 - b), plus the
+   point-to-point sends of every micro-batch.
+3. **Data parallelism** (`comm_time.data_parallel`) overlaps with computation: FSDP's all-gathers with
+   the forward (and, resharding, the backward) of a micro-batch, its reduce-scatters with the last
+   micro-batch's backward; only what exceeds that window is exposed, plus the first unit's gather
+   (nothing to overlap with yet) and the last unit's reduction (nothing after it). Without
+   pipelining, gathers repeat every micro-batch; a pipeline stage keeps its parameters gathered for the
+   step (`layout.effective_reshard`), so it gathers once. DDP's all-reduce overlaps the last backward.
+   FSDP2's copy-in/out is memory traffic on the compute stream.
+4. **The optimizer step** over the rank's shard (memory-bound), and ZeRO-1's parameter all-gather.
+
+    step = schedule + exposed data-parallel communication + optimizer
+    tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
+
+There is no efficiency knob: the rates are the device table's (`components/devices.py`, overridable
+with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torchtrain.components.devices import GPUSpec
+from torchtrain.tools.planner import comm_time, compute_time, shapes
+from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.pipeline import pipeline_of
+
+
+@dataclass
+class StepTime:
+    flops_per_token: float
+    """Model FLOPs per token (6N + attention: what MFU counts)."""
+    recompute_flops_per_token: float
+    """Forward FLOPs activation checkpointing repeats, per token."""
+    tokens_per_step: int
+    peak_tflops: float | None
+    """The device's dense peak for the compute dtype (bf16 also under float8: MFU's convention)."""
+    bubble: float
+    device: str = ""
+    compute_s: float | None = None
+    """Computation on the critical path of the step (the slowest pipeline rank, bubble excluded)."""
+    compute_breakdown_s: dict[str, float] = field(default_factory=dict)
+    """compute_s by kind: matmuls, attention, memory-bound kernels, recomputation, embedding + head."""
+    bubble_s: float | None = None
+    comm_s: dict[str, float] = field(default_factory=dict)
+    """Exposed communication per kind (tensor parallel, context parallel, expert all-to-all, pipeline
+    p2p, data parallel), seconds per step."""
+    optimizer_s: float | None = None
+    step_s: float | None = None
+    """Predicted seconds per step: compute + bubble + exposed communication + optimizer."""
+    tokens_per_s: float | None = None
+    effective_mfu: float | None = None
+    expert_all_to_all_bytes: float = 0.0
+    """Bytes one rank sends through the expert-parallel all-to-alls per step (0 without EP)."""
+    budget_tokens: float = 0.0
+    steps: int = 0
+    train_s: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
+
+
+def recompute_flops_per_token(p: PlanInputs) -> float:
+    """Matmul and attention FLOPs per token that activation checkpointing repeats (memory-bound work is
+    counted in time only)."""
+    a = p.args
+    att = shapes.attention(a)
+    block_matmul = 2 * sum(m.in_features * m.out_features * (a.num_experts_per_tok if m.kind == "expert" else 1)
+                           for m in shapes.matmuls(a))
+    attention = 2 * p.seq_len * att.heads * (att.qk_head_dim + att.v_head_dim) * 0.5 * 2
+    if p.ac_mode == "full":
+        return a.n_layers * (block_matmul + attention)
+    if p.ac_mode == "selective":
+        if p.ac_option == "op":
+            return a.n_layers * p.sac_matmul_share * block_matmul
+        return (a.n_layers // int(p.ac_option)) * (block_matmul + attention)
+    return 0.0
+
+
+@dataclass
+class _Microbatch:
+    seconds: float
+    forward_s: float
+    backward_s: float
+    breakdown: dict[str, float]
+    comm: dict[str, float]
+
+
+def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages) -> _Microbatch:
+    """One micro-batch through this rank's stages (step 1 of the module docstring)."""
+    n_blocks = sum(len(s.layers) for s in stages)
+    tp_fwd, tp_bwd = comm_time.tp_block(p, dev)
+    tp_exposed = tp_fwd + tp_bwd
+    hidden = 0.0
+    if p.async_tp and p.tp > 1:
+        # each collective is cut into tp chunks pipelined with the GEMM it feeds (forward) or follows
+        # (input gradient): the first chunk waits, the rest hide as far as that GEMM lasts
+        c, repeats = comm_time.tp_collective(p, dev), tp_fwd / (4 * comm_time.tp_collective(p, dev))
+
+        def exposed(gemm: float) -> float:
+            return c / p.tp + max(0.0, c * (p.tp - 1) / p.tp - gemm)
+
+        tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in block.tp_gemm.values())
+        hidden = n_blocks * (tp_fwd + tp_bwd - tp_exposed)
+    edges = sum(s.first for s in stages) + sum(s.last for s in stages)
+    comm = {"tensor parallel": n_blocks * tp_exposed + edges * 2 * comm_time.tp_collective(p, dev),
+            "context parallel": n_blocks * comm_time.cp_block(p, dev),
+            "expert all-to-all": n_blocks * comm_time.ep_block(p, dev)}
+    breakdown = {"matmuls": n_blocks * (block.gemm_fwd + block.gemm_bwd),
+                 "attention": n_blocks * (block.attn_fwd + block.attn_bwd),
+                 "memory-bound": n_blocks * (block.mem_fwd + block.mem_bwd),
+                 "recomputation": n_blocks * block.recompute,
+                 "embedding + head": (sum(s.first for s in stages) * compute_time.embedding_seconds(p, dev)
+                                      + sum(s.last for s in stages) * compute_time.head_seconds(p, dev))}
+    if hidden:
+        breakdown["slowdown under overlapped communication"] = hidden * dev.comm_sm_share
+    compute = sum(breakdown.values())
+    forward = n_blocks * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
+    return _Microbatch(compute + sum(comm.values()), forward, compute - forward, breakdown, comm)
+
+
+def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic, mb: _Microbatch,
+                           passes: int) -> tuple[float, float]:
+    """(exposed, hidden) data-parallel seconds per step (step 3 of the module docstring)."""
+    gathers, reduces = traffic.gathers, traffic.reduces
+    if not gathers:  # DDP / ZeRO-1: bucketed all-reduce behind the last backward
+        total = sum(reduces)
+        exposed = max(0.0, total - mb.backward_s) + (reduces[0] if reduces else 0.0)
+        return exposed + traffic.after_step, total - min(total, exposed)
+    gather = sum(gathers)
+    backward_gather = gather if p.reshard != "never" else 0.0
+    forward = gathers[0] + max(0.0, gather - mb.forward_s)
+    last_backward = max(0.0, backward_gather + sum(reduces) - mb.backward_s) + reduces[0]
+    rounds = 1 if p.pp > 1 else passes  # a pipeline stage keeps its parameters gathered for the step
+    total = rounds * (gather + backward_gather) + sum(reduces)
+    exposed = rounds * forward + (rounds - 1) * max(0.0, backward_gather - mb.backward_s) + last_backward
+    return exposed, max(0.0, total - exposed)
+
+
+def estimate_step(p: PlanInputs) -> StepTime:
+    """The step time of layout `p` on its device (see the module docstring); no times without a device."""
+    a = p.args
+    tokens = p.global_batch_size * p.seq_len
+    prof = pipeline_of(p)
+    dev = p.gpu
+    peak = dev.matmul_tflops(p.param_dtype) if dev is not None else None
+    out = StepTime(float(a.flops_per_token(p.seq_len)), recompute_flops_per_token(p), tokens, peak, prof.bubble,
+                   device=dev.name if dev is not None else "", budget_tokens=p.token_budget,
+                   expert_all_to_all_bytes=comm_time.expert_all_to_all_bytes(p))
+    out.steps = math.ceil(out.budget_tokens / tokens)
+    if not peak or (dev.hbm_tbps is None and dev.key != "cpu"):
+        return out
+    block = compute_time.block_time(p, dev)
+    per_rank = {r: _rank_microbatch(p, dev, block, prof.stages[r]) for r in _distinct_ranks(prof)}
+    slow_rank = max(per_rank, key=lambda r: per_rank[r].seconds)
+    mb = per_rank[slow_rank]
+    passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
+    units = shapes.unit_shapes(a, list(prof.stages[slow_rank]), p.tp, p.ep)
+    traffic = comm_time.data_parallel(p, dev, units)
+    copies = compute_time.memory_seconds(dev, traffic.copy_bytes) * (1 if p.pp > 1 else passes)
+    out.compute_breakdown_s = {k: v * passes for k, v in mb.breakdown.items()}
+    if copies:
+        out.compute_breakdown_s["FSDP copy-in/out"] = copies
+    out.compute_s = sum(out.compute_breakdown_s.values())
+    schedule = passes * mb.seconds + copies
+    out.bubble_s = schedule * prof.bubble / (1 - prof.bubble) if p.pp > 1 else 0.0
+    out.comm_s = {k: v * passes for k, v in mb.comm.items() if v}
+    if p.pp > 1:
+        out.comm_s["pipeline p2p"] = passes * prof.stages_per_rank * comm_time.pp_microbatch(p, dev)
+    dp, dp_hidden = _data_parallel_exposed(p, traffic, mb, passes)
+    if dp:
+        out.comm_s["data parallel"] = dp
+    if dp_hidden:
+        slow = dp_hidden * dev.comm_sm_share
+        out.compute_breakdown_s["slowdown under overlapped communication"] = \
+            out.compute_breakdown_s.get("slowdown under overlapped communication", 0.0) + slow
+        out.compute_s += slow
+        schedule += slow
+    local_params = sum(shapes.numel(u, _shard_degree(p, name)) for name, u in units)
+    out.optimizer_s = compute_time.optimizer_seconds(p, dev, local_params)
+    out.step_s = schedule + out.bubble_s + out.optimizer_s + dp + out.comm_s.get("pipeline p2p", 0.0)
+    out.tokens_per_s = tokens / out.step_s
+    out.effective_mfu = tokens * out.flops_per_token / p.world_size / out.step_s / (peak * 1e12)
+    out.train_s = out.steps * out.step_s
+    out.gpu_hours = out.train_s / 3600 * p.world_size
+    out.cost = out.gpu_hours * p.price
+    return out
+
+
+def _shard_degree(p: PlanInputs, unit: str) -> int:
+    """Ranks the optimizer state of `unit` is split over."""
+    if p.sharded:
+        return p.expert_fsdp if unit.startswith("experts") and p.ep > 1 else p.fsdp_degree
+    return p.dp if p.dp_strategy.zero1 else 1
+
+
+def _distinct_ranks(prof) -> list[int]:
+    """One pipeline rank per distinct stage structure (the others take the same time)."""
+    seen, out = set(), []
+    for r, stages in prof.stages.items():
+        key = tuple((len(s.layers), s.first, s.last) for s in stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
