@@ -19,6 +19,9 @@
 # Every further argument is a config override: --section.key value
 # The job is checked once before torchrun starts (python -m torchtrain.launch_check, for NGPU x NNODES
 # processes): a bad job prints one "torchtrain: config error: ..." line and exits 2.
+# torchrun runs inside python -m torchtrain.launcher: it restarts the workers after a failure up to
+# fault.max_restarts times (resuming from the newest complete checkpoint), and exits with the workers'
+# own status when they explained it (2 config error, 3 guard abort, 4 hang; docs/resilience.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -47,6 +50,6 @@ fi
 NGPU=$(python -m torchtrain.launch_check --nproc-per-node "${NGPU:-auto}" --nnodes "$NNODES" \
          --job.config_file "$CONFIG_FILE" "$@") || exit $?
 
-exec torchrun --nproc_per_node="$NGPU" "${RDZV[@]}" \
+exec python -m torchtrain.launcher --nproc_per_node="$NGPU" "${RDZV[@]}" \
   "${FILTER[@]}" --role rank --tee 3 \
   -m torchtrain.train --job.config_file "$CONFIG_FILE" "$@"

@@ -23,6 +23,7 @@ from torchtrain.components.wandb_sink import check_wandb
 from torchtrain.components.validation import check_validation, check_validation_data
 from torchtrain.config import JobConfig
 from torchtrain.distributed.layout import Layout, resolve_layout
+from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
 
@@ -74,5 +75,6 @@ def check_job(cfg: JobConfig, world_size: int, device_type: str) -> Preflight:
     checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device_type, cfg.model.name,
                          plan.model_spec.state_dict_adapter is not None)
     check_wandb(cfg.metrics)
+    check_replica_ft(cfg.fault)
     check_data(cfg, plan.tokenizer)
     return plan

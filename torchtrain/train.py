@@ -20,6 +20,8 @@ from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
 from torchtrain.components.checkpoint.state import training_states
 from torchtrain.components.data.build import build_dataloader, training_sources
 from torchtrain.components.compile_monitor import CompileMonitor
+from torchtrain.components.fault import FaultRuntime
+from torchtrain.components.fault import testing as fault_testing
 from torchtrain.components.evaluation.in_loop import InLoopEvaluation
 from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.gc_control import GarbageCollection
@@ -38,11 +40,13 @@ from torchtrain.components.validation import build_validation_sources
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_dict, to_toml
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
+from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
 from torchtrain.distributed.utils import (env_rank_world, exit_process, init_distributed, resolve_device,
                                           set_determinism, set_train_timeout)
 from torchtrain.models.registry import model_arguments
 from torchtrain.preflight import check_job
 from torchtrain.train_step import TrainStep
+from torchtrain.utils import exit_codes
 from torchtrain.utils.logging import init_logger, is_log_rank, logger
 
 
@@ -67,8 +71,13 @@ class Trainer:
                                             cfg.debug.seed)  # [] unless enabled
         eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
 
-        # 2. Process group, mesh, RNG.
+        # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).
         init_distributed(cfg.comm, device)
+        self.run_folder = run_folder(cfg.job.dump_folder, cfg.fault)  # a replica group's own folder under replica_ft
+        self.state = TrainState(device)
+        self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
+                                  cfg.profiling.enable_profiling)
+        self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)
         dims.build_mesh(device.type)
         set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self._write_config()
@@ -92,21 +101,21 @@ class Trainer:
                                     cfg.training.max_norm, self.moe, cfg.training.z_loss)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
-        self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, dims.dp_rank, dims.dp,
-                                           cfg.debug.seed, device.type)
+        self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
+                                           layout.data_degree, cfg.debug.seed, device.type)
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
                                                                             cfg.metrics.peak_tflops), world_size)
         self.memory = MemoryMonitor(device)
         self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
-        self.state = TrainState(device)
+        self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
-        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, device)
-        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling)
+        self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
+        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
+                                 listener=self.fault.phase)
         self.evaluation = InLoopEvaluation(cfg.validation, cfg.eval, cfg.training, held_out, eval_tasks, tokenizer,
-                                           self.train_step, cfg.job.dump_folder, self.rank == 0)
+                                           self.train_step, self.run_folder, self.rank == 0)
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
                                    check_grad_norm=not layout.loss_scaling, device=device)
         self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)
@@ -122,6 +131,10 @@ class Trainer:
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, spec.state_dict_adapter))
         self.checkpointer.load()
+        if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
+            self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
+            self.replicas.install(self.model_parts)
+            self.train_step.replicas = self.replicas
 
     def _log_pipeline(self) -> None:
         plan, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
@@ -136,8 +149,8 @@ class Trainer:
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
         if self.rank == 0:
-            os.makedirs(self.job_config.job.dump_folder, exist_ok=True)
-            with open(os.path.join(self.job_config.job.dump_folder, "job_config.toml"), "w") as f:
+            os.makedirs(self.run_folder, exist_ok=True)
+            with open(os.path.join(self.run_folder, "job_config.toml"), "w") as f:
                 f.write(text)
         if self.job_config.job.print_config:
             logger.info("resolved config:\n%s", text)
@@ -160,6 +173,10 @@ class Trainer:
         self.profiler.start(self.state.step)
         first_step = self.state.step + 1  # > 1 after a resume
         while self.state.step < cfg.training.steps:
+            if self.replicas is not None and self._replica_quorum():  # [fault] rejoined: the live state
+                data_iter = iter(self.dataloader)
+                if self.state.step >= cfg.training.steps:
+                    break
             self.state.step += 1
             self.gc.step(self.state.step)  # [ops] training.gc_freq
             self.phases.enter("data")
@@ -175,6 +192,9 @@ class Trainer:
             self.state.add_tokens(out["tokens"])
             if out["guard"] in ("rollback", "abort") and self._guard_act(out):  # [ops] True: rolled back
                 continue
+            if out["guard"] == "replica_lost":
+                logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
+                               "surviving group (its batches are not trained on)", self.state.step)
             if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
                 out["evaluation"] = self.evaluation.run(self.state.step, self.phases)
             logged = self._should_log() or "evaluation" in out or out["guard"] is not None
@@ -183,7 +203,8 @@ class Trainer:
             if self.state.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             self.phases.enter("checkpoint")
-            stop = self.checkpointer.after_step(self.state.step)  # saves when due; True: preempted, stop now
+            stop = self.checkpointer.after_step(  # saves when due; True: preempted, stop now
+                self.state.step, may_save=self.replicas is None or self.replicas.saver)
             self.phases.enter("profiler")
             self.profiler.step(self.state.step)
             self.phases.pause()
@@ -193,6 +214,12 @@ class Trainer:
                 break
         logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
+    def _replica_quorum(self) -> bool:
+        """The step's quorum of replica groups; True when this group received the live state."""
+        self.fault.mark("quorum")
+        wait = self.state.step + 1 == fault_testing.replica_wait_step()
+        return self.replicas.begin_step(self.state.step, wait_for_all=wait)
+
     def _guard_act(self, out: dict) -> bool:
         """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
         rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
@@ -201,6 +228,7 @@ class Trainer:
         if out["guard"] == "abort":
             raise GuardAbort(self.guard.abort_message())
         bad = self.state.step
+        self.fault.mark("checkpoint")
         restored = self.checkpointer.restore_latest(exclude=("dataloader",))
         if restored is None:
             logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
@@ -234,7 +262,11 @@ class Trainer:
         if out.get("z_loss") is not None:
             record["z_loss"] = out["z_loss"].item()
         record.update(**self.phases.summary(record["step_time_s"]), **out.get("evaluation", {}),
-                      **self.guard.record())  # [ops]
+                      **self.guard.record(), **self.fault.record())  # [ops]
+        if self.replicas is not None:
+            record.update(self.replicas.record())
+            if self.state.step == self.job_config.training.steps:
+                record["state_digest"] = state_digest(self.replicas.states)
         self.metrics.log(self.state.step, record)
         out["logged"] = True
         self.memory.reset_peak()
@@ -243,14 +275,18 @@ class Trainer:
         """Flush and release everything. `finished`: every rank completed normally, so they meet at a
         barrier first and tear the process group down together (a rank that destroys gloo's group
         while a peer still runs can abort at exit)."""
+        self.fault.mark("shutdown")
         self.profiler.stop()
         self.gc.close()
         self.checkpointer.close()
         self.metrics.close()
+        if self.replicas is not None:
+            self.replicas.close()
         if dist.is_initialized():
             if finished:
                 dist.barrier()
             dist.destroy_process_group()
+        self.fault.close()
 
 
 # torchrun stops all workers as soon as one fails; a quiet rank that failed first would cut the log
@@ -274,12 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchtrain: config error: {e}", file=sys.stderr)
         else:  # every rank finds the error at once: let the log rank say it before torchrun stops the job
             time.sleep(QUIET_RANK_ERROR_EXIT_DELAY_S)
-        return 2
+        return exit_codes.CONFIG_ERROR
     except GuardAbort as e:  # every rank raises it at the same step (docs/guard.md)
         finished = True  # ... so they can still tear down together
         if is_log_rank():
             print(f"torchtrain: guard: {e}", file=sys.stderr)
-        return 3
+        return exit_codes.GUARD_ABORT
     finally:
         if trainer is not None:
             trainer.close(finished)

@@ -22,6 +22,9 @@ FSDP / DDP average gradients over those R ranks, so the gradient is exactly that
 token-mean loss under any layout (components/loss.py). Under context parallelism each batch is first
 cut to this rank's chunks of every sequence (`shard`); a model whose forward takes `positions` gets
 the data's document positions.
+Under replica-group fault tolerance (distributed/replica_ft.py) R is the data-parallel ranks of the
+replica groups in the step's quorum: N and the loss are also summed across those groups, and a step
+whose cross-group collectives failed is not applied (verdict "replica_lost").
 With `training.z_loss`, each token's loss also holds the z-loss term (components/loss.py); the
 returned `loss` is the cross-entropy alone and `z_loss` that term, reduced the same way.
 A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
@@ -73,8 +76,9 @@ class StepHooks:
 class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
-                 moe: MoEBalancer | None = None, z_loss: float = 0.0):
+                 moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
+        self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
@@ -150,7 +154,10 @@ class TrainStep:
         batches = [self.shard(b) for b in batches]
         local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches).to(self.device)
         global_tokens = all_reduce(local_tokens, dims.loss_mesh)
-        self.loss_fn.scale = dims.loss_degree / global_tokens.double()
+        degree = dims.loss_degree
+        if self.replicas is not None:
+            global_tokens, degree = self.replicas.sum_(global_tokens), degree * self.replicas.live
+        self.loss_fn.scale = degree / global_tokens.double()
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:
             self.loss_fn.scale = self.loss_fn.scale * multiplier
@@ -166,13 +173,18 @@ class TrainStep:
         if self.loss_fn.z_weight:  # the z-loss is logged on its own: `loss` stays the cross-entropy
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
             accumulated = torch.stack([accumulated - z, z])
-        global_loss = all_reduce(accumulated / dims.loss_degree, dims.loss_mesh)
+        global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
+        if self.replicas is not None:
+            global_loss = self.replicas.sum_(global_loss)
         z_loss = None
         if self.loss_fn.z_weight:
             global_loss, z_loss = global_loss[0], global_loss[1]
-        verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
+        if self.replicas is not None and not self.replicas.commit():  # a group was lost during the step
+            verdict = "replica_lost"
+        else:
+            verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
         if stepped and self.layout.float8 is not None and self.layout.float8.precompute_scale:
             precompute_scales(self.model_parts)  # float8 all-gather: next forward's scales, one all-reduce

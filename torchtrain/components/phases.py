@@ -15,12 +15,16 @@ CUDA work is asynchronous: without synchronisation a phase would measure how lon
 *queue* kernels. So on CUDA every boundary synchronizes the device, which costs the overlap of CPU
 launch work with GPU execution across boundaries; phase timing is therefore opt-in. With the
 profiler on, each phase is also a `record_function` range, so traces show the same phases.
+
+A `listener` (the [fault] runtime: heartbeats, compute clocks) hears every boundary, `enter(name)`
+and `pause()` (as None), whether or not timing is enabled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 import torch
 
@@ -28,8 +32,10 @@ PHASES = ("data", "forward_backward", "optimizer", "validation", "eval", "checkp
 
 
 class PhaseTimer:
-    def __init__(self, enabled: bool, device: torch.device, annotate: bool = False):
+    def __init__(self, enabled: bool, device: torch.device, annotate: bool = False,
+                 listener: Callable[[str | None], None] | None = None):
         self.enabled = enabled
+        self.listener = listener
         self.annotate = annotate  # record_function ranges for the profiler's trace
         self._sync = enabled and device.type == "cuda"
         self._device = device
@@ -49,9 +55,11 @@ class PhaseTimer:
 
     def enter(self, name: str) -> None:
         """Start phase `name`, ending the current one."""
+        if self.listener is not None:
+            self.listener(name)
         if not (self.enabled or self.annotate):
             return
-        self.pause()
+        self._end()
         if name not in self.totals:
             raise KeyError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
         self._current, self._t0 = name, self._now() if self.enabled else 0.0
@@ -61,6 +69,11 @@ class PhaseTimer:
 
     def pause(self) -> None:
         """End the current phase (if any); time until the next `enter` is the remainder."""
+        if self.listener is not None:
+            self.listener(None)
+        self._end()
+
+    def _end(self) -> None:
         if self._current is None:
             return
         if self._range is not None:

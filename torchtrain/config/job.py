@@ -130,3 +130,11 @@ class Debug:
     """Fault injection for testing the [guard]: at each listed step the loss of every micro-batch on
     every rank is multiplied by NaN before backward (so the loss and every gradient are NaN). Each
     step injects once: a step run again after a guard rollback is clean."""
+
+    inject_delay_ranks: list[Annotated[int, Ge(0)]] = field(default_factory=list)
+    """Fault injection for testing straggler detection ([fault] straggler_freq): the listed global
+    ranks work `inject_delay_s` longer in every step's forward_backward phase (a busy loop on the
+    CPU, a sleep kernel on the GPU), so they are slower in their own compute, not in waiting."""
+
+    inject_delay_s: Annotated[float, Ge(0)] = 0.0
+    """Extra compute per step of the ranks in `inject_delay_ranks`, in seconds."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.checkpoint import Checkpoint
+from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.evaluation import Eval
 from torchtrain.config.job import Debug, Job, Metrics, Model
@@ -38,6 +39,7 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     guard: Guard = field(default_factory=Guard)
+    fault: Fault = field(default_factory=Fault)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 
@@ -48,6 +50,7 @@ class JobConfig:
             if check is not None:
                 check()
         check_operations(self)  # [profiling] [validation] [guard] against the other sections
+        check_fault(self)  # [fault] and its debug injections
         if self.compile.enable and self.metrics.track_tensor_memory:
             raise ConfigError("[metrics.track_tensor_memory] measures every operator in eager mode and cannot run "
                               "inside torch.compile's graphs; set compile.enable = false to measure memory")

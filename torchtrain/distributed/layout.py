@@ -14,7 +14,10 @@ for one world size and device type, into the decisions everything else reads:
 * activation checkpointing and compile choices, async TP, loss parallel;
 * float8 training (`distributed/float8.py::resolve_float8`): whether it runs here and how;
 * the batch plan (global = local x dp x accumulation) and the pipeline plan (stages, placement,
-  schedule, micro-batches).
+  schedule, micro-batches);
+* replica-group fault tolerance (fault.replica_ft): the data_parallel_replicate_degree replica groups
+  are separate jobs, so this job's mesh holds one group (dp_replicate 1) while the data and the batch
+  are dealt over all groups' data-parallel ranks (`data_degree`, `data_rank`).
 
 The trainer, the planner and the launch-time check all consume a Layout; no other module compares
 strategy names or re-derives a default (`tests/test_architecture.py` enforces the first). Every
@@ -168,14 +171,29 @@ class Layout:
     async_tp: bool
     batch: BatchPlan
     pipeline: "PipelinePlan | None" = None
+    replica_groups: int = 1
+    """Replica groups run as separate jobs under fault.replica_ft (1 otherwise; distributed/replica_ft.py)."""
+    replica_id: int = 0
+    """This job's replica group under fault.replica_ft."""
     float8: Float8Plan | None = None
     """Float8 training of the Linear layers (`resolve_float8`); None: off."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
     def fsdp(self) -> bool:
-        """FSDP2 wraps the model (`applies_fsdp`)."""
-        return applies_fsdp(self.strategy, self.dims.loss_degree, self.param_dtype, self.cpu_offload)
+        """FSDP2 wraps the model (`applies_fsdp`; gradients are reduced over every replica group's ranks)."""
+        return applies_fsdp(self.strategy, self.dims.loss_degree * self.replica_groups, self.param_dtype,
+                            self.cpu_offload)
+
+    @property
+    def data_degree(self) -> int:
+        """Data-parallel ranks the training data is dealt over: dp, times the replica groups under replica_ft."""
+        return self.dims.dp * self.replica_groups
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the `data_degree` data-parallel ranks (needs the mesh)."""
+        return self.replica_id * self.dims.dp + self.dims.dp_rank
 
     @property
     def local_seq_len(self) -> int:
@@ -218,6 +236,8 @@ class Layout:
         text = self.dims.describe()
         if self.dims.dp_enabled and self.strategy is not DPStrategy.ZERO3:
             text += f" [{self.strategy.value}]"
+        if self.replica_groups > 1:
+            text = f"replica group {self.replica_id} of {self.replica_groups} (torchft) x {text}"
         return text
 
 
@@ -285,6 +305,21 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         check_compiler(device_type)
 
 
+def _check_replica_ft(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrategy) -> None:
+    """fault.replica_ft averages the gradients of FSDP across replica groups (FSDP's all-reduce hook);
+    what it does not combine with."""
+    if not strategy.sharded:
+        raise ConfigError(f"[fault.replica_ft] averages FSDP gradients across replica groups; use "
+                          f"data_parallel_strategy zero3 or zero2, not {strategy.value!r}")
+    if dims.pp_enabled or dims.ep_enabled:
+        raise ConfigError("[fault.replica_ft] is not combined with pipeline or expert parallelism (their schedules "
+                          "and expert meshes have their own gradient reductions); set pipeline_parallel_degree and "
+                          "expert_parallel_degree to 1")
+    if cfg.training.mixed_precision_param == "float16":
+        raise ConfigError("[fault.replica_ft] is not combined with float16 loss scaling (an overflow would have to be "
+                          "agreed across replica groups); use bfloat16")
+
+
 def _check_experts(model_args: "BaseModelArgs", dims: ParallelDims, model_name: str) -> None:
     """Expert parallelism needs experts to split: a mixture-of-experts model (`num_experts` > 0) whose
     expert count the EP degree divides."""
@@ -307,10 +342,17 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     With `model_args` and `spec` the model's own checks against the layout run too (heads divisible
     by the TP degree, ...), and a pipeline-parallel job gets its pipeline plan (the model's split)."""
     par, training = cfg.parallelism, cfg.training
+    replicas = par.data_parallel_replicate_degree if cfg.fault.replica_ft else 1
+    if replicas > 1:  # this job is one replica group: its mesh has no replicate dimension
+        from dataclasses import replace
+
+        par = replace(par, data_parallel_replicate_degree=1)
     dims = ParallelDims.from_config(par, world_size)
     strategy = DPStrategy.parse(par.data_parallel_strategy)
     _check_combinations(cfg, dims, strategy, device_type)
-    batch = resolve_batch(training.local_batch_size, training.global_batch_size, dims.dp, training.seq_len)
+    if replicas > 1:
+        _check_replica_ft(cfg, dims, strategy)
+    batch = resolve_batch(training.local_batch_size, training.global_batch_size, dims.dp * replicas, training.seq_len)
     layout = Layout(
         dims=dims, device_type=device_type, strategy=strategy,
         reshard_after_forward=effective_reshard(strategy, dims.pp_enabled, par.fsdp_reshard_after_forward),
@@ -323,6 +365,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         compile_model=cfg.compile.enable and "model" in cfg.compile.components,
         compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,
         async_tp=par.enable_async_tensor_parallel, batch=batch,
+        replica_groups=replicas, replica_id=cfg.fault.replica_id or 0,
     )
     float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
                             fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,

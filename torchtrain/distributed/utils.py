@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import random
 import socket
@@ -66,7 +67,36 @@ def init_distributed(comm: Comm, device: torch.device) -> None:
 
         raise ConfigError("[comm.backend] 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=comm.init_timeout_seconds), **kwargs)
+    timeout = datetime.timedelta(seconds=comm.init_timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
+                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def agent_store(timeout: datetime.timedelta, prefix: str) -> dist.Store:
+    """A client of the TCPStore torchrun's agent hosts (MASTER_ADDR:MASTER_PORT), under `prefix`."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+@functools.cache
+def worker_start() -> int:
+    """Which start of this worker this is within the torchrun job: 1, then 2, 3, ... after restarts.
+
+    torchrun (torch >= 2.4) shares its rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and keeps it when it restarts them, without separating the attempts' keys (pytorch/pytorch#135712):
+    the default process group of a restarted worker would read the previous attempt's addresses (gloo)
+    or ids (NCCL) and fail to connect or hang. TORCHELASTIC_RESTART_COUNT cannot tell attempts apart
+    either: an agent that restarts its workers for another node's failure does not count it. So every
+    rank counts its own starts in the store; torchrun restarts every worker of every node together, so
+    the counts agree, and the default group (and the [fault] monitor) keys live under the count.
+    Outside torchrun: 1."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return 1
+    store = agent_store(datetime.timedelta(seconds=60), "torchtrain/")
+    return int(store.add(f"starts/rank_{os.environ['RANK']}", 1))
 
 
 def set_train_timeout(seconds: int) -> None:

@@ -313,8 +313,10 @@ class CheckpointManager:
         self._complete(pending.path, pending.meta, pending.t0)
 
     # ------------------------------------------------------------------ the training loop's hooks
-    def after_step(self, step: int) -> bool:
-        """Save if due (interval, last step, agreed preemption). True: stop training now (preempted)."""
+    def after_step(self, step: int, may_save: bool = True) -> bool:
+        """Save if due (interval, last step, agreed preemption). True: stop training now (preempted).
+        `may_save` False: this job does not write (a replica group other than the saving one under
+        fault.replica_ft); preemption still stops it."""
         if not self.enabled:
             return False
         if self._pending is not None and self._pending.future.done():
@@ -328,6 +330,10 @@ class CheckpointManager:
                 self.preemption.received.clear()
             preempt = self.preemption.agreed(self._pg)
         cfg = self.cfg
+        if not may_save:
+            if preempt:
+                logger.info("preemption: stopping after step %d (another replica group writes the checkpoints)", step)
+            return preempt
         if step >= self.total_steps:
             model_only = cfg.last_save_model_only
             self.save(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,

@@ -66,10 +66,12 @@ class DataLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         generation = self._generation
         batches = RankBatches(self.samples, self.local_batch_size, self.dp_rank, self.dp_degree, self.limit)
+        # A private generator for the loader's worker base seed: iterating never draws from the global
+        # RNG, so a resumed (or rejoining replica-group) run's RNG stream is the uninterrupted run's.
         loader = StatefulDataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers,
                                     collate_fn=_batch_as_is, pin_memory=self.pin_memory,
                                     prefetch_factor=2 if self.workers else None,
-                                    persistent_workers=False)
+                                    persistent_workers=False, generator=torch.Generator())
         epochs = self.dataset.epochs(self.samples)
         for batch in loader:
             if generation != self._generation:

@@ -1,0 +1,172 @@
+"""Fault tolerance end to end under real torchrun + gloo ([fault], docs/resilience.md): 4 processes (FSDP 4),
+the tiny model, 10 steps, a checkpoint every 2 steps, deterministic mode, torchrun restarts allowed once.
+
+* a hang: rank 2 is stopped (SIGSTOP) in the forward_backward phase of step 5 (a test hook parks it there
+  first, so the stop lands mid-step); the monitor must declare the hang within hang_timeout_s + its slack
+  (2.5 check intervals, plus 5 s for this shared, loaded machine), every rank must leave its stacks (the
+  stopped one after being continued), the summary must name rank 2, and the restarted job must finish
+  with losses and gradient norms BITWISE equal to the uninterrupted run's (exact resume from step-4:
+  weights, optimizer, schedule, data position and RNG restored, deterministic CPU kernels; any
+  difference is a bug);
+* a crash: rank 1 is killed (SIGKILL) in step 5: the same restart and the same bitwise equality;
+* a straggler: in the killed run rank 3 works 0.2 s more per step (debug.inject_delay_*): it is named
+  with its phase; the uninterrupted run names nobody (threshold 1.0 = twice the median: the ranks' CPU
+  times differ by a few percent, the injected delay is several times the step's compute);
+* a config error found by the workers (not by the launch check): one line, exit 2, no traceback, no
+  restart.
+
+Three 4-process runs (two of them restarted once) and one 2-process run: about 70 s on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY_JOB, assert_no_traceback, read_metrics, wait_for_pid_file
+
+pytestmark = pytest.mark.dist
+NPROC, STEPS, HANG_S = 4, 10, 4.0
+INTERVAL = HANG_S / 8  # the monitor's check interval (monitor.py)
+ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LOG_RANK": "0", "PYTHONUNBUFFERED": "1"}
+
+
+CONFIG = "train_configs/debug_model.toml"  # what run_train.sh passes; the launcher runs get it too
+
+
+def job(dump, *extra: str) -> list[str]:
+    return ["--job.config_file", CONFIG, *TINY_JOB, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--debug.deterministic",
+            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--fault.hang_timeout_s", str(HANG_S),
+            "--fault.max_restarts", "1", "--fault.straggler_freq", "3", "--fault.straggler_threshold", "1.0", *extra]
+
+
+def launch(args: list[str], nproc: int = NPROC, **env: str) -> subprocess.Popen:
+    """The launcher (torchrun inside python -m torchtrain.launcher), as run_train.sh starts it."""
+    full = dict(os.environ, **ENV, **env)
+    full.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+           "-m", "torchtrain.train", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def latest(dump) -> dict[int, tuple]:
+    """Step -> (loss, grad_norm); a step run again after a restart keeps its latest values."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(str(dump))}
+
+
+def assert_complete_checkpoints_are_whole(dump) -> None:
+    """Nothing interrupted leaves a checkpoint that reads as complete: every step-N with a completion
+    marker holds DCP's metadata and one data file per rank."""
+    for path in glob.glob(os.path.join(str(dump), "checkpoint", "step-*")):
+        if os.path.exists(os.path.join(path, "complete.json")):
+            assert os.path.exists(os.path.join(path, ".metadata")), path
+            assert len(glob.glob(os.path.join(path, "*.distcp"))) == NPROC, path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("reference")
+    return dump, finish(launch(job(dump)))
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """Rank 2 stopped mid-step 5 (SIGSTOP)."""
+    dump = tmp_path_factory.mktemp("stopped")
+    proc = launch(job(dump), TORCHTRAIN_TEST_PARK_IN_STEP="5:2")
+    pid = wait_for_pid_file(proc, dump / "test_parked_rank2.pid", "rank 2 never reached step 5")
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.time()
+    return dump, finish(proc), t_stop
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Rank 1 killed mid-step 5 (SIGKILL), through run_train.sh; rank 3 made a straggler."""
+    dump = tmp_path_factory.mktemp("killed")
+    full = dict(os.environ, **ENV, NGPU=str(NPROC), CONFIG_FILE=CONFIG, TORCHTRAIN_TEST_PARK_IN_STEP="5:1")
+    full.pop("RANK", None)
+    args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2")[2:]  # run_train.sh adds the file
+    proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pid = wait_for_pid_file(proc, dump / "test_parked_rank1.pid", "rank 1 never reached step 5")
+    os.kill(pid, signal.SIGKILL)
+    return dump, finish(proc)
+
+
+def test_stopped_rank_is_reported_with_every_stack_and_the_restart_is_exact(reference, stopped):
+    ref, _ = reference
+    dump, out, t_stop = stopped
+    (folder,) = glob.glob(os.path.join(str(dump), "hangs", "*"))
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    waited = summary["time"] - t_stop
+    assert HANG_S - 1 <= waited <= HANG_S + 2.5 * INTERVAL + 5, waited
+    text = open(os.path.join(folder, "summary.txt")).read()
+    assert text.startswith("hang detected") and "stuck rank(s) 2\n" in text, text
+    assert "state T; continued to write its stacks" in text and "park_in_step" in text, text
+    for rank in range(NPROC):  # every rank's own stacks, the stopped one's included
+        stacks = open(os.path.join(folder, f"rank-{rank}.txt")).read()
+        assert f"rank {rank} " in stacks and "most recent call first" in stacks and "train.py" in stacks, stacks
+    assert "waiting in a collective" in text  # the others wait for rank 2
+    assert "hang detected" in out and "(rank 0: exit 4 (hang detected)" in out, out[-4000:]
+    assert "restarting the workers (restart 1 of 1)" in out and "training continues at step 5" in out, out[-4000:]
+    assert latest(dump) == latest(ref) and len(latest(ref)) == STEPS
+    after = [r for r in read_metrics(str(dump)) if r.get("restarts") == 1]
+    assert [r["step"] for r in after] == list(range(5, STEPS + 1))
+    assert_complete_checkpoints_are_whole(dump)
+
+
+def test_killed_rank_restarts_the_job_from_the_last_checkpoint_exactly(reference, killed):
+    ref, _ = reference
+    dump, out = killed
+    assert "rank 1: signal SIGKILL" in out and "restarting the workers (restart 1 of 1)" in out, out[-4000:]
+    assert "restart 1 of 1 (torchrun --max-restarts): resuming" in out and "training continues at step 5" in out
+    assert latest(dump) == latest(ref)
+    assert not glob.glob(os.path.join(str(dump), "hangs", "*"))  # a crash is not a hang
+    assert_complete_checkpoints_are_whole(dump)
+
+
+def test_injected_delay_is_named_a_straggler(killed):
+    dump, out = killed
+    named = [line for line in out.splitlines() if "straggler (steps" in line]
+    assert named and all("rank 3 (host " in line and "mostly in forward_backward" in line for line in named), out
+    found = [r for r in read_metrics(str(dump)) if r.get("straggler_count")]
+    assert found and all((r["straggler_rank"], r["straggler_phase"], r["straggler_count"]) == (3, "forward_backward", 1)
+                         for r in found)
+    assert all(r["straggler_slowdown"] > 2 for r in found), found
+
+
+def test_no_straggler_is_named_without_one(reference):
+    dump, out = reference
+    compared = [r for r in read_metrics(str(dump)) if "compute_s_median" in r]
+    assert len(compared) >= 2 and all(r["straggler_count"] == 0 for r in compared), compared
+    assert "straggler (" not in out
+
+
+def test_worker_config_error_is_one_line_without_traceback_or_restart(tmp_path):
+    """A config error found only by the workers (the launch check is bypassed here): the launcher shows
+    the worker's one line and exits 2, without torchrun's ChildFailedError traceback or a restart."""
+    args = [*TINY_JOB, "--training.dataset", "tokens", "--training.dataset_path", str(tmp_path / "missing"),
+            "--job.dump_folder", str(tmp_path), "--fault.max_restarts", "2"]
+    proc = launch(args, nproc=2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "torchtrain: config error:" in line]
+    assert len(errors) == 1 and str(tmp_path / "missing") in errors[0], out[-3000:]
+    assert_no_traceback(out)
+    assert "restarting" not in out and "ChildFailedError" not in out

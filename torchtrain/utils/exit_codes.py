@@ -1,0 +1,17 @@
+"""Exit statuses of a training process (and of the launcher, which passes them on; docs/resilience.md).
+
+0 is a finished run, or one stopped by a preemption signal after its checkpoint was saved.
+"""
+
+CONFIG_ERROR = 2
+"""A bad job (`torchtrain: config error: ...`, printed once); final: a restart would fail the same way."""
+
+GUARD_ABORT = 3
+"""The [guard] gave up on bad steps (`torchtrain: guard: ...`); final: a restart would repeat them."""
+
+HANG = 4
+"""The hang monitor found a rank without progress; its stacks are in `{dump_folder}/hangs/<time>/`.
+A restart may help (torchrun restarts the workers when fault.max_restarts allows)."""
+
+FINAL = (CONFIG_ERROR, GUARD_ABORT)
+"""Statuses the launcher never restarts."""
