@@ -101,3 +101,31 @@ def test_float8_compile_and_async_tp_are_read_from_the_job():
     base = estimate_step(p.replace(float8=False, compile=False)).step_s
     assert estimate_step(p.replace(float8=False)).step_s < base  # fused memory-bound kernels
     assert estimate_step(p).step_s < estimate_step(p.replace(float8=False)).step_s  # fp8 GEMMs
+
+
+def test_interruptions_add_restarts_and_lost_steps_to_time_and_cost():
+    """Meta's rate on 16,384 GPUs is one interruption every ~3.1 h; each costs the restart and half a
+    checkpoint interval; W = U / (1 - r N c / 3600); no figure without checkpoints or when the job
+    cannot outrun its failures."""
+    from torchtrain.tools.planner.interruptions import LLAMA3_405B_RATE, expected_interruptions
+
+    assert 1 / (LLAMA3_405B_RATE * 16384) == pytest.approx(3.09, abs=0.01)
+    i = expected_interruptions(100 * 3600, 16384, step_s=9.0, checkpoint_interval_steps=100)
+    cost_s = 600 + 100 * 9.0 / 2
+    lost = LLAMA3_405B_RATE * 16384 * cost_s / 3600
+    assert i.lost_share == pytest.approx(lost) and i.wall_s == pytest.approx(100 * 3600 / (1 - lost))
+    assert i.expected == pytest.approx(LLAMA3_405B_RATE * 16384 * i.wall_s / 3600)
+    assert expected_interruptions(3600, 8, 1.0, None).wall_s is None
+    never = expected_interruptions(3600, 16384, 10.0, 10_000)
+    assert never.wall_s is None and "never ends" in never.reason
+    none = expected_interruptions(3600, 16384, 10.0, 100, rate_per_gpu_hour=0.0)
+    assert none.wall_s == 3600 and none.expected == 0
+
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--checkpoint.enable",
+                    "--checkpoint.interval", "200"])
+    device_type, gpu = resolve_gpu("h100")
+    t = estimate_step(inputs_from_config(job.cfg, job.args, 8, device_type, gpu, {"restart_s": 300.0}))
+    assert t.interruptions.checkpoint_interval_s == pytest.approx(200 * t.step_s)
+    assert t.interruptions.restart_s == 300.0
+    assert t.cost_with_interruptions == pytest.approx(t.interruptions.wall_s / 3600 * 8 * 2.5)
+    assert t.cost < t.cost_with_interruptions < 1.01 * t.cost  # 8 GPUs: about one interruption a year

@@ -19,6 +19,7 @@ from torchtrain.config import ConfigError, JobConfig
 from torchtrain.distributed.layout import (DTYPES, DPStrategy, effective_reshard, resolve_batch, resolve_optimizer_impl,
                                           resolve_param_dtype)
 from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 
 
 def _schedules() -> tuple[str, ...]:
@@ -124,6 +125,12 @@ class PlanInputs:
     used when the planner models runs measured with it (`published_runs.py`)."""
     price: float = 2.5
     tokens: float | None = None
+    checkpoint_interval: int | None = None
+    """Steps between checkpoints (`checkpoint.interval`; None: checkpointing off), for the interruptions."""
+    failure_rate: float = LLAMA3_405B_RATE
+    """Unexpected interruptions per GPU-hour (`--failure-rate`; default Llama 3 405B's, interruptions.py)."""
+    restart_s: float = DEFAULT_RESTART_S
+    """Seconds one interruption costs before training goes on (`--restart-minutes`)."""
     notes: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived
@@ -315,7 +322,9 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     quantize = getattr(cfg, "quantize", None)
     inputs.float8_all_gather = bool(inputs.float8 and quantize is not None
                                     and quantize.linear.float8.enable_fsdp_float8_all_gather)
-    for knob in ("price", "tokens", "headroom", "document_tokens"):
+    ckpt = getattr(cfg, "checkpoint", None)
+    inputs.checkpoint_interval = ckpt.interval if ckpt is not None and ckpt.enable else None
+    for knob in ("price", "tokens", "headroom", "document_tokens", "failure_rate", "restart_s"):
         if flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])
     return inputs

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.tensor_memory import CATEGORIES
+from torchtrain.tools.planner import interruptions
 from torchtrain.tools.planner.core import Plan, RankPlan
 
 GIB = 2**30
@@ -179,6 +180,12 @@ def _throughput_lines(plan: Plan) -> list[str]:
     if t.train_s is not None:
         rows += [("time to train", _duration(t.train_s)), ("GPU-hours", f"{t.gpu_hours:,.0f}"),
                  (f"cost at ${p.price:,.2f} per GPU-hour (--price)", f"${t.cost:,.0f}")]
+        if t.interruptions is not None:
+            rows.append(("expected interruptions", interruptions.summary(t.interruptions, p.world_size)))
+            if t.cost_with_interruptions is not None:
+                rows += [("time to train with interruptions", _duration(t.interruptions.wall_s)),
+                         ("GPU-hours and cost with interruptions",
+                          f"{t.gpu_hours_with_interruptions:,.0f}, ${t.cost_with_interruptions:,.0f}")]
     return [f"Step time and cost ({device})"] + [f"  {label:<46} {value}" for label, value in rows]
 
 

@@ -23,6 +23,8 @@ replayed), and nothing calls back.
    step (`layout.effective_reshard`), so it gathers once. DDP's all-reduce overlaps the last backward.
    FSDP2's copy-in/out is memory traffic on the compute stream.
 4. **The optimizer step** over the rank's shard (memory-bound), and ZeRO-1's parameter all-gather.
+5. **Interruptions** (`interruptions.py`): the run's wall-clock time, GPU-hours and cost with the
+   expected failures, each costing a restart and half a checkpoint interval of steps.
 
     step = schedule + exposed data-parallel communication + optimizer
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from torchtrain.components.devices import GPUSpec
 from torchtrain.tools.planner import comm_time, compute_time, shapes
 from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
 from torchtrain.tools.planner.pipeline import pipeline_of
 
 
@@ -73,6 +76,10 @@ class StepTime:
     train_s: float | None = None
     gpu_hours: float | None = None
     cost: float | None = None
+    """train_s, gpu_hours, cost: failure-free. With the expected interruptions (`interruptions.py`):"""
+    interruptions: Interruptions | None = None
+    gpu_hours_with_interruptions: float | None = None
+    cost_with_interruptions: float | None = None
 
 
 def recompute_flops_per_token(p: PlanInputs) -> float:
@@ -199,6 +206,11 @@ def estimate_step(p: PlanInputs) -> StepTime:
     out.train_s = out.steps * out.step_s
     out.gpu_hours = out.train_s / 3600 * p.world_size
     out.cost = out.gpu_hours * p.price
+    out.interruptions = expected_interruptions(out.train_s, p.world_size, out.step_s, p.checkpoint_interval,
+                                               p.failure_rate, p.restart_s)
+    if out.interruptions.wall_s is not None:
+        out.gpu_hours_with_interruptions = out.interruptions.wall_s / 3600 * p.world_size
+        out.cost_with_interruptions = out.gpu_hours_with_interruptions * p.price
     return out
 
 
