@@ -1,5 +1,5 @@
 """Qwen3-MoE under expert parallelism (and Qwen3 dense under FSDP x TP) matches one process, step
-for step, under real torchrun + gloo in fp32: EP 2; EP 2 x FSDP 2; EP 2 x TP 2; PP 2 x EP 2.
+for step, under real torchrun + gloo in fp32: EP 2; EP 2 x FSDP 2; EP 2 x TP 2; PP 2 x EP 2; CP 2 x EP 2.
 
 Tolerance: relative difference <= 1e-4 per step for 10 steps, loss and gradient norm (the acceptance
 bound, as in tests/test_distributed.py). Every layout starts from identical weights (experts included:
@@ -36,7 +36,7 @@ def moe_suite(tmp_path_factory):
     return ParitySuite(str(tmp_path_factory.mktemp("moe_parity")), TINY_MOE)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2_fsdp2", "ep2_tp2", "pp2_ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2_fsdp2", "ep2_tp2", "pp2_ep2", "cp2_ep2"])
 def test_expert_parallel_layouts_match_one_process(moe_suite, layout):
     run, = moe_suite.check([layout], rtol=RTOL)
     assert len(run.records) == 10

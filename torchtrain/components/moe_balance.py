@@ -48,14 +48,14 @@ class MoEBalancer:
             names = [n for ranks in gathered for n in ranks]
         self.names = sorted(set(names), key=_natural)
         self.index = {name: i for i, name in enumerate(self.names)}
-        any_layer = next(iter(self.local.values()), None)
-        self.num_experts = max((m.num_experts for m in self.local.values()), default=0)
+        # experts, top-k and whether the auxiliary loss is on, from every stage's layers (a stage may
+        # hold none: DeepSeek-V3's first blocks are dense)
+        layers = list(self.local.values())
+        known = torch.tensor([max((m.num_experts for m in layers), default=0), max((m.top_k for m in layers), default=1),
+                              int(any(m.aux_loss_coeff > 0 for m in layers))], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            n = torch.tensor([self.num_experts], device=device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            self.num_experts = int(n.item())
-        self.top_k = any_layer.top_k if any_layer is not None else 1
-        self.aux_enabled = any(m.aux_loss_coeff > 0 for m in self.local.values())
+            dist.all_reduce(known, op=dist.ReduceOp.MAX)
+        self.num_experts, self.top_k, self.aux_enabled = int(known[0]), int(known[1]), bool(known[2])
 
     @classmethod
     def for_model(cls, model_parts: list[nn.Module], device: torch.device, model_args) -> "MoEBalancer | None":

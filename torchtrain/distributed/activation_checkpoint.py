@@ -15,6 +15,7 @@ Checkpointing a block keeps only its input and re-runs its forward during backwa
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint as _checkpoint_module
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -30,6 +31,15 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+
+
+# Profiler ranges are not computation: FSDP opens more of them while recomputing a block whose experts
+# are an FSDP unit of their own (expert parallelism) than in its forward, and selective checkpointing
+# would otherwise count them as ops and refuse the recomputation as "different" ("invocation index N
+# encountered during backward but not found in storage"). It ignores them as it ignores detach.
+_checkpoint_module.SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                                           torch.ops.profiler._record_function_exit.default,
+                                           torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

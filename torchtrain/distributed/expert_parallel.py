@@ -151,6 +151,7 @@ def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:
         f"{prefix}.sequence_sum": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(Replicate(),),
                                                      use_local_output=True),
     }
-    if shared_experts:
-        plan[f"{prefix}.shared_experts"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    if shared_experts:  # per Linear: SequenceParallel replicates a module's own parameters only
+        for name in ("w1", "w2", "w3"):
+            plan[f"{prefix}.shared_experts.{name}"] = SequenceParallel(sequence_dim=0, use_local_output=True)
     return plan

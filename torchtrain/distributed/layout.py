@@ -267,10 +267,6 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with expert "
                           f"parallelism (expert_parallel_degree {dims.ep}): replicated gradients would be averaged "
                           f"across ranks that hold different experts; use zero3 or zero2")
-    if dims.cp_enabled and dims.ep_enabled:
-        raise ConfigError("[parallelism.context_parallel_degree] context parallelism is not combined with expert "
-                          "parallelism yet (both borrow the data-parallel shard ranks); set expert_parallel_degree = 1 "
-                          "(MoE layers then run unsplit) or context_parallel_degree = 1")
     if strategy.replicated and dims.pp_enabled:
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with pipeline "
                           f"parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")

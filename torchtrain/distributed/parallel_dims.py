@@ -163,8 +163,8 @@ class ParallelDims:
 
     @property
     def expert_fsdp_degree(self) -> int:
-        """Ranks one expert's parameters are FSDP-sharded over (dp_shard_mod_ep)."""
-        return self.dp_shard // self.dp_shard_in_ep
+        """Ranks one expert's parameters are FSDP-sharded over (dp_shard_mod_ep x cp)."""
+        return self.dp_shard // self.dp_shard_in_ep * self.cp
 
     @property
     def loss_parallel_enabled(self) -> bool:
@@ -203,17 +203,25 @@ class ParallelDims:
         return mesh
 
     def _build_mesh_with_ep(self, device_type: str) -> DeviceMesh:
-        """pp x dp_replicate x dp_shard_mod_ep x dp_shard_in_ep x tp, with "dp_shard", "dp" and "ep"
-        flattened from them (see the module doc)."""
-        in_ep = self.dp_shard_in_ep
+        """pp x dp_replicate x dp_shard_mod_ep x cp x dp_shard_in_ep x tp, with "dp_shard", "dp",
+        "dp_shard_cp", "dp_cp", "ep" and "expert_fsdp" flattened from them (see the module doc). The EP
+        group is borrowed from dp_shard (x tp) only: the CP ranks of a sequence hold the same experts,
+        so the experts' FSDP unit spans dp_shard_mod_ep x cp -- adjacent dimensions before the EP ones,
+        as a 2-D expert DTensor (FSDP x EP) needs."""
+        in_ep, shard_cp = self.dp_shard_in_ep, ("dp_shard_mod_ep", "cp", "dp_shard_in_ep")
         dims = [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                     ("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep),
-                                     ("tp", self.tp)) if d > 1 or n.startswith("dp_shard_")]
+                                     ("dp_shard_mod_ep", self.dp_shard // in_ep), ("cp", self.cp),
+                                     ("dp_shard_in_ep", in_ep), ("tp", self.tp)) if d > 1 or n.startswith("dp_shard_")]
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
         self._mesh, self._flat = mesh, {}
         self._flat["dp_shard"] = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp_shard")
         if self.dp_replicate > 1:
             self._flat["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten(mesh_dim_name="dp")
+        if self.cp_enabled:
+            self._flat["dp_shard_cp"] = mesh[shard_cp]._flatten(mesh_dim_name="dp_shard_cp")
+            self._flat["expert_fsdp"] = mesh["dp_shard_mod_ep", "cp"]._flatten(mesh_dim_name="expert_fsdp")
+            if self.dp_replicate > 1:
+                self._flat["dp_cp"] = mesh[("dp_replicate",) + shard_cp]._flatten(mesh_dim_name="dp_cp")
         self._flat["ep"] = (mesh["dp_shard_in_ep", "tp"]._flatten(mesh_dim_name="ep") if self.tp_enabled
                             else mesh["dp_shard_in_ep"])
         return mesh
@@ -225,10 +233,12 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
-        """fully_shard mesh of expert parameters under EP: dp_shard_mod_ep (x dp_replicate: HSDP)."""
+        """fully_shard mesh of expert parameters under EP: dp_shard_mod_ep, x cp under context
+        parallelism (x dp_replicate: HSDP)."""
+        shard = "expert_fsdp" if self.cp_enabled else "dp_shard_mod_ep"
         if self.dp_replicate > 1:
-            return self.world_mesh["dp_replicate", "dp_shard_mod_ep"]
-        return self.world_mesh["dp_shard_mod_ep"]
+            return self.world_mesh["dp_replicate", shard]
+        return self._dim(shard)
 
     def named_meshes(self) -> dict[str, DeviceMesh]:
         """Every 1-D mesh the job uses, by name: each dimension of the world mesh and each flattened one

@@ -58,6 +58,16 @@ class StateDictAdapter(abc.ABC):
         """HF keys that may be present in a checkpoint but have no torchtrain parameter."""
         return set()
 
+    def ignored_hf_prefixes(self) -> tuple[str, ...]:
+        """Prefixes of HF keys that may be present but are not loaded (a module torchtrain does not
+        build, e.g. DeepSeek-V3's multi-token-prediction block)."""
+        return ()
+
+    def unused_hf_keys(self, available: set[str], used: set[str]) -> set[str]:
+        """The checkpoint's keys that nothing loaded and that are not expected to be left over."""
+        prefixes = self.ignored_hf_prefixes()
+        return {k for k in available - used - self.ignored_hf_keys() if not (prefixes and k.startswith(prefixes))}
+
     @abc.abstractmethod
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """config.json for this model, with weights stored in `dtype`."""

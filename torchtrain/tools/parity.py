@@ -82,6 +82,7 @@ PRESETS: dict[str, Layout] = {
         Layout("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
         Layout("cp2_tp2", 4, _p("context_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
         Layout("pp2_cp2", 4, _p("pipeline_parallel_degree", 2) + _p("context_parallel_degree", 2)),
+        Layout("cp2_ep2", 4, _p("context_parallel_degree", 2) + _p("expert_parallel_degree", 2)),
         Layout("cp2_hsdp2x2", 8, _p("context_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
     )
 }

@@ -253,7 +253,7 @@ def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAda
                 else:  # a buffer HF does not store (an MoE routing bias) starts at zero, as a fresh model's
                     state[key] = torch.zeros(shape, dtype=model_dtype)
                 bar.update(out_bytes(shape, model_dtype))
-        unused = ckpt.keys() - {h for k in state for h in adapter.hf_keys(k)} - adapter.ignored_hf_keys()
+        unused = adapter.unused_hf_keys(set(ckpt.keys()), {h for k in state for h in adapter.hf_keys(k)})
     finally:
         ckpt.close()
     with Progress("write DCP", None, "bytes", enabled=show_progress) as bar:  # one call: time and rate at the end

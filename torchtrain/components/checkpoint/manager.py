@@ -232,7 +232,7 @@ class CheckpointManager:
         warnings, used, available = result
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, used, group=self._pg)
-        unused = available - set().union(*every) - adapter.ignored_hf_keys()
+        unused = adapter.unused_hf_keys(set(available), set().union(*every))
         for w in warnings:
             logger.warning("initial load: %s", w)
         if unused:

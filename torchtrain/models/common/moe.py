@@ -4,7 +4,11 @@ For the T tokens of one forward (x reshaped to (T, D)), with E routed experts an
 
 1. **route**: scores s = softmax(x W_r^T) (or sigmoid), each token's k experts are the top-k of
    s + b (b: the load-balancing bias, zero unless enabled), and its gate weights are those experts'
-   scores s (renormalised to sum 1 with `norm_topk_prob`, times `route_scale`);
+   scores s (renormalised to sum 1 with `norm_topk_prob`, times `route_scale`). With group-limited
+   routing (DeepSeek-V3's node-limited routing: `n_group` G > 1) the E experts form G equal groups
+   (one per node when EP places a group per node); a group's score is the sum of its two best s + b,
+   and a token's top-k is taken only among the experts of its `topk_group` best groups, so its
+   tokens travel to at most topk_group nodes;
 2. **dispatch**: the T x k (token, expert) pairs are sorted by expert (a stable sort, so the order is
    the same under any layout) and the experts (`experts.py`) run over their groups of rows -- every
    pair is computed: no capacity limit, no token dropped;
@@ -85,6 +89,12 @@ class MoEModelArgs:
     """Step size of DeepSeek-V3's auxiliary-loss-free balancing: after every step each expert's
     routing bias moves by this much towards balance (from the step's global token counts); 0 disables it."""
 
+    n_group: int = 1
+    """Expert groups for group-limited routing (DeepSeek-V3: 8, one per node); 1: no limit."""
+
+    topk_group: int = 1
+    """Groups a token's experts may come from (DeepSeek-V3: 4); only read when n_group > 1."""
+
     use_grouped_mm: bool = True
     """Compute the experts with one grouped GEMM per matmul where the device supports it (CUDA sm90+
     in bfloat16); otherwise (or false) a loop over the experts."""
@@ -102,6 +112,20 @@ class MoEModelArgs:
         for key in ("moe_aux_loss_coeff", "moe_load_balance_coeff"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"[model.{key}] must be >= 0 (0 disables it), got {getattr(self, key)}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ConfigError(f"[model.n_group] {self.n_group} must be >= 1 and divide model.num_experts "
+                              f"({self.num_experts}): the experts form equal groups")
+        if self.n_group > 1:
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"[model.topk_group] {self.topk_group} must be between 1 and model.n_group "
+                                  f"({self.n_group})")
+            per_group = self.num_experts // self.n_group
+            if per_group < 2:
+                raise ConfigError(f"[model.n_group] {self.n_group} groups of {per_group} expert: a group's score "
+                                  f"is the sum of its two best experts, so groups need >= 2 experts")
+            if self.topk_group * per_group < self.num_experts_per_tok:
+                raise ConfigError(f"[model.topk_group] {self.topk_group} groups of {per_group} experts cannot hold "
+                                  f"num_experts_per_tok = {self.num_experts_per_tok} experts; raise topk_group")
         if self.route_scale <= 0:
             raise ConfigError(f"[model.route_scale] must be > 0, got {self.route_scale}")
 
@@ -158,6 +182,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
         self.score_func, self.norm_topk_prob, self.route_scale = args.score_func, args.norm_topk_prob, args.route_scale
+        self.n_group, self.topk_group = args.n_group, args.topk_group
         self.aux_loss_coeff, self.load_balance_coeff = args.moe_aux_loss_coeff, args.moe_load_balance_coeff
         self.router = nn.Linear(dim, args.num_experts, bias=False)
         self.experts = GroupedExperts(dim, args.moe_intermediate_size, args.num_experts, args.use_grouped_mm)
@@ -178,11 +203,22 @@ class MoE(nn.Module):
         logits = self.router(tokens).float()
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            choice = self._limit_to_groups(choice)
         idx = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
         return scores, idx, weights * self.route_scale
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` (T, E) with the experts outside each token's topk_group best groups set to -inf
+        (a group's score: the sum of its two highest choice scores)."""
+        grouped = choice.view(choice.shape[0], self.n_group, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        best = group_score.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def _aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
         """Sum over this forward's tokens of sum_i f_i p_t,i (f per sequence; see the module doc)."""

@@ -56,8 +56,8 @@ keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded 
 
 Mixture-of-experts blocks (`num_experts` E > 0, top-k, expert hidden size H): the feed-forward
 parameters are the router (E x h, replicated over TP) and E experts of 3 h H each; with expert
-parallelism a rank holds E / ep of them, FSDP-sharded over efsdp = dp_shard / dp_shard_in_ep (not
-dp_shard), and the other parameters as above. Per token they store, instead of the SwiGLU's 4 d F,
+parallelism a rank holds E / ep of them, FSDP-sharded over efsdp = cp x dp_shard / dp_shard_in_ep (not
+dp_shard x cp), and the other parameters as above. Per token they store, instead of the SwiGLU's 4 d F,
 
     A_moe = d h + 4 E + 4 + k (2 d h + 4 d H + 28 + d (+ 16 with EP))
                                   router input, fp32 scores, each of the k routed rows (input, SwiGLU

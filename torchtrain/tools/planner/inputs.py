@@ -150,8 +150,9 @@ class PlanInputs:
 
     @property
     def expert_fsdp(self) -> int:
-        """Ranks each expert's parameters are FSDP-sharded over (dp_shard_mod_ep)."""
-        return self.dp_shard // self.dp_shard_in_ep
+        """Ranks each expert's parameters are FSDP-sharded over (dp_shard_mod_ep x cp: the trainer's
+        `ParallelDims.expert_fsdp_degree`)."""
+        return self.dp_shard // self.dp_shard_in_ep * self.cp
 
     @property
     def grad_accum_steps(self) -> int:

@@ -8,7 +8,10 @@ A family states its block in its model arguments, or gets the Llama-family defau
 * `planner_matmuls(self) -> list[Matmul]`: one block's weight matmuls, with how tensor and expert
   parallelism split them (`Matmul.kind`);
 * `planner_attention(self) -> AttentionShape`: heads and the query/key and value head sizes (MLA has
-  different ones).
+  different ones);
+* `planner_block_params(self, tp) -> [(rows, cols)]`: the TP-local shapes of a block's attention and
+  norms (for memory and FSDP traffic);
+* `is_moe_layer(self, i) -> bool`: whether block i has experts (DeepSeek-V3's first blocks are dense).
 
 Both are optional; a block with other structure (say latent attention's low-rank projections)
 supplies them and the time model needs nothing else.
@@ -57,12 +60,16 @@ def ffn_matmul_params(a, active: bool = True) -> int:
     return 3 * a.dim * ffn_dim(a)
 
 
-def block_shapes(a, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(TP-local shapes of a block's FSDP unit, shapes of its experts unit on one EP rank)."""
-    hd, kv = a.head_dim, a.kv_heads
-    attn = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
-            (a.dim, a.n_heads * hd // tp), (a.dim, 1), (a.dim, 1)]
-    experts = getattr(a, "num_experts", 0)
+def block_shapes(a, tp: int, ep: int, moe: bool = True) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(TP-local shapes of a block's FSDP unit, shapes of its experts unit on one EP rank); `moe`
+    False: the model's dense block (a family with some dense blocks)."""
+    if hasattr(a, "planner_block_params"):
+        attn = list(a.planner_block_params(tp))
+    else:
+        hd, kv = a.head_dim, a.kv_heads
+        attn = [(a.n_heads * hd // tp, a.dim), (kv * hd // tp, a.dim), (kv * hd // tp, a.dim),
+                (a.dim, a.n_heads * hd // tp), (a.dim, 1), (a.dim, 1)]
+    experts = getattr(a, "num_experts", 0) if moe else 0
     if not experts:
         F = ffn_dim(a)
         return attn + [(F // tp, a.dim), (a.dim, F // tp), (F // tp, a.dim)], []
@@ -75,6 +82,7 @@ def unit_shapes(a, stages, tp: int, ep: int = 1) -> list[tuple[str, list[tuple[i
     """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor (an MoE
     block's experts are a unit of their own, "experts i", before their block)."""
     block, experts = block_shapes(a, tp, ep)
+    dense_block, _ = block_shapes(a, tp, ep, moe=False)
     table = (math.ceil(a.vocab_size / tp), a.dim)
     units: list[tuple[str, list[tuple[int, int]]]] = []
     tied = getattr(a, "tie_word_embeddings", False)
@@ -82,9 +90,10 @@ def unit_shapes(a, stages, tp: int, ep: int = 1) -> list[tuple[str, list[tuple[i
         if s.first and not tied:
             units.append(("embedding", [table]))
         for i in s.layers:
-            if experts:
+            moe_here = experts and (not hasattr(a, "is_moe_layer") or a.is_moe_layer(i))
+            if moe_here:
                 units.append((f"experts {i}", list(experts)))
-            units.append((f"block {i}", list(block)))
+            units.append((f"block {i}", list(block if moe_here else dense_block)))
         if s.last:
             units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
     if tied:

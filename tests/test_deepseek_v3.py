@@ -1,0 +1,167 @@
+"""DeepSeek-V3 (`models/deepseek_v3`): Hugging Face both ways, group-limited routing, the published
+sizes, and every parallel layout of the MoE family against one process.
+
+HF tolerance: max |logit difference| <= 1e-4 in float32 (as tests/test_qwen3_hf.py). Both sides run
+the same fp32 arithmetic on equal weights and differ in RoPE angle rounding (float64 here, float32 in
+HF) and summation order: ~1e-5 here, while a wrong RoPE layout, softmax scale, YaRN ramp, group mask
+or bias gives 1e-2 or more. The tiny model has every V3 part: low-rank queries, YaRN with an mscale
+correction, a dense first block, shared experts, sigmoid routing from 2 of 4 groups with a non-zero
+correction bias and a routed scale of 2.5.
+
+Parity tolerance: relative difference <= 1e-4 per step for 10 steps in fp32, loss and gradient norm
+(tests/test_moe_parity.py's bound and reasons).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import ParitySuite
+from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
+from torchtrain.components.checkpoint.state import ModelState
+from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.models.common.moe import MoE
+from torchtrain.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3Args, DeepseekV3StateDictAdapter, Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TOL = 1e-4
+ARGS = dict(dim=64, n_layers=3, n_heads=4, vocab_size=300, hidden_dim=96, first_k_dense_replace=1, q_lora_rank=48,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, rope_factor=4.0,
+            rope_original_max_seq_len=16, rope_mscale=1.0, rope_mscale_all_dim=0.8, max_seq_len=64, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, score_func="sigmoid",
+            route_scale=2.5, n_group=4, topk_group=2, moe_load_balance_coeff=1e-3)
+
+
+def hf_config(transformers):
+    return transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
+        qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=64, initializer_range=0.2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 0.8})
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def max_diff(ours: torch.nn.Module, theirs) -> float:
+    with torch.no_grad():
+        ref = theirs(tokens()).logits
+        assert ref.abs().max() > 0.5  # not a degenerate model
+        return (ours(tokens()) - ref).abs().max().item()
+
+
+def test_hf_checkpoint_loads_with_equal_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(hf_config(transformers)).float().eval()
+    with torch.no_grad():  # a trained-looking routing bias, so a bias that is not loaded would show
+        for module in hf.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    args = DeepseekV3Args(**ARGS)
+    ours = Transformer(args)
+    init_model_weights(ours, 9)
+    warnings, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), DeepseekV3StateDictAdapter(args))
+    assert warnings == [] and used == set(available)
+    assert torch.count_nonzero(ours.layers["1"].feed_forward.expert_bias) == 8
+    assert max_diff(ours.eval(), hf) <= TOL
+
+
+def test_export_loads_into_transformers_with_equal_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = DeepseekV3Args(**ARGS)
+    ours = Transformer(args)
+    init_model_weights(ours, 3)
+    with torch.no_grad():  # scale up so logits and routing are far from trivial; a non-zero bias
+        for p in ours.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+        for name, layer in ((n, m) for n, m in ours.named_modules() if isinstance(m, MoE)):
+            layer.expert_bias.normal_(0, 0.1)
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = str(tmp_path / "hf")
+    export_dcp_to_hf(str(tmp_path / "dcp"), out, DeepseekV3StateDictAdapter(args))
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["DeepseekV3ForCausalLM"]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out).float().eval()
+    assert max_diff(ours.eval(), hf) <= TOL
+
+
+def test_mtp_block_of_a_published_checkpoint_is_recognised_not_reported():
+    adapter = DeepseekV3StateDictAdapter(DeepseekV3Args(**ARGS))
+    available = {"model.norm.weight", "model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight", "stray.weight"}
+    assert adapter.unused_hf_keys(available, {"model.norm.weight"}) == {"stray.weight"}
+
+
+def test_group_limited_routing_keeps_each_token_within_its_best_groups():
+    args = DeepseekV3Args(**{**ARGS, "num_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4})
+    moe = MoE(args.dim, args)
+    torch.manual_seed(0)
+    moe.router.weight.data.normal_(0, 1.0)
+    moe.expert_bias.normal_(0, 0.05)
+    x = torch.randn(256, args.dim)
+    scores, idx, weights = moe.route(x)
+    groups = idx // 4
+    assert max(len(set(g.tolist())) for g in groups) <= 2  # at most topk_group groups per token
+    choice = (scores + moe.expert_bias).view(-1, 4, 4)
+    best = choice.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    assert all(set(g.tolist()) <= set(b.tolist()) for g, b in zip(groups, best))
+    # top-k inside the allowed groups equals the global top-k on those groups' experts only
+    allowed = torch.zeros(256, 4, dtype=torch.bool).scatter_(1, best, True).repeat_interleave(4, dim=1)
+    expected = (scores + moe.expert_bias).masked_fill(~allowed, float("-inf")).topk(4, dim=-1).indices
+    assert torch.equal(idx.sort(-1).values, expected.sort(-1).values)
+    assert torch.allclose(weights.sum(-1), torch.full((256,), 2.5))  # renormalised, times route_scale
+    with pytest.raises(Exception, match="topk_group"):
+        DeepseekV3Args(**{**ARGS, "n_group": 4, "topk_group": 5}).validate()
+
+
+def test_flavors_have_the_published_sizes():
+    v3, lite = DEEPSEEK_V3_FLAVORS["671B"], DEEPSEEK_V3_FLAVORS["16B"]
+    assert round(v3.num_params() / 1e9) == 671  # the report's 671B (the MTP module's 14B aside)
+    assert 37.0 < v3.num_active_params() / 1e9 < 38.0  # "37B activated"
+    assert 15.6 < lite.num_params() / 1e9 < 15.8  # 15.7B total
+    assert 2.3 < lite.num_active_params(exclude_embedding=True) / 1e9 < 2.5  # 2.4B activated
+    for args in DEEPSEEK_V3_FLAVORS.values():
+        args.validate()
+
+
+# --------------------------------------------------------------------------- layouts vs one process
+DATA = ["--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3"]
+TINY = ["--model.name", "deepseek_v3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+        "--model.vocab_size", "512", "--model.hidden_dim", "128", "--model.q_lora_rank", "32",
+        "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "8",
+        "--model.v_head_dim", "16", "--model.moe_intermediate_size", "32", *DATA]
+
+
+@pytest.fixture(scope="module")
+def ds_suite(tmp_path_factory):
+    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_parity")), TINY)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2_fsdp2", "ep2_tp2", "pp2_ep2", "cp2_ep2"])
+def test_layouts_match_one_process(ds_suite, layout):
+    run, = ds_suite.check([layout], rtol=1e-4)
+    last = run.records[-1]
+    # block 0 is dense: under PP its stage has no MoE layer, and rank 0 still logs block 1's statistics
+    assert "moe_aux_loss" in last and "moe_load_max_mean/layers_1-1" in last
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_selective_op_checkpointing_under_expert_parallelism_matches_one_process(ds_suite):
+    """Op-level selective AC recomputes blocks whose experts are an FSDP unit of their own (EP): the
+    recomputation must be accepted (FSDP's profiler ranges are not ops) and change nothing."""
+    ds_suite.check(["ep2_fsdp2"], rtol=1e-4, extra=["--activation_checkpoint.mode", "selective"])

@@ -1,0 +1,245 @@
+"""DeepSeek-V3 model arguments and their parameter / FLOP formulas.
+
+A DeepSeek-V3 block is multi-head latent attention (MLA) followed by a feed-forward: a dense SwiGLU in
+the first `first_k_dense_replace` blocks, a mixture of experts (`models/common/moe.py`: sigmoid scores,
+the auxiliary-loss-free bias, group-limited routing, shared experts) in the others.
+
+MLA, per token x (width h), with n heads:
+
+    query:  c_q = RMSNorm(W_qa x)  (q_lora_rank)          q = W_qb c_q   (or q = W_q x when q_lora_rank = 0)
+    latent: [c_kv, k_r] = W_kva x  (kv_lora_rank + qk_rope_head_dim)
+    keys/values: [k_nope, v] = W_kvb RMSNorm(c_kv)          (n x (qk_nope_head_dim + v_head_dim))
+    head i: q_i = [q_nope_i, RoPE(q_rope_i)], k_i = [k_nope_i, RoPE(k_r)]  (the RoPE key is shared by all heads)
+
+so a head's query/key width is qk_nope_head_dim + qk_rope_head_dim and its value width v_head_dim.
+RoPE rotates interleaved pairs (x[2i], x[2i+1]) as DeepSeek's checkpoints expect, with YaRN frequency
+scaling when `rope_factor` > 1 (and the softmax-scale correction mscale(factor, rope_mscale_all_dim)^2).
+
+FLOPs per token (the Llama 3 convention, `models/llama3/args.py`): 6 x the active matmul parameters
+(attention projections, the dense or routed top-k + shared experts' SwiGLUs, router, output) plus the
+attention scores and weighted sum, 6 x n_layers x n_heads x (qk_head_dim + v_head_dim) x seq_len.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.common.moe import MoEModelArgs
+
+if TYPE_CHECKING:
+    from torchtrain.components.tokenizer import Tokenizer
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature correction: 0.1 mscale ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass
+class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
+    dim: int = 7168
+    """Hidden size (HF hidden_size)."""
+
+    n_layers: int = 61
+    """Number of transformer blocks."""
+
+    n_heads: int = 128
+    """Attention heads."""
+
+    vocab_size: int = 129280
+    """Embedding rows; must be at least the tokenizer's vocabulary."""
+
+    hidden_dim: int = 18432
+    """SwiGLU hidden size of the dense blocks' feed-forward (HF intermediate_size)."""
+
+    first_k_dense_replace: int = 3
+    """The first this many blocks have a dense feed-forward; the rest a mixture of experts."""
+
+    q_lora_rank: int = 1536
+    """Rank of the query's low-rank compression (W_qa, W_qb); 0: one full-rank query projection (16B)."""
+
+    kv_lora_rank: int = 512
+    """Width of the joint key/value latent c_kv (what inference caches)."""
+
+    qk_nope_head_dim: int = 128
+    """Per-head query/key width without position encoding."""
+
+    qk_rope_head_dim: int = 64
+    """Per-head query width with RoPE (and the width of the RoPE key shared by all heads)."""
+
+    v_head_dim: int = 128
+    """Per-head value width."""
+
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon (blocks, final norm and the latent norms)."""
+
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+    rope_factor: float = 40.0
+    """YaRN context-extension factor; 1: plain RoPE."""
+
+    rope_original_max_seq_len: int = 4096
+    """YaRN: the context length the base frequencies were trained at."""
+
+    rope_beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is kept as is (extrapolated)."""
+
+    rope_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is divided by rope_factor (interpolated)."""
+
+    rope_mscale: float = 1.0
+    """YaRN mscale of the RoPE table: cos/sin are scaled by mscale(factor, rope_mscale) /
+    mscale(factor, rope_mscale_all_dim) (1 for the published models)."""
+
+    rope_mscale_all_dim: float = 1.0
+    """YaRN mscale of the softmax: scores are scaled by mscale(factor, rope_mscale_all_dim)^2 / sqrt(qk_head_dim)
+    (0: no correction)."""
+
+    max_seq_len: int = 0
+    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
+
+    depth_init: bool = True
+    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
+
+    attention_mask: Literal["causal", "block_causal"] = "causal"
+    """`causal` or `block_causal` (documents packed in a window kept apart; docs/long_context.md)."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim(self) -> int:
+        """A head's query/key width (what generic code, e.g. the planner's activation formulas, reads)."""
+        return self.qk_head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """MLA expands its latent to keys and values for every head."""
+        return self.n_heads
+
+    tie_word_embeddings = False  # DeepSeek-V3 has a separate output head
+
+    def rope_attention_factor(self) -> float:
+        """Scale of the RoPE table's cos/sin (HF's YaRN attention_factor)."""
+        if self.rope_factor <= 1:
+            return 1.0
+        if self.rope_mscale and self.rope_mscale_all_dim:
+            return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(self.rope_factor,
+                                                                                 self.rope_mscale_all_dim)
+        return yarn_mscale(self.rope_factor, 1.0)
+
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        if self.rope_factor > 1 and self.rope_mscale_all_dim:
+            scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense_replace
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"[model.q_lora_rank] must be >= 0 (0: full-rank query), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"[model.qk_rope_head_dim] {self.qk_rope_head_dim} must be even for RoPE")
+        if not 0 <= self.first_k_dense_replace <= self.n_layers:
+            raise ConfigError(f"[model.first_k_dense_replace] {self.first_k_dense_replace} must be between 0 and "
+                              f"model.n_layers ({self.n_layers})")
+        if self.rope_factor <= 0 or self.rope_original_max_seq_len < 1:
+            raise ConfigError("[model.rope_factor] must be > 0 (1: no YaRN) and model.rope_original_max_seq_len >= 1")
+        if self.max_seq_len < 0:
+            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
+        self.validate_moe()
+
+    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
+        if self.max_seq_len == 0:
+            self.max_seq_len = seq_len
+        elif self.max_seq_len < seq_len:
+            raise ConfigError(f"[model.max_seq_len] {self.max_seq_len} is shorter than training.seq_len {seq_len}; "
+                              f"raise it or leave it 0 (= seq_len)")
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ConfigError(f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
+                              f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger")
+
+    # ------------------------------------------------------------------ counts
+    def attention_params(self) -> int:
+        h, n = self.dim, self.n_heads
+        if self.q_lora_rank:
+            query = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
+        else:
+            query = h * n * self.qk_head_dim
+        latent = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        expand = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return query + latent + expand + n * self.v_head_dim * h
+
+    def ffn_params(self, layer_id: int, active: bool = False) -> int:
+        if not self.is_moe_layer(layer_id):
+            return 3 * self.dim * self.hidden_dim
+        total, used = self.moe_params(self.dim)
+        return used if active else total
+
+    def _count(self, active: bool, exclude_embedding: bool) -> int:
+        blocks = sum(self.attention_params() + self.ffn_params(i, active) + 2 * self.dim for i in range(self.n_layers))
+        table = self.vocab_size * self.dim
+        total = blocks + self.dim + 2 * table
+        return total - table if exclude_embedding else total
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        return self._count(False, exclude_embedding)
+
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token's forward uses: its top-k routed experts, not all of them."""
+        return self._count(True, exclude_embedding)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return 6 * self.num_active_params(exclude_embedding=True) + attention
+
+    # ------------------------------------------------------------------ the planner's view
+    def planner_matmuls(self):
+        """One MoE block's weight matmuls (`tools/planner/shapes.py`): MLA's projections, the router,
+        shared and routed experts. Dense blocks are counted like MoE blocks there (3 of 61 in V3)."""
+        from torchtrain.tools.planner.shapes import Matmul
+
+        h, n = self.dim, self.n_heads
+        if self.q_lora_rank:
+            out = [Matmul("wq_a", h, self.q_lora_rank, "local"),
+                   Matmul("wq_b", self.q_lora_rank, n * self.qk_head_dim, "column")]
+        else:
+            out = [Matmul("wq", h, n * self.qk_head_dim, "column")]
+        out += [Matmul("wkv_a", h, self.kv_lora_rank + self.qk_rope_head_dim, "local"),
+                Matmul("wkv_b", self.kv_lora_rank, n * (self.qk_nope_head_dim + self.v_head_dim), "column"),
+                Matmul("wo", n * self.v_head_dim, h, "row"), Matmul("router", h, self.num_experts, "local")]
+        H, shared = self.moe_intermediate_size, self.moe_intermediate_size * self.num_shared_experts
+        if shared:
+            out += [Matmul("shared.w1", h, shared, "local"), Matmul("shared.w3", h, shared, "local"),
+                    Matmul("shared.w2", shared, h, "local")]
+        return out + [Matmul("expert.w1", h, H, "expert"), Matmul("expert.w3", h, H, "expert"),
+                      Matmul("expert.w2", H, h, "expert")]
+
+    def planner_attention(self):
+        from torchtrain.tools.planner.shapes import AttentionShape
+
+        # values are padded to the query/key width for the flash kernels (model.py), so they cost as much
+        return AttentionShape(self.n_heads, self.qk_head_dim, max(self.v_head_dim, self.qk_head_dim), self.n_heads)
+
+    def planner_block_params(self, tp: int) -> list[tuple[int, int]]:
+        """TP-local (rows, cols) of one block's attention and norms (MLA's low-rank projections)."""
+        h, n = self.dim, self.n_heads
+        query = ([(self.q_lora_rank, h), (self.q_lora_rank, 1), (n * self.qk_head_dim // tp, self.q_lora_rank)]
+                 if self.q_lora_rank else [(n * self.qk_head_dim // tp, h)])
+        return query + [(self.kv_lora_rank + self.qk_rope_head_dim, h), (self.kv_lora_rank, 1),
+                        (n * (self.qk_nope_head_dim + self.v_head_dim) // tp, self.kv_lora_rank),
+                        (h, n * self.v_head_dim // tp), (h, 1), (h, 1)]

@@ -1,0 +1,180 @@
+"""DeepSeek-V3: multi-head latent attention, dense then mixture-of-experts feed-forwards.
+
+Plain PyTorch, no parallel code (as `models/qwen3/model.py`: heads reshaped with -1 so a
+tensor-parallel shard runs the same code; blocks in an nn.ModuleDict keyed by global index; the
+embedding, final norm and output may be None on a pipeline stage). The math is in `args.py`.
+
+Attention is the shared `models/common/attention.py::AttentionCore` (causal or block-causal; context
+parallelism shards it) with the query pre-multiplied by softmax_scale x sqrt(qk_head_dim), so the
+kernel's default 1/sqrt(qk_head_dim) gives MLA's (YaRN-corrected) softmax scale, and values padded with
+zeros to the query/key width when v_head_dim is narrower (flash kernels take one head width; the
+padded output columns are zero and dropped -- torchtitan does the same). The RoPE part of a
+head is stored as interleaved pairs (x[2i], x[2i+1]) -- DeepSeek's checkpoint layout -- and rotated
+as such; the output lists the pairs' first then second elements, the same permutation for queries
+and keys, so their dot products are unchanged.
+
+`rope_key` is an identity module on the RoPE key: the TP plan gathers that one narrow tensor over the
+sequence shards there (`parallelize.py`), while the wide latents are gathered by the projections that
+expand them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtrain.models.base import InitSpec
+from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
+from torchtrain.models.common.layers import FeedForward, RMSNorm
+from torchtrain.models.common.moe import MoE, moe_layers
+from torchtrain.models.deepseek_v3.args import DeepseekV3Args
+
+
+def yarn_rope_table(args: DeepseekV3Args, device: torch.device | None = None) -> torch.Tensor:
+    """(max_seq_len, qk_rope_head_dim) float32: cos of angle_i (i < d/2), then sin, scaled by the
+    YaRN attention factor. With rope_factor > 1 the frequencies are YaRN's blend: kept above
+    beta_fast rotations over the original context, divided by the factor below beta_slow, linear
+    in between (HF transformers' `_compute_yarn_parameters`, which the published checkpoints use)."""
+    d, base = args.qk_rope_head_dim, args.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    if args.rope_factor > 1:
+        def dim_of(rotations: float) -> float:
+            return d * math.log(args.rope_original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_of(args.rope_beta_fast)), 0)
+        high = min(math.ceil(dim_of(args.rope_beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64, device=device), freqs)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * args.rope_attention_factor()).float()
+
+
+def apply_interleaved_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[2i], x[2i+1]) of x (batch, seq, heads, d) by angle i; the result holds the
+    rotated first elements, then the second ones. `rope`: the table or per-token rows."""
+    half = x.shape[-1] // 2
+    if rope.dim() == 2:
+        rope = rope[: x.shape[1]].unsqueeze(0)
+    cos, sin = rope[..., :half].unsqueeze(2), rope[..., half:].unsqueeze(2)
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (see `args.py`)."""
+
+    def __init__(self, args: DeepseekV3Args):
+        super().__init__()
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        qk = args.qk_head_dim
+        if args.q_lora_rank:
+            self.wq_a: nn.Linear | None = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm: RMSNorm | None = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.wq_b: nn.Linear | None = nn.Linear(args.q_lora_rank, args.n_heads * qk, bias=False)
+            self.wq: nn.Linear | None = None
+        else:
+            self.wq_a = self.q_norm = self.wq_b = None
+            self.wq = nn.Linear(args.dim, args.n_heads * qk, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.rope_key = nn.Identity()
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.q_scale = args.softmax_scale() * math.sqrt(qk)  # the kernel divides by sqrt(qk) itself
+        self.core = AttentionCore(args.attention_mask)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bsz, seqlen, -1, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = apply_interleaved_rope(self.rope_key(k_rope).unsqueeze(2), rope)
+        q = torch.cat([q_nope, apply_interleaved_rope(q_rope, rope)], dim=-1) * self.q_scale
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.v_dim < q.shape[-1]:  # flash kernels need one head width: pad v, drop the zero columns after
+            v = F.pad(v, (0, q.shape[-1] - self.v_dim))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head width)
+        out = self.core(q, k, v, ctx)[..., : self.v_dim]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: DeepseekV3Args, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = LatentAttention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = (MoE(args.dim, args) if args.is_moe_layer(layer_id)
+                             else FeedForward(args.dim, args.hidden_dim))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, ctx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+_LAYER_ID = re.compile(r"^layers\.(\d+)\.")
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
+    `models/llama3/model.py::Transformer`."""
+
+    def __init__(self, args: DeepseekV3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope_cache", yarn_rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, rope, ctx)
+        if self.norm is None:
+            return h  # a pipeline stage that ends before the head passes hidden states on
+        return self.output(self.norm(h))
+
+    # ----------------------------------------------------------------------- init
+    def output_std(self, fqn: str) -> float:
+        """Init std of a block's projections back into the residual stream."""
+        match = _LAYER_ID.match(fqn)
+        layer_id = int(match.group(1)) if match and self.args.depth_init else self.args.n_layers - 1
+        return 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def init_spec(self, fqn: str) -> InitSpec:
+        """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes)."""
+        if fqn.endswith("norm.weight"):
+            return InitSpec("ones")
+        if fqn == "tok_embeddings.weight":
+            return InitSpec("normal", std=1.0)
+        if fqn == "output.weight":
+            return InitSpec("trunc_normal", std=self.args.dim**-0.5)
+        head, sep, rest = fqn.partition(".feed_forward.")
+        match = _LAYER_ID.match(fqn)
+        if sep and match and self.args.is_moe_layer(int(match.group(1))):  # router, experts, shared experts
+            return MoE.init_spec(rest, std=0.02, out_std=self.output_std(fqn))
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return InitSpec("trunc_normal", std=self.output_std(fqn))
+        return InitSpec("trunc_normal", std=0.02)
+
+    def init_buffers(self) -> None:
+        """Recompute the RoPE table on the buffer's current device; reset the MoE statistics."""
+        self.rope_cache = yarn_rope_table(self.args, self.rope_cache.device)
+        for _, layer in moe_layers(self):
+            layer.init_buffers()
+
+
+__all__ = ["LatentAttention", "Transformer", "TransformerBlock", "apply_interleaved_rope", "yarn_rope_table"]

@@ -1,0 +1,88 @@
+"""The DeepSeek-V3 parallel plan: its tensor-parallel plan and checks against the layout (the generic
+applier, `distributed/parallelize.py`, does the rest: expert parallelism splits every `GroupedExperts`;
+FSDP units and the pipeline split are Llama 3's, whose module layout DeepSeek-V3 shares).
+
+TP with sequence parallelism, MLA's way: the block's input stays sharded over the sequence, and
+the narrow projections into the latents (W_qa, W_kva: 1,536 and 576 wide against h = 7,168) and their
+norms run on each rank's sequence shard with replicated weights (`SequenceParallel`, gradients summed
+over the TP ranks). The projections that expand the latents to heads (W_qb, W_kvb) are column-parallel
+over the heads and gather their *latent* input over the sequence -- r instead of h values per token,
+4-12x less traffic than gathering x. The RoPE key (64 wide, shared by the heads) is gathered alone
+(`rope_key`). Each rank then attends with its heads and W_o is row-parallel back into sequence
+shards. The embedding, final norm and output are Qwen3's; dense feed-forwards are Megatron's
+column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.expert_parallel import moe_tp_plan
+from torchtrain.distributed.tensor_parallel import check_divisible
+from torchtrain.models.deepseek_v3.args import DeepseekV3Args
+from torchtrain.models.qwen3.parallelize import apply_top_tp
+
+
+def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
+    """Model-shape checks against the layout, before any process group starts."""
+    dims = layout.dims
+    tp = dims.tp
+    if tp == 1:
+        return
+    if not dims.ep_enabled and args.first_k_dense_replace < args.n_layers:
+        raise ConfigError(
+            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {tp}) of an MoE "
+            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
+            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {tp}")
+    check_divisible(tp, {"model.n_heads": args.n_heads, "model.hidden_dim": args.hidden_dim,
+                         "model.vocab_size": args.vocab_size, "training.seq_len": layout.batch.seq_len}, fixes={
+        "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
+                            f"(extra rows are never produced by the tokenizer)",
+        "training.seq_len": "sequence parallelism splits the sequence evenly; use a multiple of the TP degree",
+    })
+
+
+def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
+    """TP styles of one block's MLA and its norms (module names relative to the block)."""
+    def on_shard():  # replicated weights on this rank's sequence shard
+        return SequenceParallel()
+
+    plan: dict[str, object] = {
+        "attention_norm": SequenceParallel(),
+        "attention.wkv_a": on_shard(),
+        "attention.kv_norm": on_shard(),
+        "attention.wkv_b": ColwiseParallel(input_layouts=Shard(1)),
+        "attention.rope_key": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                 use_local_output=True),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    if args.q_lora_rank:
+        plan.update({"attention.wq_a": on_shard(), "attention.q_norm": on_shard(),
+                     "attention.wq_b": ColwiseParallel(input_layouts=Shard(1))})
+    else:
+        plan["attention.wq"] = ColwiseParallel(input_layouts=Shard(1))
+    return plan
+
+
+def dense_ffn_plan() -> dict[str, object]:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    args: DeepseekV3Args = model.args
+    apply_top_tp(model, tp_mesh, loss_parallel)
+    shared = args.num_shared_experts > 0
+    for name, block in model.layers.items():
+        ffn = moe_tp_plan("feed_forward", shared) if args.is_moe_layer(int(name)) else dense_ffn_plan()
+        parallelize_module(block, tp_mesh, {**attention_plan(args), **ffn})
