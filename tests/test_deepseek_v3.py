@@ -125,6 +125,82 @@ def test_group_limited_routing_keeps_each_token_within_its_best_groups():
         DeepseekV3Args(**{**ARGS, "n_group": 4, "topk_group": 5}).validate()
 
 
+def test_multi_token_prediction_adds_the_hand_computed_loss():
+    """Depths 1 and 2 against a hand computation from the model's own modules: the logits are the
+    main model's, the logged statistics are the summed cross-entropies of the targets 2 and 3 tokens
+    ahead, and the gradients are those of CE_main + lambda / D (CE_1 + CE_2)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from torchtrain.models.common.attention import attention_inputs
+
+    args = DeepseekV3Args(**{**ARGS, "mtp_depth": 2, "mtp_loss_weight": 0.3, "max_seq_len": 16})
+    model = Transformer(args)
+    init_model_weights(model, 4)
+    hand = copy.deepcopy(model)
+    tok = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    ce = lambda logits, targets: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),  # noqa: E731
+                                                 reduction="sum")
+    logits = model.train()(tok)
+    ce(logits[:, :-1], tok[:, 1:]).backward()
+
+    rope, ctx = attention_inputs(hand, "causal", hand.rope_cache, tok, None, None)
+    h = hand.tok_embeddings(tok)
+    for layer in hand.layers.values():
+        h = layer(h, rope, ctx)
+    main = hand.output(hand.norm(h))
+    terms = []
+    for k, depth in enumerate(hand.mtp.depths.values(), start=1):
+        ahead = hand.tok_embeddings(torch.roll(tok, -k, dims=1))
+        h = depth.block(depth.eh_proj(torch.cat([depth.enorm(ahead), depth.hnorm(h)], -1)), rope, ctx)
+        terms.append(ce(hand.output(depth.norm(h))[:, : 16 - k - 1], tok[:, k + 1:]))
+    (ce(main[:, :-1], tok[:, 1:]) + 0.3 / 2 * sum(terms)).backward()
+
+    assert torch.allclose(logits, main, atol=1e-6)
+    assert torch.allclose(model.mtp.loss_sum, sum(terms).detach(), rtol=1e-6)
+    assert model.mtp.target_count.item() == 2 * 14 + 2 * 13
+    ours, theirs = dict(model.named_parameters()), dict(hand.named_parameters())
+    for name, p in ours.items():
+        assert torch.allclose(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-7), name
+    assert ours["mtp.depths.1.eh_proj.weight"].grad.abs().sum() > 0
+    with torch.no_grad():  # evaluation and generation run the main model alone
+        model.mtp.reset_statistics()
+        assert torch.allclose(model.eval()(tok), main, atol=1e-6) and model.mtp.target_count.item() == 0
+
+
+def test_mtp_block_of_a_checkpoint_loads_into_the_mtp_depth():
+    args = DeepseekV3Args(**{**ARGS, "mtp_depth": 1})
+    adapter = DeepseekV3StateDictAdapter(args)
+    assert adapter.hf_key("mtp.depths.0.eh_proj.weight") == "model.layers.3.eh_proj.weight"
+    assert adapter.hf_key("mtp.depths.0.norm.weight") == "model.layers.3.shared_head.norm.weight"
+    assert adapter.hf_key("mtp.depths.0.block.attention.wkv_b.weight") == "model.layers.3.self_attn.kv_b_proj.weight"
+    assert adapter.hf_keys("mtp.depths.0.block.feed_forward.experts.w2")[7] == \
+        "model.layers.3.mlp.experts.7.down_proj.weight"
+    names = {adapter.hf_key(k) for k, _ in Transformer(args).named_parameters() if ".experts.w" not in k}
+    assert "model.layers.3.mlp.shared_experts.up_proj.weight" in names
+    copies = {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    assert adapter.unused_hf_keys(copies | {"model.layers.4.x"}, set()) == {"model.layers.4.x"}
+
+
+def test_mtp_weights_go_to_hf_and_back(tmp_path):
+    """Export with an MTP depth (as block n_layers, the published layout) and import into a fresh model:
+    every tensor comes back, the MTP depth's included."""
+    args = DeepseekV3Args(**{**ARGS, "mtp_depth": 1})
+    ours = Transformer(args)
+    init_model_weights(ours, 3)
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    export_dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), DeepseekV3StateDictAdapter(args))
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    fresh = Transformer(args)
+    init_model_weights(fresh, 5)
+    _, used, available = load_hf_into_model(ModelState([fresh]), str(tmp_path / "hf"), DeepseekV3StateDictAdapter(args))
+    assert used == set(available) and "model.layers.3.eh_proj.weight" in used
+    for key, value in ours.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
 def test_flavors_have_the_published_sizes():
     v3, lite = DEEPSEEK_V3_FLAVORS["671B"], DEEPSEEK_V3_FLAVORS["16B"]
     assert round(v3.num_params() / 1e9) == 671  # the report's 671B (the MTP module's 14B aside)
@@ -159,9 +235,49 @@ def test_layouts_match_one_process(ds_suite, layout):
     assert "moe_aux_loss" in last and "moe_load_max_mean/layers_1-1" in last
 
 
+@pytest.fixture(scope="module")
+def mtp_suite(tmp_path_factory):
+    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_mtp_parity")), [*TINY, "--model.mtp_depth", "1"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_multi_token_prediction_under_ep_x_fsdp_matches_one_process(mtp_suite):
+    """The MTP term is normalised like the main loss, so EP 2 x FSDP 2 matches one process; it is logged."""
+    run, = mtp_suite.check(["ep2_fsdp2"], rtol=1e-4)
+    base = mtp_suite.baseline.records
+    assert all(r["mtp_loss"] == pytest.approx(b["mtp_loss"], rel=1e-4) for r, b in zip(run.records, base))
+    assert base[-1]["mtp_loss"] > base[-1]["loss"] - 1.0  # predicting 2 ahead is no easier than 1 ahead
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_selective_op_checkpointing_under_expert_parallelism_matches_one_process(ds_suite):
     """Op-level selective AC recomputes blocks whose experts are an FSDP unit of their own (EP): the
     recomputation must be accepted (FSDP's profiler ranges are not ops) and change nothing."""
     ds_suite.check(["ep2_fsdp2"], rtol=1e-4, extra=["--activation_checkpoint.mode", "selective"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_exact_resume_with_experts_bias_and_mtp(tmp_path):
+    """EP 2 with the routing bias and an MTP depth: resuming from step 4 gives per-step losses (and MTP
+    losses) BITWISE equal to the uninterrupted run's."""
+    from test_checkpoint import copy_step, losses, ok
+
+    from conftest import run_train
+
+    def job(dump):
+        return [*TINY, "--model.mtp_depth", "1", "--parallelism.expert_parallel_degree", "2", "--training.steps", "8",
+                "--metrics.log_freq", "1", "--debug.deterministic", "--metrics.enable_tensorboard", "false",
+                "--job.print_config", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
+                "--job.dump_folder", str(dump)]
+
+    ref = tmp_path / "ref"
+    ok(run_train(job(ref), nproc=2))
+    copy_step(ref, 4, tmp_path / "resumed")
+    ok(run_train(job(tmp_path / "resumed"), nproc=2))
+    want, got = losses(ref), losses(tmp_path / "resumed")
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got), (want, got)
+    records = lambda d: {r["step"]: r["mtp_loss"] for r in map(json.loads, open(d / "metrics.jsonl"))}  # noqa: E731
+    assert all(records(tmp_path / "resumed")[s] == records(ref)[s] for s in got)

@@ -29,6 +29,7 @@ from torchtrain.components.guard import GuardAbort, TrainingGuard
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
+from torchtrain.components.extra_losses import ExtraLosses
 from torchtrain.components.moe_balance import MoEBalancer
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.phases import PhaseTimer
@@ -97,8 +98,10 @@ class Trainer:
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.moe = MoEBalancer.for_model(self.model_parts, device, args)  # None unless the model has experts
+        self.extra_losses = ExtraLosses.for_model(self.model_parts, device)  # e.g. multi-token prediction
         self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
-                                    cfg.training.max_norm, self.moe, cfg.training.z_loss)
+                                    cfg.training.max_norm, self.moe, cfg.training.z_loss,
+                                    extra_losses=self.extra_losses)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
         self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
@@ -261,6 +264,8 @@ class Trainer:
             record.update(self.moe.record(out["moe"]))
         if out.get("z_loss") is not None:
             record["z_loss"] = out["z_loss"].item()
+        if out.get("extra_losses") is not None:
+            record.update(self.extra_losses.record(out["extra_losses"]))
         record.update(**self.phases.summary(record["step_time_s"]), **out.get("evaluation", {}),
                       **self.guard.record(), **self.fault.record())  # [ops]
         if self.replicas is not None:

@@ -29,7 +29,8 @@ With `training.z_loss`, each token's loss also holds the z-loss term (components
 returned `loss` is the cross-entropy alone and `z_loss` that term, reduced the same way.
 A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
-(`components/moe_balance.py`).
+(`components/moe_balance.py`); other terms a model adds in its forward (multi-token prediction) get
+the same scale and are summed for logging (`components/extra_losses.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import nn
 
 from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.lr_scheduler import LRSchedulersContainer
+from torchtrain.components.extra_losses import ExtraLosses
 from torchtrain.components.moe_balance import MoEBalancer
 from torchtrain.components.optimizer import OptimizersContainer
 from torchtrain.components.precision import LossScaler
@@ -76,8 +78,10 @@ class StepHooks:
 class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
-                 moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None):
+                 moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None,
+                 extra_losses: ExtraLosses | None = None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
+        self.extra_losses = extra_losses
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
@@ -163,6 +167,8 @@ class TrainStep:
             self.loss_fn.scale = self.loss_fn.scale * multiplier
         if self.moe is not None:
             self.moe.begin_step(self.loss_fn.scale * self.scaler.factor)
+        if self.extra_losses is not None:
+            self.extra_losses.begin_step(self.loss_fn.scale * self.scaler.factor)
         accumulated = self._forward_backward(batches)
         hooks.phase("optimizer")
         hooks.after_backward(self.model_parts)
@@ -191,6 +197,7 @@ class TrainStep:
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         moe_stats = self.moe.end_step(stepped) if self.moe is not None else None
+        extra = self.extra_losses.end_step() if self.extra_losses is not None else None
         hooks.phase(None)
         return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped, "guard": verdict, "moe": moe_stats, "z_loss": z_loss}
+                "stepped": stepped, "guard": verdict, "moe": moe_stats, "z_loss": z_loss, "extra_losses": extra}

@@ -107,6 +107,8 @@ class MetricsLogger:
                   f"{_fmt(record['moe_load_max_mean'], '.2f')}"
         if "z_loss" in record:  # training.z_loss (docs/optimizers.md)
             extra += f" | z-loss {_fmt(record['z_loss'], '.3e')}"
+        if "mtp_loss" in record:  # multi-token prediction (docs/moe.md)
+            extra += f" | mtp {_fmt(record['mtp_loss'], '.4f')}"
         logger.info(
             "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
             "mem %s GiB (%s) | data %s%%%s",

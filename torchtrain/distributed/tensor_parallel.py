@@ -16,7 +16,9 @@ with loss parallel, the cross-entropy runs on vocabulary shards (a max and a sum
 token), so the full logits are never gathered.
 
 The model's plan itself is model code (e.g. `models/llama3/parallelize.py`); this module holds the
-model-independent pieces.
+model-independent pieces, and the plans of the parts the decoder families share by module name:
+`apply_decoder_top` (embedding, final norm, output head), `gqa_attention_plan` (W_q/W_k/W_v/W_o and
+the block's norms) and `swiglu_plan` (a dense feed-forward).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from torchtrain.config.fields import ConfigError
 
@@ -65,3 +70,45 @@ def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
 
     with loss_parallel():
         yield
+
+
+def apply_decoder_top(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """The embedding (row-parallel into sequence shards), final norm (on sequence shards) and output
+    head (column-parallel over the vocabulary; vocabulary-sharded logits with loss parallel) of a
+    decoder whose top-level modules are `tok_embeddings`, `norm` and `output` (None on a pipeline
+    stage that lacks them)."""
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    parallelize_module(model, tp_mesh, top)
+
+
+def gqa_attention_plan() -> dict[str, object]:
+    """A block's norms and grouped-query attention `attention.w{q,k,v,o}` (names relative to the block):
+    the input gathered over the sequence, heads column-parallel, W_o row-parallel into sequence shards."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+
+
+def swiglu_plan(prefix: str = "feed_forward") -> dict[str, object]:
+    """A dense SwiGLU at `prefix`: input gathered over the sequence, W_1/W_3 column-, W_2 row-parallel."""
+    return {
+        prefix: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        f"{prefix}.w1": ColwiseParallel(),
+        f"{prefix}.w2": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}.w3": ColwiseParallel(),
+    }

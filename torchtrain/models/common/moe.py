@@ -27,7 +27,7 @@ parallel code.
   normalisation (1/N over the step's target tokens) and equals alpha x E x sum_i f_i P_i per sequence,
   minimal (alpha) when the load is uniform. f is computed per sequence -- not per micro-batch or per
   rank -- so the loss is the same under any data-parallel layout or accumulation, and f is constant
-  (its gradient flows through p only). The term's gradient is injected in backward (`_AuxLoss`): the
+  (its gradient flows through p only). The term's gradient is injected in backward (`extra_loss.py`): the
   layer's output is unchanged, so the loss reaches pipeline stages that do not compute the
   cross-entropy. The trainer sets `aux_loss_scale` to the scale of the step's loss (dp / N, x the
   float16 loss scale);
@@ -47,12 +47,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec, forward_is_counted
 from torchtrain.models.common.experts import GroupedExperts
+from torchtrain.models.common.extra_loss import add_loss_gradient, first_pass
 from torchtrain.models.common.layers import FeedForward
 
 
@@ -144,20 +144,6 @@ class SequenceSum(nn.Identity):
     (`distributed/context_parallel.py`)."""
 
 
-class _AuxLoss(torch.autograd.Function):
-    """Identity on `out`; backward also sends `scale` as the gradient of the (scalar) `aux` loss."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (scale,) = ctx.saved_tensors
-        return grad, scale.to(torch.float32).reshape(()), None
-
-
 def _histogram(keys: torch.Tensor, bins: int, ordered: torch.Tensor | None = None) -> torch.Tensor:
     """How many of `keys` (integers in [0, bins)) fall in each bin, by sorting (`ordered`: keys already
     sorted): deterministic on every device and static in shape (it also runs on the planner's fake
@@ -166,13 +152,6 @@ def _histogram(keys: torch.Tensor, bins: int, ordered: torch.Tensor | None = Non
         ordered = torch.sort(keys.reshape(-1)).values
     edges = torch.searchsorted(ordered, torch.arange(bins + 1, device=keys.device, dtype=keys.dtype))
     return edges.diff()
-
-
-def _first_pass() -> bool:
-    """False while activation checkpointing recomputes a forward (inside backward)."""
-    if torch.compiler.is_compiling():  # compiled recomputation never reruns Python
-        return True
-    return torch._C._current_graph_task_id() == -1
 
 
 class MoE(nn.Module):
@@ -240,7 +219,7 @@ class MoE(nn.Module):
         counts = _histogram(pairs, self.num_experts, ordered=pairs[order])
         use_aux = self.training and self.aux_loss_coeff > 0
         aux = self._aux_loss(scores, idx, batch) if use_aux else None
-        if self.training and forward_is_counted() and _first_pass() and not counts.is_meta:
+        if self.training and forward_is_counted() and first_pass() and not counts.is_meta:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.float())
                 if aux is not None:
@@ -254,7 +233,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.view_as(x)
         if aux is not None:
-            out = _AuxLoss.apply(out, aux, self.aux_loss_scale * self.aux_loss_coeff)
+            out = add_loss_gradient(out, aux, self.aux_loss_scale * self.aux_loss_coeff)
         return out
 
     # ------------------------------------------------------------------ init

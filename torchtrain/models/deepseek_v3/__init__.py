@@ -2,9 +2,8 @@
 
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.deepseek_v3.model import Transformer
-from torchtrain.models.deepseek_v3.parallelize import apply_tp, validate_deepseek_v3
+from torchtrain.models.deepseek_v3.parallelize import apply_tp, fsdp_units, validate_deepseek_v3
 from torchtrain.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
-from torchtrain.models.llama3.parallelize import fsdp_units
 from torchtrain.models.llama3.pipeline import llama_stage_modules
 from torchtrain.models.registry import ModelSpec, register_model_spec
 

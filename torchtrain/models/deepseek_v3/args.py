@@ -18,20 +18,20 @@ scaling when `rope_factor` > 1 (and the softmax-scale correction mscale(factor, 
 FLOPs per token (the Llama 3 convention, `models/llama3/args.py`): 6 x the active matmul parameters
 (attention projections, the dense or routed top-k + shared experts' SwiGLUs, router, output) plus the
 attention scores and weighted sum, 6 x n_layers x n_heads x (qk_head_dim + v_head_dim) x seq_len.
+Multi-token prediction (`mtp_depth` D, `models/common/mtp.py`) adds D blocks, their projections and D
+more passes through the output head.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.common.decoder import DecoderArgsMixin
 from torchtrain.models.common.moe import MoEModelArgs
-
-if TYPE_CHECKING:
-    from torchtrain.components.tokenizer import Tokenizer
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -40,7 +40,7 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 @dataclass
-class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
+class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
     dim: int = 7168
     """Hidden size (HF hidden_size)."""
 
@@ -109,6 +109,14 @@ class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
     attention_mask: Literal["causal", "block_causal"] = "causal"
     """`causal` or `block_causal` (documents packed in a window kept apart; docs/long_context.md)."""
 
+    mtp_depth: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3: 1), each predicting one token further from the
+    previous depth's hidden states and the next token's embedding; 0: off. Training only."""
+
+    mtp_loss_weight: float = 0.3
+    """Weight lambda of the MTP term: lambda / mtp_depth x the MTP cross-entropies, normalised like the
+    main loss (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1)."""
+
     # ------------------------------------------------------------------ derived
     @property
     def qk_head_dim(self) -> int:
@@ -161,17 +169,10 @@ class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
             raise ConfigError("[model.rope_factor] must be > 0 (1: no YaRN) and model.rope_original_max_seq_len >= 1")
         if self.max_seq_len < 0:
             raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ConfigError(f"[model.mtp_depth] {self.mtp_depth} and model.mtp_loss_weight {self.mtp_loss_weight} "
+                              f"must be >= 0 (mtp_depth 0: no multi-token prediction)")
         self.validate_moe()
-
-    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
-        if self.max_seq_len == 0:
-            self.max_seq_len = seq_len
-        elif self.max_seq_len < seq_len:
-            raise ConfigError(f"[model.max_seq_len] {self.max_seq_len} is shorter than training.seq_len {seq_len}; "
-                              f"raise it or leave it 0 (= seq_len)")
-        if tokenizer.vocab_size > self.vocab_size:
-            raise ConfigError(f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
-                              f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger")
 
     # ------------------------------------------------------------------ counts
     def attention_params(self) -> int:
@@ -191,7 +192,9 @@ class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
         return used if active else total
 
     def _count(self, active: bool, exclude_embedding: bool) -> int:
-        blocks = sum(self.attention_params() + self.ffn_params(i, active) + 2 * self.dim for i in range(self.n_layers))
+        layers = range(self.n_layers + self.mtp_depth)  # an MTP depth: a block (as the last) + 2 h^2 + 3 norms
+        blocks = sum(self.attention_params() + self.ffn_params(i, active) + 2 * self.dim for i in layers)
+        blocks += self.mtp_depth * (2 * self.dim * self.dim + 3 * self.dim)
         table = self.vocab_size * self.dim
         total = blocks + self.dim + 2 * table
         return total - table if exclude_embedding else total
@@ -204,8 +207,10 @@ class DeepseekV3Args(MoEModelArgs, BaseModelArgs):
         return self._count(True, exclude_embedding)
 
     def flops_per_token(self, seq_len: int) -> int:
-        attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-        return 6 * self.num_active_params(exclude_embedding=True) + attention
+        """Training FLOPs per token; multi-token prediction adds its blocks and one output head per depth."""
+        attention = 6 * (self.n_layers + self.mtp_depth) * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        heads = 6 * self.mtp_depth * self.vocab_size * self.dim
+        return 6 * self.num_active_params(exclude_embedding=True) + attention + heads
 
     # ------------------------------------------------------------------ the planner's view
     def planner_matmuls(self):

@@ -13,6 +13,10 @@ head is stored as interleaved pairs (x[2i], x[2i+1]) -- DeepSeek's checkpoint la
 as such; the output lists the pairs' first then second elements, the same permutation for queries
 and keys, so their dot products are unchanged.
 
+With `mtp_depth` > 0, training forwards also run multi-token prediction (`models/common/mtp.py`): the
+depths' blocks are this model's blocks, and the embedding and output head are shared (each called
+once per forward, over the concatenated inputs, so FSDP gathers each once).
+
 `rope_key` is an identity module on the RoPE key: the TP plan gathers that one narrow tensor over the
 sequence shards there (`parallelize.py`), while the wide latents are gathered by the projections that
 expand them.
@@ -21,7 +25,6 @@ expand them.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +32,10 @@ from torch import nn
 
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
+from torchtrain.models.common.decoder import LAYER_ID, decoder_init_spec, output_std
 from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.common.moe import MoE, moe_layers
+from torchtrain.models.common.mtp import MultiTokenPrediction
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 
 
@@ -121,9 +126,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-_LAYER_ID = re.compile(r"^layers\.(\d+)\.")
-
-
 class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
     `models/llama3/model.py::Transformer`."""
@@ -135,46 +137,57 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp: MultiTokenPrediction | None = None
+        if args.mtp_depth:
+            blocks = [TransformerBlock(args, args.n_layers + k) for k in range(args.mtp_depth)]
+            self.mtp = MultiTokenPrediction(args.dim, args.norm_eps, blocks, args.mtp_loss_weight)
         self.register_buffer("rope_cache", yarn_rope_table(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
         rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mtp = self.mtp is not None and self.training  # multi-token prediction: training forwards only
+        if self.tok_embeddings is None:
+            h = tokens
+        elif mtp:  # one lookup (one FSDP unit call) for the tokens and the tokens each MTP depth reads
+            batch = tokens.shape[0]
+            h, *future = self.tok_embeddings(torch.cat([tokens, *self.mtp.future_tokens(tokens, len(self.mtp.depths))])
+                                             ).split(batch)
+        else:
+            h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, ctx)
         if self.norm is None:
             return h  # a pipeline stage that ends before the head passes hidden states on
-        return self.output(self.norm(h))
+        if not mtp:
+            return self.output(self.norm(h))
+        # the shared output head runs once over the main and every depth's hidden states
+        logits, *depth_logits = self.output(torch.cat([self.norm(h), *self.mtp(h, future, rope, ctx)])
+                                            ).split(tokens.shape[0])
+        return self.mtp.add_loss(logits, depth_logits, tokens)
 
     # ----------------------------------------------------------------------- init
-    def output_std(self, fqn: str) -> float:
-        """Init std of a block's projections back into the residual stream."""
-        match = _LAYER_ID.match(fqn)
-        layer_id = int(match.group(1)) if match and self.args.depth_init else self.args.n_layers - 1
-        return 0.02 / math.sqrt(2 * (layer_id + 1))
-
     def init_spec(self, fqn: str) -> InitSpec:
-        """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes)."""
-        if fqn.endswith("norm.weight"):
-            return InitSpec("ones")
-        if fqn == "tok_embeddings.weight":
-            return InitSpec("normal", std=1.0)
-        if fqn == "output.weight":
-            return InitSpec("trunc_normal", std=self.args.dim**-0.5)
+        """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes): the decoder
+        family's (`models/common/decoder.py`); an MTP depth's block as block n_layers + k; the MoE
+        layers' own (router, experts, shared experts)."""
+        if fqn.startswith("mtp.depths."):
+            k, _, rest = fqn.removeprefix("mtp.depths.").partition(".")
+            if rest.startswith("block."):
+                return self.init_spec(f"layers.{self.args.n_layers + int(k)}.{rest.removeprefix('block.')}")
+        match = LAYER_ID.match(fqn)
         head, sep, rest = fqn.partition(".feed_forward.")
-        match = _LAYER_ID.match(fqn)
-        if sep and match and self.args.is_moe_layer(int(match.group(1))):  # router, experts, shared experts
-            return MoE.init_spec(rest, std=0.02, out_std=self.output_std(fqn))
-        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            return InitSpec("trunc_normal", std=self.output_std(fqn))
-        return InitSpec("trunc_normal", std=0.02)
+        if sep and match and self.args.is_moe_layer(int(match.group(1))):
+            return MoE.init_spec(rest, std=0.02, out_std=output_std(fqn, self.args.n_layers, self.args.depth_init))
+        return decoder_init_spec(fqn, self.args)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE table on the buffer's current device; reset the MoE statistics."""
         self.rope_cache = yarn_rope_table(self.args, self.rope_cache.device)
         for _, layer in moe_layers(self):
             layer.init_buffers()
+        if self.mtp is not None:
+            self.mtp.init_buffers()
 
 
 __all__ = ["LatentAttention", "Transformer", "TransformerBlock", "apply_interleaved_rope", "yarn_rope_table"]

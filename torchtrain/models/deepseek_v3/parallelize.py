@@ -1,6 +1,6 @@
 """The DeepSeek-V3 parallel plan: its tensor-parallel plan and checks against the layout (the generic
 applier, `distributed/parallelize.py`, does the rest: expert parallelism splits every `GroupedExperts`;
-FSDP units and the pipeline split are Llama 3's, whose module layout DeepSeek-V3 shares).
+the pipeline split is Llama 3's, whose module layout DeepSeek-V3 shares).
 
 TP with sequence parallelism, MLA's way: the block's input stays sharded over the sequence, and
 the narrow projections into the latents (W_qa, W_kva: 1,536 and 576 wide against h = 7,168) and their
@@ -10,7 +10,8 @@ over the heads and gather their *latent* input over the sequence -- r instead of
 4-12x less traffic than gathering x. The RoPE key (64 wide, shared by the heads) is gathered alone
 (`rope_key`). Each rank then attends with its heads and W_o is row-parallel back into sequence
 shards. The embedding, final norm and output are Qwen3's; dense feed-forwards are Megatron's
-column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`.
+column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`. FSDP units are Llama
+3's plus one per multi-token-prediction depth.
 """
 
 from __future__ import annotations
@@ -23,14 +24,25 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import moe_tp_plan
-from torchtrain.distributed.tensor_parallel import check_divisible
+from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, swiglu_plan
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
-from torchtrain.models.qwen3.parallelize import apply_top_tp
+from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
 
 
 def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
     """Model-shape checks against the layout, before any process group starts."""
     dims = layout.dims
+    if args.mtp_depth:
+        for on, degree, why in ((dims.pp_enabled, "pipeline_parallel_degree", "the depths need the embedding, "
+                                 "which lives on the first stage, and the tokens on the last"),
+                                (dims.tp_enabled, "tensor_parallel_degree", "its plan is not written yet"),
+                                (dims.cp_enabled, "context_parallel_degree", "the targets one and two tokens ahead "
+                                 "of a chunk's end live on another CP rank")):
+            if on:
+                raise ConfigError(f"[model.mtp_depth] multi-token prediction is not combined with {degree} > 1 "
+                                  f"({why}); set model.mtp_depth = 0 or parallelism.{degree} = 1")
+        if layout.batch.seq_len < args.mtp_depth + 2:
+            raise ConfigError(f"[model.mtp_depth] {args.mtp_depth} needs training.seq_len >= {args.mtp_depth + 2}")
     tp = dims.tp
     if tp == 1:
         return
@@ -70,19 +82,20 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
     return plan
 
 
-def dense_ffn_plan() -> dict[str, object]:
-    return {
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     args: DeepseekV3Args = model.args
-    apply_top_tp(model, tp_mesh, loss_parallel)
+    apply_decoder_top(model, tp_mesh, loss_parallel)
     shared = args.num_shared_experts > 0
     for name, block in model.layers.items():
-        ffn = moe_tp_plan("feed_forward", shared) if args.is_moe_layer(int(name)) else dense_ffn_plan()
+        ffn = moe_tp_plan("feed_forward", shared) if args.is_moe_layer(int(name)) else swiglu_plan()
         parallelize_module(block, tp_mesh, {**attention_plan(args), **ffn})
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """Llama 3's units (embedding, each block, norm + output), with each multi-token-prediction depth a
+    unit of its own before the output head (forward order: the head runs once, after the depths)."""
+    units = llama_fsdp_units(model)
+    if getattr(model, "mtp", None) is None:
+        return units
+    depths = list(model.mtp.depths.values())
+    return units[:-1] + depths + units[-1:] if model.output is not None else units + depths

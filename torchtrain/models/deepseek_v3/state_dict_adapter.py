@@ -14,8 +14,11 @@ Names (HF's, as DeepSeek's published safetensors write them), per block i:
 
 Both keep the RoPE dimensions as interleaved pairs (HF's `rope_interleave = true`), so every tensor is
 copied as is. The published checkpoint also holds the multi-token-prediction module as block
-`num_hidden_layers` (`model.layers.61.*` in V3): those keys are recognised and left unused
-(`ignored_hf_prefixes`), as transformers does.
+`num_hidden_layers` (`model.layers.61.*` in V3): with `mtp_depth` >= 1 it loads into `mtp.depths.0`
+(`enorm`, `hnorm`, `eh_proj`, `shared_head.norm` -> `norm`, and the block's names as above; its
+copies of the embedding and output head, `embed_tokens` and `shared_head.head`, are the model's own
+and skipped), and is exported the same way; with `mtp_depth` 0 those keys are recognised and left
+unused (`ignored_hf_prefixes`), as transformers does.
 """
 
 from __future__ import annotations
@@ -57,20 +60,37 @@ _EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "
             "feed_forward.experts.w2": "down_proj"}
 
 
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight"}
+
+
 class DeepseekV3StateDictAdapter(StateDictAdapter):
     model_args: DeepseekV3Args
     architecture, model_type = "DeepseekV3ForCausalLM", "deepseek_v3"
 
+    def _as_layer(self, key: str) -> str:
+        """An MTP depth's block parameter under its HF block index (`mtp.depths.k.block.X` ->
+        `layers.{n_layers + k}.X`); other keys unchanged."""
+        if key.startswith("mtp.depths."):
+            k, _, rest = key.removeprefix("mtp.depths.").partition(".")
+            if rest.startswith("block."):
+                return f"layers.{self.model_args.n_layers + int(k)}.{rest.removeprefix('block.')}"
+        return key
+
     def hf_key(self, key: str) -> str:
         if key in _TOP:
             return _TOP[key]
-        match = LAYER.match(key)
+        if key.startswith("mtp.depths."):
+            k, _, rest = key.removeprefix("mtp.depths.").partition(".")
+            if rest in _MTP:
+                return f"model.layers.{self.model_args.n_layers + int(k)}.{_MTP[rest]}"
+        match = LAYER.match(self._as_layer(key))
         if match and match.group(2) in _BLOCK:
             return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"
         raise KeyError(f"no Hugging Face name for deepseek_v3 parameter {key!r}")
 
     def hf_keys(self, key: str) -> list[str]:
-        match = LAYER.match(key)
+        match = LAYER.match(self._as_layer(key))
         if match and match.group(2) in _EXPERTS:
             layer, name = match.groups()
             return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[name]}.weight"
@@ -78,8 +98,12 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
         return [self.hf_key(key)]
 
     def ignored_hf_prefixes(self) -> tuple[str, ...]:
-        # the multi-token-prediction module, stored as the block after the last one
-        return (f"model.layers.{self.model_args.n_layers}.",)
+        a = self.model_args
+        if not a.mtp_depth:  # the published MTP module, stored as the block after the last one: not built
+            return (f"model.layers.{a.n_layers}.",)
+        # the MTP blocks' copies of the shared embedding and output head (the model's own are loaded)
+        return tuple(f"model.layers.{a.n_layers + k}.{name}" for k in range(a.mtp_depth)
+                     for name in ("embed_tokens.", "shared_head.head."))
 
     # ------------------------------------------------------------------ config.json
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
@@ -105,7 +129,7 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
             "v_head_dim": a.v_head_dim, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
             "rope_parameters": rope, "rope_interleave": True, "max_position_embeddings": a.max_seq_len,
             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-            "num_nextn_predict_layers": 0, "initializer_range": 0.02,
+            "num_nextn_predict_layers": a.mtp_depth, "initializer_range": 0.02,
             "torch_dtype": str(dtype).replace("torch.", ""),
         }
 

@@ -15,17 +15,15 @@ comparable with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
-
-if TYPE_CHECKING:
-    from torchtrain.components.tokenizer import Tokenizer
+from torchtrain.models.common.decoder import DecoderArgsMixin
 
 
 @dataclass
-class Llama3Args(BaseModelArgs):
+class Llama3Args(DecoderArgsMixin, BaseModelArgs):
     dim: int = 4096
     """Hidden size."""
 
@@ -115,20 +113,6 @@ class Llama3Args(BaseModelArgs):
             raise ConfigError(f"[model.rope_scaling_factor] must be > 0 or unset, got {self.rope_scaling_factor}")
         if self.max_seq_len < 0:
             raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
-
-    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
-        if self.max_seq_len == 0:
-            self.max_seq_len = seq_len
-        elif self.max_seq_len < seq_len:
-            raise ConfigError(
-                f"[model.max_seq_len] {self.max_seq_len} is shorter than training.seq_len {seq_len}; "
-                f"raise it or leave it 0 (= seq_len)"
-            )
-        if tokenizer.vocab_size > self.vocab_size:
-            raise ConfigError(
-                f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger"
-            )
 
     # ------------------------------------------------------------------ counts
     def num_params(self, exclude_embedding: bool = False) -> int:

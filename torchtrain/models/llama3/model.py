@@ -17,7 +17,6 @@ Plain PyTorch, no parallel code: tensor/pipeline/context/data parallelism are ap
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch import nn
 
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
+from torchtrain.models.common.decoder import decoder_init_spec
 from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.llama3.args import Llama3Args
 
@@ -105,9 +105,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-_LAYER_ID = re.compile(r"^layers\.(\d+)\.")
-
-
 class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size).
 
@@ -144,18 +141,7 @@ class Transformer(nn.Module):
     # ----------------------------------------------------------------------- init
     def init_spec(self, fqn: str) -> InitSpec:
         """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes)."""
-        if fqn.endswith("norm.weight"):
-            return InitSpec("ones")
-        if fqn == "tok_embeddings.weight":
-            return InitSpec("normal", std=1.0 if not self.args.tie_word_embeddings else self.args.dim**-0.5)
-        if fqn == "output.weight":
-            return InitSpec("trunc_normal", std=self.args.dim**-0.5)
-        std = 0.02
-        match = _LAYER_ID.match(fqn)
-        if match and fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            layer_id = int(match.group(1)) if self.args.depth_init else self.args.n_layers - 1
-            std = 0.02 / math.sqrt(2 * (layer_id + 1))
-        return InitSpec("trunc_normal", std=std)
+        return decoder_init_spec(fqn, self.args)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE table on the buffer's current device (after materialisation)."""

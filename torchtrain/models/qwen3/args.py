@@ -9,17 +9,15 @@ head before RoPE, and RoPE base 1e6. FLOPs per token follow the Llama 3 conventi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
-
-if TYPE_CHECKING:
-    from torchtrain.components.tokenizer import Tokenizer
+from torchtrain.models.common.decoder import DecoderArgsMixin
 
 
 @dataclass
-class Qwen3Args(BaseModelArgs):
+class Qwen3Args(DecoderArgsMixin, BaseModelArgs):
     qk_norm: ClassVar[bool] = True  # per-head query/key RMSNorm (for the planner's activation formula)
 
     dim: int = 4096
@@ -80,16 +78,6 @@ class Qwen3Args(BaseModelArgs):
             )
         if self.max_seq_len < 0:
             raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
-
-    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
-        if self.max_seq_len == 0:
-            self.max_seq_len = seq_len
-        elif self.max_seq_len < seq_len:
-            raise ConfigError(f"[model.max_seq_len] {self.max_seq_len} is shorter than training.seq_len {seq_len}; "
-                              f"raise it or leave it 0 (= seq_len)")
-        if tokenizer.vocab_size > self.vocab_size:
-            raise ConfigError(f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
-                              f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger")
 
     # ------------------------------------------------------------------ counts
     def attention_params(self) -> int:

@@ -15,15 +15,13 @@ and RoPE reads explicit token positions when they are given, as in Llama 3.
 
 from __future__ import annotations
 
-import math
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
+from torchtrain.models.common.decoder import decoder_init_spec, output_std
 from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.qwen3.args import Qwen3Args
 
@@ -84,9 +82,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-_LAYER_ID = re.compile(r"^layers\.(\d+)\.")
-
-
 class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
     `models/llama3/model.py::Transformer`."""
@@ -126,21 +121,11 @@ class Transformer(nn.Module):
     # ----------------------------------------------------------------------- init
     def output_std(self, fqn: str) -> float:
         """Init std of a block's projections back into the residual stream."""
-        match = _LAYER_ID.match(fqn)
-        layer_id = int(match.group(1)) if match and self.args.depth_init else self.args.n_layers - 1
-        return 0.02 / math.sqrt(2 * (layer_id + 1))
+        return output_std(fqn, self.args.n_layers, self.args.depth_init)
 
     def init_spec(self, fqn: str) -> InitSpec:
         """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes)."""
-        if fqn.endswith("norm.weight"):
-            return InitSpec("ones")
-        if fqn == "tok_embeddings.weight":
-            return InitSpec("normal", std=1.0 if not self.args.tie_word_embeddings else self.args.dim**-0.5)
-        if fqn == "output.weight":
-            return InitSpec("trunc_normal", std=self.args.dim**-0.5)
-        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            return InitSpec("trunc_normal", std=self.output_std(fqn))
-        return InitSpec("trunc_normal", std=0.02)
+        return decoder_init_spec(fqn, self.args)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE table on the buffer's current device (after materialisation)."""

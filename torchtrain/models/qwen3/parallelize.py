@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import check_divisible
+from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, gqa_attention_plan, swiglu_plan
 from torchtrain.models.qwen3.args import Qwen3Args
 
 
@@ -46,43 +44,17 @@ def validate_qwen3(args: Qwen3Args, layout) -> None:
 
 
 def attention_plan() -> dict[str, object]:
-    """TP styles of one block's attention and its norm (module names relative to the block)."""
+    """TP styles of one block's attention and its norms (module names relative to the block): the
+    decoder family's, plus the per-head query/key norms on head shards."""
     return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        **gqa_attention_plan(),
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
     }
-
-
-def apply_top_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Embedding (row-parallel into sequence shards), final norm, output (column-parallel over the vocabulary)."""
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.norm is not None:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
-    parallelize_module(model, tp_mesh, top)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallelism (see `distributed/tensor_parallel.py`)."""
-    apply_top_tp(model, tp_mesh, loss_parallel)
+    apply_decoder_top(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            **attention_plan(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(block, tp_mesh, {**attention_plan(), **swiglu_plan()})

@@ -12,7 +12,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import moe_tp_plan
-from torchtrain.models.qwen3.parallelize import apply_top_tp, attention_plan, validate_qwen3
+from torchtrain.distributed.tensor_parallel import apply_decoder_top
+from torchtrain.models.qwen3.parallelize import attention_plan, validate_qwen3
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 
@@ -28,7 +29,7 @@ def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    apply_top_tp(model, tp_mesh, loss_parallel)
+    apply_decoder_top(model, tp_mesh, loss_parallel)
     shared = model.args.num_shared_experts > 0
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {**attention_plan(), **moe_tp_plan("feed_forward", shared)})

@@ -1,0 +1,63 @@
+"""What the decoder-only families (Llama 3, Qwen3, DeepSeek-V3) share outside their layers: adapting
+the arguments to the job, and the initialisation scheme. Each family states only what differs.
+
+Initialisation (by canonical parameter name, so identical under any layout): norms 1; the token
+embedding N(0, 1) (N(0, 1/dim) when tied to the output); the output head truncated N(0, 1/dim); the
+projections back into the residual stream (`attention.wo`, `feed_forward.w2`) truncated N(0, std_out)
+with std_out = 0.02 / sqrt(2 (layer_id + 1)) (`depth_init`; otherwise the last block's value); every
+other matrix truncated N(0, 0.02^2).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.base import InitSpec
+
+if TYPE_CHECKING:
+    from torchtrain.components.tokenizer import Tokenizer
+
+LAYER_ID = re.compile(r"^layers\.(\d+)\.")
+OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+class DecoderArgsMixin:
+    """`update_from_job` for arguments with `max_seq_len` (0: the job's seq_len) and `vocab_size`."""
+
+    max_seq_len: int
+    vocab_size: int
+
+    def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
+        if self.max_seq_len == 0:
+            self.max_seq_len = seq_len
+        elif self.max_seq_len < seq_len:
+            raise ConfigError(f"[model.max_seq_len] {self.max_seq_len} is shorter than training.seq_len {seq_len}; "
+                              f"raise it or leave it 0 (= seq_len)")
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ConfigError(f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
+                              f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger")
+
+
+def output_std(fqn: str, n_layers: int, depth_init: bool) -> float:
+    """Init std of a block's projection back into the residual stream (see the module doc)."""
+    match = LAYER_ID.match(fqn)
+    layer_id = int(match.group(1)) if match and depth_init else n_layers - 1
+    return 0.02 / math.sqrt(2 * (layer_id + 1))
+
+
+def decoder_init_spec(fqn: str, args) -> InitSpec:
+    """The family-wide initialisation of parameter `fqn` (see the module doc); `args` has `dim`,
+    `n_layers`, `depth_init` and optionally `tie_word_embeddings`."""
+    tied = getattr(args, "tie_word_embeddings", False)
+    if fqn.endswith("norm.weight"):
+        return InitSpec("ones")
+    if fqn == "tok_embeddings.weight":
+        return InitSpec("normal", std=args.dim**-0.5 if tied else 1.0)
+    if fqn == "output.weight":
+        return InitSpec("trunc_normal", std=args.dim**-0.5)
+    if fqn.endswith(OUTPUT_PROJECTIONS) and LAYER_ID.match(fqn):
+        return InitSpec("trunc_normal", std=output_std(fqn, args.n_layers, args.depth_init))
+    return InitSpec("trunc_normal", std=0.02)
