@@ -53,6 +53,7 @@ from torchtrain.distributed.float8 import precompute_scales
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
+from torchtrain.distributed.tied_stages import TiedStages
 from torchtrain.distributed.utils import all_reduce, clip_grad_norm_, set_gradient_sync
 
 
@@ -88,8 +89,14 @@ class TrainStep:
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
         self.pipeline = PipelineRunner(layout, model_parts, device, self.loss_fn) if layout.pipeline else None
+        self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
+        if self.pipeline is not None:
+            tied = TiedStages(layout.pipeline, layout.dims, self.pipeline.stage_ids, model_parts)
+            self.tied = tied if tied else None
         accepted = inspect.signature(model_parts[0].forward).parameters
         self.model_inputs = [k for k in ("positions", "seq_index") if k in accepted]
+        # a model that reads the token ids on every pipeline stage (multi-token prediction on the last)
+        self.token_ids = "token_ids" in accepted and self.pipeline is not None
         self._pipeline_losses = 0  # micro-batch losses of the last pipeline step on this rank
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -101,7 +108,10 @@ class TrainStep:
     def model_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Keyword inputs of the model besides the tokens that it takes: document positions, and the
         tokens' sequence indices under context parallelism."""
-        return {k: batch[k].to(self.device, non_blocking=True) for k in self.model_inputs if k in batch}
+        kwargs = {k: batch[k].to(self.device, non_blocking=True) for k in self.model_inputs if k in batch}
+        if self.token_ids:
+            kwargs["token_ids"] = batch["input_ids"].to(self.device, non_blocking=True)
+        return kwargs
 
     def context(self) -> contextlib.ExitStack:
         """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies."""
@@ -173,8 +183,11 @@ class TrainStep:
         hooks.phase("optimizer")
         hooks.after_backward(self.model_parts)
         self.scaler.unscale_(self.optimizers)
+        if self.tied is not None:
+            self.tied.sync_()
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh)
+        grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh,
+                                    self.tied.norm_excluded() if self.tied is not None else None)
         lr = self.optimizers.lr
         if self.loss_fn.z_weight:  # the z-loss is logged on its own: `loss` stays the cross-entropy
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)

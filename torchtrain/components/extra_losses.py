@@ -4,9 +4,9 @@ LoggedLoss`, e.g. multi-token prediction), besides the cross-entropy and the MoE
 * `begin_step(scale)`: gives every such module the scale of the step's loss (dp / N target tokens, x
   the float16 loss scale), so its term has the cross-entropy's normalisation;
 * `end_step()`: sums each module's (term, target count) over all ranks -- one all-reduce of a (M, 2)
-  tensor over the world (every rank holds disjoint targets: layouts that would count a target twice,
-  TP / CP / PP with a module that reads whole sequences, are refused by the model's checks) -- resets
-  the modules and returns the sums;
+  tensor over the world (ranks holding such a module hold disjoint targets; ranks without one, e.g.
+  other pipeline stages, add zeros; layouts that would count a target twice -- TP, CP -- are refused
+  by the model's checks) -- resets the modules and returns the sums;
 * `record(stats)`: `{loss_name: sum / count}` per kind of term (on logging steps; reads the host).
 """
 
@@ -20,15 +20,20 @@ from torchtrain.models.common.extra_loss import LoggedLoss
 
 
 class ExtraLosses:
-    def __init__(self, modules: list[LoggedLoss], device: torch.device):
-        self.modules, self.device = modules, device
-        self.names = sorted({m.loss_name for m in modules})
+    def __init__(self, modules: list[LoggedLoss], device: torch.device, names: list[str]):
+        self.modules, self.device, self.names = modules, device, names
 
     @classmethod
     def for_model(cls, model_parts: list[nn.Module], device: torch.device) -> "ExtraLosses | None":
-        """Bookkeeping for the model's LoggedLoss modules, or None when it has none."""
+        """Bookkeeping for the model's LoggedLoss modules, or None when no rank has any (a pipeline
+        stage without them still takes part in the reductions)."""
         modules = [m for part in model_parts for m in part.modules() if isinstance(m, LoggedLoss)]
-        return cls(modules, device) if modules else None
+        names = sorted({m.loss_name for m in modules})
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[list[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, names)
+            names = sorted({n for ranks in every for n in ranks})
+        return cls(modules, device, names) if names else None
 
     def begin_step(self, scale: torch.Tensor | float) -> None:
         for module in self.modules:

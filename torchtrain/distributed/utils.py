@@ -143,14 +143,15 @@ def _grad_group(p: torch.Tensor) -> object:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: set[int] | None = None) -> torch.Tensor:
     """Clip to the global L2 norm over all gradients of the job, and return that norm.
 
     norm = sqrt(sum over gradient groups of norm_g^2). Gradients are grouped by kind: plain tensors
     (identical on the ranks that hold them), and DTensors per (mesh, placements) (FSDP/TP shards,
     whose group norm is the true global one: partial squared sums are all-reduced over the mesh).
     With pipeline parallelism each stage holds different parameters, so squared norms are also
-    summed across stages.
+    summed across stages. `norm_excluded`: ids of parameters clipped but not counted in the norm (the
+    extra copies of a module several pipeline stages hold: `distributed/tied_stages.py`).
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
@@ -160,8 +161,13 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None) -> torch.Tensor:
         return torch.zeros(())
     norms = []
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        counted = [p.grad for p in params if not norm_excluded or id(p) not in norm_excluded]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    if not norms:
+        norms.append(torch.zeros((), device=next(iter(groups.values()))[0].grad.device))
     total = torch.linalg.vector_norm(torch.stack(norms))
     if pp_mesh is not None:
         total = total**2

@@ -2,9 +2,8 @@
 
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.deepseek_v3.model import Transformer
-from torchtrain.models.deepseek_v3.parallelize import apply_tp, fsdp_units, validate_deepseek_v3
+from torchtrain.models.deepseek_v3.parallelize import apply_tp, fsdp_units, stage_modules, validate_deepseek_v3
 from torchtrain.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
-from torchtrain.models.llama3.pipeline import llama_stage_modules
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes. 671B: DeepSeek-V3's config.json (61 blocks, 3 dense; 256 routed + 1 shared experts,
@@ -44,7 +43,7 @@ register_model_spec(
         tp_plan=apply_tp,
         fsdp_units=fsdp_units,
         validate=validate_deepseek_v3,
-        stage_modules=llama_stage_modules,
+        stage_modules=stage_modules,
         state_dict_adapter=DeepseekV3StateDictAdapter,
         compile_also=("norm",),
         context_parallel=True,

@@ -15,7 +15,9 @@ and keys, so their dot products are unchanged.
 
 With `mtp_depth` > 0, training forwards also run multi-token prediction (`models/common/mtp.py`): the
 depths' blocks are this model's blocks, and the embedding and output head are shared (each called
-once per forward, over the concatenated inputs, so FSDP gathers each once).
+once per forward, over the concatenated inputs, so FSDP gathers each once). Under pipeline
+parallelism the depths run on the last stage, which also holds the embedding (`stage_modules`; the
+copies are kept one module by `distributed/tied_stages.py`) and reads the token ids from `token_ids`.
 
 `rope_key` is an identity module on the RoPE key: the TP plan gathers that one narrow tensor over the
 sequence shards there (`parallelize.py`), while the wide latents are gathered by the projections that
@@ -144,17 +146,23 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cache", yarn_rope_table(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                seq_index: torch.Tensor | None = None) -> torch.Tensor:
+                seq_index: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens`: token ids, or (on a pipeline stage after the first) the previous stage's hidden
+        states; `token_ids`: the ids on every stage (what the last stage's multi-token prediction reads
+        under pipeline parallelism; default `tokens`)."""
         rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
+        ids = tokens if token_ids is None else token_ids
         mtp = self.mtp is not None and self.training  # multi-token prediction: training forwards only
-        if self.tok_embeddings is None:
+        if mtp and ids.is_floating_point():
+            raise ValueError("multi-token prediction on a pipeline stage after the first needs the token ids: "
+                             "pass token_ids (the train step does)")
+        future = self.mtp.future_tokens(ids, len(self.mtp.depths)) if mtp else []
+        if tokens.is_floating_point():  # hidden states from the previous pipeline stage
             h = tokens
-        elif mtp:  # one lookup (one FSDP unit call) for the tokens and the tokens each MTP depth reads
-            batch = tokens.shape[0]
-            h, *future = self.tok_embeddings(torch.cat([tokens, *self.mtp.future_tokens(tokens, len(self.mtp.depths))])
-                                             ).split(batch)
-        else:
-            h = self.tok_embeddings(tokens)
+            if future:
+                future = list(self.tok_embeddings(torch.cat(future)).split(tokens.shape[0]))
+        else:  # one lookup (one FSDP unit call) for the tokens and the tokens each MTP depth reads
+            h, *future = self.tok_embeddings(torch.cat([tokens, *future])).split(tokens.shape[0])
         for layer in self.layers.values():
             h = layer(h, rope, ctx)
         if self.norm is None:
@@ -164,7 +172,7 @@ class Transformer(nn.Module):
         # the shared output head runs once over the main and every depth's hidden states
         logits, *depth_logits = self.output(torch.cat([self.norm(h), *self.mtp(h, future, rope, ctx)])
                                             ).split(tokens.shape[0])
-        return self.mtp.add_loss(logits, depth_logits, tokens)
+        return self.mtp.add_loss(logits, depth_logits, ids)
 
     # ----------------------------------------------------------------------- init
     def init_spec(self, fqn: str) -> InitSpec:

@@ -1,6 +1,7 @@
 """The DeepSeek-V3 parallel plan: its tensor-parallel plan and checks against the layout (the generic
 applier, `distributed/parallelize.py`, does the rest: expert parallelism splits every `GroupedExperts`;
-the pipeline split is Llama 3's, whose module layout DeepSeek-V3 shares).
+the pipeline split is Llama 3's, whose module layout DeepSeek-V3 shares, with the multi-token
+prediction on the last stage).
 
 TP with sequence parallelism, MLA's way: the block's input stays sharded over the sequence, and
 the narrow projections into the latents (W_qa, W_kva: 1,536 and 576 wide against h = 7,168) and their
@@ -27,15 +28,14 @@ from torchtrain.distributed.expert_parallel import moe_tp_plan
 from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, swiglu_plan
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
+from torchtrain.models.llama3.pipeline import llama_stage_modules
 
 
 def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
     """Model-shape checks against the layout, before any process group starts."""
     dims = layout.dims
     if args.mtp_depth:
-        for on, degree, why in ((dims.pp_enabled, "pipeline_parallel_degree", "the depths need the embedding, "
-                                 "which lives on the first stage, and the tokens on the last"),
-                                (dims.tp_enabled, "tensor_parallel_degree", "its plan is not written yet"),
+        for on, degree, why in ((dims.tp_enabled, "tensor_parallel_degree", "its plan is not written yet"),
                                 (dims.cp_enabled, "context_parallel_degree", "the targets one and two tokens ahead "
                                  "of a chunk's end live on another CP rank")):
             if on:
@@ -99,3 +99,12 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
         return units
     depths = list(model.mtp.depths.values())
     return units[:-1] + depths + units[-1:] if model.output is not None else units + depths
+
+
+def stage_modules(args: DeepseekV3Args, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+    """Llama 3's split; with multi-token prediction the last stage also holds the depths and the token
+    embedding they share with the first stage (two copies kept as one: `distributed/tied_stages.py`)."""
+    stages = llama_stage_modules(args, num_stages, first_less, last_less)
+    if args.mtp_depth:
+        stages[-1] = stages[-1] + ["mtp"] + (["tok_embeddings"] if "tok_embeddings" not in stages[-1] else [])
+    return stages

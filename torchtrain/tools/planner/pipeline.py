@@ -29,7 +29,12 @@ class Stage:
     layers: tuple[int, ...]
     """Global indices of the blocks this stage owns."""
     first: bool
+    """It embeds the inputs (stage 0)."""
     last: bool
+    """It holds the final norm and output head."""
+    extra: tuple[str, ...] | None = None
+    """Other top-level modules it holds (DeepSeek-V3's `mtp`, and the embedding copy the last stage
+    keeps for it); None: all of them (the whole model, no pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,9 @@ def default_stages_per_rank(schedule: str) -> int:
 
 def _stage(index: int, names: list[str]) -> Stage:
     layers = tuple(int(n.split(".", 1)[1]) for n in names if n.startswith("layers."))
-    return Stage(index, layers, "tok_embeddings" in names, "output" in names or "norm" in names)
+    ends = ("norm", "output") + (("tok_embeddings",) if index == 0 else ())
+    extra = tuple(n for n in names if not n.startswith("layers.") and n not in ends)
+    return Stage(index, layers, index == 0, "output" in names or "norm" in names, extra)
 
 
 def profile(model_name: str, args, pp: int, schedule: str, microbatch_size: int, local_sequences: int,
@@ -142,4 +149,4 @@ def pipeline_of(p) -> PipelineProfile:
 def structure(prof: PipelineProfile, rank: int) -> tuple:
     """What a rank's model part looks like: ranks with equal structure hold the same modules and
     differ only in how many micro-batches they keep in flight (one trace serves them all)."""
-    return tuple((len(s.layers), s.first, s.last) for s in prof.stages[rank])
+    return tuple((len(s.layers), s.first, s.last, s.extra) for s in prof.stages[rank])

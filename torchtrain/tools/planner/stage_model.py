@@ -18,7 +18,11 @@ def cut_to_stage(model: nn.Module, stage: Stage) -> nn.Module:
     for key in list(model.layers.keys()):
         if int(key) not in stage.layers:
             del model.layers[key]
-    if not stage.first:
+    extra = stage.extra
+    for attr, _ in list(model.named_children()):  # other top-level modules: only those the stage lists
+        if extra is not None and attr not in ("layers", "tok_embeddings", "norm", "output") and attr not in extra:
+            setattr(model, attr, None)
+    if not stage.first and "tok_embeddings" not in (extra or ()):
         model.tok_embeddings = None
     if not stage.last:
         model.norm = None

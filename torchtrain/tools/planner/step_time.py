@@ -225,7 +225,7 @@ def _distinct_ranks(prof) -> list[int]:
     """One pipeline rank per distinct stage structure (the others take the same time)."""
     seen, out = set(), []
     for r, stages in prof.stages.items():
-        key = tuple((len(s.layers), s.first, s.last) for s in stages)
+        key = tuple((len(s.layers), s.first, s.last, s.extra) for s in stages)
         if key not in seen:
             seen.add(key)
             out.append(r)

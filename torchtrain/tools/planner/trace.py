@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -103,7 +104,7 @@ def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | No
     cache = {} if cache is None else cache
 
     def traced(stages: list[Stage]) -> TraceResult:
-        key = tuple((len(s.layers), s.first, s.last) for s in stages)
+        key = tuple((len(s.layers), s.first, s.last, s.extra) for s in stages)
         if key not in cache:
             cache[key] = _trace(p, cfg, pp_rank, stages, fake)
         return cache[key]
@@ -122,7 +123,7 @@ def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | No
 
 def _resized(stages: list[Stage], blocks: int) -> list[Stage]:
     """The same stages with `blocks` blocks each (indices 0.. in every part: only shapes matter)."""
-    return [Stage(s.index, tuple(range(blocks)), s.first, s.last) for s in stages]
+    return [Stage(s.index, tuple(range(blocks)), s.first, s.last, s.extra) for s in stages]
 
 
 def _extend(a: TraceResult, b: TraceResult, step_blocks: int, real_blocks: int) -> TraceResult:
@@ -300,7 +301,9 @@ def stage_step(p: PlanInputs, layout, parts, stages, tracker, loss_fn, optimizer
             for stage, part in zip(stages, parts):
                 x = tokens if stage.first else hidden.detach().requires_grad_(True)
                 before = tracker.current_breakdown()["activations"]
-                out = part(x)
+                # a model reading the token ids on every stage (multi-token prediction) gets them, as in training
+                kwargs = {"token_ids": tokens} if "token_ids" in inspect.signature(part.forward).parameters else {}
+                out = part(x, **kwargs)
                 if stage.last:
                     out = loss_fn(out, labels)
                 stored.append(tracker.current_breakdown()["activations"] - before)
