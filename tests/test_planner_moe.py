@@ -94,6 +94,26 @@ def test_moe_analytic_estimate_is_close_to_the_trace(world, flags):
         assert abs(rank.analytic.peak - rank.traced_peak) <= 0.15 * rank.traced_peak, (rank.pp_rank, plan.ranks)
 
 
+DEEPSEEK_JOB = ["--model.name", "deepseek_v3", "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4",
+                "--model.vocab_size", "512", "--model.hidden_dim", "128", "--model.q_lora_rank", "32",
+                "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "8",
+                "--model.v_head_dim", "16", "--model.moe_intermediate_size", "32", "--model.mtp_depth", "1",
+                "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", "4",
+                "--job.print_config", "false"]
+
+
+@pytest.mark.parametrize("world, flags", [(2, {"ep": 2}), (4, {"ep": 2, "pp": 2, "pp_microbatch_size": 1})])
+def test_deepseek_v3_with_mtp_analytic_estimate_is_close_to_the_trace(world, flags):
+    """MLA's shapes, the dense first block, and multi-token prediction on the last stage (a block, its
+    projection and head, and the embedding copy under PP) in the analytic rows, as the trace measures."""
+    job, p = _inputs(world, base=DEEPSEEK_JOB, **flags)
+    plan = make_plan(job, p)
+    assert plan.valid and not plan.blockers, plan.problems + plan.blockers
+    for rank in plan.ranks:
+        assert rank.trace.skipped is None, rank.trace.skipped
+        assert abs(rank.analytic.peak - rank.traced_peak) <= 0.15 * rank.traced_peak, (rank.pp_rank, plan.ranks)
+
+
 def test_search_includes_expert_parallel_layouts():
     job, p = _inputs(4, base=MOE_JOB, gpu="h100")
     result = search(job, p, ["none"], ["zero3"], verify=1)

@@ -171,6 +171,9 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
         recompute = full if n_ckpt else 0.0
     if stage.last:
         stored += (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp  # final norm, output input; log-softmax
+        # multi-token prediction: per depth a block (not checkpointed), its norms and projection, a head
+        depth = getattr(a, "mtp_depth", 0)
+        stored += depth * (full + (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp + (8 + 4 * d) * a.dim * t)
     elif p.pp > 1:
         stored += d * a.dim * t / tp  # the stage's output, kept by the schedule until its backward
     if d != 4 and applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload):

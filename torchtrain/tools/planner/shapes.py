@@ -11,7 +11,9 @@ A family states its block in its model arguments, or gets the Llama-family defau
   different ones);
 * `planner_block_params(self, tp) -> [(rows, cols)]`: the TP-local shapes of a block's attention and
   norms (for memory and FSDP traffic);
-* `is_moe_layer(self, i) -> bool`: whether block i has experts (DeepSeek-V3's first blocks are dense).
+* `is_moe_layer(self, i) -> bool`: whether block i has experts (DeepSeek-V3's first blocks are dense);
+* `mtp_depth`: multi-token-prediction depths, each a block (index n_layers + k) with its projection and
+  norms on the last stage, which then also holds a copy of the embedding.
 
 Both are optional; a block with other structure (say latent attention's low-rank projections)
 supplies them and the time model needs nothing else.
@@ -94,6 +96,15 @@ def unit_shapes(a, stages, tp: int, ep: int = 1) -> list[tuple[str, list[tuple[i
             if moe_here:
                 units.append((f"experts {i}", list(experts)))
             units.append((f"block {i}", list(block if moe_here else dense_block)))
+        depth = getattr(a, "mtp_depth", 0) if s.last else 0  # multi-token prediction on the last stage
+        if depth and not s.first:
+            units.append(("embedding (MTP copy)", [table]))
+        for k in range(depth):
+            moe_here = experts and a.is_moe_layer(a.n_layers + k)
+            if moe_here:
+                units.append((f"experts mtp {k}", list(experts)))
+            own = [(a.dim, 2 * a.dim), (a.dim, 1), (a.dim, 1), (a.dim, 1)]  # eh_proj, enorm, hnorm, norm
+            units.append((f"mtp {k}", list(block if moe_here else dense_block) + own))
         if s.last:
             units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
     if tied:

@@ -110,7 +110,8 @@ class _Microbatch:
 
 def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages) -> _Microbatch:
     """One micro-batch through this rank's stages (step 1 of the module docstring)."""
-    n_blocks = sum(len(s.layers) for s in stages)
+    mtp = getattr(p.args, "mtp_depth", 0) * sum(s.last for s in stages)  # MTP depths: one block + head each
+    n_blocks = sum(len(s.layers) for s in stages) + mtp
     tp_fwd, tp_bwd = comm_time.tp_block(p, dev)
     tp_exposed = tp_fwd + tp_bwd
     hidden = 0.0
@@ -132,8 +133,8 @@ def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime,
                  "attention": n_blocks * (block.attn_fwd + block.attn_bwd),
                  "memory-bound": n_blocks * (block.mem_fwd + block.mem_bwd),
                  "recomputation": n_blocks * block.recompute,
-                 "embedding + head": (sum(s.first for s in stages) * compute_time.embedding_seconds(p, dev)
-                                      + sum(s.last for s in stages) * compute_time.head_seconds(p, dev))}
+                 "embedding + head": ((sum(s.first for s in stages) + mtp) * compute_time.embedding_seconds(p, dev)
+                                      + (sum(s.last for s in stages) + mtp) * compute_time.head_seconds(p, dev))}
     if hidden:
         breakdown["slowdown under overlapped communication"] = hidden * dev.comm_sm_share
     compute = sum(breakdown.values())
