@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
+from torchtrain.config.fields import ConfigError
 from torchtrain.utils.sizes import host_split_sizes
 
 
@@ -136,6 +137,15 @@ def expert_fsdp_placement(mesh_size: int):
     def placement(param: nn.Parameter) -> Shard:
         return Shard(1) if param.dim() > 1 and param.shape[1] % mesh_size == 0 else Shard(0)
     return placement
+
+
+def check_tp_has_ep(dims) -> None:
+    """Tensor parallelism of an MoE model needs expert parallelism over the TP ranks (ConfigError)."""
+    if dims.tp_enabled and not dims.ep_enabled:
+        raise ConfigError(
+            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {dims.tp}) of an MoE "
+            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
+            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {dims.tp}")
 
 
 def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:

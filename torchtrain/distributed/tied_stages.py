@@ -27,13 +27,11 @@ from torchtrain.distributed.pipeline import PipelinePlan
 
 
 def _module(part: nn.Module, name: str) -> nn.Module | None:
-    module = part
-    for attr in name.split("."):
-        module = getattr(module, attr, None) if not isinstance(module, nn.ModuleDict) else (
-            module[attr] if attr in module else None)
-        if module is None:
-            return None
-    return module
+    """The part's module `name`, or None where the stage cut it away."""
+    try:
+        return part.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,12 @@ def first_pass() -> bool:
     return torch._C._current_graph_task_id() == -1
 
 
+def counts_statistics(module: nn.Module, value: torch.Tensor) -> bool:
+    """Whether a forward adds to `module`'s step statistics: a training forward, counted
+    (`models.base.forward_counting`), not a recomputation, on real tensors (not the planner's meta)."""
+    return module.training and forward_is_counted() and first_pass() and not value.is_meta
+
+
 class _AddLossGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -54,7 +60,7 @@ class LoggedLoss(nn.Module):
 
     def count(self, loss_sum: torch.Tensor, targets: int) -> None:
         """Add one training forward's term to the statistics (not a recomputation, not uncounted)."""
-        if self.training and forward_is_counted() and first_pass() and not loss_sum.is_meta:
+        if counts_statistics(self, loss_sum):
             with torch.no_grad():
                 self.loss_sum.add_(loss_sum.detach().float())
                 self.target_count.add_(targets)

@@ -50,9 +50,9 @@ import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.models.base import InitSpec, forward_is_counted
+from torchtrain.models.base import InitSpec
 from torchtrain.models.common.experts import GroupedExperts
-from torchtrain.models.common.extra_loss import add_loss_gradient, first_pass
+from torchtrain.models.common.extra_loss import add_loss_gradient, counts_statistics
 from torchtrain.models.common.layers import FeedForward
 
 
@@ -219,7 +219,7 @@ class MoE(nn.Module):
         counts = _histogram(pairs, self.num_experts, ordered=pairs[order])
         use_aux = self.training and self.aux_loss_coeff > 0
         aux = self._aux_loss(scores, idx, batch) if use_aux else None
-        if self.training and forward_is_counted() and first_pass() and not counts.is_meta:
+        if counts_statistics(self, counts):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.float())
                 if aux is not None:

@@ -152,6 +152,14 @@ class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.first_k_dense_replace
 
+    def as_block_fqn(self, fqn: str) -> str:
+        """An MTP depth's block parameter named as the block it continues (`mtp.depths.k.block.X` ->
+        `layers.{n_layers + k}.X`: its init and its HF names); other names unchanged."""
+        k, _, rest = fqn.removeprefix("mtp.depths.").partition(".")
+        if fqn.startswith("mtp.depths.") and rest.startswith("block."):
+            return f"layers.{self.n_layers + int(k)}.{rest.removeprefix('block.')}"
+        return fqn
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "kv_lora_rank", "qk_nope_head_dim",

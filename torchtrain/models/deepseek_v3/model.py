@@ -179,10 +179,7 @@ class Transformer(nn.Module):
         """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes): the decoder
         family's (`models/common/decoder.py`); an MTP depth's block as block n_layers + k; the MoE
         layers' own (router, experts, shared experts)."""
-        if fqn.startswith("mtp.depths."):
-            k, _, rest = fqn.removeprefix("mtp.depths.").partition(".")
-            if rest.startswith("block."):
-                return self.init_spec(f"layers.{self.args.n_layers + int(k)}.{rest.removeprefix('block.')}")
+        fqn = self.args.as_block_fqn(fqn)
         match = LAYER_ID.match(fqn)
         head, sep, rest = fqn.partition(".feed_forward.")
         if sep and match and self.args.is_moe_layer(int(match.group(1))):

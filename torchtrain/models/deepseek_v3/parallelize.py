@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_parallel import moe_tp_plan
+from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
 from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, swiglu_plan
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
@@ -46,11 +46,8 @@ def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
     tp = dims.tp
     if tp == 1:
         return
-    if not dims.ep_enabled and args.first_k_dense_replace < args.n_layers:
-        raise ConfigError(
-            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {tp}) of an MoE "
-            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
-            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {tp}")
+    if args.first_k_dense_replace < args.n_layers:  # some blocks have experts
+        check_tp_has_ep(dims)
     check_divisible(tp, {"model.n_heads": args.n_heads, "model.hidden_dim": args.hidden_dim,
                          "model.vocab_size": args.vocab_size, "training.seq_len": layout.batch.seq_len}, fixes={
         "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
@@ -61,13 +58,10 @@ def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
 
 def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
     """TP styles of one block's MLA and its norms (module names relative to the block)."""
-    def on_shard():  # replicated weights on this rank's sequence shard
-        return SequenceParallel()
-
     plan: dict[str, object] = {
         "attention_norm": SequenceParallel(),
-        "attention.wkv_a": on_shard(),
-        "attention.kv_norm": on_shard(),
+        "attention.wkv_a": SequenceParallel(),  # replicated weights on this rank's sequence shard
+        "attention.kv_norm": SequenceParallel(),
         "attention.wkv_b": ColwiseParallel(input_layouts=Shard(1)),
         "attention.rope_key": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                  use_local_output=True),
@@ -75,7 +69,7 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
         "ffn_norm": SequenceParallel(),
     }
     if args.q_lora_rank:
-        plan.update({"attention.wq_a": on_shard(), "attention.q_norm": on_shard(),
+        plan.update({"attention.wq_a": SequenceParallel(), "attention.q_norm": SequenceParallel(),
                      "attention.wq_b": ColwiseParallel(input_layouts=Shard(1))})
     else:
         plan["attention.wq"] = ColwiseParallel(input_layouts=Shard(1))

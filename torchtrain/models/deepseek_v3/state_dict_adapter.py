@@ -68,15 +68,6 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
     model_args: DeepseekV3Args
     architecture, model_type = "DeepseekV3ForCausalLM", "deepseek_v3"
 
-    def _as_layer(self, key: str) -> str:
-        """An MTP depth's block parameter under its HF block index (`mtp.depths.k.block.X` ->
-        `layers.{n_layers + k}.X`); other keys unchanged."""
-        if key.startswith("mtp.depths."):
-            k, _, rest = key.removeprefix("mtp.depths.").partition(".")
-            if rest.startswith("block."):
-                return f"layers.{self.model_args.n_layers + int(k)}.{rest.removeprefix('block.')}"
-        return key
-
     def hf_key(self, key: str) -> str:
         if key in _TOP:
             return _TOP[key]
@@ -84,13 +75,13 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
             k, _, rest = key.removeprefix("mtp.depths.").partition(".")
             if rest in _MTP:
                 return f"model.layers.{self.model_args.n_layers + int(k)}.{_MTP[rest]}"
-        match = LAYER.match(self._as_layer(key))
+        match = LAYER.match(self.model_args.as_block_fqn(key))
         if match and match.group(2) in _BLOCK:
             return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"
         raise KeyError(f"no Hugging Face name for deepseek_v3 parameter {key!r}")
 
     def hf_keys(self, key: str) -> list[str]:
-        match = LAYER.match(self._as_layer(key))
+        match = LAYER.match(self.model_args.as_block_fqn(key))
         if match and match.group(2) in _EXPERTS:
             layer, name = match.groups()
             return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[name]}.weight"

@@ -10,8 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_parallel import moe_tp_plan
+from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
 from torchtrain.distributed.tensor_parallel import apply_decoder_top
 from torchtrain.models.qwen3.parallelize import attention_plan, validate_qwen3
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
@@ -19,13 +18,7 @@ from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
     validate_qwen3(args, layout)
-    dims = layout.dims
-    if dims.tp_enabled and not dims.ep_enabled:
-        raise ConfigError(
-            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {dims.tp}) of an MoE "
-            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
-            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {dims.tp}"
-        )
+    check_tp_has_ep(layout.dims)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
