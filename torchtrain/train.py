@@ -321,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_log_rank():
             print(f"torchtrain: guard: {e}", file=sys.stderr)
         return exit_codes.GUARD_ABORT
+    except BaseException as e:
+        if trainer is not None:
+            trainer.fault.on_error(e)  # a hang under way ends this rank as a hang, not as a crash
+        raise
     finally:
         if trainer is not None:
             trainer.close(finished)

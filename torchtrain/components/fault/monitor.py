@@ -98,6 +98,7 @@ class HangMonitor:
         self.started = False  # the first step of this process is done (until then: start-up limits)
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
+        self.handling = threading.Event()  # set when this rank starts acting on a declared hang
         self._seq = 0
         self._seen: dict[int, tuple[int, float, dict]] = {}
         self._thread = threading.Thread(target=self._run, name="torchtrain-hang-monitor", daemon=True)
@@ -109,6 +110,25 @@ class HangMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def hold_for_hang_exit(self, wait_s: float) -> None:
+        """Training thread, on an exception: when a hang is being handled (or is noticed within `wait_s`),
+        block until the monitor ends the process with the hang status.
+
+        The first ranks to finish their dumps exit; a peer still inside a collective then sees gloo's
+        "connection closed by peer" (NCCL: a communicator error) before its own monitor exits. Left to
+        propagate, that error ends the peer as a crash (SIGABRT), and the job's report would blame the
+        wrong thing. Returns only when no hang is under way."""
+        if not self._thread.is_alive() or not self.handling.wait(wait_s):
+            return
+        self._thread.join(timeout=self._grace() + 30.0)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(exit_codes.HANG)  # the monitor thread died before it could
+
+    def _grace(self) -> float:
+        """How long a rank waits for the others to write their stacks."""
+        return max(3 * self.interval, 2.0)
 
     # ------------------------------------------------------------------ monitor thread
     def _limit(self) -> float:
@@ -181,6 +201,7 @@ class HangMonitor:
 
     def _on_hang(self) -> None:
         """Dump this rank's evidence, wait for the others', summarise, and end the process."""
+        self.handling.set()
         decl = json.loads(self.store.get(HANG_KEY))
         folder = os.path.join(self.dump_folder, "hangs", decl["tag"])
         os.makedirs(folder, exist_ok=True)
@@ -200,7 +221,7 @@ class HangMonitor:
                     os.kill(info["pid"], signal.SIGCONT)
                 except OSError:
                     pass
-        self._stop.wait(max(3 * self.interval, 2.0))  # the others write theirs
+        self._stop.wait(self._grace())  # the others write theirs
         acks = {}
         for r in range(self.world_size):
             if self.store.check([f"ack/{r}"]):

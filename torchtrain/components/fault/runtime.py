@@ -164,6 +164,13 @@ class FaultRuntime:
             self._result = None
         return out
 
+    def on_error(self, error: BaseException) -> None:
+        """The training thread failed. When the failure is a peer gone while a hang is handled, end as a
+        hang (exit 4), not as a crash: see HangMonitor.hold_for_hang_exit."""
+        if self.monitor is not None:
+            # a communication error may be the first sign of a hang the monitor declares within an interval
+            self.monitor.hold_for_hang_exit(2 * self.monitor.interval if isinstance(error, RuntimeError) else 0.0)
+
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
