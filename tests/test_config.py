@@ -90,7 +90,7 @@ def test_model_overrides(tmp_path):
         (["--steps", "3"], None, "expected --section.key"),
         (["--training.steps"], None, "needs a value"),
         (["--model.name", "gpt9"], None, "unknown model 'gpt9'"),
-        (["--training.dataset", "c4"], None, "unknown dataset 'c4'"),
+        (["--training.dataset", "c5"], None, "unknown dataset 'c5'"),
         (["--training.dataset", "files"], None, "[training.dataset_path] is required"),
         (["--parallelism.data_parallel_shard_degree", "0"], None, "data_parallel_shard_degree] must be -1"),
     ],

@@ -135,3 +135,14 @@ def test_launcher_exit_statuses():
     assert final_status({0: failure(3)}) == 3
     assert final_status({0: failure(2), 1: failure(1)}) is None  # a crash too: not a clean, final error
     assert final_status({0: failure(-9)}) is None and final_status({0: failure(4)}) is None
+
+
+def test_a_peer_gone_from_a_collective_is_told_from_other_errors():
+    """Only these make a rank wait for its own hang monitor before ending (HangMonitor.hold_for_hang_exit)."""
+    import torch.distributed as dist
+
+    from torchtrain.components.fault.runtime import _peer_gone
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9614")
+    assert _peer_gone(gloo) and _peer_gone(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not _peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) and not _peer_gone(KeyError("x"))

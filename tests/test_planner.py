@@ -65,6 +65,17 @@ def test_real_fsdp_layout_is_16_bytes_per_parameter_over_n():
         assert abs(sharded * world - n) / n < 1e-3  # FSDP pads each tensor's rows up to a multiple of N
 
 
+def test_muon_state_is_one_momentum_per_hidden_matrix():
+    """Muon keeps one fp32 momentum (4 B) per element of the blocks' 2-D matrices, AdamW's m, v (8 B) elsewhere."""
+    _, p = _inputs(world=1, base=["--model.flavor", "8B", "--training.seq_len", "1024"], gpu="h100", dp_shard=1, tp=1)
+    q = p.replace(world_size=8, dp_shard=8, global_batch_size=8 * p.local_batch_size)
+    adam = {r.name: r.bytes for r in analytic.estimate_memory(q).rows}["optimizer state (Adam m, v)"]
+    muon = {r.name: r.bytes for r in analytic.estimate_memory(q.replace(optimizer="Muon")).rows}
+    state = muon["optimizer state (Muon momentum; Adam m, v)"]
+    embeddings = 2 * q.args.vocab_size * q.args.dim / q.args.num_params()  # 8B: embedding and output, not Muon's
+    assert _close(state / adam, (1 - embeddings) / 2 + embeddings, rel=0.01)
+
+
 # ---------------------------------------------------------------------------------- analytic formulas
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_activation_formula_matches_the_real_block(dtype):

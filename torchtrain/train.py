@@ -88,6 +88,8 @@ class Trainer:
         logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters%s", cfg.job.description,
                     world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6,
                     f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
+        for level, text in cfg.job.notices:  # torchtitan keys adapted or dropped (config/torchtitan.py)
+            (logger.warning if level == "warning" else logger.info)("%s", text)
 
         # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard

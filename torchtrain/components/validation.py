@@ -37,7 +37,7 @@ import torch
 from torchtrain.components.data.build import check_sources, resolve_sources
 from torchtrain.components.data.dataset import Source, WindowDataset
 from torchtrain.components.data.loader import DataLoader
-from torchtrain.components.data.sources import TOKENS, check_dataset_name
+from torchtrain.components.data.sources import HF_DATASETS, TOKENS, check_dataset_name
 from torchtrain.components.loss import count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config import ConfigError
@@ -80,7 +80,10 @@ def resolved_sets(v: Validation, training: Training) -> list[HeldOutSet]:
             return getattr(v, key) if value is None else value
 
         batch, seq_len = pick("local_batch_size"), pick("seq_len")
-        return HeldOutSet(None if s is None else s.name, pick("dataset") or training.dataset, pick("dataset_path"),
+        dataset, path = pick("dataset") or training.dataset, pick("dataset_path")
+        if path is None and dataset in HF_DATASETS and dataset == training.dataset:
+            path = training.dataset_path  # the same Hugging Face dataset: its validation split is held out
+        return HeldOutSet(None if s is None else s.name, dataset, path,
                           batch if batch > 0 else training.local_batch_size, seq_len if seq_len > 0 else training.seq_len,
                           pick("steps"))
 
@@ -106,7 +109,7 @@ def check_validation_data(v: Validation, training: Training, tokenizer: Tokenize
     """The cheap checks of every held-out set's data (`data.build.check_sources`), when validation is on."""
     for s in resolved_sets(v, training):
         check_sources(s.dataset, s.dataset_path, [], training.dataset_text_field, s.seq_len, tokenizer,
-                      section=s.key)
+                      section=s.key, split="validation")
 
 
 def build_validation_sources(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,

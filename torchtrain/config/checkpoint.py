@@ -63,8 +63,10 @@ class Checkpoint:
     initial_load_path: str | None = None
     """Weights to start from when there is no checkpoint to resume in `folder`: a DCP checkpoint
     (a `step-N` folder, or a checkpoint folder whose newest complete step is used) or, with
-    `initial_load_in_hf`, a Hugging Face folder (config.json + *.safetensors). Ignored, with a log
-    line saying so, when a resume point exists."""
+    `initial_load_in_hf`, a Hugging Face folder (config.json + *.safetensors; unset: `model.hf_assets_path`,
+    as in torchtitan). A torchtitan DCP checkpoint (0.2.x or 0.3.x parameter names) is recognised and
+    converted while loading (docs/migrating_from_torchtitan.md). Ignored, with a log line saying so,
+    when a resume point exists."""
 
     initial_load_model_only: bool = True
     """From `initial_load_path` restore the model weights only (a fresh optimizer, schedule, data
@@ -109,7 +111,8 @@ class Checkpoint:
                 "the weights only); set --checkpoint.last_save_model_only true"
             )
         if self.initial_load_in_hf and not self.initial_load_path:
-            raise ConfigError("[checkpoint.initial_load_in_hf] needs checkpoint.initial_load_path (the HF folder)")
+            raise ConfigError("[checkpoint.initial_load_in_hf] needs checkpoint.initial_load_path (the HF folder), "
+                              "or model.hf_assets_path holding the weights")
         if self.initial_load_in_hf and not self.initial_load_model_only:
             raise ConfigError(
                 "[checkpoint.initial_load_model_only] must be true with initial_load_in_hf: an HF folder holds "

@@ -20,15 +20,19 @@ from typing import Annotated
 from torchtrain.config.fields import ConfigError, Ge, Gt
 
 
+DEFAULT_HANG_TIMEOUT_S = 60.0
+
+
 @dataclass
 class Fault:
-    hang_timeout_s: Annotated[float, Gt(0)] | None = 60.0
+    hang_timeout_s: Annotated[float, Gt(0)] | None = DEFAULT_HANG_TIMEOUT_S
     """A rank that makes no progress (enters no new phase of a step: data, forward_backward,
     optimizer, ...) for this many seconds is hung: every rank writes its Python stacks (and on CUDA
     the NCCL flight recorder) to `{dump_folder}/hangs/<time>/`, the log names the stuck ranks and
     where they are, and the job ends with exit status 4 (restarted when `max_restarts` allows).
     Must be shorter than comm.train_timeout_seconds, or the collective timeout would end the job
-    first, without evidence. Unset (`none`): no monitor."""
+    first, without evidence; left at its default, it becomes 0.8 x a comm.train_timeout_seconds of
+    60 s or less. Unset (`none`): no monitor."""
 
     slow_phase_timeout_s: Annotated[float, Gt(0)] = 240.0
     """The hang timeout of phases that are legitimately long: start-up until the first step is done
@@ -85,6 +89,8 @@ def check_fault(job) -> None:
     """[fault] and the debug fault injections against the other sections (JobConfig.validate calls it)."""
     fault, comm, par, debug = job.fault, job.comm, job.parallelism, job.debug
     if fault.hang_timeout_s is not None:
+        if fault.hang_timeout_s == DEFAULT_HANG_TIMEOUT_S and fault.hang_timeout_s >= comm.train_timeout_seconds:
+            fault.hang_timeout_s = 0.8 * comm.train_timeout_seconds  # e.g. torchtitan's fault-tolerance job: 15 s
         if fault.hang_timeout_s >= comm.train_timeout_seconds:
             raise ConfigError(
                 f"[fault.hang_timeout_s] {fault.hang_timeout_s:g} must be shorter than comm.train_timeout_seconds "
@@ -102,11 +108,11 @@ def check_fault(job) -> None:
     replicas = par.data_parallel_replicate_degree
     if replicas < 2:
         raise ConfigError(f"[fault.replica_ft] needs parallelism.data_parallel_replicate_degree >= 2 (the number of "
-                          f"replica groups), got {replicas}")
+                          f"replica groups), got {replicas} (torchtitan's spelling: --fault_tolerance.group_size)")
     if fault.replica_id is None or fault.replica_id >= replicas:
         raise ConfigError(f"[fault.replica_id] must name this job's replica group, 0 .. {replicas - 1} "
                           f"(parallelism.data_parallel_replicate_degree = {replicas}), got {fault.replica_id}; "
-                          f"launch every group with its own --fault.replica_id")
+                          f"launch every group with its own --fault.replica_id (or torchtitan's --fault_tolerance.replica_id)")
     if fault.hang_timeout_s is not None and fault.replica_timeout_s >= fault.hang_timeout_s:
         raise ConfigError(f"[fault.replica_timeout_s] {fault.replica_timeout_s:g} must be shorter than "
                           f"fault.hang_timeout_s ({fault.hang_timeout_s:g}): a step waiting that long for a lost replica "

@@ -30,6 +30,10 @@ class Job:
     model (`register_model_spec`) or a dataset (`register_dataset`). They must be importable
     (installed, or on PYTHONPATH)."""
 
+    notices: list[tuple[str, str]] = field(default_factory=list, compare=False, metadata={"internal": True})
+    """(level, text) of each torchtitan key the parser adapted or dropped (`config/torchtitan.py`),
+    logged once by the trainer."""
+
 
 @dataclass
 class Model:

@@ -45,6 +45,9 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that need no process group: each section's own, then those across sections."""
+        ckpt = self.checkpoint
+        if ckpt.initial_load_in_hf and not ckpt.initial_load_path and self.model.hf_assets_path:
+            ckpt.initial_load_path = self.model.hf_assets_path  # torchtitan's meaning: the HF folder of the model
         for name in self.__dataclass_fields__:
             check = getattr(getattr(self, name), "validate", None)
             if check is not None:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from torchtrain.config.fields import (ConfigError, coerce, default_of, did_you_mean, field_docs, field_types,
                                       is_bool, type_name)
 from torchtrain.config.job_config import JobConfig
+from torchtrain.config import torchtitan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -179,9 +180,11 @@ def _import_custom_modules(raw: Any) -> None:
             raise ConfigError(f"[job.custom_imports] cannot import {name!r}: {e}") from None
 
 
-def _merge_sources(argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
-    """The raw values of the job file overlaid by the command line, per section, and where each came
-    from; imports job.custom_imports (they may register the models/datasets the job names)."""
+def _merge_sources(argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]],
+                                             list[tuple[str, str]]]:
+    """The raw values of the job file overlaid by the command line, per section, where each came from,
+    and the notices of torchtitan keys adapted on the way (`torchtitan.py`); imports
+    job.custom_imports (they may register the models/datasets the job names)."""
     cli = parse_cli(argv)
     config_file = cli.get("job", {}).get("config_file")
     from_file = load_toml(config_file) if config_file else {}
@@ -190,26 +193,28 @@ def _merge_sources(argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str
     origin: dict[str, dict[str, str]] = {}
     for source, data in ((f"in {config_file}", from_file), ("on the command line", cli)):
         for section, table in data.items():
-            if section not in sections:
+            if section not in sections and section not in torchtitan.SECTIONS:
                 raise ConfigError(
                     f"unknown config section [{section}] ({source}){did_you_mean(section, list(sections))}"
                     f" Sections: {', '.join(sections)}"
                 )
             _deep_update(merged.setdefault(section, {}), table)
             origin.setdefault(section, {}).update({k: source for k in table})
+    notices = torchtitan.translate(merged, origin)
     _import_custom_modules(merged.get("job", {}).get("custom_imports"))
-    return merged, origin
+    return merged, origin, notices
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build and validate the JobConfig (no process group needed; raises ConfigError)."""
-    merged, origin = _merge_sources(list(sys.argv[1:] if argv is None else argv))
+    merged, origin, notices = _merge_sources(list(sys.argv[1:] if argv is None else argv))
     sections = _sections()
     built = {
         name: _build_section(name, cls, merged.get(name, {}), origin.get(name, {}))
         for name, cls in sections.items()
     }
     config = JobConfig(**built)
+    config.job.notices = notices
     config.validate()
     return config
 
@@ -277,7 +282,7 @@ def format_help(argv: list[str] | None = None,
     `argv` (the command line) selects the job's model (`--model.name`, CLI > TOML, default llama3;
     job.custom_imports are imported first); `model_arguments(name)` -> [(key, type, default, doc)]
     lists that model's arguments under [model] (the entry point passes the model registry's)."""
-    merged, _ = _merge_sources([a for a in (argv or []) if a not in ("-h", "--help")])
+    merged, _, _ = _merge_sources([a for a in (argv or []) if a not in ("-h", "--help")])
     model_name = merged.get("model", {}).get("name") or "llama3"
     lines = [
         "usage: python -m torchtrain.train [--job.config_file FILE] [--section.key VALUE ...]",

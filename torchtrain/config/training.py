@@ -44,14 +44,18 @@ class Training:
     dataset: str = "python_stdlib"
     """Dataset to train on: `tokens` (folders prepared by `python -m torchtrain.data.prepare`: the
     scalable path), `python_stdlib` (the Python standard library's source files, present on every
-    machine), `files` (your .txt/.jsonl/.parquet files at `dataset_path`) or `synthetic`
+    machine), `files` (your .txt/.jsonl/.parquet/.arrow files at `dataset_path`), `hf` (a Hugging
+    Face dataset at `dataset_path`: a save_to_disk folder, or a name in the local HF cache such as
+    `allenai/c4:en`), torchtitan's `c4` / `c4_validation` / `c4_test`, or `synthetic`
     (deterministic generated tokens, for tests). Every dataset but `tokens` is prepared once into
     `dataset_cache_dir` on first use and then read like `tokens` (docs/data.md)."""
 
     dataset_path: str | None = None
     """For `tokens`: the prepared folder (or use `datasets` for a mixture). For `files`: a
-    .txt/.jsonl/.parquet file (.txt/.jsonl may be .gz/.zst), a folder of them, or a glob. A .txt file
-    is one document; each .jsonl line or .parquet row is one (its `dataset_text_field`)."""
+    .txt/.jsonl/.json/.parquet/.arrow file (.txt/.jsonl/.json may be .gz/.zst), a folder of them, or a
+    glob. A .txt file is one document; each .jsonl/.json line or .parquet/.arrow row is one (its
+    `dataset_text_field`). For `hf`: the dataset (see `dataset`); for `c4` / `c4_test`: a local copy
+    replacing torchtitan's default (allenai/c4:en, tests/assets/c4_test)."""
 
     datasets: list[DatasetEntry] = field(default_factory=list)
     """For `tokens`: a mixture of prepared folders, each with a weight, as TOML tables

@@ -4,6 +4,9 @@
         --tokenizer /models/llama3/tokenizer.model
 
 then train on them with `--training.dataset tokens --training.dataset_path /data/web-tokens`.
+A Hugging Face dataset is an input too: a `save_to_disk` folder as INPUT, or a dataset in the local
+HF cache by name (`--hf allenai/c4:en --split validation`); its Arrow files are read in order, a
+record batch at a time (`components/data/hf.py`).
 The format and the guarantees (byte-identical output for any worker count, resumable, atomic) are
 in docs/data.md; the work itself is `torchtrain/components/data/prepare.py`.
 """
@@ -14,15 +17,23 @@ import argparse
 import os
 import sys
 
+from torchtrain.components.data.hf import hf_files, saved_files
 from torchtrain.components.data.prepare import Options, PrepareError, prepare_files
 from torchtrain.config.fields import ConfigError
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m torchtrain.data.prepare",
-                                description="Tokenize .txt / .jsonl[.gz|.zst] / .parquet files into token shards "
-                                            "that `training.dataset = \"tokens\"` reads (docs/data.md).")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="a file, a folder (searched recursively) or a glob")
+                                description="Tokenize .txt / .jsonl[.gz|.zst] / .parquet / .arrow files or a Hugging "
+                                            "Face dataset into token shards that `training.dataset = \"tokens\"` "
+                                            "reads (docs/data.md).")
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="a file, a folder (searched recursively; a Hugging Face save_to_disk folder is read in its "
+                        "own order) or a glob")
+    p.add_argument("--hf", action="append", default=[], metavar="NAME[:CONFIG]",
+                   help="a Hugging Face dataset in the local HF cache, e.g. allenai/c4:en (the `datasets` package; "
+                        "offline unless HF_HUB_OFFLINE=0); may be repeated")
+    p.add_argument("--split", default="train", help="split of --hf datasets and DatasetDict folders (default train)")
     p.add_argument("--out", required=True, help="output folder (created; re-running resumes)")
     p.add_argument("--workers", type=int, default=1, help="parallel tokenizing processes (default 1)")
     p.add_argument("--tokenizer", default=None,
@@ -39,6 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset already prepared at --out from other inputs")
     args = p.parse_args(argv)
+    if not args.inputs and not args.hf:
+        p.error("give at least one INPUT or --hf NAME")
     if args.workers < 1:
         p.error("--workers must be >= 1")
     if args.shard_size_mb <= 0:
@@ -53,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     options = Options(text_field=args.text_field, shard_bytes=int(args.shard_size_mb * (1 << 20)), strict=args.strict,
                       max_bad_fraction=args.max_bad_fraction)
     try:
-        prepare_files(args.inputs, args.out, tokenizer_path=args.tokenizer, options=options, workers=args.workers,
+        inputs = []
+        for spec in args.inputs:  # a save_to_disk folder: its Arrow files in the dataset's order
+            saved = saved_files(spec, args.split, "INPUT") if os.path.isdir(spec) else None
+            inputs += saved if saved is not None else [spec]
+        inputs += [f for spec in args.hf for f in hf_files(spec, args.split, "--hf", names=True)]
+        prepare_files(inputs, args.out, tokenizer_path=args.tokenizer, options=options, workers=args.workers,
                       overwrite=args.overwrite, show_progress=True)
     except (PrepareError, ConfigError, ValueError, OSError) as e:
         print(f"torchtrain-prepare: error: {e}", file=sys.stderr)

@@ -14,11 +14,47 @@ import). It also writes and checks HF's config.json. A model registers its adapt
 from __future__ import annotations
 
 import abc
+import re
 from typing import Any
 
 import torch
 
 from torchtrain.models.base import BaseModelArgs
+
+
+# torchtitan 0.3 moved the attention's q/k/v projections under `qkv_linear` and renamed the output head.
+_TT03_QKV = re.compile(r"^(layers\.\d+\.attention\.)(w[qkv]\.weight)$")
+
+
+def torchtitan_key(key: str, version: str) -> str:
+    """torchtitan's name of the dense-transformer parameter `key` in its DCP checkpoints. Version "0.2":
+    torchtrain's names (its module paths mirror torchtitan v0.2); "0.3": `attention.qkv_linear.wq`,
+    `lm_head.weight`. Tensor layouts are the same (both keep Meta's interleaved RoPE rows)."""
+    if version == "0.2":
+        return key
+    if key == "output.weight":
+        return "lm_head.weight"
+    return _TT03_QKV.sub(r"\1qkv_linear.\2", key)
+
+
+# torchtrain's MoE layer (models/common/moe.py) sits at `feed_forward`; torchtitan's at `moe`.
+_MOE = re.compile(r"^(layers\.\d+\.)feed_forward\.(router\.weight|experts\.w[123]|expert_bias|shared_experts\..+)$")
+_TT_MOE = {"0.2": {"router.weight": "router.gate.weight"},
+           "0.3": {"router.weight": "router.gate.weight", "experts.w1": "routed_experts.inner_experts.w1_EFD",
+                   "experts.w3": "routed_experts.inner_experts.w3_EFD",
+                   "experts.w2": "routed_experts.inner_experts.w2_EDF", "expert_bias": "expert_bias_E"}}
+
+
+def moe_torchtitan_key(key: str, version: str) -> str:
+    """`torchtitan_key` for models built on torchtrain's MoE layer: the layer's parameters under
+    torchtitan's `moe` module (0.2: `moe.router.gate`, `moe.experts.w1`, `moe.expert_bias`,
+    `moe.shared_experts.w1.weight`; 0.3: `moe.routed_experts.inner_experts.w1_EFD`, `moe.expert_bias_E`).
+    Stacked expert weights have the same (E, hidden, dim) / (E, dim, hidden) shapes in both."""
+    match = _MOE.match(key)
+    if match is None:
+        return torchtitan_key(key, version)
+    layer, name = match.groups()
+    return f"{layer}moe.{_TT_MOE[version].get(name, name)}"
 
 
 class StateDictAdapter(abc.ABC):
@@ -53,6 +89,11 @@ class StateDictAdapter(abc.ABC):
     def from_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """Inverse of `to_hf`: HF's tensor for `key` in torchtrain's layout."""
         return tensor
+
+    def torchtitan_key(self, key: str, version: str) -> str:
+        """torchtitan's DCP name of parameter `key` (`version` "0.2" or "0.3"; used to load and write
+        torchtitan checkpoints, `components/checkpoint/torchtitan.py`). MoE models add their layers'."""
+        return torchtitan_key(key, version)
 
     def ignored_hf_keys(self) -> set[str]:
         """HF keys that may be present in a checkpoint but have no torchtrain parameter."""

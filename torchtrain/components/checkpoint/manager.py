@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from torchtrain.components.checkpoint import folder as fs
-from torchtrain.components.checkpoint import testing
+from torchtrain.components.checkpoint import testing, torchtitan
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
 from torchtrain.components.checkpoint.startup import StartPlan, plan_start
@@ -172,10 +172,13 @@ class CheckpointManager:
         self._warn_model_args(meta, label)
         metadata = self._collective_try(lambda: read_metadata(path, label), f"{label} ({path})")
         template = self._template(keys, metadata, meta)
+        template, restore = self._collective_try(  # a torchtitan checkpoint: loaded under its names
+            lambda: torchtitan.rename(template, self.model, meta, metadata, label), label)
         self._agree(check_against_metadata(metadata, template, path, label))
         self._collective_try(lambda: dcp.load(template, checkpoint_id=path, process_group=self._pg),
                              f"loading {label} ({path}) failed")
-        self._collective_try(lambda: self._apply(template, meta, label), f"restoring {label} ({path}) failed")
+        loaded = restore(template)
+        self._collective_try(lambda: self._apply(loaded, meta, label), f"restoring {label} ({path}) failed")
 
     def _apply(self, loaded: dict[str, Any], meta: dict[str, Any], label: str) -> None:
         pd = self.parallel_dims

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtrain.components.checkpoint import folder as fs
+from torchtrain.components.checkpoint import torchtitan
+from torchtrain.components.checkpoint.validate import read_metadata
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.config.fields import ConfigError
 from torchtrain.utils.logging import logger
@@ -39,7 +41,11 @@ def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
         meta, _ = fs.read_marker(path)
         return path, meta or {}
     complete = [c for c in fs.scan(path) if c.complete]
-    if not complete:
+    if not complete:  # another trainer's folder (torchtitan's): DCP writes .metadata last, once complete
+        steps = [c for c in fs.scan(path) if os.path.exists(os.path.join(c.path, ".metadata"))
+                 and fs.read_marker(c.path)[0] is None]
+        if steps:
+            return steps[-1].path, {}
         raise ConfigError(
             f"[checkpoint.initial_load_path] {path} is neither a DCP checkpoint (no .metadata) nor a checkpoint "
             f"folder with a complete step-N; for Hugging Face weights set checkpoint.initial_load_in_hf = true"
@@ -127,6 +133,12 @@ def plan_start(cfg, folder: str, total_steps: int) -> StartPlan:
             return StartPlan("initial_hf", cfg.initial_load_path, 0, ("model",))
         path, meta = resolve_dcp_path(cfg.initial_load_path)
         contents = meta.get("contents", ["model"])
+        if not meta:  # not written by torchtrain: torchtitan's? (components/checkpoint/torchtitan.py)
+            metadata = read_metadata(path, "checkpoint.initial_load_path")
+            version = torchtitan.detect(metadata)
+            if version is not None:
+                meta, contents = {"torchtitan": version}, torchtitan.contents(metadata)
+                logger.info("%s is a torchtitan %s checkpoint (%s)", path, version, ", ".join(contents))
         wanted = ("model",) if cfg.initial_load_model_only else tuple(
             k for k in CHECKPOINT_KEYS if k in contents and k not in cfg.exclude_from_loading)
         logger.info("%s: initial load of %s from %s", where, ", ".join(wanted), path)

@@ -18,7 +18,7 @@ from torchtrain.components.data.dataset import Source, WindowDataset
 from torchtrain.components.data.format import FormatError, TokenCorpus, tokenizer_matches
 from torchtrain.components.data.loader import DataLoader
 from torchtrain.components.data.sampling import MIXTURE_PERIOD
-from torchtrain.components.data.sources import FILES, TOKENS, build_source, files_source
+from torchtrain.components.data.sources import FILES, HF_DATASETS, TOKENS, build_source, files_source
 from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
@@ -61,11 +61,12 @@ def _token_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Tok
 
 
 def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], text_field: str, seq_len: int,
-                  tokenizer: Tokenizer, section: str = "training") -> None:
+                  tokenizer: Tokenizer, section: str = "training", split: str = "train") -> None:
     """What can be checked of a dataset setting without reading tokens or preparing anything: every
     token folder (its manifest, each shard's file sizes against it, the tokenizer, mixture weights,
-    at least one window of seq_len + 1 tokens), and that a `files` path names input files. Other
-    document datasets are checked when the trainer prepares them."""
+    at least one window of seq_len + 1 tokens), that a `files` path names input files, and that a
+    Hugging Face dataset (`hf`, `c4`, ...) is there (its files found; a name in the local HF cache).
+    Other document datasets are checked when the trainer prepares them."""
     if dataset == TOKENS:
         for source in _token_sources(path, entries, tokenizer, section):
             if source.corpus.num_tokens < seq_len + 1:
@@ -73,6 +74,11 @@ def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], t
                                   f"tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
     elif dataset == FILES:
         files_source(path or "", text_field, f"{section}.dataset_path")
+    elif dataset in HF_DATASETS:
+        try:
+            build_source(dataset, path, split, 0, text_field)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("[training.", f"[{section}.")) from None
 
 
 def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry], text_field: str,

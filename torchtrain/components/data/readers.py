@@ -4,8 +4,11 @@ documents of a piece, with every bad record reported (file, line, reason) rather
 Formats (by file name; `.gz` via gzip, `.zst` via the `zstandard` package):
 
 * `.txt` (and any file handed over as `text`): the whole file is one document;
-* `.jsonl`: one JSON object per line, the document is its `text_field` string (blank lines are skipped);
-* `.parquet`: one document per row of the `text_field` column (the `pyarrow` package).
+* `.jsonl` (and `.json`, read as JSON Lines as Hugging Face's json loader does for c4's files): one JSON
+  object per line, the document is its `text_field` string (blank lines are skipped);
+* `.parquet`: one document per row of the `text_field` column (the `pyarrow` package);
+* `.arrow`: Arrow IPC streams (or files) as Hugging Face `datasets` writes them (`save_to_disk`, its
+  cache), one document per row of the `text_field` column (`pyarrow`).
 
 Large uncompressed `.jsonl` files are cut into pieces at line boundaries, and `.parquet` files at row
 groups, so that one big file still spreads over many preparation workers; compressed files are read
@@ -29,7 +32,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".arrow")
+KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSION = (".gz", ".zst")
 
 
@@ -93,8 +97,8 @@ def kind_of(path: str) -> tuple[str, str] | None:
             name, compression = name[: -len(suffix)], suffix[1:]
     for suffix in SUFFIXES:
         if name.endswith(suffix):
-            kind = suffix[1:].replace("txt", "text")
-            if kind == "parquet" and compression:
+            kind = KINDS[suffix]
+            if kind in ("parquet", "arrow") and compression:
                 return None
             return kind, compression
     return None
@@ -112,13 +116,13 @@ def discover(inputs: list[str]) -> list[str]:
                            if os.path.isfile(f) and kind_of(f))
         elif os.path.isfile(spec):
             if kind_of(spec) is None:
-                raise ValueError(f"{spec}: unsupported file type (expected .txt, .jsonl, .parquet; "
-                                 f".txt/.jsonl may end in .gz or .zst)")
+                raise ValueError(f"{spec}: unsupported file type (expected .txt, .jsonl, .json, .parquet, .arrow; "
+                                 f".txt/.jsonl/.json may end in .gz or .zst)")
             found = [spec]
         else:
             raise ValueError(f"{spec}: no such file, folder or glob match")
         if not found:
-            raise ValueError(f"{spec}: holds no .txt, .jsonl or .parquet files")
+            raise ValueError(f"{spec}: holds no .txt, .jsonl, .json, .parquet or .arrow files")
         files += [f for f in found if f not in files]
     return files
 
@@ -305,6 +309,39 @@ def _parquet(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]
             yield value
 
 
+def _arrow(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ValueError("reading .arrow needs the `pyarrow` package: pip install 'torchtrain[data]'") from None
+    with pa.memory_map(piece.path) as source:
+        try:
+            reader = pa.ipc.open_stream(source)  # what `datasets` writes
+            batches = iter(reader)
+            names = reader.schema.names
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file = pa.ipc.open_file(source)
+            batches = (file.get_batch(i) for i in range(file.num_record_batches))
+            names = file.schema.names
+        if field not in names:
+            rows = sum(b.num_rows for b in batches)
+            problems.append(Problem(piece.path, 0, f"no {field!r} column (it has: {', '.join(names)}); the whole file",
+                                    rows))
+            return
+        row = 0
+        for batch in batches:
+            for value in batch.column(names.index(field)).to_pylist():
+                row += 1
+                if not isinstance(value, str) or not value:
+                    problems.append(Problem(piece.path, row, f"{field!r} is "
+                                            f"{'empty' if value == '' else 'not a string'}", records=int(value != "")))
+                    continue
+                yield value
+        if row == 0:
+            problems.append(Problem(piece.path, 0, "empty file (no rows)", records=0))
+
+
 def documents(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str]:
     """The documents of `piece`; bad records are appended to `problems` and skipped. Raises `Unreadable`
     when the piece cannot be read to its end (the documents it gave are then to be dropped with it)."""
@@ -312,6 +349,8 @@ def documents(piece: Piece, field: str, problems: list[Problem]) -> Iterator[str
         reader = _jsonl(piece, field, problems)
     elif piece.kind == "parquet":
         reader = _parquet(piece, field, problems)
+    elif piece.kind == "arrow":
+        reader = _arrow(piece, field, problems)
     else:
         reader = _text(piece, problems)
     try:

@@ -8,6 +8,9 @@
 * ``files``: the user's ``.txt`` (one document per file), ``.jsonl`` (one document per line, its
   ``training.dataset_text_field``) and ``.parquet`` files, optionally ``.gz``/``.zst``: a file, a
   folder (searched recursively) or a glob.
+* ``hf``: a Hugging Face dataset (a ``save_to_disk`` folder, Arrow/Parquet files, or a name in the
+  local HF cache such as ``allenai/c4:en``; `hf.py`), and torchtitan's names for C4: ``c4``,
+  ``c4_validation`` (its validation split) and ``c4_test`` (torchtitan's local sample folder).
 * ``synthetic``: deterministic token sequences (a random phrase repeated), learnable in a few steps;
   for tests and benchmarks. Its ``validation`` split is 2,000 documents from another seed.
 
@@ -24,6 +27,7 @@ import random
 import sysconfig
 from typing import Any, Callable, Protocol
 
+from torchtrain.components.data import hf
 from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
 
@@ -133,3 +137,18 @@ register_dataset(FILES, lambda path, split, seed, field: files_source(path or ""
 # The validation split: 2,000 documents (~0.4M tokens) generated from another seed.
 register_dataset("synthetic", lambda path, split, seed, field: SyntheticSource(seed) if split == "train"
                  else SyntheticSource(seed + 1_000_003, num_docs=2_000))
+HF_DATASETS = ("hf", "c4", "c4_validation", "c4_test")  # read through hf.py (checked at launch)
+register_dataset("hf", lambda path, split, seed, field: FileSource(hf.hf_pieces(path, split), field))
+
+
+def _hf_named(default: str, split: str | None = None) -> SourceFactory:
+    """torchtitan's dataset names: `default` unless training.dataset_path names a local copy."""
+    def factory(path: str | None, split_: str, seed: int, field: str) -> FileSource:
+        key = "training.dataset_path" if path else "training.dataset"
+        return FileSource(hf.hf_pieces(path or default, split or split_, key), field)
+    return factory
+
+
+register_dataset("c4", _hf_named(hf.C4))
+register_dataset("c4_validation", _hf_named(hf.C4, "validation"))
+register_dataset("c4_test", _hf_named(hf.C4_TEST_PATH))

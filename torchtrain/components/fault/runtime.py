@@ -43,6 +43,15 @@ def busy_compute(seconds: float, device: torch.device) -> None:
         pass
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
+
+
+def _peer_gone(error: BaseException) -> bool:
+    """A collective failed because another rank's process ended (gloo), or the communicator failed (NCCL)."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and any(t in str(error) for t in PEER_GONE))
+
+
 class FaultRuntime:
     def __init__(self, cfg: Fault, debug: Debug, dump_folder: str, state: TrainState, device: torch.device,
                  rank: int, world_size: int, user_profiler: bool):
@@ -168,8 +177,9 @@ class FaultRuntime:
         """The training thread failed. When the failure is a peer gone while a hang is handled, end as a
         hang (exit 4), not as a crash: see HangMonitor.hold_for_hang_exit."""
         if self.monitor is not None:
-            # a communication error may be the first sign of a hang the monitor declares within an interval
-            self.monitor.hold_for_hang_exit(2 * self.monitor.interval if isinstance(error, RuntimeError) else 0.0)
+            # a peer gone from a collective may be the first sign of a hang the monitor declares within an
+            # interval; any other error ends the process at once (unless a hang is already being handled)
+            self.monitor.hold_for_hang_exit(2 * self.monitor.interval if _peer_gone(error) else 0.0)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -31,7 +31,7 @@ import torch
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
-from torchtrain.models.state_dict_adapter import StateDictAdapter
+from torchtrain.models.state_dict_adapter import StateDictAdapter, moe_torchtitan_key
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -97,6 +97,11 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
                      for name in ("embed_tokens.", "shared_head.head."))
 
     # ------------------------------------------------------------------ config.json
+    def torchtitan_key(self, key: str, version: str) -> str:
+        """MLA's projections keep their names (wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo) in both
+        torchtitan versions; the MoE layer is `moe_torchtitan_key`'s."""
+        return moe_torchtitan_key(key, version)
+
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         a = self.model_args
         if a.score_func != "sigmoid":

@@ -25,6 +25,7 @@ import torch
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.qwen3.state_dict_adapter import ATTENTION_NAMES, LAYER, Qwen3StateDictAdapter
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
+from torchtrain.models.state_dict_adapter import moe_torchtitan_key
 
 _EXPERT_NAMES = {"experts.w1": "gate_proj", "experts.w3": "up_proj", "experts.w2": "down_proj"}
 _MOE_NAMES = {"feed_forward.router.weight": "mlp.gate.weight"}
@@ -46,6 +47,9 @@ class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
             if name == "feed_forward.expert_bias":
                 return []
         return [self.hf_key(key)]
+
+    def torchtitan_key(self, key: str, version: str) -> str:
+        return moe_torchtitan_key(key, version)
 
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         a = self.model_args

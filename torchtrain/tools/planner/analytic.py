@@ -214,7 +214,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     grads = 4 * (sharded if fsdp else full_numel + emb_extra)
     state_bytes, state_name = 8.0, "Adam m, v"
     if p.optimizer == "Muon":  # one momentum buffer (4 B) per hidden matrix; Adam's m, v for the rest
-        matrices = _numel([s for name, shapes in units if name.startswith(("block", "experts")) for s in shapes
+        matrices = numel([s for name, shapes in units if name.startswith(("block", "experts")) for s in shapes
                            if s[1] > 1])
         state_bytes, state_name = 8.0 - 4.0 * matrices / max(full_numel, 1), "Muon momentum; Adam m, v"
     opt = state_bytes * (sharded if opt_sharded else full_numel) + 4 * n_tensors
