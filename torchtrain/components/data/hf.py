@@ -21,8 +21,10 @@ directory, as in torchtitan).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from typing import Iterator
 
 from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
@@ -51,17 +53,37 @@ def saved_files(folder: str, split: str, key: str) -> list[str] | None:
     return files
 
 
+@contextlib.contextmanager
+def _offline(offline: bool) -> Iterator[None]:
+    """Hugging Face's offline mode for one call: `huggingface_hub` and `datasets` read HF_HUB_OFFLINE when
+    they are imported, which may have happened before (transformers imports the hub), so their
+    module-level switches are set too, and restored afterwards."""
+    import datasets
+    import huggingface_hub
+
+    switches = [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                (datasets.config, "HF_DATASETS_OFFLINE")]
+    saved = [(m, n, getattr(m, n)) for m, n in switches if hasattr(m, n)]
+    for module, name, _ in saved:
+        setattr(module, name, offline)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def _cached_files(spec: str, split: str, key: str) -> list[str]:
     """The Arrow files of dataset `name[:config]` in the local Hugging Face cache."""
     name, _, config = spec.partition(":")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
         raise ConfigError(f"[{key}] {spec!r} is not a local folder or file, so it is taken as a Hugging Face dataset "
                           f"name, which needs the `datasets` package: pip install 'torchtrain[data]'") from None
     try:
-        ds = datasets.load_dataset(name, config or None, split=split)
+        with _offline(os.environ.get("HF_HUB_OFFLINE", "1").lower() not in ("0", "false", "no", "off")):
+            ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:  # not in the cache (offline), no such split or config, a damaged cache
         cache = getattr(datasets.config, "HF_DATASETS_CACHE", "~/.cache/huggingface/datasets")
         local = ("give a local copy as INPUT" if key.startswith("-") else
