@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO, TINY_JOB, assert_no_traceback, read_metrics, run_train
+from test_checkpoint import load_all
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "torchtitan_v0.2.2")
 FILES = sorted(glob.glob(os.path.join(FIXTURES, "*.toml")))
@@ -197,17 +198,6 @@ def logits(model, state: dict[str, torch.Tensor]) -> torch.Tensor:
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model(tokens)
-
-
-def load_all(path: str) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = FileSystemReader(path).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-             for k, v in md.state_dict_metadata.items()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state
 
 
 TINY_DEEPSEEK = ["--model.name", "deepseek_v3", "--model.dim", "64", "--model.n_layers", "3", "--model.n_heads", "4",

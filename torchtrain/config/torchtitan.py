@@ -109,6 +109,20 @@ def _model_alias(model: dict[str, Any], origin: dict[str, str], note) -> None:
          f"{new_flavor!r}{extra}", level="info")
 
 
+_ABSENT = object()
+
+
+def _pop(merged: dict[str, dict[str, Any]], origin: dict[str, dict[str, str]], section: str,
+         key: str | None = None) -> Any:
+    """Remove a raw section (`key` None) or one key, and the record of where it came from; _ABSENT when
+    the job does not have it."""
+    if key is None:
+        origin.pop(section, None)
+        return merged.pop(section, _ABSENT)
+    origin.get(section, {}).pop(key, None)
+    return merged.get(section, {}).pop(key, _ABSENT)
+
+
 def translate(merged: dict[str, dict[str, Any]], origin: dict[str, dict[str, str]]) -> list[tuple[str, str]]:
     """Adapt the raw job values (file overlaid by the command line) in place; returns the notices as
     (level, text): "info" for a translation, "warning" for a key torchtrain does not act on."""
@@ -118,37 +132,28 @@ def translate(merged: dict[str, dict[str, Any]], origin: dict[str, dict[str, str
         notices.append((level, f"torchtitan job key: {text}"))
 
     for section, reason in IGNORED_SECTIONS.items():
-        if section in merged:
-            table = merged.pop(section)
-            origin.pop(section, None)
+        table = _pop(merged, origin, section)
+        if table is not _ABSENT:
             note(f"[{section}] ({', '.join(table)}) {reason}")
-    if "fault_tolerance" in merged:
-        table = merged.pop("fault_tolerance")
-        origin.pop("fault_tolerance", None)
+    table = _pop(merged, origin, "fault_tolerance")
+    if table is not _ABSENT:
         _fault_tolerance(table, merged, note)
         for section in ("fault", "parallelism"):
             origin.setdefault(section, {}).update({k: "from [fault_tolerance]" for k in merged.get(section, {})
                                                    if k not in origin[section]})
     for dotted, reason in IGNORED_KEYS.items():
-        section, key = dotted.split(".")
-        if key in merged.get(section, {}):
-            value = merged[section].pop(key)
-            origin.get(section, {}).pop(key, None)
+        value = _pop(merged, origin, *dotted.split("."))
+        if value is not _ABSENT:
             note(f"{dotted} = {value!r} {reason}")
-    job = merged.get("job", {})
-    if "custom_config_module" in job:
-        module = job.pop("custom_config_module")
-        if module not in KNOWN_CONFIG_MODULES:
-            note(f"job.custom_config_module = {module!r}: torchtrain's config is not extended by Python modules "
-                 f"(job.custom_imports registers models and datasets); its keys, if any, are refused as unknown")
-    parallelism = merged.get("parallelism", {})
-    if "expert_tensor_parallel_degree" in parallelism:
-        etp = parallelism.pop("expert_tensor_parallel_degree")
-        origin.get("parallelism", {}).pop("expert_tensor_parallel_degree", None)
-        if str(etp) != "1":
-            note(f"parallelism.expert_tensor_parallel_degree = {etp}: torchtrain does not shard experts with tensor "
-                 f"parallelism; the expert-parallel group takes whole TP groups instead (torchtitan's 1): the same "
-                 f"math, other memory and communication (docs/moe.md)")
+    module = _pop(merged, origin, "job", "custom_config_module")
+    if module is not _ABSENT and module not in KNOWN_CONFIG_MODULES:
+        note(f"job.custom_config_module = {module!r}: torchtrain's config is not extended by Python modules "
+             f"(job.custom_imports registers models and datasets); its keys, if any, are refused as unknown")
+    etp = _pop(merged, origin, "parallelism", "expert_tensor_parallel_degree")
+    if etp is not _ABSENT and str(etp) != "1":
+        note(f"parallelism.expert_tensor_parallel_degree = {etp}: torchtrain does not shard experts with tensor "
+             f"parallelism; the expert-parallel group takes whole TP groups instead (torchtitan's 1): the same "
+             f"math, other memory and communication (docs/moe.md)")
     if "model" in merged:
         _model_alias(merged["model"], origin.setdefault("model", {}), note)
     return notices

@@ -22,6 +22,7 @@ routing bias of auxiliary-loss-free balancing (kept at zero) and multi-token-pre
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -112,7 +113,7 @@ def rename(template: dict[str, Any], model, meta: dict[str, Any], metadata: Meta
         out: dict[str, Any] = {"model": {k: loaded[t] for k, t in names.items() if k not in skipped}}
         if "optimizer" in template:
             # a param_groups entry torchtitan did not store (another torch version's option) keeps ours
-            out["optimizer"] = {k: loaded["optimizer"].get(opt_names.get(k), v) if k in opt_names else v
+            out["optimizer"] = {k: loaded["optimizer"][opt_names[k]] if k in opt_names else v
                                 for k, v in template["optimizer"].items()}
         if "train_state" in template:
             step = int(loaded["train_state"]["step"])
@@ -158,8 +159,7 @@ def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: 
             return f"train_state.{leaf}", ("train_state", leaf)
         return None
 
-    renamed = {k: new_key(k) for k in metadata.state_dict_metadata}
-    kept = {k: v for k, v in renamed.items() if v is not None}
+    kept = {k: new for k in metadata.state_dict_metadata if (new := new_key(k)) is not None}
     metadata.state_dict_metadata = {kept[k][0]: v for k, v in metadata.state_dict_metadata.items() if k in kept}
     metadata.storage_data = {MetadataIndex(kept[i.fqn][0], i.offset, i.index): info
                              for i, info in (metadata.storage_data or {}).items() if i.fqn in kept}
@@ -175,8 +175,4 @@ def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: 
     with open(os.path.join(out, ".metadata.tmp"), "wb") as f:
         pickle.dump(metadata, f)
     os.replace(os.path.join(out, ".metadata.tmp"), os.path.join(out, ".metadata"))
-    counts: dict[str, int] = {}
-    for flat, path in kept.values():
-        part = path[0] if len(path) > 1 else "model"
-        counts[part] = counts.get(part, 0) + 1
-    return counts
+    return dict(Counter(path[0] if len(path) > 1 else "model" for _, path in kept.values()))

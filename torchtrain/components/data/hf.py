@@ -22,10 +22,11 @@ directory, as in torchtitan).
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 from typing import Iterator
 
+from torchtrain.components.data.format import read_json
 from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
 
@@ -35,17 +36,17 @@ C4_TEST_PATH = os.path.join("tests", "assets", "c4_test")
 
 def saved_files(folder: str, split: str, key: str) -> list[str] | None:
     """The Arrow files of a save_to_disk folder, in the dataset's order; None for another folder."""
-    if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
-        splits = json.load(open(os.path.join(folder, "dataset_dict.json"))).get("splits", [])
+    splits = read_json(os.path.join(folder, "dataset_dict.json"))
+    if splits is not None:
+        splits = splits.get("splits", [])
         if split not in splits:
             raise ConfigError(f"[{key}] {folder} is a DatasetDict with splits {', '.join(splits) or 'none'}; it has no "
                               f"{split!r} split")
         folder = os.path.join(folder, split)
-    state = os.path.join(folder, "state.json")
-    if not os.path.isfile(state):
+    state = read_json(os.path.join(folder, "state.json"))
+    if state is None:
         return None
-    names = [f["filename"] for f in json.load(open(state)).get("_data_files", [])]
-    files = [os.path.join(folder, n) for n in names]
+    files = [os.path.join(folder, f["filename"]) for f in state.get("_data_files", [])]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
         raise ConfigError(f"[{key}] {folder}: state.json lists {'no data files' if not files else missing[0]} "
@@ -73,7 +74,8 @@ def _offline(offline: bool) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def _cached_files(spec: str, split: str, key: str) -> list[str]:
+@functools.lru_cache(maxsize=None)  # the launch-time check and the source itself ask once per process
+def _cached_files(spec: str, split: str, key: str) -> tuple[str, ...]:
     """The Arrow files of dataset `name[:config]` in the local Hugging Face cache."""
     name, _, config = spec.partition(":")
     try:
@@ -94,7 +96,7 @@ def _cached_files(spec: str, split: str, key: str) -> list[str]:
             f"here: {reason}. It is read from the local Hugging Face cache ({cache}); download it once where there "
             f"is network (HF_HUB_OFFLINE=0), or {local} (a save_to_disk folder, or .arrow/.parquet/.jsonl "
             f"files)") from None
-    files = [f["filename"] for f in ds.cache_files]
+    files = tuple(f["filename"] for f in ds.cache_files)
     if not files:
         raise ConfigError(f"[{key}] Hugging Face dataset {spec!r} (split {split!r}) is held in memory, not in Arrow "
                           f"files; save it with save_to_disk and point {key} at that folder")
@@ -107,7 +109,7 @@ def hf_files(spec: str, split: str, key: str = "training.dataset_path", names: b
     exists (or `spec` is a glob), else a name."""
     is_path = not names and (names is False or os.path.exists(spec) or any(ch in spec for ch in "*?["))
     if not is_path:
-        return _cached_files(spec, split, key)
+        return list(_cached_files(spec, split, key))
     if os.path.isdir(spec):
         saved = saved_files(spec, split, key)
         if saved is not None:

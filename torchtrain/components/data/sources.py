@@ -137,18 +137,19 @@ register_dataset(FILES, lambda path, split, seed, field: files_source(path or ""
 # The validation split: 2,000 documents (~0.4M tokens) generated from another seed.
 register_dataset("synthetic", lambda path, split, seed, field: SyntheticSource(seed) if split == "train"
                  else SyntheticSource(seed + 1_000_003, num_docs=2_000))
-HF_DATASETS = ("hf", "c4", "c4_validation", "c4_test")  # read through hf.py (checked at launch)
-register_dataset("hf", lambda path, split, seed, field: FileSource(hf.hf_pieces(path, split), field))
 
 
-def _hf_named(default: str, split: str | None = None) -> SourceFactory:
-    """torchtitan's dataset names: `default` unless training.dataset_path names a local copy."""
+def _hf_named(default: str | None, split: str | None) -> SourceFactory:
+    """A Hugging Face dataset (`hf.py`): training.dataset_path, else `default` (torchtitan's names)."""
     def factory(path: str | None, split_: str, seed: int, field: str) -> FileSource:
-        key = "training.dataset_path" if path else "training.dataset"
+        key = "training.dataset_path" if path or default is None else "training.dataset"
         return FileSource(hf.hf_pieces(path or default, split or split_, key), field)
     return factory
 
 
-register_dataset("c4", _hf_named(hf.C4))
-register_dataset("c4_validation", _hf_named(hf.C4, "validation"))
-register_dataset("c4_test", _hf_named(hf.C4_TEST_PATH))
+# name -> (default dataset, fixed split): `hf` and torchtitan's names for C4
+_HF_NAMED = {"hf": (None, None), "c4": (hf.C4, None), "c4_validation": (hf.C4, "validation"),
+             "c4_test": (hf.C4_TEST_PATH, None)}
+HF_DATASETS = tuple(_HF_NAMED)  # read through hf.py (checked at launch)
+for _name, (_default, _split) in _HF_NAMED.items():
+    register_dataset(_name, _hf_named(_default, _split))

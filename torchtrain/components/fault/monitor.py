@@ -86,6 +86,13 @@ def _proc_state(pid: int) -> str | None:
         return None
 
 
+def _exit_as_hang() -> None:
+    """End this process at once with the hang status (the training thread may be stuck in a collective)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(exit_codes.HANG)
+
+
 class HangMonitor:
     def __init__(self, store_factory, rank: int, node_ranks: range, world_size: int, dump_folder: str,
                  timeout_s: float, slow_timeout_s: float):
@@ -122,9 +129,7 @@ class HangMonitor:
         if not self._thread.is_alive() or not self.handling.wait(wait_s):
             return
         self._thread.join(timeout=self._grace() + 30.0)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(exit_codes.HANG)  # the monitor thread died before it could
+        _exit_as_hang()  # the monitor thread died before it could
 
     def _grace(self) -> float:
         """How long a rank waits for the others to write their stacks."""
@@ -240,9 +245,7 @@ class HangMonitor:
                     os.kill(info["pid"], signal.SIGKILL)
                 except OSError:
                     pass
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(exit_codes.HANG)
+        _exit_as_hang()
 
     def _dump_flight_recorder(self, folder: str) -> None:
         """CUDA + NCCL: the flight recorder's record of recent collectives (when torch has it)."""
