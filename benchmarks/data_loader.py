@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from torchtrain.components.data.dataset import Source, WindowDataset
-from torchtrain.components.data.format import MANIFEST, FORMAT, VERSION, ShardWriter, TokenCorpus, write_json
-from torchtrain.components.data.loader import DataLoader
-from torchtrain.components.tokenizer import ByteTokenizer
+from torchtrain.data.dataset import Source, WindowDataset
+from torchtrain.data.format import FORMAT, MANIFEST, VERSION, ShardWriter, TokenCorpus, write_json
+from torchtrain.data.loader import DataLoader
+from torchtrain.data.tokenizer import ByteTokenizer
 
 
 def rss_mb() -> dict[str, float]:

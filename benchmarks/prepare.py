@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from torchtrain.components.data.format import TokenCorpus
-from torchtrain.components.data.sources import python_stdlib_source
+from torchtrain.data.format import TokenCorpus
+from torchtrain.data.sources import python_stdlib_source
 
 
 def make_inputs(folder: str, megabytes: float, files: int = 8) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from torchtrain.config import parse_args
 from torchtrain.models.llama3 import LLAMA3_FLAVORS, Transformer
-from torchtrain.train import Trainer
+from torchtrain.trainer.trainer import Trainer
 
 
 def plain_loop(args, device: torch.device) -> list[float]:

@@ -17,9 +17,9 @@ import sys
 import torch
 
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf
-from torchtrain.distributed.layout import DTYPES
 from torchtrain.components.checkpoint.startup import resolve_dcp_path
 from torchtrain.config import ConfigError, parse_args
+from torchtrain.distributed.layout import DTYPES
 from torchtrain.models.registry import build_model_args, get_model_spec
 
 

@@ -21,10 +21,10 @@ import torch
 
 from torchtrain.components.checkpoint.folder import write_marker
 from torchtrain.components.checkpoint.hf import hf_to_dcp
-from torchtrain.distributed.layout import DTYPES
-from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, parse_args
-from torchtrain.preflight import resolve_model
+from torchtrain.data.tokenizer import build_tokenizer
+from torchtrain.distributed.layout import DTYPES
+from torchtrain.trainer.preflight import resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import ast
 import os
-from collections import defaultdict
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "torchtrain")
@@ -191,7 +189,7 @@ def fake_world():
 
 def _plan(argv: list[str], world: int):
     from torchtrain.config import parse_args
-    from torchtrain.preflight import preflight
+    from torchtrain.trainer.preflight import preflight
 
     plan = preflight(parse_args(argv), world, "cpu")
     plan.layout.dims.build_mesh("cpu")

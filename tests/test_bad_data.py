@@ -21,15 +21,15 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import TINY_MODEL, assert_no_traceback
 from test_launch import assert_one_clean_error, run_train_sh
-from torchtrain.components.data.build import resolve_sources
-from torchtrain.components.data.format import TokenCorpus, read_json
-from torchtrain.components.data.prepare import prepare_files
-from torchtrain.components.tokenizer import ByteTokenizer
+
 from torchtrain.config import ConfigError
+from torchtrain.data.build import resolve_sources
+from torchtrain.data.format import TokenCorpus, read_json
+from torchtrain.data.preparation import prepare_files
 from torchtrain.data.prepare import main as prepare_main
+from torchtrain.data.tokenizer import ByteTokenizer
 from torchtrain.launch_check import check
 
 JOB = [*TINY_MODEL, "--training.seq_len", "64", "--training.dataset", "tokens", "--job.print_config", "false"]

@@ -23,11 +23,17 @@ import subprocess
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import (
+    REPO,
+    TINY_JOB,
+    assert_no_trainer_traceback,
+    read_metrics,
+    run_train,
+    train_command,
+    wait_for_pid_file,
+)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from conftest import (REPO, TINY_JOB, assert_no_trainer_traceback, read_metrics, run_train, train_command,
-                      wait_for_pid_file)
 
 pytestmark = pytest.mark.dist
 RTOL = 1e-4
@@ -115,8 +121,8 @@ def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_pa
 def hf_seed(tmp_path_factory):
     """A seed checkpoint (step-0) created under FSDP 2 from HF weights that equal the built-in init."""
     from torchtrain.components.checkpoint.hf import export_dcp_to_hf
-    from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
+    from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.distributed.param_init import init_model_weights
     from torchtrain.models.registry import build_model_args, get_model_spec
 

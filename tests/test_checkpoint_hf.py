@@ -17,18 +17,16 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO
 
 from torchtrain.components.checkpoint.folder import read_marker
-from torchtrain.components.checkpoint.hf import (INDEX_FILE, export_dcp_to_hf, load_hf_into_model,
-                                                 plan_shards)
+from torchtrain.components.checkpoint.hf import INDEX_FILE, export_dcp_to_hf, load_hf_into_model, plan_shards
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.components.checkpoint.validate import CheckpointError
 from torchtrain.config import ConfigError
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.models.llama3 import Llama3Args, Llama3StateDictAdapter, Transformer
 from torchtrain.models.llama3.model import apply_rope, rope_table
-
-from conftest import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

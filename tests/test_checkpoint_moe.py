@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from conftest import run_train
 from test_checkpoint import ckpt, copy_step, load_all, losses, ok
 from test_moe_parity import TINY_MOE
-
-from conftest import run_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 RTOL = 1e-4

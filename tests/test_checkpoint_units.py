@@ -160,7 +160,7 @@ def test_several_model_parts_round_trip():
     from torch import nn
 
     from torchtrain.components.checkpoint.state import ModelState
-    from torchtrain.components.optimizer import OptimizersContainer
+    from torchtrain.components.optim.optimizer import OptimizersContainer
 
     def parts():
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The compile monitor (components/compile_monitor.py) notices a recompilation after step 2.
+"""The compile monitor (components/observability/compile_monitor.py) notices a recompilation after step 2.
 
 The trainer-level check (compiled runs never recompile, compile time logged) is in
 test_parallel_features.py::test_compile; here a compiled function is fed a new shape on step 3 so the
@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from torchtrain.components.compile_monitor import CompileMonitor, compiled_graphs
+from torchtrain.components.observability.compile_monitor import CompileMonitor, compiled_graphs
 
 
 def test_monitor_reports_compile_time_and_flags_a_later_recompilation(caplog):

@@ -8,17 +8,16 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, assert_no_traceback
 
-from torchtrain.components.tokenizer import build_tokenizer
 from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from torchtrain.config.fields import field_docs, field_types
 from torchtrain.config.manager import _sections, tables
+from torchtrain.data.tokenizer import build_tokenizer
 from torchtrain.distributed.layout import resolve_batch
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.registry import build_model_args, get_model_spec, model_arguments
-from torchtrain.preflight import preflight, resolve_model
-
-from conftest import REPO, assert_no_traceback
+from torchtrain.trainer.preflight import preflight, resolve_model
 
 
 def write(tmp_path, text: str) -> str:
@@ -215,7 +214,7 @@ def test_config_reference_doc_is_current():
                                          ("llama3_405b", 512)])
 def test_shipped_job_files_are_valid_for_their_cluster(name, world):
     """The GPU jobs pass every pre-start check for the world size their header documents."""
-    from torchtrain.preflight import preflight
+    from torchtrain.trainer.preflight import preflight
 
     cfg = parse_args(["--job.config_file", f"{REPO}/train_configs/{name}.toml"])
     # (the jobs' HF tokenizer files are not on a CI machine: the byte tokenizer stands in)

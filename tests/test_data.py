@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from torchtrain.components.data.build import build_dataloader, resolve_sources
-from torchtrain.components.data.dataset import Source, WindowDataset
-from torchtrain.components.data.format import TokenCorpus
-from torchtrain.components.data.loader import DataLoader, RankBatches
-from torchtrain.components.data.prepare import write_documents
-from torchtrain.components.data.sampling import Mixture, Permutation
-from torchtrain.components.data.sources import SyntheticSource, build_source, python_stdlib_source
-from torchtrain.components.tokenizer import ByteTokenizer
 from torchtrain.config import ConfigError, parse_args
+from torchtrain.data.build import build_dataloader, resolve_sources
+from torchtrain.data.dataset import Source, WindowDataset
+from torchtrain.data.format import TokenCorpus
+from torchtrain.data.loader import DataLoader, RankBatches
+from torchtrain.data.preparation import write_documents
+from torchtrain.data.sampling import Mixture, Permutation
+from torchtrain.data.sources import SyntheticSource, build_source, python_stdlib_source
+from torchtrain.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

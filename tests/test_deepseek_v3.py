@@ -22,8 +22,8 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import ParitySuite
+
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.param_init import init_model_weights
@@ -269,9 +269,8 @@ def test_ep_x_fsdp_with_selective_op_checkpointing_matches_one_process(ds_suite)
 def test_exact_resume_with_experts_bias_and_mtp(tmp_path):
     """PP 2 x EP 2 with the routing bias and an MTP depth (the embedding on both stages): resuming from
     step 4 gives per-step losses (and MTP losses) BITWISE equal to the uninterrupted run's."""
-    from test_checkpoint import copy_step, losses, ok
-
     from conftest import run_train
+    from test_checkpoint import copy_step, losses, ok
 
     def job(dump):
         return [*TINY, "--model.mtp_depth", "1", "--parallelism.expert_parallel_degree", "2",

@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, TINY_JOB, TINY_MODEL
 
 from torchtrain.tools.parity import check_parity
-
-from conftest import REPO, TINY_JOB, TINY_MODEL
 
 RTOL = 1e-4
 pytestmark = pytest.mark.dist
@@ -59,7 +58,7 @@ def test_initial_weights_are_layout_independent(nproc, layout):
 def test_layouts_match_on_a_prepared_token_mixture(tmp_path):
     """The `tokens` path end to end: two folders prepared with the CLI, mixed 3:1, cross-document labels
     masked, a background loader worker; FSDP and FSDP x TP match one process (same tolerance)."""
-    from torchtrain.components.data.sources import python_stdlib_source
+    from torchtrain.data.sources import python_stdlib_source
 
     files = sorted(p.path for p in python_stdlib_source("train").pieces())
     folders = []

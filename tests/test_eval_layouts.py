@@ -32,7 +32,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, TINY_JOB, read_metrics, run_train
 
 pytestmark = pytest.mark.dist
@@ -188,7 +187,7 @@ def test_scores_agree_with_transformers(runs, tmp_path):
     from torchtrain.components.evaluation.builtin import builtin_items
     from torchtrain.components.evaluation.requests import build_requests
     from torchtrain.components.evaluation.scorer import choose
-    from torchtrain.components.tokenizer import ByteTokenizer
+    from torchtrain.data.tokenizer import ByteTokenizer
 
     hf_dir = str(tmp_path / "hf")
     assert convert_dcp_to_hf.main([os.path.join(runs["single"], "checkpoint", f"step-{STEPS}"), hf_dir]) == 0

@@ -16,17 +16,17 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, TINY_MODEL
+
 from torchtrain.components.evaluation.builtin import BUILTIN_TASKS, builtin_items
 from torchtrain.components.evaluation.format import Item, read_task_file, write_task_file
 from torchtrain.components.evaluation.hf_layouts import convert_records
 from torchtrain.components.evaluation.requests import build_requests, encode_pair, plan_batches
 from torchtrain.components.evaluation.scorer import choose, task_metrics, token_logprobs
 from torchtrain.components.evaluation.tasks import Task
-from torchtrain.components.loss import IGNORE_INDEX
-from torchtrain.components.tokenizer import ByteTokenizer
 from torchtrain.config import ConfigError, parse_args, to_toml
+from torchtrain.data.tokenizer import ByteTokenizer
+from torchtrain.trainer.loss import IGNORE_INDEX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOK = ByteTokenizer()
@@ -223,7 +223,7 @@ def test_named_validation_sets_and_eval_keys(tmp_path):
 
 
 def test_start_up_checks_name_the_key(tmp_path):
-    from torchtrain.preflight import preflight
+    from torchtrain.trainer.preflight import preflight
 
     def check(*argv: str, world: int = 1):
         preflight(parse_args([*TINY_MODEL, "--training.dataset", "synthetic", "--training.seq_len", "64", *argv]),

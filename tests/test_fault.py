@@ -29,7 +29,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, TINY_JOB, assert_no_traceback, read_metrics, wait_for_pid_file
 
 pytestmark = pytest.mark.dist

@@ -9,8 +9,8 @@ from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import TINY_JOB
+
 from torchtrain.components.fault.monitor import summarize
 from torchtrain.components.fault.runtime import busy_compute
 from torchtrain.components.fault.straggler import ThreadClock, compare, kernel_seconds_by_phase

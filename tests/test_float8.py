@@ -14,8 +14,8 @@ import statistics
 
 import pytest
 import torch
-
 from conftest import REPO, TINY_JOB, assert_no_traceback
+
 from torchtrain.config import ConfigError, parse_args, to_toml
 
 pytest.importorskip("torchao")
@@ -30,8 +30,8 @@ def _write(tmp_path, text: str) -> str:
 
 
 def _layout(argv, world=1, device="cpu"):
-    from torchtrain.components.tokenizer import build_tokenizer
-    from torchtrain.preflight import preflight
+    from torchtrain.data.tokenizer import build_tokenizer
+    from torchtrain.trainer.preflight import preflight
 
     return preflight(parse_args(argv), world, device, tokenizer=build_tokenizer(None)).layout
 
@@ -215,9 +215,8 @@ def test_float8_layouts_train_the_same_model(float8_layouts):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_float8_checkpoint_stays_high_precision_and_resumes_without_float8(float8_layouts):
-    from torch.distributed.checkpoint import FileSystemReader
-
     from conftest import read_metrics, run_train
+    from torch.distributed.checkpoint import FileSystemReader
 
     workdir, runs = float8_layouts
     dump = os.path.join(workdir, "fsdp2")

@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import REPO, TINY_MODEL, assert_no_traceback, run_train
-from torchtrain.tools.generate import Sampling, generate, load, sample_next
+
+from torchtrain.tools.generation import Sampling, generate, load, sample_next
 
 CYCLE = "0123456789"
 
@@ -111,7 +111,7 @@ def test_sampling_rules_on_fixed_logits():
 
 
 def test_generate_reports_bad_input_cleanly(tmp_path, capsys):
-    from torchtrain.tools.generate import main
+    from torchtrain.generate import main
 
     out = cli("--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x")
     assert out.returncode == 2 and "torchtrain.generate: error: --checkpoint" in out.stderr

@@ -22,11 +22,11 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY_JOB, read_metrics, run_train
-from torchtrain.components.gc_control import GarbageCollection
-from torchtrain.components.guard import NONFINITE, OK, SPIKE, TrainingGuard
+
 from torchtrain.config.operations import Guard
+from torchtrain.trainer.gc_control import GarbageCollection
+from torchtrain.trainer.guard import NONFINITE, OK, SPIKE, TrainingGuard
 
 STEPS = 8
 

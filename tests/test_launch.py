@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, TINY_JOB, assert_no_traceback
+
 from torchtrain.config import ConfigError
 from torchtrain.launch_check import parse_launch
 

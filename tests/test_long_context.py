@@ -8,21 +8,19 @@ the shared attention mask add a few percent)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from conftest import REPO, TINY_JOB, ParitySuite, read_metrics, run_train
+from test_model import build, tiny
+
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.context_parallel import cp_indices, shard_batch
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, document_ids
-from torchtrain.preflight import preflight
-
-from test_model import build, tiny
+from torchtrain.trainer.preflight import preflight
 
 BLOCK = ["--model.attention_mask", "block_causal"]
 
@@ -183,10 +181,10 @@ def test_checkpoints_resume_exactly_with_cp_and_reshard_to_cp1(tmp_path):
 def test_planner_models_context_parallelism():
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.tools.planner.analytic import estimate_memory
+    from torchtrain.tools.planner.comm_time import kv_exchange_bytes
     from torchtrain.tools.planner.core import load_job
     from torchtrain.tools.planner.inputs import inputs_from_config
     from torchtrain.tools.planner.search import enumerate_layouts
-    from torchtrain.tools.planner.comm_time import kv_exchange_bytes
     from torchtrain.tools.planner.step_time import estimate_step
 
     job = load_job(["--model.flavor", "8B", "--training.seq_len", "65536", "--training.local_batch_size", "1",

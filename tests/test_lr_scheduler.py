@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from torchtrain.components.lr_scheduler import LRSchedulersContainer, lr_factor
-from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer, lr_factor
+from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.config import parse_args
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from torchtrain.components.hardware import MemoryMonitor, gpu_spec_for_name, peak_tflops
-from torchtrain.components.metrics import MetricsLogger, ThroughputMeter
+from torchtrain.components.observability.metrics import MetricsLogger, ThroughputMeter
 from torchtrain.config import ConfigError
 from torchtrain.config.job import Metrics
 
 
 def test_throughput_arithmetic(monkeypatch):
     clock = iter([100.0, 102.0, 102.0])  # start, summary, the reset after it
-    monkeypatch.setattr("torchtrain.components.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("torchtrain.components.observability.metrics.time.perf_counter", lambda: next(clock))
     meter = ThroughputMeter(flops_per_token=1_000_000, peak_tflops=0.004, world_size=4)
     meter.add_step(global_tokens=8000, data_time=0.5)
     meter.add_step(global_tokens=8000, data_time=0.1)
@@ -164,7 +164,7 @@ def test_wandb_offline_run_rank0_only_with_name_config_and_metrics(tmp_path, mon
 def test_wandb_enabled_without_the_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from torchtrain.components.wandb_sink import check_wandb
+    from torchtrain.components.observability.wandb_sink import check_wandb
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

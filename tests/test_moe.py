@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from torchtrain.components.moe_balance import MoEBalancer
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.models.common.experts import swiglu_grouped, swiglu_looped
 from torchtrain.models.common.moe import MoE, MoEModelArgs
-from torchtrain.preflight import preflight
+from torchtrain.trainer.moe_balance import MoEBalancer
+from torchtrain.trainer.preflight import preflight
 
 TOL = 1e-5
 
@@ -258,9 +258,8 @@ def test_expert_parallel_borrows_from_dp_shard_and_tp():
 
 def test_moe_metrics_reach_console_jsonl_and_tensorboard(tmp_path):
     """A real (one-process) run logs the auxiliary loss and the per-layer-group expert load everywhere."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from conftest import read_metrics, run_train
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = run_train(["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
                      "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "4",

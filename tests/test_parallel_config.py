@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_no_traceback, run_train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtrain.distributed.layout import resolve_layout
 from torchtrain.models.llama3 import Llama3Args, Transformer
-from torchtrain.preflight import preflight
-
-from conftest import assert_no_traceback, run_train
+from torchtrain.trainer.preflight import preflight
 
 
 def model_check(argv: list[str], world: int):

@@ -21,7 +21,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, TINY_JOB, ParitySuite, read_metrics, run_train
 
 pytestmark = pytest.mark.dist
@@ -48,7 +47,7 @@ def test_activation_checkpointing(suite):
 
 def test_compile(suite):
     """Compiled runs match one process, report their compile time, and never recompile after step 2
-    (the monitor counts the graphs Dynamo compiles inside training steps: components/compile_monitor.py)."""
+    (the monitor counts the graphs Dynamo compiles inside training steps: components/observability/compile_monitor.py)."""
     for run in suite.check(["compile", "fsdp2_tp2_compile"]):
         name, records = run.layout.name, run.records
         assert "compile: the first step took" in run.log and "spent compiling" in run.log, name

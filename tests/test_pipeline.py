@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import TINY_JOB, ParitySuite
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.pipeline_timeline import simulate
-from torchtrain.preflight import preflight
-from conftest import TINY_JOB, ParitySuite
+from torchtrain.trainer.preflight import preflight
 
 STEPS = 10
 PP_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.global_batch_size", "8"]

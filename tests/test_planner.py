@@ -15,14 +15,13 @@ import json
 import math
 
 import pytest
+from conftest import TINY_JOB
 
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.tools.planner import analytic, pipeline, shapes, step_time, trace
 from torchtrain.tools.planner.core import _trace_config, load_job, make_plan, plan_from_flags
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_overrides, config_variant, inputs_from_config
 from torchtrain.tools.planner.validate import layout_problems
-
-from conftest import TINY_JOB
 
 # A slightly deeper tiny model than the trainer tests' (4 blocks) so stage splits and AC have room.
 PLAN_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.local_batch_size", "4"]
@@ -83,7 +82,7 @@ def test_activation_formula_matches_the_real_block(dtype):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
     from torchtrain.models.common.attention import AttentionContext
     from torchtrain.models.llama3 import Llama3Args, Transformer
 
@@ -288,7 +287,7 @@ def test_linear_depth_extension_equals_the_full_trace(monkeypatch, flags):
 
 # ---------------------------------------------------------------------------------- CLI
 def test_cli_table_and_json(capsys):
-    from torchtrain.tools.planner.cli import main
+    from torchtrain.plan import main
 
     args = ["--world-size", "2", "--gpu", "h100", *PLAN_JOB]
     assert main(args) == 0
@@ -305,7 +304,7 @@ def test_cli_table_and_json(capsys):
 
 
 def test_cli_errors_are_one_line(capsys):
-    from torchtrain.tools.planner.cli import main
+    from torchtrain.plan import main
 
     assert main(["--world-size", "2", "--gpu", "h900", *PLAN_JOB]) == 2
     assert "unknown --gpu 'h900'" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The planner's traced per-rank peak vs. the peak measured while really training under torchrun.
 
-Measurement: both sides use `components/tensor_memory.py` (live bytes of tensor storages, by a
+Measurement: both sides use `components/observability/tensor_memory.py` (live bytes of tensor storages, by a
 dispatch-mode tracker): the trainer with `--metrics.track_tensor_memory` on every step of a real gloo
 run on CPU (`memory_tensor_peak_gib`, rank 0, max over the logged steps), the planner on one step of
 fake tensors in this process. CPU RSS would be useless here (it is dominated by the runtime).
@@ -25,10 +25,9 @@ measurement as well.
 from __future__ import annotations
 
 import pytest
+from conftest import TINY_JOB, read_metrics, run_train
 
 from torchtrain.tools.planner.core import load_job, plan_from_flags
-
-from conftest import TINY_JOB, read_metrics, run_train
 
 RTOL = 0.10
 pytestmark = pytest.mark.dist

@@ -13,13 +13,12 @@ import math
 
 import pytest
 import torch
+from test_planner import _inputs
+from test_planner_scale import _plan
 
 from torchtrain.tools.planner import analytic, comm_time, shapes
 from torchtrain.tools.planner.core import make_plan
 from torchtrain.tools.planner.search import search
-
-from test_planner import _inputs
-from test_planner_scale import _plan
 
 MOE_JOB = ["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "8",
            "--model.n_kv_heads", "4", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
@@ -32,7 +31,7 @@ MOE_JOB = ["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers",
 def test_activation_formula_matches_the_real_qwen3_blocks(family, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
     from torchtrain.models.common.attention import AttentionContext
     from torchtrain.models.qwen3 import Qwen3Args, Transformer
     from torchtrain.models.qwen3_moe import MoETransformer, Qwen3MoeArgs

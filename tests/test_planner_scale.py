@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -91,11 +90,11 @@ def test_405b_job_is_metas_layout():
 def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.config import parse_args
-    from torchtrain.preflight import preflight
     from torchtrain.tools.planner.core import load_job
     from torchtrain.tools.planner.inputs import config_overrides, inputs_from_config
     from torchtrain.tools.planner.search import annotate_runnable, search
     from torchtrain.tools.planner.validate import layout_problems
+    from torchtrain.trainer.preflight import preflight
 
     job = load_job(["--job.config_file", os.path.join(REPO, "train_configs/llama3_70b.toml")])
     base = inputs_from_config(job.cfg, job.args, 64, "cuda", KNOWN_GPUS["h100"], {})
@@ -108,7 +107,7 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     traced = [r.traced_peak for r in top.plan.ranks if r.traced_peak is not None]
     assert all(t <= usable for t in traced)
     assert top.inputs.args.n_heads % top.inputs.tp == 0 and top.inputs.args.kv_heads % top.inputs.tp == 0
-    # Valid to run: the trainer's own start-up checks (torchtrain.preflight) accept it on 64 GPUs
+    # Valid to run: the trainer's own start-up checks (torchtrain.trainer.preflight) accept it on 64 GPUs
     assert top.blockers == [], top.blockers
     overrides = config_overrides(top.inputs, job.cfg)
     cfg = parse_args(job.argv + overrides)

@@ -11,13 +11,13 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from torchtrain.components.data.cache import cached_dataset
-from torchtrain.components.data.format import TokenCorpus, read_json
-from torchtrain.components.data.prepare import Options, PrepareError, prepare_files
-from torchtrain.components.data.sources import SyntheticSource
-from torchtrain.components.tokenizer import ByteTokenizer, build_tokenizer
+
+from torchtrain.data.cache import cached_dataset
+from torchtrain.data.format import TokenCorpus, read_json
+from torchtrain.data.preparation import Options, PrepareError, prepare_files
+from torchtrain.data.sources import SyntheticSource
+from torchtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 
 DOCS = [f"document {i}: " + "naïve café — 東京 🚀 " * (i % 7) + "x" * (i % 13) for i in range(600)]
 

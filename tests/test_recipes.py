@@ -14,12 +14,12 @@ import math
 import pytest
 import torch
 
-from torchtrain.components.loss import IGNORE_INDEX, ScaledTokenLoss
-from torchtrain.components.muon import Muon, newton_schulz, orthogonalize
-from torchtrain.components.optimizer import OptimizersContainer, build_optimizer, muon_params
+from torchtrain.components.optim.muon import Muon, newton_schulz, orthogonalize
+from torchtrain.components.optim.optimizer import OptimizersContainer, build_optimizer, muon_params
 from torchtrain.config import parse_args
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.models.llama3 import Llama3Args, Transformer
+from torchtrain.trainer.loss import IGNORE_INDEX, ScaledTokenLoss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -140,8 +140,9 @@ def test_muon_state_restores_exactly():
 
 def test_muon_with_cpu_offload_is_refused_at_start_up():
     from conftest import TINY_MODEL
+
     from torchtrain.config import ConfigError
-    from torchtrain.preflight import preflight
+    from torchtrain.trainer.preflight import preflight
 
     cfg = parse_args([*TINY_MODEL, "--training.dataset", "synthetic", "--training.seq_len", "64",
                       "--optimizer.name", "Muon", "--training.enable_cpu_offload"])

@@ -23,8 +23,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, TINY_JOB, read_metrics, wait_for_pid_file
+
 from torchtrain.distributed.utils import free_port
 
 pytest.importorskip("torchft")

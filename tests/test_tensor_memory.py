@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtrain.components.tensor_memory import CATEGORIES, StepMemoryMeter, TensorMemoryTracker
+from torchtrain.components.observability.tensor_memory import CATEGORIES, StepMemoryMeter, TensorMemoryTracker
 
 
 def test_counts_new_storages_once_and_releases_them():

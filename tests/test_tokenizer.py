@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from torchtrain.components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from torchtrain.config import ConfigError
+from torchtrain.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 TEXTS = ["hello world", "", "naïve café — 東京 🚀", "def f(x):\n    return x * 2\n"]
 
@@ -100,7 +100,7 @@ def tiktoken_file(tmp_path):
 
 
 def test_tiktoken_bpe_file_llama3_layout(tiktoken_file):
-    from torchtrain.components.tokenizer import TiktokenTokenizer
+    from torchtrain.data.tokenizer import TiktokenTokenizer
 
     path, ranks = tiktoken_file
     tok = build_tokenizer(str(path.parent))  # the folder: tokenizer.model found

@@ -23,7 +23,6 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import REPO, TINY_JOB, assert_no_traceback, read_metrics, run_train
 from test_checkpoint import load_all
 
@@ -112,7 +111,7 @@ def test_launch_check_fails_only_for_what_is_not_on_this_machine(stand_in, tmp_p
     checked for CUDA at 64 GPUs (the 405B job uses async TP and float8), so nothing else stands in the way."""
     from torchtrain.config import ConfigError, parse_args
     from torchtrain.launch_check import check
-    from torchtrain.preflight import check_job
+    from torchtrain.trainer.preflight import check_job
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # nothing here
@@ -179,8 +178,8 @@ def titan_name(key: str, version: str) -> str:
 
 
 def build(args: list[str], seed: int = 7):
-    from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
+    from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.distributed.param_init import init_model_weights
     from torchtrain.models.registry import build_model_args, get_model_spec
 

@@ -6,10 +6,9 @@ import os
 import subprocess
 
 import pytest
+from conftest import REPO, assert_no_trainer_traceback, read_metrics, run_train
 
 from torchtrain.config import parse_args
-
-from conftest import REPO, assert_no_trainer_traceback, read_metrics, run_train
 
 
 @pytest.fixture(scope="module")

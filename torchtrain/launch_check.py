@@ -66,10 +66,10 @@ def parse_launch(argv: list[str]) -> tuple[int, int | None, list[str]]:
 
 def check(argv: list[str]) -> int:
     """The processes per node; ConfigError when the job cannot start."""
-    from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
+    from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.distributed.utils import resolve_device_type
-    from torchtrain.preflight import check_data, check_job
+    from torchtrain.trainer.preflight import check_data, check_job
 
     nproc, nodes, job_argv = parse_launch(argv)
     if "-h" in job_argv or "--help" in job_argv:

@@ -103,7 +103,7 @@ def train(dump: str, argv: list[str], name: str = "") -> Run:
 
     from torchtrain.config import parse_args
     from torchtrain.distributed.utils import free_port
-    from torchtrain.train import Trainer
+    from torchtrain.trainer.trainer import Trainer
 
     saved = {k: os.environ.get(k) for k in _DIST_ENV}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

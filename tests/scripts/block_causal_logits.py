@@ -8,10 +8,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.parallelize import build_model_parts
+from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.utils import exit_process
-from torchtrain.preflight import preflight
+from torchtrain.trainer.preflight import preflight
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
 from torchtrain.distributed.utils import exit_process
-from torchtrain.train import Trainer
+from torchtrain.trainer.trainer import Trainer
 
 
 def nbytes(t: torch.Tensor) -> int:

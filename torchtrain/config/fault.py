@@ -19,7 +19,6 @@ from typing import Annotated
 
 from torchtrain.config.fields import ConfigError, Ge, Gt
 
-
 DEFAULT_HANG_TIMEOUT_S = 60.0
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.checkpoint import Checkpoint
+from torchtrain.config.compute import ActivationCheckpoint, Compile
+from torchtrain.config.evaluation import Eval
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
-from torchtrain.config.evaluation import Eval
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism

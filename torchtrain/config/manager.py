@@ -17,10 +17,18 @@ import sys
 import typing
 from typing import Any, Callable
 
-from torchtrain.config.fields import (ConfigError, coerce, default_of, did_you_mean, field_docs, field_types,
-                                      is_bool, type_name)
-from torchtrain.config.job_config import JobConfig
 from torchtrain.config import torchtitan
+from torchtrain.config.fields import (
+    ConfigError,
+    coerce,
+    default_of,
+    did_you_mean,
+    field_docs,
+    field_types,
+    is_bool,
+    type_name,
+)
+from torchtrain.config.job_config import JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

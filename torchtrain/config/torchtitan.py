@@ -13,7 +13,7 @@ sections are built (`manager.parse_args`):
   torchtrain does instead, including where that changes the math (DiLoCo's semi-synchronous
   replicas, flux's diffusion-only keys).
 
-Dataset names `c4`, `c4_test` and `c4_validation` are datasets of their own (`components/data/hf.py`),
+Dataset names `c4`, `c4_test` and `c4_validation` are datasets of their own (`data/hf.py`),
 and `hf_assets_path` already has torchtitan's meaning. The notices are returned to the caller, which
 keeps them on the config (`job.notices`); the trainer logs them once, on the log rank.
 """

@@ -6,9 +6,9 @@
 then train on them with `--training.dataset tokens --training.dataset_path /data/web-tokens`.
 A Hugging Face dataset is an input too: a `save_to_disk` folder as INPUT, or a dataset in the local
 HF cache by name (`--hf allenai/c4:en --split validation`); its Arrow files are read in order, a
-record batch at a time (`components/data/hf.py`).
+record batch at a time (`data/hf.py`).
 The format and the guarantees (byte-identical output for any worker count, resumable, atomic) are
-in docs/data.md; the work itself is `torchtrain/components/data/prepare.py`.
+in docs/data.md; the work itself is `torchtrain/data/preparation.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import argparse
 import os
 import sys
 
-from torchtrain.components.data.hf import hf_files, saved_files
-from torchtrain.components.data.prepare import Options, PrepareError, prepare_files
 from torchtrain.config.fields import ConfigError
+from torchtrain.data.hf import hf_files, saved_files
+from torchtrain.data.preparation import Options, PrepareError, prepare_files
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -37,6 +37,7 @@ arbitrary (document) masks with SDPA.
 from __future__ import annotations
 
 import functools
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn

@@ -4,7 +4,7 @@ Every data-parallel rank holds the whole model; after backward the gradients are
 all-reduce (bucketed and overlapped with backward), so all replicas take the same optimizer step.
 Memory per rank: 4 P (fp32 params) + 4 P (grads) + 8 P (Adam), no saving from more ranks.
 ZeRO-1 keeps this for parameters and gradients and shards only the optimizer state (see
-`components/optimizer.py`), cutting the 8 P of Adam state to 8 P / dp.
+`components/optim/optimizer.py`), cutting the 8 P of Adam state to 8 P / dp.
 
 The composable `replicate` API is used (it keeps parameter names unchanged, unlike wrapping in
 DistributedDataParallel).

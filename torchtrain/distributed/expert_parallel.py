@@ -33,7 +33,7 @@ received rows add k T D b of activations per layer (as one process would hold).
 Gradients. Every expert gradient is the sum over the tokens of all ranks of the EP group (the
 all-to-all backward brings them to the expert's rank); FSDP's reduce-scatter then averages over the
 expert-FSDP ranks (and replicas). The job's loss is scaled so that averaging over all dp ranks gives
-the exact gradient (`components/loss.py`); the EP group holds dp_shard_in_ep of them (its TP ranks
+the exact gradient (`trainer/loss.py`); the EP group holds dp_shard_in_ep of them (its TP ranks
 see disjoint sequence shards of the same batch), so the expert gradients are divided by
 dp_shard_in_ep once more: the rows entering the experts carry a backward factor 1/dp_shard_in_ep and
 the rows leaving carry dp_shard_in_ep (`_ScaleGrad`), which scales exactly the expert weights'

@@ -11,7 +11,7 @@
   so parameter names, initialisation and checkpoints stay exactly as without float8; under float8
   all-gather the checkpoint stores the weights unwrapped (`high_precision`), loadable by a job
   without float8 or torchao.
-* `precompute_scales` runs after each optimizer step that stepped (`train_step.py`) when the plan says
+* `precompute_scales` runs after each optimizer step that stepped (`trainer/step.py`) when the plan says
   so: one all-reduce for the float8 scales of every sharded weight.
 
 torchao is imported only here and only when float8 runs, so a job without it needs no torchao.

@@ -8,7 +8,7 @@ plus one unit's full parameters at a time. HSDP (a 2-D (replicate, shard) mesh) 
 group of N ranks and all-reduces gradients across the R groups.
 
 Gradients are averaged over the R x N data-parallel ranks; the trainer scales each rank's loss so that
-this average equals the gradient of the global token-mean loss (see `components/loss.py`).
+this average equals the gradient of the global token-mean loss (see `trainer/loss.py`).
 """
 
 from __future__ import annotations

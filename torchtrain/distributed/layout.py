@@ -220,7 +220,7 @@ class Layout:
 
     @property
     def loss_scaling(self) -> bool:
-        """float16 needs dynamic loss scaling (components/precision.py)."""
+        """float16 needs dynamic loss scaling (trainer/precision.py)."""
         return self.param_dtype == torch.float16
 
     @property

@@ -184,8 +184,8 @@ class ReplicaGroups:
     # ------------------------------------------------------------------ the step
     def install(self, model_parts: list[nn.Module]) -> None:
         """Average FSDP's reduce-scattered gradients across the groups taking part in the step."""
-        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.distributed_c10d import ReduceOp
+        from torch.distributed.fsdp import FSDPModule
 
         def all_reduce(output: torch.Tensor) -> None:
             self.manager.allreduce(output, reduce_op=ReduceOp.AVG).wait()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from torchtrain.components.tokenizer import Tokenizer
+    from torchtrain.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import torch
 
 from torchtrain.models.base import BaseModelArgs
 
-
 # torchtitan 0.3 moved the attention's q/k/v projections under `qkv_linear` and renamed the output head.
 _TT03_QKV = re.compile(r"^(layers\.\d+\.attention\.)(w[qkv]\.weight)$")
 

@@ -4,7 +4,7 @@ CPU process (docs/dry_run.md).
     python -m torchtrain.dryrun --world-size 64 --job.config_file train_configs/llama3_8b.toml [--steps 2]
 
 For each traced rank (default: the first and the last rank of pipeline stage 0, which differ in
-every other mesh coordinate), in a fake world of the job's size (`tools/fake_world.py`: a fake
+every other mesh coordinate), in a fake world of the job's size (`simulation/fake_world.py`: a fake
 process group, no communication):
 
 1. the job is parsed and resolved as the trainer does (`preflight`: model, Layout, every config
@@ -13,7 +13,7 @@ process group, no communication):
    pipeline stages -> `apply_parallelism`: converters, TP, CP, EP, AC, FSDP/DDP) are built, then
    materialised as fake tensors (`param_init` is skipped: there are no values to initialise);
 3. the trainer's optimizers, LR schedule, MoE balancer and `TrainStep` run `--steps` steps on batches
-   of the job's shape (fake token ids), under `CollectiveLog` (`tools/collective_log.py`), which
+   of the job's shape (fake token ids), under `CollectiveLog` (`simulation/collective_log.py`), which
    checks the shapes of every collective as it is issued.
 
 Then the ranks' collectives are compared: ranks of the same pipeline stage must issue the same
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchtrain.tools.collective_log import Collective, CollectiveLog, CollectiveMismatch, mesh_group_names
-from torchtrain.tools.fake_world import fake_backend_available, fake_world, local_allreduce_hook
+from torchtrain.simulation.collective_log import Collective, CollectiveLog, mesh_group_names
+from torchtrain.simulation.fake_world import fake_backend_available, fake_world, local_allreduce_hook
 
 
 @dataclass
@@ -85,9 +85,9 @@ def default_ranks(layout) -> list[int]:
 
 
 def _job(argv: list[str], world: int, device_type: str):
-    from torchtrain.components.tokenizer import build_tokenizer
     from torchtrain.config import parse_args
-    from torchtrain.preflight import preflight
+    from torchtrain.data.tokenizer import build_tokenizer
+    from torchtrain.trainer.preflight import preflight
 
     cfg = parse_args(argv)
     notes = []
@@ -131,10 +131,10 @@ def run_rank(argv: list[str], world: int, rank: int, device_type: str = "cuda", 
     """The trainer's build and `steps` steps for `rank` of a fake world of `world` ranks (module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtrain.components.lr_scheduler import LRSchedulersContainer
-    from torchtrain.components.moe_balance import MoEBalancer
-    from torchtrain.components.optimizer import OptimizersContainer
-    from torchtrain.train_step import TrainStep
+    from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
+    from torchtrain.components.optim.optimizer import OptimizersContainer
+    from torchtrain.trainer.moe_balance import MoEBalancer
+    from torchtrain.trainer.step import TrainStep
 
     cfg, plan, _ = _job(argv, world, device_type)
     layout, device = plan.layout, torch.device("cpu")
@@ -171,11 +171,11 @@ def _stage_steps(cfg, plan, world: int, device_type: str, parts, optimizers, sch
     (`planner/trace.py::stage_step`) -- each of this rank's stages runs forward and backward on
     micro-batches of the job's shape (fake activations at stage boundaries), FSDP no-sync on all but the
     last, then clipping and the optimizer step, as the schedule would."""
-    from torchtrain.components.loss import ScaledTokenLoss
-    from torchtrain.components.tensor_memory import TensorMemoryTracker
+    from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
     from torchtrain.tools.planner.inputs import inputs_from_config
     from torchtrain.tools.planner.pipeline import Stage
     from torchtrain.tools.planner.trace import stage_step
+    from torchtrain.trainer.loss import ScaledTokenLoss
 
     layout = plan.layout
     p = inputs_from_config(cfg, plan.model_args, world, device_type, None, {})
@@ -236,66 +236,3 @@ def dry_run(argv: list[str], world: int, ranks: list[int] | None = None, device_
 
 
 # ----------------------------------------------------------------------------- command line
-USAGE = ("usage: python -m torchtrain.dryrun --world-size N [--ranks R,R,...] [--steps S] [--device cuda|cpu] "
-         "[--job.config_file F] [--section.key value ...]")
-
-
-def _parse(argv: list[str]) -> tuple[int, list[int] | None, int, str, list[str]]:
-    from torchtrain.config import ConfigError
-
-    opts = {"--world-size": None, "--ranks": None, "--steps": "2", "--device": "cuda"}
-    rest, i = [], 0
-    while i < len(argv):
-        flag, eq, value = argv[i].partition("=")
-        if flag in opts:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{flag} needs a value; {USAGE}")
-                value, i = argv[i + 1], i + 1
-            opts[flag] = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    try:
-        world = int(opts["--world-size"] or "")
-        ranks = None if opts["--ranks"] is None else [int(r) for r in opts["--ranks"].split(",") if r.strip()]
-        steps = int(opts["--steps"])
-    except ValueError:
-        raise ConfigError(USAGE) from None
-    if world < 1 or steps < 1 or opts["--device"] not in ("cuda", "cpu"):
-        raise ConfigError(USAGE)
-    return world, ranks, steps, opts["--device"], rest
-
-
-def main(argv: list[str] | None = None) -> int:
-    import logging
-    import sys
-    import warnings
-
-    from torchtrain.config import ConfigError
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
-        return 0
-    logging.getLogger("torchtrain").setLevel(logging.WARNING)  # the trainer's per-rank logs: not here
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # per-op advice
-    warnings.simplefilter("ignore")
-    try:
-        world, ranks, steps, device, job_argv = _parse(argv)
-        result = dry_run(job_argv, world, ranks, device, steps)
-    except ConfigError as e:
-        print(f"torchtrain: config error: {e}", file=sys.stderr)
-        return 2
-    except (DisagreeingRanks, CollectiveMismatch) as e:
-        print(f"dry run: FAILED: {e}", file=sys.stderr)
-        return 1
-    print(f"dry run: {result.description}")
-    for note in result.notes:
-        print(f"  note: {note}")
-    for run in result.ranks:
-        print("  " + run.summary())
-    for line in result.agreement:
-        print("  " + line)
-    print("dry run: OK (the layout builds, every collective's shapes are consistent, the steps ran)")
-    return 0

@@ -4,7 +4,7 @@
         --baseline single --candidate fsdp2 --candidate hsdp2x2 [--rtol 1e-4] [-- overrides...]
 
 Every layout runs under real `torchrun` on the same job with the same seed (so identical initial
-weights and data: see `distributed/param_init.py` and `components/data/dataset.py`), deterministic
+weights and data: see `distributed/param_init.py` and `data/dataset.py`), deterministic
 algorithms, and the same global batch (layouts with fewer data-parallel ranks accumulate more
 micro-batches). The per-step loss and gradient norm of each candidate are compared with the
 baseline's; the tool prints a table and exits 1 when any relative difference exceeds the tolerance.

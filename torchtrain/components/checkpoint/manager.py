@@ -33,13 +33,18 @@ from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_m
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
 from torchtrain.components.checkpoint.startup import StartPlan, plan_start
 from torchtrain.components.checkpoint.state import Stateful
-from torchtrain.components.checkpoint.validate import (CheckpointError, check_against_metadata, read_metadata,
-                                                       stored_keys)
+from torchtrain.components.checkpoint.validate import (
+    CheckpointError,
+    check_against_metadata,
+    read_metadata,
+    stored_keys,
+)
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.config.checkpoint import Checkpoint as CheckpointConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.layout import DTYPES
 from torchtrain.utils.logging import logger
+
 
 @dataclass
 class _Pending:

@@ -24,8 +24,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from torchtrain.distributed.float8 import high_precision
 

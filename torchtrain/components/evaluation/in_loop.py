@@ -1,18 +1,18 @@
 """What the trainer runs after a training step when due: validation on every held-out set
-([validation], `components/validation.py`) every `validation.freq` steps, and the downstream tasks
+([validation], `components/evaluation/validation.py`) every `validation.freq` steps, and the downstream tasks
 ([eval], `scorer.py`) every `eval.freq` steps and after the last step. Both forward through the train
 step's model parts in eval mode; their results join that step's metrics record.
 """
 
 from __future__ import annotations
 
-from torchtrain.components.data.dataset import Source
 from torchtrain.components.evaluation.scorer import TaskEvaluator
 from torchtrain.components.evaluation.tasks import Task, eval_seq_len
-from torchtrain.components.validation import HeldOutSet, Validator
+from torchtrain.components.evaluation.validation import HeldOutSet, Validator
 from torchtrain.config.evaluation import Eval
 from torchtrain.config.operations import Validation
 from torchtrain.config.training import Training
+from torchtrain.data.dataset import Source
 
 
 class InLoopEvaluation:

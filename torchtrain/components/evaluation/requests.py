@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from torchtrain.components.evaluation.format import Item
-from torchtrain.components.loss import IGNORE_INDEX
 from torchtrain.config.fields import ConfigError
+from torchtrain.trainer.loss import IGNORE_INDEX
 
 _ROUND = 64
 

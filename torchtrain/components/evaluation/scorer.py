@@ -2,7 +2,7 @@
 
 For every request (an item's context with one of its choices) the model's log-likelihood of the
 continuation tokens is summed (`requests.py` builds the rows). Each rank scores its rows through
-`components/validation.py::forward_batches` -- the one way evaluations run a forward on the sharded
+`components/evaluation/validation.py::forward_batches` -- the one way evaluations run a forward on the sharded
 parts, under every layout (FSDP, TP with loss parallel, PP, CP, EP) -- into a vector of all requests'
 log-likelihoods (float64, zero where another rank scores it); one sum all-reduce over the ranks that
 hold different tokens (dp x cp: context-parallel ranks each add their chunks' part of a row) and over
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from torchtrain.components.evaluation.requests import Batch, Request, build_requests, plan_batches
 from torchtrain.components.evaluation.tasks import Task
-from torchtrain.components.loss import IGNORE_INDEX, local_value
-from torchtrain.components.validation import forward_batches
+from torchtrain.components.evaluation.validation import forward_batches
 from torchtrain.config.evaluation import Eval
 from torchtrain.distributed.utils import all_reduce
+from torchtrain.trainer.loss import IGNORE_INDEX, local_value
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
 

@@ -21,9 +21,9 @@ import torch
 from torchtrain.components.fault import testing
 from torchtrain.components.fault.monitor import HangMonitor, connect_store
 from torchtrain.components.fault.straggler import KernelClock, ThreadClock, compare
-from torchtrain.components.train_state import TrainState
 from torchtrain.config.fault import Fault
 from torchtrain.config.job import Debug
+from torchtrain.trainer.state import TrainState
 from torchtrain.utils.logging import logger
 
 

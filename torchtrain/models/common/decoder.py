@@ -18,7 +18,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec
 
 if TYPE_CHECKING:
-    from torchtrain.components.tokenizer import Tokenizer
+    from torchtrain.data.tokenizer import Tokenizer
 
 LAYER_ID = re.compile(r"^layers\.(\d+)\.")
 OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")

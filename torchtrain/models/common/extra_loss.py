@@ -47,7 +47,7 @@ def add_loss_gradient(out: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor
 
 class LoggedLoss(nn.Module):
     """Base of a module that adds a loss term and reports it: the trainer sets `loss_scale` before each
-    step (`components/extra_losses.py`), and after it logs `loss_name` = the summed term over the
+    step (`trainer/extra_losses.py`), and after it logs `loss_name` = the summed term over the
     summed target count of all ranks (a mean per target), then resets both."""
 
     loss_name = "extra_loss"

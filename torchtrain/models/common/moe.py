@@ -33,7 +33,7 @@ parallel code.
   float16 loss scale);
 * the auxiliary-loss-free bias of DeepSeek-V3, `load_balance_coeff` = gamma: the buffer b is added to
   the scores for the top-k choice only; after each step the trainer moves it by gamma towards balance
-  from the step's global per-expert token counts (`components/moe_balance.py`).
+  from the step's global per-expert token counts (`trainer/moe_balance.py`).
 
 During training forwards the layer adds each expert's token count (`tokens_per_expert`) and its
 summed auxiliary loss (`aux_loss_sum`) to buffers that the trainer reads and resets every step. A

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtrain.components.devices import GPUSpec
+from torchtrain.components.hardware import GPUSpec
 from torchtrain.tools.planner import shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import pipeline_of

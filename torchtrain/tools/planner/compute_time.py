@@ -1,4 +1,4 @@
-"""Compute time on one rank, from each kernel's shape and the device's rates (`components/devices.py`).
+"""Compute time on one rank, from each kernel's shape and the device's rates (`components/hardware.py`).
 
 **GEMMs.** A matmul of an m x k input with a k x n weight does F = 2 m k n FLOPs and moves
 B = (m k + k n + m n) x dtype bytes. On a device with dense peak P (bf16, fp32 or fp8), achievable
@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtrain.components.devices import GPUSpec
+from torchtrain.components.hardware import GPUSpec
 from torchtrain.tools.planner import shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtrain.components.devices import CPU, KNOWN_GPUS, GPUSpec, with_overrides
+from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.inputs import PlanInputs, config_variant, display_overrides, inputs_from_config
@@ -81,9 +81,9 @@ class Job:
 
 def load_job(argv: list[str]) -> Job:
     """Parse the job (config file + `--section.key value` overrides) and build its model arguments."""
-    from torchtrain.components.tokenizer import build_tokenizer
+    from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.models.registry import build_model_args, get_model_spec
-    from torchtrain.preflight import resolve_model
+    from torchtrain.trainer.preflight import resolve_model
 
     cfg = parse_args(argv)
     notes = []

@@ -16,8 +16,14 @@ from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError, JobConfig
-from torchtrain.distributed.layout import (DTYPES, DPStrategy, effective_reshard, resolve_batch, resolve_optimizer_impl,
-                                          resolve_param_dtype)
+from torchtrain.distributed.layout import (
+    DTYPES,
+    DPStrategy,
+    effective_reshard,
+    resolve_batch,
+    resolve_optimizer_impl,
+    resolve_param_dtype,
+)
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torchtrain.components.tensor_memory import CATEGORIES
+from torchtrain.components.observability.tensor_memory import CATEGORIES
 from torchtrain.tools.planner import interruptions
 from torchtrain.tools.planner.core import Plan, RankPlan
 
@@ -161,7 +161,7 @@ def _pipeline_table(plan: Plan) -> str:
 
 def _throughput_lines(plan: Plan) -> list[str]:
     p, t = plan.inputs, plan.throughput
-    device = (f"{t.device}, {t.peak_tflops:,.1f} TFLOP/s {p.param_dtype} peak; rates from components/devices.py"
+    device = (f"{t.device}, {t.peak_tflops:,.1f} TFLOP/s {p.param_dtype} peak; rates from components/hardware.py"
               if t.peak_tflops else "no device rates: give --gpu, or --gpu cpu with --device FIELD=VALUE")
     rows = [("FLOPs per token (model: 6N + attention)", _si(t.flops_per_token, "FLOP")),
             ("+ recomputation (activation checkpointing)", _si(t.recompute_flops_per_token, "FLOP")),

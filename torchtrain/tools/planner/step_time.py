@@ -29,7 +29,7 @@ replayed), and nothing calls back.
     step = schedule + exposed data-parallel communication + optimizer
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
 
-There is no efficiency knob: the rates are the device table's (`components/devices.py`, overridable
+There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
 with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from torchtrain.components.devices import GPUSpec
+from torchtrain.components.hardware import GPUSpec
 from torchtrain.tools.planner import comm_time, compute_time, shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions

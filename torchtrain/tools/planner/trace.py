@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtrain.components.tensor_memory import TensorMemoryTracker, track_modules
+from torchtrain.components.observability.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
+from torchtrain.simulation.fake_world import fake_backend_available, fake_world, local_allreduce_hook
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.fake_world import fake_backend_available, fake_world, local_allreduce_hook
 from torchtrain.tools.planner.stage_model import cut_to_stage, has_ac, has_tp
 
 FULL_TRACE_MAX_BLOCKS = 5
@@ -208,9 +208,9 @@ def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Mo
 
 def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list[nn.Module],
          result: TraceResult) -> None:
-    from torchtrain.components.loss import ScaledTokenLoss
-    from torchtrain.components.lr_scheduler import LRSchedulersContainer
-    from torchtrain.components.optimizer import OptimizersContainer
+    from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
+    from torchtrain.components.optim.optimizer import OptimizersContainer
+    from torchtrain.trainer.loss import ScaledTokenLoss
 
     if p.tp > 1 and not any(has_tp(m) for m in parts):
         result.skipped = ("the model's tensor-parallel plan sharded no parameter over the tp mesh dimension")
@@ -265,7 +265,7 @@ def _create_optimizer_state(parts: list[nn.Module], optimizers) -> None:
 
 def _trainer_step(p: PlanInputs, layout, cfg, parts, tracker, optimizers, schedulers, stored: list[float]) -> None:
     """The trainer's own `TrainStep`, on fake batches of the job's shape (up to two micro-batches)."""
-    from torchtrain.train_step import TrainStep
+    from torchtrain.trainer.step import TrainStep
 
     step = TrainStep(layout, parts, optimizers, schedulers, torch.device("cpu"), cfg.training.max_norm)
     shape = (p.local_batch_size, p.seq_len)

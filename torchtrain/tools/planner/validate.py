@@ -7,7 +7,7 @@ Both questions are answered by the trainer's own code, on the job config that se
   heads not divisible by the tensor-parallel degree, a pipeline split or schedule the trainer refuses,
   a global batch that is not a multiple of local batch x dp, a feature combination that cannot work
   ... (`distributed/layout.py::resolve_layout` with the model's own checks; cheap, no tokenizer);
-* `runnable_problems`: everything the trainer checks before start-up (`torchtrain.preflight`: the
+* `runnable_problems`: everything the trainer checks before start-up (`torchtrain.trainer.preflight`: the
   above plus the tokenizer, datasets, validation settings).
 """
 
@@ -34,9 +34,9 @@ def layout_problems(p: PlanInputs, cfg: JobConfig) -> list[str]:
 
 
 def runnable_problems(p: PlanInputs, cfg: JobConfig, tokenizer: Any) -> list[str]:
-    """The trainer's start-up checks (`torchtrain.preflight`) applied to this layout on its target
+    """The trainer's start-up checks (`torchtrain.trainer.preflight`) applied to this layout on its target
     device type ([] = the trainer would start it)."""
-    from torchtrain.preflight import preflight
+    from torchtrain.trainer.preflight import preflight
 
     try:
         preflight(config_variant(cfg, p), p.world_size, p.device_type, tokenizer)

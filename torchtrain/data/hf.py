@@ -26,9 +26,9 @@ import functools
 import os
 from typing import Iterator
 
-from torchtrain.components.data.format import read_json
-from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
+from torchtrain.data.format import read_json
+from torchtrain.data.readers import Piece, discover, pieces_of
 
 C4 = "allenai/c4:en"
 C4_TEST_PATH = os.path.join("tests", "assets", "c4_test")

@@ -6,7 +6,7 @@ collective (the ones DTensor/TP/EP issue), records (mesh dimension, operation, s
 issue order, and checks what a real backend would reject or hang on: an all-gather whose output is
 not group-size times its input, a reduce-scatter whose input is not group-size times its output, an
 all-to-all whose split sizes do not add up to its tensors, a collective of differently shaped
-tensors inside one coalesced call. Under a fake process group (tools/fake_world.py) nothing moves,
+tensors inside one coalesced call. Under a fake process group (simulation/fake_world.py) nothing moves,
 so these checks are what stands between a layout and a hang on the cluster. The fake-backend dry run
 (`tools/dryrun.py`) compares the records of several ranks.
 """
@@ -127,7 +127,7 @@ class CollectiveLog(TorchDispatchMode):
                 self._fail(name, f"first dimension {inp.shape[0]} not divisible by {size} ranks")
         elif name == "all_to_all_single":
             self._add(name, group_name, (inp,), inp.dtype)
-            out_splits, in_splits = args[1], args[2]
+            in_splits = args[2]
             if in_splits is not None and len(in_splits) and sum(int(s) for s in in_splits) != inp.shape[0]:
                 self._fail(name, f"input splits {list(in_splits)} do not add up to {inp.shape[0]} rows")
         elif name.endswith("_coalesced"):

@@ -26,11 +26,21 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from torchtrain.components.data.bad_input import PrepareError, bad_records, check_bad_input
-from torchtrain.components.data.format import (FORMAT, MANIFEST, PROBLEMS, VERSION, ShardWriter, read_json,
-                                               shard_is_complete, shard_name, token_dtype, write_json)
-from torchtrain.components.data.readers import Piece, Problem, Unreadable, discover, documents, pieces_of
-from torchtrain.components.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from torchtrain.data.bad_input import PrepareError, bad_records, check_bad_input
+from torchtrain.data.format import (
+    FORMAT,
+    MANIFEST,
+    PROBLEMS,
+    VERSION,
+    ShardWriter,
+    read_json,
+    shard_is_complete,
+    shard_name,
+    token_dtype,
+    write_json,
+)
+from torchtrain.data.readers import Piece, Problem, Unreadable, discover, documents, pieces_of
+from torchtrain.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from torchtrain.utils.progress import Progress, human
 
 MAX_PROBLEM_DETAILS = 10_000  # per shard; the counts are always exact

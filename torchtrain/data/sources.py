@@ -27,9 +27,9 @@ import random
 import sysconfig
 from typing import Any, Callable, Protocol
 
-from torchtrain.components.data import hf
-from torchtrain.components.data.readers import Piece, discover, pieces_of
 from torchtrain.config.fields import ConfigError
+from torchtrain.data import hf
+from torchtrain.data.readers import Piece, discover, pieces_of
 
 TOKENS = "tokens"
 FILES = "files"

@@ -1,5 +1,5 @@
 """Optimizers (one per model part, so pipeline stages each own theirs) behind one step()/zero_grad():
-AdamW, Adam, or Muon (`components/muon.py`: hidden weight matrices orthogonalised, the rest AdamW).
+AdamW, Adam, or Muon (`components/optim/muon.py`: hidden weight matrices orthogonalised, the rest AdamW).
 
 The container is Stateful for checkpoints: its state dict is the flattened optimizer state of every
 part keyed by parameter name (`state.<param>.exp_avg`, `param_groups.<param>.lr`), so it reshards
@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
-from torchtrain.components.muon import Muon
+from torchtrain.components.optim.muon import Muon
 from torchtrain.config.training import Optimizer as OptimizerConfig
 
 if TYPE_CHECKING:

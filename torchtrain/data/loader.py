@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtrain.components.data.dataset import WindowDataset
+from torchtrain.data.dataset import WindowDataset
 from torchtrain.utils.logging import logger
 
 # torchdata 0.11 calls a deprecated torch API on every loader start; the warning is not actionable here.

@@ -34,17 +34,17 @@ from typing import Callable, Iterable
 
 import torch
 
-from torchtrain.components.data.build import check_sources, resolve_sources
-from torchtrain.components.data.dataset import Source, WindowDataset
-from torchtrain.components.data.loader import DataLoader
-from torchtrain.components.data.sources import HF_DATASETS, TOKENS, check_dataset_name
-from torchtrain.components.loss import count_valid_tokens, cross_entropy_sum, local_value
-from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config import ConfigError
 from torchtrain.config.operations import Validation, ValidationSet
 from torchtrain.config.training import Training
+from torchtrain.data.build import check_sources, resolve_sources
+from torchtrain.data.dataset import Source, WindowDataset
+from torchtrain.data.loader import DataLoader
+from torchtrain.data.sources import HF_DATASETS, TOKENS, check_dataset_name
+from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.distributed.utils import all_reduce
+from torchtrain.trainer.loss import count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.utils.logging import logger
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchtrain.components.data.bad_input import PrepareError
-from torchtrain.components.data.cache import cache_root, cached_dataset
-from torchtrain.components.data.dataset import Source, WindowDataset
-from torchtrain.components.data.format import FormatError, TokenCorpus, tokenizer_matches
-from torchtrain.components.data.loader import DataLoader
-from torchtrain.components.data.sampling import MIXTURE_PERIOD
-from torchtrain.components.data.sources import FILES, HF_DATASETS, TOKENS, build_source, files_source
-from torchtrain.components.tokenizer import Tokenizer
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
+from torchtrain.data.bad_input import PrepareError
+from torchtrain.data.cache import cache_root, cached_dataset
+from torchtrain.data.dataset import Source, WindowDataset
+from torchtrain.data.format import FormatError, TokenCorpus, tokenizer_matches
+from torchtrain.data.loader import DataLoader
+from torchtrain.data.sampling import MIXTURE_PERIOD
+from torchtrain.data.sources import FILES, HF_DATASETS, TOKENS, build_source, files_source
+from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import is_log_rank, logger
 
 

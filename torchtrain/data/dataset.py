@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchtrain.components.data.format import TokenCorpus
-from torchtrain.components.data.sampling import Mixture, Permutation
-from torchtrain.components.loss import IGNORE_INDEX
+from torchtrain.data.format import TokenCorpus
+from torchtrain.data.sampling import Mixture, Permutation
+from torchtrain.trainer.loss import IGNORE_INDEX
 
 
 @dataclass

@@ -15,7 +15,7 @@ orientation, float32). The factor 0.2 sqrt(max(A, B)) is Moonshot AI's RMS match
 the update's RMS becomes 0.2, AdamW's typical update RMS, and AdamW's `lr` and `weight_decay` serve
 both parts unchanged. Every other parameter -- embeddings, the output head, norms, biases -- takes the
 AdamW update (decoupled weight decay, bias-corrected moments) in the same optimizer, with the groups'
-own weight decay (`components/optimizer.py`: none for norms and biases).
+own weight decay (`components/optim/optimizer.py`: none for norms and biases).
 
 **Sharded parameters.** Momentum and the weight update are element-wise: on FSDP / TP shards they run
 locally. Newton-Schulz needs whole matrices, so for a DTensor weight the Nesterov update is

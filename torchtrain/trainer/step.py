@@ -19,18 +19,18 @@ holding different tokens (data-parallel ranks, each sequence split over context-
     reported loss = sum over ranks and micro-batches of the scaled losses / R = the global token mean
 
 FSDP / DDP average gradients over those R ranks, so the gradient is exactly that of the global
-token-mean loss under any layout (components/loss.py). Under context parallelism each batch is first
+token-mean loss under any layout (trainer/loss.py). Under context parallelism each batch is first
 cut to this rank's chunks of every sequence (`shard`); a model whose forward takes `positions` gets
 the data's document positions.
 Under replica-group fault tolerance (distributed/replica_ft.py) R is the data-parallel ranks of the
 replica groups in the step's quorum: N and the loss are also summed across those groups, and a step
 whose cross-group collectives failed is not applied (verdict "replica_lost").
-With `training.z_loss`, each token's loss also holds the z-loss term (components/loss.py); the
+With `training.z_loss`, each token's loss also holds the z-loss term (trainer/loss.py); the
 returned `loss` is the cross-entropy alone and `z_loss` that term, reduced the same way.
 A mixture-of-experts model adds its auxiliary load-balancing loss to each token's loss with the same
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
-(`components/moe_balance.py`); other terms a model adds in its forward (multi-token prediction) get
-the same scale and are summed for logging (`components/extra_losses.py`).
+(`trainer/moe_balance.py`); other terms a model adds in its forward (multi-token prediction) get
+the same scale and are summed for logging (`trainer/extra_losses.py`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,8 @@ import inspect
 import torch
 from torch import nn
 
-from torchtrain.components.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
-from torchtrain.components.lr_scheduler import LRSchedulersContainer
-from torchtrain.components.extra_losses import ExtraLosses
-from torchtrain.components.moe_balance import MoEBalancer
-from torchtrain.components.optimizer import OptimizersContainer
-from torchtrain.components.precision import LossScaler
+from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
+from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.context_parallel import shard_batch
 from torchtrain.distributed.float8 import precompute_scales
@@ -55,6 +51,10 @@ from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.tied_stages import TiedStages
 from torchtrain.distributed.utils import all_reduce, clip_grad_norm_, set_gradient_sync
+from torchtrain.trainer.extra_losses import ExtraLosses
+from torchtrain.trainer.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
+from torchtrain.trainer.moe_balance import MoEBalancer
+from torchtrain.trainer.precision import LossScaler
 
 
 class StepHooks:

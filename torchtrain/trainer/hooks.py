@@ -1,6 +1,6 @@
 """The run's operations plugged into every train step: phase timing, fault injection, the guard.
 
-`TrainStep` (train_step.py) knows nothing about them; it calls these `StepHooks` at its phase
+`TrainStep` (trainer/step.py) knows nothing about them; it calls these `StepHooks` at its phase
 boundaries, after backward, and before the optimizer step ([profiling] phase timing, [guard],
 `debug.inject_nonfinite_*`).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtrain.components.guard import TrainingGuard
-from torchtrain.components.phases import PhaseTimer
-from torchtrain.components.train_state import TrainState
-from torchtrain.train_step import StepHooks
+from torchtrain.components.observability.phases import PhaseTimer
+from torchtrain.trainer.guard import TrainingGuard
+from torchtrain.trainer.state import TrainState
+from torchtrain.trainer.step import StepHooks
 from torchtrain.utils.logging import logger
 
 

@@ -87,7 +87,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, cfg.save_tb_folder))
         if cfg.enable_wandb:
-            from torchtrain.components.wandb_sink import WandbSink
+            from torchtrain.components.observability.wandb_sink import WandbSink
 
             self._wandb = WandbSink(cfg, dump_folder, run_config or {})
 

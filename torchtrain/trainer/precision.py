@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtrain.components.optimizer import OptimizersContainer
+from torchtrain.components.optim.optimizer import OptimizersContainer
 
 
 class LossScaler:

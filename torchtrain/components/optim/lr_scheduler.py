@@ -18,8 +18,8 @@ import math
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.config.training import LRScheduler as LRConfig
-from torchtrain.components.optimizer import OptimizersContainer
 
 
 def lr_factor(step: int, total: int, cfg: LRConfig) -> float:

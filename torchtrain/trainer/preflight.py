@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
-from torchtrain.components.data.build import check_sources
-from torchtrain.components.data.sources import check_dataset_name
 from torchtrain.components.evaluation.tasks import check_eval
-from torchtrain.components.tokenizer import Tokenizer, build_tokenizer
-from torchtrain.components.wandb_sink import check_wandb
-from torchtrain.components.validation import check_validation, check_validation_data
+from torchtrain.components.evaluation.validation import check_validation, check_validation_data
+from torchtrain.components.observability.wandb_sink import check_wandb
 from torchtrain.config import JobConfig
+from torchtrain.data.build import check_sources
+from torchtrain.data.sources import check_dataset_name
+from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs

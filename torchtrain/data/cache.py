@@ -18,8 +18,8 @@ import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from torchtrain.components.data.format import MANIFEST, VERSION, read_json
-from torchtrain.components.data.prepare import Options, prepare, write_documents
+from torchtrain.data.format import MANIFEST, VERSION, read_json
+from torchtrain.data.preparation import Options, prepare, write_documents
 
 SHARD_BYTES = 64 << 20  # input bytes per shard of a cached source
 # A cached source keeps the default share of bad input (prepare.Options.max_bad_fraction); the way past it:

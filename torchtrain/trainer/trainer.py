@@ -1,0 +1,298 @@
+"""The Trainer: builds a run from a parsed job and runs its loop (the command is `torchtrain/train.py`).
+
+Reading order: `Trainer.__init__` checks everything that can be wrong with it
+and resolves the Layout (`preflight`) before any process group starts, then builds mesh -> model
+parts (meta -> parallelised -> weights) -> the train step (optimizer, schedule, loss, precision,
+pipeline) -> data -> metrics -> checkpoints; `Trainer.train` runs the loop and `TrainStep`
+(trainer/step.py) is one step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtrain.components.checkpoint import CheckpointManager, ModelInfo
+from torchtrain.components.checkpoint.state import training_states
+from torchtrain.components.evaluation.in_loop import InLoopEvaluation
+from torchtrain.components.evaluation.tasks import load_tasks
+from torchtrain.components.evaluation.validation import build_validation_sources
+from torchtrain.components.fault import FaultRuntime
+from torchtrain.components.fault import testing as fault_testing
+from torchtrain.components.hardware import MemoryMonitor, peak_tflops
+from torchtrain.components.observability.compile_monitor import CompileMonitor
+from torchtrain.components.observability.metrics import MetricsLogger, ThroughputMeter
+from torchtrain.components.observability.phases import PhaseTimer
+from torchtrain.components.observability.profiling import Profiler
+from torchtrain.components.observability.tensor_memory import StepMemoryMeter
+from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
+from torchtrain.components.optim.optimizer import OptimizersContainer
+from torchtrain.config import JobConfig, to_dict, to_toml
+from torchtrain.data.build import build_dataloader, training_sources
+from torchtrain.distributed.cluster import check_cluster
+from torchtrain.distributed.parallelize import build_model_parts
+from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
+from torchtrain.distributed.utils import (
+    env_rank_world,
+    init_distributed,
+    resolve_device,
+    set_determinism,
+    set_train_timeout,
+)
+from torchtrain.trainer.extra_losses import ExtraLosses
+from torchtrain.trainer.gc_control import GarbageCollection
+from torchtrain.trainer.guard import GuardAbort, TrainingGuard
+from torchtrain.trainer.hooks import OperationsHooks
+from torchtrain.trainer.moe_balance import MoEBalancer
+from torchtrain.trainer.preflight import check_job
+from torchtrain.trainer.state import TrainState
+from torchtrain.trainer.step import TrainStep
+from torchtrain.utils.logging import logger
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig):
+        self.job_config = cfg = job_config
+        self.rank, _, world_size = env_rank_world()
+
+        # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
+        self.device = device = resolve_device(cfg.training.device)
+        plan = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
+        self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
+        spec, args = plan.model_spec, plan.model_args
+        dims, self.batch = layout.dims, layout.batch
+        if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
+            logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
+                           cfg.lr_scheduler.warmup_steps, cfg.training.steps)
+        # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
+        # the cache on first use, by one process while the others wait).
+        sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
+        held_out = build_validation_sources(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
+                                            cfg.debug.seed)  # [] unless enabled
+        eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
+
+        # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).
+        init_distributed(cfg.comm, device)
+        self.run_folder = run_folder(cfg.job.dump_folder, cfg.fault)  # a replica group's own folder under replica_ft
+        self.state = TrainState(device)
+        self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
+                                  cfg.profiling.enable_profiling)
+        self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)
+        dims.build_mesh(device.type)
+        set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
+        self._write_config()
+        checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        check_cluster(checkpoint_folder if cfg.checkpoint.enable else None)  # a multi-node folder must be shared
+        active = getattr(args, "num_active_params", args.num_params)()
+        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters%s", cfg.job.description,
+                    world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6,
+                    f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
+        for level, text in cfg.job.notices:  # torchtitan keys adapted or dropped (config/torchtitan.py)
+            (logger.warning if level == "warning" else logger.info)("%s", text)
+
+        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
+        #    whole), parallelised as the layout says, then materialised and initialised shard by shard
+        #    with values that do not depend on the layout.
+        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
+
+        # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
+        self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
+        self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.moe = MoEBalancer.for_model(self.model_parts, device, args)  # None unless the model has experts
+        self.extra_losses = ExtraLosses.for_model(self.model_parts, device)  # e.g. multi-token prediction
+        self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
+                                    cfg.training.max_norm, self.moe, cfg.training.z_loss,
+                                    extra_losses=self.extra_losses)
+        if self.train_step.pipeline is not None:
+            self._log_pipeline()
+        self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
+                                           layout.data_degree, cfg.debug.seed, device.type)
+        self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
+        self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
+                                                                            cfg.metrics.peak_tflops), world_size)
+        self.memory = MemoryMonitor(device)
+        self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
+        self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
+        self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
+        # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
+        self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
+        self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
+                                 listener=self.fault.phase)
+        self.evaluation = InLoopEvaluation(cfg.validation, cfg.eval, cfg.training, held_out, eval_tasks, tokenizer,
+                                           self.train_step, self.run_folder, self.rank == 0)
+        self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
+                                   check_grad_norm=not layout.loss_scaling, device=device)
+        self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)
+        self.gc = GarbageCollection(cfg.training.gc_freq)
+        logger.info("global batch %d sequences (%d per rank x %d dp x %d accumulation) of %d tokens; "
+                    "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, dims.dp,
+                    self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
+
+        # 5. Checkpoints: resume, or an initial load, or neither (each logged; docs/checkpointing.md).
+        states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
+                                 self.state, dims.dp_rank, self.rank, device)
+        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
+                                              cfg.comm.init_timeout_seconds, dims, states,
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, spec.state_dict_adapter))
+        self.checkpointer.load()
+        if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
+            self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
+            self.replicas.install(self.model_parts)
+            self.train_step.replicas = self.replicas
+
+    def _log_pipeline(self) -> None:
+        plan, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
+        timeline = self.train_step.pipeline.timeline()
+        logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
+                    "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
+                    plan.schedule_name, plan.num_stages, plan.stages_per_rank, plan.n_microbatches,
+                    cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
+                    100 * (pp - 1) / (plan.n_microbatches + pp - 1), timeline.render(),
+                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
+
+    def _write_config(self) -> None:
+        text = to_toml(self.job_config)
+        if self.rank == 0:
+            os.makedirs(self.run_folder, exist_ok=True)
+            with open(os.path.join(self.run_folder, "job_config.toml"), "w") as f:
+                f.write(text)
+        if self.job_config.job.print_config:
+            logger.info("resolved config:\n%s", text)
+
+    # ------------------------------------------------------------------------------ the loop
+    def _should_log(self) -> bool:
+        step, steps = self.state.step, self.job_config.training.steps
+        return step == 1 or step % self.job_config.metrics.log_freq == 0 or step == steps
+
+    def train(self) -> None:
+        cfg = self.job_config
+        if self.checkpointer.maybe_create_seed():  # --checkpoint.create_seed_checkpoint: step-0, no training
+            return
+        data_iter = iter(self.dataloader)
+        tokens_per_step = self.batch.global_batch_size * cfg.training.seq_len
+        logger.info("training for %d steps", cfg.training.steps)
+        self.throughput.reset()
+        self.phases.reset()
+        self.memory.reset_peak()
+        self.profiler.start(self.state.step)
+        first_step = self.state.step + 1  # > 1 after a resume
+        while self.state.step < cfg.training.steps:
+            if self.replicas is not None and self._replica_quorum():  # [fault] rejoined: the live state
+                data_iter = iter(self.dataloader)
+                if self.state.step >= cfg.training.steps:
+                    break
+            self.state.step += 1
+            self.gc.step(self.state.step)  # [ops] training.gc_freq
+            self.phases.enter("data")
+            t0 = time.perf_counter()
+            batches = [next(data_iter) for _ in range(self.batch.grad_accum_steps)]
+            data_time = time.perf_counter() - t0
+            self.compile_monitor.start()
+            with self.tensor_memory.track():
+                out = self.train_step(batches, self.hooks)
+            self.compile_monitor.stop(self.state.step)
+            self.throughput.add_step(tokens_per_step, data_time)
+            self.phases.end_step()
+            self.state.add_tokens(out["tokens"])
+            if out["guard"] in ("rollback", "abort") and self._guard_act(out):  # [ops] True: rolled back
+                continue
+            if out["guard"] == "replica_lost":
+                logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
+                               "surviving group (its batches are not trained on)", self.state.step)
+            if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
+                out["evaluation"] = self.evaluation.run(self.state.step, self.phases)
+            logged = self._should_log() or "evaluation" in out or out["guard"] is not None
+            if logged and not out.get("logged"):
+                self._log(out)
+            if self.state.step == first_step:
+                set_train_timeout(cfg.comm.train_timeout_seconds)
+            self.phases.enter("checkpoint")
+            stop = self.checkpointer.after_step(  # saves when due; True: preempted, stop now
+                self.state.step, may_save=self.replicas is None or self.replicas.saver)
+            self.phases.enter("profiler")
+            self.profiler.step(self.state.step)
+            self.phases.pause()
+            if stop:
+                if not out.get("logged"):
+                    self._log(out)  # the last step of this run is always in metrics.jsonl
+                break
+        logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
+
+    def _replica_quorum(self) -> bool:
+        """The step's quorum of replica groups; True when this group received the live state."""
+        self.fault.mark("quorum")
+        wait = self.state.step + 1 == fault_testing.replica_wait_step()
+        return self.replicas.begin_step(self.state.step, wait_for_all=wait)
+
+    def _guard_act(self, out: dict) -> bool:
+        """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
+        rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
+        continues after the restored step)."""
+        self._log(out)
+        if out["guard"] == "abort":
+            raise GuardAbort(self.guard.abort_message())
+        bad = self.state.step
+        self.fault.mark("checkpoint")
+        restored = self.checkpointer.restore_latest(exclude=("dataloader",))
+        if restored is None:
+            logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
+            return False
+        logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d runs "
+                    "again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
+        self.throughput.reset()
+        self.phases.reset()
+        return True
+
+    def _log(self, out: dict[str, torch.Tensor]) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        record = {
+            "loss": out["loss"].item(),
+            "grad_norm": out["grad_norm"].item(),
+            "lr": out["lr"],
+            "tokens_seen": self.state.tokens_seen,
+            **self.throughput.summary(),
+            "memory_peak_gib": self.memory.peak_gib(),
+            "memory_kind": self.memory.kind,
+            **self.tensor_memory.record(),
+            **self.compile_monitor.record(),
+        }
+        scaler = self.train_step.scaler
+        if scaler.enabled:
+            record.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps,
+                          step_skipped=not out["stepped"])
+        if out.get("moe") is not None:
+            record.update(self.moe.record(out["moe"]))
+        if out.get("z_loss") is not None:
+            record["z_loss"] = out["z_loss"].item()
+        if out.get("extra_losses") is not None:
+            record.update(self.extra_losses.record(out["extra_losses"]))
+        record.update(**self.phases.summary(record["step_time_s"]), **out.get("evaluation", {}),
+                      **self.guard.record(), **self.fault.record())  # [ops]
+        if self.replicas is not None:
+            record.update(self.replicas.record())
+            if self.state.step == self.job_config.training.steps:
+                record["state_digest"] = state_digest(self.replicas.states)
+        self.metrics.log(self.state.step, record)
+        out["logged"] = True
+        self.memory.reset_peak()
+
+    def close(self, finished: bool = False) -> None:
+        """Flush and release everything. `finished`: every rank completed normally, so they meet at a
+        barrier first and tear the process group down together (a rank that destroys gloo's group
+        while a peer still runs can abort at exit)."""
+        self.fault.mark("shutdown")
+        self.profiler.stop()
+        self.gc.close()
+        self.checkpointer.close()
+        self.metrics.close()
+        if self.replicas is not None:
+            self.replicas.close()
+        if dist.is_initialized():
+            if finished:
+                dist.barrier()
+            dist.destroy_process_group()
+        self.fault.close()
