@@ -1,7 +1,7 @@
 """The planner's time model: published runs predicted within the stated band, per-token costs that do
 not grow with gradient accumulation, no free efficiency knob, device overrides, ranking by time.
 
-Tolerance: `published_runs.BAND` (+/- 25%, the target the issue set) for every published row that is
+Tolerance: `published_runs.BAND` (+/- 25%, the project's accuracy target) for every published row that is
 not listed as a known miss; a known miss keeps its reason in the table and must stay on the side the
 reason explains (a model that moved it further than 100% off, or across, has changed something).
 """
@@ -50,7 +50,7 @@ def _plan_405b(global_batch: int):
 
 
 def test_per_token_costs_do_not_grow_with_accumulation():
-    """The issue's case: 405B on 512 GPUs, 8x the batch. Compute and per-micro-batch communication
+    """The planner's worked example: 405B on 512 GPUs, 8x the batch. Compute and per-micro-batch communication
     grow 8x (per token: equal), the data-parallel traffic of a pipeline stage happens once per step."""
     small, big = _plan_405b(256), _plan_405b(2048)
     assert big.tokens_per_step == 8 * small.tokens_per_step

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 BAND = 0.25
-"""Predicted throughput must be within +/- 25% of every row's measurement (the issue's target)."""
+"""Predicted throughput must be within +/- 25% of every row's measurement (the project's accuracy target)."""
 
 TORCHTITAN_2412 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024; H100 96 GB HBM2e "
                    "500 W, 400 Gb/s per GPU)")
