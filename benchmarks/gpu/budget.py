@@ -104,6 +104,10 @@ class Budget:
     entries: list[Entry] = field(default_factory=list)
     _steps: dict = field(default_factory=dict)
     _overheads: dict = field(default_factory=dict)
+    _drift: list = field(default_factory=list)
+    """(key, measured overhead) of the finished runs but the process's first (which also pays one-time
+    imports): how far the machine is from the table, applied to the same model's modes not measured yet."""
+    _trained: int = 0
     _interruptible: bool = False
 
     def __post_init__(self):
@@ -126,9 +130,9 @@ class Budget:
         if key in self._overheads:
             return self._overheads[key]
         table = OVERHEAD_S.get(key, UNKNOWN_OVERHEAD_S)
-        pairs = [(m, OVERHEAD_S[k]) for k, m in self._overheads.items() if k in OVERHEAD_S]
+        pairs = [(m, OVERHEAD_S[k]) for k, m in self._drift if k in OVERHEAD_S and k[1] == spec.model]
         drift = sum(m for m, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0
-        return table * min(max(drift, 0.5), 3.0)
+        return table * min(max(drift, 0.5), 2.0)
 
     def estimate(self, spec: RunSpec) -> float:
         return self.overhead_s(spec) + spec.steps * self.step_s(spec)
@@ -136,9 +140,11 @@ class Budget:
     # ------------------------------------------------------------------ admission and records
     def admit(self, part: str, name: str, estimate_s: float) -> Entry | None:
         """The entry to finish with `done` when the run may start; None (and the skip recorded) when not."""
-        left = self.left()
-        reason = f"not started: {self.stopped}" if self.stopped else (f"needs ~{estimate_s:.0f} s (estimated), {max(left, 0):.0f} s of the budget "
-                                  f"left" if estimate_s * SAFETY > left else "")
+        left, reason = self.left(), ""
+        if self.stopped:
+            reason = f"not started: {self.stopped}"
+        elif estimate_s * SAFETY > left:
+            reason = f"needs ~{estimate_s:.0f} s (estimated), {max(left, 0):.0f} s of the budget left"
         entry = Entry(part, name, round(estimate_s, 1))
         if reason:
             entry.reason = reason
@@ -158,7 +164,12 @@ class Budget:
         if step_s:
             self._steps[(spec.model, spec.mode)] = step_s * REF_TOKENS.get(spec.model, spec.tokens) / spec.tokens
         step = step_s or self.step_s(spec)
-        self._overheads[(spec.engine, spec.model, spec.mode)] = max(seconds - spec.steps * step, 0.0)
+        key = (spec.engine, spec.model, spec.mode)
+        self._overheads[key] = max(seconds - spec.steps * step, 0.0)
+        if spec.engine == "torchtrain":
+            self._trained += 1
+        if self._trained > 1 or spec.engine != "torchtrain":
+            self._drift.append((key, self._overheads[key]))
 
     def of_part(self, part: str) -> tuple[list[list], list[str]]:
         """(finished runs as [name, estimated s, took s], skipped runs as 'name: reason') of one part."""

@@ -129,7 +129,7 @@ def pack(out: str, archive: str) -> None:
 
 
 def merge(archives: list[str], out: str) -> None:
-    """Unpack device calls' archives into `out` (later parts win); their commands are kept."""
+    """Unpack the GPU commands' archives into `out` (later parts win); their commands are kept."""
     commands = []
     for archive in archives:
         with tarfile.open(archive) as tar:
@@ -181,8 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(os.path.abspath(args.out), args.dry_run, budget, args.pytest_s)
     results = []
     try:  # outside a run, a stop (SIGTERM, the deadline) only keeps the next runs and parts from starting
+        cuda_s = None
+        if not args.dry_run:  # the first CUDA context, timed apart so that no run's overhead carries it
+            import torch
+
+            t0 = time.perf_counter()
+            torch.ones(1, device="cuda").sum().item()
+            cuda_s = round(time.perf_counter() - t0, 1)
         env = {**environment(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"),
-               "commands": [command]}
+               "first_cuda_context_s": cuda_s,
+               "start_up_s": round(budget.clock() - budget.start, 1)}  # to the first part: imports, CUDA
+        env["commands"] = [command]
         env_path = os.path.join(ctx.out, "environment.json")
         if os.path.exists(env_path):
             env["commands"] = list(dict.fromkeys(json.load(open(env_path)).get("commands", []) + [command]))
