@@ -100,6 +100,7 @@ def test_budget_estimates_from_the_table_then_from_what_ran():
     eager = budget.spec_of(job, dry=False)
     float8 = budget.spec_of(job + ["--model.converters", "float8"], dry=False)
     compiled = budget.spec_of(job + ["--compile.enable", "true", "--model.converters", "float8"], dry=False)
+    plain_compiled = budget.spec_of(job + ["--compile.enable", "true"], dry=False)
     assert (eager.model, eager.mode, eager.tokens, eager.steps) == ("1B", "eager", 4096, 15)
     assert (float8.mode, compiled.mode) == ("float8", "compile+float8")
     assert b.estimate(eager) == pytest.approx(12.0 + 15 * 0.15)  # the table
@@ -108,14 +109,19 @@ def test_budget_estimates_from_the_table_then_from_what_ran():
     # the process's first run also pays one-time imports: it refines step times, not other modes' overheads
     assert b.estimate(compiled) == pytest.approx(75.0 + 15 * 0.09 * (0.2 / 0.15))
     b.done(b.admit("c", "c/float8", b.estimate(float8)), 30.0, float8, step_s=0.3)  # 25.5 s of overhead
-    drift, step_ratio = 25.5 / 15.0, (0.2 / 0.15 + 0.3 / 0.17) / 2
+    step_ratio = (0.2 / 0.15 + 0.3 / 0.17) / 2
+    assert b.estimate(compiled) == pytest.approx(75.0 + 15 * 0.09 * step_ratio)  # no compiled run measured yet
+    b.done(b.admit("c", "c/compile", b.estimate(plain_compiled)), 105.0, plain_compiled, step_s=0.11)  # 1.5 x
+    # compiled modes now scale by the compiled run's drift; steps by the median measured/table ratio
+    drift, step_ratio = (105.0 - 15 * 0.11) / 60.0, 0.2 / 0.15  # median of 1.33, 1.76 and 1.0
     assert b.estimate(compiled) == pytest.approx(75.0 * drift + 15 * 0.09 * step_ratio)
-    now[0] = 150.0  # 50 s left: the ~130 s compiled run is skipped, a cheaper one still starts
+    assert b.estimate(float8) == pytest.approx(25.5 + 15 * 0.3)  # eager-side modes keep their own
+    now[0] = 150.0  # 50 s left: the ~131 s compiled float8 run is skipped, a cheaper one still starts
     assert b.admit("c", "c/compile_float8", b.estimate(compiled)) is None
     assert b.admit("f", "f/straight", 5.0) is not None
     finished, skipped = b.of_part("c")
-    assert finished == [["c/eager", 14.2, 20.0], ["c/float8", 18.4, 30.0]]
-    assert skipped == ["c/compile_float8: needs ~130 s (estimated), 50 s of the budget left"]
+    assert finished == [["c/eager", 14.2, 20.0], ["c/float8", 18.4, 30.0], ["c/compile", 62.6, 105.0]]
+    assert skipped == ["c/compile_float8: needs ~131 s (estimated), 50 s of the budget left"]
     assert budget.Budget().left() == math.inf
 
 

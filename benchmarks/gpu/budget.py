@@ -106,7 +106,8 @@ class Budget:
     _overheads: dict = field(default_factory=dict)
     _drift: list = field(default_factory=list)
     """(key, measured overhead) of the finished runs but the process's first (which also pays one-time
-    imports): how far the machine is from the table, applied to the same model's modes not measured yet."""
+    imports): how far the machine is from the table, applied to the same model's modes not measured yet
+    (compiled modes from compiled runs, the others from the others)."""
     _trained: int = 0
     _interruptible: bool = False
 
@@ -130,7 +131,8 @@ class Budget:
         if key in self._overheads:
             return self._overheads[key]
         table = OVERHEAD_S.get(key, UNKNOWN_OVERHEAD_S)
-        pairs = [(m, OVERHEAD_S[k]) for k, m in self._drift if k in OVERHEAD_S and k[1] == spec.model]
+        group = (spec.model, "compile" in spec.mode)  # compiling is slow or fast apart from the rest
+        pairs = [(m, OVERHEAD_S[k]) for k, m in self._drift if k in OVERHEAD_S and (k[1], "compile" in k[2]) == group]
         drift = sum(m for m, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0
         return table * min(max(drift, 0.5), 2.0)
 
