@@ -1,16 +1,22 @@
-"""What the GPU evidence kit's parts share: the run context, in-process trainer runs, the measured GEMM
-peak, and the part results that `summary.md` is written from (benchmarks/gpu/README.md)."""
+"""What the GPU evidence kit's parts share: the run context, in-process trainer runs (budgeted, and reused
+when a later part needs the same command line), subprocesses that stop cleanly, the measured GEMM peak,
+and the part results that `summary.md` is written from (benchmarks/gpu/README.md)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+
+from budget import Budget, Stop, spec_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,6 +27,11 @@ class Context:
     """The output folder: one sub-folder and one <part>.json per part, summary.md."""
     dry: bool
     """--dry-run: CPU, tiny shapes, CUDA-only variants reported as not run."""
+    budget: Budget = field(default_factory=Budget)
+    pytest_s: float = 480.0
+    """Cap on part (a)'s pytest run (also held to the budget)."""
+    runs: dict = field(default_factory=dict)
+    """Trainer runs made in this process, by command line: a later part asking for the same run reuses it."""
 
     @property
     def device(self) -> str:
@@ -32,6 +43,11 @@ class Context:
         return path
 
 
+TITLES = {"a": "Single-process test cases on the device", "b": "Short runs per feature: the loss falls",
+          "c": "1B throughput and MFU", "d": "torchtrain vs torchtitan, same model/batch/sequence",
+          "e": "Planner vs measured", "f": "Checkpoint save/resume exactness"}
+
+
 @dataclass
 class PartResult:
     part: str
@@ -41,6 +57,10 @@ class PartResult:
     notes: list[str] = field(default_factory=list)
     ok: bool = True
     seconds: float = 0.0
+    runs: list[list] = field(default_factory=list)
+    """Runs that finished: [name, estimated s, took s]."""
+    skipped: list[str] = field(default_factory=list)
+    """Runs not started (or cut off) by the budget or a stop: 'name: reason'."""
 
     def save(self, ctx: Context) -> None:
         with open(os.path.join(ctx.out, f"{self.part}.json"), "w") as f:
@@ -72,6 +92,10 @@ class Run:
     records: list[dict]
     error: str | None
     seconds: float
+    skipped: str = ""
+    """Why the run did not start or was cut off (budget, SIGTERM); it is then no verdict on the code."""
+    folder: str = ""
+    """part/name of the output folder: where a reused run was made."""
 
     @property
     def ok(self) -> bool:
@@ -96,9 +120,26 @@ class Run:
         return max(values) if values else None
 
 
-def train(dump: str, argv: list[str], name: str = "") -> Run:
-    """One in-process run of the trainer (a world of one; metrics every step into `dump`). A failure is
-    recorded, not raised: one broken variant must not cost the others their evidence."""
+def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "") -> Run:
+    """One in-process run of the trainer (a world of one; metrics every step into DIR/part/name), started
+    only if the budget's estimate fits in the time left. `reuse`: a run of the same command line made
+    earlier in this process with `reuse` is returned instead (the headline runs of (c), (d) and (e)).
+    A failure is recorded, not raised: one broken variant must not cost the others their evidence."""
+    if reuse and tuple(argv) in ctx.runs:
+        return ctx.runs[tuple(argv)]
+    spec = spec_of(argv, ctx.dry)
+    entry = ctx.budget.admit(part, f"{part}/{label or name}", ctx.budget.estimate(spec))
+    if entry is None:
+        return Run(name, [], None, 0.0, skipped=ctx.budget.entries[-1].reason)
+    run = _train(ctx.folder(part, name), argv, name, ctx.budget)
+    run.folder = f"{part}/{name}"
+    ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if run.ok else None, run.skipped)
+    if reuse and not run.skipped:
+        ctx.runs[tuple(argv)] = run
+    return run
+
+
+def _train(dump: str, argv: list[str], name: str, budget: Budget) -> Run:
     import torch
 
     from torchtrain.config import parse_args
@@ -107,12 +148,16 @@ def train(dump: str, argv: list[str], name: str = "") -> Run:
 
     saved = {k: os.environ.get(k) for k in _DIST_ENV}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    trainer, error, finished, t0 = None, None, False, time.perf_counter()
+    trainer, error, stopped, finished, t0 = None, None, "", False, time.perf_counter()
     try:
-        trainer = Trainer(parse_args(argv + ["--job.dump_folder", dump, "--metrics.log_freq", "1",
-                                             "--metrics.enable_tensorboard", "false", "--job.print_config", "false"]))
-        trainer.train()
-        finished = True
+        with budget.interruptible():
+            trainer = Trainer(parse_args(argv + ["--job.dump_folder", dump, "--metrics.log_freq", "1",
+                                                 "--metrics.enable_tensorboard", "false",
+                                                 "--job.print_config", "false"]))
+            trainer.train()
+            finished = True
+    except Stop as e:
+        stopped = str(e)
     except Exception as e:  # noqa: BLE001 - reported in the summary
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
         with open(os.path.join(dump, "error.txt"), "w") as f:
@@ -138,7 +183,52 @@ def train(dump: str, argv: list[str], name: str = "") -> Run:
         from torchtrain.utils.strict_json import read_jsonl
 
         records = read_jsonl(path)
-    return Run(name or os.path.basename(dump), records, error, time.perf_counter() - t0)
+    return Run(name or os.path.basename(dump), records, error, time.perf_counter() - t0, skipped=stopped)
+
+
+def run_process(budget: Budget, cmd: list[str], log_path: str, timeout: float, cwd: str, env: dict,
+                first_signal: int = signal.SIGTERM) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group with its output in `log_path`. Past `timeout` seconds, or on
+    a budget stop, the group gets `first_signal` (SIGINT lets pytest write its report), then SIGKILL
+    20 s later. Returns (return code, why it was cut short or "")."""
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            with budget.interruptible():
+                return proc.wait(timeout=None if timeout == math.inf else max(timeout, 0.1)), ""
+        except subprocess.TimeoutExpired:
+            cut = f"ran past {timeout:.0f} s and was stopped"
+        except Stop as e:
+            cut = f"stopped: {e}"
+        except BaseException:
+            _end(proc, signal.SIGKILL)
+            raise
+        _end(proc, first_signal)
+        return proc.returncode, cut
+
+
+def _end(proc: subprocess.Popen, first_signal: int) -> None:
+    for sig, wait in ((first_signal, 20), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def admit_process(ctx: Context, part: str, name: str, needed: float, cap: float):
+    """(budget entry, seconds the process may run) for a subprocess run, or (None, 0) when it is
+    skipped: it starts only if `needed` seconds fit in the budget, and may run up to `cap` seconds,
+    stopping 5 s before the budget's deadline."""
+    entry = ctx.budget.admit(part, f"{part}/{name}", needed)
+    if entry is None:
+        return None, 0.0
+    return entry, min(cap, ctx.budget.left() - 5)
 
 
 def gemm_peak_tflops(dry: bool) -> tuple[float, str]:

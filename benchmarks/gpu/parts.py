@@ -4,18 +4,21 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-import subprocess
+import signal
 import sys
 import xml.etree.ElementTree as ET
 
-from kit import REPO, Context, PartResult, gemm_peak_tflops, log, train
+from kit import REPO, TITLES, Context, PartResult, admit_process, gemm_peak_tflops, log, run_process, train
 
 # A dry run's stand-in for every model: the suite's tiny Llama (tests/conftest.py TINY_MODEL).
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
         "--model.vocab_size", "512"]
 COMMON = ["--training.dataset", "synthetic", "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-3"]
 FLOAT8 = ["--model.converters", "float8"]
+HEADLINE_SEQ, HEADLINE_BATCH, HEADLINE_STEPS = 2048, 2, 15
+"""The headline shape: the 1B at seq 2048 x 2, bf16, selective AC, 15 steps ((c), (d) and (e))."""
 
 
 def model(ctx: Context, name: str) -> list[str]:
@@ -31,6 +34,10 @@ def shape(ctx: Context, seq: int, batch: int) -> list[str]:
     return ["--training.seq_len", str(64 if ctx.dry else seq), "--training.local_batch_size", str(2 if ctx.dry else batch)]
 
 
+def bf16(ctx: Context) -> list[str]:
+    return [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
+
+
 def float8(ctx: Context) -> list[str]:
     return FLOAT8 + (["--quantize.linear.float8.emulate", "true"] if ctx.dry else [])
 
@@ -40,23 +47,44 @@ def compiled(ctx: Context) -> list[str] | None:
     return None if ctx.dry else ["--compile.enable", "true"]
 
 
+def headline_modes(ctx: Context) -> dict[str, list[str] | None]:
+    """The (c) variants (None: not run in a dry run); a dry run adds emulated float8 in their place."""
+    modes = {"eager": [], "compile": compiled(ctx), "compile + float8": None if ctx.dry else compiled(ctx) + FLOAT8}
+    if ctx.dry:
+        modes["float8 (emulated)"] = float8(ctx)
+    return modes
+
+
+def headline_job(ctx: Context, extra: list[str]) -> list[str]:
+    """The one command line of a headline run: (d) and (e) reuse (c)'s run of the same line."""
+    return (model(ctx, "1B") + COMMON + shape(ctx, HEADLINE_SEQ, HEADLINE_BATCH) + bf16(ctx)
+            + ["--activation_checkpoint.mode", "selective", "--training.steps",
+               str(6 if ctx.dry else HEADLINE_STEPS)] + extra)
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text.replace(" + ", "_")).strip("_").replace("__", "_")
+
+
 # ----------------------------------------------------------------------------- (a)
 def part_a(ctx: Context) -> PartResult:
-    """The suite's single-process cases (not `dist`, not `slow`) on this machine's device."""
-    res = PartResult("a", "Single-process test cases on the device", ["selection", "passed", "failed", "skipped",
-                                                                        "errors", "seconds"])
+    """The suite's single-process cases (not `dist`, not `slow`) on this machine's device, stopped (SIGINT:
+    pytest still writes its report) at the cap or the budget's deadline."""
+    res = PartResult("a", TITLES["a"], ["selection", "passed", "failed", "skipped", "errors", "seconds"])
     junit = os.path.join(ctx.folder("a"), "junit.xml")
     select = ["tests/test_lr_scheduler.py"] if ctx.dry else ["tests", "-m", "not dist and not slow"]
     cmd = [sys.executable, "-m", "pytest", *select, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480, env=env)
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"pytest stopped after 480 s\n{e.stdout or ''}"
-        res.notes.append("pytest ran past 480 s and was stopped: the counts cover the tests that finished")
-    with open(os.path.join(ctx.out, "a", "pytest.log"), "w") as f:
-        f.write(output if isinstance(output, str) else output.decode())
+    entry, allowed = admit_process(ctx, "a", "pytest", 5.0 if ctx.dry else 60.0, ctx.pytest_s)
+    if entry is None:
+        return res
+    entry.estimate_s = entry.estimate_s if allowed == math.inf else round(allowed, 1)
+    log(f"(a) pytest, at most {allowed:.0f} s" if allowed != math.inf else "(a) pytest")
+    t0 = ctx.budget.clock()
+    _, cut = run_process(ctx.budget, cmd, os.path.join(ctx.out, "a", "pytest.log"), allowed, REPO, env, signal.SIGINT)
+    ctx.budget.done(entry, ctx.budget.clock() - t0)
+    if cut:
+        res.notes.append(f"pytest {cut}: the counts cover the tests that finished")
     if not os.path.exists(junit):
         res.ok = False
         res.notes.append("pytest wrote no report; see a/pytest.log")
@@ -76,27 +104,28 @@ def part_a(ctx: Context) -> PartResult:
 
 # ----------------------------------------------------------------------------- (b)
 def part_b(ctx: Context) -> PartResult:
-    """Short bf16 runs, FSDP on a 1-rank mesh, each feature on its own: does the loss fall?"""
-    res = PartResult("b", "Short runs per feature: the loss falls", ["model", "variant", "steps", "first loss",
-                                                                     "last loss", "falling", "peak GiB", "error"])
+    """Short bf16 runs, FSDP on a 1-rank mesh, each feature on its own: does the loss fall? The cheap runs
+    first: under a budget, the costly ones (1B CPU offload, 1B compile) are the ones skipped."""
+    res = PartResult("b", TITLES["b"], ["model", "variant", "steps", "first loss", "last loss", "falling",
+                                        "peak GiB", "error"])
     variants = [("ac none", ["--activation_checkpoint.mode", "none"]),
                 ("ac selective", ["--activation_checkpoint.mode", "selective"]),
                 ("ac full", ["--activation_checkpoint.mode", "full"]),
-                ("compile", compiled(ctx)),
                 ("fp16 + loss scaling", ["--training.mixed_precision_param", "float16"]),
+                ("float8", float8(ctx)),
                 ("cpu offload", None if ctx.dry else ["--training.enable_cpu_offload", "true"]),
-                ("float8", float8(ctx))]
-    models = [("debug", 30, 256, 8)] + ([] if ctx.dry else [("1B", 20, 2048, 2)])
+                ("compile", compiled(ctx))]
+    models = [("debug", 20, 256, 8)] + ([] if ctx.dry else [("1B", 10, 2048, 2)])
     for name, steps, seq, batch in models:
         for variant, extra in variants:
             if extra is None:
                 res.notes.append(f"{name} {variant}: not run in a dry run (CUDA only, or too slow on a CPU)")
                 continue
             log(f"(b) {name} {variant}")
-            precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
-            run = train(ctx.folder("b", f"{name}_{variant.replace(' ', '_').replace('+', '')}"),
-                        model(ctx, name) + COMMON + shape(ctx, seq, batch) + precision + extra
-                        + ["--training.steps", str(6 if ctx.dry else steps)])
+            run = train(ctx, "b", f"{name}_{slug(variant)}", model(ctx, name) + COMMON + shape(ctx, seq, batch)
+                        + bf16(ctx) + extra + ["--training.steps", str(6 if ctx.dry else steps)])
+            if run.skipped:
+                continue
             loss = run.losses()
             res.rows.append([name, variant, len(loss), round(loss[0], 4) if loss else None,
                              round(loss[-1], 4) if loss else None, run.falling(), run.peak_gib(), run.error])
@@ -108,29 +137,22 @@ def part_b(ctx: Context) -> PartResult:
 def part_c(ctx: Context) -> PartResult:
     """Tokens/s and MFU of the 1B shape, eager vs compile vs compile + float8, against the measured peak."""
     peak, how = gemm_peak_tflops(ctx.dry)
-    res = PartResult("c", "1B throughput and MFU", ["seq", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
-                                                     "MFU vs table peak", "peak GiB", "error"])
+    res = PartResult("c", TITLES["c"], ["seq", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
+                                        "MFU vs table peak", "peak GiB", "error"])
     res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how}); steady state = median over steps 4..N")
-    modes = [("eager", []), ("compile", compiled(ctx)),
-             ("compile + float8", None if ctx.dry else ["--compile.enable", "true"] + FLOAT8)]
-    if ctx.dry:
-        modes.append(("float8 (emulated)", float8(ctx)))
-    for seq, batch in ((2048, 2), (8192, 1)):
-        for mode, extra in modes:
-            if extra is None:
-                res.notes.append(f"seq {seq} {mode}: not run in a dry run (compiling is ~20 s a run on a CPU)")
-                continue
-            log(f"(c) seq {seq} {mode}")
-            precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
-            run = train(ctx.folder("c", f"seq{seq}_{mode.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"),
-                        model(ctx, "1B") + COMMON + shape(ctx, seq, batch) + precision + extra
-                        + ["--activation_checkpoint.mode", "selective", "--training.steps", str(6 if ctx.dry else 15)])
-            tflops = run.steady("tflops_per_device")
-            res.rows.append([seq, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
-                             None if tflops is None else f"{100 * tflops / peak:.1f}%",
-                             None if run.steady("mfu_pct") is None else f"{run.steady('mfu_pct'):.1f}%",
-                             run.peak_gib(), run.error])
-            res.ok &= run.ok
+    for mode, extra in headline_modes(ctx).items():
+        if extra is None:
+            res.notes.append(f"{mode}: not run in a dry run (compiling is ~20 s a run on a CPU)")
+            continue
+        log(f"(c) seq {HEADLINE_SEQ} {mode}")
+        run = train(ctx, "c", f"seq{HEADLINE_SEQ}_{slug(mode)}", headline_job(ctx, extra), reuse=True)
+        if run.skipped:
+            continue
+        tflops, mfu = run.steady("tflops_per_device"), run.steady("mfu_pct")
+        res.rows.append([HEADLINE_SEQ, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
+                         None if tflops is None else f"{100 * tflops / peak:.1f}%",
+                         None if mfu is None else f"{mfu:.1f}%", run.peak_gib(), run.error])
+        res.ok &= run.ok
     return res
 
 
@@ -166,34 +188,32 @@ def planner_prediction(argv: list[str], gpu: str) -> tuple[float | None, float |
 
 
 def part_e(ctx: Context) -> PartResult:
-    """The planner's memory and step time against torch.cuda.max_memory_allocated and the measured step."""
+    """The planner's memory and step time against torch.cuda.max_memory_allocated and the measured step,
+    for two headline jobs: (c)'s runs when they were made in this command, else runs of their own."""
     import torch
 
     gpu = "h100"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name().lower()
         gpu = "h200" if "h200" in name else "h100" if "h100" in name else gpu
-    res = PartResult("e", f"Planner vs measured ({gpu})", ["job", "planned GiB", "measured GiB", "ratio",
-                                                           "planned step s", "measured step s", "ratio", "error"])
+    res = PartResult("e", f"{TITLES['e']} ({gpu})", ["job", "planned GiB", "measured GiB", "ratio",
+                                                     "planned step s", "measured step s", "ratio", "measured by",
+                                                     "error"])
     if ctx.dry:
         res.notes.append("dry run: measured on a CPU (process RSS, CPU step time) against a plan for a GPU; the "
                          "ratios mean nothing, the mechanism is what runs")
-    precision = [] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"]
-    jobs = [("debug model", model(ctx, "debug") + shape(ctx, 256, 8)),
-            ("1B, AC selective, seq 2048", model(ctx, "1B") + shape(ctx, 2048, 2)
-             + ["--activation_checkpoint.mode", "selective"]),
-            ("1B, AC full, seq 8192", model(ctx, "1B") + shape(ctx, 8192, 2) + ["--activation_checkpoint.mode", "full"]),
-            ("1B, AC none, seq 2048 x 1", model(ctx, "1B") + shape(ctx, 2048, 1)
-             + ["--activation_checkpoint.mode", "none"])]
-    for name, argv in jobs:
-        argv = argv + COMMON + precision
-        log(f"(e) {name}")
+    modes = headline_modes(ctx)
+    for mode in ("eager", "float8 (emulated)" if ctx.dry else "compile"):
+        argv = headline_job(ctx, modes[mode])
+        label = f"1B seq {HEADLINE_SEQ} x {HEADLINE_BATCH}, AC selective, {mode}"
+        log(f"(e) {label}")
+        run = train(ctx, "e", f"seq{HEADLINE_SEQ}_{slug(mode)}", argv, reuse=True)
+        if run.skipped:
+            continue
         planned_gib, planned_step, error = planner_prediction(argv, gpu)
-        run = train(ctx.folder("e", name.replace(" ", "_").replace(",", "")), argv
-                    + ["--training.steps", str(5 if ctx.dry else 10)])
         measured_step, measured_gib = run.steady("step_time_s"), run.peak_gib()
-        res.rows.append([name, planned_gib, measured_gib, _ratio(planned_gib, measured_gib),
-                         planned_step, measured_step, _ratio(planned_step, measured_step),
+        res.rows.append([label, planned_gib, measured_gib, _ratio(planned_gib, measured_gib),
+                         planned_step, measured_step, _ratio(planned_step, measured_step), run.folder,
                          error or run.error])
         res.ok &= run.ok and error is None
     return res
@@ -206,17 +226,20 @@ def _ratio(a, b) -> str | None:
 # ----------------------------------------------------------------------------- (f)
 def part_f(ctx: Context) -> PartResult:
     """DCP save and resume: 8 steps straight vs 4 steps, a checkpoint, a resume to 8; losses bitwise."""
-    res = PartResult("f", "Checkpoint save/resume exactness", ["run", "steps 5-8 loss", "max |diff|", "error"])
+    res = PartResult("f", TITLES["f"], ["run", "steps 5-8 loss", "max |diff|", "error"])
     # A constant LR after warmup (decay_ratio 0): the schedule must not depend on training.steps, which
     # differs between the 4-step and the 8-step run.
     argv = model(ctx, "debug") + COMMON + shape(ctx, 256, 8) + ["--debug.deterministic", "true",
-                                                                "--lr_scheduler.decay_ratio", "0"] + \
-        ([] if ctx.dry else ["--training.mixed_precision_param", "bfloat16"])
-    straight = train(ctx.folder("f", "straight"), argv + ["--training.steps", "8"])
+                                                                "--lr_scheduler.decay_ratio", "0"] + bf16(ctx)
+    log("(f) straight, saved at 4, resumed")
+    straight = train(ctx, "f", "straight", argv + ["--training.steps", "8"])
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
-    folder = ctx.folder("f", "resumed")
-    first = train(folder, argv + ckpt + ["--training.steps", "4"])
-    second = train(folder, argv + ckpt + ["--training.steps", "8"])
+    first = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "4"], label="resumed (steps 1-4, saved)")
+    second = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "8"], label="resumed (steps 5-8)") \
+        if not first.skipped else first
+    if straight.skipped or second.skipped:
+        res.notes.append("resume not checked: a run was skipped")
+        return res
     a = [r["loss"] for r in straight.records if r["step"] > 4]
     b = [r["loss"] for r in second.records if r["step"] > 4][-4:]
     diff = max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) == 4 else None

@@ -1,31 +1,38 @@
-"""The GPU evidence kit: every figure the first lent GPU should produce, from one prepared command.
+"""The GPU evidence kit: the CUDA figures of torchtrain, from prepared commands that fit a short GPU window.
 
-    python benchmarks/gpu/run_all.py --out DIR [--part a,b,c,d,e,f] [--dry-run] [--pack FILE.tar.gz]
+    python benchmarks/gpu/run_all.py --out DIR [--part c,d,e,f] [--budget-s S] [--pytest-s S] [--dry-run]
+                                     [--pack FILE.tar.gz]
     python benchmarks/gpu/run_all.py --merge A.tar.gz B.tar.gz ... --out DIR
 
-Parts (benchmarks/gpu/README.md has the device commands, the output folder and the summary format):
-  a  the suite's single-process test cases on the device
+Parts (benchmarks/gpu/README.md has the machine's commands, their timing, the output folder and the
+summary format), run in the order given:
+  a  the suite's single-process test cases on the device (pytest, capped by --pytest-s)
   b  short bf16 runs of the debug model and a ~1B Llama 3 (FSDP on a 1-rank mesh) per feature -- AC
-     none/selective/full, compile, fp16 + loss scaling, CPU offload, float8 -- each must end with a
+     none/selective/full, fp16 + loss scaling, float8, CPU offload, compile -- each must end with a
      falling loss
-  c  tokens/s and MFU of the 1B shape at seq 2048 and 8192: eager, compile, compile + float8, against
-     the device's measured bf16 GEMM peak
-  d  torchtitan (a carried wheel) on the same model/batch/sequence, back to back, and the ratio
-  e  the planner's memory and step time against torch.cuda.max_memory_allocated and the measured
-     step, for four jobs
+  c  tokens/s and MFU of the 1B shape at seq 2048 x 2: eager, compile, compile + float8, against the
+     device's measured bf16 GEMM peak
+  d  torchtitan (a carried wheel) on the same model/batch/sequence, and the ratio (torchtrain's side
+     reuses (c)'s runs when (c) ran first in the same command)
+  e  the planner's peak memory and step time against torch.cuda.max_memory_allocated and the measured
+     step, for (c)'s eager and compiled runs
   f  DCP save/resume exactness (bitwise losses after a resume)
 
-Every part writes DIR/<part>/ (logs, metrics) and DIR/<part>.json; then DIR/summary.md is (re)written
-from all part results in DIR. `--pack` writes DIR as one tar.gz (what a device call copies to $OUT);
-`--merge` unpacks several such archives into DIR and writes the combined summary.md. `--dry-run` runs
-the same code on the CPU at tiny size (CUDA-only variants are listed as not run): the CI test of the
-kit (tests/test_gpu_kit.py).
+`--budget-s S`: before each run starts its duration is estimated (budget.py: a table refined with the
+runs already measured) and a run that would not finish within S seconds of the start is skipped;
+at S seconds, or on SIGTERM, the run in flight is stopped. Either way DIR/summary.md names the runs
+that finished and those skipped, with the reason. Every part writes DIR/<part>/ (logs, metrics) and
+DIR/<part>.json; DIR/summary.md is rewritten after each part from all part results in DIR, and so is
+`--pack`'s archive (checkpoints left out). `--merge` unpacks several archives into DIR and writes the
+combined summary.md. `--dry-run` runs the same code on the CPU at tiny size (CUDA-only variants are
+listed as not run): the CI test of the kit (tests/test_gpu_kit.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -34,7 +41,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import REPO, Context, PartResult, environment, log  # noqa: E402
+from budget import Budget  # noqa: E402
+from kit import REPO, TITLES, Context, PartResult, environment, log  # noqa: E402
 
 PARTS = "abcdef"
 
@@ -45,17 +53,32 @@ def run_part(ctx: Context, part: str) -> PartResult:
 
     fn = titan.part_d if part == "d" else getattr(parts, f"part_{part}")
     t0 = time.perf_counter()
-    try:
-        result = fn(ctx)
-    except Exception as e:  # noqa: BLE001 - a broken part still leaves its verdict in the summary
-        import traceback
+    if ctx.budget.stopped:
+        result = PartResult(part, TITLES[part], [], ok=True)
+        result.notes.append(f"not started: {ctx.budget.stopped}")
+    else:
+        log(f"part {part}: {ctx.budget.left():.0f} s of the budget left" if ctx.budget.left() != math.inf
+            else f"part {part}")
+        try:
+            result = fn(ctx)
+        except Exception as e:  # noqa: BLE001 - a broken part still leaves its verdict in the summary
+            import traceback
 
-        result = PartResult(part, f"part {part}", ["error"], [[f"{type(e).__name__}: {e}"[:400]]], ok=False)
-        result.notes.append(traceback.format_exc()[-1500:])
+            result = PartResult(part, TITLES[part], ["error"], [[f"{type(e).__name__}: {e}"[:400]]], ok=False)
+            result.notes.append(traceback.format_exc()[-1500:])
+    result.runs, result.skipped = ctx.budget.of_part(part)
     result.seconds = round(time.perf_counter() - t0, 1)
     result.save(ctx)
-    log(f"part {part}: {'OK' if result.ok else 'PROBLEMS'} in {result.seconds:.0f}s")
+    log(f"part {part}: {verdict(result.__dict__)} in {result.seconds:.0f}s")
     return result
+
+
+def verdict(r: dict) -> str:
+    """OK | PROBLEMS | NOT STARTED, and how many runs were skipped."""
+    if not r.get("runs") and any(n.startswith("not started") for n in r["notes"]):
+        return "NOT STARTED"
+    skipped = len(r.get("skipped", []))
+    return ("OK" if r["ok"] else "PROBLEMS") + (f", {skipped} run{'s' * (skipped != 1)} skipped" if skipped else "")
 
 
 def _cell(value) -> str:
@@ -81,12 +104,16 @@ def write_summary(out: str, command: str) -> str:
             lines += [f"## ({part}) not run", ""]
             continue
         r = json.load(open(path))
-        lines += [f"## ({part}) {r['title']}: {'OK' if r['ok'] else 'PROBLEMS'} ({r['seconds']:.0f} s)", ""]
+        lines += [f"## ({part}) {r['title']}: {verdict(r)} ({r['seconds']:.0f} s)", ""]
         if r["rows"]:
             lines += ["| " + " | ".join(r["columns"]) + " |", "|" + "---|" * len(r["columns"])]
             lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in r["rows"]]
             lines.append("")
-        lines += [f"- {n}" for n in r["notes"]] + [""]
+        lines += [f"- {n}" for n in r["notes"]]
+        if r.get("runs"):
+            lines.append("- runs finished (estimated s / took s): "
+                         + ", ".join(f"{name} ({_cell(est)} / {_cell(took)})" for name, est, took in r["runs"]))
+        lines += [f"- skipped: {s}" for s in r.get("skipped", [])] + [""]
     text = "\n".join(lines)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
@@ -94,12 +121,15 @@ def write_summary(out: str, command: str) -> str:
 
 
 def pack(out: str, archive: str) -> None:
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(out, arcname="kit")
+    """DIR as one tar.gz under the top folder `kit/`, checkpoints left out (the evidence is the metrics)."""
+    tmp = archive + ".partial"
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(out, arcname="kit", filter=lambda m: None if "checkpoint" in m.name.split("/") else m)
+    os.replace(tmp, archive)
 
 
 def merge(archives: list[str], out: str) -> None:
-    """Unpack device calls' archives into `out` (later parts win); their commands are kept."""
+    """Unpack the GPU commands' archives into `out` (later parts win); their commands are kept."""
     commands = []
     for archive in archives:
         with tarfile.open(archive) as tar:
@@ -119,11 +149,15 @@ def merge(archives: list[str], out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    budget = Budget()  # the clock starts here: the budget counts this process's imports too
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--part", default=",".join(PARTS), help="comma-separated parts to run (default: all)")
+    p.add_argument("--part", default=",".join(PARTS), help="comma-separated parts, run in this order (default: all)")
+    p.add_argument("--budget-s", type=float, help="skip every run that would not finish within this many seconds of "
+                                                  "the start, stop the one in flight then (default: no limit)")
+    p.add_argument("--pytest-s", type=float, default=480.0, help="cap on part (a)'s pytest run (default 480)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (CI)")
-    p.add_argument("--pack", help="write the output folder as this .tar.gz at the end")
+    p.add_argument("--pack", help="write the output folder as this .tar.gz after every part")
     p.add_argument("--merge", nargs="+", help="archives written by --pack to combine into --out")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -141,18 +175,38 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             p.error("no CUDA device here: the kit measures a GPU (use --dry-run to exercise it on a CPU)")
+    budget.seconds = math.inf if args.budget_s is None else args.budget_s
+    budget.arm()
     os.chdir(REPO)
-    ctx = Context(os.path.abspath(args.out), args.dry_run)
-    env = {**environment(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"), "commands": [command]}
-    env_path = os.path.join(ctx.out, "environment.json")
-    if os.path.exists(env_path):
-        env["commands"] = list(dict.fromkeys(json.load(open(env_path)).get("commands", []) + [command]))
-    json.dump(env, open(env_path, "w"), indent=1)
-    results = [run_part(ctx, part) for part in parts]
+    ctx = Context(os.path.abspath(args.out), args.dry_run, budget, args.pytest_s)
+    results = []
+    try:  # outside a run, a stop (SIGTERM, the deadline) only keeps the next runs and parts from starting
+        cuda_s = None
+        if not args.dry_run:  # the first CUDA context, timed apart so that no run's overhead carries it
+            import torch
+
+            t0 = time.perf_counter()
+            torch.ones(1, device="cuda").sum().item()
+            cuda_s = round(time.perf_counter() - t0, 1)
+        env = {**environment(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "first_cuda_context_s": cuda_s,
+               "start_up_s": round(budget.clock() - budget.start, 1)}  # to the first part: imports, CUDA
+        env["commands"] = [command]
+        env_path = os.path.join(ctx.out, "environment.json")
+        if os.path.exists(env_path):
+            env["commands"] = list(dict.fromkeys(json.load(open(env_path)).get("commands", []) + [command]))
+        json.dump(env, open(env_path, "w"), indent=1)
+        for part in parts:
+            results.append(run_part(ctx, part))
+            write_summary(ctx.out, command)
+            if args.pack:
+                pack(ctx.out, args.pack)
+    finally:
+        budget.disarm()
     print(write_summary(ctx.out, command))
-    if args.pack:
-        pack(ctx.out, args.pack)
-    return 0 if all(r.ok for r in results) else 1
+    if budget.stopped:
+        log(f"stopped: {budget.stopped}")
+    return 1 if not all(r.ok for r in results) else 2 if budget.stopped else 0
 
 
 if __name__ == "__main__":
