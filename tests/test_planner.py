@@ -18,6 +18,7 @@ import pytest
 from conftest import TINY_JOB
 
 from torchtrain.components.hardware import KNOWN_GPUS
+from torchtrain.models.contract import declare
 from torchtrain.tools.planner import analytic, pipeline, shapes, step_time, trace
 from torchtrain.tools.planner.core import _trace_config, load_job, make_plan, plan_from_flags
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_overrides, config_variant, inputs_from_config
@@ -59,7 +60,7 @@ def test_real_fsdp_layout_is_16_bytes_per_parameter_over_n():
         est = analytic.estimate_memory(q)
         rows = {r.name: r.bytes for r in est.rows}
         state = rows["parameters (fp32 master)"] + rows["optimizer state (Adam m, v)"]
-        sharded = shapes.numel([s for _, sh in shapes.unit_shapes(q.args, est.stages, 1) for s in sh], world)
+        sharded = shapes.numel([s for _, sh in shapes.unit_shapes(q.model, est.stages, 1) for s in sh], world)
         assert _close(state, 12 * sharded + 4 * (9 * q.args.n_layers + 3))
         assert abs(sharded * world - n) / n < 1e-3  # FSDP pads each tensor's rows up to a multiple of N
 
@@ -107,7 +108,7 @@ def test_activation_formula_matches_the_real_block(dtype):
                 stored.append(tracker.current - base)
                 del h, x
     per_block = stored[1] - stored[0]
-    assert per_block == analytic.act_per_token_per_block(args, dt.itemsize, 1) * 2 * 64
+    assert per_block == analytic.act_per_token_per_block(declare(args), dt.itemsize, 1) * 2 * 64
 
 
 KNOBS = dict(strategy=["zero3", "zero2", "zero1", "ddp"], tp=[1, 2], pp=[1, 2], ac_mode=["none", "full", "selective"],
@@ -156,7 +157,7 @@ def test_sharding_strategies_order_memory_as_the_zero_stages_do():
 
 
 def test_tensor_parallel_divides_the_sharded_terms():
-    a = _inputs(4, gpu="h100", tp=1)[1].args
+    a = _inputs(4, gpu="h100", tp=1)[1].model
     for d in (2, 4):
         one, two = analytic.act_per_token_per_block(a, d, 1), analytic.act_per_token_per_block(a, d, 2)
         assert two < one and _close(two, one / 2 + d * a.dim)  # only the gathered projection inputs stay whole

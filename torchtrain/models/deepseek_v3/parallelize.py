@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
 from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, swiglu_plan
+from torchtrain.models import contract
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
 from torchtrain.models.llama3.pipeline import llama_stage_modules
@@ -84,10 +85,52 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     args: DeepseekV3Args = model.args
     apply_decoder_top(model, tp_mesh, loss_parallel)
-    shared = args.num_shared_experts > 0
     for name, block in model.layers.items():
-        ffn = moe_tp_plan("feed_forward", shared) if args.is_moe_layer(int(name)) else swiglu_plan()
-        parallelize_module(block, tp_mesh, {**attention_plan(args), **ffn})
+        parallelize_module(block, tp_mesh, block_plan(args, args.is_moe_layer(int(name))))
+
+
+def block_plan(args: DeepseekV3Args, moe: bool) -> dict[str, object]:
+    ffn = moe_tp_plan("feed_forward", args.num_shared_experts > 0) if moe else swiglu_plan()
+    return {**attention_plan(args), **ffn}
+
+
+def attention_modules(args: DeepseekV3Args) -> dict[str, contract.Module]:
+    """The modules `attention_plan` names, with their widths (MLA's low-rank projections)."""
+    h, n, qk = args.dim, args.n_heads, args.qk_head_dim
+    if args.q_lora_rank:
+        query = {"attention.wq_a": contract.linear(h, args.q_lora_rank), "attention.q_norm": contract.norm(args.q_lora_rank),
+                 "attention.wq_b": contract.linear(args.q_lora_rank, n * qk)}
+    else:
+        query = {"attention.wq": contract.linear(h, n * qk)}
+    return {**query, "attention.wkv_a": contract.linear(h, args.kv_lora_rank + args.qk_rope_head_dim),
+            "attention.kv_norm": contract.norm(args.kv_lora_rank),
+            "attention.wkv_b": contract.linear(args.kv_lora_rank, n * (args.qk_nope_head_dim + args.v_head_dim)),
+            "attention.rope_key": contract.Module(args.qk_rope_head_dim, args.qk_rope_head_dim),
+            "attention.wo": contract.linear(n * args.v_head_dim, h),
+            "attention_norm": contract.norm(h), "ffn_norm": contract.norm(h)}
+
+
+@contract.register(DeepseekV3Args)
+def declare(args: DeepseekV3Args) -> contract.ModelContract:
+    """The planner's view: MLA blocks, dense (SwiGLU) for the first `first_k_dense_replace`, the shared
+    MoE layer after; each with its `block_plan`."""
+    h, layers = args.dim, args.n_layers + args.mtp_depth
+    attention = attention_modules(args)
+    dense = contract.Block(block_plan(args, False), {**attention, **contract.swiglu_modules(h, args.hidden_dim)},
+                           dim=h)
+    moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+                            args.num_shared_experts)
+    moe_block = contract.Block(block_plan(args, True), {**attention, **contract.moe_modules(h, moe)}, moe=moe, dim=h)
+    flags = tuple(args.is_moe_layer(i) for i in range(layers))
+    return contract.ModelContract(
+        dim=h, n_layers=args.n_layers, vocab_size=args.vocab_size, n_heads=args.n_heads, head_dim=args.qk_head_dim,
+        kv_heads=args.n_heads,
+        # values are padded to the query/key width for the flash kernels (model.py), so they cost as much
+        attention=contract.AttentionShape(args.n_heads, args.qk_head_dim, max(args.v_head_dim, args.qk_head_dim),
+                                          args.n_heads),
+        dense=dense, moe_block=moe_block if any(flags) else None, moe_layers=flags,
+        num_params=args.num_params(), num_active_params=args.num_active_params(), flops_per_token=args.flops_per_token, ffn_hidden=args.hidden_dim,
+        mtp_depth=args.mtp_depth, max_seq_len=args.max_seq_len, block_causal=args.attention_mask == "block_causal")
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, gqa_attention_plan, swiglu_plan
+from torchtrain.models import contract
 from torchtrain.models.llama3.args import Llama3Args
 
 
@@ -52,7 +53,27 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     family's plans for the top-level modules, attention and the SwiGLU."""
     apply_decoder_top(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {**gqa_attention_plan(), **swiglu_plan()})
+        parallelize_module(block, tp_mesh, block_plan())
+
+
+def block_plan() -> dict[str, object]:
+    return {**gqa_attention_plan(), **swiglu_plan()}
+
+
+@contract.register(Llama3Args)
+def declare(args: Llama3Args) -> contract.ModelContract:
+    """The planner's view: every block is `block_plan` over grouped-query attention and a SwiGLU."""
+    h = args.dim
+    modules = {**contract.gqa_modules(h, args.n_heads, args.kv_heads, args.head_dim),
+               **contract.swiglu_modules(h, args.ffn_hidden_dim)}
+    return contract.ModelContract(
+        dim=h, n_layers=args.n_layers, vocab_size=args.vocab_size, n_heads=args.n_heads, head_dim=args.head_dim,
+        kv_heads=args.kv_heads,
+        attention=contract.AttentionShape(args.n_heads, args.head_dim, args.head_dim, args.kv_heads),
+        dense=contract.Block(block_plan(), modules, dim=h), moe_block=None, moe_layers=(False,) * args.n_layers,
+        num_params=args.num_params(), num_active_params=args.num_params(), flops_per_token=args.flops_per_token, ffn_hidden=args.ffn_hidden_dim,
+        tie_word_embeddings=args.tie_word_embeddings, max_seq_len=args.max_seq_len,
+        block_causal=args.attention_mask == "block_causal")
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:

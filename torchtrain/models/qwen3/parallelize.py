@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, gqa_attention_plan, swiglu_plan
+from torchtrain.models import contract
 from torchtrain.models.qwen3.args import Qwen3Args
 
 
@@ -57,4 +58,35 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     """Megatron-style TP with sequence parallelism (see `distributed/tensor_parallel.py`)."""
     apply_decoder_top(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {**attention_plan(), **swiglu_plan()})
+        parallelize_module(block, tp_mesh, block_plan())
+
+
+def block_plan() -> dict[str, object]:
+    return {**attention_plan(), **swiglu_plan()}
+
+
+def attention_modules(args: Qwen3Args) -> dict[str, contract.Module]:
+    """The modules `attention_plan` names, with their widths."""
+    return {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
+            "attention.q_norm": contract.norm(args.head_dim), "attention.k_norm": contract.norm(args.head_dim)}
+
+
+def declared(args: Qwen3Args, dense: contract.Block, moe_block: contract.Block | None,
+             num_active_params: int) -> contract.ModelContract:
+    """A Qwen3-family contract around its blocks (Qwen3-MoE's too)."""
+    return contract.ModelContract(
+        dim=args.dim, n_layers=args.n_layers, vocab_size=args.vocab_size, n_heads=args.n_heads,
+        head_dim=args.head_dim, kv_heads=args.kv_heads,
+        attention=contract.AttentionShape(args.n_heads, args.head_dim, args.head_dim, args.kv_heads),
+        dense=dense, moe_block=moe_block, moe_layers=(moe_block is not None,) * args.n_layers,
+        num_params=args.num_params(), num_active_params=num_active_params, flops_per_token=args.flops_per_token, ffn_hidden=args.hidden_dim,
+        tie_word_embeddings=args.tie_word_embeddings, max_seq_len=args.max_seq_len,
+        block_causal=args.attention_mask == "block_causal", qk_norm=True)
+
+
+@contract.register(Qwen3Args)
+def declare(args: Qwen3Args) -> contract.ModelContract:
+    """The planner's view: every block is `attention_plan` plus the SwiGLU's."""
+    modules = {**attention_modules(args), **contract.swiglu_modules(args.dim, args.hidden_dim)}
+    dense = contract.Block(block_plan(), modules, dim=args.dim)
+    return declared(args, dense, None, args.num_params())

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.planner.shapes import ffn_dim, numel, unit_shapes
+from torchtrain.tools.planner.shapes import numel, unit_shapes
 
 GIB = 2**30
 
@@ -110,7 +110,7 @@ class MemoryEstimate:
 
 def _moe_act(a, d: int, ep: int = 1) -> float:
     """A_moe per token (see the module doc); 0 for a dense model."""
-    if not getattr(a, "num_experts", 0):
+    if not a.num_experts:
         return 0.0
     k, h, H = a.num_experts_per_tok, a.dim, a.moe_intermediate_size
     per_route = 2 * d * h + 4 * d * H + 24 + 4 + d + (16 if ep > 1 else 0)
@@ -122,7 +122,7 @@ def _attention_act(a, d: int) -> float:
     logsumexp, and (Qwen3) the per-head query/key norms' fp32 inputs, outputs and statistics."""
     hq, hkv = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
     out = 2 * d * hq + 2 * d * hkv + 4 * a.n_heads
-    if getattr(a, "qk_norm", False):
+    if a.qk_norm:
         out += (4 + d) * (hq + hkv) + 4 * (a.n_heads + a.kv_heads)
     return out
 
@@ -133,10 +133,10 @@ def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1) -> flo
     h = a.dim
     seq_sharded = 2 * (4 + d) * h + 8
     cp_kv = 2 * d * a.kv_heads * a.head_dim * (cp - 1) / tp  # keys and values gathered from the other CP ranks
-    if getattr(a, "num_experts", 0):  # the MoE layer works on this rank's sequence shard
+    if a.num_experts:  # the MoE layer works on this rank's sequence shard
         return seq_sharded / tp + d * h + _attention_act(a, d) / tp + _moe_act(a, d, ep) / tp + cp_kv
     gathered = 2 * d * h
-    head_sharded = _attention_act(a, d) + 4 * d * ffn_dim(a)
+    head_sharded = _attention_act(a, d) + 4 * d * a.ffn_hidden
     return seq_sharded / tp + gathered + head_sharded / tp + cp_kv
 
 
@@ -145,18 +145,18 @@ def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tupl
     h, hq, hkv = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim
     if mode == "full" or (mode == "selective" and option != "op"):
         return d * h / tp, "block input d h / tp"
-    if getattr(a, "num_experts", 0):  # matmul outputs: router scores, each routed row's w1/w3/w2 outputs
+    if a.num_experts:  # matmul outputs: router scores, each routed row's w1/w3/w2 outputs
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 4 * a.num_experts + k * (2 * d * H + d * h)
         return sharded / tp + d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 4 E + k (2 d H + d h)) / tp + d h"
-    F = ffn_dim(a)
+    F = a.ffn_hidden
     sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 2 * d * F
     return sharded / tp + 2 * d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
 
 
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
-    a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
+    a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
     full = act_per_token_per_block(a, d, tp, p.ep, p.cp) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
@@ -172,7 +172,7 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     if stage.last:
         stored += (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp  # final norm, output input; log-softmax
         # multi-token prediction: per depth a block (not checkpointed), its norms and projection, a head
-        depth = getattr(a, "mtp_depth", 0)
+        depth = a.mtp_depth
         stored += depth * (full + (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp + (8 + 4 * d) * a.dim * t)
     elif p.pp > 1:
         stored += d * a.dim * t / tp  # the stage's output, kept by the schedule until its backward
@@ -183,7 +183,7 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------ the estimate
 def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
-    a, d, r, t = p.args, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
+    a, d, r, t = p.model, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
     prof = pipeline_of(p)
     stages = list(prof.stages[pp_rank])
     units = unit_shapes(a, stages, p.tp, p.ep)
@@ -206,7 +206,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     # FSDP2 reduce-scatters to the shard, but which FSDP2's unsharded no-sync accumulator, and without
     # FSDP the parameter's .grad itself, keep whole. Measured under torchrun (tests/
     # test_planner_accuracy.py: PP x FSDP x TP with sequence parallelism x AC full).
-    tied = getattr(a, "tie_word_embeddings", False)
+    tied = a.tie_word_embeddings
     emb_full = a.vocab_size * a.dim if p.tp > 1 and any(s.first for s in stages) and not tied else 0
     emb_extra = emb_full - math.ceil(a.vocab_size / p.tp) * a.dim if emb_full else 0
 
@@ -253,7 +253,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
         gathered, how = d * sum(sizes), "every unit of the stage (kept from forward to backward)"
     else:
         tail = sizes[-1] if p.reshard == "default" else block_size
-        tied_root = sizes[-1] if getattr(a, "tie_word_embeddings", False) and p.reshard != "always" else 0
+        tied_root = sizes[-1] if a.tie_word_embeddings and p.reshard != "always" else 0
         gathered, how = d * (tail + block_size + (tied_root if tied_root != tail else 0)), \
             "last unit + prefetched block" if p.reshard == "default" else "two units"
     whole = " (the embedding's for the whole vocabulary)" if emb_extra else ""

@@ -19,16 +19,15 @@ whole gathered tensor):
 **What each parallelism sends** (d compute-dtype bytes, r reduction-dtype bytes, t the micro-batch's
 tokens on the rank, h the width):
 
-* TP with sequence parallelism, per block and micro-batch: forward all-gathers the attention and
-  feed-forward inputs and reduce-scatters their outputs (4 collectives of S = t h d), backward the
-  mirror image (4 more); activation checkpointing that re-runs the forward (full, and selective "op",
-  whose policy saves matmul outputs, not collectives) repeats the forward's 4. The embedding's output
-  and the head's input add one forward and one backward collective each on their stages.
-* CP (all-gather of keys and values, `distributed/context_parallel.py`): per block and micro-batch an
-  all-gather of S = 2 (cp t) h_kv d / tp in forward (again when recomputed) and a reduce-scatter of
-  its gradient in backward.
-* EP: per MoE block and micro-batch, the dispatch and combine all-to-alls, X = (t / tp) k h d each,
-  twice in forward (again when recomputed) and twice in backward.
+* TP, CP and EP, per block and micro-batch: the collectives the model's family declares for its block
+  (`models/contract.py`, derived from its TP plan and the generic CP and EP ones), each sized from
+  its elements per token, per sequence and fixed. For a Llama block with sequence parallelism that is
+  4 collectives of t h d in forward (attention and feed-forward inputs gathered, outputs
+  reduce-scattered) and the mirror image in backward, plus the all-reduce of each replicated norm's
+  gradient; DeepSeek-V3's latent attention gathers its narrow latents instead of the block's input.
+  Forward collectives run again when activation checkpointing re-runs the forward (full, and
+  selective "op", whose policy saves matmul outputs, not collectives). The embedding's output and
+  the head's input add one forward and one backward collective of t h d each on their stages.
 * PP: per micro-batch and virtual stage, the stage output t h d / tp forward and its gradient back.
 * FSDP over N = dp_shard x cp: per unit an all-gather of its parameters (d bytes each; 1 byte for
   float8 linears with `enable_fsdp_float8_all_gather`) and a reduce-scatter of its gradients (r bytes);
@@ -45,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
+from torchtrain.models.contract import BlockCollective
 from torchtrain.tools.planner import shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import pipeline_of
@@ -85,7 +85,7 @@ def p2p(size: float, ln: Link | None) -> float:
 
 
 # ------------------------------------------------------------------------------ per micro-batch
-def _forward_repeats(p: PlanInputs) -> float:
+def forward_repeats(p: PlanInputs) -> float:
     """Forward passes a block's collectives run per micro-batch: 2 when checkpointing re-runs them."""
     if p.ac_mode == "full" or (p.ac_mode == "selective" and p.ac_option == "op"):
         return 2.0
@@ -94,66 +94,106 @@ def _forward_repeats(p: PlanInputs) -> float:
     return 1.0
 
 
-def tp_collective(p: PlanInputs, dev: GPUSpec) -> float:
-    """One sequence-parallel all-gather or reduce-scatter of a micro-batch's activations."""
+def _group(p: PlanInputs, mesh: str) -> tuple[int, int]:
+    """(ranks, span of consecutive ranks) of a mesh dimension's group."""
+    return {"tp": (p.tp, p.tp), "cp": (p.cp, p.cp * p.tp), "ep": (p.ep, p.ep)}[mesh]
+
+
+def collective_bytes(p: PlanInputs, c: BlockCollective) -> float:
+    """Bytes of one of the declared collectives `c` for one micro-batch (module doc of models/contract.py)."""
+    return c.nbytes(p.microbatch_tokens, p.microbatch_tokens * p.cp / p.seq_len, p.param_bytes)
+
+
+def collective_seconds(p: PlanInputs, dev: GPUSpec, c: BlockCollective) -> float:
+    """Seconds of the `c.count` collectives `c` for one micro-batch."""
+    n, span = _group(p, c.mesh)
+    size, ln = collective_bytes(p, c), link(dev, span)
+    if c.kind == "all_to_all":
+        one = all_to_all(n, size, ln)
+    else:
+        one = ring(n, size, ln) * (2 if c.kind == "all_reduce" else 1)
+    return c.count * one
+
+
+def block_collectives(p: PlanInputs, mesh: str) -> list[BlockCollective]:
+    """The collectives over `mesh` the model declares for one block (its plans, `models/contract.py`)."""
+    return [c for c in p.model.collectives(p.tp, p.cp, p.ep) if c.mesh == mesh]
+
+
+def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str) -> tuple[float, float]:
+    """(forward seconds including recomputation, backward seconds) of one block's `mesh` collectives."""
+    fwd = bwd = 0.0
+    for c in block_collectives(p, mesh):
+        s = collective_seconds(p, dev, c)
+        if c.backward:
+            bwd += s
+        else:
+            fwd += s
+    return fwd * forward_repeats(p), bwd
+
+
+def tp_edge(p: PlanInputs, dev: GPUSpec) -> float:
+    """One sequence-parallel all-gather or reduce-scatter of a micro-batch's activations: what the
+    embedding's output and the head's input cost each way (`distributed/tensor_parallel.py`'s
+    `apply_decoder_top`)."""
     if p.tp == 1:
         return 0.0
-    return ring(p.tp, p.microbatch_tokens * p.args.dim * p.param_bytes, link(dev, p.tp))
+    return ring(p.tp, p.microbatch_tokens * p.model.dim * p.param_bytes, link(dev, p.tp))
 
 
 def tp_block(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
     """(forward collectives' seconds including recomputation, backward collectives' seconds) of one block."""
-    c = tp_collective(p, dev)
-    return 4 * c * _forward_repeats(p), 4 * c
+    return _per_block(p, dev, "tp")
+
+
+def tp_forward_activations(p: PlanInputs, dev: GPUSpec) -> list[float]:
+    """Seconds of each forward sequence-parallel collective of a block's activations, once (async TP
+    overlaps these with the GEMMs they feed)."""
+    return [collective_seconds(p, dev, c) / c.count for c in block_collectives(p, "tp")
+            if not c.backward and c.per_token for _ in range(c.count)]
+
+
+def tp_unpaired(p: PlanInputs, dev: GPUSpec) -> float:
+    """Seconds of a block's TP collectives that no GEMM overlaps under async TP (those not sized by the
+    tokens, e.g. the replicated norms' gradients), forward ones including recomputation."""
+    return sum(collective_seconds(p, dev, c) * (1.0 if c.backward else forward_repeats(p))
+               for c in block_collectives(p, "tp") if not c.per_token)
 
 
 def kv_exchange_bytes(p: PlanInputs) -> float:
     """Context parallelism: bytes one rank receives (keys and values gathered in forward, again when
     recomputed) and sends (their gradients reduce-scattered in backward) per block and micro-batch."""
-    if p.cp == 1:
-        return 0.0
-    att = shapes.attention(p.args)
-    once = 2 * p.microbatch_tokens * att.kv_heads * att.qk_head_dim * p.param_bytes * (p.cp - 1) / p.tp
-    return once * (_forward_repeats(p) + 1)
+    return sum(collective_bytes(p, c) * c.count * (p.cp - 1) / p.cp * (1.0 if c.backward else forward_repeats(p))
+               for c in block_collectives(p, "cp"))
 
 
 def expert_all_to_all_bytes(p: PlanInputs) -> float:
-    """Bytes one rank sends through the EP all-to-alls per step (dispatch + combine, forward, recomputed
-    forward, backward) over the MoE blocks of its stages."""
-    a = p.args
-    if p.ep == 1 or not shapes.is_moe(a):
+    """Bytes of routed rows one rank sends through the EP all-to-alls per step (dispatch + combine,
+    forward, recomputed forward, backward) over the MoE blocks of its stages."""
+    if p.ep == 1 or p.model.moe is None:
         return 0.0
     blocks = sum(len(s.layers) for s in pipeline_of(p).stages[0])
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
-    per_pass = 2 * p.microbatch_tokens / p.tp * a.num_experts_per_tok * a.dim * p.param_bytes * (p.ep - 1) / p.ep
-    return per_pass * (_forward_repeats(p) + 1) * blocks * passes
+    per_pass = sum(collective_bytes(p, c) * c.count * (p.ep - 1) / p.ep * (1.0 if c.backward else forward_repeats(p))
+                   for c in block_collectives(p, "ep") if c.per_token)
+    return per_pass * blocks * passes
 
 
 def cp_block(p: PlanInputs, dev: GPUSpec) -> float:
     """Key/value all-gathers and their gradients' reduce-scatter for one block and micro-batch."""
-    if p.cp == 1:
-        return 0.0
-    att = shapes.attention(p.args)
-    size = 2 * p.microbatch_tokens * p.cp * att.kv_heads * att.qk_head_dim * p.param_bytes / p.tp
-    one = ring(p.cp, size, link(dev, p.cp * p.tp))
-    return one * (_forward_repeats(p) + 1)
+    return sum(_per_block(p, dev, "cp"))
 
 
 def ep_block(p: PlanInputs, dev: GPUSpec) -> float:
     """Dispatch and combine all-to-alls of one MoE block for one micro-batch (forward, recompute, backward)."""
-    a = p.args
-    if p.ep == 1 or not shapes.is_moe(a):
-        return 0.0
-    sent = p.microbatch_tokens / p.tp * a.num_experts_per_tok * a.dim * p.param_bytes
-    one = all_to_all(p.ep, sent, link(dev, p.ep))
-    return 2 * one * (_forward_repeats(p) + 1)
+    return sum(_per_block(p, dev, "ep"))
 
 
 def pp_microbatch(p: PlanInputs, dev: GPUSpec) -> float:
     """One stage boundary's activation send plus its gradient coming back, for one micro-batch."""
     if p.pp == 1:
         return 0.0
-    size = p.microbatch_tokens * p.args.dim * p.param_bytes / p.tp
+    size = p.microbatch_tokens * p.model.dim * p.param_bytes / p.tp
     return 2 * p2p(size, link(dev, p.world_size))
 
 

@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.tools.planner import shapes
+from torchtrain.models.contract import Matmul
 from torchtrain.tools.planner.inputs import PlanInputs
 
 LAUNCH_S = 4e-6
@@ -119,7 +119,7 @@ def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int
     seqs = p.microbatch_tokens * p.cp / s
     share = 0.5  # causal
     eff_scale = 1.0
-    if getattr(p.args, "attention_mask", "causal") == "block_causal":
+    if p.model.block_causal:
         share *= min(1.0, (p.document_tokens or s) / s)
         eff_scale = FLEX_ATTENTION_SHARE
     flops = 2 * s * s * (qk + v) * share * heads * seqs / p.cp
@@ -134,7 +134,7 @@ def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int
 def block_memory_bytes(a, d: int, compiled: bool) -> float:
     """Forward bytes per token of a block's memory-bound kernels, before tensor-parallel sharding
     (see the module docstring)."""
-    att = shapes.attention(a)
+    att = a.attention
     h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
     hq_qk = att.heads * att.qk_head_dim
     if compiled:
@@ -143,17 +143,17 @@ def block_memory_bytes(a, d: int, compiled: bool) -> float:
     else:
         out = 2 * (4 * d + 24) * h + (2 * d + 16) * (hq_qk + hkv) + 2 * d * hq + 6 * d * h
         per_ffn, qk_norm = 5 * d, (4 * d + 24) * (hq_qk + hkv)
-    if getattr(a, "qk_norm", False):
+    if a.qk_norm:
         out += qk_norm
-    if shapes.is_moe(a):
+    if a.moe is not None:
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
     else:
-        out += per_ffn * shapes.ffn_dim(a)
+        out += per_ffn * a.ffn_hidden
     return out
 
 
-def float8_cast_bytes(mm: shapes.Matmul, d: int, compiled: bool) -> float:
+def float8_cast_bytes(mm: Matmul, d: int, compiled: bool) -> float:
     """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward."""
     per = (d + 1) if compiled else (2 * d + 1)
     return (per + 2) * (mm.in_features + mm.out_features)
@@ -163,14 +163,14 @@ def float8_cast_bytes(mm: shapes.Matmul, d: int, compiled: bool) -> float:
 def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     """One block on one rank for one micro-batch: GEMMs by their TP/EP-local shapes, attention,
     memory-bound kernels, and what activation checkpointing recomputes."""
-    a, tp, d = p.args, p.tp, p.param_bytes
+    a, tp, d = p.model, p.tp, p.param_bytes
     t = p.microbatch_tokens  # tokens of this micro-batch on the rank (seq_len / cp per sequence)
     dtype = p.param_dtype
     out = BlockTime(tp_gemm={"attn_in": (0.0, 0.0), "attn_out": (0.0, 0.0), "ffn_in": (0.0, 0.0),
                              "ffn_out": (0.0, 0.0)})
     mm_fwd_s = 0.0
     fp8_bytes = 0.0
-    for mm in shapes.matmuls(a):
+    for mm in a.matmuls():
         gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
             mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
         if mm.kind in ("column", "row"):
@@ -191,11 +191,11 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
         out.gemm_fwd += fwd
         out.gemm_bwd += bwd
         mm_fwd_s += fwd
-        side = "attn" if mm.name in ("wq", "wk", "wv", "wo") else "ffn"
+        side = "attn" if mm.attention else "ffn"
         if mm.kind in ("column", "row"):
             key = f"{side}_{'in' if mm.kind == 'column' else 'out'}"
             out.tp_gemm[key] = (out.tp_gemm[key][0] + fwd, out.tp_gemm[key][1] + dgrad)
-    att = shapes.attention(a)
+    att = a.attention
     out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim)
     mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile) * t / tp)
     fp8_s = memory_seconds(dev, fp8_bytes)
@@ -220,14 +220,14 @@ def _recompute_share(p: PlanInputs) -> float:
 def embedding_seconds(p: PlanInputs, dev: GPUSpec) -> float:
     """Embedding forward + backward for one micro-batch (the first stage): lookups, and the gradient
     table written whole (DTensor computes it for the whole vocabulary, see analytic.py)."""
-    a, d, t = p.args, p.param_bytes, p.microbatch_tokens
+    a, d, t = p.model, p.param_bytes, p.microbatch_tokens
     return memory_seconds(dev, 3 * d * a.dim * t + 4 * a.vocab_size * a.dim)
 
 
 def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
     """Final norm, output projection (vocabulary-parallel under TP) and the loss, forward and
     backward, for one micro-batch (the last stage)."""
-    a, d, t, tp = p.args, p.param_bytes, p.microbatch_tokens, p.tp
+    a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
     fwd, dgrad, wgrad = linear_seconds(dev, t, a.dim, a.vocab_size / tp, p.param_dtype)
     bwd = dgrad + wgrad
     loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t

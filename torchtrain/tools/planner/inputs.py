@@ -11,6 +11,7 @@ a PlanInputs back into the job config that selects it (for the trainer's own che
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from torchtrain.distributed.layout import (
     resolve_param_dtype,
 )
 from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.models.contract import ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 
 
@@ -140,6 +142,11 @@ class PlanInputs:
     notes: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived
+    @functools.cached_property
+    def model(self) -> ModelContract:
+        """What the model's family declares about it (`models/contract.py`): all the planner reads of it."""
+        return declare(self.args)
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -147,7 +154,7 @@ class PlanInputs:
     @property
     def num_experts(self) -> int:
         """Routed experts per MoE layer (0: a dense model)."""
-        return getattr(self.args, "num_experts", 0)
+        return self.model.num_experts
 
     @property
     def dp_shard_in_ep(self) -> int:
@@ -215,7 +222,7 @@ class PlanInputs:
 
     @property
     def token_budget(self) -> float:
-        return self.tokens if self.tokens is not None else 20.0 * self.args.num_params()
+        return self.tokens if self.tokens is not None else 20.0 * self.model.num_params
 
     def describe(self) -> str:
         dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.sharded else (("dp", self.dp),)
@@ -344,7 +351,7 @@ def _layout_values(inputs: PlanInputs) -> dict[tuple[str, str], Any]:
         from torchtrain.tools.planner.pipeline import default_stages_per_rank
 
         if inputs.pp_stages_per_rank != default_stages_per_rank(inputs.pp_schedule):
-            per_stage = inputs.args.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
+            per_stage = inputs.model.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
             values[("parallelism", "pipeline_parallel_layers_per_stage")] = per_stage
     return values
 

@@ -59,9 +59,8 @@ def _stage_text(rank: RankPlan) -> str:
 
 def _params(a) -> str:
     """"N parameters", with the active ones of a mixture-of-experts model."""
-    text = f"{_si(a.num_params())} parameters"
-    active = getattr(a, "num_active_params", a.num_params)()
-    return text + (f", {_si(active)} active per token" if active != a.num_params() else "")
+    text = f"{_si(a.num_params)} parameters"
+    return text + (f", {_si(a.num_active_params)} active per token" if a.num_active_params != a.num_params else "")
 
 
 def _experts_line(plan: Plan) -> str | None:
@@ -76,7 +75,7 @@ def _experts_line(plan: Plan) -> str | None:
 
 
 def format_plan(plan: Plan) -> str:
-    p, a, lines = plan.inputs, plan.inputs.args, []
+    p, a, lines = plan.inputs, plan.inputs.model, []
     lines.append(f"torchtrain plan: {p.model_name} {p.flavor} ({_params(a)}) on {_device(plan)}")
     lines.append(f"  layout   {p.describe()}")
     experts = _experts_line(plan)
@@ -222,8 +221,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "peak_bytes": r.peak,
         })
     return {
-        "model": {"name": p.model_name, "args": _clean(p.args), "num_params": p.args.num_params(),
-                  "num_active_params": getattr(p.args, "num_active_params", p.args.num_params)()},
+        "model": {"name": p.model_name, "args": _clean(p.args), "num_params": p.model.num_params,
+                  "num_active_params": p.model.num_active_params},
         "inputs": inputs, "valid": plan.valid, "problems": plan.problems, "runnable": not plan.blockers,
         "blockers": plan.blockers, "overrides": plan.overrides,
         "memory": {"ranks": ranks, "worst_rank": plan.worst.pp_rank if ranks else None,
@@ -250,7 +249,7 @@ def format_search(result, top: int, show_rejected: bool) -> str:
     b = result.base
     gpu = b.gpu.name if b.gpu is not None else "CPU"
     usable = _g(b.usable_bytes) if b.usable_bytes is not None else "unknown"
-    lines = [f"torchtrain search: {b.model_name} {b.flavor} ({_params(b.args)}) on "
+    lines = [f"torchtrain search: {b.model_name} {b.flavor} ({_params(b.model)}) on "
              f"{b.world_size} x {gpu}; "
              f"global batch {b.global_batch_size} x {b.seq_len} tokens; usable memory {usable} GiB per GPU",
              f"  {result.examined:,} layouts examined: {len(result.ranked):,} fit, {len(result.rejected):,} rejected "

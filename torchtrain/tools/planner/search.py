@@ -90,7 +90,7 @@ def _cp_degrees(base: PlanInputs, ranks: int, fixed: int | None) -> list[int]:
 
 def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[str],
                       cp: int | None = None) -> list[PlanInputs]:
-    a, world, out = base.args, base.world_size, []
+    a, world, out = base.model, base.world_size, []
     node = base.gpu.gpus_per_node if base.gpu is not None else world
     for tp in _powers_of_two(min(node, world)):
         if world % tp:

@@ -85,10 +85,10 @@ class StepTime:
 def recompute_flops_per_token(p: PlanInputs) -> float:
     """Matmul and attention FLOPs per token that activation checkpointing repeats (memory-bound work is
     counted in time only)."""
-    a = p.args
-    att = shapes.attention(a)
+    a = p.model
+    att = a.attention
     block_matmul = 2 * sum(m.in_features * m.out_features * (a.num_experts_per_tok if m.kind == "expert" else 1)
-                           for m in shapes.matmuls(a))
+                           for m in a.matmuls())
     attention = 2 * p.seq_len * att.heads * (att.qk_head_dim + att.v_head_dim) * 0.5 * 2
     if p.ac_mode == "full":
         return a.n_layers * (block_matmul + attention)
@@ -110,23 +110,25 @@ class _Microbatch:
 
 def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages) -> _Microbatch:
     """One micro-batch through this rank's stages (step 1 of the module docstring)."""
-    mtp = getattr(p.args, "mtp_depth", 0) * sum(s.last for s in stages)  # MTP depths: one block + head each
+    mtp = p.model.mtp_depth * sum(s.last for s in stages)  # MTP depths: one block + head each
     n_blocks = sum(len(s.layers) for s in stages) + mtp
     tp_fwd, tp_bwd = comm_time.tp_block(p, dev)
     tp_exposed = tp_fwd + tp_bwd
     hidden = 0.0
     if p.async_tp and p.tp > 1:
-        # each collective is cut into tp chunks pipelined with the GEMM it feeds (forward) or follows
-        # (input gradient): the first chunk waits, the rest hide as far as that GEMM lasts
-        c, repeats = comm_time.tp_collective(p, dev), tp_fwd / (4 * comm_time.tp_collective(p, dev))
+        # each activation collective is cut into tp chunks pipelined with the GEMM it feeds (forward) or
+        # follows (input gradient): the first chunk waits, the rest hide as far as that GEMM lasts
+        once = comm_time.tp_forward_activations(p, dev)
+        c, repeats = sum(once) / max(1, len(once)), comm_time.forward_repeats(p)
 
         def exposed(gemm: float) -> float:
             return c / p.tp + max(0.0, c * (p.tp - 1) / p.tp - gemm)
 
-        tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in block.tp_gemm.values())
+        pairs = [v for v in block.tp_gemm.values() if v[0]][:len(once)]
+        tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in pairs) + comm_time.tp_unpaired(p, dev)
         hidden = n_blocks * (tp_fwd + tp_bwd - tp_exposed)
     edges = sum(s.first for s in stages) + sum(s.last for s in stages)
-    comm = {"tensor parallel": n_blocks * tp_exposed + edges * 2 * comm_time.tp_collective(p, dev),
+    comm = {"tensor parallel": n_blocks * tp_exposed + edges * 2 * comm_time.tp_edge(p, dev),
             "context parallel": n_blocks * comm_time.cp_block(p, dev),
             "expert all-to-all": n_blocks * comm_time.ep_block(p, dev)}
     breakdown = {"matmuls": n_blocks * (block.gemm_fwd + block.gemm_bwd),
@@ -162,7 +164,7 @@ def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic
 
 def estimate_step(p: PlanInputs) -> StepTime:
     """The step time of layout `p` on its device (see the module docstring); no times without a device."""
-    a = p.args
+    a = p.model
     tokens = p.global_batch_size * p.seq_len
     prof = pipeline_of(p)
     dev = p.gpu

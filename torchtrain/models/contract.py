@@ -1,0 +1,340 @@
+"""What a model family declares about itself for tools that reason about it without running it (the
+planner): its shapes, each block's matmuls and attention, and the collectives its parallel plans issue
+per block. A family builds a `ModelContract` from its arguments (`register` / `declare`); everything
+the planner knows about a model comes from here.
+
+The collectives are derived, not restated: a block states its modules' widths (`Module`), and
+`tp_collectives` reads the family's own tensor-parallel plan (the same dict its `apply_tp` applies) to
+find what each style moves per block and micro-batch:
+
+* an input gathered over the sequence (`ColwiseParallel(input_layouts=Shard(1))`, or
+  `PrepareModuleInput` from `Shard(1)` to `Replicate()`): an all-gather of the module's input width per
+  token in forward, and its gradient's reduce-scatter in backward (none when the gathered input is
+  handed on as a plain tensor, `use_local_output`: its gradient is then cut locally);
+* a row-parallel output into sequence shards (`RowwiseParallel(output_layouts=Shard(1))`): a
+  reduce-scatter of the output width in forward, an all-gather of its gradient in backward
+  (`Replicate()` output: one all-reduce in forward);
+* a partial sum made whole (`PrepareModuleInput` from `Partial()`): an all-reduce of the input in forward;
+* replicated weights on sequence shards (`SequenceParallel`): one all-reduce of each parameter's
+  gradient in backward.
+
+Expert parallelism (`distributed/expert_parallel.py`) and context parallelism
+(`distributed/context_parallel.py`) are generic: `ep_collectives` and `cp_collectives` state them from
+the MoE and attention shapes.
+
+Sizes (`BlockCollective`): elements per token of the rank's micro-batch (t = batch x seq_len / cp,
+before sequence parallelism splits it), per sequence, and fixed; for an all-gather or reduce-scatter
+the whole gathered tensor, for an all-reduce the tensor, for an all-to-all what the rank sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One weight matmul of a block: `tokens x in_features @ in_features x out_features`."""
+
+    name: str
+    in_features: int
+    out_features: int
+    kind: str
+    """How parallelism splits it: "column" (output features over tp, tokens gathered over the
+    sequence), "row" (input features over tp), "local" (whole weight on this rank's sequence shard: an
+    MoE router, shared experts, MLA's latent projections), "expert" (one routed expert, applied to
+    top-k routed tokens; experts split over ep)."""
+
+    @property
+    def attention(self) -> bool:
+        return self.name.startswith("attention.")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    kv_heads: int
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module a block's TP plan names: its input and output widths per token (or per sequence),
+    and its parameters as (rows, cols) (a vector: (n, 1))."""
+
+    in_features: int
+    out_features: int = 0
+    params: tuple[tuple[int, int], ...] = ()
+    linear: bool = False
+    per_sequence: bool = False
+    """Its input is one row per sequence (e.g. the auxiliary loss's per-sequence expert counts)."""
+    dtype: str = "compute"
+
+
+def linear(in_features: int, out_features: int) -> Module:
+    return Module(in_features, out_features, ((out_features, in_features),), linear=True)
+
+
+def norm(width: int) -> Module:
+    return Module(width, width, ((width, 1),))
+
+
+@dataclass(frozen=True)
+class BlockCollective:
+    """Collectives of one kind a block issues per micro-batch (see the module doc for the sizes)."""
+
+    kind: str
+    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all"."""
+    mesh: str
+    """"tp", "cp" or "ep"."""
+    backward: bool
+    """False: issued in forward (again when activation checkpointing re-runs the forward)."""
+    per_token: float = 0.0
+    per_sequence: float = 0.0
+    fixed: float = 0.0
+    dtype: str = "compute"
+    """"compute" (the parameters' compute dtype), "float32" or "int64"."""
+    count: int = 1
+
+    def elements(self, tokens: float, sequences: float) -> float:
+        """Elements of one of these collectives."""
+        return self.per_token * tokens + self.per_sequence * sequences + self.fixed
+
+    def nbytes(self, tokens: float, sequences: float, compute_bytes: int) -> float:
+        size = {"compute": compute_bytes, "float32": 4, "int64": 8}[self.dtype]
+        return self.elements(tokens, sequences) * size
+
+
+def _layouts(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int) -> list[BlockCollective]:
+    """The tensor-parallel collectives `plan` issues per block and micro-batch (module doc)."""
+    if tp == 1:
+        return []
+    out: list[BlockCollective] = []
+
+    def add(kind: str, backward: bool, m: Module, width: int) -> None:
+        per = width if not m.per_sequence else 0
+        seq = width if m.per_sequence else 0
+        out.append(BlockCollective(kind, "tp", backward, per_token=per, per_sequence=seq, dtype=m.dtype))
+
+    for name, style in plan.items():
+        m = modules[name]
+        if isinstance(style, SequenceParallel):
+            out += [BlockCollective("all_reduce", "tp", True, fixed=r * c) for r, c in m.params]
+        elif isinstance(style, (ColwiseParallel, PrepareModuleInput)):
+            src, dst = _layouts(style.input_layouts)[0], _layouts(style.desired_input_layouts)[0]
+            if isinstance(src, Shard) and isinstance(dst, Replicate):
+                add("all_gather", False, m, m.in_features)
+                if not (isinstance(style, PrepareModuleInput) and style.use_local_output):
+                    add("reduce_scatter", True, m, m.in_features)
+            elif isinstance(src, Partial) and isinstance(dst, Replicate):
+                add("all_reduce", False, m, m.in_features)
+        if isinstance(style, RowwiseParallel):
+            dst = _layouts(style.output_layouts)[0]
+            if isinstance(dst, Shard):
+                add("reduce_scatter", False, m, m.out_features)
+                add("all_gather", True, m, m.out_features)
+            else:
+                add("all_reduce", False, m, m.out_features)
+    return out
+
+
+def matmul_kind(style) -> str:
+    if isinstance(style, ColwiseParallel):
+        return "column"
+    if isinstance(style, RowwiseParallel):
+        return "row"
+    return "local"
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_experts: int
+    top_k: int
+    hidden: int
+    """One routed expert's hidden size."""
+    shared: int
+    """Shared experts (each of the routed hidden size)."""
+
+
+def ep_collectives(moe: MoEShape, dim: int, tp: int, ep: int) -> list[BlockCollective]:
+    """An MoE block's expert-parallel collectives (`distributed/expert_parallel.py`): the per-expert
+    row counts exchanged (E integers), then the dispatch and combine all-to-alls of each of the rank's
+    t / tp tokens' k rows of `dim` values, mirrored by their gradients' in backward."""
+    if ep == 1:
+        return []
+    rows = moe.top_k * dim / tp
+    return [BlockCollective("all_to_all", "ep", False, fixed=moe.num_experts, dtype="int64"),
+            BlockCollective("all_to_all", "ep", False, per_token=rows, count=2),
+            BlockCollective("all_to_all", "ep", True, per_token=rows, count=2)]
+
+
+def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollective]:
+    """Context parallelism (`distributed/context_parallel.py`): the keys and values of the whole
+    sequence (cp t tokens, this rank's kv_heads / tp heads) all-gathered in forward, their gradients
+    reduce-scattered in backward."""
+    if cp == 1:
+        return []
+    kv = 2 * att.kv_heads * att.qk_head_dim * cp / tp
+    return [BlockCollective("all_gather", "cp", False, per_token=kv),
+            BlockCollective("reduce_scatter", "cp", True, per_token=kv)]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block as its family's plan sees it."""
+
+    plan: dict[str, object]
+    """The block's TP plan (module name relative to the block -> style), as `apply_tp` applies it."""
+    modules: dict[str, Module]
+    """Every module the plan names, and every other parameter-holding module of the block."""
+    moe: MoEShape | None = None
+    dim: int = 0
+
+    def matmuls(self) -> list[Matmul]:
+        out = [Matmul(name, m.in_features, m.out_features, matmul_kind(self.plan.get(name)))
+               for name, m in self.modules.items() if m.linear]
+        if self.moe is not None:
+            h, H = self.dim, self.moe.hidden
+            out += [Matmul("experts.w1", h, H, "expert"), Matmul("experts.w3", h, H, "expert"),
+                    Matmul("experts.w2", H, h, "expert")]
+        return out
+
+    def params(self, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(TP-local (rows, cols) of the block's parameters but the routed experts', those of its
+        routed experts on one EP rank)."""
+        dense = []
+        for name, m in self.modules.items():
+            kind = matmul_kind(self.plan.get(name)) if tp > 1 else "local"
+            for r, c in m.params:
+                dense.append((r // tp, c) if kind == "column" else (r, c // tp) if kind == "row" else (r, c))
+        if self.moe is None:
+            return dense, []
+        local, h, H = self.moe.num_experts // ep, self.dim, self.moe.hidden
+        return dense, [(local * H, h), (local * h, H), (local * H, h)]
+
+    def collectives(self, tp: int, cp: int, ep: int, att: AttentionShape) -> list[BlockCollective]:
+        out = tp_collectives(self.plan, self.modules, tp) + cp_collectives(att, tp, cp)
+        return out + (ep_collectives(self.moe, self.dim, tp, ep) if self.moe is not None else [])
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    """A model as the planner reads it."""
+
+    dim: int
+    n_layers: int
+    vocab_size: int
+    n_heads: int
+    head_dim: int
+    """A head's query/key width."""
+    kv_heads: int
+    attention: AttentionShape
+    """The attention kernel's shape (MLA: value heads padded to the query/key width)."""
+    dense: Block
+    """A block without experts (for a dense model, every block)."""
+    moe_block: Block | None
+    moe_layers: tuple[bool, ...]
+    """Per block (n_layers, then one per multi-token-prediction depth): whether it has experts."""
+    num_params: int
+    num_active_params: int
+    flops_per_token: Callable[[int], int]
+    """Training FLOPs per token at a sequence length (the family's own count)."""
+    ffn_hidden: int = 0
+    """The dense SwiGLU's hidden size."""
+    tie_word_embeddings: bool = False
+    mtp_depth: int = 0
+    max_seq_len: int = 0
+    """Rows of the RoPE table."""
+    block_causal: bool = False
+    qk_norm: bool = False
+    """Per-head query/key RMSNorm (Qwen3)."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def moe(self) -> MoEShape | None:
+        return self.moe_block.moe if self.moe_block is not None else None
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 0
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.moe.top_k if self.moe else 0
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.moe.hidden if self.moe else 0
+
+    @property
+    def num_shared_experts(self) -> int:
+        return self.moe.shared if self.moe else 0
+
+    @property
+    def block(self) -> Block:
+        """The block the time model costs every block as (the MoE block when the model has experts)."""
+        return self.moe_block or self.dense
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_layers[i]
+
+    def matmuls(self) -> list[Matmul]:
+        return self.block.matmuls()
+
+    def collectives(self, tp: int, cp: int, ep: int) -> list[BlockCollective]:
+        return self.block.collectives(tp, cp, ep, self.attention)
+
+
+def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward") -> dict[str, Module]:
+    """The modules of the shared MoE layer (`models/common/moe.py`) that its TP plan names."""
+    out = {prefix: Module(dim, dim), f"{prefix}.router": linear(dim, moe.num_experts),
+           f"{prefix}.sequence_sum": Module(moe.num_experts, per_sequence=True, dtype="float32")}
+    if moe.shared:
+        s = moe.hidden * moe.shared
+        out.update({f"{prefix}.shared_experts.w1": linear(dim, s), f"{prefix}.shared_experts.w3": linear(dim, s),
+                    f"{prefix}.shared_experts.w2": linear(s, dim)})
+    return out
+
+
+def swiglu_modules(dim: int, hidden: int, prefix: str = "feed_forward") -> dict[str, Module]:
+    return {prefix: Module(dim, dim), f"{prefix}.w1": linear(dim, hidden), f"{prefix}.w3": linear(dim, hidden),
+            f"{prefix}.w2": linear(hidden, dim)}
+
+
+def gqa_modules(dim: int, n_heads: int, kv_heads: int, head_dim: int) -> dict[str, Module]:
+    hq, hkv = n_heads * head_dim, kv_heads * head_dim
+    return {"attention": Module(dim, dim), "attention.wq": linear(dim, hq), "attention.wk": linear(dim, hkv),
+            "attention.wv": linear(dim, hkv), "attention.wo": linear(hq, dim), "attention_norm": norm(dim),
+            "ffn_norm": norm(dim)}
+
+
+# ---------------------------------------------------------------------------------- the registry
+_DECLARATIONS: dict[type, Callable[[object], ModelContract]] = {}
+
+
+def register(args_cls: type):
+    """Decorator: `fn(args) -> ModelContract` declares models whose arguments are `args_cls`."""
+
+    def wrap(fn: Callable[[object], ModelContract]) -> Callable[[object], ModelContract]:
+        _DECLARATIONS[args_cls] = fn
+        return fn
+
+    return wrap
+
+
+def declare(args) -> ModelContract:
+    """The contract of the model with these arguments (its family's declaration; the most derived
+    registered argument class wins)."""
+    for cls in type(args).__mro__:
+        if cls in _DECLARATIONS:
+            return _DECLARATIONS[cls](args)
+    raise TypeError(f"{type(args).__name__} declares no model contract (models/contract.py)")
