@@ -28,9 +28,10 @@ from typing import Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -38,6 +39,28 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtrain.config.fields import ConfigError
+
+
+class GatherForLocalHeads(ParallelStyle):
+    """A module's first input, sharded over the sequence (`Shard(1)`), gathered whole for this rank's heads.
+
+    Forward: an all-gather over the sequence, handed on as a plain tensor. Its consumers are this rank's
+    heads only (e.g. MLA's RoPE key, shared by all heads and expanded to the local ones), so each rank's
+    gradient is a partial sum over its heads: the backward reduce-scatters it back into sequence shards.
+    (`PrepareModuleInput(..., use_local_output=True)` would treat that gradient as replicated and cut it
+    locally, dropping the other ranks' heads.)
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module, inputs):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            whole = x.redistribute(device_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+            return (whole, *inputs[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
 
 
 def check_divisible(tp: int, sizes: dict[str, int], fixes: dict[str, str] | None = None) -> None:

@@ -35,6 +35,8 @@ from typing import Callable
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from torchtrain.distributed.tensor_parallel import GatherForLocalHeads
+
 
 @dataclass(frozen=True)
 class Matmul:
@@ -129,6 +131,9 @@ def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int)
         m = modules[name]
         if isinstance(style, SequenceParallel):
             out += [BlockCollective("all_reduce", "tp", True, fixed=r * c) for r, c in m.params]
+        elif isinstance(style, GatherForLocalHeads):
+            add("all_gather", False, m, m.in_features)
+            add("reduce_scatter", True, m, m.in_features)
         elif isinstance(style, (ColwiseParallel, PrepareModuleInput)):
             src, dst = _layouts(style.input_layouts)[0], _layouts(style.desired_input_layouts)[0]
             if isinstance(src, Shard) and isinstance(dst, Replicate):

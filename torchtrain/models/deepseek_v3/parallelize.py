@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -30,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, swiglu_plan
+from torchtrain.distributed.tensor_parallel import GatherForLocalHeads, apply_decoder_top, check_divisible, swiglu_plan
 from torchtrain.models import contract
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
@@ -69,8 +68,7 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
         "attention.wkv_a": SequenceParallel(),  # replicated weights on this rank's sequence shard
         "attention.kv_norm": SequenceParallel(),
         "attention.wkv_b": ColwiseParallel(input_layouts=Shard(1)),
-        "attention.rope_key": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                 use_local_output=True),
+        "attention.rope_key": GatherForLocalHeads(),  # gathered for the local heads, gradient reduce-scattered
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
     }

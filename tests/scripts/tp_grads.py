@@ -1,0 +1,54 @@
+"""Under torchrun: for each job given (argument groups separated by `--next`), one forward/backward of the
+model under the job's layout and of the same model in one process, same weights and tokens; prints one
+line per job with the largest gradient difference of any parameter, relative to that gradient's largest
+entry. Loss and grad-norm parity can hide a wrong gradient of a small parameter; this cannot."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtrain.config import parse_args
+from torchtrain.distributed.parallelize import apply_parallelism
+from torchtrain.distributed.param_init import init_model_weights
+from torchtrain.distributed.utils import exit_process
+from torchtrain.trainer.preflight import preflight
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def worst_gradient(argv: list[str]) -> tuple[float, str]:
+    job = preflight(parse_args(argv), dist.get_world_size(), "cpu")
+    job.layout.dims.build_mesh("cpu")
+    spec, args = job.model_spec, job.model_args
+    reference = spec.model_cls(args)
+    init_model_weights(reference, seed=7)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model = apply_parallelism(model, spec, job.layout)
+    model.to_empty(device="cpu")
+    init_model_weights(model, seed=7)
+    tokens = torch.randint(0, args.vocab_size, (2, job.layout.batch.seq_len), generator=torch.Generator().manual_seed(0))
+    reference(tokens).float().pow(2).mean().backward()
+    full(model(tokens)).float().pow(2).mean().backward()
+    expected = dict(reference.named_parameters())
+    return max((((full(p.grad) - expected[n].grad).abs().max() / expected[n].grad.abs().max().clamp_min(1e-12)).item(), n)
+               for n, p in model.named_parameters())
+
+
+dist.init_process_group("gloo")
+jobs, current = [], []
+for a in sys.argv[1:] + ["--next"]:
+    if a == "--next":
+        jobs.append(current)
+        current = []
+    else:
+        current.append(a)
+for argv in jobs:
+    diff, name = worst_gradient(argv)
+    if dist.get_rank() == 0:
+        print(f"{argv[1]}: worst relative gradient difference {diff:.3e} ({name})", flush=True)
+exit_process(0)
