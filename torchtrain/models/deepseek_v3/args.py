@@ -24,7 +24,6 @@ more passes through the output head.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,11 +31,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.decoder import DecoderArgsMixin
 from torchtrain.models.common.moe import MoEModelArgs
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """YaRN's attention-temperature correction: 0.1 mscale ln(factor) + 1 (1 without scaling)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from torchtrain.models.common.rope import yarn_mscale
 
 
 @dataclass

@@ -1,11 +1,9 @@
 """The Llama 3 parallel plan: what is this model's own about sharding it. Plain Python, so a
 researcher can read and change it; the generic applier (`distributed/parallelize.py`) calls these in
 its fixed order (TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP) from the resolved Layout.
+FSDP units and the pipeline split are the decoder family's (`models/common/parallel.py`).
 
 * `apply_tp`: Megatron-style tensor parallelism with sequence parallelism (the model's TP plan);
-* `fsdp_units`: the FSDP units in forward order -- the token embedding, each transformer block, and
-  (norm, output) together; the root takes whatever is left (the RoPE buffer; with tied embeddings the
-  shared table, which both ends of the model use);
 * `validate_llama`: the model's shape checks against the layout, before any process group starts.
 """
 
@@ -15,35 +13,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import apply_decoder_top, check_divisible, gqa_attention_plan, swiglu_plan
+from torchtrain.distributed.tensor_parallel import apply_decoder_top, gqa_attention_plan, swiglu_plan
+from torchtrain.models.common.parallel import check_decoder_layout
 from torchtrain.models.llama3.args import Llama3Args
 
 
 def validate_llama(args: Llama3Args, layout) -> None:
-    """Model-shape checks against the layout, before any process group starts."""
-    dims = layout.dims
-    if dims.pp_enabled and args.tie_word_embeddings:
-        raise ConfigError("[model.tie_word_embeddings] tied embeddings cannot be split across pipeline stages "
-                          "(the table would live on the first and the last stage); set it false or "
-                          "pipeline_parallel_degree = 1")
-    tp = dims.tp
-    if tp == 1:
-        return
-    if args.tie_word_embeddings:
-        raise ConfigError("[model.tie_word_embeddings] tied embeddings are not supported with tensor parallelism "
-                          "in this plan; set model.tie_word_embeddings = false or tensor_parallel_degree = 1")
-    check_divisible(tp, {
+    """Model-shape checks against the layout (`check_decoder_layout` of the heads and the SwiGLU)."""
+    check_decoder_layout(args, layout, {
         "model.n_heads": args.n_heads,
         "model.n_kv_heads": args.kv_heads,
         "model.ffn_hidden_dim (from model.dim, ffn_dim_multiplier, multiple_of)": args.ffn_hidden_dim,
-        "model.vocab_size": args.vocab_size,
-        "training.seq_len": layout.local_seq_len,
-    }, fixes={
-        "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
-                            f"(extra rows are never produced by the tokenizer)",
-        "training.seq_len": "sequence parallelism splits each rank's sequence evenly; use a multiple of the TP "
-                            "degree (x the context parallel degree, whose ranks each hold seq_len / cp tokens)",
     })
 
 
@@ -53,14 +33,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     apply_decoder_top(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {**gqa_attention_plan(), **swiglu_plan()})
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
-    units: list[nn.Module | list[nn.Module]] = []
-    if model.tok_embeddings is not None and not model.args.tie_word_embeddings:
-        units.append(model.tok_embeddings)
-    units += list(model.layers.values())
-    tail = [m for m in (model.norm, model.output) if m is not None]
-    if tail and not model.args.tie_word_embeddings:
-        units.append(tail)
-    return units

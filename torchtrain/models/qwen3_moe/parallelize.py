@@ -1,7 +1,8 @@
-"""The Qwen3-MoE parallel plan: Qwen3's attention TP plan with the MoE layer's
-(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and
-its checks against the layout. Expert parallelism itself is generic (the applier splits every
-`GroupedExperts`); FSDP units and the pipeline split are Llama 3's.
+"""The Qwen3-MoE parallel plan: Qwen3's attention TP plan (the decoder family's with per-head query/key
+norms, `models/common/parallel.py::qk_norm_plan`) with the MoE layer's
+(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and its
+checks against the layout. Expert parallelism itself is generic (the applier splits every
+`GroupedExperts`); FSDP units and the pipeline split are the decoder family's.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import apply_decoder_top
-from torchtrain.models.qwen3.parallelize import attention_plan, validate_qwen3
+from torchtrain.distributed.tensor_parallel import apply_decoder_top, gqa_attention_plan
+from torchtrain.models.common.parallel import check_decoder_layout, qk_norm_plan
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 
 def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
-    validate_qwen3(args, layout)
+    """`check_decoder_layout` of the heads (experts are not tensor-parallel), then expert parallelism
+    over the TP ranks."""
+    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads})
     check_tp_has_ep(layout.dims)
 
 
@@ -25,4 +28,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     apply_decoder_top(model, tp_mesh, loss_parallel)
     shared = model.args.num_shared_experts > 0
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {**attention_plan(), **moe_tp_plan("feed_forward", shared)})
+        parallelize_module(block, tp_mesh, {**gqa_attention_plan(), **qk_norm_plan(),
+                                            **moe_tp_plan("feed_forward", shared)})
