@@ -68,18 +68,10 @@ class GQADecoderArgs(DecoderArgsMixin, BaseModelArgs):
         return self.n_kv_heads or self.n_heads
 
     def validate(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "head_dim", "vocab_size", "hidden_dim"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        self.check_sizes(("dim", "n_layers", "n_heads", "head_dim", "vocab_size", "hidden_dim"))
         if self.head_dim % 2:
             raise ConfigError(f"[model.head_dim] {self.head_dim} must be even for RoPE")
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"[model.n_kv_heads] {self.kv_heads} must divide model.n_heads {self.n_heads} "
-                f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads)"
-            )
-        if self.max_seq_len < 0:
-            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
+        self.check_kv_heads()
 
     # ------------------------------------------------------------------ counts
     def attention_params(self) -> int:
