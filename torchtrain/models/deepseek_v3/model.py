@@ -101,7 +101,7 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-def block(args: DeepseekV3Args, layer_id: int) -> DecoderBlock:
+def deepseek_block(args: DeepseekV3Args, layer_id: int) -> DecoderBlock:
     """Block `layer_id`: MLA, then a dense feed-forward in the first `first_k_dense_replace` blocks and a
     mixture of experts after (multi-token-prediction depths are blocks n_layers + k)."""
     ffn = MoE(args.dim, args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
@@ -118,11 +118,11 @@ class Transformer(Decoder):
         super().__init__(args)
         self.mtp: MultiTokenPrediction | None = None
         if args.mtp_depth:
-            blocks = [block(args, args.n_layers + k) for k in range(args.mtp_depth)]
+            blocks = [deepseek_block(args, args.n_layers + k) for k in range(args.mtp_depth)]
             self.mtp = MultiTokenPrediction(args.dim, args.norm_eps, blocks, args.mtp_loss_weight)
 
     def block(self, layer_id: int) -> nn.Module:
-        return block(self.args, layer_id)
+        return deepseek_block(self.args, layer_id)
 
     def rope(self, device: torch.device | None = None) -> torch.Tensor:
         return yarn_rope_table(self.args, device)
@@ -176,4 +176,4 @@ class Transformer(Decoder):
             self.mtp.init_buffers()
 
 
-__all__ = ["LatentAttention", "Transformer", "apply_interleaved_rope", "block", "yarn_rope_table"]
+__all__ = ["LatentAttention", "Transformer", "apply_interleaved_rope", "deepseek_block", "yarn_rope_table"]
