@@ -21,6 +21,8 @@ A family states its block (`Decoder.block`) and its RoPE table (`Decoder.rope`);
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,7 +80,7 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Decoder(nn.Module):
+class Decoder(nn.Module, abc.ABC):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size).
 
     `positions` (batch, seq): each token's position in its document (the data's, 0 at document
@@ -101,13 +103,13 @@ class Decoder(nn.Module):
         )
         self.register_buffer("rope_cache", self.rope(), persistent=False)
 
+    @abc.abstractmethod
     def block(self, layer_id: int) -> nn.Module:
         """Block `layer_id` (a `DecoderBlock`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rope(self, device: torch.device | None = None) -> torch.Tensor:
         """The RoPE table (`models/common/rope.py`) on `device`."""
-        raise NotImplementedError
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids -> hidden states; hidden states (from the previous pipeline stage) pass through."""
