@@ -142,6 +142,19 @@ def test_config_imports_nothing_else_from_torchtrain():
             assert not outside, f"{module} imports {sorted(outside)}"
 
 
+def test_no_model_family_imports_another():
+    """A family builds on models/common (and the package's shared modules), never on another family."""
+    graph = _graph()
+    families = {m.split(".")[2] for m in graph if m.startswith("torchtrain.models.") and m.count(".") >= 3
+                and m.split(".")[2] != "common"}
+    assert {"llama3", "qwen3", "qwen3_moe", "deepseek_v3"} <= families
+    for module, deps in graph.items():
+        if module.startswith("torchtrain.models.") and module.count(".") >= 2 and module.split(".")[2] in families:
+            own = module.split(".")[2]
+            others = {d for d in deps if d.startswith("torchtrain.models.") and d.split(".")[2] in families - {own}}
+            assert not others, f"{module} imports {sorted(others)}"
+
+
 def _compares_strategy_names(tree: ast.AST) -> list[int]:
     """Line numbers of comparisons (==, !=, in, not in) against a strategy name literal."""
     lines = []

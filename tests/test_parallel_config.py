@@ -35,6 +35,28 @@ def test_tp_valid_shapes_pass():
     model_check(["--parallelism.tensor_parallel_degree", "4", "--model.n_kv_heads", "4"], 4)
 
 
+DECODER_FAMILIES = {"llama3": [], "qwen3": [], "qwen3_moe": ["--parallelism.expert_parallel_degree", "4"],
+                    "deepseek_v3": ["--parallelism.expert_parallel_degree", "4"]}
+
+
+@pytest.mark.parametrize("name", list(DECODER_FAMILIES))
+@pytest.mark.parametrize("seq_len, ok", [(20, False), (24, True), (16, True)])
+def test_tp_cp_sequence_rule_is_one_for_every_family(name, seq_len, ok):
+    """Sequence parallelism splits each context-parallel rank's seq_len / cp tokens over the TP ranks:
+    tp 4 x cp 2 needs seq_len / 2 divisible by 4, whatever the family (20: 10 tokens per rank fails,
+    although 20 is a multiple of both 4 and 2 x cp)."""
+    argv = ["--model.name", name, "--model.flavor", "debugmodel", "--training.seq_len", str(seq_len),
+            "--parallelism.tensor_parallel_degree", "4", "--parallelism.context_parallel_degree", "2",
+            *DECODER_FAMILIES[name]]
+    if ok:
+        model_check(argv, 8)
+        return
+    with pytest.raises(ConfigError, match=r"\[training.seq_len\] 10 is not divisible by parallelism.tensor_parallel_degree 4"
+                                          r".*each of the 2 context-parallel ranks holds seq_len / 2 tokens\); use a multiple "
+                                          r"of the TP degree x the context parallel degree \(8\)"):
+        model_check(argv, 8)
+
+
 @pytest.mark.parametrize("argv, world, device, message", [
     (["--parallelism.data_parallel_strategy", "zero1", "--parallelism.tensor_parallel_degree", "2"], 4, "cpu",
      r"'zero1' cannot be combined with tensor parallelism"),

@@ -343,3 +343,22 @@ def declare(args) -> ModelContract:
         if cls in _DECLARATIONS:
             return _DECLARATIONS[cls](args)
     raise TypeError(f"{type(args).__name__} declares no model contract (models/contract.py)")
+
+
+def qk_norm_modules(head_dim: int) -> dict[str, Module]:
+    """Per-head query/key norms (`models/common/parallel.py::qk_norm_plan`)."""
+    return {"attention.q_norm": norm(head_dim), "attention.k_norm": norm(head_dim)}
+
+
+def gqa_decoder(args, dense: Block, moe_block: Block | None, num_active_params: int, ffn_hidden: int,
+                qk_norm: bool = False) -> ModelContract:
+    """The contract of a grouped-query-attention decoder (`models/common/transformer.py`) around its blocks:
+    every block is `moe_block` when given, else `dense`."""
+    return ModelContract(
+        dim=args.dim, n_layers=args.n_layers, vocab_size=args.vocab_size, n_heads=args.n_heads,
+        head_dim=args.head_dim, kv_heads=args.kv_heads,
+        attention=AttentionShape(args.n_heads, args.head_dim, args.head_dim, args.kv_heads),
+        dense=dense, moe_block=moe_block, moe_layers=(moe_block is not None,) * args.n_layers,
+        num_params=args.num_params(), num_active_params=num_active_params, flops_per_token=args.flops_per_token,
+        ffn_hidden=ffn_hidden, tie_word_embeddings=args.tie_word_embeddings, max_seq_len=args.max_seq_len,
+        block_causal=args.attention_mask == "block_causal", qk_norm=qk_norm)

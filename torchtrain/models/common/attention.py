@@ -139,7 +139,7 @@ def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor,
                      positions: torch.Tensor | None, seq_index: torch.Tensor | None
                      ) -> tuple[torch.Tensor, AttentionContext]:
     """(RoPE rows, attention context) of one forward of a decoder whose forward takes `positions` and
-    `seq_index` (see `models/llama3/model.py::Transformer`). Block-causal attention uses the document
+    `seq_index` (see `models/common/transformer.py::Decoder`). Block-causal attention uses the document
     positions (mask and RoPE restart per document); causal uses each token's index in its sequence
     (None: 0..seq-1, the table's first rows). `tokens` may be a pipeline stage's sequence-sharded hidden
     states, so lengths come from the positions when there are any."""

@@ -25,10 +25,27 @@ OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
 class DecoderArgsMixin:
-    """`update_from_job` for arguments with `max_seq_len` (0: the job's seq_len) and `vocab_size`."""
+    """`update_from_job` for arguments with `max_seq_len` (0: the job's seq_len) and `vocab_size`, and the
+    checks the families' `validate` share."""
 
     max_seq_len: int
     vocab_size: int
+
+    def check_sizes(self, positive: tuple[str, ...]) -> None:
+        """ConfigError unless every key of `positive` is >= 1 and `max_seq_len` >= 0."""
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        if self.max_seq_len < 0:
+            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
+
+    def check_kv_heads(self) -> None:
+        """ConfigError unless the key/value heads divide the query heads (grouped-query attention)."""
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"[model.n_kv_heads] {self.kv_heads} must divide model.n_heads {self.n_heads} "
+                f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads)"
+            )
 
     def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
         if self.max_seq_len == 0:

@@ -1,10 +1,10 @@
 """DeepSeek-V3: model, published shapes, parallel plan, registered as "deepseek_v3"."""
 
+from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.deepseek_v3.model import Transformer
 from torchtrain.models.deepseek_v3.parallelize import apply_tp, fsdp_units, stage_modules, validate_deepseek_v3
 from torchtrain.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
-from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes. 671B: DeepSeek-V3's config.json (61 blocks, 3 dense; 256 routed + 1 shared experts,
 # top-8 from at most 4 of 8 groups, sigmoid scores, routed scale 2.5; YaRN factor 40 over 4,096; the
@@ -33,21 +33,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepseekV3Args] = {
         moe_aux_loss_coeff=1e-4, moe_load_balance_coeff=1e-3),
 }
 
-register_model_spec(
-    ModelSpec(
-        name="deepseek_v3",
-        model_cls=Transformer,
-        args_cls=DeepseekV3Args,
-        flavors=DEEPSEEK_V3_FLAVORS,
-        blocks="layers",
-        tp_plan=apply_tp,
-        fsdp_units=fsdp_units,
-        validate=validate_deepseek_v3,
-        stage_modules=stage_modules,
-        state_dict_adapter=DeepseekV3StateDictAdapter,
-        compile_also=("norm",),
-        context_parallel=True,
-    )
-)
+register_decoder("deepseek_v3", Transformer, DeepseekV3Args, DEEPSEEK_V3_FLAVORS, tp_plan=apply_tp,
+                 validate=validate_deepseek_v3, fsdp_units=fsdp_units, stage_modules=stage_modules,
+                 state_dict_adapter=DeepseekV3StateDictAdapter)
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepseekV3Args", "DeepseekV3StateDictAdapter", "Transformer"]

@@ -24,7 +24,6 @@ more passes through the output head.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,11 +31,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.decoder import DecoderArgsMixin
 from torchtrain.models.common.moe import MoEModelArgs
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """YaRN's attention-temperature correction: 0.1 mscale ln(factor) + 1 (1 without scaling)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from torchtrain.models.common.rope import yarn_mscale
 
 
 @dataclass
@@ -162,10 +157,8 @@ class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        self.check_sizes(("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "kv_lora_rank", "qk_nope_head_dim",
+                          "qk_rope_head_dim", "v_head_dim"))
         if self.q_lora_rank < 0:
             raise ConfigError(f"[model.q_lora_rank] must be >= 0 (0: full-rank query), got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
@@ -175,8 +168,6 @@ class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
                               f"model.n_layers ({self.n_layers})")
         if self.rope_factor <= 0 or self.rope_original_max_seq_len < 1:
             raise ConfigError("[model.rope_factor] must be > 0 (1: no YaRN) and model.rope_original_max_seq_len >= 1")
-        if self.max_seq_len < 0:
-            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
         if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
             raise ConfigError(f"[model.mtp_depth] {self.mtp_depth} and model.mtp_loss_weight {self.mtp_loss_weight} "
                               f"must be >= 0 (mtp_depth 0: no multi-token prediction)")

@@ -1,8 +1,9 @@
 """DeepSeek-V3: multi-head latent attention, dense then mixture-of-experts feed-forwards.
 
-Plain PyTorch, no parallel code (as `models/qwen3/model.py`: heads reshaped with -1 so a
-tensor-parallel shard runs the same code; blocks in an nn.ModuleDict keyed by global index; the
-embedding, final norm and output may be None on a pipeline stage). The math is in `args.py`.
+Plain PyTorch, no parallel code, on the decoder skeleton (`models/common/transformer.py`: heads
+reshaped with -1 so a tensor-parallel shard runs the same code; blocks in an nn.ModuleDict keyed by
+global index; the embedding, final norm and output may be None on a pipeline stage). The math is in
+`args.py`; RoPE (YaRN, interleaved pairs) is `models/common/rope.py`'s.
 
 Attention is the shared `models/common/attention.py::AttentionCore` (causal or block-causal; context
 parallelism shards it) with the query pre-multiplied by softmax_scale x sqrt(qk_head_dim), so the
@@ -33,43 +34,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.base import InitSpec
+from torchtrain.models.common import rope
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, attention_inputs
 from torchtrain.models.common.decoder import LAYER_ID, decoder_init_spec, output_std
 from torchtrain.models.common.layers import FeedForward, RMSNorm
 from torchtrain.models.common.moe import MoE, moe_layers
 from torchtrain.models.common.mtp import MultiTokenPrediction
+from torchtrain.models.common.transformer import Decoder, DecoderBlock
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 
 
 def yarn_rope_table(args: DeepseekV3Args, device: torch.device | None = None) -> torch.Tensor:
-    """(max_seq_len, qk_rope_head_dim) float32: cos of angle_i (i < d/2), then sin, scaled by the
-    YaRN attention factor. With rope_factor > 1 the frequencies are YaRN's blend: kept above
-    beta_fast rotations over the original context, divided by the factor below beta_slow, linear
-    in between (HF transformers' `_compute_yarn_parameters`, which the published checkpoints use)."""
-    d, base = args.qk_rope_head_dim, args.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
-    if args.rope_factor > 1:
-        def dim_of(rotations: float) -> float:
-            return d * math.log(args.rope_original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(dim_of(args.rope_beta_fast)), 0)
-        high = min(math.ceil(dim_of(args.rope_beta_slow)), d - 1)
-        ramp = ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / max(high - low, 1e-3)).clamp(0, 1)
-        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64, device=device), freqs)
-    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * args.rope_attention_factor()).float()
+    """(max_seq_len, qk_rope_head_dim) float32: cos of angle_i (i < d/2), then sin, with YaRN's
+    frequencies when rope_factor > 1, scaled by the YaRN attention factor (`models/common/rope.py`)."""
+    freqs = rope.yarn_scaled(rope.frequencies(args.qk_rope_head_dim, args.rope_theta, device), args.rope_theta,
+                             args.rope_factor, args.rope_original_max_seq_len, args.rope_beta_fast,
+                             args.rope_beta_slow)
+    return rope.rope_table(freqs, args.max_seq_len, args.rope_attention_factor())
 
 
-def apply_interleaved_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+def apply_interleaved_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs (x[2i], x[2i+1]) of x (batch, seq, heads, d) by angle i; the result holds the
-    rotated first elements, then the second ones. `rope`: the table or per-token rows."""
-    half = x.shape[-1] // 2
-    if rope.dim() == 2:
-        rope = rope[: x.shape[1]].unsqueeze(0)
-    cos, sin = rope[..., :half].unsqueeze(2), rope[..., half:].unsqueeze(2)
-    xf = x.float()
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated first elements, then the second ones."""
+    return rope.apply_rope(x, table, "pairs_to_half")
 
 
 class LatentAttention(nn.Module):
@@ -114,36 +101,31 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: DeepseekV3Args, layer_id: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = LatentAttention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = (MoE(args.dim, args) if args.is_moe_layer(layer_id)
-                             else FeedForward(args.dim, args.hidden_dim))
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, ctx)
-        return h + self.feed_forward(self.ffn_norm(h))
+def deepseek_block(args: DeepseekV3Args, layer_id: int) -> DecoderBlock:
+    """Block `layer_id`: MLA, then a dense feed-forward in the first `first_k_dense_replace` blocks and a
+    mixture of experts after (multi-token-prediction depths are blocks n_layers + k)."""
+    ffn = MoE(args.dim, args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
+    return DecoderBlock(args.dim, args.norm_eps, LatentAttention(args), ffn)
 
 
-class Transformer(nn.Module):
+class Transformer(Decoder):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
-    `models/llama3/model.py::Transformer`."""
+    `models/common/transformer.py::Decoder`."""
+
+    args: DeepseekV3Args
 
     def __init__(self, args: DeepseekV3Args):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        super().__init__(args)
         self.mtp: MultiTokenPrediction | None = None
         if args.mtp_depth:
-            blocks = [TransformerBlock(args, args.n_layers + k) for k in range(args.mtp_depth)]
+            blocks = [deepseek_block(args, args.n_layers + k) for k in range(args.mtp_depth)]
             self.mtp = MultiTokenPrediction(args.dim, args.norm_eps, blocks, args.mtp_loss_weight)
-        self.register_buffer("rope_cache", yarn_rope_table(args), persistent=False)
+
+    def block(self, layer_id: int) -> nn.Module:
+        return deepseek_block(self.args, layer_id)
+
+    def rope(self, device: torch.device | None = None) -> torch.Tensor:
+        return yarn_rope_table(self.args, device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,8 +145,7 @@ class Transformer(nn.Module):
                 future = list(self.tok_embeddings(torch.cat(future)).split(tokens.shape[0]))
         else:  # one lookup (one FSDP unit call) for the tokens and the tokens each MTP depth reads
             h, *future = self.tok_embeddings(torch.cat([tokens, *future])).split(tokens.shape[0])
-        for layer in self.layers.values():
-            h = layer(h, rope, ctx)
+        h = self.run_blocks(h, rope, ctx)
         if self.norm is None:
             return h  # a pipeline stage that ends before the head passes hidden states on
         if not mtp:
@@ -188,11 +169,11 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the RoPE table on the buffer's current device; reset the MoE statistics."""
-        self.rope_cache = yarn_rope_table(self.args, self.rope_cache.device)
+        super().init_buffers()
         for _, layer in moe_layers(self):
             layer.init_buffers()
         if self.mtp is not None:
             self.mtp.init_buffers()
 
 
-__all__ = ["LatentAttention", "Transformer", "TransformerBlock", "apply_interleaved_rope", "yarn_rope_table"]
+__all__ = ["LatentAttention", "Transformer", "apply_interleaved_rope", "deepseek_block", "yarn_rope_table"]

@@ -1,6 +1,6 @@
 """The DeepSeek-V3 parallel plan: its tensor-parallel plan and checks against the layout (the generic
 applier, `distributed/parallelize.py`, does the rest: expert parallelism splits every `GroupedExperts`;
-the pipeline split is Llama 3's, whose module layout DeepSeek-V3 shares, with the multi-token
+the pipeline split is the decoder family's, `models/common/parallel.py`, with the multi-token
 prediction on the last stage).
 
 TP with sequence parallelism, MLA's way: the block's input stays sharded over the sequence, and
@@ -10,9 +10,9 @@ over the TP ranks). The projections that expand the latents to heads (W_qb, W_kv
 over the heads and gather their *latent* input over the sequence -- r instead of h values per token,
 4-12x less traffic than gathering x. The RoPE key (64 wide, shared by the heads) is gathered alone
 (`rope_key`). Each rank then attends with its heads and W_o is row-parallel back into sequence
-shards. The embedding, final norm and output are Qwen3's; dense feed-forwards are Megatron's
-column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`. FSDP units are Llama
-3's plus one per multi-token-prediction depth.
+shards. The embedding, final norm and output are the decoder family's; dense feed-forwards are
+Megatron's column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`. FSDP units
+are the decoder family's (`models/common/parallel.py`) plus one per multi-token-prediction depth.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from torch.distributed.tensor.parallel import (
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import GatherForLocalHeads, apply_decoder_top, check_divisible, swiglu_plan
+from torchtrain.distributed.tensor_parallel import GatherForLocalHeads, apply_decoder_top, swiglu_plan
 from torchtrain.models import contract
+from torchtrain.models.common.parallel import check_decoder_layout, decoder_fsdp_units, decoder_stage_modules
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
-from torchtrain.models.llama3.parallelize import fsdp_units as llama_fsdp_units
-from torchtrain.models.llama3.pipeline import llama_stage_modules
 
 
 def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
@@ -48,17 +47,9 @@ def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
                                   f"({why}); set model.mtp_depth = 0 or parallelism.{degree} = 1")
         if layout.batch.seq_len < args.mtp_depth + 2:
             raise ConfigError(f"[model.mtp_depth] {args.mtp_depth} needs training.seq_len >= {args.mtp_depth + 2}")
-    tp = dims.tp
-    if tp == 1:
-        return
-    if args.first_k_dense_replace < args.n_layers:  # some blocks have experts
+    if dims.tp_enabled and args.first_k_dense_replace < args.n_layers:  # some blocks have experts
         check_tp_has_ep(dims)
-    check_divisible(tp, {"model.n_heads": args.n_heads, "model.hidden_dim": args.hidden_dim,
-                         "model.vocab_size": args.vocab_size, "training.seq_len": layout.batch.seq_len}, fixes={
-        "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
-                            f"(extra rows are never produced by the tokenizer)",
-        "training.seq_len": "sequence parallelism splits the sequence evenly; use a multiple of the TP degree",
-    })
+    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.hidden_dim": args.hidden_dim})
 
 
 def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
@@ -132,9 +123,9 @@ def declare(args: DeepseekV3Args) -> contract.ModelContract:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
-    """Llama 3's units (embedding, each block, norm + output), with each multi-token-prediction depth a
-    unit of its own before the output head (forward order: the head runs once, after the depths)."""
-    units = llama_fsdp_units(model)
+    """The decoder family's units (embedding, each block, norm + output), with each multi-token-prediction
+    depth a unit of its own before the output head (forward order: the head runs once, after the depths)."""
+    units = decoder_fsdp_units(model)
     if getattr(model, "mtp", None) is None:
         return units
     depths = list(model.mtp.depths.values())
@@ -142,9 +133,9 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
 
 
 def stage_modules(args: DeepseekV3Args, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
-    """Llama 3's split; with multi-token prediction the last stage also holds the depths and the token
+    """The decoder family's split; with multi-token prediction the last stage also holds the depths and the token
     embedding they share with the first stage (two copies kept as one: `distributed/tied_stages.py`)."""
-    stages = llama_stage_modules(args, num_stages, first_less, last_less)
+    stages = decoder_stage_modules(args, num_stages, first_less, last_less)
     if args.mtp_depth:
         stages[-1] = stages[-1] + ["mtp"] + (["tok_embeddings"] if "tok_embeddings" not in stages[-1] else [])
     return stages

@@ -24,21 +24,17 @@ unused (`ignored_hf_prefixes`), as transformers does.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.hf import DENSE_FFN_NAMES, LAYER, NORM_NAMES, TOP_NAMES, torch_dtype_name
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.state_dict_adapter import StateDictAdapter, moe_torchtitan_key
 
-LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
 _BLOCK = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **NORM_NAMES,
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -47,9 +43,7 @@ _BLOCK = {
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    **DENSE_FFN_NAMES,
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
@@ -69,8 +63,8 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
     architecture, model_type = "DeepseekV3ForCausalLM", "deepseek_v3"
 
     def hf_key(self, key: str) -> str:
-        if key in _TOP:
-            return _TOP[key]
+        if key in TOP_NAMES:
+            return TOP_NAMES[key]
         if key.startswith("mtp.depths."):
             k, _, rest = key.removeprefix("mtp.depths.").partition(".")
             if rest in _MTP:
@@ -126,7 +120,7 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
             "rope_parameters": rope, "rope_interleave": True, "max_position_embeddings": a.max_seq_len,
             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "num_nextn_predict_layers": a.mtp_depth, "initializer_range": 0.02,
-            "torch_dtype": str(dtype).replace("torch.", ""),
+            "torch_dtype": torch_dtype_name(dtype),
         }
 
     def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:

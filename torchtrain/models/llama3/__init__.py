@@ -1,11 +1,10 @@
 """Llama 3 (and 3.1 / 3.2 shapes): model, presets, parallel plan, registered as "llama3"."""
 
+from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.llama3.args import Llama3Args
 from torchtrain.models.llama3.model import Transformer
-from torchtrain.models.llama3.parallelize import apply_tp, fsdp_units, validate_llama
-from torchtrain.models.llama3.pipeline import llama_stage_modules
+from torchtrain.models.llama3.parallelize import apply_tp, validate_llama
 from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Meta's params.json / HF config.json). `debugmodel` is torchtitan's CPU-sized
 # debug shape; the RoPE table length follows training.seq_len unless model.max_seq_len is set.
@@ -23,21 +22,7 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
                        multiple_of=4096),
 }
 
-register_model_spec(
-    ModelSpec(
-        name="llama3",
-        model_cls=Transformer,
-        args_cls=Llama3Args,
-        flavors=LLAMA3_FLAVORS,
-        blocks="layers",
-        tp_plan=apply_tp,
-        fsdp_units=fsdp_units,
-        validate=validate_llama,
-        stage_modules=llama_stage_modules,
-        state_dict_adapter=Llama3StateDictAdapter,
-        compile_also=("norm",),
-        context_parallel=True,
-    )
-)
+register_decoder("llama3", Transformer, Llama3Args, LLAMA3_FLAVORS, tp_plan=apply_tp, validate=validate_llama,
+                 state_dict_adapter=Llama3StateDictAdapter)
 
 __all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Llama3StateDictAdapter", "Transformer"]

@@ -94,9 +94,7 @@ class Llama3Args(DecoderArgsMixin, BaseModelArgs):
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def validate(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
+        self.check_sizes(("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"))
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"[model.dim] {self.dim} is not divisible by model.n_heads {self.n_heads}; "
@@ -104,15 +102,9 @@ class Llama3Args(DecoderArgsMixin, BaseModelArgs):
             )
         if self.head_dim % 2:
             raise ConfigError(f"[model.n_heads] head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"[model.n_kv_heads] {self.kv_heads} must divide model.n_heads {self.n_heads} "
-                f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads)"
-            )
+        self.check_kv_heads()
         if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
             raise ConfigError(f"[model.rope_scaling_factor] must be > 0 or unset, got {self.rope_scaling_factor}")
-        if self.max_seq_len < 0:
-            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
 
     # ------------------------------------------------------------------ counts
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -18,44 +18,30 @@ k uses n_kv_heads (grouped-query attention); v and o are not rotated, so they ke
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
 
-from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.hf import DENSE_FFN_NAMES, NORM_NAMES, GQAStateDictAdapter
 from torchtrain.models.llama3.args import Llama3Args
-from torchtrain.models.state_dict_adapter import StateDictAdapter
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    **DENSE_FFN_NAMES,
+    **NORM_NAMES,
 }
 
 
-class Llama3StateDictAdapter(StateDictAdapter):
+class Llama3StateDictAdapter(GQAStateDictAdapter):
+    """The grouped-query-attention decoder's names and config (`models/common/hf.py`), with the RoPE row
+    permutation and Llama 3's RoPE scaling."""
+
     model_args: Llama3Args
-
-    def hf_key(self, key: str) -> str:
-        if key in _TOP_NAMES:
-            return _TOP_NAMES[key]
-        match = _LAYER.match(key)
-        if match and match.group(2) in _LAYER_NAMES:
-            return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-        raise KeyError(f"no Hugging Face name for llama3 parameter {key!r}")
+    architecture, model_type = "LlamaForCausalLM", "llama"
+    layer_names = _LAYER_NAMES
 
     def _heads(self, key: str) -> int | None:
         if key.endswith("attention.wq.weight"):
@@ -78,34 +64,16 @@ class Llama3StateDictAdapter(StateDictAdapter):
         rows, dim = tensor.shape
         return tensor.reshape(heads, 2, rows // heads // 2, dim).transpose(1, 2).reshape(rows, dim)
 
-    def ignored_hf_keys(self) -> set[str]:
-        # Tied checkpoints sometimes store lm_head.weight although it equals the embedding.
-        return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()
+    def intermediate_size(self) -> tuple[str, int]:
+        return "ffn_dim_multiplier / multiple_of (the SwiGLU hidden size)", self.model_args.ffn_hidden_dim
 
     # ------------------------------------------------------------------ config.json
+    def extra_config(self) -> dict[str, Any]:
+        return {"mlp_bias": False}
+
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         a = self.model_args
-        config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "initializer_range": 0.02,
-            "torch_dtype": str(dtype).replace("torch.", ""),
-        }
+        config = super().hf_config(dtype)
         if a.rope_scaling_factor is not None:
             config["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -119,38 +87,16 @@ class Llama3StateDictAdapter(StateDictAdapter):
             config["max_position_embeddings"] = max(a.max_seq_len, extended)
         return config
 
-    def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
+    def structural_keys(self, config: dict[str, Any]) -> dict[str, tuple[str, Any, Any]]:
+        keys = super().structural_keys(config)
+        keys["head_dim"] = ("dim / n_heads", *keys["head_dim"][1:])
+        return keys
+
+    def rope_warnings(self, rope: dict[str, Any], source: str) -> list[str]:
         a = self.model_args
-        structural = {
-            "hidden_size": ("dim", a.dim),
-            "num_hidden_layers": ("n_layers", a.n_layers),
-            "num_attention_heads": ("n_heads", a.n_heads),
-            "num_key_value_heads": ("n_kv_heads", a.kv_heads),
-            "vocab_size": ("vocab_size", a.vocab_size),
-            "intermediate_size": ("ffn_dim_multiplier / multiple_of (the SwiGLU hidden size)", a.ffn_hidden_dim),
-            "head_dim": ("dim / n_heads", a.head_dim),
-            "tie_word_embeddings": ("tie_word_embeddings", a.tie_word_embeddings),
-        }
-        defaults = {"num_key_value_heads": config.get("num_attention_heads"), "tie_word_embeddings": False,
-                    "head_dim": (config.get("hidden_size") or 0) // max(config.get("num_attention_heads") or 1, 1)}
-        for hf_name, (ours, value) in structural.items():
-            theirs = config.get(hf_name, defaults.get(hf_name))
-            if theirs is not None and theirs != value:
-                raise ConfigError(
-                    f"[checkpoint.initial_load_path] {source}: config.json has {hf_name} = {theirs} but this "
-                    f"model has {value} (model.{ours}); set the [model] arguments to match the HF model"
-                )
-        warnings = []
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = config.get("rope_theta", rope.get("rope_theta"))
-        if theta is not None and not math.isclose(theta, a.rope_theta):
-            warnings.append(f"rope_theta {theta} in {source} differs from model.rope_theta {a.rope_theta}")
         factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "llama3" else None
         if (factor is None) != (a.rope_scaling_factor is None) or (
                 factor is not None and not math.isclose(factor, a.rope_scaling_factor)):
-            warnings.append(f"RoPE scaling factor {factor} in {source} differs from model.rope_scaling_factor "
-                            f"{a.rope_scaling_factor}")
-        eps = config.get("rms_norm_eps")
-        if eps is not None and not math.isclose(eps, a.norm_eps):
-            warnings.append(f"rms_norm_eps {eps} in {source} differs from model.norm_eps {a.norm_eps}")
-        return warnings
+            return [f"RoPE scaling factor {factor} in {source} differs from model.rope_scaling_factor "
+                    f"{a.rope_scaling_factor}"]
+        return []

@@ -1,12 +1,10 @@
 """Qwen3 (dense): model, published shapes, parallel plan, registered as "qwen3"."""
 
-from torchtrain.models.llama3.parallelize import fsdp_units
-from torchtrain.models.llama3.pipeline import llama_stage_modules
+from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.qwen3.args import Qwen3Args
 from torchtrain.models.qwen3.model import Transformer
 from torchtrain.models.qwen3.parallelize import apply_tp, validate_qwen3
 from torchtrain.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Qwen's HF config.json files): head_dim 128, RoPE base 1e6, RMSNorm eps 1e-6,
 # vocabulary 151,936; the three small models tie their embeddings. `debugmodel` is CPU-sized.
@@ -21,21 +19,7 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
 }
 
-register_model_spec(
-    ModelSpec(
-        name="qwen3",
-        model_cls=Transformer,
-        args_cls=Qwen3Args,
-        flavors=QWEN3_FLAVORS,
-        blocks="layers",
-        tp_plan=apply_tp,
-        fsdp_units=fsdp_units,
-        validate=validate_qwen3,
-        stage_modules=llama_stage_modules,
-        state_dict_adapter=Qwen3StateDictAdapter,
-        compile_also=("norm",),
-        context_parallel=True,
-    )
-)
+register_decoder("qwen3", Transformer, Qwen3Args, QWEN3_FLAVORS, tp_plan=apply_tp, validate=validate_qwen3,
+                 state_dict_adapter=Qwen3StateDictAdapter)
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3Args", "Qwen3StateDictAdapter", "Transformer"]

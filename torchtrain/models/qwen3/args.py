@@ -1,109 +1,13 @@
-"""Qwen3 (dense) model arguments and their parameter / FLOP formulas.
-
-Qwen3 is a Llama-style decoder (RMSNorm, SwiGLU, grouped-query attention, RoPE) with an explicit
-`head_dim` (n_heads x head_dim need not equal dim), an RMSNorm over head_dim on every query and key
-head before RoPE, and RoPE base 1e6. FLOPs per token follow the Llama 3 convention
-(`models/llama3/args.py`): 6 x matmul parameters + 12 x n_layers x n_heads x head_dim x seq_len.
-"""
+"""Qwen3 (dense) model arguments: the grouped-query-attention decoder's (`models/common/gqa_args.py`:
+explicit `head_dim`, per-head query/key RMSNorm, RoPE base 1e6, a dense SwiGLU in every block)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
 
-from torchtrain.config.fields import ConfigError
-from torchtrain.models.base import BaseModelArgs
-from torchtrain.models.common.decoder import DecoderArgsMixin
+from torchtrain.models.common.gqa_args import GQADecoderArgs
 
 
 @dataclass
-class Qwen3Args(DecoderArgsMixin, BaseModelArgs):
-    qk_norm: ClassVar[bool] = True  # per-head query/key RMSNorm (for the planner's activation formula)
-
-    dim: int = 4096
-    """Hidden size (HF hidden_size)."""
-
-    n_layers: int = 36
-    """Number of transformer blocks."""
-
-    n_heads: int = 32
-    """Attention (query) heads."""
-
-    n_kv_heads: int | None = 8
-    """Key/value heads for grouped-query attention (unset: n_heads)."""
-
-    head_dim: int = 128
-    """Width of one attention head (independent of dim / n_heads in Qwen3)."""
-
-    vocab_size: int = 151936
-    """Embedding rows; must be at least the tokenizer's vocabulary."""
-
-    hidden_dim: int = 12288
-    """SwiGLU hidden size of the dense feed-forward (HF intermediate_size)."""
-
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon (also of the per-head query/key norms)."""
-
-    rope_theta: float = 1000000.0
-    """RoPE base frequency."""
-
-    max_seq_len: int = 0
-    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
-
-    tie_word_embeddings: bool = False
-    """Use the input embedding table as the output projection (the 0.6B, 1.7B and 4B models)."""
-
-    depth_init: bool = True
-    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
-
-    attention_mask: Literal["causal", "block_causal"] = "causal"
-    """`causal`: every token attends to all earlier tokens of its window. `block_causal`: only to
-    earlier tokens of its own document (from the data's per-token positions), with RoPE positions
-    restarting at each document (docs/long_context.md)."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    def validate(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "head_dim", "vocab_size", "hidden_dim"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
-        if self.head_dim % 2:
-            raise ConfigError(f"[model.head_dim] {self.head_dim} must be even for RoPE")
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"[model.n_kv_heads] {self.kv_heads} must divide model.n_heads {self.n_heads} "
-                f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads)"
-            )
-        if self.max_seq_len < 0:
-            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
-
-    # ------------------------------------------------------------------ counts
-    def attention_params(self) -> int:
-        d, hd = self.dim, self.head_dim
-        return 2 * d * self.n_heads * hd + 2 * d * self.kv_heads * hd + 2 * hd
-
-    def ffn_params(self, active: bool = False) -> int:
-        """Parameters of one block's feed-forward (all of them, or those one token uses)."""
-        return 3 * self.dim * self.hidden_dim
-
-    def _count(self, active: bool, exclude_embedding: bool) -> int:
-        per_layer = self.attention_params() + self.ffn_params(active) + 2 * self.dim
-        table = self.vocab_size * self.dim
-        total = self.n_layers * per_layer + self.dim + table
-        if not self.tie_word_embeddings:
-            total += table
-        return total - table if exclude_embedding else total
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        return self._count(False, exclude_embedding)
-
-    def num_active_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters one token's forward uses (all of them for a dense model)."""
-        return self._count(True, exclude_embedding)
-
-    def flops_per_token(self, seq_len: int) -> int:
-        # With tied embeddings the single table is the output matmul, so exclude nothing.
-        n_matmul = self.num_active_params(exclude_embedding=not self.tie_word_embeddings)
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+class Qwen3Args(GQADecoderArgs):
+    """Qwen3 (dense): the published 0.6B-32B shapes are `QWEN3_FLAVORS`."""

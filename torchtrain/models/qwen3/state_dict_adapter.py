@@ -1,125 +1,13 @@
-"""Qwen3 <-> Hugging Face `Qwen3ForCausalLM` weights and config.json.
-
-Names: ``tok_embeddings`` -> ``model.embed_tokens``, ``layers.i.attention.w{q,k,v,o}`` ->
-``model.layers.i.self_attn.{q,k,v,o}_proj``, ``attention.{q,k}_norm`` -> ``self_attn.{q,k}_norm``,
-``feed_forward.w1/w3/w2`` -> ``mlp.gate/up/down_proj``, ``attention_norm`` / ``ffn_norm`` ->
-``input_layernorm`` / ``post_attention_layernorm``, ``norm`` -> ``model.norm``, ``output`` ->
-``lm_head`` (absent with tied embeddings). Both use the "rotate half" RoPE layout, so every tensor
-is copied as is.
-"""
+"""Qwen3 <-> Hugging Face `Qwen3ForCausalLM` weights and config.json: the grouped-query-attention
+decoder's names and config (`models/common/hf.py`). Both use the "rotate half" RoPE layout, so every
+tensor is copied as is."""
 
 from __future__ import annotations
 
-import math
-import re
-from typing import Any
-
-import torch
-
-from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.hf import GQAStateDictAdapter
 from torchtrain.models.qwen3.args import Qwen3Args
-from torchtrain.models.state_dict_adapter import StateDictAdapter
-
-LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-ATTENTION_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-DENSE_FFN_NAMES = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
-class Qwen3StateDictAdapter(StateDictAdapter):
+class Qwen3StateDictAdapter(GQAStateDictAdapter):
     model_args: Qwen3Args
     architecture, model_type = "Qwen3ForCausalLM", "qwen3"
-    layer_names = {**ATTENTION_NAMES, **DENSE_FFN_NAMES}
-
-    def hf_key(self, key: str) -> str:
-        if key in TOP_NAMES:
-            return TOP_NAMES[key]
-        match = LAYER.match(key)
-        if match and match.group(2) in self.layer_names:
-            return f"model.layers.{match.group(1)}.{self.layer_names[match.group(2)]}"
-        raise KeyError(f"no Hugging Face name for {self.model_type} parameter {key!r}")
-
-    def ignored_hf_keys(self) -> set[str]:
-        # Tied checkpoints sometimes store lm_head.weight although it equals the embedding.
-        return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()
-
-    # ------------------------------------------------------------------ config.json
-    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        a = self.model_args
-        return {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "hidden_size": a.dim,
-            "intermediate_size": a.hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "initializer_range": 0.02,
-            "torch_dtype": str(dtype).replace("torch.", ""),
-        }
-
-    def structural_keys(self, config: dict[str, Any]) -> dict[str, tuple[str, Any, Any]]:
-        """HF key -> (our key, our value, HF's default) of every setting that changes the tensors."""
-        a = self.model_args
-        return {
-            "hidden_size": ("dim", a.dim, None),
-            "num_hidden_layers": ("n_layers", a.n_layers, None),
-            "num_attention_heads": ("n_heads", a.n_heads, None),
-            "num_key_value_heads": ("n_kv_heads", a.kv_heads, config.get("num_attention_heads")),
-            "head_dim": ("head_dim", a.head_dim,
-                         (config.get("hidden_size") or 0) // max(config.get("num_attention_heads") or 1, 1)),
-            "vocab_size": ("vocab_size", a.vocab_size, None),
-            "intermediate_size": ("hidden_dim", a.hidden_dim, None),
-            "tie_word_embeddings": ("tie_word_embeddings", a.tie_word_embeddings, False),
-        }
-
-    def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
-        for hf_name, (ours, value, default) in self.structural_keys(config).items():
-            theirs = config.get(hf_name, default)
-            if theirs is not None and theirs != value:
-                raise ConfigError(
-                    f"[checkpoint.initial_load_path] {source}: config.json has {hf_name} = {theirs} but this "
-                    f"model has {value} (model.{ours}); set the [model] arguments to match the HF model"
-                )
-        a, warnings = self.model_args, []
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = config.get("rope_theta", rope.get("rope_theta"))
-        if theta is not None and not math.isclose(theta, a.rope_theta):
-            warnings.append(f"rope_theta {theta} in {source} differs from model.rope_theta {a.rope_theta}")
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            warnings.append(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} in {source} is not applied by "
-                            f"torchtrain's Qwen3 (plain RoPE)")
-        eps = config.get("rms_norm_eps")
-        if eps is not None and not math.isclose(eps, a.norm_eps):
-            warnings.append(f"rms_norm_eps {eps} in {source} differs from model.norm_eps {a.norm_eps}")
-        if config.get("use_sliding_window"):
-            warnings.append(f"{source} enables sliding-window attention, which torchtrain's Qwen3 does not apply")
-        return warnings

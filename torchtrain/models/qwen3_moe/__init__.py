@@ -1,12 +1,10 @@
 """Qwen3-MoE: model, published shapes, parallel plan, registered as "qwen3_moe"."""
 
-from torchtrain.models.llama3.parallelize import fsdp_units
-from torchtrain.models.llama3.pipeline import llama_stage_modules
+from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 from torchtrain.models.qwen3_moe.model import MoETransformer
 from torchtrain.models.qwen3_moe.parallelize import apply_tp, validate_qwen3_moe
 from torchtrain.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
-from torchtrain.models.registry import ModelSpec, register_model_spec
 
 # Published shapes (Qwen's HF config.json files): 128 experts, top-8, renormalised gate weights,
 # softmax router, no shared experts, head_dim 128, RoPE base 1e6, router_aux_loss_coef 0.001.
@@ -20,21 +18,7 @@ QWEN3_MOE_FLAVORS: dict[str, Qwen3MoeArgs] = {
                               num_experts_per_tok=8, moe_intermediate_size=1536),
 }
 
-register_model_spec(
-    ModelSpec(
-        name="qwen3_moe",
-        model_cls=MoETransformer,
-        args_cls=Qwen3MoeArgs,
-        flavors=QWEN3_MOE_FLAVORS,
-        blocks="layers",
-        tp_plan=apply_tp,
-        fsdp_units=fsdp_units,
-        validate=validate_qwen3_moe,
-        stage_modules=llama_stage_modules,
-        state_dict_adapter=Qwen3MoeStateDictAdapter,
-        compile_also=("norm",),
-        context_parallel=True,
-    )
-)
+register_decoder("qwen3_moe", MoETransformer, Qwen3MoeArgs, QWEN3_MOE_FLAVORS, tp_plan=apply_tp,
+                 validate=validate_qwen3_moe, state_dict_adapter=Qwen3MoeStateDictAdapter)
 
 __all__ = ["QWEN3_MOE_FLAVORS", "Qwen3MoeArgs", "Qwen3MoeStateDictAdapter", "MoETransformer"]

@@ -1,4 +1,5 @@
-"""Qwen3-MoE model arguments: Qwen3's, with every feed-forward a mixture of experts.
+"""Qwen3-MoE model arguments: Qwen3's (`models/common/gqa_args.py`), with every feed-forward a mixture
+of experts.
 
 Parameters: `num_params` counts every expert; `num_active_params` what one token uses (its top-k
 experts, the shared ones and the router). FLOPs per token -- and so MFU -- use the active ones:
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtrain.models.common.gqa_args import GQADecoderArgs
 from torchtrain.models.common.moe import MoEModelArgs
-from torchtrain.models.qwen3.args import Qwen3Args
 
 
 @dataclass
-class Qwen3MoeArgs(MoEModelArgs, Qwen3Args):
+class Qwen3MoeArgs(MoEModelArgs, GQADecoderArgs):
     def validate(self) -> None:
-        Qwen3Args.validate(self)
+        GQADecoderArgs.validate(self)
         self.validate_moe()
 
     def ffn_params(self, active: bool = False) -> int:

@@ -1,27 +1,33 @@
-"""Qwen3-MoE: the Qwen3 model (`models/qwen3/model.py`) with a mixture-of-experts feed-forward in
-every block (`models/common/moe.py`: softmax router, top-k, SwiGLU experts, no shared experts in
-the published models). No parallel code."""
+"""Qwen3-MoE: the Qwen3 decoder (grouped-query attention with per-head query/key RMSNorm, "rotate half"
+RoPE: `models/common/transformer.py`) with a mixture-of-experts feed-forward in every block
+(`models/common/moe.py`: softmax router, top-k, SwiGLU experts, no shared experts in the published
+models). No parallel code."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchtrain.models.base import InitSpec
+from torchtrain.models.common.decoder import output_std
 from torchtrain.models.common.moe import MoE, moe_layers
-from torchtrain.models.qwen3.model import Transformer
+from torchtrain.models.common.transformer import Decoder, qk_norm_block, qk_norm_rope
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 
-class MoETransformer(Transformer):
+class MoETransformer(Decoder):
     args: Qwen3MoeArgs
 
-    def feed_forward(self, layer_id: int) -> nn.Module:
-        return MoE(self.args.dim, self.args)
+    def block(self, layer_id: int) -> nn.Module:
+        return qk_norm_block(self.args, MoE(self.args.dim, self.args))
+
+    def rope(self, device: torch.device | None = None) -> torch.Tensor:
+        return qk_norm_rope(self.args, device)
 
     def init_spec(self, fqn: str) -> InitSpec:
         head, sep, rest = fqn.partition(".feed_forward.")
         if sep:  # router, experts, shared experts
-            return MoE.init_spec(rest, std=0.02, out_std=self.output_std(fqn))
+            return MoE.init_spec(rest, std=0.02, out_std=output_std(fqn, self.args.n_layers, self.args.depth_init))
         return super().init_spec(fqn)
 
     def init_buffers(self) -> None:

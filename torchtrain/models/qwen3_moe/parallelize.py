@@ -1,7 +1,8 @@
-"""The Qwen3-MoE parallel plan: Qwen3's attention TP plan with the MoE layer's
-(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and
-its checks against the layout. Expert parallelism itself is generic (the applier splits every
-`GroupedExperts`); FSDP units and the pipeline split are Llama 3's.
+"""The Qwen3-MoE parallel plan: Qwen3's attention TP plan (the decoder family's with per-head query/key
+norms, `models/common/parallel.py::qk_norm_plan`) with the MoE layer's
+(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and its
+checks against the layout. Expert parallelism itself is generic (the applier splits every
+`GroupedExperts`); FSDP units and the pipeline split are the decoder family's.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import apply_decoder_top
+from torchtrain.distributed.tensor_parallel import apply_decoder_top, gqa_attention_plan
 from torchtrain.models import contract
-from torchtrain.models.qwen3.parallelize import attention_modules, attention_plan, declared, validate_qwen3
+from torchtrain.models.common.parallel import check_decoder_layout, qk_norm_plan
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 
 def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
-    validate_qwen3(args, layout)
+    """`check_decoder_layout` of the heads (experts are not tensor-parallel), then expert parallelism
+    over the TP ranks."""
+    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads})
     check_tp_has_ep(layout.dims)
 
 
@@ -29,7 +32,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
 
 
 def block_plan(args: Qwen3MoeArgs) -> dict[str, object]:
-    return {**attention_plan(), **moe_tp_plan("feed_forward", args.num_shared_experts > 0)}
+    """TP styles of one block: Qwen3's attention and the MoE layer's."""
+    return {**gqa_attention_plan(), **qk_norm_plan(), **moe_tp_plan("feed_forward", args.num_shared_experts > 0)}
 
 
 @contract.register(Qwen3MoeArgs)
@@ -37,6 +41,7 @@ def declare(args: Qwen3MoeArgs) -> contract.ModelContract:
     """The planner's view: every block is `block_plan`, Qwen3's attention and the shared MoE layer."""
     moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
                             args.num_shared_experts)
-    modules = {**attention_modules(args), **contract.moe_modules(args.dim, moe)}
+    modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
+               **contract.qk_norm_modules(args.head_dim), **contract.moe_modules(args.dim, moe)}
     block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim)
-    return declared(args, block, block, args.num_active_params())
+    return contract.gqa_decoder(args, block, block, args.num_active_params(), args.hidden_dim, qk_norm=True)

@@ -1,6 +1,6 @@
 """Qwen3-MoE <-> Hugging Face `Qwen3MoeForCausalLM` weights and config.json.
 
-Qwen3's names (`models/qwen3/state_dict_adapter.py`) for attention, norms, embeddings and output; for
+Qwen3's names (`models/common/hf.py`) for attention, norms, embeddings and output; for
 the MoE layer HF's per-expert layout -- the one Qwen's checkpoints use and transformers 5 loads (it
 fuses the experts itself in memory, `mlp.experts.gate_up_proj`, and writes them back per expert):
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.models.qwen3.state_dict_adapter import ATTENTION_NAMES, LAYER, Qwen3StateDictAdapter
+from torchtrain.models.common.hf import ATTENTION_NAMES, LAYER, GQAStateDictAdapter
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 from torchtrain.models.state_dict_adapter import moe_torchtitan_key
 
@@ -31,7 +31,7 @@ _EXPERT_NAMES = {"experts.w1": "gate_proj", "experts.w3": "up_proj", "experts.w2
 _MOE_NAMES = {"feed_forward.router.weight": "mlp.gate.weight"}
 
 
-class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
+class Qwen3MoeStateDictAdapter(GQAStateDictAdapter):
     model_args: Qwen3MoeArgs
     architecture, model_type = "Qwen3MoeForCausalLM", "qwen3_moe"
     layer_names = {**ATTENTION_NAMES, **_MOE_NAMES}

@@ -1,0 +1,108 @@
+"""What the decoder families share about being parallelised: their checks against the layout, FSDP
+units, pipeline split, and the TP plan of per-head query/key norms. A family's `parallelize.py` states
+only its own sizes and plan; the generic applier (`distributed/parallelize.py`) calls these in its fixed
+order from the resolved Layout.
+
+* `check_decoder_layout`: one rule for tensor, context and sequence parallelism. Context parallelism
+  gives each rank seq_len / cp tokens of every sequence (a head and a tail chunk,
+  `distributed/context_parallel.py`); sequence parallelism then splits *those* tokens over the TP ranks
+  (`distributed/tensor_parallel.py`), so it is the per-rank length seq_len / cp that the TP degree must
+  divide -- with the heads, the feed-forward width and the vocabulary, which TP shards too.
+* `decoder_fsdp_units`: the token embedding, each block, and (norm, output) together; the root takes
+  whatever is left (the RoPE buffer; with tied embeddings the shared table, which both ends use).
+* `decoder_stage_modules`: stages in model order -- the first holds `tok_embeddings`, the last `norm`
+  and `output`, the blocks split evenly in between; `first_less` / `last_less` take blocks away from the
+  first / last stage to balance the embedding and the output head (which, with a large vocabulary,
+  cost about as much as a block or two).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.tensor_parallel import check_divisible
+
+if TYPE_CHECKING:
+    from torchtrain.distributed.layout import Layout
+
+
+def check_decoder_layout(args, layout: "Layout", tp_sizes: dict[str, int]) -> None:
+    """The decoder family's checks of `args` (with `vocab_size`, `tie_word_embeddings`) against the
+    layout, before any process group starts; `tp_sizes`: the family's sizes that tensor parallelism
+    shards (`model.<key>` -> size: heads, feed-forward width), checked in order before the vocabulary
+    and the per-rank sequence length."""
+    dims = layout.dims
+    if dims.pp_enabled and args.tie_word_embeddings:
+        raise ConfigError("[model.tie_word_embeddings] tied embeddings cannot be split across pipeline stages "
+                          "(the table would live on the first and the last stage); set it false or "
+                          "pipeline_parallel_degree = 1")
+    tp, cp = dims.tp, dims.cp
+    if tp == 1:
+        return
+    if args.tie_word_embeddings:
+        raise ConfigError("[model.tie_word_embeddings] tied embeddings are not supported with tensor parallelism "
+                          "in this plan; set model.tie_word_embeddings = false or tensor_parallel_degree = 1")
+    per_rank = "" if cp == 1 else f" (each of the {cp} context-parallel ranks holds seq_len / {cp} tokens)"
+    check_divisible(tp, {**tp_sizes, "model.vocab_size": args.vocab_size, "training.seq_len": layout.local_seq_len},
+                    fixes={
+        "model.vocab_size": f"pad the vocabulary: --model.vocab_size {-(-args.vocab_size // tp) * tp} "
+                            f"(extra rows are never produced by the tokenizer)",
+        "training.seq_len": f"sequence parallelism splits each rank's sequence evenly{per_rank}; use a multiple "
+                            f"of the TP degree x the context parallel degree ({tp * cp})",
+    })
+
+
+def qk_norm_plan() -> dict[str, object]:
+    """TP styles of per-head query/key norms (module names relative to the block): their weights are
+    replicated and their inputs sharded over heads (dim 2 of (batch, seq, heads, head_dim)), so each
+    rank normalises its own heads and the norms' gradients are summed over the TP ranks."""
+    return {
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    }
+
+
+def decoder_fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """The FSDP units in forward order (see the module doc)."""
+    units: list[nn.Module | list[nn.Module]] = []
+    if model.tok_embeddings is not None and not model.args.tie_word_embeddings:
+        units.append(model.tok_embeddings)
+    units += list(model.layers.values())
+    tail = [m for m in (model.norm, model.output) if m is not None]
+    if tail and not model.args.tie_word_embeddings:
+        units.append(tail)
+    return units
+
+
+def decoder_stage_modules(args, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+    """Module names per pipeline stage (see the module doc); `args` has `n_layers`."""
+    units = args.n_layers + first_less + last_less
+    if units % num_stages or units // num_stages < 1:
+        raise ConfigError(
+            f"[model.n_layers] {args.n_layers} blocks (+ {first_less} first-stage and {last_less} last-stage "
+            f"less layers = {units}) cannot be split evenly into {num_stages} pipeline stages; change "
+            f"parallelism.pipeline_parallel_degree / pipeline_parallel_layers_per_stage, or the "
+            f"pipeline_parallel_first/last_stage_less_layers"
+        )
+    per = units // num_stages
+    counts = [per] * num_stages
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    if min(counts) < 0 or (num_stages > 1 and min(counts[1:-1] or [1]) < 1):
+        raise ConfigError(
+            f"[parallelism.pipeline_parallel_first_stage_less_layers] {first_less} / last {last_less} leave a "
+            f"stage with a negative or zero number of blocks ({counts}); use smaller values"
+        )
+    stages, layer = [], 0
+    for i, count in enumerate(counts):
+        names = ["tok_embeddings"] if i == 0 else []
+        names += [f"layers.{layer + j}" for j in range(count)]
+        layer += count
+        if i == num_stages - 1:
+            names += ["norm", "output"]
+        stages.append(names)
+    return stages

@@ -1,0 +1,94 @@
+"""Rotary position embeddings (RoPE) of the decoder families: one table format, three frequency
+schedules, three pair layouts.
+
+A table is (max_seq_len, d) float32: the cosines of each pair's angle position x freq_i (i < d/2),
+then the sines. `rope` arguments are the table (rows 0..seq-1 are used) or per-token rows
+(batch or 1, seq, d) (`common/attention.py::attention_inputs`, for document positions and context
+parallelism).
+
+Frequencies (`frequencies`): theta^(-2i/d), optionally rescaled for long contexts by
+
+* Llama 3's schedule (`llama3_scaled`): wavelengths above original_max / low_freq_factor are divided by
+  the factor, those below original_max / high_freq_factor kept, the ones between interpolated;
+* YaRN (`yarn_scaled`, DeepSeek-V3): kept above beta_fast rotations over the original context,
+  divided by the factor below beta_slow, linear in between (HF transformers'
+  `_compute_yarn_parameters`, which the published checkpoints use); its table is also scaled by the
+  attention factor (`rope_table(scale=...)`).
+
+Pair layouts (`apply_rope(layout=...)`):
+
+* `pairs`: (x[2i], x[2i+1]) rotated in place (Meta's Llama layout);
+* `half`: (x[i], x[i + d/2]) rotated in place (Hugging Face's "rotate half", Qwen3);
+* `pairs_to_half`: (x[2i], x[2i+1]) rotated, the result holding the rotated first elements then the
+  second ones (DeepSeek-V3's interleaved checkpoints: the same permutation for queries and keys, so
+  their dot products are unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+PairLayout = Literal["pairs", "half", "pairs_to_half"]
+
+
+def frequencies(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies theta^(-2i/dim), float64."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
+
+
+def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3's long-context scaling of `freqs` (see the module doc)."""
+    lo, hi, old_len = low_freq_factor, high_freq_factor, original_max_seq_len
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    interpolated = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > old_len / lo, freqs / factor, interpolated)
+    return torch.where(wavelen < old_len / hi, freqs, out)
+
+
+def yarn_scaled(freqs: torch.Tensor, theta: float, factor: float, original_max_seq_len: int, beta_fast: float,
+                beta_slow: float) -> torch.Tensor:
+    """YaRN's blend of `freqs` (see the module doc); unchanged when `factor` <= 1."""
+    if factor <= 1:
+        return freqs
+    d = 2 * freqs.shape[0]
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(beta_fast)), 0)
+    high = min(math.ceil(dim_of(beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64, device=freqs.device) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return freqs / factor * ramp + freqs * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature correction: 0.1 mscale ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_table(freqs: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> torch.Tensor:
+    """(max_seq_len, 2 x len(freqs)) float32 on `freqs`' device: cos of each angle, then sin, times `scale`."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device=freqs.device), freqs)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: PairLayout = "pairs") -> torch.Tensor:
+    """Rotate the pairs of x (batch, seq, heads, d) by their angles; `layout` as the module doc says."""
+    half = x.shape[-1] // 2
+    if rope.dim() == 2:
+        rope = rope[: x.shape[1]].unsqueeze(0)
+    cos, sin = rope[..., :half].unsqueeze(2), rope[..., half:].unsqueeze(2)
+    xf = x.float()
+    if layout == "half":
+        first, second = xf[..., :half], xf[..., half:]
+    else:
+        first, second = xf[..., 0::2], xf[..., 1::2]
+    rotated = (first * cos - second * sin, second * cos + first * sin)
+    if layout == "pairs":
+        return torch.stack(rotated, dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat(rotated, dim=-1).to(x.dtype)

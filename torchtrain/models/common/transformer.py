@@ -1,0 +1,157 @@
+"""The decoder skeleton the families share: token embedding -> blocks -> final norm -> output head, a
+pre-norm block (attention and feed-forward, each on a residual), and grouped-query attention.
+
+Plain PyTorch, no parallel code: tensor/pipeline/context/data parallelism are applied from outside
+(`models/common/parallel.py`, the families' `parallelize.py`, `distributed/`) and work because
+
+* attention reshapes with ``-1`` heads, so a tensor-parallel shard holding n_heads / tp heads runs
+  the same code;
+* the blocks live in an ``nn.ModuleDict`` keyed by their global index, so a pipeline stage that keeps
+  blocks 8..15 still names them ``layers.8`` ... (checkpoints and init stay layout-independent);
+* ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` on a pipeline stage that does not own
+  them; forward then takes/returns hidden states instead of tokens/logits;
+* the attention itself is `models/common/attention.py::AttentionCore` (causal or block-causal masks),
+  which context parallelism replaces by its sequence-sharded version, and RoPE reads explicit token
+  positions (document positions, or the tokens' indices in the full sequence) when they are given.
+
+A family states its block (`Decoder.block`) and its RoPE table (`Decoder.rope`); the parameter names
+(``tok_embeddings``, ``layers.i.attention_norm`` / ``attention`` / ``ffn_norm`` / ``feed_forward``,
+``norm``, ``output``) are the skeleton's, so every family's checkpoints use them.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtrain.models.base import InitSpec
+from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType, attention_inputs
+from torchtrain.models.common.decoder import decoder_init_spec
+from torchtrain.models.common.layers import RMSNorm
+from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with RoPE on queries and keys (`rope_layout`), and optionally an RMSNorm
+    over head_dim on every query and key head before RoPE (`qk_norm_eps`, Qwen3)."""
+
+    def __init__(self, dim: int, n_heads: int, kv_heads: int, head_dim: int, mask: MaskType,
+                 rope_layout: PairLayout, qk_norm_eps: float | None = None):
+        super().__init__()
+        self.head_dim, self.rope_layout = head_dim, rope_layout
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
+        self.core = AttentionCore(mask)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
+        out = self.core(q, k, v, ctx)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class DecoderBlock(nn.Module):
+    """h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, dim: int, eps: float, attention: nn.Module, feed_forward: nn.Module):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, ctx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module, abc.ABC):
+    """tokens (batch, seq) -> logits (batch, seq, vocab_size).
+
+    `positions` (batch, seq): each token's position in its document (the data's, 0 at document
+    starts); used by `block_causal` attention (mask and RoPE), ignored by `causal`. `seq_index`
+    (batch, seq): each token's index in its full sequence (default 0..seq-1; under context
+    parallelism the indices of the chunks this rank holds). Both are per-token, batch-first tensors,
+    so a pipeline schedule cuts them into micro-batches like the tokens.
+
+    `args` has `vocab_size`, `dim`, `n_layers`, `norm_eps`, `attention_mask`, `tie_word_embeddings`
+    and what `decoder_init_spec` reads."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.block(i) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = (
+            None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
+        self.register_buffer("rope_cache", self.rope(), persistent=False)
+
+    @abc.abstractmethod
+    def block(self, layer_id: int) -> nn.Module:
+        """Block `layer_id` (a `DecoderBlock`)."""
+
+    @abc.abstractmethod
+    def rope(self, device: torch.device | None = None) -> torch.Tensor:
+        """The RoPE table (`models/common/rope.py`) on `device`."""
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> hidden states; hidden states (from the previous pipeline stage) pass through."""
+        return self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+
+    def run_blocks(self, h: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        for layer in self.layers.values():
+            h = layer(h, rope, ctx)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden states -> logits (the output projection, or the tied embedding table)."""
+        if self.args.tie_word_embeddings:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
+        h = self.run_blocks(self.embed(tokens), rope, ctx)
+        if self.norm is None:
+            return h  # a pipeline stage that ends before the head passes hidden states on
+        return self.head(self.norm(h))
+
+    # ----------------------------------------------------------------------- init
+    def init_spec(self, fqn: str) -> InitSpec:
+        """Initialisation of the parameter named `fqn` (canonical name, no wrapper prefixes)."""
+        return decoder_init_spec(fqn, self.args)
+
+    def init_buffers(self) -> None:
+        """Recompute the RoPE table on the buffer's current device (after materialisation)."""
+        self.rope_cache = self.rope(self.rope_cache.device)
+
+
+def qk_norm_block(args, feed_forward: nn.Module) -> DecoderBlock:
+    """A block of the grouped-query-attention decoder with per-head query/key norms and "rotate half"
+    RoPE (`models/common/gqa_args.py`: Qwen3 and Qwen3-MoE) around `feed_forward`."""
+    attention = GQAttention(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.attention_mask, "half",
+                            qk_norm_eps=args.norm_eps)
+    return DecoderBlock(args.dim, args.norm_eps, attention, feed_forward)
+
+
+def qk_norm_rope(args, device: torch.device | None = None) -> torch.Tensor:
+    """That decoder's RoPE table: plain frequencies over head_dim."""
+    return rope_table(frequencies(args.head_dim, args.rope_theta, device), args.max_seq_len)
