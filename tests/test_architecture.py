@@ -260,7 +260,7 @@ def _units_kept_after_forward(part: torch.nn.Module) -> list[bool]:
 def test_planner_models_the_reshard_policy_the_trainer_applies(pp, expected_row, fake_world):
     from torchtrain.tools.planner.analytic import estimate_memory
     from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
 
     argv = ["--model.n_layers", "4", "--training.local_batch_size", "2", "--training.seq_len", "16",
             "--parallelism.pipeline_parallel_degree", str(pp)]

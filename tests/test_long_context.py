@@ -183,7 +183,7 @@ def test_planner_models_context_parallelism():
     from torchtrain.tools.planner.analytic import estimate_memory
     from torchtrain.tools.planner.comm_time import kv_exchange_bytes
     from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
     from torchtrain.tools.planner.search import enumerate_layouts
     from torchtrain.tools.planner.step_time import estimate_step
 
@@ -198,11 +198,11 @@ def test_planner_models_context_parallelism():
     # and their gradients reduce-scattered in backward
     assert kv_exchange_bytes(two) == 3 * 2 * 32768 * a.kv_heads * a.head_dim * 2 * 1
     assert "context parallel" in estimate_step(two).comm_s
-    cps = {p.cp for p in enumerate_layouts(base, ["full"], ["zero3"])}
+    cps = {k["cp"] for k in enumerate_layouts(base, ["full"], ["zero3"])}
     assert cps == {1, 2, 4, 8}  # 65536-token sequences: CP down to 8192 local tokens
     short = base.replace(seq_len=8192)
-    assert {p.cp for p in enumerate_layouts(short, ["full"], ["zero3"])} == {1}
-    assert {p.cp for p in enumerate_layouts(short, ["full"], ["zero3"], cp=2)} == {2}
+    assert {k["cp"] for k in enumerate_layouts(short, ["full"], ["zero3"])} == {1}
+    assert {k["cp"] for k in enumerate_layouts(short, ["full"], ["zero3"], cp=2)} == {2}
 
 
 @pytest.mark.dist

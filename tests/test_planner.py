@@ -20,9 +20,9 @@ from conftest import TINY_JOB
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.models.contract import declare
 from torchtrain.tools.planner import analytic, pipeline, shapes, step_time, trace
-from torchtrain.tools.planner.core import _trace_config, load_job, make_plan, plan_from_flags
-from torchtrain.tools.planner.inputs import CONFIG_KEYS, config_overrides, config_variant, inputs_from_config
-from torchtrain.tools.planner.validate import layout_problems
+from torchtrain.tools.planner.core import load_job, make_plan, plan_from_flags, trace_job
+from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config, job_with_knobs
+from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES
 
 # A slightly deeper tiny model than the trainer tests' (4 blocks) so stage splits and AC have room.
 PLAN_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.local_batch_size", "4"]
@@ -120,7 +120,7 @@ def test_every_knob_combination_has_a_consistent_estimate(strategy, tp, pp, ac_m
     world = 8
     job, p = _inputs(world, gpu="h100", tp=tp, pp=pp, strategy=strategy, ac_mode=ac_mode, cpu_offload=cpu_offload,
                      pp_microbatch_size=1)
-    problems = layout_problems(p, job.cfg)
+    problems = p.problems
     if strategy in ("zero1", "ddp") and (tp > 1 or pp > 1):  # the trainer refuses these combinations
         assert problems and "cannot be combined with" in problems[0]
         return
@@ -211,13 +211,12 @@ def test_step_time_and_cost_arithmetic():
 # ---------------------------------------------------------------------------------- validity and config
 def test_layout_problems_name_the_cause():
     """The trainer's own checks (layout resolution and the model's checks) judge the planner's layouts."""
-    job, p = _inputs(8)
-    assert any("n_kv_heads] 4 is not divisible" in x for x in layout_problems(p.replace(tp=8, dp_shard=1), job.cfg))
-    assert any("cannot be split evenly into 8 pipeline stages" in x
-               for x in layout_problems(p.replace(pp=8, dp_shard=1), job.cfg))
-    assert any("not a multiple" in x for x in layout_problems(p.replace(global_batch_size=12), job.cfg))
-    tied = p.replace(pp=2, dp_shard=4, args=p.args.replace(tie_word_embeddings=True))
-    assert any("tied embeddings" in x for x in layout_problems(tied, job.cfg))
+    assert any("n_kv_heads] 4 is not divisible" in x for x in _inputs(8, tp=8, dp_shard=1)[1].problems)
+    assert any("cannot be split evenly into 8 pipeline stages" in x for x in _inputs(8, pp=8, dp_shard=1)[1].problems)
+    assert any("not a multiple" in x for x in _inputs(8, global_batch_size=12)[1].problems)
+    _, tied = _inputs(8, job_args=["--model.tie_word_embeddings", "true"], pp=2, dp_shard=4)
+    assert tied.args.tie_word_embeddings and any("tied embeddings" in x for x in tied.problems)
+    assert tied.layout is None and tied.job.parallelism.pipeline_parallel_degree == 2  # still described
 
 
 def test_config_adapter_reads_keys_and_flags():
@@ -228,12 +227,37 @@ def test_config_adapter_reads_keys_and_flags():
         (1, 4, "bfloat16", "fused", "full")
     for knob, (section, key) in CONFIG_KEYS.items():
         assert hasattr(getattr(job.cfg, section), key), knob
-    overrides = config_overrides(q, job.cfg)
+    overrides = display_overrides(job.cfg, q)  # job -> job: what turns this job into q's
     assert "--parallelism.data_parallel_replicate_degree" in overrides
     assert overrides[overrides.index("--activation_checkpoint.mode") + 1] == "full"
-    variant = config_variant(job.cfg, q)  # the same layout, as a job config (no parsing)
+    variant = job_with_knobs(job.cfg, {"dp_replicate": 1, "ac_mode": "full"})  # the same layout (no parsing)
     assert (variant.parallelism.data_parallel_replicate_degree, variant.activation_checkpoint.mode) == (1, "full")
     assert job.cfg.activation_checkpoint.mode == "none"  # the job itself is untouched
+    # the overrides select the layout q was read from: the same degrees and decisions once resolved
+    from torchtrain.config import parse_args
+    from torchtrain.distributed.layout import resolve_layout
+
+    parsed = resolve_layout(parse_args(job.argv + overrides), 4, "cuda")
+    assert (parsed.dims.dp_replicate, parsed.dims.dp_shard, parsed.ac_mode) == (q.dp_replicate, q.dp_shard, "full")
+    assert (parsed.dims, parsed.batch, parsed.param_dtype) == (q.layout.dims, q.layout.batch, q.layout.param_dtype)
+
+
+def test_inputs_are_read_from_the_resolved_layout():
+    """One way: knobs -> job -> the trainer's Layout -> PlanInputs; the job and Layout stay on the inputs."""
+    job, p = _inputs(8, gpu="h100", pp=2, pp_microbatch_size=1, strategy="zero2", reduce_dtype="bfloat16")
+    lay = p.layout
+    assert p.problems == [] and p.job.parallelism.pipeline_parallel_degree == 2
+    assert job.cfg.parallelism.pipeline_parallel_degree == 1  # the user's job is untouched
+    assert (p.dp_shard, p.pp, p.global_batch_size) == (lay.dims.dp_shard, lay.dims.pp, lay.batch.global_batch_size)
+    assert (p.param_dtype, p.reduce_dtype, p.optimizer_impl) == \
+        (DTYPE_NAMES[lay.param_dtype], "bfloat16", lay.optimizer_impl)
+    assert p.reshard == lay.reshard_after_forward == "never" and p.pp_stages_per_rank == lay.pipeline.stages_per_rank
+    # a what-if copy of a layout field no longer describes the job: no job, no Layout, same rule
+    what_if = p.replace(pp=1)
+    assert what_if.job is None and what_if.layout is None and what_if.reshard == "never"  # zero2 keeps them
+    assert p.replace(price=9.0).layout is lay
+    with pytest.raises(ValueError, match="what-if"):
+        make_plan(job, what_if)
 
 
 # ---------------------------------------------------------------------------------- trace
@@ -267,7 +291,7 @@ def test_analytic_estimate_is_close_to_the_trace(world, flags, job_args):
 def test_fake_tensors_measure_what_real_tensors_use(flags):
     """(Without AC the same is shown against real training in test_planner_accuracy.py.)"""
     job, p = _inputs(2, **flags)
-    cfg = _trace_config(job, p)
+    cfg = trace_job(p)
     fake, real = trace.trace_rank(p, cfg), trace.trace_rank(p, cfg, fake=False)
     assert real.skipped is None
     assert _close(fake.backward, real.backward, 1e-3) and _close(fake.optimizer, real.optimizer, 1e-3)
@@ -276,7 +300,7 @@ def test_fake_tensors_measure_what_real_tensors_use(flags):
 @pytest.mark.parametrize("flags", [{}, {"ac_mode": "full"}, {"pp": 2, "pp_microbatch_size": 1}])
 def test_linear_depth_extension_equals_the_full_trace(monkeypatch, flags):
     job, p = _inputs(4, job_args=["--model.n_layers", "8"], **flags)
-    cfg = _trace_config(job, p)
+    cfg = trace_job(p)
     monkeypatch.setattr(trace, "FULL_TRACE_MAX_BLOCKS", 100)
     full = trace.trace_rank(p, cfg)
     monkeypatch.setattr(trace, "FULL_TRACE_MAX_BLOCKS", 2)

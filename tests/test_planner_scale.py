@@ -91,9 +91,8 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.config import parse_args
     from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.inputs import config_overrides, inputs_from_config
+    from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
     from torchtrain.tools.planner.search import annotate_runnable, search
-    from torchtrain.tools.planner.validate import layout_problems
     from torchtrain.trainer.preflight import preflight
 
     job = load_job(["--job.config_file", os.path.join(REPO, "train_configs/llama3_70b.toml")])
@@ -103,13 +102,13 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     assert result.ranked, "no layout fits"
     top = result.ranked[0]
     usable = base.usable_bytes
-    assert top.peak <= usable and layout_problems(top.inputs, job.cfg) == []
+    assert top.peak <= usable and top.inputs.problems == []
     traced = [r.traced_peak for r in top.plan.ranks if r.traced_peak is not None]
     assert all(t <= usable for t in traced)
     assert top.inputs.args.n_heads % top.inputs.tp == 0 and top.inputs.args.kv_heads % top.inputs.tp == 0
     # Valid to run: the trainer's own start-up checks (torchtrain.trainer.preflight) accept it on 64 GPUs
     assert top.blockers == [], top.blockers
-    overrides = config_overrides(top.inputs, job.cfg)
+    overrides = display_overrides(job.cfg, top.inputs)
     cfg = parse_args(job.argv + overrides)
     plan = preflight(cfg, 64, "cuda", job.tokenizer)
     pd = plan.layout.dims

@@ -18,7 +18,7 @@ from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner import published_runs
 from torchtrain.tools.planner.core import load_job, resolve_gpu
-from torchtrain.tools.planner.inputs import inputs_from_config
+from torchtrain.tools.planner.from_job import inputs_from_config
 from torchtrain.tools.planner.step_time import estimate_step
 
 

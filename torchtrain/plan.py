@@ -13,7 +13,7 @@ import sys
 import warnings
 
 from torchtrain.config import ConfigError
-from torchtrain.tools.planner.inputs import AC_MODES, RESHARD, STRATEGIES
+from torchtrain.tools.planner.inputs import AC_MODES, PLANNER_KEYS, RESHARD, STRATEGIES
 from torchtrain.utils import strict_json
 
 EPILOG = """\
@@ -117,7 +117,7 @@ def _world_size(ns: argparse.Namespace, job) -> int:
 def main(argv: list[str] | None = None) -> int:
     from torchtrain.tools.planner import report
     from torchtrain.tools.planner.core import load_job, plan_from_flags, resolve_gpu
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
     from torchtrain.tools.planner.search import annotate_runnable, search
 
     ns, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             if ns.search:
                 device_type, gpu = resolve_gpu(ns.gpu, ns.device)
                 base = inputs_from_config(job.cfg, job.args, world, device_type, gpu,
-                                          {k: v for k, v in flags.items() if k in ("memory_gib", "headroom", "price",
-                                                                                   "tokens", "document_tokens",
-                                                                                   "failure_rate", "restart_s")})
+                                          {k: v for k, v in flags.items() if k in PLANNER_KEYS})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
                                 ns.runnable_only, show_progress=True, cp=ns.cp)
                 annotate_runnable(job, result, ns.top)

@@ -172,7 +172,7 @@ def _stage_steps(cfg, plan, world: int, device_type: str, parts, optimizers, sch
     micro-batches of the job's shape (fake activations at stage boundaries), FSDP no-sync on all but the
     last, then clipping and the optimizer step, as the schedule would."""
     from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
     from torchtrain.tools.planner.pipeline import Stage
     from torchtrain.tools.planner.trace import stage_step
     from torchtrain.trainer.loss import ScaledTokenLoss

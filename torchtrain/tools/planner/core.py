@@ -1,9 +1,10 @@
 """One plan: a job file + a world size + a device type -> memory per rank, throughput, cost, validity.
 
 `load_job` reads the job exactly as the trainer does (`parse_args`, `preflight.resolve_model`);
-`make_plan` computes the analytic estimate of every pipeline rank, traces one
-rank per distinct stage structure (see `trace.py`), estimates throughput and cost, and records
-whether the layout is valid and whether the trainer would start it.
+`from_job.inputs_from_config` applies the planner's knobs to it and resolves its Layout (one way: the
+PlanInputs keep that job and Layout); `make_plan` computes the analytic estimate of every pipeline
+rank, traces one rank per distinct stage structure (see `trace.py`) on the planned job, estimates
+throughput and cost, and records whether the layout is valid and whether the trainer would start it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
-from torchtrain.tools.planner.inputs import PlanInputs, config_variant, display_overrides, inputs_from_config
+from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
+from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import pipeline_of, structure
 from torchtrain.tools.planner.step_time import StepTime, estimate_step
 from torchtrain.tools.planner.trace import TraceResult, trace_rank
-from torchtrain.tools.planner.validate import layout_problems, runnable_problems
+from torchtrain.tools.planner.validate import runnable_problems
 
 
 @dataclass
@@ -118,10 +120,13 @@ def with_peak(p: PlanInputs, peak_tflops: float | None) -> PlanInputs:
 
 
 def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: float | None = None) -> Plan:
+    """The plan of `inputs` (read from `job` by `from_job.inputs_from_config`)."""
     p = inputs
-    problems = layout_problems(p, job.cfg)
-    overrides = display_overrides(p, job.cfg)
-    blockers = ["invalid layout"] if problems else runnable_problems(p, job.cfg, job.tokenizer)
+    if p.job is None:
+        raise ValueError("make_plan needs PlanInputs read from a job (from_job.inputs_from_config), not a what-if copy")
+    problems = list(p.problems)
+    overrides = display_overrides(job.cfg, p)
+    blockers = ["invalid layout"] if problems else runnable_problems(p, job.tokenizer)
     try:
         prof = pipeline_of(p)
     except ConfigError as e:  # the trainer's own pipeline checks (once: resolve_layout may have said it)
@@ -132,7 +137,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
                     overrides, list(job.notes) + p.notes)
     ranks = [RankPlan(r, estimate_memory(p, r)) for r in range(p.pp)]
     if trace and not blockers:  # a job the trainer refuses has no real step to trace
-        tcfg = _trace_config(job, p)
+        tcfg = trace_job(p)
         done: dict[tuple, TraceResult] = {}
         cache: dict = {}
         for rank in ranks:
@@ -150,12 +155,11 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
     return Plan(p, ranks, estimate_step(with_peak(p, peak)), problems, blockers, overrides, list(job.notes) + p.notes)
 
 
-def _trace_config(job: Job, p: PlanInputs) -> JobConfig:
-    """The job config the trace runs: the job with the layout's knobs, in eager mode (the memory
-    tracker is a dispatch mode, which torch.compile cannot trace through; eager memory is what the
-    trainer's own `metrics.track_tensor_memory` measures too, and bounds the compiled step's)."""
-    variant = config_variant(job.cfg, p)
-    return dataclasses.replace(variant, compile=dataclasses.replace(variant.compile, enable=False))
+def trace_job(p: PlanInputs) -> JobConfig:
+    """The job the trace runs: the planned job (`p.job`), in eager mode (the memory tracker is a
+    dispatch mode, which torch.compile cannot trace through; eager memory is what the trainer's own
+    `metrics.track_tensor_memory` measures too, and bounds the compiled step's)."""
+    return dataclasses.replace(p.job, compile=dataclasses.replace(p.job.compile, enable=False))
 
 
 def plan_from_flags(job: Job, world_size: int, gpu: str, flags: dict[str, Any], trace: bool = True,

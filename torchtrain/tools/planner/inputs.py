@@ -1,11 +1,13 @@
-"""What a plan is computed from: `PlanInputs`, filled from the real job config plus planner flags.
+"""What a plan is computed from: `PlanInputs`, one layout of one job on one kind of device.
 
 Every knob that changes per-rank memory or speed is a field here; `CONFIG_KEYS` says where each knob
-lives in the job file. The rules that turn knobs into decisions (the data-parallel strategy's
-properties, the effective FSDP reshard policy, `auto` dtypes and optimizer kernels, the `-1`
-data-parallel degree) are the trainer's own, imported from the resolved Layout
-(`distributed/layout.py`), so a plan models exactly what the trainer applies. `config_variant` turns
-a PlanInputs back into the job config that selects it (for the trainer's own checks and the trace).
+lives in the job file. PlanInputs are built in one direction only (`from_job.py`): the planner's knobs
+are applied to the job, the trainer's `resolve_layout` resolves that job into a Layout, and the fields
+are read from the Layout's decisions (degrees, batch plan, strategy, effective reshard policy, dtypes,
+optimizer kernel, pipeline stages), so a plan models exactly what the trainer applies. The job and its
+Layout stay on the PlanInputs (`job`, `layout`, `problems`) for the trainer's start-up checks and the
+traced step. A `replace` of a layout field makes a what-if copy for the formulas: it drops the job and
+the Layout, which no longer describe it, and its derived properties apply the trainer's own rules.
 """
 
 from __future__ import annotations
@@ -16,15 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.config import ConfigError, JobConfig
-from torchtrain.distributed.layout import (
-    DTYPES,
-    DPStrategy,
-    effective_reshard,
-    resolve_batch,
-    resolve_optimizer_impl,
-    resolve_param_dtype,
-)
+from torchtrain.config import JobConfig
+from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, effective_reshard
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
@@ -66,7 +61,13 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "optimizer_impl": ("optimizer", "implementation"),
     "compile": ("compile", "enable"),
     "async_tp": ("parallelism", "enable_async_tensor_parallel"),
+    "pp_layers_per_stage": ("parallelism", "pipeline_parallel_layers_per_stage"),
 }
+PLANNER_KEYS = ("memory_gib", "headroom", "price", "tokens", "document_tokens", "failure_rate", "restart_s",
+                "sac_matmul_share")
+"""Planner-only flags: facts about the device and the budget, not part of the job."""
+KEEPS_JOB = frozenset(PLANNER_KEYS) | {"gpu", "notes"}
+"""Fields a `replace` may change while the PlanInputs still describe their job and Layout."""
 
 
 @dataclass
@@ -140,6 +141,12 @@ class PlanInputs:
     restart_s: float = DEFAULT_RESTART_S
     """Seconds one interruption costs before training goes on (`--restart-minutes`)."""
     notes: list[str] = field(default_factory=list)
+    job: JobConfig | None = field(default=None, repr=False)
+    """The job these inputs were read from: the user's job with the planner's knobs applied."""
+    layout: Layout | None = field(default=None, repr=False)
+    """The trainer's resolved Layout of `job` (None when the trainer refuses it: see `problems`)."""
+    problems: list[str] = field(default_factory=list)
+    """Why the trainer's layout resolution refuses `job` ([] = it accepts it)."""
 
     # ------------------------------------------------------------------ derived
     @functools.cached_property
@@ -202,8 +209,11 @@ class PlanInputs:
 
     @property
     def reshard(self) -> str:
-        """The effective FSDP reshard-after-forward policy, as the trainer applies it
-        (`layout.effective_reshard`: zero2 and pipeline stages keep gathered parameters)."""
+        """The effective FSDP reshard-after-forward policy the trainer applies: the Layout's (a what-if
+        copy without one: the same rule, `layout.effective_reshard`; zero2 and pipeline stages keep
+        gathered parameters)."""
+        if self.layout is not None:
+            return self.layout.reshard_after_forward
         return effective_reshard(self.dp_strategy, self.pp > 1, self.reshard_after_forward)
 
     @property
@@ -264,143 +274,7 @@ class PlanInputs:
         return " | ".join(parts)
 
     def replace(self, **changes) -> "PlanInputs":
+        """A copy with `changes`; changing a layout field makes a what-if copy without job and Layout."""
+        if not changes.keys() <= KEEPS_JOB | {"job", "layout", "problems"}:
+            changes = {"job": None, "layout": None, "problems": [], **changes}
         return dataclasses.replace(self, notes=list(self.notes), **changes)
-
-
-# ---------------------------------------------------------------------------------- config adapter
-def config_value(cfg: JobConfig, knob: str) -> Any:
-    section, key = CONFIG_KEYS[knob]
-    return getattr(getattr(cfg, section), key)
-
-
-def _norm_schedule(name: str) -> str:
-    for s in SCHEDULES:
-        if s.lower() == str(name).lower():
-            return s
-    raise ConfigError(f"pipeline schedule {name!r} is not modelled by the planner; "
-                      f"choose one of {', '.join(SCHEDULES)}")
-
-
-def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: str, gpu: GPUSpec | None,
-                       flags: dict[str, Any]) -> PlanInputs:
-    """PlanInputs from the job config; `flags` (planner command-line knobs, None = unset) win."""
-
-    def pick(knob: str, default: Any = None) -> Any:
-        value = flags.get(knob)
-        return config_value(cfg, knob) if value is None else value
-
-    tp, pp, rep, shard = int(pick("tp", 1)), int(pick("pp", 1)), int(pick("dp_replicate", 1)), int(pick("dp_shard", -1))
-    cp = int(pick("cp", 1))
-    ep = int(pick("ep", 1))
-    notes = []
-    if flags.get("dp_shard") is None and shard != -1 and rep * shard * tp * pp * cp != world_size:
-        notes.append(f"the job's data_parallel_shard_degree {shard} does not fit this world size; "
-                     f"using the remaining ranks (-1)")
-        shard = -1
-    shard = ParallelDims.resolve_dp_shard(world_size, rep, shard, tp, pp, cp)
-    local = int(pick("local_batch_size", 8))
-    global_bs = int(pick("global_batch_size", -1))
-    if global_bs == -1:
-        global_bs = resolve_batch(local, -1, rep * shard).global_batch_size
-    schedule = _norm_schedule(pick("pp_schedule", "1F1B"))
-    from torchtrain.tools.planner.pipeline import default_stages_per_rank
-
-    par = cfg.parallelism
-    split = (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
-             tuple(tuple(s) for s in par.module_fqns_per_model_part or ()), par.pipeline_parallel_schedule_csv,
-             par.pipeline_parallel_layers_per_stage)
-    split = () if split == (0, 0, (), None, None) or flags.get("pp_stages_per_rank") else split
-    v = flags.get("pp_stages_per_rank") or default_stages_per_rank(schedule)
-    if split and split[4] and pp > 1:
-        v = max(1, (args.n_layers + split[0] + split[1]) // (split[4] * pp))
-    param_dtype = DTYPE_NAMES[resolve_param_dtype(pick("param_dtype", "auto"), device_type)]
-    cpu_offload = bool(pick("cpu_offload", False))
-    impl = resolve_optimizer_impl(pick("optimizer_impl", "auto"), "cpu" if cpu_offload else device_type)
-    memory = flags.get("memory_gib") or (gpu.memory_gib if gpu is not None else None)
-    inputs = PlanInputs(
-        model_name=cfg.model.name, args=args, world_size=world_size,
-        flavor=cfg.model.flavor + (" (with overrides)" if cfg.model.overrides else ""),
-        dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, strategy=pick("strategy", "zero3"),
-        reshard_after_forward=pick("reshard_after_forward", "default"),
-        seq_len=int(pick("seq_len", 2048)), local_batch_size=local, global_batch_size=global_bs,
-        pp_schedule=schedule, pp_microbatch_size=int(pick("pp_microbatch_size", 1)), pp_stages_per_rank=int(v),
-        pp_split=split,
-        ac_mode=pick("ac_mode", "none"), ac_option=str(pick("ac_option", "op")),
-        cpu_offload=cpu_offload, param_dtype=param_dtype,
-        reduce_dtype=pick("reduce_dtype", "float32"), optimizer=pick("optimizer", "AdamW"), optimizer_impl=impl,
-        device_type=device_type, gpu=gpu, memory_gib=memory, notes=notes,
-        compile=bool(pick("compile", False)), async_tp=bool(pick("async_tp", False)),
-    )
-    converters = [str(c).lower() for c in getattr(cfg.model, "converters", [])]
-    inputs.float8 = any("float8" in c for c in converters)
-    quantize = getattr(cfg, "quantize", None)
-    inputs.float8_all_gather = bool(inputs.float8 and quantize is not None
-                                    and quantize.linear.float8.enable_fsdp_float8_all_gather)
-    ckpt = getattr(cfg, "checkpoint", None)
-    inputs.checkpoint_interval = ckpt.interval if ckpt is not None and ckpt.enable else None
-    for knob in ("price", "tokens", "headroom", "document_tokens", "failure_rate", "restart_s"):
-        if flags.get(knob) is not None:
-            setattr(inputs, knob, flags[knob])
-    return inputs
-
-
-def _layout_values(inputs: PlanInputs) -> dict[tuple[str, str], Any]:
-    """(section, key) -> value of every job key this layout sets."""
-    values = {CONFIG_KEYS[knob]: getattr(inputs, knob) for knob in CONFIG_KEYS}
-    if inputs.pp > 1 and not inputs.pp_split:
-        from torchtrain.tools.planner.pipeline import default_stages_per_rank
-
-        if inputs.pp_stages_per_rank != default_stages_per_rank(inputs.pp_schedule):
-            per_stage = inputs.model.n_layers // (inputs.pp * inputs.pp_stages_per_rank)
-            values[("parallelism", "pipeline_parallel_layers_per_stage")] = per_stage
-    return values
-
-
-def config_variant(cfg: JobConfig, inputs: PlanInputs) -> JobConfig:
-    """The job config selecting this layout: the job with the layout's keys set (in memory, no parsing;
-    dtype and optimizer kernel pinned to what the layout resolved for its target device)."""
-    sections: dict[str, dict[str, Any]] = {}
-    for (section, key), value in _layout_values(inputs).items():
-        sections.setdefault(section, {})[key] = value
-    changes = {name: dataclasses.replace(getattr(cfg, name), **keys) for name, keys in sections.items()}
-    changes["model"] = dataclasses.replace(cfg.model, overrides=dict(cfg.model.overrides),
-                                           override_sources=dict(cfg.model.override_sources))
-    return dataclasses.replace(cfg, **changes)
-
-
-def config_overrides(inputs: PlanInputs, cfg: JobConfig, resolve_auto: bool = True) -> list[str]:
-    """`--section.key value` overrides that select this layout in the job.
-
-    `resolve_auto` also pins values the job leaves to the device ("auto" dtype and optimizer kernel,
-    global batch -1): needed when the trace runs the job on a CPU for a GPU target; a user running
-    the job on the target device does not need them.
-    """
-    out = []
-    for (section, key), value in _layout_values(inputs).items():
-        current = getattr(getattr(cfg, section), key)
-        if not resolve_auto and (current == "auto" or (key == "global_batch_size" and current == -1 and
-                                                        value == inputs.local_batch_size * inputs.dp)):
-            continue
-        if current != value and not _irrelevant(inputs, key):
-            out += [f"--{section}.{key}", _cli_value(value)]
-    return out
-
-
-def display_overrides(inputs: PlanInputs, cfg: JobConfig) -> list[str]:
-    """The overrides a user adds to the job to run this layout on its target device."""
-    return config_overrides(inputs, cfg, resolve_auto=False)
-
-
-def _irrelevant(inputs: PlanInputs, key: str) -> bool:
-    """Keys whose value does not matter for this layout (e.g. the schedule without pipelining)."""
-    if key in ("pipeline_parallel_schedule", "pipeline_parallel_microbatch_size"):
-        return inputs.pp == 1
-    if key == "selective_ac_option":
-        return inputs.ac_mode != "selective"
-    return False
-
-
-def _cli_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)

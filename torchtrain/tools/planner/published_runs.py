@@ -184,7 +184,7 @@ class Check:
 def check(run: Run) -> Check:
     """Plan one run (analytic time model only: no memory trace) and compare."""
     from torchtrain.tools.planner.core import load_job, resolve_gpu
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
     from torchtrain.tools.planner.step_time import estimate_step
 
     job = load_job(["--job.print_config", "false", *run.job_args()])

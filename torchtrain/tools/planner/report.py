@@ -203,7 +203,8 @@ def _clean(obj: Any) -> Any:
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     p = plan.inputs
-    inputs = {f.name: _clean(getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in ("args", "notes")}
+    inputs = {f.name: _clean(getattr(p, f.name)) for f in dataclasses.fields(p)
+              if f.name not in ("args", "notes", "job", "layout", "problems")}
     inputs.update(dp=p.dp, grad_accum_steps=p.grad_accum_steps, n_microbatches=p.n_microbatches,
                   layout=p.describe())
     ranks = []

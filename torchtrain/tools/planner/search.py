@@ -17,7 +17,9 @@ same tokens per step):
   schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe;
 * strategies: zero3 (FSDP / HSDP; add zero2, zero1, ddp with `--strategies`).
 
-Each layout is checked (`validate.layout_problems`), its analytic peak computed for the first and the
+Each layout is a set of knobs that goes the planner's one way (`from_job.inputs_from_config`: the job
+with the knobs, its Layout resolved by the trainer, PlanInputs read from it), so a layout the trainer
+refuses is rejected with the trainer's reason; its analytic peak is computed for the first and the
 last pipeline rank (the others hold fewer micro-batches and neither end) and compared with the usable
 device memory; survivors are ranked by predicted tokens/s (`step_time.py`). The top `verify` entries
 are then traced; one whose traced peak does not fit is rejected and the next one verified instead.
@@ -35,9 +37,10 @@ from torchtrain.distributed.layout import DPStrategy
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.tools.planner.analytic import estimate_memory
 from torchtrain.tools.planner.core import Job, Plan, make_plan, with_peak
-from torchtrain.tools.planner.inputs import PlanInputs, display_overrides
+from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
+from torchtrain.tools.planner.inputs import PLANNER_KEYS, PlanInputs
 from torchtrain.tools.planner.step_time import StepTime, estimate_step
-from torchtrain.tools.planner.validate import layout_problems, runnable_problems
+from torchtrain.tools.planner.validate import runnable_problems
 from torchtrain.utils.progress import Progress
 
 
@@ -89,7 +92,8 @@ def _cp_degrees(base: PlanInputs, ranks: int, fixed: int | None) -> list[int]:
 
 
 def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[str],
-                      cp: int | None = None) -> list[PlanInputs]:
+                      cp: int | None = None) -> list[dict]:
+    """The knobs (`inputs.CONFIG_KEYS`) of every layout to try for `base`'s job, world and device."""
     a, world, out = base.model, base.world_size, []
     node = base.gpu.gpus_per_node if base.gpu is not None else world
     for tp in _powers_of_two(min(node, world)):
@@ -105,7 +109,8 @@ def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[st
                     continue  # replicated strategies: one data-parallel group, counted once; no CP
                 for ep in (_expert_degrees(base, dp // rep, tp, DPStrategy.parse(strategy)) if c == 1 else [1]):
                     out += _batchings(base, dict(tp=tp, pp=pp, cp=c, ep=ep, dp_replicate=rep, dp_shard=dp // rep,
-                                                 strategy=strategy, ac_mode=ac, ac_option="op"), dp)
+                                                 strategy=strategy, ac_mode=ac, ac_option="op",
+                                                 global_batch_size=base.global_batch_size), dp)
     return out
 
 
@@ -126,18 +131,24 @@ def _expert_degrees(base: PlanInputs, shard: int, tp: int, strategy: DPStrategy)
     return out
 
 
-def _batchings(base: PlanInputs, common: dict, dp: int) -> list[PlanInputs]:
-    """The layout `common` with every local batch (no pipelining), or every micro-batch size and schedule."""
+def _batchings(base: PlanInputs, common: dict, dp: int) -> list[dict]:
+    """The layout `common` with every local batch (no pipelining), or every micro-batch size and schedule
+    (the schedule's own stages per rank: 2 for Interleaved1F1B)."""
     per_rank = base.global_batch_size // dp
     if common["pp"] == 1:
-        return [base.replace(**common, local_batch_size=local, pp_stages_per_rank=1)
-                for local in _divisors(per_rank) if local <= 32]
+        return [dict(common, local_batch_size=local) for local in _divisors(per_rank) if local <= 32]
     out = []
     for mb, schedule in itertools.product((1, 2, 4, 8), ("1F1B", "Interleaved1F1B", "GPipe")):
         if per_rank % mb == 0:
-            out.append(base.replace(**common, local_batch_size=per_rank, pp_microbatch_size=mb, pp_schedule=schedule,
-                                    pp_stages_per_rank=2 if schedule == "Interleaved1F1B" else 1))
+            out.append(dict(common, local_batch_size=per_rank, pp_microbatch_size=mb, pp_schedule=schedule))
     return out
+
+
+def candidate_inputs(job: Job, base: PlanInputs, knobs: dict) -> PlanInputs:
+    """One layout's PlanInputs: `base`'s job with the knobs, on `base`'s world and device, with its
+    planner-only flags."""
+    flags = dict(knobs, **{k: getattr(base, k) for k in PLANNER_KEYS})
+    return inputs_from_config(job.cfg, job.args, base.world_size, base.device_type, base.gpu, flags)
 
 
 def _worst_analytic(p: PlanInputs) -> float:
@@ -156,9 +167,9 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     result.examined = len(candidates)
     survivors = []
     with Progress("search: checking layouts", len(candidates), "layouts", enabled=show_progress) as bar:
-        for p in candidates:
+        for knobs in candidates:
             bar.update()
-            _check(job, p, usable, peak_tflops, result, survivors)
+            _check(candidate_inputs(job, base, knobs), usable, peak_tflops, result, survivors)
     survivors.sort(key=lambda c: (-c.tokens_per_s, c.peak))
     # traces: `verify`, plus one more for each traced layout that turns out not to fit
     with Progress(f"search: tracing the best layouts (--verify {verify})", None, "traces",
@@ -167,13 +178,12 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     return result
 
 
-def _check(job: Job, p: PlanInputs, usable: float | None, peak_tflops: float | None, result: SearchResult,
+def _check(p: PlanInputs, usable: float | None, peak_tflops: float | None, result: SearchResult,
            survivors: list[Candidate]) -> None:
     """Reject the layout with its reason, or add it to `survivors` with its analytic peak and speed."""
     c = Candidate(p)
-    problems = layout_problems(p, job.cfg)
-    if problems:
-        c.reason = "invalid: " + "; ".join(problems)
+    if p.problems:
+        c.reason = "invalid: " + "; ".join(p.problems)
         result.rejected.append(c)
         return
     try:
@@ -196,7 +206,7 @@ def _verify(job: Job, survivors: list[Candidate], verify: int, usable: float | N
     verified = 0
     for c in survivors:
         if runnable_only:
-            c.blockers = runnable_problems(c.inputs, job.cfg, job.tokenizer)
+            c.blockers = runnable_problems(c.inputs, job.tokenizer)
             if c.blockers:
                 c.reason = "refused by the trainer's start-up checks: " + "; ".join(c.blockers)
                 result.rejected.append(c)
@@ -217,5 +227,5 @@ def _verify(job: Job, survivors: list[Candidate], verify: int, usable: float | N
 def annotate_runnable(job: Job, result: SearchResult, top: int) -> None:
     """Record for the shown entries whether the trainer would start them (its own start-up checks)."""
     for c in result.ranked[:top]:
-        c.blockers = c.plan.blockers if c.plan is not None else runnable_problems(c.inputs, job.cfg, job.tokenizer)
-        c.overrides = display_overrides(c.inputs, job.cfg)
+        c.blockers = c.plan.blockers if c.plan is not None else runnable_problems(c.inputs, job.tokenizer)
+        c.overrides = display_overrides(job.cfg, c.inputs)

@@ -1,12 +1,13 @@
 """Is a layout valid, and would the trainer start it?
 
-Both questions are answered by the trainer's own code, on the job config that selects the layout
-(`inputs.config_variant`), so the planner never keeps a second copy of a rule:
+Both questions are answered by the trainer's own code, on the job the plan is read from (the user's
+job with the planner's knobs: `from_job.py`), so the planner never keeps a second copy of a rule:
 
-* `layout_problems`: the layout itself is impossible -- degrees that do not multiply to the world size,
-  heads not divisible by the tensor-parallel degree, a pipeline split or schedule the trainer refuses,
-  a global batch that is not a multiple of local batch x dp, a feature combination that cannot work
-  ... (`distributed/layout.py::resolve_layout` with the model's own checks; cheap, no tokenizer);
+* `resolve`: the trainer's layout resolution (`distributed/layout.py::resolve_layout` with the model's
+  own checks; cheap, no tokenizer) turns the job into its Layout, once, or says why the layout is
+  impossible -- degrees that do not multiply to the world size, heads not divisible by the
+  tensor-parallel degree, a pipeline split or schedule the trainer refuses, a global batch that is not
+  a multiple of local batch x dp, a feature combination that cannot work ...;
 * `runnable_problems`: everything the trainer checks before start-up (`torchtrain.trainer.preflight`: the
   above plus the tokenizer, datasets, validation settings).
 """
@@ -16,30 +17,32 @@ from __future__ import annotations
 from typing import Any
 
 from torchtrain.config import ConfigError, JobConfig
-from torchtrain.tools.planner.inputs import PlanInputs, config_variant
+from torchtrain.distributed.layout import Layout
+from torchtrain.tools.planner.inputs import PlanInputs
 
 
-def layout_problems(p: PlanInputs, cfg: JobConfig) -> list[str]:
-    """[] when the trainer's layout resolution accepts this layout, else its reason."""
+def resolve(job: JobConfig, world_size: int, device_type: str, args: Any) -> tuple[Layout | None, list[str]]:
+    """(the job's Layout, []) when the trainer's layout resolution accepts it, else (None, [its reason])."""
     from torchtrain.distributed.layout import resolve_layout
     from torchtrain.models.registry import get_model_spec
 
     try:
-        variant = config_variant(cfg, p)
-        variant.validate()
-        resolve_layout(variant, p.world_size, p.device_type, p.args, get_model_spec(p.model_name))
+        job.validate()
+        return resolve_layout(job, world_size, device_type, args, get_model_spec(job.model.name)), []
     except ConfigError as e:
-        return [str(e)]
-    return []
+        return None, [str(e)]
 
 
-def runnable_problems(p: PlanInputs, cfg: JobConfig, tokenizer: Any) -> list[str]:
-    """The trainer's start-up checks (`torchtrain.trainer.preflight`) applied to this layout on its target
-    device type ([] = the trainer would start it)."""
+def runnable_problems(p: PlanInputs, tokenizer: Any) -> list[str]:
+    """The trainer's start-up checks (`torchtrain.trainer.preflight`) applied to the job `p` was read from,
+    on its target device type ([] = the trainer would start it)."""
     from torchtrain.trainer.preflight import preflight
 
+    if p.job is None:
+        raise ValueError("runnable_problems needs PlanInputs read from a job (from_job.inputs_from_config), "
+                         "not a what-if copy")
     try:
-        preflight(config_variant(cfg, p), p.world_size, p.device_type, tokenizer)
+        preflight(p.job, p.world_size, p.device_type, tokenizer)
     except ConfigError as e:
         return [str(e)]
     return []
