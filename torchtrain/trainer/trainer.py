@@ -59,9 +59,9 @@ class Trainer:
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
         self.device = device = resolve_device(cfg.training.device)
-        plan = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
-        self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
-        spec, args = plan.model_spec, plan.model_args
+        job = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
+        self.layout, self.tokenizer = layout, tokenizer = job.layout, job.tokenizer
+        spec, args = job.model_spec, job.model_args
         dims, self.batch = layout.dims, layout.batch
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
@@ -140,14 +140,14 @@ class Trainer:
             self.train_step.replicas = self.replicas
 
     def _log_pipeline(self) -> None:
-        plan, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
+        split, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
         timeline = self.train_step.pipeline.timeline()
         logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
                     "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
-                    plan.schedule_name, plan.num_stages, plan.stages_per_rank, plan.n_microbatches,
+                    split.schedule_name, split.num_stages, split.stages_per_rank, split.n_microbatches,
                     cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
-                    100 * (pp - 1) / (plan.n_microbatches + pp - 1), timeline.render(),
-                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
+                    100 * (pp - 1) / (split.n_microbatches + pp - 1), timeline.render(),
+                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(split.modules_per_stage)))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
