@@ -21,7 +21,6 @@ from torchtrain.components.evaluation.in_loop import InLoopEvaluation
 from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.evaluation.validation import build_validation_sources
 from torchtrain.components.fault import FaultRuntime
-from torchtrain.components.fault import testing as fault_testing
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.observability.compile_monitor import CompileMonitor
 from torchtrain.components.observability.metrics import MetricsLogger, ThroughputMeter
@@ -49,6 +48,7 @@ from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
 from torchtrain.trainer.step_factory import build_train_step
+from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
 
@@ -222,7 +222,7 @@ class Trainer:
     def _replica_quorum(self) -> bool:
         """The step's quorum of replica groups; True when this group received the live state."""
         self.fault.mark("quorum")
-        wait = self.state.step + 1 == fault_testing.replica_wait_step()
+        wait = any(extensions.call("quorum", step=self.state.step + 1))  # plugins (utils/extensions.py)
         return self.replicas.begin_step(self.state.step, wait_for_all=wait)
 
     def _guard_act(self, out: StepResult) -> bool:
