@@ -100,18 +100,11 @@ def test_the_planners_trace_steps_with_the_jobs_z_loss_moe_and_extra_losses(buil
 
 
 def test_step_result_metrics():
-    class Moe:
-        def record(self, stats):
-            return {"moe_load_max_mean": float(stats.sum())}
-
-    class Extra:
-        def record(self, stats):
-            return {"mtp_loss": float(stats[0])}
-
     result = StepResult(torch.tensor(2.5), torch.tensor(0.5), 1e-3, torch.tensor(64), True)
     assert result.metrics() == {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3}
     full = StepResult(torch.tensor(2.5), torch.tensor(0.5), 1e-3, torch.tensor(64), False, "rollback",
                       z_loss=torch.tensor(0.25), moe=torch.ones(2), extra_losses=torch.tensor([0.75]),
-                      _moe=Moe(), _extra=Extra())
+                      moe_record=lambda stats: {"moe_load_max_mean": float(stats.sum())},
+                      extra_record=lambda stats: {"mtp_loss": float(stats[0])})
     assert list(full.metrics().items()) == [("loss", 2.5), ("grad_norm", 0.5), ("lr", 1e-3),
                                             ("moe_load_max_mean", 2.0), ("z_loss", 0.25), ("mtp_loss", 0.75)]

@@ -101,19 +101,21 @@ class StepResult:
     """Global expert loads and auxiliary loss per MoE layer (`MoEBalancer.end_step`)."""
     extra_losses: torch.Tensor | None = None
     """Sums and counts of the other losses the model adds in its forward (`ExtraLosses.end_step`)."""
-    _moe: MoEBalancer | None = field(default=None, repr=False)
-    _extra: ExtraLosses | None = field(default=None, repr=False)
+    moe_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
+    """Turns `moe` into named metrics (`MoEBalancer.record`)."""
+    extra_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
+    """Turns `extra_losses` into named metrics (`ExtraLosses.record`)."""
 
     def metrics(self) -> dict[str, float]:
         """The step's own metrics for the log: loss, grad_norm, lr, then the MoE metrics, z_loss and
         the extra losses by name where the step has them (reads the tensors: synchronises)."""
         out = {"loss": self.loss.item(), "grad_norm": self.grad_norm.item(), "lr": self.lr}
-        if self.moe is not None and self._moe is not None:
-            out.update(self._moe.record(self.moe))
+        if self.moe is not None and self.moe_record is not None:
+            out.update(self.moe_record(self.moe))
         if self.z_loss is not None:
             out["z_loss"] = self.z_loss.item()
-        if self.extra_losses is not None and self._extra is not None:
-            out.update(self._extra.record(self.extra_losses))
+        if self.extra_losses is not None and self.extra_record is not None:
+            out.update(self.extra_record(self.extra_losses))
         return out
 
 
@@ -259,4 +261,5 @@ class TrainStep:
         extra = self.extra_losses.end_step() if self.extra_losses is not None else None
         hooks.phase(None)
         return StepResult(global_loss, grad_norm, lr, global_tokens, stepped, verdict, z_loss, moe_stats, extra,
-                          self.moe, self.extra_losses)
+                          self.moe.record if self.moe is not None else None,
+                          self.extra_losses.record if self.extra_losses is not None else None)

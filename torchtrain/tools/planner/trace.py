@@ -9,7 +9,7 @@ in this one process and for any world size:
    place, so two of them exercise the HSDP code path exactly as R would. The mesh is the trainer's
    own (`ParallelDims.build_mesh`);
 2. as in the trainer, the model is built on the meta device, cut to the rank's pipeline stage
-   (`stage_model.py`), parallelised by the generic applier from the job's resolved Layout
+   (`stage_model.py` names the stage's modules, `simulation/parts.py` builds and cuts), parallelised by the generic applier from the job's resolved Layout
    (`distributed/parallelize.py::apply_parallelism`, the trainer's own call), and materialised --
    here under `FakeTensorMode`: tensors with shapes, dtypes and storage sizes but no data, so a 405B
    model costs no memory;
@@ -17,8 +17,9 @@ in this one process and for any world size:
    device); the optimizer state a first step would create is created directly (a step on zero
    gradients), then one measured steady-state step runs under
    `TensorMemoryTracker` -- the tracker and definition the trainer uses for `memory_tensor_peak_gib`.
-   Without pipelining the step *is* the trainer's `TrainStep` (micro-batch loop with no-sync
-   accumulation, loss, backward, clipping, optimizer); with pipelining it is a stage step (forward,
+   The step *is* the trainer's (`trainer/step_factory.py`: micro-batch loop with no-sync
+   accumulation, loss with the job's z-loss, MoE balancer and extra losses, backward, clipping,
+   optimizer); with pipelining it drives the rank's stages with `simulation/stage_step.py` (forward,
    loss on the last stage, backward from a received gradient, FSDP no-sync / no-reshard on all but
    the last micro-batch as `torch.distributed.pipelining` does) over two micro-batches;
 4. the optimizer's pre-step hook splits the step into a forward/backward phase and an optimizer phase.
