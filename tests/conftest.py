@@ -19,6 +19,11 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
 # One dataset cache for the whole session (every trainer subprocess inherits it): document datasets are
 # prepared once per session, in a fresh folder, never in the user's ~/.cache.
 _CACHE = os.environ.setdefault("TORCHTRAIN_CACHE", tempfile.mkdtemp(prefix="torchtrain-test-cache-"))
+# The test plugins (tests/plugins) are importable in every subprocess; a job loads one only when it names it
+# in job.custom_imports, e.g. the fault injection of the fault and checkpoint tests (FAULT_INJECTION).
+PLUGINS = os.path.join(REPO, "tests", "plugins")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, os.environ.get("PYTHONPATH")) if p)
+FAULT_INJECTION = ["--job.custom_imports", "fault_injection"]
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -200,21 +200,21 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _plan(argv: list[str], world: int):
+def _resolved_job(argv: list[str], world: int):
     from torchtrain.config import parse_args
     from torchtrain.trainer.preflight import preflight
 
-    plan = preflight(parse_args(argv), world, "cpu")
-    plan.layout.dims.build_mesh("cpu")
-    return plan
+    job = preflight(parse_args(argv), world, "cpu")
+    job.layout.dims.build_mesh("cpu")
+    return job
 
 
-def _meta_parts(plan) -> list[torch.nn.Module]:
+def _meta_parts(job) -> list[torch.nn.Module]:
     from torchtrain.distributed.parallelize import apply_parallelism, stage_parts
 
     with torch.device("meta"):
-        whole = plan.model_spec.model_cls(plan.model_args)
-    return [apply_parallelism(part, plan.model_spec, plan.layout) for _, part in stage_parts(whole, plan.layout)]
+        whole = job.model_spec.model_cls(job.model_args)
+    return [apply_parallelism(part, job.model_spec, job.layout) for _, part in stage_parts(whole, job.layout)]
 
 
 TOY = ["--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp", "--model.flavor", "small",
@@ -228,18 +228,18 @@ def test_a_model_with_only_a_tp_plan_gets_every_strategy_ac_and_compile(strategy
 
     monkeypatch.syspath_prepend(os.path.join(REPO, "tests", "plugins"))
     fake_world(2)
-    plan = _plan(TOY + ["--parallelism.data_parallel_strategy", strategy, "--activation_checkpoint.mode", "full",
+    job = _resolved_job(TOY + ["--parallelism.data_parallel_strategy", strategy, "--activation_checkpoint.mode", "full",
                         "--compile.enable", "true"], 2)
-    (model,) = _meta_parts(plan)
+    (model,) = _meta_parts(job)
     blocks = list(model.blocks)
     assert all(isinstance(b, CheckpointWrapper) for b in blocks)
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
-    if plan.layout.strategy.sharded:
+    if job.layout.strategy.sharded:
         assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in blocks)
     else:
         assert not isinstance(model, FSDPModule) and hasattr(model, "register_comm_hook")  # replicate (DDP)
-    assert plan.layout.zero1 == (strategy == "zero1")
-    assert plan.layout.autocast_dtype is None  # fp32 here; bf16/fp16 on ddp/zero1 would autocast
+    assert job.layout.zero1 == (strategy == "zero1")
+    assert job.layout.autocast_dtype is None  # fp32 here; bf16/fp16 on ddp/zero1 would autocast
 
 
 def _units_kept_after_forward(part: torch.nn.Module) -> list[bool]:
@@ -269,9 +269,9 @@ def test_planner_models_the_reshard_policy_the_trainer_applies(pp, expected_row,
     rows = [r.name for r in estimate_memory(p, 0).rows if r.name.startswith("gathered params")]
     assert len(rows) == 1 and expected_row in rows[0]
     fake_world(4)
-    plan = _plan(argv, 4)
-    assert plan.layout.reshard_after_forward == p.reshard
-    kept = _units_kept_after_forward(_meta_parts(plan)[0])
+    job = _resolved_job(argv, 4)
+    assert job.layout.reshard_after_forward == p.reshard
+    kept = _units_kept_after_forward(_meta_parts(job)[0])
     if expected_row.startswith("every unit"):
         assert kept and all(kept)
     else:

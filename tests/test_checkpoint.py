@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import (
+    FAULT_INJECTION,
     REPO,
     TINY_JOB,
     assert_no_trainer_traceback,
@@ -101,7 +102,7 @@ def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_pa
     # Rank 1 parks after step 3 until a signal arrives (test hook), so the signal lands at a known step.
     # It goes straight to that worker (torchrun is not signalled), so rank 0 learns of it only through
     # the step-boundary agreement. A second SIGTERM arrives during the save (test hook) and is ignored.
-    args = job(tmp_path, "--checkpoint.interval", "100")
+    args = job(tmp_path, "--checkpoint.interval", "100", *FAULT_INJECTION)
     env = {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": "3:1", "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": "1:SIGTERM"}
     proc = _popen_train(args, 2, env)
     pid = wait_for_pid_file(proc, tmp_path / "test_waiting_rank1.pid", "rank 1 never reached step 3")
@@ -154,7 +155,7 @@ def test_seed_checkpoint_from_hf_weights(hf_seed):
 
 def test_kill9_mid_save_keeps_previous_and_is_skipped(fsdp2_ref, hf_seed, tmp_path):
     copy_step(hf_seed[0], 0, tmp_path)  # start from the seed: must equal the built-in init bitwise
-    out = run_train(job(tmp_path), nproc=2, env={"TORCHTRAIN_TEST_CRASH_IN_SAVE": "4:1"})
+    out = run_train(job(tmp_path, *FAULT_INJECTION), nproc=2, env={"TORCHTRAIN_TEST_CRASH_IN_SAVE": "4:1"})
     assert out.returncode != 0
     assert f"resumed from {ckpt(tmp_path, 0)}" in out.stdout
     assert os.path.exists(os.path.join(ckpt(tmp_path, 2), "complete.json"))

@@ -29,7 +29,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY_JOB, assert_no_traceback, read_metrics, wait_for_pid_file
+from conftest import FAULT_INJECTION, REPO, TINY_JOB, assert_no_traceback, read_metrics, wait_for_pid_file
 
 pytestmark = pytest.mark.dist
 NPROC, STEPS, HANG_S = 4, 10, 4.0
@@ -44,7 +44,8 @@ def job(dump, *extra: str) -> list[str]:
     return ["--job.config_file", CONFIG, *TINY_JOB, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--debug.deterministic",
             "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), "--checkpoint.enable",
             "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", "--fault.hang_timeout_s", str(HANG_S),
-            "--fault.max_restarts", "1", "--fault.straggler_freq", "3", "--fault.straggler_threshold", "1.0", *extra]
+            "--fault.max_restarts", "1", "--fault.straggler_freq", "3", "--fault.straggler_threshold", "1.0",
+            *FAULT_INJECTION, *extra]
 
 
 def launch(args: list[str], nproc: int = NPROC, **env: str) -> subprocess.Popen:

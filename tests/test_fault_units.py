@@ -146,3 +146,39 @@ def test_a_peer_gone_from_a_collective_is_told_from_other_errors():
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9614")
     assert _peer_gone(gloo) and _peer_gone(dist.DistBackendError("NCCL communicator was aborted"))
     assert not _peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) and not _peer_gone(KeyError("x"))
+
+
+def test_extension_points_call_what_a_plugin_registered_and_refuse_unknown_points():
+    from torchtrain.utils import extensions
+
+    seen = []
+
+    def wait_for_all(step):
+        seen.append(step)
+        return step == 3
+
+    assert extensions.call("quorum", step=3) == []  # nothing registered: nothing happens
+    extensions.register("quorum", wait_for_all)
+    try:
+        assert extensions.call("quorum", step=3) == [True] and extensions.call("quorum", step=4) == [False]
+    finally:
+        extensions.unregister("quorum", wait_for_all)
+    assert seen == [3, 4] and extensions.call("quorum", step=3) == []
+    with pytest.raises(ValueError, match="unknown extension point 'park'"):
+        extensions.register("park", wait_for_all)
+
+
+def test_fault_injection_lives_in_the_tests_plugin_not_in_the_package():
+    """The package reads no test-only environment variable; the tests' faults come in through the
+    extension points (tests/plugins/fault_injection.py, loaded with job.custom_imports)."""
+    import os
+
+    from conftest import REPO
+
+    for folder, _, files in os.walk(os.path.join(REPO, "torchtrain")):
+        for name in files:
+            if name.endswith(".py"):
+                assert "TORCHTRAIN_TEST_" not in open(os.path.join(folder, name)).read(), name
+    plugin = open(os.path.join(REPO, "tests", "plugins", "fault_injection.py")).read()
+    for point in ("phase", "quorum", "storage_writer", "preemption_check"):
+        assert f'extensions.register("{point}",' in plugin

@@ -165,7 +165,7 @@ def test_float8_stays_within_a_band_of_fp32():
 def float8_layouts(tmp_path_factory):
     """One process, FSDP 2 (float8 all-gather, precomputed scales, a checkpoint at the last step) and
     FSDP 2 x TP 2, all float8 (emulated) on the same job: the parity tool's runs."""
-    from torchtrain.tools.parity import Layout, parse_layout, run_layout
+    from torchtrain.tools.parity import ParityCase, parse_layout, run_layout
 
     workdir = str(tmp_path_factory.mktemp("float8"))
     overrides = TINY_JOB + GLOBAL_BATCH + EMULATED + [
@@ -176,7 +176,7 @@ def float8_layouts(tmp_path_factory):
     try:
         runs = {
             "single": run_layout(parse_layout("single"), None, STEPS, overrides, workdir),
-            "fsdp2": run_layout(Layout("fsdp2", 2, ("--checkpoint.enable", "true", "--checkpoint.interval",
+            "fsdp2": run_layout(ParityCase("fsdp2", 2, ("--checkpoint.enable", "true", "--checkpoint.interval",
                                                     str(STEPS))), None, STEPS, overrides, workdir),
             "fsdp2_tp2": run_layout(parse_layout("fsdp2_tp2"), None, STEPS, overrides, workdir),
         }

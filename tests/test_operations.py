@@ -32,7 +32,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, TINY_JOB, read_metrics, wait_for_pid_file
+from conftest import FAULT_INJECTION, REPO, TINY_JOB, read_metrics, wait_for_pid_file
 
 from torchtrain.distributed.utils import free_port
 
@@ -231,7 +231,7 @@ def slurm_job(shims, dump, restart: int, **env: str) -> subprocess.Popen:
                 SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="1",
                 SLURM_RESTART_COUNT=str(restart), RDZV_PORT=str(free_port()), **env)
     full.pop("RANK", None)
-    return subprocess.Popen(["bash", "scripts/multinode_trainer.slurm", *job(dump)], cwd=REPO, env=full,
+    return subprocess.Popen(["bash", "scripts/multinode_trainer.slurm", *job(dump, *FAULT_INJECTION)], cwd=REPO, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -146,8 +146,8 @@ def test_invalid_pipeline_jobs_fail_before_start(argv, message):
 def test_explicit_split_is_used():
     cfg = parse_args(PP_JOB + PP2 + ["--parallelism.module_fqns_per_model_part",
                                      "tok_embeddings,layers.0;layers.1,layers.2,layers.3,norm,output"])
-    plan = preflight(cfg, world_size=2, device_type="cpu").layout.pipeline
-    assert plan.modules_per_stage == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
+    split = preflight(cfg, world_size=2, device_type="cpu").layout.pipeline
+    assert split.modules_per_stage == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
     v = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]), 2, "cpu").layout.pipeline
     assert v.num_stages == 4 and v.stage_ids(0, 2) == [0, 3] and v.stage_ids(1, 2) == [1, 2]
     looped = preflight(parse_args(PP_JOB + PP2 + ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]), 2, "cpu").layout.pipeline

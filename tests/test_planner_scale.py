@@ -110,8 +110,8 @@ def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     assert top.blockers == [], top.blockers
     overrides = display_overrides(job.cfg, top.inputs)
     cfg = parse_args(job.argv + overrides)
-    plan = preflight(cfg, 64, "cuda", job.tokenizer)
-    pd = plan.layout.dims
+    resolved = preflight(cfg, 64, "cuda", job.tokenizer)
+    pd = resolved.layout.dims
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.pp) == (top.inputs.dp_replicate, top.inputs.dp_shard,
                                                              top.inputs.tp, top.inputs.pp)
     # ranked by estimated throughput

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY_JOB, read_metrics, wait_for_pid_file
+from conftest import FAULT_INJECTION, REPO, TINY_JOB, read_metrics, wait_for_pid_file
 
 from torchtrain.distributed.utils import free_port
 
@@ -40,7 +40,7 @@ def job(dump, group: int) -> list[str]:
             "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
             "--parallelism.data_parallel_replicate_degree", "2", "--fault.replica_ft", "--fault.replica_id", str(group),
             "--fault.replica_timeout_s", "10", "--fault.hang_timeout_s", "20", "--fault.max_restarts", "1",
-            "--guard.policy", "skip", "--debug.inject_nonfinite_loss_steps", str(NAN_STEP)]
+            "--guard.policy", "skip", "--debug.inject_nonfinite_loss_steps", str(NAN_STEP), *FAULT_INJECTION]
 
 
 def launch(args: list[str], **env: str) -> subprocess.Popen:

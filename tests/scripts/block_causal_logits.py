@@ -15,11 +15,11 @@ from torchtrain.trainer.preflight import preflight
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")
-plan = preflight(cfg, dist.get_world_size(), "cpu")
-plan.layout.dims.build_mesh("cpu")
-spec, args = plan.model_spec, plan.model_args
+job = preflight(cfg, dist.get_world_size(), "cpu")
+job.layout.dims.build_mesh("cpu")
+spec, args = job.model_spec, job.model_args
 assert args.attention_mask == "block_causal"
-(model,) = build_model_parts(spec, args, plan.layout, torch.device("cpu"), seed=3)
+(model,) = build_model_parts(spec, args, job.layout, torch.device("cpu"), seed=3)
 reference = spec.model_cls(args)
 init_model_weights(reference, seed=3)
 
@@ -38,7 +38,7 @@ with torch.no_grad():
         worst = max(worst, (packed[:, start:start + len(doc)] - alone).abs().max().item())
         start += len(doc)
 if dist.get_rank() == 0:
-    print(f"BLOCK-CAUSAL-OK {plan.layout.describe()} max abs diff {worst:.2e}")
+    print(f"BLOCK-CAUSAL-OK {job.layout.describe()} max abs diff {worst:.2e}")
 dist.barrier()
 dist.destroy_process_group()
 exit_process(0)

@@ -15,9 +15,9 @@ from torchtrain.trainer.preflight import preflight
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")
-plan = preflight(cfg, dist.get_world_size(), "cpu")
-plan.layout.dims.build_mesh("cpu")
-spec, args = plan.model_spec, plan.model_args
+job = preflight(cfg, dist.get_world_size(), "cpu")
+job.layout.dims.build_mesh("cpu")
+spec, args = job.model_spec, job.model_args
 args.max_seq_len = 32
 
 reference = spec.model_cls(args)
@@ -25,7 +25,7 @@ init_model_weights(reference, seed=7)
 
 with torch.device("meta"):
     model = spec.model_cls(args)
-model = apply_parallelism(model, spec, plan.layout)
+model = apply_parallelism(model, spec, job.layout)
 model.to_empty(device="cpu")
 init_model_weights(model, seed=7)
 

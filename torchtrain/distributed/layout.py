@@ -13,7 +13,7 @@ for one world size and device type, into the decisions everything else reads:
   scaling (float16), the optimizer kernel, where optimizer state lives (CPU offload);
 * activation checkpointing and compile choices, async TP, loss parallel;
 * float8 training (`distributed/float8.py::resolve_float8`): whether it runs here and how;
-* the batch plan (global = local x dp x accumulation) and the pipeline plan (stages, placement,
+* the batch plan (global = local x dp x accumulation) and the pipeline split (stages, placement,
   schedule, micro-batches);
 * replica-group fault tolerance (fault.replica_ft): the data_parallel_replicate_degree replica groups
   are separate jobs, so this job's mesh holds one group (dp_replicate 1) while the data and the batch
@@ -39,7 +39,7 @@ from torchtrain.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
-    from torchtrain.distributed.pipeline import PipelinePlan
+    from torchtrain.distributed.pipeline import PipelineSplit
     from torchtrain.models.base import BaseModelArgs
     from torchtrain.models.registry import ModelSpec
 
@@ -170,7 +170,7 @@ class Layout:
     compile_loss: bool
     async_tp: bool
     batch: BatchPlan
-    pipeline: "PipelinePlan | None" = None
+    pipeline: "PipelineSplit | None" = None
     replica_groups: int = 1
     """Replica groups run as separate jobs under fault.replica_ft (1 otherwise; distributed/replica_ft.py)."""
     replica_id: int = 0
@@ -336,7 +336,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     """The job's Layout on `world_size` processes of `device_type` (ConfigError when impossible).
 
     With `model_args` and `spec` the model's own checks against the layout run too (heads divisible
-    by the TP degree, ...), and a pipeline-parallel job gets its pipeline plan (the model's split)."""
+    by the TP degree, ...), and a pipeline-parallel job gets its pipeline split (the model's stages)."""
     par, training = cfg.parallelism, cfg.training
     replicas = par.data_parallel_replicate_degree if cfg.fault.replica_ft else 1
     if replicas > 1:  # this job is one replica group: its mesh has no replicate dimension
@@ -385,8 +385,8 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     if dims.pp_enabled:
         from dataclasses import replace
 
-        from torchtrain.distributed.pipeline import plan_pipeline
+        from torchtrain.distributed.pipeline import split_pipeline
 
-        plan = plan_pipeline(par, dims.pp, model_args, spec.stage_modules, batch.local_sequences, spec.name)
-        layout = replace(layout, pipeline=plan)
+        split = split_pipeline(par, dims.pp, model_args, spec.stage_modules, batch.local_sequences, spec.name)
+        layout = replace(layout, pipeline=split)
     return layout

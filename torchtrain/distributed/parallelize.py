@@ -116,10 +116,10 @@ def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: 
 
 def stage_parts(whole: nn.Module, layout: Layout) -> list[tuple[int, nn.Module]]:
     """(stage index, module) of this rank's pipeline stages, cut from `whole` (or the whole model)."""
-    plan, dims = layout.pipeline, layout.dims
-    if plan is None:
+    split, dims = layout.pipeline, layout.dims
+    if split is None:
         return [(0, whole)]
-    return [(s, keep_modules(whole, plan.modules_per_stage[s])) for s in plan.stage_ids(dims.pp_rank, dims.pp)]
+    return [(s, keep_modules(whole, split.modules_per_stage[s])) for s in split.stage_ids(dims.pp_rank, dims.pp)]
 
 
 def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, device: torch.device,

@@ -11,7 +11,7 @@ activations alive on the first rank, GPipe all m.
 Placement: "loop" puts stage s on rank s mod p; "V" (ZBVZeroBubble, DualPipeV) gives rank r stages r
 and 2p - 1 - r, so the first and last stages share a rank.
 
-Everything that can be checked without a process group is checked in `plan_pipeline`, so an invalid
+Everything that can be checked without a process group is checked in `split_pipeline`, so an invalid
 combination fails before start-up with a message naming the key.
 """
 
@@ -52,7 +52,7 @@ def _schedule_class(name: str):
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelineSplit:
     schedule_name: str
     multi_stage: bool
     num_stages: int
@@ -85,8 +85,8 @@ def _csv_num_stages(path: str) -> int:
     return max(stages) + 1
 
 
-def plan_pipeline(par: Parallelism, p: int, model_args, stage_modules_fn, local_sequences: int,
-                  model_name: str = "") -> PipelinePlan:
+def split_pipeline(par: Parallelism, p: int, model_args, stage_modules_fn, local_sequences: int,
+                  model_name: str = "") -> PipelineSplit:
     """Resolve and validate the stage split, placement and micro-batching of `par` over `p` pipeline
     ranks (no process group needed).
 
@@ -161,7 +161,7 @@ def plan_pipeline(par: Parallelism, p: int, model_args, stage_modules_fn, local_
                 f"[parallelism.pipeline_parallel_microbatch_size] {name} needs the micro-batch count ({n_mb}) to "
                 f"be a multiple of {rounds} (micro-batches // pipeline_parallel_degree); e.g. use {rounds * p}"
             )
-    return PipelinePlan(name, multi, num_stages, per_rank, v_placement, modules, n_mb, csv_path)
+    return PipelineSplit(name, multi, num_stages, per_rank, v_placement, modules, n_mb, csv_path)
 
 
 def _check_explicit_split(modules: list[list[str]], all_names: list[str]) -> None:
@@ -197,26 +197,26 @@ def keep_modules(model: nn.Module, names: list[str]) -> nn.Module:
     return part
 
 
-def build_schedule(plan: PipelinePlan, stages: list, loss_fn):
+def build_schedule(split: PipelineSplit, stages: list, loss_fn):
     """The schedule object over this rank's stages; construction errors become config errors."""
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
 
     try:
-        if plan.csv_path is not None:
-            schedule = _PipelineScheduleRuntime(stages, plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-            schedule._load_csv(plan.csv_path)
+        if split.csv_path is not None:
+            schedule = _PipelineScheduleRuntime(stages, split.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule._load_csv(split.csv_path)
         else:  # multi-stage schedules take the list, single-stage ones the stage
-            cls = get_schedule_class(plan.schedule_name)
-            schedule = cls(stages if plan.multi_stage else stages[0], plan.n_microbatches, loss_fn=loss_fn,
+            cls = get_schedule_class(split.schedule_name)
+            schedule = cls(stages if split.multi_stage else stages[0], split.n_microbatches, loss_fn=loss_fn,
                            scale_grads=False)
     except (ValueError, RuntimeError, AssertionError) as e:
-        raise ConfigError(f"[parallelism.pipeline_parallel_schedule] {plan.schedule_name}: {e}") from None
+        raise ConfigError(f"[parallelism.pipeline_parallel_schedule] {split.schedule_name}: {e}") from None
     return schedule
 
 
-def schedule_timeline(schedule, plan: PipelinePlan) -> Timeline:
-    if plan.multi_stage:
-        return simulate(schedule.pipeline_order, plan.num_stages, True)
+def schedule_timeline(schedule, split: PipelineSplit) -> Timeline:
+    if split.multi_stage:
+        return simulate(schedule.pipeline_order, split.num_stages, True)
     # Single-stage schedules (GPipe, 1F1B) run forwards and backwards in micro-batch order on every
     # rank; their action lists are renumbered accordingly (torch's list for the last 1F1B rank
     # starts its forwards at micro-batch 1, which would not replay).
@@ -231,4 +231,4 @@ def schedule_timeline(schedule, plan: PipelinePlan) -> Timeline:
                 seen[kind] = a.microbatch_index + 1
             renumbered.append(a)
         order[rank] = renumbered
-    return simulate(order, plan.num_stages, False)
+    return simulate(order, split.num_stages, False)

@@ -2,7 +2,7 @@
 pass for evaluation.
 
 Training (`PipelineRunner.step`): the step's local batch goes to the schedule, which cuts it into the
-plan's micro-batches and runs forwards and backwards in the schedule's order; the last stage applies
+split's micro-batches and runs forwards and backwards in the schedule's order; the last stage applies
 the loss to each micro-batch and records it. Only the schedule's micro-batch forwards count toward
 the model's step statistics (`models.base.forward_counting`): the extra forward torch's stages run
 on their first step to infer shapes (on empty tensors, for stages past the first) does not.
@@ -36,20 +36,20 @@ class PipelineRunner:
 
     def __init__(self, layout: Layout, model_parts: list[nn.Module], device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        plan, dims = layout.pipeline, layout.dims
-        self.plan, self.device = plan, device
+        split, dims = layout.pipeline, layout.dims
+        self.split, self.device = split, device
         self.group = dims.pp_mesh.get_group()
         self.pp_rank, self.pp = dims.pp_rank, dims.pp
-        self.stage_ids = plan.stage_ids(self.pp_rank, self.pp)
+        self.stage_ids = split.stage_ids(self.pp_rank, self.pp)
         self.model_parts = model_parts
-        stages = [_counting_stage()(part, s, plan.num_stages, device, group=self.group)
+        stages = [_counting_stage()(part, s, split.num_stages, device, group=self.group)
                   for s, part in zip(self.stage_ids, model_parts)]
-        self.schedule = build_schedule(plan, stages, loss_fn)
+        self.schedule = build_schedule(split, stages, loss_fn)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
 
     def timeline(self):
-        return schedule_timeline(self.schedule, self.plan)
+        return schedule_timeline(self.schedule, self.split)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, local_value, kwargs: dict | None = None) -> torch.Tensor:
         """One schedule step over the local batch; this rank's summed (scaled) loss (0 off the last stage).
@@ -66,9 +66,9 @@ class PipelineRunner:
     def forward(self, inputs: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor | None:
         """The last stage's output (logits) for `inputs` on the rank that holds it, else None."""
         mine = dict(zip(self.stage_ids, self.model_parts))
-        owner = {s: r for r in range(self.pp) for s in self.plan.stage_ids(r, self.pp)}
+        owner = {s: r for r in range(self.pp) for s in self.split.stage_ids(r, self.pp)}
         h = None
-        for s in range(self.plan.num_stages):
+        for s in range(self.split.num_stages):
             if s not in mine:
                 continue
             if s == 0:
@@ -78,9 +78,9 @@ class PipelineRunner:
             else:
                 x = _recv(dist.get_global_rank(self.group, owner[s - 1]), self.group, self.device)
             h = mine[s](x, **(kwargs or {}))
-            if s + 1 < self.plan.num_stages and owner[s + 1] != self.pp_rank:
+            if s + 1 < self.split.num_stages and owner[s + 1] != self.pp_rank:
                 _send(h, dist.get_global_rank(self.group, owner[s + 1]), self.group)
-        return h if self.plan.num_stages - 1 in mine else None
+        return h if self.split.num_stages - 1 in mine else None
 
 
 def _counting_stage():

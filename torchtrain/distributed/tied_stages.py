@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.distributed.pipeline import PipelinePlan
+from torchtrain.distributed.pipeline import PipelineSplit
 
 
 def _module(part: nn.Module, name: str) -> nn.Module | None:
@@ -39,13 +39,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedStages:
-    def __init__(self, plan: PipelinePlan, dims: ParallelDims, stage_ids: list[int], model_parts: list[nn.Module]):
+    def __init__(self, split: PipelineSplit, dims: ParallelDims, stage_ids: list[int], model_parts: list[nn.Module]):
         holders: dict[str, list[int]] = {}
-        for stage, names in enumerate(plan.modules_per_stage):
+        for stage, names in enumerate(split.modules_per_stage):
             for name in names:
                 holders.setdefault(name, []).append(stage)
         self.tied = {name: stages for name, stages in holders.items() if len(stages) > 1}
-        owner = {s: r for r in range(dims.pp) for s in plan.stage_ids(r, dims.pp)}
+        owner = {s: r for r in range(dims.pp) for s in split.stage_ids(r, dims.pp)}
         self.parts = list(zip(stage_ids, model_parts))
         self.groups: dict[str, object] = {}
         mesh = dims.world_mesh

@@ -10,10 +10,13 @@ process group, no communication):
 1. the job is parsed and resolved as the trainer does (`preflight`: model, Layout, every config
    check), for the target device type (`--device`, default cuda);
 2. the trainer's mesh (`ParallelDims.build_mesh`) and model parts (meta model -> this rank's
-   pipeline stages -> `apply_parallelism`: converters, TP, CP, EP, AC, FSDP/DDP) are built, then
-   materialised as fake tensors (`param_init` is skipped: there are no values to initialise);
-3. the trainer's optimizers, LR schedule, MoE balancer and `TrainStep` run `--steps` steps on batches
-   of the job's shape (fake token ids), under `CollectiveLog` (`simulation/collective_log.py`), which
+   pipeline stages -> `apply_parallelism`: converters, TP, CP, EP, AC, FSDP/DDP;
+   `simulation/parts.py`) are built, then materialised as fake tensors (`param_init` is skipped:
+   there are no values to initialise);
+3. the trainer's optimizers, LR schedule and train step (`trainer/step_factory.py`: z-loss, MoE
+   balancer, extra losses as the job sets them; a pipeline rank runs its stages with
+   `simulation/stage_step.py` in place of torch's schedule) run `--steps` steps on batches of the
+   job's shape (fake token ids), under `CollectiveLog` (`simulation/collective_log.py`), which
    checks the shapes of every collective as it is issued.
 
 Then the ranks' collectives are compared: ranks of the same pipeline stage must issue the same
@@ -35,10 +38,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from torchtrain.simulation.collective_log import Collective, CollectiveLog, mesh_group_names
-from torchtrain.simulation.fake_world import fake_backend_available, fake_world, local_allreduce_hook
+from torchtrain.simulation.fake_world import fake_backend_available, fake_world
+from torchtrain.simulation.parts import build_fake_parts, fake_batches, layout_cuts
+from torchtrain.simulation.stage_step import StagePipeline
 
 
 @dataclass
@@ -103,86 +107,42 @@ def _job(argv: list[str], world: int, device_type: str):
     return cfg, preflight(cfg, world, device_type, tokenizer=tokenizer), notes
 
 
-def _parts(plan, cfg, device_type: str) -> list[nn.Module]:
-    from torchtrain.distributed.parallelize import apply_parallelism, stage_parts
-    from torchtrain.models.common.attention import AttentionCore
-
-    with torch.device("meta"):
-        whole = plan.model_spec.model_cls(plan.model_args)
-    parts = [apply_parallelism(part, plan.model_spec, plan.layout) for _, part in stage_parts(whole, plan.layout)]
-    for part in parts:
-        if device_type == "cuda":  # FlexAttention is CUDA-only: the planner's proxy stands in
-            for module in part.modules():
-                if isinstance(module, AttentionCore):
-                    module.backend = "memory_proxy"
-        if hasattr(part, "register_comm_hook"):  # DDP: the fake group hands no bucket back
-            part.register_comm_hook(None, local_allreduce_hook)
-    return parts
-
-
-def _batches(plan, cfg) -> list[dict[str, torch.Tensor]]:
-    shape = (plan.layout.batch.local_batch_size, cfg.training.seq_len)
-    vocab = plan.model_args.vocab_size
-    return [{"input_ids": torch.randint(0, vocab, shape), "labels": torch.randint(0, vocab, shape)}
-            for _ in range(plan.layout.batch.grad_accum_steps)]
-
-
 def run_rank(argv: list[str], world: int, rank: int, device_type: str = "cuda", steps: int = 2) -> RankRun:
     """The trainer's build and `steps` steps for `rank` of a fake world of `world` ranks (module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
     from torchtrain.components.optim.optimizer import OptimizersContainer
-    from torchtrain.trainer.moe_balance import MoEBalancer
-    from torchtrain.trainer.step import TrainStep
+    from torchtrain.trainer.step_factory import build_train_step
 
-    cfg, plan, _ = _job(argv, world, device_type)
-    layout, device = plan.layout, torch.device("cpu")
+    cfg, job, _ = _job(argv, world, device_type)
+    layout, device = job.layout, torch.device("cpu")
     t0 = time.perf_counter()
     with fake_world(world, rank):
         dims = layout.dims
         dims.build_mesh("cpu")
         mesh = dims.world_mesh
         coords = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
-        parts = _parts(plan, cfg, device_type)
+        cuts = layout_cuts(layout)
+        parts = build_fake_parts(job.model_spec, job.model_args, layout, cuts, device_type)
         log = CollectiveLog(mesh_group_names(dims.named_meshes()))
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
             for part in parts:  # (param_init is skipped: fake tensors hold no values to initialise)
                 part.to_empty(device=device).train()
             optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)
             schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
-            if layout.pipeline is None:
-                moe = MoEBalancer.for_model(parts, device, plan.model_args)
-                step = TrainStep(layout, parts, optimizers, schedulers, device, cfg.training.max_norm, moe)
-                batches = _batches(plan, cfg)
-                run = functools.partial(step, batches)
-            else:
-                run = _stage_steps(cfg, plan, world, device_type, parts, optimizers, schedulers)
+        # the step's set-up reads the mesh's rank table, which must stay real
+        pipeline = functools.partial(StagePipeline, cuts=cuts, seq_len=cfg.training.seq_len, dim=job.model_args.dim)
+        step = build_train_step(layout, cfg.training, job.model_args, parts, optimizers, schedulers, device,
+                                pipeline=pipeline)
+        with mode:
+            batches = fake_batches(layout, cfg.training.seq_len, job.model_args.vocab_size)
             with log:
                 for _ in range(steps):
-                    run()
+                    step(batches)
         params = sum(_local_numel(p) for part in parts for p in part.parameters())
     return RankRun(rank, coords, params, steps, time.perf_counter() - t0, log.records)
-
-
-def _stage_steps(cfg, plan, world: int, device_type: str, parts, optimizers, schedulers):
-    """A pipeline rank's step without torch's schedule, whose start-up reads values sent by other ranks
-    (a warm-up exchange, shape inference), which a fake world cannot give: the planner's stage step
-    (`planner/trace.py::stage_step`) -- each of this rank's stages runs forward and backward on
-    micro-batches of the job's shape (fake activations at stage boundaries), FSDP no-sync on all but the
-    last, then clipping and the optimizer step, as the schedule would."""
-    from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.pipeline import Stage
-    from torchtrain.tools.planner.trace import stage_step
-    from torchtrain.trainer.loss import ScaledTokenLoss
-
-    layout = plan.layout
-    p = inputs_from_config(cfg, plan.model_args, world, device_type, None, {})
-    pipe, dims = layout.pipeline, layout.dims
-    stages = [Stage(s, (), s == 0, s == pipe.num_stages - 1) for s in pipe.stage_ids(dims.pp_rank, dims.pp)]
-    return functools.partial(stage_step, p, layout, parts, stages, TensorMemoryTracker(), ScaledTokenLoss(),
-                             optimizers, schedulers, [])
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -220,18 +180,18 @@ def dry_run(argv: list[str], world: int, ranks: list[int] | None = None, device_
     reason = fake_backend_available()
     if reason:
         raise RuntimeError(reason)
-    cfg, plan, notes = _job(argv, world, device_type)
-    ranks = default_ranks(plan.layout) if ranks is None else ranks
+    cfg, job, notes = _job(argv, world, device_type)
+    ranks = default_ranks(job.layout) if ranks is None else ranks
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         from torchtrain.config import ConfigError
 
         raise ConfigError(f"--ranks {bad}: ranks are 0 .. {world - 1}")
     runs = [run_rank(argv, world, r, device_type, steps) for r in ranks]
-    desc = (f"{cfg.model.name}/{cfg.model.flavor}, {world} ranks: {plan.layout.describe()} (target {device_type}; "
+    desc = (f"{cfg.model.name}/{cfg.model.flavor}, {world} ranks: {job.layout.describe()} (target {device_type}; "
             f"fake process group, fake tensors)")
-    if plan.layout.float8 is not None:
-        desc += f"; float8 {dataclasses.asdict(plan.layout.float8)['recipe']}"
+    if job.layout.float8 is not None:
+        desc += f"; float8 {dataclasses.asdict(job.layout.float8)['recipe']}"
     return DryRun(desc, runs, compare(runs), notes)
 
 

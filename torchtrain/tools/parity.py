@@ -29,7 +29,10 @@ from torchtrain.utils.strict_json import read_jsonl
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParityCase:
+    """One run of the parity comparison: a name, its process count and the job overrides that set its
+    parallelism (the resolved parallel decisions of a job are `distributed.layout.Layout`)."""
+
     name: str
     nproc: int
     overrides: tuple[str, ...] = field(default_factory=tuple)
@@ -47,66 +50,66 @@ _AC = "--activation_checkpoint.mode"
 _SAC = "--activation_checkpoint.selective_ac_option"
 _COMPILE = ("--compile.enable", "true")
 
-PRESETS: dict[str, Layout] = {
+PRESETS: dict[str, ParityCase] = {
     l.name: l
     for l in (
-        Layout("single", 1),
-        Layout("fsdp2", 2),
-        Layout("fsdp4", 4),
-        Layout("hsdp2x2", 4, _p("data_parallel_replicate_degree", 2)),
-        Layout("ddp2", 2, _s("ddp")),
-        Layout("zero1_2", 2, _s("zero1")),
-        Layout("zero2_2", 2, _s("zero2")),
-        Layout("tp2", 2, _p("tensor_parallel_degree", 2)),
-        Layout("tp4", 4, _p("tensor_parallel_degree", 4)),
-        Layout("fsdp2_tp2", 4, _p("tensor_parallel_degree", 2)),
-        Layout("hsdp2x2_tp2", 8, _p("data_parallel_replicate_degree", 2) + _p("tensor_parallel_degree", 2)),
-        Layout("ac_full", 1, (_AC, "full")),
-        Layout("ac_every2", 1, (_AC, "selective", _SAC, "2")),
-        Layout("ac_op", 1, (_AC, "selective", _SAC, "op")),
-        Layout("compile", 1, _COMPILE),
-        Layout("fsdp2_tp2_compile", 4, _p("tensor_parallel_degree", 2) + _COMPILE),
-        *(Layout(f"pp2_{s.lower()}", 2, _p("pipeline_parallel_degree", 2) + _p("pipeline_parallel_schedule", s))
+        ParityCase("single", 1),
+        ParityCase("fsdp2", 2),
+        ParityCase("fsdp4", 4),
+        ParityCase("hsdp2x2", 4, _p("data_parallel_replicate_degree", 2)),
+        ParityCase("ddp2", 2, _s("ddp")),
+        ParityCase("zero1_2", 2, _s("zero1")),
+        ParityCase("zero2_2", 2, _s("zero2")),
+        ParityCase("tp2", 2, _p("tensor_parallel_degree", 2)),
+        ParityCase("tp4", 4, _p("tensor_parallel_degree", 4)),
+        ParityCase("fsdp2_tp2", 4, _p("tensor_parallel_degree", 2)),
+        ParityCase("hsdp2x2_tp2", 8, _p("data_parallel_replicate_degree", 2) + _p("tensor_parallel_degree", 2)),
+        ParityCase("ac_full", 1, (_AC, "full")),
+        ParityCase("ac_every2", 1, (_AC, "selective", _SAC, "2")),
+        ParityCase("ac_op", 1, (_AC, "selective", _SAC, "op")),
+        ParityCase("compile", 1, _COMPILE),
+        ParityCase("fsdp2_tp2_compile", 4, _p("tensor_parallel_degree", 2) + _COMPILE),
+        *(ParityCase(f"pp2_{s.lower()}", 2, _p("pipeline_parallel_degree", 2) + _p("pipeline_parallel_schedule", s))
           for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                     "DualPipeV")),
-        Layout("pp4_1f1b", 4, _p("pipeline_parallel_degree", 4)),
-        Layout("pp2_fsdp2_tp2", 8, _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
-        Layout("ep2", 2, _p("expert_parallel_degree", 2)),
-        Layout("ep2_fsdp2", 4, _p("expert_parallel_degree", 2)),
-        Layout("ep2_tp2", 4, _p("expert_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
-        Layout("pp2_ep2", 4, _p("expert_parallel_degree", 2) + _p("pipeline_parallel_degree", 2)),
-        Layout("ep2_hsdp2x2", 4, _p("expert_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
-        Layout("pp2_hsdp2x2_tp2", 16, _p("pipeline_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)
+        ParityCase("pp4_1f1b", 4, _p("pipeline_parallel_degree", 4)),
+        ParityCase("pp2_fsdp2_tp2", 8, _p("pipeline_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        ParityCase("ep2", 2, _p("expert_parallel_degree", 2)),
+        ParityCase("ep2_fsdp2", 4, _p("expert_parallel_degree", 2)),
+        ParityCase("ep2_tp2", 4, _p("expert_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        ParityCase("pp2_ep2", 4, _p("expert_parallel_degree", 2) + _p("pipeline_parallel_degree", 2)),
+        ParityCase("ep2_hsdp2x2", 4, _p("expert_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
+        ParityCase("pp2_hsdp2x2_tp2", 16, _p("pipeline_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)
                + _p("tensor_parallel_degree", 2)),
-        Layout("cp2", 2, _p("context_parallel_degree", 2)),
-        Layout("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
-        Layout("cp2_tp2", 4, _p("context_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
-        Layout("pp2_cp2", 4, _p("pipeline_parallel_degree", 2) + _p("context_parallel_degree", 2)),
-        Layout("cp2_ep2", 4, _p("context_parallel_degree", 2) + _p("expert_parallel_degree", 2)),
-        Layout("cp2_hsdp2x2", 8, _p("context_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
+        ParityCase("cp2", 2, _p("context_parallel_degree", 2)),
+        ParityCase("cp2_fsdp2", 4, _p("context_parallel_degree", 2)),
+        ParityCase("cp2_tp2", 4, _p("context_parallel_degree", 2) + _p("tensor_parallel_degree", 2)),
+        ParityCase("pp2_cp2", 4, _p("pipeline_parallel_degree", 2) + _p("context_parallel_degree", 2)),
+        ParityCase("cp2_ep2", 4, _p("context_parallel_degree", 2) + _p("expert_parallel_degree", 2)),
+        ParityCase("cp2_hsdp2x2", 8, _p("context_parallel_degree", 2) + _p("data_parallel_replicate_degree", 2)),
     )
 }
 
 
-def parse_layout(spec: str) -> Layout:
+def parse_layout(spec: str) -> ParityCase:
     spec = spec.strip()
     if spec in PRESETS:
         return PRESETS[spec]
     parts = shlex.split(spec)
     if not parts or not parts[0].isdigit():
         raise ValueError(f"layout {spec!r}: expected a preset ({', '.join(PRESETS)}) or 'NPROC [--key value ...]'")
-    return Layout(spec, int(parts[0]), tuple(parts[1:]))
+    return ParityCase(spec, int(parts[0]), tuple(parts[1:]))
 
 
 @dataclass
 class RunResult:
-    layout: Layout
+    layout: ParityCase
     records: list[dict]
     returncode: int
     log: str
 
 
-def run_layout(layout: Layout, config_file: str | None, steps: int, overrides: list[str], workdir: str,
+def run_layout(layout: ParityCase, config_file: str | None, steps: int, overrides: list[str], workdir: str,
                timeout: float = 900.0) -> RunResult:
     """Train `steps` steps of the job under this layout (one process directly, more under torchrun);
     return its metrics.jsonl records."""

@@ -29,7 +29,8 @@ class ExtraLosses:
         stage without them still takes part in the reductions)."""
         modules = [m for part in model_parts for m in part.modules() if isinstance(m, LoggedLoss)]
         names = sorted({m.loss_name for m in modules})
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        # (a fake world, simulation/fake_world.py, moves no objects: there the local names stand)
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
             every: list[list[str] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(every, names)
             names = sorted({n for ranks in every for n in ranks})

@@ -5,7 +5,7 @@ with a message naming the key instead of hanging or failing deep inside PyTorch;
 launch-time check (`launch_check.py`, run by run_train.sh and the SLURM script before torchrun) and
 the tests run the same checks for any world size on one CPU process.
 
-It resolves the job into a `Preflight`: the model (spec and arguments, the job's `[model]` overrides
+It resolves the job into a `ResolvedJob`: the model (spec and arguments, the job's `[model]` overrides
 checked and converted), the tokenizer, and the resolved `Layout` (distributed/layout.py) that every
 other part reads its decisions from.
 """
@@ -29,7 +29,7 @@ from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overr
 
 
 @dataclass
-class Preflight:
+class ResolvedJob:
     layout: Layout
     tokenizer: Tokenizer
     model_spec: ModelSpec
@@ -46,15 +46,15 @@ def resolve_model(cfg: JobConfig, tokenizer) -> tuple[ModelSpec, BaseModelArgs]:
     return spec, args
 
 
-def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Tokenizer | None = None) -> Preflight:
-    """Resolve the model, tokenizer and layout (batch and pipeline plans included); raise ConfigError."""
+def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Tokenizer | None = None) -> ResolvedJob:
+    """Resolve the model, tokenizer and layout (batch plan and pipeline split included); raise ConfigError."""
     tokenizer = tokenizer or build_tokenizer(cfg.model.hf_assets_path)
     spec, args = resolve_model(cfg, tokenizer)
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
     check_eval(cfg.eval, cfg.training.seq_len, layout.dims.tp, layout.dims.cp)
-    return Preflight(layout, tokenizer, spec, args)
+    return ResolvedJob(layout, tokenizer, spec, args)
 
 
 def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
@@ -66,15 +66,15 @@ def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
     check_validation_data(cfg.validation, t, tokenizer)
 
 
-def check_job(cfg: JobConfig, world_size: int, device_type: str) -> Preflight:
+def check_job(cfg: JobConfig, world_size: int, device_type: str) -> ResolvedJob:
     """`preflight` plus the checkpoint folder's start-up checks, the metrics backends' packages and the
     cheap data checks (`check_data`): everything the trainer checks before its process group starts,
     except preparing document datasets and building the loader. The trainer runs it on every rank;
     `launch_check` runs it once before torchrun starts any."""
-    plan = preflight(cfg, world_size, device_type)
+    job = preflight(cfg, world_size, device_type)
     checkpoint_preflight(cfg.checkpoint, cfg.job.dump_folder, device_type, cfg.model.name,
-                         plan.model_spec.state_dict_adapter is not None)
+                         job.model_spec.state_dict_adapter is not None)
     check_wandb(cfg.metrics)
     check_replica_ft(cfg.fault)
-    check_data(cfg, plan.tokenizer)
-    return plan
+    check_data(cfg, job.tokenizer)
+    return job

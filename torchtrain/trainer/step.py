@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -76,11 +78,59 @@ class StepHooks:
         return None
 
 
+@dataclass
+class StepResult:
+    """What one step did. Tensors stay on the device (reading them synchronises): `metrics` reads them
+    for logging only."""
+
+    loss: torch.Tensor
+    """Global token-mean cross-entropy of the step (without the z-loss term)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate the optimizer step used."""
+    tokens: torch.Tensor
+    """Global number of target tokens of the step."""
+    stepped: bool
+    """Whether the optimizer stepped (False: skipped by the loss scaler or the verdict)."""
+    verdict: str | None = None
+    """Why the step was not applied ("rollback", "abort", "replica_lost", ...), None when it was."""
+    z_loss: torch.Tensor | None = None
+    """The z-loss term, reduced as `loss` (with `training.z_loss`)."""
+    moe: torch.Tensor | None = None
+    """Global expert loads and auxiliary loss per MoE layer (`MoEBalancer.end_step`)."""
+    extra_losses: torch.Tensor | None = None
+    """Sums and counts of the other losses the model adds in its forward (`ExtraLosses.end_step`)."""
+    moe_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
+    """Turns `moe` into named metrics (`MoEBalancer.record`)."""
+    extra_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
+    """Turns `extra_losses` into named metrics (`ExtraLosses.record`)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The step's own metrics for the log: loss, grad_norm, lr, then the MoE metrics, z_loss and
+        the extra losses by name where the step has them (reads the tensors: synchronises)."""
+        out = {"loss": self.loss.item(), "grad_norm": self.grad_norm.item(), "lr": self.lr}
+        if self.moe is not None and self.moe_record is not None:
+            out.update(self.moe_record(self.moe))
+        if self.z_loss is not None:
+            out["z_loss"] = self.z_loss.item()
+        if self.extra_losses is not None and self.extra_record is not None:
+            out.update(self.extra_record(self.extra_losses))
+        return out
+
+
+PipelineFactory = Callable[[Layout, list[nn.Module], torch.device, Callable], PipelineRunner]
+
+
 class TrainStep:
+    """Build it with `trainer.step_factory.build_train_step`, which decides every option from the job;
+    `pipeline` replaces torch's schedule runner (`PipelineRunner`, the default) with another that has
+    its `stage_ids` and `step` (the fake-world simulation's stage step)."""
+
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
                  moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None,
-                 extra_losses: ExtraLosses | None = None):
+                 extra_losses: ExtraLosses | None = None, pipeline: PipelineFactory | None = None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.extra_losses = extra_losses
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
@@ -88,7 +138,8 @@ class TrainStep:
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
-        self.pipeline = PipelineRunner(layout, model_parts, device, self.loss_fn) if layout.pipeline else None
+        self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, self.loss_fn) \
+            if layout.pipeline else None
         self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
         if self.pipeline is not None:
             tied = TiedStages(layout.pipeline, layout.dims, self.pipeline.stage_ids, model_parts)
@@ -155,13 +206,10 @@ class TrainStep:
             accumulated += local_value(loss.detach()).float()
         return accumulated
 
-    def __call__(self, batches: list[dict[str, torch.Tensor]], hooks: StepHooks | None = None
-                 ) -> dict[str, torch.Tensor | float | bool | str | None]:
-        """Forward/backward over the step's micro-batches, clip, optimizer and LR step.
-
-        Returns the global mean loss (over all ranks and micro-batches), the global grad norm, the lr
-        used, the global number of target tokens, whether the optimizer stepped, and the hooks'
-        verdict."""
+    def __call__(self, batches: list[dict[str, torch.Tensor]], hooks: StepHooks | None = None) -> StepResult:
+        """Forward/backward over the step's micro-batches, clip, optimizer and LR step (`StepResult`:
+        the global mean loss over all ranks and micro-batches, the global grad norm, the lr used, the
+        global number of target tokens, whether the optimizer stepped, the verdict, ...)."""
         hooks = hooks or StepHooks()
         dims = self.layout.dims
         hooks.phase("forward_backward")
@@ -212,5 +260,6 @@ class TrainStep:
         moe_stats = self.moe.end_step(stepped) if self.moe is not None else None
         extra = self.extra_losses.end_step() if self.extra_losses is not None else None
         hooks.phase(None)
-        return {"loss": global_loss, "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
-                "stepped": stepped, "guard": verdict, "moe": moe_stats, "z_loss": z_loss, "extra_losses": extra}
+        return StepResult(global_loss, grad_norm, lr, global_tokens, stepped, verdict, z_loss, moe_stats, extra,
+                          self.moe.record if self.moe is not None else None,
+                          self.extra_losses.record if self.extra_losses is not None else None)

@@ -21,7 +21,6 @@ from torchtrain.components.evaluation.in_loop import InLoopEvaluation
 from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.evaluation.validation import build_validation_sources
 from torchtrain.components.fault import FaultRuntime
-from torchtrain.components.fault import testing as fault_testing
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.observability.compile_monitor import CompileMonitor
 from torchtrain.components.observability.metrics import MetricsLogger, ThroughputMeter
@@ -42,14 +41,14 @@ from torchtrain.distributed.utils import (
     set_determinism,
     set_train_timeout,
 )
-from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.gc_control import GarbageCollection
 from torchtrain.trainer.guard import GuardAbort, TrainingGuard
 from torchtrain.trainer.hooks import OperationsHooks
-from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
-from torchtrain.trainer.step import TrainStep
+from torchtrain.trainer.step import StepResult
+from torchtrain.trainer.step_factory import build_train_step
+from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
 
@@ -60,9 +59,9 @@ class Trainer:
 
         # 1. Everything checkable without a process group, so a bad job fails fast on every rank.
         self.device = device = resolve_device(cfg.training.device)
-        plan = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
-        self.layout, self.tokenizer = layout, tokenizer = plan.layout, plan.tokenizer
-        spec, args = plan.model_spec, plan.model_args
+        job = check_job(cfg, world_size, device.type)  # launch_check ran the same before torchrun
+        self.layout, self.tokenizer = layout, tokenizer = job.layout, job.tokenizer
+        spec, args = job.model_spec, job.model_args
         dims, self.batch = layout.dims, layout.batch
         if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
@@ -101,11 +100,8 @@ class Trainer:
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
-        self.moe = MoEBalancer.for_model(self.model_parts, device, args)  # None unless the model has experts
-        self.extra_losses = ExtraLosses.for_model(self.model_parts, device)  # e.g. multi-token prediction
-        self.train_step = TrainStep(layout, self.model_parts, self.optimizers, self.lr_schedulers, device,
-                                    cfg.training.max_norm, self.moe, cfg.training.z_loss,
-                                    extra_losses=self.extra_losses)
+        self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
+                                           self.lr_schedulers, device)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
         self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
@@ -144,14 +140,14 @@ class Trainer:
             self.train_step.replicas = self.replicas
 
     def _log_pipeline(self) -> None:
-        plan, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
+        split, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
         timeline = self.train_step.pipeline.timeline()
         logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
                     "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
-                    plan.schedule_name, plan.num_stages, plan.stages_per_rank, plan.n_microbatches,
+                    split.schedule_name, split.num_stages, split.stages_per_rank, split.n_microbatches,
                     cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
-                    100 * (pp - 1) / (plan.n_microbatches + pp - 1), timeline.render(),
-                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(plan.modules_per_stage)))
+                    100 * (pp - 1) / (split.n_microbatches + pp - 1), timeline.render(),
+                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(split.modules_per_stage)))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
@@ -196,17 +192,19 @@ class Trainer:
             self.compile_monitor.stop(self.state.step)
             self.throughput.add_step(tokens_per_step, data_time)
             self.phases.end_step()
-            self.state.add_tokens(out["tokens"])
-            if out["guard"] in ("rollback", "abort") and self._guard_act(out):  # [ops] True: rolled back
+            self.state.add_tokens(out.tokens)
+            logged = out.verdict in ("rollback", "abort")  # [ops] _guard_act logs the step first
+            if logged and self._guard_act(out):  # True: rolled back
                 continue
-            if out["guard"] == "replica_lost":
+            if out.verdict == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
                                "surviving group (its batches are not trained on)", self.state.step)
+            evaluation = None
             if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
-                out["evaluation"] = self.evaluation.run(self.state.step, self.phases)
-            logged = self._should_log() or "evaluation" in out or out["guard"] is not None
-            if logged and not out.get("logged"):
-                self._log(out)
+                evaluation = self.evaluation.run(self.state.step, self.phases)
+            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None):
+                self._log(out, evaluation)
+                logged = True
             if self.state.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
             self.phases.enter("checkpoint")
@@ -216,7 +214,7 @@ class Trainer:
             self.profiler.step(self.state.step)
             self.phases.pause()
             if stop:
-                if not out.get("logged"):
+                if not logged:
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
         logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
@@ -224,15 +222,15 @@ class Trainer:
     def _replica_quorum(self) -> bool:
         """The step's quorum of replica groups; True when this group received the live state."""
         self.fault.mark("quorum")
-        wait = self.state.step + 1 == fault_testing.replica_wait_step()
+        wait = any(extensions.call("quorum", step=self.state.step + 1))  # plugins (utils/extensions.py)
         return self.replicas.begin_step(self.state.step, wait_for_all=wait)
 
-    def _guard_act(self, out: dict) -> bool:
+    def _guard_act(self, out: StepResult) -> bool:
         """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
         rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
         continues after the restored step)."""
         self._log(out)
-        if out["guard"] == "abort":
+        if out.verdict == "abort":
             raise GuardAbort(self.guard.abort_message())
         bad = self.state.step
         self.fault.mark("checkpoint")
@@ -246,13 +244,14 @@ class Trainer:
         self.phases.reset()
         return True
 
-    def _log(self, out: dict[str, torch.Tensor]) -> None:
+    def _log(self, out: StepResult, evaluation: dict | None = None) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        step_metrics = out.metrics()
         record = {
-            "loss": out["loss"].item(),
-            "grad_norm": out["grad_norm"].item(),
-            "lr": out["lr"],
+            "loss": step_metrics.pop("loss"),
+            "grad_norm": step_metrics.pop("grad_norm"),
+            "lr": step_metrics.pop("lr"),
             "tokens_seen": self.state.tokens_seen,
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
@@ -263,21 +262,15 @@ class Trainer:
         scaler = self.train_step.scaler
         if scaler.enabled:
             record.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps,
-                          step_skipped=not out["stepped"])
-        if out.get("moe") is not None:
-            record.update(self.moe.record(out["moe"]))
-        if out.get("z_loss") is not None:
-            record["z_loss"] = out["z_loss"].item()
-        if out.get("extra_losses") is not None:
-            record.update(self.extra_losses.record(out["extra_losses"]))
-        record.update(**self.phases.summary(record["step_time_s"]), **out.get("evaluation", {}),
+                          step_skipped=not out.stepped)
+        record.update(step_metrics)  # z_loss, MoE metrics, extra losses
+        record.update(**self.phases.summary(record["step_time_s"]), **(evaluation or {}),
                       **self.guard.record(), **self.fault.record())  # [ops]
         if self.replicas is not None:
             record.update(self.replicas.record())
             if self.state.step == self.job_config.training.steps:
                 record["state_digest"] = state_digest(self.replicas.states)
         self.metrics.log(self.state.step, record)
-        out["logged"] = True
         self.memory.reset_peak()
 
     def close(self, finished: bool = False) -> None:

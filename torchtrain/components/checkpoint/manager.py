@@ -1,9 +1,9 @@
 """CheckpointManager: when to save, what to load at start-up, and the safety rules around both.
 
 Start-up (`load`): rank 0 decides with `startup.plan_start` (resume > initial load > nothing, each
-logged), broadcasts the plan, and every rank loads accordingly. Every load first checks the
-checkpoint against what it loads into (`validate.py`), and all ranks agree on an error before
-raising it, so a bad checkpoint stops every rank with one message instead of leaving some waiting.
+logged), broadcasts the plan, and every rank loads accordingly (`loading.py`: every load first checks
+the checkpoint against what it loads into, and all ranks agree on an error before raising it, so a
+bad checkpoint stops every rank with one message instead of leaving some waiting).
 
 Saving (`after_step`): every `interval` steps, at the last step, and when ranks agree on a preemption
 signal. Each save goes to `step-N` and is marked complete last (`folder.py`); older checkpoints are
@@ -17,32 +17,28 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import pickle
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtrain.components.checkpoint import folder as fs
-from torchtrain.components.checkpoint import testing, torchtitan
-from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
+from torchtrain.components.checkpoint.hf import export_dcp_to_hf
+from torchtrain.components.checkpoint.loading import CheckpointLoader, ModelInfo
 from torchtrain.components.checkpoint.preemption import PreemptionWatcher
 from torchtrain.components.checkpoint.startup import StartPlan, plan_start
 from torchtrain.components.checkpoint.state import Stateful
-from torchtrain.components.checkpoint.validate import (
-    CheckpointError,
-    check_against_metadata,
-    read_metadata,
-    stored_keys,
-)
+from torchtrain.components.checkpoint.validate import CheckpointError
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.config.checkpoint import Checkpoint as CheckpointConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.layout import DTYPES
+from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
 
@@ -53,18 +49,6 @@ class _Pending:
     future: Future
     meta: dict[str, Any]
     t0: float
-
-
-@dataclass
-class ModelInfo:
-    """What a checkpoint records about the model, and how to convert it to/from Hugging Face."""
-
-    name: str
-    flavor: str
-    args: Any
-    """The model's arguments dataclass (recorded; a resume with other arguments is warned about)."""
-    adapter: Any = None
-    """The model's StateDictAdapter class, or None (no HF import/export)."""
 
 
 class CheckpointManager:
@@ -98,29 +82,7 @@ class CheckpointManager:
                                                         use_async_staging=False, use_non_blocking_copy=True))
         if cfg.preemption_signals:
             self.preemption = PreemptionWatcher(cfg.preemption_signals)
-
-    # ------------------------------------------------------------------ collectives
-    def _agree(self, problem: str | None, error: type[Exception] = CheckpointError) -> None:
-        """Raise the same error on every rank if any rank found a problem (never a rank left waiting)."""
-        problems: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self._pg)
-        bad = [(r, p) for r, p in enumerate(problems) if p]
-        if bad:
-            rank, message = bad[0]
-            raise error(message + (f" (seen on rank {rank})" if self.world_size > 1 else ""))
-
-    def _collective_try(self, fn: Callable[[], Any], context: str, error: type[Exception] = CheckpointError) -> Any:
-        """Run fn on every rank; if it fails anywhere, raise `error` everywhere. Loading problems are
-        CheckpointErrors (a clean message and exit code 2); saving problems are RuntimeErrors."""
-        result, problem = None, None
-        try:
-            result = fn()
-        except CheckpointError as e:
-            problem = str(e)
-        except Exception as e:  # DCP/torch errors: wrap them with the checkpoint's name
-            problem = f"[checkpoint] {context}: {type(e).__name__}: {str(e).strip()[:2000]}"
-        self._agree(problem, error)
-        return result
+        self.loader = CheckpointLoader(self.states, dims, model, self._pg)
 
     # ------------------------------------------------------------------ start-up
     def load(self) -> None:
@@ -142,10 +104,10 @@ class CheckpointManager:
             self.states["train_state"].load_state_dict(
                 {"step": plan.step, "tokens_seen": plan.meta.get("tokens_seen", 0)})
         elif plan.kind == "initial_hf":
-            self._load_hf(plan.path)
+            self.loader.load_hf(plan.path)
         elif plan.kind in ("resume", "initial_dcp"):
             label = f"step-{plan.step}" if plan.kind == "resume" else "checkpoint.initial_load_path"
-            self._load_dcp(plan.path, plan.keys, label, plan.meta)
+            self.loader.load_dcp(plan.path, plan.keys, label, plan.meta)
             if plan.kind == "initial_dcp":
                 logger.info("initial load done in %.1fs: %s from %s", time.perf_counter() - t0,
                             ", ".join(plan.keys), plan.path)
@@ -154,99 +116,6 @@ class CheckpointManager:
                 logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
                             time.perf_counter() - t0, ", ".join(plan.keys),
                             f"; start fresh: {', '.join(skipped)}" if skipped else "", plan.step + 1)
-
-    def _template(self, keys: tuple[str, ...], metadata, meta: dict[str, Any]) -> dict[str, Any]:
-        """The state dicts DCP loads into (live tensors, placeholders for byte entries)."""
-        pd = self.parallel_dims
-        template: dict[str, Any] = {}
-        for key in keys:
-            if key == "dataloader":
-                own = f"dp_rank_{pd.dp_rank}"
-                stored = stored_keys(metadata, "dataloader")
-                same = meta.get("dp_degree", pd.dp) == pd.dp and own in stored
-                template[key] = {own: None} if same else {k: None for k in stored}
-            elif key == "rng":
-                own = f"rank_{self.rank}"
-                same = meta.get("world_size", self.world_size) == self.world_size
-                template[key] = {own if same and own in stored_keys(metadata, "rng") else "rank_0": None}
-            else:  # model, optimizer, lr_scheduler, train_state: load into the live state
-                template[key] = self.states[key].state_dict()
-        return template
-
-    def _load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any]) -> None:
-        self._warn_model_args(meta, label)
-        metadata = self._collective_try(lambda: read_metadata(path, label), f"{label} ({path})")
-        template = self._template(keys, metadata, meta)
-        template, restore = self._collective_try(  # a torchtitan checkpoint: loaded under its names
-            lambda: torchtitan.rename(template, self.model, meta, metadata, label), label)
-        self._agree(check_against_metadata(metadata, template, path, label))
-        self._collective_try(lambda: dcp.load(template, checkpoint_id=path, process_group=self._pg),
-                             f"loading {label} ({path}) failed")
-        loaded = restore(template)
-        self._collective_try(lambda: self._apply(loaded, meta, label), f"restoring {label} ({path}) failed")
-
-    def _apply(self, loaded: dict[str, Any], meta: dict[str, Any], label: str) -> None:
-        pd = self.parallel_dims
-        for key in CHECKPOINT_KEYS:
-            if key not in loaded:
-                continue
-            value = loaded[key]
-            if isinstance(value, dict) and not value and key in ("dataloader", "rng"):
-                logger.warning("%s holds no %s state; it starts fresh", label, key)
-                continue
-            if key == "dataloader":
-                value = self._pick_loader_state(value, meta.get("dp_degree"), label)
-            elif key == "rng":
-                value = next(iter(value.values()))
-                if meta.get("world_size", self.world_size) != self.world_size:
-                    logger.info("world size changed (%s -> %d): every rank restores rank 0's RNG state",
-                                meta.get("world_size"), self.world_size)
-            self.states[key].load_state_dict(value)
-        if meta.get("layout") and (meta.get("layout"), meta.get("world_size")) != (pd.describe(), self.world_size):
-            logger.info("%s was saved under %s (%s processes) and is loaded under %s (%d processes): resharded",
-                        label, meta.get("layout"), meta.get("world_size"), pd.describe(), self.world_size)
-
-    def _pick_loader_state(self, stored: dict[str, bytes], saved_dp: int | None, label: str) -> bytes:
-        if len(stored) == 1 and saved_dp in (None, self.parallel_dims.dp):
-            return next(iter(stored.values()))
-        states = {k: pickle.loads(v) for k, v in stored.items()}
-        first = next(iter(states.values()))
-        if any(s != first for s in states.values()):
-            raise CheckpointError(
-                f"[checkpoint] {label}: the data-parallel degree changed ({saved_dp} -> {self.parallel_dims.dp}) "
-                f"and the saved dataloader states differ between data-parallel ranks, so the data position "
-                f"cannot be carried over; add \"dataloader\" to checkpoint.exclude_from_loading to restart the "
-                f"data stream instead"
-            )
-        logger.info("data-parallel degree changed (%s -> %d): the saved loader state is one position in the "
-                    "shared global stream (identical on all %d saved data-parallel ranks), so the data continues "
-                    "exactly where it stopped", saved_dp, self.parallel_dims.dp, len(states))
-        return next(iter(stored.values()))
-
-    def _warn_model_args(self, meta: dict[str, Any], label: str) -> None:
-        saved = (meta.get("model") or {}).get("args")
-        if not saved:
-            return
-        now = dataclasses.asdict(self.model.args)
-        diff = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
-        if diff:
-            logger.warning("%s was saved with different model arguments: %s", label,
-                           ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items())))
-
-    def _load_hf(self, path: str) -> None:
-        adapter = self.model.adapter(self.model.args)
-        result = self._collective_try(lambda: load_hf_into_model(self.states["model"], path, adapter),
-                                      f"loading Hugging Face weights from {path} failed")
-        warnings, used, available = result
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, used, group=self._pg)
-        unused = adapter.unused_hf_keys(set(available), set().union(*every))
-        for w in warnings:
-            logger.warning("initial load: %s", w)
-        if unused:
-            logger.warning("initial load: %d tensors of %s are not used, e.g. %s", len(unused), path,
-                           ", ".join(sorted(unused)[:5]))
-        logger.info("initial load: model weights loaded from the Hugging Face folder %s", path)
 
     # ------------------------------------------------------------------ saving
     def _meta(self, step: int, contents: list[str], dtype: torch.dtype, **extra: Any) -> dict[str, Any]:
@@ -277,19 +146,24 @@ class CheckpointManager:
         for key in keys[1:]:
             state[key] = self.states[key].state_dict()
         meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only)
-        writer = testing.storage_writer(path, step, self.rank)
+        writer = self._writer(path, step)
         if self.cfg.async_mode != "disabled" and not sync:
             kwargs = {"async_stager": self._stager} if self._stager is not None else {}
             future = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg, **kwargs)
             self._pending = _Pending(step, path, future, meta, t0)
             logger.info("checkpoint step-%d staged in %.2fs; writing in the background", step, time.perf_counter() - t0)
             return
-        self._collective_try(lambda: dcp.save(state, storage_writer=writer, process_group=self._pg),
+        self.loader.collective_try(lambda: dcp.save(state, storage_writer=writer, process_group=self._pg),
                              f"saving step-{step} to {path} failed", RuntimeError)
         if hf:
-            self._collective_try(lambda: self._export_hf(path, dtype), f"HF export of step-{step} failed",
+            self.loader.collective_try(lambda: self._export_hf(path, dtype), f"HF export of step-{step} failed",
                                  RuntimeError)
         self._complete(path, meta, t0)
+
+    def _writer(self, path: str, step: int) -> FileSystemWriter:
+        """The save's DCP writer: a plugin's (utils/extensions.py "storage_writer"), else the file system's."""
+        writers = [w for w in extensions.call("storage_writer", path=path, step=step, rank=self.rank) if w is not None]
+        return writers[0] if writers else FileSystemWriter(path)
 
     def _export_hf(self, path: str, dtype: torch.dtype | None) -> None:
         if self.rank != 0:
@@ -331,7 +205,8 @@ class CheckpointManager:
             self._wait_pending()
         preempt = False
         if self.preemption is not None:
-            testing.wait_for_signal(step, self.rank, self.dump_folder, lambda: self.preemption.requested)
+            extensions.call("preemption_check", step=step, rank=self.rank, dump_folder=self.dump_folder,
+                            requested=lambda: self.preemption.requested)  # plugins (utils/extensions.py)
             if self.preemption.received:
                 logger.warning("rank %d received %s: a checkpoint will be saved and training stopped", self.rank,
                                ", ".join(self.preemption.received))
@@ -372,7 +247,7 @@ class CheckpointManager:
         path, step, meta = box[0]
         keys = tuple(k for k in CHECKPOINT_KEYS if k in meta.get("contents", ()) and k not in exclude)
         t0 = time.perf_counter()
-        self._load_dcp(path, keys, f"step-{step}", meta)
+        self.loader.load_dcp(path, keys, f"step-{step}", meta)
         logger.info("restored %s (%s) in %.1fs", path, ", ".join(keys), time.perf_counter() - t0)
         return step
 

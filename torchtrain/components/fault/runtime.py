@@ -15,16 +15,19 @@ import json
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchtrain.components.fault import testing
 from torchtrain.components.fault.monitor import HangMonitor, connect_store
 from torchtrain.components.fault.straggler import KernelClock, ThreadClock, compare
 from torchtrain.config.fault import Fault
 from torchtrain.config.job import Debug
-from torchtrain.trainer.state import TrainState
+from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
+
+if TYPE_CHECKING:  # the trainer's step counter (read: .step)
+    from torchtrain.trainer.state import TrainState
 
 
 def restart_count() -> tuple[int, int]:
@@ -62,7 +65,6 @@ class FaultRuntime:
             logger.warning("restart %d of %d (torchrun --max-restarts): resuming from the newest complete checkpoint",
                            self.restart, self.max_restarts)
         self.delay = debug.inject_delay_s if rank in debug.inject_delay_ranks else 0.0
-        self._park = testing.park_spec()  # tests only
         self._first: int | None = None
         self._step = -1
         timeout = cfg.slow_phase_timeout_s
@@ -92,11 +94,10 @@ class FaultRuntime:
             self.monitor.progress(step, name or "other")
         if self.clock is not None:
             self.clock.switch(name)
-        if name == "forward_backward":
-            if self.delay:
-                busy_compute(self.delay, self.device)
-            if self._park is not None and self._park == (step, self.rank):
-                testing.park_in_step(self.rank, self.dump_folder)
+        if name == "forward_backward" and self.delay:
+            busy_compute(self.delay, self.device)
+        if name is not None:  # plugins (utils/extensions.py)
+            extensions.call("phase", rank=self.rank, step=step, phase=name, dump_folder=self.dump_folder)
 
     def mark(self, phase: str) -> None:
         """Work outside the PhaseTimer's phases: "checkpoint" (a guard rollback's restore), "quorum" (waiting

@@ -1,6 +1,6 @@
 """Pipeline facts of a layout, taken from the trainer's own pipeline machinery.
 
-* The split and placement are the trainer's (`distributed.pipeline.plan_pipeline` with the model's
+* The split and placement are the trainer's (`distributed.pipeline.split_pipeline` with the model's
   `stage_modules`): which blocks each stage owns, which stages a rank runs (loop or V placement).
 * The schedule is torch's own schedule object, built here on meta-device stages over a fake
   process group of the pipeline ranks (no data, no communication), and its action lists are replayed
@@ -94,7 +94,7 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtrain.distributed.parallel_dims import ParallelDims
-    from torchtrain.distributed.pipeline import build_schedule, keep_modules, plan_pipeline, schedule_timeline
+    from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline, split_pipeline
     from torchtrain.distributed.pipeline_timeline import peak_in_flight
     from torchtrain.models.registry import get_model_spec
 
@@ -113,8 +113,8 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
                               f"equal stages")
         par.pipeline_parallel_layers_per_stage = layers
     pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
-    plan = plan_pipeline(par, pp, args, spec.stage_modules, local_sequences, model_name)
-    stages = {r: tuple(_stage(s, plan.modules_per_stage[s]) for s in plan.stage_ids(r, pp)) for r in range(pp)}
+    pipe = split_pipeline(par, pp, args, spec.stage_modules, local_sequences, model_name)
+    stages = {r: tuple(_stage(s, pipe.modules_per_stage[s]) for s in pipe.stage_ids(r, pp)) for r in range(pp)}
     if dist.is_initialized():
         raise RuntimeError("pipeline profiles are built outside the planner's traces")
     dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
@@ -122,15 +122,15 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
         pd.build_mesh("cpu")
         with torch.device("meta"):
             whole = spec.model_cls(args)
-        objs = [PipelineStage(keep_modules(whole, plan.modules_per_stage[s]), s, plan.num_stages, torch.device("cpu"),
-                              group=pd.pp_mesh.get_group()) for s in plan.stage_ids(0, pp)]
-        sched = build_schedule(plan, objs, lambda out, target: out.sum())
-        order = sched.pipeline_order if plan.multi_stage else sched._get_pipeline_order()
-        timeline = schedule_timeline(sched, plan)
+        objs = [PipelineStage(keep_modules(whole, pipe.modules_per_stage[s]), s, pipe.num_stages, torch.device("cpu"),
+                              group=pd.pp_mesh.get_group()) for s in pipe.stage_ids(0, pp)]
+        sched = build_schedule(pipe, objs, lambda out, target: out.sum())
+        order = sched.pipeline_order if pipe.multi_stage else sched._get_pipeline_order()
+        timeline = schedule_timeline(sched, pipe)
     finally:
         dist.destroy_process_group()
-    return PipelineProfile(stages, peak_in_flight(order), timeline.bubble_fraction, timeline.render(), plan.schedule_name,
-                           plan.n_microbatches, plan.stages_per_rank)
+    return PipelineProfile(stages, peak_in_flight(order), timeline.bubble_fraction, timeline.render(), pipe.schedule_name,
+                           pipe.n_microbatches, pipe.stages_per_rank)
 
 
 def no_pipeline(n_layers: int) -> PipelineProfile:

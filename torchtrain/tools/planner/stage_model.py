@@ -1,33 +1,31 @@
-"""Preparing a traced model part: the pipeline stage cut, and checks of what the plan applied.
+"""Preparing a traced model part: the planner's `Stage` as the simulation's `PartCut`, and checks of
+what the plan applied.
 
-A stage is the Transformer with the blocks it does not own deleted from `model.layers` (a ModuleDict
-keyed by global index, so names stay canonical) and `tok_embeddings` / `norm` / `output` set to None
-where not owned -- what `distributed.pipeline.keep_modules` does in the trainer, expressed on the
-planner's `Stage` (block indices), which also describes the shortened stages of depth extrapolation.
+The cut itself is the trainer's (`distributed.pipeline.keep_modules`, by module name, through
+`simulation/parts.py`); a `Stage` (block indices, ends, extra modules) also describes the shortened
+stages of depth extrapolation, whose model is built with fewer blocks.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from torchtrain.simulation.parts import PartCut
 from torchtrain.tools.planner.pipeline import Stage
 
 
-def cut_to_stage(model: nn.Module, stage: Stage) -> nn.Module:
-    """Keep only the stage's blocks and ends (the Transformer supports None ends for pipelining)."""
-    for key in list(model.layers.keys()):
-        if int(key) not in stage.layers:
-            del model.layers[key]
-    extra = stage.extra
-    for attr, _ in list(model.named_children()):  # other top-level modules: only those the stage lists
-        if extra is not None and attr not in ("layers", "tok_embeddings", "norm", "output") and attr not in extra:
-            setattr(model, attr, None)
-    if not stage.first and "tok_embeddings" not in (extra or ()):
-        model.tok_embeddings = None
-    if not stage.last:
-        model.norm = None
-        model.output = None
-    return model
+def part_cut(stage: Stage, n_layers: int) -> PartCut:
+    """The simulation's cut of a traced stage: its blocks, ends and extra modules by name, the model
+    built with just enough blocks to hold them (`n_layers` of the job: the whole model, when it is
+    the only stage and keeps everything)."""
+    n_built = max(stage.layers) + 1
+    if stage.extra is None:  # no pipeline: the whole model, possibly shortened
+        return PartCut(stage.index, None, stage.first, stage.last, n_built if n_built != n_layers else None)
+    names = [f"layers.{i}" for i in stage.layers]
+    names += ["tok_embeddings"] if stage.first else []
+    names += list(stage.extra)
+    names += ["norm", "output"] if stage.last else []
+    return PartCut(stage.index, tuple(dict.fromkeys(names)), stage.first, stage.last, n_built)
 
 
 def has_ac(model: nn.Module) -> bool:

@@ -9,7 +9,7 @@ in this one process and for any world size:
    place, so two of them exercise the HSDP code path exactly as R would. The mesh is the trainer's
    own (`ParallelDims.build_mesh`);
 2. as in the trainer, the model is built on the meta device, cut to the rank's pipeline stage
-   (`stage_model.py`), parallelised by the generic applier from the job's resolved Layout
+   (`stage_model.py` names the stage's modules, `simulation/parts.py` builds and cuts), parallelised by the generic applier from the job's resolved Layout
    (`distributed/parallelize.py::apply_parallelism`, the trainer's own call), and materialised --
    here under `FakeTensorMode`: tensors with shapes, dtypes and storage sizes but no data, so a 405B
    model costs no memory;
@@ -17,8 +17,9 @@ in this one process and for any world size:
    device); the optimizer state a first step would create is created directly (a step on zero
    gradients), then one measured steady-state step runs under
    `TensorMemoryTracker` -- the tracker and definition the trainer uses for `memory_tensor_peak_gib`.
-   Without pipelining the step *is* the trainer's `TrainStep` (micro-batch loop with no-sync
-   accumulation, loss, backward, clipping, optimizer); with pipelining it is a stage step (forward,
+   The step *is* the trainer's (`trainer/step_factory.py`: micro-batch loop with no-sync
+   accumulation, loss with the job's z-loss, MoE balancer and extra losses, backward, clipping,
+   optimizer); with pipelining it drives the rank's stages with `simulation/stage_step.py` (forward,
    loss on the last stage, backward from a received gradient, FSDP no-sync / no-reshard on all but
    the last micro-batch as `torch.distributed.pipelining` does) over two micro-batches;
 4. the optimizer's pre-step hook splits the step into a forward/backward phase and an optimizer phase.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -50,10 +50,12 @@ from torch import nn
 
 from torchtrain.components.observability.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
-from torchtrain.simulation.fake_world import fake_backend_available, fake_world, local_allreduce_hook
+from torchtrain.simulation.fake_world import fake_backend_available, fake_world
+from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
+from torchtrain.simulation.stage_step import StagePipeline
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.planner.stage_model import cut_to_stage, has_ac, has_tp
+from torchtrain.tools.planner.stage_model import has_ac, has_tp, part_cut
 
 FULL_TRACE_MAX_BLOCKS = 5
 
@@ -160,13 +162,17 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
     layout = _trace_layout(p, cfg, rep, world)
     with fake_world(world, rank=pp_rank * (world // p.pp)):
         layout.dims.build_mesh("cpu")
-        parts, result.notes = _build_parts(p, layout, stages)
+        from torchtrain.models.registry import get_model_spec
+
+        cuts = [part_cut(stage, p.args.n_layers) for stage in stages]
+        parts = build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts, p.device_type)
         # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
         # and sharding meta tensors is cheap where chunking fake ones 1000s of ways is not.
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with mode:
             for part in parts:
                 part.to_empty(device="cpu")
-            _run(p, cfg, layout, stages, parts, result)
+        _run(p, cfg, layout, cuts, parts, result, mode)
     return result
 
 
@@ -182,35 +188,13 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
     return dataclasses.replace(layout, dims=dims)
 
 
-def _build_parts(p: PlanInputs, layout, stages: list[Stage]) -> tuple[list[nn.Module], list[str]]:
-    from torchtrain.distributed.parallelize import apply_parallelism
-    from torchtrain.models.common.attention import AttentionCore
-    from torchtrain.models.registry import get_model_spec
-
-    spec, notes = get_model_spec(p.model_name), []
-    parts = []
-    for stage in stages:
-        n_built = max(stage.layers) + 1
-        with torch.device("meta"):
-            model = spec.model_cls(p.args if n_built == p.args.n_layers else p.args.replace(n_layers=n_built))
-        if p.pp > 1 or n_built != p.args.n_layers:
-            model = cut_to_stage(model, stage)
-        part = apply_parallelism(model, spec, layout)
-        if p.device_type == "cuda":  # masked attention runs FlexAttention there: trace its memory, not the CPU's
-            for module in part.modules():
-                if isinstance(module, AttentionCore):
-                    module.backend = "memory_proxy"
-        if hasattr(part, "register_comm_hook"):  # DDP (ddp / zero1): see local_allreduce_hook
-            part.register_comm_hook(None, local_allreduce_hook)
-        parts.append(part)
-    return parts, notes
-
-
-def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list[nn.Module],
-         result: TraceResult) -> None:
+def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list[nn.Module],
+         result: TraceResult, mode) -> None:
+    """The measured step; tensors are made under `mode` (fake tensors), except the step's own set-up
+    (`build_train_step` reads the mesh's rank table, which must stay real)."""
     from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
     from torchtrain.components.optim.optimizer import OptimizersContainer
-    from torchtrain.trainer.loss import ScaledTokenLoss
+    from torchtrain.trainer.step_factory import build_train_step
 
     if p.tp > 1 and not any(has_tp(m) for m in parts):
         result.skipped = ("the model's tensor-parallel plan sharded no parameter over the tp mesh dimension")
@@ -219,16 +203,18 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list
         result.notes.append(f"AC mode {p.ac_mode!r} requested but the parallel plan applied none")
     for m in parts:
         m.train()
-    optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)  # as Trainer.__init__ builds it
-    schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    with mode:
+        optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)  # as Trainer.__init__ builds it
+        schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
-    if p.pp == 1:
-        step = functools.partial(_trainer_step, p, layout, cfg, parts, tracker, optimizers, schedulers)
-    else:
-        step = functools.partial(stage_step, p, layout, parts, stages, tracker, ScaledTokenLoss(), optimizers,
-                                 schedulers)
-
+    stored: list[float] = []
+    # The trainer's own step (z-loss, MoE balancer, extra losses as the job sets them); a pipeline rank
+    # runs up to two micro-batches through its stages (simulation/stage_step.py).
+    pipeline = functools.partial(StagePipeline, cuts=cuts, seq_len=p.seq_len, dim=p.args.dim, tracker=tracker,
+                                 stored=stored)
+    step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
+                            pipeline=pipeline)
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def end_of_backward(*_):
@@ -236,10 +222,16 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, stages: list[Stage], parts: list
             phases["backward"] = (tracker.peak, tracker.peak_breakdown())
             tracker.reset_peak()
 
-    _create_optimizer_state(parts, optimizers)
-    hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
-    stored: list[float] = []
-    step(stored)
+    with mode:
+        if p.pp == 1:  # up to two accumulation micro-batches
+            batches = fake_batches(layout, p.seq_len, p.args.vocab_size, count=min(p.grad_accum_steps, 2))
+        else:
+            batches = fake_batches(layout, p.seq_len, p.args.vocab_size, count=1,
+                                   sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)
+        _create_optimizer_state(parts, optimizers)
+        hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
+        with tracker:
+            step(batches)
     phases["optimizer"] = (tracker.peak, tracker.peak_breakdown())
     hook.remove()
     tracker.remove_hooks()
@@ -261,57 +253,3 @@ def _create_optimizer_state(parts: list[nn.Module], optimizers) -> None:
             q.grad = torch.zeros_like(q)
     optimizers.step()
     optimizers.zero_grad()
-
-
-def _trainer_step(p: PlanInputs, layout, cfg, parts, tracker, optimizers, schedulers, stored: list[float]) -> None:
-    """The trainer's own `TrainStep`, on fake batches of the job's shape (up to two micro-batches)."""
-    from torchtrain.trainer.step import TrainStep
-
-    step = TrainStep(layout, parts, optimizers, schedulers, torch.device("cpu"), cfg.training.max_norm)
-    shape = (p.local_batch_size, p.seq_len)
-    batches = [{"input_ids": torch.randint(0, p.args.vocab_size, shape),
-                "labels": torch.randint(0, p.args.vocab_size, shape)} for _ in range(min(p.grad_accum_steps, 2))]
-    with tracker:
-        step(batches)
-
-
-def stage_step(p: PlanInputs, layout, parts, stages, tracker, loss_fn, optimizers, schedulers,
-                stored: list[float]) -> None:
-    """One pipeline step of this rank's stage(s) for up to two micro-batches, run one after the other."""
-    from torchtrain.distributed.fsdp import fsdp_modules
-    from torchtrain.distributed.layout import DTYPES
-    from torchtrain.distributed.utils import clip_grad_norm_
-
-    mb, dtype = p.pp_microbatch_size, DTYPES[p.param_dtype]
-    n_micro = min(p.n_microbatches, 2)
-    loss_fn.scale = 1.0 / (p.n_microbatches * mb * p.seq_len)
-    inputs = [(torch.randint(0, p.args.vocab_size, (mb, p.seq_len)),
-               torch.randn(mb, p.seq_len // p.tp, p.args.dim, dtype=dtype),  # sequence-parallel shard
-               torch.randint(0, p.args.vocab_size, (mb, p.seq_len))) for _ in range(n_micro)]
-    from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
-
-    pd = layout.dims
-    with tracker, maybe_loss_parallel(layout.loss_parallel):  # as the train step's context
-        for i, (tokens, hidden, labels) in enumerate(inputs):
-            last_micro = i == n_micro - 1
-            for part in fsdp_modules(parts):
-                part.set_requires_gradient_sync(last_micro)
-                if hasattr(part, "set_reshard_after_backward"):
-                    part.set_reshard_after_backward(last_micro)
-            for stage, part in zip(stages, parts):
-                x = tokens if stage.first else hidden.detach().requires_grad_(True)
-                before = tracker.current_breakdown()["activations"]
-                # a model reading the token ids on every stage (multi-token prediction) gets them, as in training
-                kwargs = {"token_ids": tokens} if "token_ids" in inspect.signature(part.forward).parameters else {}
-                out = part(x, **kwargs)
-                if stage.last:
-                    out = loss_fn(out, labels)
-                stored.append(tracker.current_breakdown()["activations"] - before)
-                grad = None if stage.last else torch.ones_like(out)
-                out.backward(grad)
-                del out, grad, x
-        params = [q for part in parts for q in part.parameters()]
-        clip_grad_norm_(params, 1.0, pd.world_mesh["pp"])
-        optimizers.step()
-        schedulers.step()
-        optimizers.zero_grad()

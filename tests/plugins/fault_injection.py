@@ -1,0 +1,114 @@
+"""Fault injection for the fault-tolerance and checkpoint tests, plugged into the run's extension
+points (torchtrain/utils/extensions.py) when a job imports it: `--job.custom_imports fault_injection`
+with tests/plugins on PYTHONPATH (conftest puts it there for every subprocess). Each fault is chosen
+by an environment variable; unset, the hook does nothing.
+
+* ``TORCHTRAIN_TEST_PARK_IN_STEP=STEP:RANK``: in the forward_backward phase of step STEP, global rank
+  RANK writes its pid to ``{dump_folder}/test_parked_rank{RANK}.pid`` and waits there (at most 300 s),
+  so a test can stop (SIGSTOP) or kill (SIGKILL) that exact process mid-step. Only in the first
+  attempt of a job (torchrun's restart count 0): the restarted job runs through.
+* ``TORCHTRAIN_TEST_REPLICA_WAIT=STEP``: with fault.replica_ft, before step STEP every replica group
+  waits until all replica groups take part in the quorum, so a test knows the step by which a
+  restarted group has rejoined.
+* ``TORCHTRAIN_TEST_CRASH_IN_SAVE=STEP:RANK``: while saving step STEP, global rank RANK kills itself
+  with SIGKILL (kill -9 semantics: no cleanup, no exception) right after writing its own data files,
+  i.e. in the middle of the save: the other ranks' files may exist, the metadata and the completion
+  marker do not.
+* ``TORCHTRAIN_TEST_SIGNAL_IN_SAVE=RANK:SIGNAL``: during every save, rank RANK sends itself SIGNAL
+  (e.g. a second SIGTERM arriving while the preemption checkpoint is written).
+* ``TORCHTRAIN_TEST_WAIT_FOR_SIGNAL=STEP:RANK``: after step STEP, rank RANK writes its pid to
+  ``{dump_folder}/test_waiting_rank{RANK}.pid`` and waits (at most 300 s) until a preemption signal
+  has arrived, so a test can signal that exact process at a known step without any timing race.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from torchtrain.utils import extensions
+
+PARK_IN_STEP = "TORCHTRAIN_TEST_PARK_IN_STEP"
+REPLICA_WAIT = "TORCHTRAIN_TEST_REPLICA_WAIT"
+CRASH_IN_SAVE = "TORCHTRAIN_TEST_CRASH_IN_SAVE"
+SIGNAL_IN_SAVE = "TORCHTRAIN_TEST_SIGNAL_IN_SAVE"
+WAIT_FOR_SIGNAL = "TORCHTRAIN_TEST_WAIT_FOR_SIGNAL"
+WAIT_S = 300
+
+
+def _pair(name: str) -> tuple[str, str] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    first, _, second = value.partition(":")
+    return first, second
+
+
+def _write_pid(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+def park_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    spec = _pair(PARK_IN_STEP)
+    if spec is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if phase != "forward_backward" or (int(spec[0]), int(spec[1])) != (step, rank):
+        return
+    _write_pid(os.path.join(dump_folder, f"test_parked_rank{rank}.pid"))
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def replica_wait(step: int) -> bool:
+    value = os.environ.get(REPLICA_WAIT)
+    return bool(value) and step == int(value)
+
+
+class _FaultyWriter(FileSystemWriter):
+    def __init__(self, path: str, crash: bool, signum: int | None):
+        super().__init__(path)
+        self._crash, self._signum = crash, signum
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        future.wait()  # this rank's files are written
+        if self._signum is not None:
+            os.kill(os.getpid(), self._signum)
+        if self._crash:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+
+def storage_writer(path: str, step: int, rank: int) -> FileSystemWriter | None:
+    crash = _pair(CRASH_IN_SAVE)
+    do_crash = crash is not None and (int(crash[0]), int(crash[1])) == (step, rank)
+    sig = _pair(SIGNAL_IN_SAVE)
+    signum = getattr(signal, sig[1]) if sig is not None and int(sig[0]) == rank else None
+    if not do_crash and signum is None:
+        return None
+    return _FaultyWriter(path, do_crash, signum)
+
+
+def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:
+    spec = _pair(WAIT_FOR_SIGNAL)
+    if spec is None or (int(spec[0]), int(spec[1])) != (step, rank):
+        return
+    _write_pid(os.path.join(dump_folder, f"test_waiting_rank{rank}.pid"))
+    deadline = time.monotonic() + WAIT_S
+    while not requested():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{WAIT_FOR_SIGNAL}: no preemption signal arrived within {WAIT_S} s")
+        time.sleep(0.02)
+
+
+extensions.register("phase", park_in_step)
+extensions.register("quorum", replica_wait)
+extensions.register("storage_writer", storage_writer)
+extensions.register("preemption_check", wait_for_signal)

@@ -1,0 +1,167 @@
+"""Loading a checkpoint into the live training state, with every rank agreeing on errors.
+
+`CheckpointLoader` loads a DCP checkpoint (this package's, or torchtitan's under its names:
+`torchtitan.py`) or a Hugging Face folder into the `states` the checkpoint manager holds: the
+checkpoint is first checked against what it loads into (`validate.py`), and a problem on any rank
+raises the same error on every rank (`agree`, `collective_try`), so a bad checkpoint stops every rank
+with one message instead of leaving some waiting. The data loader's and RNG states are matched to
+this run's data-parallel ranks and world size, which may differ from the saved run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchtrain.components.checkpoint import torchtitan
+from torchtrain.components.checkpoint.hf import load_hf_into_model
+from torchtrain.components.checkpoint.state import Stateful
+from torchtrain.components.checkpoint.validate import (
+    CheckpointError,
+    check_against_metadata,
+    read_metadata,
+    stored_keys,
+)
+from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.utils.logging import logger
+
+
+@dataclass
+class ModelInfo:
+    """What a checkpoint records about the model, and how to convert it to/from Hugging Face."""
+
+    name: str
+    flavor: str
+    args: Any
+    """The model's arguments dataclass (recorded; a resume with other arguments is warned about)."""
+    adapter: Any = None
+    """The model's StateDictAdapter class, or None (no HF import/export)."""
+
+
+class CheckpointLoader:
+    """Loads into `states` (checkpoint key -> live Stateful) of this rank; `dims` is the layout's
+    ParallelDims, `group` the checkpoint's own process group."""
+
+    def __init__(self, states: dict[str, Stateful], dims, model: ModelInfo, group):
+        self.states, self.parallel_dims, self.model, self._pg = states, dims, model, group
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def agree(self, problem: str | None, error: type[Exception] = CheckpointError) -> None:
+        """Raise the same error on every rank if any rank found a problem (never a rank left waiting)."""
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._pg)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            rank, message = bad[0]
+            raise error(message + (f" (seen on rank {rank})" if self.world_size > 1 else ""))
+
+    def collective_try(self, fn: Callable[[], Any], context: str, error: type[Exception] = CheckpointError) -> Any:
+        """Run fn on every rank; if it fails anywhere, raise `error` everywhere. Loading problems are
+        CheckpointErrors (a clean message and exit code 2); saving problems are RuntimeErrors."""
+        result, problem = None, None
+        try:
+            result = fn()
+        except CheckpointError as e:
+            problem = str(e)
+        except Exception as e:  # DCP/torch errors: wrap them with the checkpoint's name
+            problem = f"[checkpoint] {context}: {type(e).__name__}: {str(e).strip()[:2000]}"
+        self.agree(problem, error)
+        return result
+
+    def _template(self, keys: tuple[str, ...], metadata, meta: dict[str, Any]) -> dict[str, Any]:
+        """The state dicts DCP loads into (live tensors, placeholders for byte entries)."""
+        pd = self.parallel_dims
+        template: dict[str, Any] = {}
+        for key in keys:
+            if key == "dataloader":
+                own = f"dp_rank_{pd.dp_rank}"
+                stored = stored_keys(metadata, "dataloader")
+                same = meta.get("dp_degree", pd.dp) == pd.dp and own in stored
+                template[key] = {own: None} if same else {k: None for k in stored}
+            elif key == "rng":
+                own = f"rank_{self.rank}"
+                same = meta.get("world_size", self.world_size) == self.world_size
+                template[key] = {own if same and own in stored_keys(metadata, "rng") else "rank_0": None}
+            else:  # model, optimizer, lr_scheduler, train_state: load into the live state
+                template[key] = self.states[key].state_dict()
+        return template
+
+    def load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any]) -> None:
+        self._warn_model_args(meta, label)
+        metadata = self.collective_try(lambda: read_metadata(path, label), f"{label} ({path})")
+        template = self._template(keys, metadata, meta)
+        template, restore = self.collective_try(  # a torchtitan checkpoint: loaded under its names
+            lambda: torchtitan.rename(template, self.model, meta, metadata, label), label)
+        self.agree(check_against_metadata(metadata, template, path, label))
+        self.collective_try(lambda: dcp.load(template, checkpoint_id=path, process_group=self._pg),
+                             f"loading {label} ({path}) failed")
+        loaded = restore(template)
+        self.collective_try(lambda: self._apply(loaded, meta, label), f"restoring {label} ({path}) failed")
+
+    def _apply(self, loaded: dict[str, Any], meta: dict[str, Any], label: str) -> None:
+        pd = self.parallel_dims
+        for key in CHECKPOINT_KEYS:
+            if key not in loaded:
+                continue
+            value = loaded[key]
+            if isinstance(value, dict) and not value and key in ("dataloader", "rng"):
+                logger.warning("%s holds no %s state; it starts fresh", label, key)
+                continue
+            if key == "dataloader":
+                value = self._pick_loader_state(value, meta.get("dp_degree"), label)
+            elif key == "rng":
+                value = next(iter(value.values()))
+                if meta.get("world_size", self.world_size) != self.world_size:
+                    logger.info("world size changed (%s -> %d): every rank restores rank 0's RNG state",
+                                meta.get("world_size"), self.world_size)
+            self.states[key].load_state_dict(value)
+        if meta.get("layout") and (meta.get("layout"), meta.get("world_size")) != (pd.describe(), self.world_size):
+            logger.info("%s was saved under %s (%s processes) and is loaded under %s (%d processes): resharded",
+                        label, meta.get("layout"), meta.get("world_size"), pd.describe(), self.world_size)
+
+    def _pick_loader_state(self, stored: dict[str, bytes], saved_dp: int | None, label: str) -> bytes:
+        if len(stored) == 1 and saved_dp in (None, self.parallel_dims.dp):
+            return next(iter(stored.values()))
+        states = {k: pickle.loads(v) for k, v in stored.items()}
+        first = next(iter(states.values()))
+        if any(s != first for s in states.values()):
+            raise CheckpointError(
+                f"[checkpoint] {label}: the data-parallel degree changed ({saved_dp} -> {self.parallel_dims.dp}) "
+                f"and the saved dataloader states differ between data-parallel ranks, so the data position "
+                f"cannot be carried over; add \"dataloader\" to checkpoint.exclude_from_loading to restart the "
+                f"data stream instead"
+            )
+        logger.info("data-parallel degree changed (%s -> %d): the saved loader state is one position in the "
+                    "shared global stream (identical on all %d saved data-parallel ranks), so the data continues "
+                    "exactly where it stopped", saved_dp, self.parallel_dims.dp, len(states))
+        return next(iter(stored.values()))
+
+    def _warn_model_args(self, meta: dict[str, Any], label: str) -> None:
+        saved = (meta.get("model") or {}).get("args")
+        if not saved:
+            return
+        now = dataclasses.asdict(self.model.args)
+        diff = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
+        if diff:
+            logger.warning("%s was saved with different model arguments: %s", label,
+                           ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items())))
+
+    def load_hf(self, path: str) -> None:
+        adapter = self.model.adapter(self.model.args)
+        result = self.collective_try(lambda: load_hf_into_model(self.states["model"], path, adapter),
+                                      f"loading Hugging Face weights from {path} failed")
+        warnings, used, available = result
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, used, group=self._pg)
+        unused = adapter.unused_hf_keys(set(available), set().union(*every))
+        for w in warnings:
+            logger.warning("initial load: %s", w)
+        if unused:
+            logger.warning("initial load: %d tensors of %s are not used, e.g. %s", len(unused), path,
+                           ", ".join(sorted(unused)[:5]))
+        logger.info("initial load: model weights loaded from the Hugging Face folder %s", path)
