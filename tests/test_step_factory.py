@@ -89,7 +89,7 @@ def test_the_dry_run_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipe
 @pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pp2"])
 def test_the_planners_trace_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipeline):
     from torchtrain.tools.planner.core import load_job, make_plan
-    from torchtrain.tools.planner.inputs import inputs_from_config
+    from torchtrain.tools.planner.from_job import inputs_from_config
 
     job = load_job(MOE_MTP_JOB)
     flags = {"pp": 2, "pp_microbatch_size": 1} if pipeline else {}
