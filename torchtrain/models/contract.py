@@ -35,6 +35,7 @@ from typing import Callable
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.tensor_parallel import GatherForLocalHeads
 
 
@@ -342,7 +343,9 @@ def declare(args) -> ModelContract:
     for cls in type(args).__mro__:
         if cls in _DECLARATIONS:
             return _DECLARATIONS[cls](args)
-    raise TypeError(f"{type(args).__name__} declares no model contract (models/contract.py)")
+    raise ConfigError(f"[model.name] the planner cannot size this model: its arguments ({type(args).__name__}) "
+                      f"declare no contract; register one with `models.contract.register` (docs/architecture.md, "
+                      f"'Add a model')")
 
 
 def qk_norm_modules(head_dim: int) -> dict[str, Module]:
