@@ -1,7 +1,8 @@
 """The architecture's rules, checked on the code itself (docs/architecture.md):
 
 * the package import graph is acyclic, function-level imports included;
-* `torchtrain/config/` imports nothing from the rest of torchtrain;
+* `torchtrain/config/` imports nothing from the rest of torchtrain; nothing imports upward (`NEVER`);
+  no model family imports another;
 * one decision, one place: no module but the resolved layout compares data-parallel strategy names;
 * the generic parallelism applier gives a model that supplies only a TP plan every strategy, AC and
   compile (the toy plugin; its multi-process parity is in test_parallel_features.py);
@@ -153,6 +154,31 @@ def test_no_model_family_imports_another():
             own = module.split(".")[2]
             others = {d for d in deps if d.startswith("torchtrain.models.") and d.split(".")[2] in families - {own}}
             assert not others, f"{module} imports {sorted(others)}"
+
+
+COMMANDS = {"train", "plan", "dryrun", "generate", "launcher", "launch_check"}
+# package -> the packages it must never import (nothing imports upward): the commands sit on top, then
+# tools, then the trainer and the fake world, then components and data, then models, distributed,
+# config and utils.
+NEVER = {
+    "tools": COMMANDS,
+    "trainer": COMMANDS | {"tools"},
+    "simulation": COMMANDS | {"tools", "trainer"},
+    "components": COMMANDS | {"tools", "trainer", "simulation"},
+    "data": COMMANDS | {"tools", "trainer", "simulation", "components"},
+    "models": COMMANDS | {"tools", "trainer", "simulation", "components"},
+    "distributed": COMMANDS | {"tools", "trainer", "simulation", "components"},
+    "utils": COMMANDS | {"tools", "trainer", "simulation", "components", "data", "models", "distributed", "config"},
+}
+
+
+def test_nothing_imports_upward():
+    for module, deps in _graph().items():
+        parts = module.split(".")
+        if len(parts) < 2 or parts[1] not in NEVER:
+            continue
+        upward = {d for d in deps if len(d.split(".")) > 1 and d.split(".")[1] in NEVER[parts[1]]}
+        assert not upward, f"{module} imports {sorted(upward)}"
 
 
 def _compares_strategy_names(tree: ast.AST) -> list[int]:

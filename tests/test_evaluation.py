@@ -26,7 +26,7 @@ from torchtrain.components.evaluation.scorer import choose, task_metrics, token_
 from torchtrain.components.evaluation.tasks import Task
 from torchtrain.config import ConfigError, parse_args, to_toml
 from torchtrain.data.tokenizer import ByteTokenizer
-from torchtrain.trainer.loss import IGNORE_INDEX
+from torchtrain.utils.token_loss import IGNORE_INDEX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOK = ByteTokenizer()

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from torchtrain.data.format import TokenCorpus
 from torchtrain.data.sampling import Mixture, Permutation
-from torchtrain.trainer.loss import IGNORE_INDEX
+from torchtrain.utils.token_loss import IGNORE_INDEX
 
 
 @dataclass

@@ -13,20 +13,10 @@ dL/dθ, whatever the number of ranks or micro-batches (up to floating-point summ
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from torchtrain.utils.token_loss import IGNORE_INDEX, cross_entropy_sum, local_value
 
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy in float32 (positions labelled IGNORE_INDEX excluded)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
-
-
-def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return (labels != IGNORE_INDEX).sum()
-
+__all__ = ["IGNORE_INDEX", "ScaledTokenLoss", "cross_entropy_sum", "local_value", "z_loss_sum"]
 
 def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum over the valid target tokens of logsumexp(logits)^2, in float32. Vocabulary-sharded DTensor
@@ -75,10 +65,3 @@ class ScaledTokenLoss:
         if last is not None:
             terms = terms[len(terms) - last:] if last else []
         return torch.stack(terms).sum() if terms else torch.zeros((), device=device)
-
-
-def local_value(loss: torch.Tensor) -> torch.Tensor:
-    """A (replicated) DTensor loss as a plain tensor; plain tensors unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss

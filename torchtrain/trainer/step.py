@@ -54,9 +54,10 @@ from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.tied_stages import TiedStages
 from torchtrain.distributed.utils import all_reduce, clip_grad_norm_, set_gradient_sync
 from torchtrain.trainer.extra_losses import ExtraLosses
-from torchtrain.trainer.loss import ScaledTokenLoss, count_valid_tokens, cross_entropy_sum, local_value
+from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.precision import LossScaler
+from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 
 
 class StepHooks:

@@ -28,7 +28,7 @@ import torch
 
 from torchtrain.components.evaluation.format import Item
 from torchtrain.config.fields import ConfigError
-from torchtrain.trainer.loss import IGNORE_INDEX
+from torchtrain.utils.token_loss import IGNORE_INDEX
 
 _ROUND = 64
 

@@ -29,9 +29,9 @@ from torchtrain.components.evaluation.tasks import Task
 from torchtrain.components.evaluation.validation import forward_batches
 from torchtrain.config.evaluation import Eval
 from torchtrain.distributed.utils import all_reduce
-from torchtrain.trainer.loss import IGNORE_INDEX, local_value
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
+from torchtrain.utils.token_loss import IGNORE_INDEX, local_value
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

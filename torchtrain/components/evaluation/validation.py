@@ -44,8 +44,8 @@ from torchtrain.data.sources import HF_DATASETS, TOKENS, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.distributed.utils import all_reduce
-from torchtrain.trainer.loss import count_valid_tokens, cross_entropy_sum, local_value
 from torchtrain.utils.logging import logger
+from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -25,9 +25,6 @@ from torchtrain.config.fault import Fault
 from torchtrain.config.job import Debug
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
-
-if TYPE_CHECKING:  # the trainer's step counter (read: .step)
-    from torchtrain.trainer.state import TrainState
 
 
 def restart_count() -> tuple[int, int]:
@@ -55,8 +52,14 @@ def _peer_gone(error: BaseException) -> bool:
     return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and any(t in str(error) for t in PEER_GONE))
 
 
+class StepCounter(Protocol):
+    """What the runtime reads of the run's state (the trainer's `TrainState`): the current step."""
+
+    step: int
+
+
 class FaultRuntime:
-    def __init__(self, cfg: Fault, debug: Debug, dump_folder: str, state: TrainState, device: torch.device,
+    def __init__(self, cfg: Fault, debug: Debug, dump_folder: str, state: StepCounter, device: torch.device,
                  rank: int, world_size: int, user_profiler: bool):
         self.cfg, self.state, self.device, self.dump_folder = cfg, state, device, dump_folder
         self.rank, self.world_size = rank, world_size
