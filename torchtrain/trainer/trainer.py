@@ -49,7 +49,7 @@ from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
 from torchtrain.trainer.step_factory import build_train_step
 from torchtrain.utils import extensions
-from torchtrain.utils.logging import logger
+from torchtrain.utils.logging import is_log_rank, logger
 
 
 class Trainer:
@@ -63,7 +63,7 @@ class Trainer:
         self.layout, self.tokenizer = layout, tokenizer = job.layout, job.tokenizer
         spec, args = job.model_spec, job.model_args
         dims, self.batch = layout.dims, layout.batch
-        if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
+        if cfg.lr_scheduler.warmup_steps > cfg.training.steps and is_log_rank():  # the same on every rank: say it once
             logger.warning("lr_scheduler.warmup_steps (%d) > training.steps (%d): the peak lr is never reached",
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
