@@ -5,11 +5,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from layout_model import reference_and_sharded
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.parallelize import apply_parallelism
-from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.preflight import preflight
 
@@ -17,17 +16,8 @@ cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")
 job = preflight(cfg, dist.get_world_size(), "cpu")
 job.layout.dims.build_mesh("cpu")
-spec, args = job.model_spec, job.model_args
-args.max_seq_len = 32
-
-reference = spec.model_cls(args)
-init_model_weights(reference, seed=7)
-
-with torch.device("meta"):
-    model = spec.model_cls(args)
-model = apply_parallelism(model, spec, job.layout)
-model.to_empty(device="cpu")
-init_model_weights(model, seed=7)
+job.model_args.max_seq_len = 32
+reference, model = reference_and_sharded(job)
 
 ref = dict(reference.named_parameters())
 sharded = 0

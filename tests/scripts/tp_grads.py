@@ -7,11 +7,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from layout_model import reference_and_sharded
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.parallelize import apply_parallelism
-from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.preflight import preflight
 
@@ -23,15 +22,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def worst_gradient(argv: list[str]) -> tuple[float, str]:
     job = preflight(parse_args(argv), dist.get_world_size(), "cpu")
     job.layout.dims.build_mesh("cpu")
-    spec, args = job.model_spec, job.model_args
-    reference = spec.model_cls(args)
-    init_model_weights(reference, seed=7)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model = apply_parallelism(model, spec, job.layout)
-    model.to_empty(device="cpu")
-    init_model_weights(model, seed=7)
-    tokens = torch.randint(0, args.vocab_size, (2, job.layout.batch.seq_len), generator=torch.Generator().manual_seed(0))
+    reference, model = reference_and_sharded(job)
+    tokens = torch.randint(0, job.model_args.vocab_size, (2, job.layout.batch.seq_len), generator=torch.Generator().manual_seed(0))
     reference(tokens).float().pow(2).mean().backward()
     full(model(tokens)).float().pow(2).mean().backward()
     expected = dict(reference.named_parameters())
