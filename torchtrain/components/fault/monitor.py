@@ -62,6 +62,9 @@ def connect_store(timeout_s: float) -> dist.Store:
     return agent_store(datetime.timedelta(seconds=timeout_s), f"torchtrain/start_{worker_start()}/fault/")
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # torchtrain/
+
+
 def _where(frame) -> tuple[str, bool]:
     """The training thread's position: innermost frame (and innermost torchtrain frame), and whether it
     is inside torch.distributed (waiting in a collective)."""
@@ -70,9 +73,12 @@ def _where(frame) -> tuple[str, bool]:
     stack = traceback.extract_stack(frame)
     fmt = lambda f: f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"  # noqa: E731
     inner = stack[-1]
-    ours = next((f for f in reversed(stack) if f"{os.sep}torchtrain{os.sep}" in f.filename), None)
+    ours = next((f for f in reversed(stack) if os.path.abspath(f.filename).startswith(_PACKAGE)), None)
     in_torch_dist = os.path.join("torch", "distributed") + os.sep
-    waiting = any(in_torch_dist in f.filename for f in stack)
+    # below the innermost torchtrain frame only: a worker forked by the launcher also holds the frames
+    # of torchrun's agent (torch/distributed/elastic) that started it
+    below = stack[stack.index(ours) + 1:] if ours is not None else stack
+    waiting = any(in_torch_dist in f.filename for f in below)
     text = fmt(inner) + (f" (from {fmt(ours)})" if ours is not None and ours is not inner else "")
     return text, waiting
 
