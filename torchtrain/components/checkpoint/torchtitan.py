@@ -138,10 +138,11 @@ def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: 
     import pickle
     import shutil
 
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    metadata = FileSystemReader(src).read_metadata()
+    from torchtrain.components.checkpoint.validate import read_metadata
+
+    metadata = read_metadata(src, src)  # after the pickle scan
     to_titan = _mapper(adapter)
     params = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     names = {k: to_titan(k, version) for k in params}
