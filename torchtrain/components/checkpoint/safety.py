@@ -139,15 +139,15 @@ def scan(path: str, label: str = "checkpoint") -> ScanReport:
         with open(meta_file, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise CheckpointError(f"[checkpoint] {where} cannot be read: {e.strerror or e}") from None
+        raise CheckpointError(f"[checkpoint] {label} ({path}): {METADATA} cannot be read: {e.strerror or e}") from None
     unpickler = RestrictedUnpickler(data, METADATA_CLASSES)
     try:
         metadata = unpickler.load()
     except RefusedPickle as e:
         raise CheckpointError(_refusal(where, e)) from None
     except Exception as e:  # truncated, not a pickle, wrong shape
-        raise CheckpointError(f"[checkpoint] {where} is unreadable ({type(e).__name__}: {e}); the checkpoint is "
-                              f"corrupt or truncated") from None
+        raise CheckpointError(f"[checkpoint] {label} ({path}): {METADATA} is unreadable ({type(e).__name__}: {e}); "
+                              f"the checkpoint is corrupt or truncated") from None
     report.metadata, report.pickles = metadata, 1
     report.classes |= unpickler.seen
     entries = getattr(metadata, "state_dict_metadata", None)
@@ -181,12 +181,15 @@ def _scan_entry(path: str, label: str, key: str, info: Any, files: dict, report:
         try:
             files[name] = open(full, "rb")
         except OSError as e:
-            raise CheckpointError(f"[checkpoint] {where}: data file missing or unreadable ({e.strerror or e})") from None
+            raise CheckpointError(f"[checkpoint] {label} ({path}): data file {name} is missing or unreadable "
+                                  f"({e.strerror or e}; needed for key {key!r}); the checkpoint copy is incomplete"
+                                  ) from None
     f = files[name]
     f.seek(int(info.offset))
     raw = f.read(int(info.length))
     if len(raw) != int(info.length):
-        raise CheckpointError(f"[checkpoint] {where}: the data file is truncated; the checkpoint is corrupt")
+        raise CheckpointError(f"[checkpoint] {label} ({path}): data file {name} is truncated (key {key!r} needs bytes "
+                              f"{info.offset}..{info.offset + info.length}); the checkpoint is corrupt")
     report.byte_entries += 1
     value = None
     try:
