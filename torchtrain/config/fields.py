@@ -129,6 +129,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert ``value`` (a TOML value or a CLI string) to type ``tp``; raise ConfigError if impossible."""
     base, meta = _split_annotated(tp)
     out = _coerce_base(value, base, key)
+    if isinstance(out, float) and not math.isfinite(out):  # nan, inf, 1e999: never a setting
+        raise ConfigError(f"[{key}] must be a finite number{''.join(f' {c}' for c in meta)}, got {out!r}")
     for constraint in meta:
         if out is not None and not constraint.check(out):
             raise ConfigError(f"[{key}] must be {constraint}, got {out!r}")
@@ -191,8 +193,6 @@ def _coerce_base(value: Any, tp: Any, key: str) -> Any:
                 pass
         if number is None:
             raise _fail(key, value, "a number")
-        if not math.isfinite(number):
-            raise ConfigError(f"[{key}] must be a finite number, got {value!r}")
         return number
     if tp is str:
         if isinstance(value, str):
