@@ -128,6 +128,8 @@ class HangMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.handling.is_set() and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self._grace() + 5.0)  # a hang that resolved: let it say so
 
     def finish(self) -> None:
         """Training thread: the training loop has ended (the last step and its checkpoint are done). From
@@ -249,16 +251,27 @@ class HangMonitor:
         self.store.compare_set(HANG_KEY, "", json.dumps(decl))
         return True
 
+    def _wait_publishing(self, seconds: float) -> None:
+        """Wait, still publishing this rank's heartbeat (whether the job moves again is read from them)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not self.finished.is_set():
+            self._publish()
+            self.finished.wait(min(self.interval, left))
+
     def _finished_meanwhile(self) -> bool:
         """After a declared hang's grace: whether the training loop ended, waiting for it while every rank
-        makes progress again (the stuck ones were continued), at most the slow-phase limit."""
+        makes progress again (the stuck ones were continued), at most the slow-phase limit. A rank stale
+        for one more grace period (a real hang: about 2 s more before the exit) ends the wait."""
         self._seen.clear()
         deadline = time.monotonic() + self.slow_timeout_s
+        stale_since: dict[int, float] = {}
         while not self._done():
             self._publish()
-            if time.monotonic() > deadline or self._stale(range(self.world_size)):
+            now = time.monotonic()
+            stale_since = {r: stale_since.get(r, now) for r in self._stale(range(self.world_size))}
+            if now > deadline or any(now - t >= self._grace() for t in stale_since.values()):
                 return False
-            self._stop.wait(self.interval)
+            self.finished.wait(self.interval)
         return True
 
     def _on_hang(self) -> None:
@@ -283,7 +296,7 @@ class HangMonitor:
                     os.kill(info["pid"], signal.SIGCONT)
                 except OSError:
                     pass
-        self._stop.wait(self._grace())  # the others write theirs
+        self._wait_publishing(self._grace())  # the others write theirs
         if self._finished_meanwhile():
             logger.warning("the hang declared by rank %d (step %s) resolved: the stuck rank(s) went on and training "
                            "finished; stacks in %s; not restarted", decl["declared_by"],
