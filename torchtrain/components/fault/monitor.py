@@ -298,9 +298,9 @@ class HangMonitor:
                     pass
         self._wait_publishing(self._grace())  # the others write theirs
         if self._finished_meanwhile():
-            logger.warning("the hang declared by rank %d (step %s) resolved: the stuck rank(s) went on and training "
-                           "finished; stacks in %s; not restarted", decl["declared_by"],
-                           decl["ranks"].get(str(decl["noticed"][0]), {}).get("step", "?"), folder)
+            step = max((info.get("step", 0) for info in decl["ranks"].values()), default=0)
+            logger.warning("the hang declared by rank %d (step %d) resolved: the stuck rank(s) went on and training "
+                           "finished; stacks in %s; not restarted", decl["declared_by"], step, folder)
             self.handling.clear()
             return
         acks = {}
