@@ -12,10 +12,12 @@ tool calls first, in this process):
 * manifest: a prepared token folder whose manifest.json or shard files are damaged (truncated,
   binary, wrong encoding, wrong JSON types, missing fields, huge numbers), checked by the launch check;
 * prepare: `python -m torchtrain.data.prepare` inputs (truncated, binary, latin-1, UTF-16, bad JSON
-  records, wrong field types, damaged .gz/.zst, empty).
+  records, wrong field types, damaged .gz/.zst, empty);
+* checkpoint: a DCP folder whose `.metadata` or data file is truncated or has flipped bytes, read by
+  `validate.read_metadata` (the pickle scan, then DCP's metadata) as every loading entry point does.
 
 Every case must end in a valid result or a ConfigError-style error (one line for config errors; the
-preparation tool's exit status with its messages), never another exception, a hang (5 s alarm per
+preparation tool's exit status with its messages), never another exception, a hang (20 s alarm per
 case) or -- for `prepare` -- a dataset folder left with a manifest after a failure. The test prints the
 number of cases per class and asserts 0 uncaught exceptions. About 15-30 s.
 """
@@ -34,6 +36,7 @@ import random
 import shutil
 import signal
 import traceback
+import warnings
 from collections import Counter
 
 import pytest
@@ -46,7 +49,7 @@ from torchtrain.data import prepare
 from torchtrain.data.format import MANIFEST
 
 SEED = int(os.environ.get("TORCHTRAIN_FUZZ_SEED", "20250101"))  # another seed explores further
-CASE_TIMEOUT_S = 5
+CASE_TIMEOUT_S = 20
 WEIRD = ["text", "", "ünïcødé ✓ 日本", "\u202e\u0000", 3, 0, -1, -(10**30), 10**30, 2**63, 1.5, -0.5, 1e308,
          float("inf"), float("nan"), True, False, [1, "a"], [], {"x": 1}, "1e999", "0x10", " 7 "]
 CLI_VALUES = ["", "abc", "-1", "0", "1e999", "nan", "inf", "99999999999999999999999", "1.5", "true", "[1,2]",
@@ -313,16 +316,48 @@ def fuzz_prepare(fz: Fuzz, rng: random.Random, tmp: str, count: int) -> None:
         fz.run("prepare", kind, run)
 
 
+def fuzz_checkpoint(fz: Fuzz, rng: random.Random, tmp: str, count: int) -> None:
+    """A DCP folder whose `.metadata` or data file is damaged, read as every loader reads it first."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtrain.components.checkpoint.validate import read_metadata
+
+    good = os.path.join(tmp, "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "assuming a single process"
+        dcp.save({"model": {"w": torch.ones(3, 2)}, "lr_scheduler": {"last_epoch": 3}, "optimizer": {"b": (0.9, 0.95)},
+                  "dataloader": {"dp_rank_0": b"\x80\x04K\x01."}}, checkpoint_id=good, no_dist=True)
+    for i in range(count):
+        folder = os.path.join(tmp, f"ckpt{i}")
+        shutil.copytree(good, folder)
+        name = rng.choice([".metadata", ".metadata", "__0_0.distcp"])
+        data = open(os.path.join(folder, name), "rb").read()
+        kind = rng.choice(["truncated", "flipped", "flipped", "zeroed"])
+        if kind == "truncated":
+            data = data[:rng.randrange(len(data))]
+        elif kind == "flipped":
+            data = bytes(b ^ rng.randrange(1, 256) if rng.random() < 0.02 else b for b in data)
+        else:
+            start = rng.randrange(len(data))
+            data = data[:start] + bytes(min(64, len(data) - start)) + data[start + 64:]
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+        fz.run("checkpoint", f"{name} {kind}", lambda: read_metadata(folder, "fuzz") and None)
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="the per-case time limit uses SIGALRM")
 def test_front_door_fuzz(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the shipped configs' relative paths
     monkeypatch.setenv("TORCHTRAIN_CACHE", str(tmp_path / "cache"))
     rng = random.Random(SEED)
     fz = Fuzz()
+    _check(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")])  # imports, untimed
     fuzz_toml(fz, rng, str(tmp_path), per_file=40)
     fuzz_cli(fz, rng, 400)
     fuzz_manifest(fz, rng, str(tmp_path), 80)
     fuzz_prepare(fz, rng, str(tmp_path), 60)
+    fuzz_checkpoint(fz, rng, str(tmp_path), 80)
     total = sum(fz.cases.values())
     print(f"\nfront-door fuzz (seed {SEED}): {total} cases: " + ", ".join(f"{k} {v}" for k, v in fz.cases.items()))
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(fz.outcomes.items())))

@@ -156,11 +156,15 @@ def scan(path: str, label: str = "checkpoint") -> ScanReport:
         raise CheckpointError(f"[checkpoint] {where} is not DCP metadata (no state_dict_metadata/storage_data)")
     files: dict[str, Any] = {}
     try:
-        for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset))):
             entry = entries.get(index.fqn)
             if type(entry).__name__ != "BytesStorageMetadata":
                 continue
             _scan_entry(path, label, index.fqn, info, files, report)
+    except CheckpointError:
+        raise
+    except Exception as e:  # entries of the wrong shape (made only of allowed classes, but not DCP's layout)
+        raise CheckpointError(f"[checkpoint] {where} is malformed DCP metadata ({type(e).__name__}: {e})") from None
     finally:
         for f in files.values():
             f.close()
