@@ -13,9 +13,11 @@ the tiny model, 10 steps, a checkpoint every 2 steps, deterministic mode, torchr
   with its phase; the uninterrupted run names nobody (threshold 1.0 = twice the median: the ranks' CPU
   times differ by a few percent, the injected delay is several times the step's compute);
 * a config error found by the workers (not by the launch check): one line, exit 2, no traceback, no
-  restart.
+  restart;
+* a finished run: a rank stopped (SIGSTOP) in the last step is continued by the monitor, the run finishes,
+  and the declared hang resolves without a restart.
 
-Three 4-process runs (two of them restarted once) and one 2-process run: about 70 s on 2 CPU cores.
+Three 4-process runs (two of them restarted once) and two 2-process runs: about 85 s on 2 CPU cores.
 """
 
 from __future__ import annotations
