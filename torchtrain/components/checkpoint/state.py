@@ -24,7 +24,6 @@ the loader and RNG states as pickled bytes; those load through `safety.safe_load
 from __future__ import annotations
 
 import base64
-import json
 import random
 from typing import Any, Protocol
 
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchtrain.components.checkpoint.safety import safe_loads
 from torchtrain.distributed.float8 import high_precision
+from torchtrain.utils.json_tensor import decode_json, encode_json
 
 
 class Stateful(Protocol):
@@ -69,15 +69,10 @@ class ModelState:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
 
 
-def encode_json(value: Any) -> torch.Tensor:
-    """A JSON-able value as a uint8 tensor of its UTF-8 JSON (what DCP stores without pickling)."""
-    return torch.frombuffer(bytearray(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8)
-
-
 def decode_state(stored: torch.Tensor | bytes, source: str) -> Any:
     """A stored state back: a JSON tensor, or a legacy pickled blob (read with builtins only)."""
     if isinstance(stored, torch.Tensor):
-        return json.loads(bytes(stored.cpu().numpy().tobytes()).decode())
+        return decode_json(stored)
     return safe_loads(stored, source=source)
 
 
