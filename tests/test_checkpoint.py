@@ -8,7 +8,7 @@ Equalities and tolerances:
   step. The same weights and data are used; only the floating-point summation order of the
   reductions changes (~1e-6 in fp32 over a few steps, as in tests/test_distributed.py), while a wrong
   weight, optimizer moment or data position shows up at 1e-2 or worse.
-Runs are shared between tests by module-scoped fixtures: 15 runs (9 of 2 processes, 3 of 4, 3 of one),
+Runs are shared between tests by module-scoped fixtures: 16 runs (10 of 2 processes, 3 of 4, 3 of one),
 about 3 minutes on 2 CPU cores shared with other work.
 """
 
@@ -187,6 +187,49 @@ def test_async_save_equals_sync_and_keep_latest_k(fsdp2_ref, tmp_path):
                 assert torch.equal(value, async_[key]), key
             else:
                 assert value == async_[key], key
+
+
+def test_fresh_checkpoint_holds_no_pickled_state(fsdp2_ref):
+    """The pickle scan over a fresh checkpoint: its pickles import DCP's metadata classes (and dtypes)
+    only, and the loader, RNG and train states are tensors, not byte entries."""
+    from torchtrain.components.checkpoint.safety import METADATA_CLASSES, scan
+
+    report = scan(ckpt(fsdp2_ref, 8))
+    dcp_classes = {f"{m}.{n}" for m, n in METADATA_CLASSES}
+    others = {c for c in report.classes - dcp_classes if not isinstance(getattr(torch, c[6:], None), torch.dtype)}
+    assert not others and report.byte_entries > 0, (others, report.describe())
+    md = FileSystemReader(ckpt(fsdp2_ref, 8)).read_metadata()
+    own = {k: v for k, v in md.state_dict_metadata.items() if k.startswith(("dataloader.", "rng.", "train_state."))}
+    assert len(own) == 6 and all(isinstance(v, TensorStorageMetadata) for v in own.values()), own
+
+
+def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
+    """A checkpoint written before the loader and RNG states were JSON tensors (pickled bytes) and the
+    train state int64 tensors (plain ints) passes the scan and resumes bitwise."""
+    import base64
+    import pickle
+
+    from torchtrain.components.checkpoint.safety import scan
+
+    src = ckpt(fsdp2_ref, 4)
+    state = load_all(src)
+    for key, value in list(state.items()):
+        if key.startswith("dataloader."):
+            state[key] = pickle.dumps(json.loads(bytes(value.numpy()).decode()))
+        elif key.startswith("rng."):
+            rng = json.loads(bytes(value.numpy()).decode())
+            version, internal, gauss = rng["python"]
+            state[key] = pickle.dumps({"python": (version, tuple(internal), gauss),
+                                       "torch": base64.b64decode(rng["torch"])})
+        elif key.startswith("train_state."):
+            state[key] = int(value)
+    dcp.save(state, checkpoint_id=ckpt(tmp_path, 4), no_dist=True)
+    shutil.copy(os.path.join(src, "complete.json"), ckpt(tmp_path, 4))
+    assert scan(ckpt(tmp_path, 4)).pickles > 1  # the legacy blobs are read, with builtins only
+    out = ok(run_train(job(tmp_path), nproc=2))
+    assert f"resumed from {ckpt(tmp_path, 4)}" in out.stdout and "training continues at step 5" in out.stdout
+    ref, got = losses(fsdp2_ref), losses(tmp_path)
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)
 
 
 def test_truncated_checkpoint_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):

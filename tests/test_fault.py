@@ -13,9 +13,11 @@ the tiny model, 10 steps, a checkpoint every 2 steps, deterministic mode, torchr
   with its phase; the uninterrupted run names nobody (threshold 1.0 = twice the median: the ranks' CPU
   times differ by a few percent, the injected delay is several times the step's compute);
 * a config error found by the workers (not by the launch check): one line, exit 2, no traceback, no
-  restart.
+  restart;
+* a finished run: a rank stopped (SIGSTOP) in the last step is continued by the monitor, the run finishes,
+  and the declared hang resolves without a restart.
 
-Three 4-process runs (two of them restarted once) and one 2-process run: about 70 s on 2 CPU cores.
+Three 4-process runs (two of them restarted once) and two 2-process runs: about 85 s on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -170,3 +172,19 @@ def test_worker_config_error_is_one_line_without_traceback_or_restart(tmp_path):
     assert len(errors) == 1 and str(tmp_path / "missing") in errors[0], out[-3000:]
     assert_no_traceback(out)
     assert "restarting" not in out and "ChildFailedError" not in out
+
+
+def test_a_run_that_finishes_after_a_declared_hang_is_not_restarted(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) mid-way through the LAST step: the monitor declares the hang and
+    continues it to write its stacks; the run then finishes its last step and saves, so every rank logs
+    that the hang resolved and the job exits 0 without a restart (one 2-process run, 4 steps)."""
+    steps = 4
+    proc = launch(job(tmp_path, "--training.steps", str(steps)), nproc=2, TORCHTRAIN_TEST_STOP_IN_STEP=f"{steps}:1")
+    out = finish(proc)
+    assert "hang declared by rank 0 (step 4) resolved" in out and "not restarted" in out, out[-4000:]
+    assert "restarting the workers" not in out and "exit 4" not in out, out[-4000:]
+    (folder,) = glob.glob(os.path.join(str(tmp_path), "hangs", "*"))
+    assert all(os.path.exists(os.path.join(folder, f"rank-{r}.txt")) for r in range(2))
+    assert not os.path.exists(os.path.join(folder, "summary.json"))  # resolved: no hang report
+    assert sorted(latest(tmp_path)) == list(range(1, steps + 1))
+    assert os.path.exists(os.path.join(str(tmp_path), "checkpoint", f"step-{steps}", "complete.json"))

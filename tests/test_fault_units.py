@@ -182,3 +182,50 @@ def test_fault_injection_lives_in_the_tests_plugin_not_in_the_package():
     plugin = open(os.path.join(REPO, "tests", "plugins", "fault_injection.py")).read()
     for point in ("phase", "quorum", "storage_writer", "preemption_check"):
         assert f'extensions.register("{point}",' in plugin
+
+
+def _monitor_with_store(caplog):
+    """A HangMonitor of rank 0 (node ranks 0, 1) over an in-process store, its thread stopped: the
+    test drives `_stale` / `_declare` itself with hand-written heartbeats of rank 1."""
+    import torch.distributed as dist
+
+    from torchtrain.components.fault.monitor import HangMonitor
+    from torchtrain.utils.logging import logger
+
+    store = dist.HashStore()
+    monitor = HangMonitor(lambda: store, 0, range(2), 2, "/nonexistent", timeout_s=1.0, slow_timeout_s=10.0)
+    monitor.stop()
+    monitor._thread.join()
+    monitor._stop.clear()  # its waits wait again
+    monitor.store = store
+    logger.addHandler(caplog.handler)
+    return monitor, store
+
+
+def test_a_stall_that_resolves_before_the_declaration_is_logged_not_declared(caplog):
+    import json
+    import threading
+
+    from torchtrain.components.fault.monitor import DONE_KEY, HANG_KEY
+    from torchtrain.utils.logging import logger
+
+    monitor, store = _monitor_with_store(caplog)
+    try:
+        def beat(seq: int, age: float, step: int) -> None:
+            store.set("hb/1", json.dumps({"seq": seq, "step": step, "phase": "forward_backward", "age": age,
+                                          "limit": 1.0, "host": "h", "pid": 1}))
+
+        monitor._publish()
+        beat(1, 3.0, 7)
+        assert monitor._stale(range(2)) == [1]
+        threading.Timer(0.1, beat, (2, 0.05, 8)).start()  # rank 1 goes on while the evidence is read
+        assert monitor._declare([1]) is False and not store.check([HANG_KEY])
+        assert "stall: rank 1 made no progress for" in caplog.text and "at step 7" in caplog.text
+        assert "not a hang, nothing restarted" in caplog.text
+        beat(3, 3.0, 8)  # stale again, and stays so: a hang
+        assert monitor._stale(range(2)) == [1] and monitor._declare([1]) is True and store.check([HANG_KEY])
+        store.delete_key(HANG_KEY)
+        monitor.finish()  # the training loop ended: never declared from now on
+        assert store.check([DONE_KEY]) and monitor._declare([1]) is False and not store.check([HANG_KEY])
+    finally:
+        logger.removeHandler(caplog.handler)

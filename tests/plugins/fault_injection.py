@@ -7,6 +7,9 @@ by an environment variable; unset, the hook does nothing.
   RANK writes its pid to ``{dump_folder}/test_parked_rank{RANK}.pid`` and waits there (at most 300 s),
   so a test can stop (SIGSTOP) or kill (SIGKILL) that exact process mid-step. Only in the first
   attempt of a job (torchrun's restart count 0): the restarted job runs through.
+* ``TORCHTRAIN_TEST_STOP_IN_STEP=STEP:RANK``: in the forward_backward phase of step STEP, global rank
+  RANK stops itself (SIGSTOP) and goes on once something continues it (the hang monitor does). Only
+  in the first attempt of a job.
 * ``TORCHTRAIN_TEST_REPLICA_WAIT=STEP``: with fault.replica_ft, before step STEP every replica group
   waits until all replica groups take part in the quorum, so a test knows the step by which a
   restarted group has rejoined.
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torchtrain.utils import extensions
 
 PARK_IN_STEP = "TORCHTRAIN_TEST_PARK_IN_STEP"
+STOP_IN_STEP = "TORCHTRAIN_TEST_STOP_IN_STEP"
 REPLICA_WAIT = "TORCHTRAIN_TEST_REPLICA_WAIT"
 CRASH_IN_SAVE = "TORCHTRAIN_TEST_CRASH_IN_SAVE"
 SIGNAL_IN_SAVE = "TORCHTRAIN_TEST_SIGNAL_IN_SAVE"
@@ -64,6 +68,14 @@ def park_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def stop_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    spec = _pair(STOP_IN_STEP)
+    if spec is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if phase == "forward_backward" and (int(spec[0]), int(spec[1])) == (step, rank):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def replica_wait(step: int) -> bool:
@@ -109,6 +121,7 @@ def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:
 
 
 extensions.register("phase", park_in_step)
+extensions.register("phase", stop_in_step)
 extensions.register("quorum", replica_wait)
 extensions.register("storage_writer", storage_writer)
 extensions.register("preemption_check", wait_for_signal)

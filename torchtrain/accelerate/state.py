@@ -15,7 +15,6 @@ One torch.distributed.checkpoint (DCP) save holds, as tensors only (no pickled o
 
 from __future__ import annotations
 
-import json
 import random
 
 import torch
@@ -29,19 +28,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchtrain.components.checkpoint.safety import scan
+from torchtrain.utils.json_tensor import decode_json, encode_json
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _text(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
-
-
-def _untext(tensor: torch.Tensor):
-    return json.loads(bytes(tensor.tolist()).decode())
-
-
 def _rng() -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state(), "python": _text(random.getstate())}
+    state = {"torch": torch.get_rng_state(), "python": encode_json(random.getstate())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -49,7 +43,7 @@ def _rng() -> dict[str, torch.Tensor]:
 
 def _set_rng(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
-    version, internal, gauss = _untext(state["python"])
+    version, internal, gauss = decode_json(state["python"])
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -66,7 +60,7 @@ def _state(models, optimizers, schedulers, loaders) -> dict:
     for i, (model, opt) in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIONS)
     for i, sched in enumerate(schedulers):
-        state[f"scheduler_{i}"] = _text(sched.state_dict())
+        state[f"scheduler_{i}"] = encode_json(sched.state_dict())
     for i, loader in enumerate(loaders):
         state[f"dataloader_{i}"] = loader.state_dict()
     return state
@@ -89,7 +83,9 @@ def _sized(metadata, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def load_state(folder: str, models, optimizers, schedulers, loaders) -> None:
-    """Load a `save_state` folder of any layout into the prepared objects of this one."""
+    """Load a `save_state` folder of any layout into the prepared objects of this one, after the pickle
+    scan (`components/checkpoint/safety.py`: a folder holding a pickle that could run code is refused)."""
+    scan(folder, "load_state")
     metadata = dcp.FileSystemReader(folder).read_metadata()
     state = _state(models, optimizers, schedulers, loaders)
     for i in range(len(schedulers)):
@@ -106,7 +102,7 @@ def load_state(folder: str, models, optimizers, schedulers, loaders) -> None:
     for i, (model, opt) in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIONS)
     for i, sched in enumerate(schedulers):
-        sched.load_state_dict(_untext(state[f"scheduler_{i}"]))
+        sched.load_state_dict(decode_json(state[f"scheduler_{i}"]))
     for i, loader in enumerate(loaders):
         loader.load_state_dict(state[f"dataloader_{i}"])
     _set_rng(state["rng"][key])

@@ -76,6 +76,13 @@ class Checkpoint:
     """`initial_load_path` is a Hugging Face model folder (safetensors, HF parameter names), converted
     by the model's state-dict adapter while loading."""
 
+    trust_initial_load: bool = False
+    """Load the DCP folder of `initial_load_path` without the pickle scan. By default every DCP folder
+    is scanned before it is loaded: a pickle in it that imports anything but the classes of DCP's
+    metadata and plain values is refused with one line, because loading it could run code from the
+    folder (docs/checkpointing.md, Safe loading). Set it only for a folder you trust that the scan
+    refuses; its use is logged. The run's own checkpoints are always scanned (it takes milliseconds)."""
+
     last_save_in_hf: bool = False
     """Also export the last step's weights in Hugging Face format (config.json + safetensors, sharded
     with an index past `hf_max_shard_bytes`) to `step-N/hf`. Needs `last_save_model_only`."""

@@ -19,10 +19,13 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
+
+INT_LIMIT = 2**63
 
 
 class ConfigError(ValueError):
@@ -126,6 +129,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert ``value`` (a TOML value or a CLI string) to type ``tp``; raise ConfigError if impossible."""
     base, meta = _split_annotated(tp)
     out = _coerce_base(value, base, key)
+    if isinstance(out, float) and not math.isfinite(out):  # nan, inf, 1e999: never a setting
+        raise ConfigError(f"[{key}] must be a finite number{''.join(f' {c}' for c in meta)}, got {out!r}")
     for constraint in meta:
         if out is not None and not constraint.check(out):
             raise ConfigError(f"[{key}] must be {constraint}, got {out!r}")
@@ -164,25 +169,35 @@ def _coerce_base(value: Any, tp: Any, key: str) -> Any:
             return value.strip().lower() in _TRUE
         raise _fail(key, value, "a boolean (true/false)")
     if tp is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, str):
             try:
-                return int(value.strip().replace("_", ""))
+                number = int(value.strip().replace("_", ""))
             except ValueError:
                 pass
-        raise _fail(key, value, "an integer")
+        if number is None:
+            raise _fail(key, value, "an integer")
+        if not -INT_LIMIT <= number < INT_LIMIT:  # torch and numpy take 64-bit integers
+            raise ConfigError(f"[{key}] {number} is out of range: integers must lie within +-2**63")
+        return number
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise _fail(key, value, "a number")
+        if number is None:
+            raise _fail(key, value, "a number")
+        return number
     if tp is str:
         if isinstance(value, str):
+            if "\x00" in value:  # no path, name or option holds one; the OS refuses it in paths
+                raise ConfigError(f"[{key}] contains a NUL character (\\x00): {value!r}")
             return value
         raise _fail(key, value, "a string")
     if tp is Any:

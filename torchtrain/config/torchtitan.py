@@ -95,6 +95,8 @@ def _fault_tolerance(table: dict[str, Any], merged: dict[str, dict[str, Any]], n
 
 def _model_alias(model: dict[str, Any], origin: dict[str, str], note) -> None:
     name, flavor = model.get("name", "llama3"), model.get("flavor")
+    if not (isinstance(name, str) and isinstance(flavor, str)):
+        return  # a value of the wrong type: reported by the [model] section's type check
     alias = FLAVOR_ALIASES.get((name, flavor))
     if alias is None:
         return

@@ -172,10 +172,20 @@ class TokenCorpus:
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"{folder}/{MANIFEST} has a missing or malformed field ({type(e).__name__}: {e}): the "
                               f"dataset is damaged; prepare it again") from None
+        bad = next((n for n, t, d in shards if os.path.basename(n) != n or n in ("", ".", "..") or t < 0 or d < 0), None)
+        if bad is not None:
+            raise FormatError(f"{folder}/{MANIFEST} lists a shard {bad!r} that is not a file of the folder with "
+                              f"non-negative counts: the dataset is damaged; prepare it again")
         self.shards = [name for name, _, _ in shards]
         counts = [tokens for _, tokens, _ in shards]
         self.bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self.num_tokens = int(self.bounds[-1])
+        totals = {"num_documents": (self.num_documents, sum(d for _, _, d in shards)),
+                  "num_tokens": (manifest.get("num_tokens", self.num_tokens), self.num_tokens)}
+        for key, (said, summed) in totals.items():
+            if said != summed:
+                raise FormatError(f"{folder}/{MANIFEST} says {key} = {said!r}, but its shards hold {summed}: the "
+                                  f"dataset is damaged; prepare it again")
         if self.num_tokens == 0:
             raise FormatError(f"{folder} holds no documents: its preparation found no usable text (see "
                               f"{os.path.join(folder, PROBLEMS)}); fix the input and prepare it again")

@@ -175,7 +175,7 @@ class ReplicaGroups:
     def _load(self, state: dict[str, Any]) -> None:
         for key, stateful in self.states.items():
             received = state[key]
-            if key in ("dataloader", "rng"):  # {"dp_rank_<r>" / "rank_<r>": bytes}, the same rank's
+            if key in ("dataloader", "rng"):  # {"dp_rank_<r>" / "rank_<r>": a JSON tensor}, the same rank's
                 stateful.load_state_dict(next(iter(received.values())))
             else:
                 stateful.load_state_dict(_from_local(received, stateful.state_dict()))

@@ -20,9 +20,11 @@ class TrainState:
     def add_tokens(self, count: torch.Tensor) -> None:
         self._tokens += count
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """int64 tensors (stored by checkpoints as tensors, not pickled values)."""
+        return {"step": torch.tensor(self.step, dtype=torch.int64),
+                "tokens_seen": torch.tensor(self.tokens_seen, dtype=torch.int64)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | torch.Tensor]) -> None:
         self.step = int(state["step"])
         self._tokens.fill_(int(state["tokens_seen"]))

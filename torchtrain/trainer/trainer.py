@@ -217,6 +217,7 @@ class Trainer:
                 if not logged:
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
+        self.fault.finish()  # the loop has ended: a finished run is never declared hung (restarted)
         logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
     def _replica_quorum(self) -> bool:

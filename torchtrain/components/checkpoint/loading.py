@@ -11,16 +11,17 @@ this run's data-parallel ranks and world size, which may differ from the saved r
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtrain.components.checkpoint import torchtitan
 from torchtrain.components.checkpoint.hf import load_hf_into_model
-from torchtrain.components.checkpoint.state import Stateful
+from torchtrain.components.checkpoint.state import Stateful, decode_state
 from torchtrain.components.checkpoint.validate import (
     CheckpointError,
     check_against_metadata,
@@ -74,7 +75,9 @@ class CheckpointLoader:
         return result
 
     def _template(self, keys: tuple[str, ...], metadata, meta: dict[str, Any]) -> dict[str, Any]:
-        """The state dicts DCP loads into (live tensors, placeholders for byte entries)."""
+        """The state dicts DCP loads into: live tensors; for the loader and RNG states a uint8 tensor of
+        the stored size (None for a legacy byte entry); an older checkpoint's train state, stored as
+        plain values, loads as them."""
         pd = self.parallel_dims
         template: dict[str, Any] = {}
         for key in keys:
@@ -82,18 +85,25 @@ class CheckpointLoader:
                 own = f"dp_rank_{pd.dp_rank}"
                 stored = stored_keys(metadata, "dataloader")
                 same = meta.get("dp_degree", pd.dp) == pd.dp and own in stored
-                template[key] = {own: None} if same else {k: None for k in stored}
+                template[key] = {k: _slot(metadata, f"dataloader.{k}") for k in ([own] if same else stored)}
             elif key == "rng":
                 own = f"rank_{self.rank}"
                 same = meta.get("world_size", self.world_size) == self.world_size
-                template[key] = {own if same and own in stored_keys(metadata, "rng") else "rank_0": None}
+                name = own if same and own in stored_keys(metadata, "rng") else "rank_0"
+                template[key] = {name: _slot(metadata, f"rng.{name}")}
             else:  # model, optimizer, lr_scheduler, train_state: load into the live state
                 template[key] = self.states[key].state_dict()
+                if key == "train_state":
+                    entries = metadata.state_dict_metadata
+                    template[key] = {k: v if isinstance(entries.get(f"{key}.{k}"), TensorStorageMetadata) else None
+                                     for k, v in template[key].items()}
         return template
 
-    def load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any]) -> None:
+    def load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any],
+                 trusted: bool = False) -> None:
+        """Load `keys` of the DCP folder `path`, after its pickle scan (`safety.py`) unless `trusted`."""
         self._warn_model_args(meta, label)
-        metadata = self.collective_try(lambda: read_metadata(path, label), f"{label} ({path})")
+        metadata = self.collective_try(lambda: read_metadata(path, label, trusted), f"{label} ({path})")
         template = self._template(keys, metadata, meta)
         template, restore = self.collective_try(  # a torchtitan checkpoint: loaded under its names
             lambda: torchtitan.rename(template, self.model, meta, metadata, label), label)
@@ -124,10 +134,10 @@ class CheckpointLoader:
             logger.info("%s was saved under %s (%s processes) and is loaded under %s (%d processes): resharded",
                         label, meta.get("layout"), meta.get("world_size"), pd.describe(), self.world_size)
 
-    def _pick_loader_state(self, stored: dict[str, bytes], saved_dp: int | None, label: str) -> bytes:
+    def _pick_loader_state(self, stored: dict[str, Any], saved_dp: int | None, label: str) -> Any:
         if len(stored) == 1 and saved_dp in (None, self.parallel_dims.dp):
             return next(iter(stored.values()))
-        states = {k: pickle.loads(v) for k, v in stored.items()}
+        states = {k: decode_state(v, f"{label}: dataloader.{k}") for k, v in stored.items()}
         first = next(iter(states.values()))
         if any(s != first for s in states.values()):
             raise CheckpointError(
@@ -165,3 +175,11 @@ class CheckpointLoader:
             logger.warning("initial load: %d tensors of %s are not used, e.g. %s", len(unused), path,
                            ", ".join(sorted(unused)[:5]))
         logger.info("initial load: model weights loaded from the Hugging Face folder %s", path)
+
+
+def _slot(metadata, key: str) -> torch.Tensor | None:
+    """What DCP loads a stored loader/RNG state into: a uint8 tensor of its size, or None (bytes)."""
+    entry = metadata.state_dict_metadata.get(key)
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return None

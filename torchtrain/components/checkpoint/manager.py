@@ -107,7 +107,8 @@ class CheckpointManager:
             self.loader.load_hf(plan.path)
         elif plan.kind in ("resume", "initial_dcp"):
             label = f"step-{plan.step}" if plan.kind == "resume" else "checkpoint.initial_load_path"
-            self.loader.load_dcp(plan.path, plan.keys, label, plan.meta)
+            self.loader.load_dcp(plan.path, plan.keys, label, plan.meta,
+                                 trusted=plan.kind == "initial_dcp" and self.cfg.trust_initial_load)
             if plan.kind == "initial_dcp":
                 logger.info("initial load done in %.1fs: %s from %s", time.perf_counter() - t0,
                             ", ".join(plan.keys), plan.path)

@@ -134,7 +134,7 @@ def plan_start(cfg, folder: str, total_steps: int) -> StartPlan:
         path, meta = resolve_dcp_path(cfg.initial_load_path)
         contents = meta.get("contents", ["model"])
         if not meta:  # not written by torchtrain: torchtitan's? (components/checkpoint/torchtitan.py)
-            metadata = read_metadata(path, "checkpoint.initial_load_path")
+            metadata = read_metadata(path, "checkpoint.initial_load_path", cfg.trust_initial_load)
             version = torchtitan.detect(metadata)
             if version is not None:
                 meta, contents = {"torchtitan": version}, torchtitan.contents(metadata)

@@ -10,15 +10,20 @@ Top-level keys (each becomes a prefix of the flat keys DCP stores):
   (part, optimizer) pair, merged: ``state.<param>.exp_avg`` etc. and ``param_groups.<param>.lr``,
   again keyed by parameter name, so they reshard with the weights.
 * ``lr_scheduler``: the schedule's counters (``last_epoch``...).
-* ``dataloader``: ``dp_rank_<r>``: the pickled loader state of data-parallel rank r (every rank of
-  a data-parallel group writes the same key; DCP keeps one copy).
-* ``train_state``: the trainer's ``step`` and ``tokens_seen``.
-* ``rng``: ``rank_<r>``: Python, torch CPU and (on CUDA) the device's RNG states of global rank r.
+* ``dataloader``: ``dp_rank_<r>``: the loader state of data-parallel rank r as a uint8 tensor of UTF-8
+  JSON (every rank of a data-parallel group writes the same key; DCP keeps one copy).
+* ``train_state``: the trainer's ``step`` and ``tokens_seen``, int64 tensors.
+* ``rng``: ``rank_<r>``: Python, torch CPU and (on CUDA) the device's RNG states of global rank r, a
+  uint8 tensor of UTF-8 JSON (generator states base64-encoded).
+
+No torchtrain state is pickled: the only pickles of a checkpoint are DCP's metadata and its plain
+values (the optimizer's hyper-parameters, the schedule's counter). Checkpoints written before stored
+the loader and RNG states as pickled bytes; those load through `safety.safe_loads` (builtins only).
 """
 
 from __future__ import annotations
 
-import pickle
+import base64
 import random
 from typing import Any, Protocol
 
@@ -26,7 +31,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from torchtrain.components.checkpoint.safety import safe_loads
 from torchtrain.distributed.float8 import high_precision
+from torchtrain.utils.json_tensor import decode_json, encode_json
 
 
 class Stateful(Protocol):
@@ -62,17 +69,24 @@ class ModelState:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
 
 
+def decode_state(stored: torch.Tensor | bytes, source: str) -> Any:
+    """A stored state back: a JSON tensor, or a legacy pickled blob (read with builtins only)."""
+    if isinstance(stored, torch.Tensor):
+        return decode_json(stored)
+    return safe_loads(stored, source=source)
+
+
 class DataLoaderState:
     """The loader's state stored per data-parallel rank (see docs/checkpointing.md, Resharding)."""
 
     def __init__(self, dataloader: Stateful, dp_rank: int):
         self.dataloader, self.dp_rank = dataloader, dp_rank
 
-    def state_dict(self) -> dict[str, bytes]:
-        return {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"dp_rank_{self.dp_rank}": encode_json(self.dataloader.state_dict())}
 
-    def load_state_dict(self, encoded: bytes) -> None:
-        self.dataloader.load_state_dict(pickle.loads(encoded))
+    def load_state_dict(self, stored: torch.Tensor | bytes) -> None:
+        self.dataloader.load_state_dict(decode_state(stored, "the dataloader state"))
 
 
 class RNGState:
@@ -81,24 +95,34 @@ class RNGState:
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
 
-    # Generator states are byte tensors; they are stored as plain bytes so that the pickle is a pure
-    # function of the state (a pickled tensor embeds its storage's memory address).
-    def state_dict(self) -> dict[str, bytes]:
-        state: dict[str, Any] = {"python": random.getstate(), "torch": _raw(torch.get_rng_state())}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": _b64(torch.get_rng_state())}
         if self.device.type == "cuda":
-            state["cuda"] = _raw(torch.cuda.get_rng_state(self.device))
-        return {f"rank_{self.rank}": pickle.dumps(state)}
+            state["cuda"] = _b64(torch.cuda.get_rng_state(self.device))
+        return {f"rank_{self.rank}": encode_json(state)}
 
-    def load_state_dict(self, encoded: bytes) -> None:
-        state = pickle.loads(encoded)
-        random.setstate(state["python"])
+    def load_state_dict(self, stored: torch.Tensor | bytes) -> None:
+        state = decode_state(stored, "the RNG state")
+        if isinstance(stored, torch.Tensor):
+            version, internal, gauss = state["python"]
+            random.setstate((version, tuple(internal), gauss))
+            torch.set_rng_state(_from_b64(state["torch"]))
+            if self.device.type == "cuda" and "cuda" in state:
+                torch.cuda.set_rng_state(_from_b64(state["cuda"]), self.device)
+            return
+        random.setstate(state["python"])  # a legacy pickled state: raw generator bytes
         torch.set_rng_state(_tensor(state["torch"]))
         if self.device.type == "cuda" and "cuda" in state:
             torch.cuda.set_rng_state(_tensor(state["cuda"]), self.device)
 
 
-def _raw(state: torch.Tensor) -> bytes:
-    return bytes(state.cpu().tolist())
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode()
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return _tensor(base64.b64decode(text))
 
 
 def _tensor(raw: bytes) -> torch.Tensor:

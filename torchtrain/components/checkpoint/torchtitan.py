@@ -22,10 +22,12 @@ routing bias of auxiliary-loss-free balancing (kept at zero) and multi-token-pre
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any, Callable
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchtrain.components.checkpoint.validate import CheckpointError
 from torchtrain.models.state_dict_adapter import torchtitan_key
@@ -106,8 +108,8 @@ def rename(template: dict[str, Any], model, meta: dict[str, Any], metadata: Meta
                                       f"{'optimizer.' + titan!r}: another optimizer (optimizer.name)? Load the model "
                                       f"only (checkpoint.initial_load_model_only = true)")
         loading["optimizer"] = {opt_names[k]: v for k, v in wanted.items()}
-    if "train_state" in template:
-        loading["train_state"] = {"step": 0, "ntokens_seen": 0}
+    if "train_state" in template:  # torchtitan stores plain ints; older releases and converted ones tensors
+        loading["train_state"] = {k: _counter_slot(stored.get(f"train_state.{k}")) for k in ("step", "ntokens_seen")}
 
     def restore(loaded: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"model": {k: loaded[t] for k, t in names.items() if k not in skipped}}
@@ -125,6 +127,40 @@ def rename(template: dict[str, Any], model, meta: dict[str, Any], metadata: Meta
     return loading, restore
 
 
+def _counter_slot(entry: Any) -> Any:
+    """What a stored train-state counter loads into: a tensor of its shape and dtype, or a plain int."""
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
+    return 0
+
+
+def _counters_as_bytes(src: str, metadata: Metadata, kept: dict[str, Any], out: str) -> None:
+    """torchtitan stores its train state as plain ints (byte entries); torchtrain as int64 tensors. The
+    tensors are read and written as torchtitan's byte entries into a small data file of their own."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items()
+               if k in kept and k.startswith("train_state.") and isinstance(v, TensorStorageMetadata)}
+    if not tensors:
+        return
+    values = {k: _counter_slot(v) for k, v in tensors.items()}
+    dcp.load(values, checkpoint_id=src, no_dist=True)  # flat keys: read as they are stored
+    name = "__train_state.distcp"
+    with open(os.path.join(out, name), "wb") as f:
+        for key, value in values.items():
+            buffer = io.BytesIO()
+            torch.save(int(value), buffer)
+            offset = f.tell()
+            f.write(buffer.getvalue())
+            metadata.state_dict_metadata[key] = BytesStorageMetadata()
+            metadata.storage_data = {i: info for i, info in metadata.storage_data.items() if i.fqn != key}
+            metadata.storage_data[MetadataIndex(key)] = _StorageInfo(name, offset, len(buffer.getvalue()))
+
+
 def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: bool = False) -> dict[str, int]:
     """Write the torchtrain checkpoint `src` (a step-N folder) as a torchtitan checkpoint in `out`.
 
@@ -134,14 +170,14 @@ def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: 
     state and `train_state` (step, ntokens_seen) -- torchtitan then continues the run when told to
     skip what it cannot find: `checkpoint.exclude_from_loading = ["dataloader", "lr_scheduler"]`.
     Returns counts of the keys written per part."""
-    import os
     import pickle
     import shutil
 
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    metadata = FileSystemReader(src).read_metadata()
+    from torchtrain.components.checkpoint.validate import read_metadata
+
+    metadata = read_metadata(src, src)  # after the pickle scan
     to_titan = _mapper(adapter)
     params = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     names = {k: to_titan(k, version) for k in params}
@@ -160,6 +196,8 @@ def write_torchtitan(src: str, out: str, adapter, version: str, with_optimizer: 
         return None
 
     kept = {k: new for k in metadata.state_dict_metadata if (new := new_key(k)) is not None}
+    os.makedirs(out, exist_ok=True)
+    _counters_as_bytes(src, metadata, kept, out)
     metadata.state_dict_metadata = {kept[k][0]: v for k, v in metadata.state_dict_metadata.items() if k in kept}
     metadata.storage_data = {MetadataIndex(kept[i.fqn][0], i.offset, i.index): info
                              for i, info in (metadata.storage_data or {}).items() if i.fqn in kept}

@@ -24,14 +24,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from torchtrain.config.fields import ConfigError
+from torchtrain.components.checkpoint.safety import CheckpointError, scan
+from torchtrain.utils.logging import logger
+
+__all__ = ["CheckpointError", "read_metadata", "check_against_metadata", "stored_keys"]
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used as asked: missing, incomplete, corrupt or incompatible."""
-
-
-def read_metadata(path: str, label: str) -> Metadata:
+def read_metadata(path: str, label: str, trusted: bool = False) -> Metadata:
+    """The folder's DCP metadata, after the pickle scan (`safety.py`) of the whole folder; `trusted`
+    skips the scan (the user vouches for the folder: logged)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"[checkpoint] {label}: folder {path} does not exist")
     if not os.path.exists(os.path.join(path, ".metadata")):
@@ -39,6 +40,11 @@ def read_metadata(path: str, label: str) -> Metadata:
             f"[checkpoint] {label} ({path}) has no DCP .metadata file: not a torch.distributed.checkpoint "
             f"folder, or an incomplete copy"
         )
+    if trusted:
+        logger.warning("%s: %s is loaded WITHOUT the pickle scan (trusted by configuration): its pickles may "
+                       "run code", label, path)
+    else:
+        scan(path, label)
     try:
         return FileSystemReader(path).read_metadata()
     except (EOFError, OSError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:

@@ -27,6 +27,14 @@ that can:
 5. exits with status 4 (`utils/exit_codes.HANG`), so torchrun restarts the job (fault.max_restarts)
    or the launcher reports the hang.
 
+A finished run is never restarted. Once a rank's training loop has ended (`finish`: every step trained
+and the last checkpoint saved, or a preemption stop) it sets a job-wide key, and from then on no
+watcher declares a hang; a hang declared before that whose stuck ranks go on again (a stopped process
+that the monitor continued) is waited for while every rank makes progress, and when the loop ends in
+the meantime, every rank logs that the hang resolved and carries on to a normal exit. A rank found
+stale that makes progress again while the declaration is prepared (the two reads below) is a stall:
+logged with its duration, and nothing is declared.
+
 Cost: nothing on the training thread beyond the in-memory record; per rank one store write and one
 read of the node's heartbeats per interval (interval = hang_timeout_s / 8, clipped to 0.25 .. 10 s).
 """
@@ -53,6 +61,7 @@ from torchtrain.utils.logging import logger
 
 SLOW_PHASES = ("startup", "checkpoint", "validation", "quorum", "shutdown")
 HANG_KEY = "hang"
+DONE_KEY = "done"  # set by the first rank whose training loop ended: no hang is declared after it
 
 
 def connect_store(timeout_s: float) -> dist.Store:
@@ -112,6 +121,8 @@ class HangMonitor:
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self.handling = threading.Event()  # set when this rank starts acting on a declared hang
+        self.finished = threading.Event()  # this rank's training loop has ended
+        self.store = None
         self._seq = 0
         self._seen: dict[int, tuple[int, float, dict]] = {}
         self._thread = threading.Thread(target=self._run, name="torchtrain-hang-monitor", daemon=True)
@@ -123,6 +134,21 @@ class HangMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.handling.is_set() and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self._grace() + 5.0)  # a hang that resolved: let it say so
+
+    def finish(self) -> None:
+        """Training thread: the training loop has ended (the last step and its checkpoint are done). From
+        now on no hang is declared for the job, and a hang being handled ends without a restart."""
+        self.finished.set()
+        try:
+            if self.store is not None:
+                self.store.set(DONE_KEY, json.dumps({"rank": self.rank, "step": self.step}))
+        except Exception as e:  # the store is gone: the job is ending anyway
+            logger.debug("hang monitor: could not publish the end of training: %s", e)
+
+    def _done(self) -> bool:
+        return self.finished.is_set() or bool(self.store.check([DONE_KEY]))
 
     def hold_for_hang_exit(self, wait_s: float) -> None:
         """Training thread, on an exception: when a hang is being handled (or is noticed within `wait_s`),
@@ -153,12 +179,15 @@ class HangMonitor:
             self.store = self._store_factory()
             while not self._stop.is_set():
                 self._publish()
+                if self._done():
+                    return  # the training loop has ended: nothing is declared from now on
                 if self.store.check([HANG_KEY]):
                     self._on_hang()
-                stale = self._stale()
-                if stale and not self._stop.is_set():
-                    self._declare(stale)
+                    return  # only returns when the run finished meanwhile
+                stale = self._stale(self.node_ranks)
+                if stale and not self._stop.is_set() and self._declare(stale):
                     self._on_hang()
+                    return
                 self._stop.wait(self.interval)
         except Exception as e:  # the store is gone (the launcher is stopping the job) or unreachable
             if not self._stop.is_set():
@@ -176,11 +205,11 @@ class HangMonitor:
         values = self.store.multi_get([keys[r] for r in present]) if present else []
         return {r: json.loads(v) for r, v in zip(present, values)}
 
-    def _stale(self) -> list[int]:
-        """Watched ranks (this node's) whose progress is older than their limit."""
+    def _stale(self, ranks) -> list[int]:
+        """Those of `ranks` (the watched ones: this node's) whose progress is older than their limit."""
         now = time.monotonic()
         stale = []
-        for rank, hb in self._read(self.node_ranks).items():
+        for rank, hb in self._read(ranks).items():
             seq, seen, _ = self._seen.get(rank, (-1, now, hb))
             if hb["seq"] != seq:
                 seen = now
@@ -189,10 +218,27 @@ class HangMonitor:
                 stale.append(rank)
         return stale
 
-    def _declare(self, stale: list[int]) -> None:
+    def _declare(self, stale: list[int]) -> bool:
+        """Declare the hang for the job (True), unless the training loop ended or every stale rank made
+        progress again while its evidence was read (a stall: logged with its duration)."""
+        noticed = {r: self._seen[r][2] for r in stale}
+        t_noticed = time.monotonic()
         first = self._read(range(self.world_size))
         self._stop.wait(self.interval * 1.5)
         second = self._read(range(self.world_size))
+        if self._done():
+            return False
+        recovered = [r for r in stale if r in second and second[r]["seq"] != first.get(r, {}).get("seq")
+                     and second[r]["age"] < second[r]["limit"]]
+        if recovered == stale:
+            for r in stale:
+                was = noticed[r]
+                lasted = was["age"] + (time.monotonic() - t_noticed) - second[r]["age"]
+                logger.warning("stall: rank %d made no progress for %.1f s at step %d (phase %s, limit %g s) and then "
+                               "went on (now step %d, phase %s): not a hang, nothing restarted", r, lasted,
+                               was["step"], was["phase"], was["limit"], second[r]["step"], second[r]["phase"])
+            self._seen.clear()
+            return False
         now = time.time()
         ranks = {}
         for r in range(self.world_size):
@@ -209,6 +255,30 @@ class HangMonitor:
         decl = {"time": now, "tag": datetime.datetime.fromtimestamp(now).strftime("%Y%m%d-%H%M%S"),
                 "declared_by": self.rank, "noticed": stale, "ranks": ranks}
         self.store.compare_set(HANG_KEY, "", json.dumps(decl))
+        return True
+
+    def _wait_publishing(self, seconds: float) -> None:
+        """Wait, still publishing this rank's heartbeat (whether the job moves again is read from them)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not self.finished.is_set():
+            self._publish()
+            self.finished.wait(min(self.interval, left))
+
+    def _finished_meanwhile(self) -> bool:
+        """After a declared hang's grace: whether the training loop ended, waiting for it while every rank
+        makes progress again (the stuck ones were continued), at most the slow-phase limit. A rank stale
+        for one more grace period (a real hang: about 2 s more before the exit) ends the wait."""
+        self._seen.clear()
+        deadline = time.monotonic() + self.slow_timeout_s
+        stale_since: dict[int, float] = {}
+        while not self._done():
+            self._publish()
+            now = time.monotonic()
+            stale_since = {r: stale_since.get(r, now) for r in self._stale(range(self.world_size))}
+            if now > deadline or any(now - t >= self._grace() for t in stale_since.values()):
+                return False
+            self.finished.wait(self.interval)
+        return True
 
     def _on_hang(self) -> None:
         """Dump this rank's evidence, wait for the others', summarise, and end the process."""
@@ -232,7 +302,13 @@ class HangMonitor:
                     os.kill(info["pid"], signal.SIGCONT)
                 except OSError:
                     pass
-        self._stop.wait(self._grace())  # the others write theirs
+        self._wait_publishing(self._grace())  # the others write theirs
+        if self._finished_meanwhile():
+            step = max((info.get("step", 0) for info in decl["ranks"].values()), default=0)
+            logger.warning("the hang declared by rank %d (step %d) resolved: the stuck rank(s) went on and training "
+                           "finished; stacks in %s; not restarted", decl["declared_by"], step, folder)
+            self.handling.clear()
+            return
         acks = {}
         for r in range(self.world_size):
             if self.store.check([f"ack/{r}"]):

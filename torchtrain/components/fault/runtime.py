@@ -185,6 +185,11 @@ class FaultRuntime:
             # interval; any other error ends the process at once (unless a hang is already being handled)
             self.monitor.hold_for_hang_exit(2 * self.monitor.interval if _peer_gone(error) else 0.0)
 
+    def finish(self) -> None:
+        """The training loop has ended normally: no hang is declared from now on (monitor.py)."""
+        if self.monitor is not None:
+            self.monitor.finish()
+
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
