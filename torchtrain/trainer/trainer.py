@@ -31,6 +31,7 @@ from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.config import JobConfig, to_dict, to_toml
 from torchtrain.data.build import build_dataloader, training_sources
+from torchtrain.data.sources import CHAT
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
@@ -253,6 +254,7 @@ class Trainer:
             "grad_norm": step_metrics.pop("grad_norm"),
             "lr": step_metrics.pop("lr"),
             "tokens_seen": self.state.tokens_seen,
+            **({"answer_tokens": int(out.tokens.item())} if self.job_config.training.dataset == CHAT else {}),
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,

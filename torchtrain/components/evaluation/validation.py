@@ -96,6 +96,9 @@ def check_validation(v: Validation, training: Training, tp: int, cp: int = 1) ->
     validation sequences evenly."""
     for s in resolved_sets(v, training):
         check_dataset_name(s.dataset, f"{s.key}.dataset")
+        if s.dataset == "chat":
+            raise ConfigError(f"[{s.key}.dataset] held-out loss on chat data is not supported: validate on a "
+                              f"`tokens` or `files` set, or turn validation off")
         if s.dataset in ("files", TOKENS) and not s.dataset_path:
             raise ConfigError(f"[{s.key}.dataset_path] is required with the {s.dataset!r} dataset: point it at held-out "
                               f"data (not the training data)")
