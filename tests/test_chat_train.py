@@ -5,7 +5,8 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
   user letter, which a loss that counted the user turns could never go under.
 * FSDP over 2 ranks matches one process step by step within 1e-4 relative (the project's parity
   tolerance: only the order of float32 summations differs), and both log the same answer-token
-  counts (the loss is normalised by the answer tokens of the whole global batch).
+  counts (the loss is normalised by the answer tokens of the whole global batch); the same for LoRA
+  (frozen and trainable parameters sharded together), which also learns.
 
 One launch per layout, shared by the module."""
 
@@ -21,7 +22,9 @@ from conftest import TINY_MODEL, read_metrics, run_train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # four short launches (~35 s together)
 STEPS = 25
+LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
                     "--training.seq_len", "128", "--training.global_batch_size", "4", "--training.steps", str(STEPS),
                     "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
@@ -34,16 +37,18 @@ def runs(tmp_path_factory):
     data = str(root / "task.jsonl")
     write_task(data, 400, seed=1)
     out = {}
-    for name, nproc, local in (("single", None, "4"), ("fsdp2", 2, "2")):
+    lora = ["--lora.enable", "true", "--training.steps", str(LORA_STEPS), "--lora.target_modules",
+            "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
+    for name, nproc, local, extra in (("single", None, "4", []), ("fsdp2", 2, "2", []),
+                                      ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
-                          "--job.dump_folder", folder], nproc=nproc, timeout=300)
+                          "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = (read_metrics(folder), proc.stdout + proc.stderr)
     return out
 
 
-@pytest.mark.dist
 def test_loss_on_answers_only_falls_below_the_user_turns_entropy(runs):
     metrics, log = runs["single"]
     losses = [m["loss"] for m in metrics]
@@ -53,9 +58,16 @@ def test_loss_on_answers_only_falls_below_the_user_turns_entropy(runs):
     assert "packing efficiency" in log and "answer tokens per epoch" in log
 
 
-@pytest.mark.dist
-def test_fsdp_matches_one_process(runs):
-    single, fsdp = runs["single"][0], runs["fsdp2"][0]
+@pytest.mark.parametrize("prefix", ["", "lora_"])
+def test_fsdp_matches_one_process(runs, prefix):
+    single, fsdp = runs[prefix + "single"][0], runs[prefix + "fsdp2"][0]
     assert [m["answer_tokens"] for m in single] == [m["answer_tokens"] for m in fsdp]
     for a, b in zip(single, fsdp, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+
+
+def test_lora_learns_and_differs_from_full_fine_tuning(runs):
+    lora, full = runs["lora_single"][0], runs["single"][0]
+    assert lora[0]["loss"] == pytest.approx(full[0]["loss"], rel=1e-6)  # B = 0: the base model at step 1
+    assert lora[-1]["loss"] < lora[0]["loss"] - 0.2
+    assert lora[-1]["loss"] != pytest.approx(full[LORA_STEPS - 1]["loss"], rel=1e-3)

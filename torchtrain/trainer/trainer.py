@@ -33,6 +33,7 @@ from torchtrain.config import JobConfig, to_dict, to_toml
 from torchtrain.data.build import build_dataloader, training_sources
 from torchtrain.data.sources import CHAT
 from torchtrain.distributed.cluster import check_cluster
+from torchtrain.distributed.lora import lora_adapter_class
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
 from torchtrain.distributed.utils import (
@@ -129,11 +130,14 @@ class Trainer:
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
 
         # 5. Checkpoints: resume, or an initial load, or neither (each logged; docs/checkpointing.md).
+        hf_adapter = spec.state_dict_adapter  # under LoRA, an HF initial load fills the base weights only
+        if layout.lora is not None and hf_adapter is not None:
+            hf_adapter = lora_adapter_class(hf_adapter)
         states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
                                  self.state, dims.dp_rank, self.rank, device)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
-                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, spec.state_dict_adapter))
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter))
         self.checkpointer.load()
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
