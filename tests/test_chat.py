@@ -84,6 +84,8 @@ def test_builtin_template_trains_on_answers_only():
     assert tok.decode(ids) == "System: S\n\nUser: hi\n\nAssistant: yoUser: q\n\nAssistant: a"
     assert [i for i, t in zip(ids, trained) if t] == [*b"yo", tok.eos_id, *b"a", tok.eos_id]
     assert ids[0] == tok.bos_id and not trained[0]
+    prompt = BuiltinRenderer(tok).generation_prompt(Conversation((("user", "hi"),), "--prompt"))
+    assert prompt[0] == tok.bos_id and tok.decode(prompt) == "User: hi\n\nAssistant: "
 
 
 def _rendered(n: int, seed: int = 0) -> list[tuple[list[int], list[bool]]]:
@@ -210,6 +212,10 @@ def test_template_ids_equal_transformers_apply_chat_template(tmp_path):
     want = reference.apply_chat_template([{"role": r, "content": c} for r, c in turns], tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert ids == list(want)
+    question = [{"role": "user", "content": "what is the answer?"}]
+    want = reference.apply_chat_template(question, tokenize=True, add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert renderer.generation_prompt(Conversation((("user", "what is the answer?"),), "x")) == list(want)
     eot = tok._tok.token_to_id("<|eot_id|>")
     answers = [i for i, t in zip(ids, trained) if t]
     assert tok.decode(answers) == "It is 42.東京 café" and answers.count(eot) == 2  # each answer and its end
@@ -224,3 +230,12 @@ def test_template_that_fails_to_render_names_file_and_line(tmp_path):
         check(["--nproc-per-node", "1", *JOB, "--model.hf_assets_path", str(folder), "--training.dataset_path", file])
     assert str(e.value).startswith(f"[training.dataset_path] {file}:2: the chat template of ")
     assert "no system turns" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["chat_full_debug", "chat_lora_debug"])
+def test_shipped_fine_tuning_job_files_pass_the_launch_check(tmp_path, name):
+    from conftest import REPO
+
+    file = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 3)
+    assert check(["--nproc-per-node", "2", "--nnodes", "1", "--job.config_file", f"{REPO}/train_configs/{name}.toml",
+                  "--training.dataset_path", file]) == 2

@@ -110,7 +110,7 @@ def check_lora_layout(cfg: Lora, dims, float8: bool) -> None:
     if not cfg.enable:
         return
     degrees = {"tensor_parallel_degree": dims.tp, "pipeline_parallel_degree": dims.pp,
-               "context_parallel_degree": dims.cp, "expert_parallel_degree": getattr(dims, "ep", 1)}
+               "context_parallel_degree": dims.cp, "expert_parallel_degree": dims.ep}
     for key, degree in degrees.items():
         if degree > 1:
             raise ConfigError(f"[lora.enable] LoRA runs under data parallelism only (FSDP/HSDP, DDP, ZeRO), but "
