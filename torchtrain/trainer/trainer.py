@@ -98,6 +98,10 @@ class Trainer:
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard
         #    with values that do not depend on the layout.
         self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
+        if layout.lora is not None:  # numel of a sharded parameter is its global size
+            trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
+            logger.info("LoRA: rank-%d adapters, %.3fM trainable parameters (%.2f%% of the model); the rest frozen",
+                        layout.lora.rank, trainable / 1e6, 100 * trainable / args.num_params())
 
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
