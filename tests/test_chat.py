@@ -239,3 +239,11 @@ def test_shipped_fine_tuning_job_files_pass_the_launch_check(tmp_path, name):
     file = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 3)
     assert check(["--nproc-per-node", "2", "--nnodes", "1", "--job.config_file", f"{REPO}/train_configs/{name}.toml",
                   "--training.dataset_path", file]) == 2
+
+
+def test_a_chat_mixture_is_checked_per_source(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [GOOD] * 2)
+    b = write_jsonl(tmp_path / "b.jsonl", [GOOD, {"question": "q"}])
+    assert check(["--nproc-per-node", "1", *JOB, "--training.datasets", f"{a}:0.7,{a}:0.3"]) == 1
+    with pytest.raises(ConfigError, match=rf"^\[training.datasets\[1\]\] {b}:2: no chat shape found"):
+        check(["--nproc-per-node", "1", *JOB, "--training.datasets", f"{a}:0.7,{b}:0.3"])
