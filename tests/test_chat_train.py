@@ -36,10 +36,14 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     data = str(root / "task.jsonl")
     write_task(data, 400, seed=1)
+    held_out = str(root / "held_out.jsonl")
+    write_task(held_out, 60, seed=2)
+    validation = ["--validation.enable", "true", "--validation.dataset", "chat", "--validation.dataset_path", held_out,
+                  "--validation.freq", str(STEPS)]
     out = {}
     lora = ["--lora.enable", "true", "--training.steps", str(LORA_STEPS), "--lora.target_modules",
             "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
-    for name, nproc, local, extra in (("single", None, "4", []), ("fsdp2", 2, "2", []),
+    for name, nproc, local, extra in (("single", None, "4", validation), ("fsdp2", 2, "2", validation),
                                       ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
@@ -55,6 +59,9 @@ def test_loss_on_answers_only_falls_below_the_user_turns_entropy(runs):
     assert len(losses) == STEPS and losses[0] > math.log(26)
     assert sum(losses[-5:]) / 5 < 0.4 * math.log(26), losses
     assert all(m["answer_tokens"] > 0 for m in metrics)
+    held_out = metrics[-1]["validation_loss"]  # a held-out chat set, answers only, packed the same way
+    assert held_out < 0.4 * math.log(26)
+    assert runs["fsdp2"][0][-1]["validation_loss"] == pytest.approx(held_out, rel=1e-4)
     assert "packing efficiency" in log and "answer tokens per epoch" in log
 
 

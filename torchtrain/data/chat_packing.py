@@ -126,6 +126,11 @@ class PackedChatDataset(Dataset):
         self._starts: list[list[int]] = [[0] for _ in sources]  # cumulative rows before each epoch, per source
         self._rows: dict[tuple[int, int], list[list[int]]] = {}
 
+    @property
+    def num_windows(self) -> int:
+        """Rows of the first epoch, over all sources (a held-out set read once, unshuffled)."""
+        return sum(len(self.epoch_rows(s, 0)) for s in range(len(self.sources)))
+
     def epoch_rows(self, s: int, epoch: int) -> list[list[int]]:
         """The rows of epoch `epoch` of source s: conversation indices per row."""
         key = (s, epoch)
