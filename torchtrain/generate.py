@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "HF folder")
     ap.add_argument("--config", help="the job's TOML file (default: the job_config.toml saved above the checkpoint)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start from BOS)")
+    ap.add_argument("--chat", action="store_true",
+                    help="treat --prompt as a user turn: render it with the chat template (the tokenizer's own, "
+                         "or the built-in one of the byte tokenizer) and its generation prompt, print the answer")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
@@ -65,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         job = load(ns.checkpoint, ns.config, overrides, device, dtype)
         tok = job.tokenizer
-        prompt = tok.encode(ns.prompt, bos=True, eos=False)
+        if ns.chat:
+            from torchtrain.data.chat_format import Conversation
+            from torchtrain.data.chat_template import chat_renderer
+
+            prompt = chat_renderer(tok).generation_prompt(Conversation((("user", ns.prompt),), "--prompt"))
+        else:
+            prompt = tok.encode(ns.prompt, bos=True, eos=False)
         if not prompt:
             raise ConfigError("--prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
         print(f"loaded {job.source} on {device} ({str(dtype).removeprefix('torch.')}) in "
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, ids in enumerate(outs):
         if ns.num_samples > 1:
             print(f"--- sample {i + 1} ---")
-        print(ns.prompt + tok.decode(ids))
+        print(tok.decode(ids) if ns.chat else ns.prompt + tok.decode(ids))
     return 0
 
 

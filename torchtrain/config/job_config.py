@@ -14,6 +14,7 @@ from torchtrain.config.evaluation import Eval
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job import Debug, Job, Metrics, Model
+from torchtrain.config.lora import Lora
 from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism
 from torchtrain.config.quantize import Quantize
@@ -33,6 +34,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
+    lora: Lora = field(default_factory=Lora)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
@@ -54,6 +56,10 @@ class JobConfig:
                 check()
         check_operations(self)  # [profiling] [validation] [guard] against the other sections
         check_fault(self)  # [fault] and its debug injections
+        if self.lora.enable and self.checkpoint.last_save_in_hf:
+            raise ConfigError("[checkpoint.last_save_in_hf] would export the frozen base weights without the LoRA "
+                              "adapters: export with python -m torchtrain.tools.lora_export (merged or as a PEFT "
+                              "adapter) instead")
         if self.compile.enable and self.metrics.track_tensor_memory:
             raise ConfigError("[metrics.track_tensor_memory] measures every operator in eager mode and cannot run "
                               "inside torch.compile's graphs; set compile.enable = false to measure memory")

@@ -46,19 +46,23 @@ class Training:
     scalable path), `python_stdlib` (the Python standard library's source files, present on every
     machine), `files` (your .txt/.jsonl/.parquet/.arrow files at `dataset_path`), `hf` (a Hugging
     Face dataset at `dataset_path`: a save_to_disk folder, or a name in the local HF cache such as
-    `allenai/c4:en`), torchtitan's `c4` / `c4_validation` / `c4_test`, or `synthetic`
-    (deterministic generated tokens, for tests). Every dataset but `tokens` is prepared once into
-    `dataset_cache_dir` on first use and then read like `tokens` (docs/data.md)."""
+    `allenai/c4:en`), torchtitan's `c4` / `c4_validation` / `c4_test`, `synthetic`
+    (deterministic generated tokens, for tests), or `chat` (JSON Lines conversations at
+    `dataset_path`, or a mixture in `datasets`, rendered with the tokenizer's chat template, the loss
+    on the answers only, packed without attention across conversations; docs/finetuning.md). Every
+    dataset but `tokens` and `chat` is prepared once into `dataset_cache_dir` on first use and then
+    read like `tokens` (docs/data.md)."""
 
     dataset_path: str | None = None
     """For `tokens`: the prepared folder (or use `datasets` for a mixture). For `files`: a
     .txt/.jsonl/.json/.parquet/.arrow file (.txt/.jsonl/.json may be .gz/.zst), a folder of them, or a
     glob. A .txt file is one document; each .jsonl/.json line or .parquet/.arrow row is one (its
     `dataset_text_field`). For `hf`: the dataset (see `dataset`); for `c4` / `c4_test`: a local copy
-    replacing torchtitan's default (allenai/c4:en, tests/assets/c4_test)."""
+    replacing torchtitan's default (allenai/c4:en, tests/assets/c4_test). For `chat`: a .jsonl file
+    (or .jsonl.gz), a folder of them, or a glob."""
 
     datasets: list[DatasetEntry] = field(default_factory=list)
-    """For `tokens`: a mixture of prepared folders, each with a weight, as TOML tables
+    """For `tokens` (or `chat`): a mixture of prepared folders (chat files), each with a weight, as TOML tables
     `[[training.datasets]]` with `path` and `weight` (or on the command line
     `--training.datasets /a:0.7,/b:0.3`). Samples follow the weights deterministically (any 1,000
     consecutive samples within 1% of them); a source that runs out starts its next epoch."""
@@ -74,6 +78,15 @@ class Training:
     dataset_shuffle: bool = True
     """Visit the windows of each epoch in a seeded random order (from `debug.seed` and the epoch);
     false: in stream order."""
+
+    chat_overlong: Literal["truncate", "drop"] = "truncate"
+    """For `chat`: a conversation longer than seq_len + 1 tokens keeps its first seq_len + 1 tokens
+    (`truncate`; dropped when no answer token is left in them) or is dropped (`drop`). Both are
+    counted and logged."""
+
+    chat_pack_buffer: Annotated[int, Ge(1)] = 1000
+    """For `chat`: conversations are packed into rows first-fit decreasing within consecutive buffers
+    of this many conversations (of the epoch's order); larger packs tighter."""
 
     mask_cross_document_labels: bool = False
     """Ignore in the loss the label that crosses a document boundary (the next document's first
@@ -140,16 +153,17 @@ class Training:
                 "[training.dataset_path] is required with training.dataset = \"files\": point it at a "
                 ".txt/.jsonl/.parquet file, a folder of them, or a glob"
             )
-        if self.datasets and self.dataset != "tokens":
-            raise ConfigError("[training.datasets] a mixture is read from prepared token folders: set "
-                              "training.dataset = \"tokens\" (prepare folders with python -m torchtrain.data.prepare)")
+        if self.datasets and self.dataset not in ("tokens", "chat"):
+            raise ConfigError("[training.datasets] a mixture is read from prepared token folders or chat files: set "
+                              "training.dataset = \"tokens\" (prepare folders with python -m torchtrain.data.prepare) "
+                              "or \"chat\"")
         for i, entry in enumerate(self.datasets):
             if not math.isfinite(entry.weight):  # `Gt(0)` let inf through (nan fails it)
                 raise ConfigError(f"[training.datasets[{i}].weight] must be a finite number > 0, got {entry.weight} "
                                   f"(for {entry.path})")
-        if self.dataset == "tokens" and bool(self.dataset_path) == bool(self.datasets):
-            raise ConfigError("[training.dataset_path] training.dataset = \"tokens\" reads either one prepared folder "
-                              "(dataset_path) or a mixture ([[training.datasets]]): set exactly one of them")
+        if self.dataset in ("tokens", "chat") and bool(self.dataset_path) == bool(self.datasets):
+            raise ConfigError(f"[training.dataset_path] training.dataset = \"{self.dataset}\" reads either one "
+                              f"dataset_path or a mixture ([[training.datasets]]): set exactly one of them")
 
 
 @dataclass

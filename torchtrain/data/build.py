@@ -16,11 +16,13 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
 from torchtrain.data.bad_input import PrepareError
 from torchtrain.data.cache import cache_root, cached_dataset
+from torchtrain.data.chat import chat_sources, check_chat
+from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
 from torchtrain.data.dataset import Source, WindowDataset
 from torchtrain.data.format import FormatError, TokenCorpus, tokenizer_matches
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sampling import MIXTURE_PERIOD
-from torchtrain.data.sources import FILES, HF_DATASETS, TOKENS, build_source, files_source
+from torchtrain.data.sources import CHAT, FILES, HF_DATASETS, TOKENS, build_source, files_source
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -72,6 +74,8 @@ def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], t
             if source.corpus.num_tokens < seq_len + 1:
                 raise ConfigError(f"[{section}.seq_len] {source.corpus.folder} holds {source.corpus.num_tokens} "
                                   f"tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+    elif dataset == CHAT:
+        check_chat(path, entries, tokenizer, section)
     elif dataset == FILES:
         files_source(path or "", text_field, f"{section}.dataset_path")
     elif dataset in HF_DATASETS:
@@ -102,14 +106,27 @@ def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry],
     return [Source(open_prepared(folder, tokenizer, f"{section}.dataset"), 1.0, dataset)]
 
 
-def training_sources(training: Training, tokenizer_path: str | None, tokenizer: Tokenizer, seed: int) -> list[Source]:
+def training_sources(training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
+                     seed: int) -> list[Source] | list[ChatSource]:
+    """The prepared sources of the training data; for `chat`, its tokenized conversations."""
+    if training.dataset == CHAT:
+        return chat_sources(training.dataset_path, training.datasets, tokenizer, training.seq_len,
+                            training.chat_overlong)
     return resolve_sources(training.dataset, training.dataset_path, training.datasets, training.dataset_text_field,
                            training.dataset_cache_dir, tokenizer_path, tokenizer, "train", seed)
 
 
-def build_dataloader(sources: list[Source], training: Training, local_batch_size: int, dp_rank: int, dp_degree: int,
-                     seed: int, device_type: str = "cpu") -> DataLoader:
-    """This rank's training loader (infinite; epochs restart each source in a new order)."""
+def build_dataloader(sources: list[Source] | list[ChatSource], training: Training, local_batch_size: int,
+                     dp_rank: int, dp_degree: int, seed: int, device_type: str = "cpu") -> DataLoader:
+    """This rank's training loader (infinite; epochs restart each source in a new order): windows of
+    token streams, or packed chat conversations."""
+    if sources and isinstance(sources[0], ChatSource):
+        dataset = PackedChatDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
+                                    buffer=training.chat_pack_buffer)
+        if is_log_rank():
+            dataset.log_summary()
+        return DataLoader(dataset, local_batch_size, dp_rank, dp_degree, workers=training.dataloader_workers,
+                          pin_memory=device_type == "cuda")
     try:
         dataset = WindowDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
                                 mask_cross_document_labels=training.mask_cross_document_labels)

@@ -11,6 +11,8 @@
 * ``hf``: a Hugging Face dataset (a ``save_to_disk`` folder, Arrow/Parquet files, or a name in the
   local HF cache such as ``allenai/c4:en``; `hf.py`), and torchtitan's names for C4: ``c4``,
   ``c4_validation`` (its validation split) and ``c4_test`` (torchtitan's local sample folder).
+* ``chat``: conversations in JSON Lines (`chat.py`), tokenized with the chat template and packed
+  when the run starts (docs/finetuning.md).
 * ``synthetic``: deterministic token sequences (a random phrase repeated), learnable in a few steps;
   for tests and benchmarks. Its ``validation`` split is 2,000 documents from another seed.
 
@@ -33,6 +35,7 @@ from torchtrain.data.readers import Piece, discover, pieces_of
 
 TOKENS = "tokens"
 FILES = "files"
+CHAT = "chat"  # conversations, tokenized and packed at start (data/chat.py), never prepared into the cache
 
 
 class DocumentSource(Protocol):
@@ -115,7 +118,7 @@ def register_dataset(name: str, factory: SourceFactory) -> None:
 
 
 def dataset_names() -> list[str]:
-    return [TOKENS, *_DATASETS]
+    return [TOKENS, CHAT, *_DATASETS]
 
 
 def check_dataset_name(name: str, key: str = "training.dataset") -> None:
@@ -127,8 +130,8 @@ def check_dataset_name(name: str, key: str = "training.dataset") -> None:
 def build_source(name: str, path: str | None, split: str = "train", seed: int = 0, text_field: str = "text",
                  key: str = "training.dataset") -> DocumentSource:
     check_dataset_name(name, key)
-    if name == TOKENS:
-        raise ValueError("the tokens dataset is read as it is, not built from documents")
+    if name in (TOKENS, CHAT):
+        raise ValueError(f"the {name} dataset is not built from documents")
     return _DATASETS[name](path, split, seed, text_field)
 
 

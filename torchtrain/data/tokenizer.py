@@ -133,6 +133,12 @@ class HFTokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos else [])
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` without added special tokens (special-token text is matched as such), with
+        each token's (start, end) character offsets."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

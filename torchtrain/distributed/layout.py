@@ -35,10 +35,12 @@ import torch
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.float8 import Float8Plan, resolve_float8
+from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
+    from torchtrain.config.lora import Lora
     from torchtrain.distributed.pipeline import PipelineSplit
     from torchtrain.models.base import BaseModelArgs
     from torchtrain.models.registry import ModelSpec
@@ -177,6 +179,8 @@ class Layout:
     """This job's replica group under fault.replica_ft."""
     float8: Float8Plan | None = None
     """Float8 training of the Linear layers (`resolve_float8`); None: off."""
+    lora: "Lora | None" = None
+    """LoRA adapters on frozen base weights ([lora], `distributed/lora.py`); None: off."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -370,6 +374,11 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         from dataclasses import replace
 
         layout = replace(layout, float8=float8)
+    if cfg.lora.enable:
+        from dataclasses import replace
+
+        check_lora_layout(cfg.lora, dims, float8 is not None)
+        layout = replace(layout, lora=cfg.lora)
     if spec is None:
         return layout
     if dims.cp_enabled and not spec.context_parallel:

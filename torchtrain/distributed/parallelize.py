@@ -46,6 +46,7 @@ from torchtrain.distributed.expert_parallel import apply_expert_parallel
 from torchtrain.distributed.float8 import convert_linears
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.lora import apply_lora
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.distributed.tensor_parallel import enable_async_tp
@@ -64,9 +65,11 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply converters -> TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout`
+    """Apply LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout`
     decides."""
     dims = layout.dims
+    if layout.lora is not None:
+        apply_lora(model, layout.lora)
     if layout.float8 is not None:
         convert_linears(model, layout.float8)
     blocks = spec.blocks_of(model)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtrain.distributed.lora import adapter_init_spec
 from torchtrain.models.base import InitSpec
 
 BLOCK_NUMEL = 1 << 20  # elements per generator block (whole rows, at least one row)
@@ -98,8 +99,10 @@ def init_parameter(param: torch.Tensor, spec: InitSpec, fqn: str, seed: int) -> 
 
 
 def init_model_weights(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter of a (possibly sharded) model from its `init_spec`, then its buffers."""
+    """Initialise every parameter of a (possibly sharded) model from its `init_spec` (LoRA adapters:
+    `lora.adapter_init_spec`), then its buffers."""
     for name, param in model.named_parameters():
         fqn = canonical_name(name)
-        init_parameter(param, model.init_spec(fqn), fqn, seed)
+        spec = adapter_init_spec(fqn, tuple(param.shape)) or model.init_spec(fqn)
+        init_parameter(param, spec, fqn, seed)
     model.init_buffers()

@@ -144,6 +144,10 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
         spec, args = resolve_model(cfg, tokenizer)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    if cfg.lora.enable and not hf:  # a LoRA run's checkpoint holds the adapters beside the base weights
+        from torchtrain.distributed.lora import apply_lora
+
+        apply_lora(model, cfg.lora)
     model.to_empty(device=device)
     model.init_buffers()
     if hf:

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.evaluation.tasks import check_eval
 from torchtrain.components.evaluation.validation import check_validation, check_validation_data
 from torchtrain.components.observability.wandb_sink import check_wandb
 from torchtrain.config import JobConfig
+from torchtrain.config.fields import ConfigError
 from torchtrain.data.build import check_sources
-from torchtrain.data.sources import check_dataset_name
+from torchtrain.data.sources import CHAT, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
+from torchtrain.distributed.lora import lora_targets
 from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
@@ -52,6 +56,12 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     spec, args = resolve_model(cfg, tokenizer)
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
+    if layout.lora is not None:  # every target pattern must select a linear layer (a meta model: no memory)
+        with torch.device("meta"):
+            lora_targets(spec.model_cls(args), layout.lora)
+    if cfg.training.dataset == CHAT and getattr(args, "attention_mask", "block_causal") != "block_causal":
+        raise ConfigError("[model.attention_mask] chat data packs several conversations into each row: set "
+                          "model.attention_mask = \"block_causal\" so that they do not attend to each other")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
     check_eval(cfg.eval, cfg.training.seq_len, layout.dims.tp, layout.dims.cp)
     return ResolvedJob(layout, tokenizer, spec, args)

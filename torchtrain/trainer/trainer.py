@@ -31,7 +31,9 @@ from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.config import JobConfig, to_dict, to_toml
 from torchtrain.data.build import build_dataloader, training_sources
+from torchtrain.data.sources import CHAT
 from torchtrain.distributed.cluster import check_cluster
+from torchtrain.distributed.lora import lora_adapter_class
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
 from torchtrain.distributed.utils import (
@@ -96,6 +98,10 @@ class Trainer:
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard
         #    with values that do not depend on the layout.
         self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
+        if layout.lora is not None:  # numel of a sharded parameter is its global size
+            trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
+            logger.info("LoRA: rank-%d adapters, %.3fM trainable parameters (%.2f%% of the model); the rest frozen",
+                        layout.lora.rank, trainable / 1e6, 100 * trainable / args.num_params())
 
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
@@ -128,11 +134,14 @@ class Trainer:
                     self.batch.grad_accum_steps, cfg.training.seq_len, self.flops_per_token / 1e9)
 
         # 5. Checkpoints: resume, or an initial load, or neither (each logged; docs/checkpointing.md).
+        hf_adapter = spec.state_dict_adapter  # under LoRA, an HF initial load fills the base weights only
+        if layout.lora is not None and hf_adapter is not None:
+            hf_adapter = lora_adapter_class(hf_adapter)
         states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
                                  self.state, dims.dp_rank, self.rank, device)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
-                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, spec.state_dict_adapter))
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter))
         self.checkpointer.load()
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
@@ -254,6 +263,7 @@ class Trainer:
             "grad_norm": step_metrics.pop("grad_norm"),
             "lr": step_metrics.pop("lr"),
             "tokens_seen": self.state.tokens_seen,
+            **({"answer_tokens": int(out.tokens.item())} if self.job_config.training.dataset == CHAT else {}),
             **self.throughput.summary(),
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,

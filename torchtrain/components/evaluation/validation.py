@@ -2,7 +2,8 @@
 
 Every `freq` steps the trainer evaluates `steps` batches of each held-out set's validation split (or
 all of it), always the same batches from the start of the split, with the model in eval mode and no
-gradients. There is one set (logged as validation_loss / validation_perplexity), or several named
+gradients. A `chat` set (its `dataset_path`) is packed like chat training data, in file order, and its
+loss counts the answers only (docs/finetuning.md). There is one set (logged as validation_loss / validation_perplexity), or several named
 ones from `[[validation.sets]]` (validation/<name>/loss, validation/<name>/perplexity):
 
     validation_loss       = (sum over all ranks, batches, target tokens of CE) / (number of those tokens)
@@ -38,6 +39,8 @@ from torchtrain.config import ConfigError
 from torchtrain.config.operations import Validation, ValidationSet
 from torchtrain.config.training import Training
 from torchtrain.data.build import check_sources, resolve_sources
+from torchtrain.data.chat import CHAT, chat_sources
+from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
 from torchtrain.data.dataset import Source, WindowDataset
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sources import HF_DATASETS, TOKENS, check_dataset_name
@@ -96,7 +99,7 @@ def check_validation(v: Validation, training: Training, tp: int, cp: int = 1) ->
     validation sequences evenly."""
     for s in resolved_sets(v, training):
         check_dataset_name(s.dataset, f"{s.key}.dataset")
-        if s.dataset in ("files", TOKENS) and not s.dataset_path:
+        if s.dataset in ("files", TOKENS, CHAT) and not s.dataset_path:
             raise ConfigError(f"[{s.key}.dataset_path] is required with the {s.dataset!r} dataset: point it at held-out "
                               f"data (not the training data)")
         if s.seq_len % (2 * cp):
@@ -113,13 +116,17 @@ def check_validation_data(v: Validation, training: Training, tokenizer: Tokenize
 
 
 def build_validation_sources(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
-                             seed: int) -> list[tuple[HeldOutSet, Source]]:
+                             seed: int) -> list[tuple[HeldOutSet, Source | ChatSource]]:
     """Every held-out set with its data, prepared (empty when validation is off); ConfigError when
     one cannot be read."""
     out = []
     for s in resolved_sets(v, training):
-        if s.dataset in ("files", TOKENS) and s.dataset_path == training.dataset_path:
+        if s.dataset in ("files", TOKENS, CHAT) and s.dataset_path == training.dataset_path:
             logger.warning("%s.dataset_path is the training data: the validation loss is not held out", s.key)
+        if s.dataset == CHAT:  # conversations: answer-only labels, packed like the training data
+            (chat,) = chat_sources(s.dataset_path, [], tokenizer, s.seq_len, training.chat_overlong, section=s.key)
+            out.append((s, chat))
+            continue
         (source,) = resolve_sources(s.dataset, s.dataset_path, [], training.dataset_text_field,
                                     training.dataset_cache_dir, tokenizer_path, tokenizer, "validation", seed,
                                     section=s.key)
@@ -156,13 +163,16 @@ def forward_batches(train_step, batches: Iterable[dict[str, torch.Tensor]],
 class Validator:
     """Evaluates a train step's model parts on one held-out set (see the module docstring)."""
 
-    def __init__(self, held_out: HeldOutSet, freq: int, training: Training, source: Source, train_step):
+    def __init__(self, held_out: HeldOutSet, freq: int, training: Training, source: Source | ChatSource,
+                 train_step):
         self.set, self.freq, self.train_step = held_out, freq, train_step
         self.dims = train_step.layout.dims
         self.local_batch_size, self.seq_len = held_out.local_batch_size, held_out.seq_len
         try:
-            dataset = WindowDataset([source], self.seq_len, shuffle=False,
-                                    mask_cross_document_labels=training.mask_cross_document_labels)
+            dataset = PackedChatDataset([source], self.seq_len, shuffle=False, buffer=training.chat_pack_buffer) \
+                if isinstance(source, ChatSource) else \
+                WindowDataset([source], self.seq_len, shuffle=False,
+                              mask_cross_document_labels=training.mask_cross_document_labels)
         except ValueError as e:
             raise ConfigError(f"[{held_out.key}.seq_len] {e}") from None
         if dataset.num_windows < self.local_batch_size * self.dims.dp:

@@ -1,0 +1,123 @@
+"""Chat data as conversations: JSON Lines files read into lists of (role, content) turns.
+
+One conversation per line (blank lines skipped), in one of these shapes:
+
+* ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``
+* flat records, mapped to one user turn and one assistant turn (with an optional ``"system"`` string
+  as a system turn first):
+
+  ===========================================  =============================================
+  fields                                        turns
+  ===========================================  =============================================
+  ``prompt`` + ``response`` (or ``completion``)  user = prompt, assistant = response
+  ``instruction`` + ``output`` (+ ``input``)    user = instruction, then a blank line and the
+                                                input when it is not empty; assistant = output
+  ``question`` + ``answer``                     user = question, assistant = answer
+  ===========================================  =============================================
+
+Every conversation needs at least one assistant turn (what the loss trains on). A bad line -- not
+JSON, no known shape, an unknown role, a content that is not a string, no assistant turn -- is a
+`ChatFormatError` naming the file and line: chat sets are small and hand-made, so a bad record is a
+mistake to fix, not noise to skip.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant")
+CHAT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+# flat shape: (user field, assistant field(s)); `input` joins `instruction` below
+_FLAT = (("prompt", ("response", "completion")), ("instruction", ("output",)), ("question", ("answer",)))
+
+
+class ChatFormatError(ValueError):
+    """A bad chat file or record; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns: tuple[tuple[str, str], ...]
+    """(role, content) per turn, in order."""
+    where: str
+    """file:line, for error messages."""
+
+
+def chat_files(path: str) -> list[str]:
+    """The chat files a `dataset_path` names: a file, a folder (searched recursively) or a glob, sorted."""
+    if any(ch in path for ch in "*?["):
+        found = sorted(glob.glob(path, recursive=True))
+    elif os.path.isdir(path):
+        found = sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
+    elif os.path.isfile(path):
+        if not path.endswith(CHAT_SUFFIXES):
+            raise ChatFormatError(f"{path}: a chat file is JSON Lines ({', '.join(CHAT_SUFFIXES)})")
+        return [path]
+    else:
+        raise ChatFormatError(f"{path}: no such file, folder or glob match")
+    files = [f for f in found if os.path.isfile(f) and f.endswith(CHAT_SUFFIXES)]
+    if not files:
+        raise ChatFormatError(f"{path}: holds no chat files ({', '.join(CHAT_SUFFIXES)})")
+    return files
+
+
+def _turns_of(record: object, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(record, dict):
+        raise ChatFormatError(f"{where}: a conversation is a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ChatFormatError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ChatFormatError(f"{where}: messages[{i}] must be an object with \"role\" and \"content\"")
+            turns.append((m["role"], m["content"]))
+    else:
+        for user_key, answer_keys in _FLAT:
+            answer_key = next((k for k in answer_keys if k in record), None)
+            if user_key in record and answer_key is not None:
+                user = record[user_key]
+                extra = record.get("input") if user_key == "instruction" else None
+                if isinstance(user, str) and isinstance(extra, str) and extra:
+                    user = f"{user}\n\n{extra}"
+                turns = [("user", user), ("assistant", record[answer_key])]
+                if "system" in record:
+                    turns.insert(0, ("system", record["system"]))
+                break
+        else:
+            raise ChatFormatError(f"{where}: no chat shape found in the keys {sorted(record)}: expected \"messages\", "
+                                  f"prompt/response, instruction/input/output or question/answer")
+    for i, (role, content) in enumerate(turns):
+        if role not in ROLES:
+            raise ChatFormatError(f"{where}: unknown role {role!r} in turn {i}; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ChatFormatError(f"{where}: the content of turn {i} ({role}) must be a string, "
+                                  f"got {type(content).__name__}")
+    if not any(role == "assistant" for role, _ in turns):
+        raise ChatFormatError(f"{where}: the conversation has no assistant turn, so nothing to train on")
+    return tuple(turns)
+
+
+def read_conversations(path: str) -> list[Conversation]:
+    """Every conversation of the chat files at `path`, in file and line order."""
+    out: list[Conversation] = []
+    for file in chat_files(path):
+        opener = gzip.open if file.endswith(".gz") else open
+        with opener(file, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{file}:{n}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ChatFormatError(f"{where}: not JSON ({e.msg})") from None
+                out.append(Conversation(_turns_of(record, where), where))
+    if not out:
+        raise ChatFormatError(f"{path}: holds no conversations")
+    return out

@@ -1,0 +1,208 @@
+"""Chat conversations packed into rows of seq_len tokens, with no attention across conversations.
+
+A conversation of n tokens (`chat_template.py`: ids and which are trained) becomes an item of n - 1
+positions: inputs ids[:-1], labels ids[1:] where the token is trained (the ignore index elsewhere),
+positions 0 .. n-2. Items are packed whole into rows:
+
+* **Order.** Each epoch visits every conversation once, in a seeded random order (from the seed and
+  the epoch; `dataset_shuffle = false`: file order).
+* **First-fit decreasing within a buffer.** The epoch's order is cut into buffers of
+  `chat_pack_buffer` conversations; within a buffer, items are taken longest first (ties in order)
+  and each goes into the first row that still has room, else opens a new row. The buffer's rows then
+  follow in the order they were opened. A bounded buffer keeps the work per row small while still
+  filling rows well; the efficiency (share of positions that are not padding) is logged.
+* **Padding.** The rest of a row is padding: the EOS id as input, the ignore label, and position 0
+  at every padding token, so each one is a document of its own.
+* **Conversations longer than seq_len + 1 tokens** (`chat_overlong`): `truncate` keeps their first
+  seq_len + 1 tokens (dropped instead when no trained token is left in them), `drop` drops them.
+  Both are counted and logged.
+
+Positions restart at 0 at every conversation, which is how document boundaries reach the model:
+block-causal attention and per-document RoPE (`models/common/attention.py`), so a conversation
+never attends to another one in its row.
+
+Global sample g is a row: the mixture (`sampling.Mixture`, over several chat sources) picks the
+source and its own row index j, and j is row j - R_0 - ... - R_{e-1} of epoch e of that source (R_e:
+its rows in epoch e, computed when first needed and cached). Everything depends only on g, so the
+loader's state stays one global counter and resume is exact (`loader.py`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from torchtrain.data.sampling import Mixture, Permutation
+from torchtrain.utils.logging import logger
+from torchtrain.utils.token_loss import IGNORE_INDEX
+
+OVERLONG = ("truncate", "drop")
+
+
+@dataclass
+class ChatSource:
+    """The tokenized conversations of one chat source (all of them fit seq_len + 1 tokens)."""
+
+    name: str
+    weight: float
+    tokens: np.ndarray
+    """The conversations' token ids, one after another (int64)."""
+    trained: np.ndarray
+    """Per token: whether the loss trains on it (bool)."""
+    offsets: np.ndarray
+    """Conversation i is tokens[offsets[i]:offsets[i + 1]]."""
+    truncated: int = 0
+    dropped: int = 0
+
+    @property
+    def num_conversations(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        """Positions each conversation takes in a row (its tokens - 1)."""
+        return np.diff(self.offsets) - 1
+
+
+def build_chat_source(name: str, weight: float, rendered: list[tuple[list[int], list[bool]]], seq_len: int,
+                      overlong: str) -> ChatSource:
+    """Apply the overlong rule (module docstring) to rendered conversations and lay them out flat."""
+    tokens, trained, offsets = [], [], [0]
+    truncated = dropped = 0
+    for ids, mask in rendered:
+        if len(ids) > seq_len + 1:
+            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            if overlong == "drop" or not any(mask[1:]):
+                dropped += 1
+                continue
+            truncated += 1
+        if len(ids) < 2 or not any(mask[1:]):
+            dropped += 1  # nothing to predict (a trained first token has no input before it)
+            continue
+        tokens += ids
+        trained += mask
+        offsets.append(len(tokens))
+    if len(offsets) == 1:
+        raise ValueError(f"chat source {name!r}: none of its {len(rendered)} conversations is left to train on "
+                         f"with seq_len {seq_len} and chat_overlong = {overlong!r}")
+    return ChatSource(name, weight, np.asarray(tokens, dtype=np.int64), np.asarray(trained, dtype=bool),
+                      np.asarray(offsets, dtype=np.int64), truncated, dropped)
+
+
+def pack_first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows (lists of indices into `lengths`, in placement order) of first-fit decreasing."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if free >= lengths[i]:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
+def _seed_of(*parts: int) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(("chat",) + parts).encode(), digest_size=8).digest(), "little")
+
+
+class PackedChatDataset(Dataset):
+    """Map-style dataset over global sample indices: packed rows {"input_ids", "labels", "positions"}
+    (module docstring); the same interface as `WindowDataset` for the loader."""
+
+    def __init__(self, sources: list[ChatSource], seq_len: int, seed: int = 0, shuffle: bool = True,
+                 buffer: int = 1000, pad_id: int = 0):
+        self.sources, self.seq_len, self.seed, self.shuffle = sources, seq_len, seed, shuffle
+        self.buffer, self.pad_id = buffer, pad_id
+        self.mixture = Mixture([s.weight for s in sources])
+        self._lengths = [s.lengths() for s in sources]
+        self._starts: list[list[int]] = [[0] for _ in sources]  # cumulative rows before each epoch, per source
+        self._rows: dict[tuple[int, int], list[list[int]]] = {}
+
+    @property
+    def num_windows(self) -> int:
+        """Rows of the first epoch, over all sources (a held-out set read once, unshuffled)."""
+        return sum(len(self.epoch_rows(s, 0)) for s in range(len(self.sources)))
+
+    def epoch_rows(self, s: int, epoch: int) -> list[list[int]]:
+        """The rows of epoch `epoch` of source s: conversation indices per row."""
+        key = (s, epoch)
+        if key not in self._rows:
+            n = self.sources[s].num_conversations
+            if self.shuffle:
+                perm = Permutation(n, _seed_of(self.seed, s, epoch))
+                order = [perm(i) for i in range(n)]
+            else:
+                order = list(range(n))
+            rows = []
+            for b in range(0, n, self.buffer):
+                chunk = order[b:b + self.buffer]
+                rows += [[chunk[i] for i in row] for row in
+                         pack_first_fit_decreasing([int(self._lengths[s][c]) for c in chunk], self.seq_len)]
+            if len(self._rows) > 8:
+                self._rows.clear()
+            self._rows[key] = rows
+        return self._rows[key]
+
+    def _locate_row(self, s: int, j: int) -> tuple[int, int]:
+        """(epoch, row in epoch) of source s's j-th row."""
+        starts = self._starts[s]
+        while starts[-1] <= j:
+            starts.append(starts[-1] + len(self.epoch_rows(s, len(starts) - 1)))
+        epoch = bisect.bisect_right(starts, j) - 1
+        return epoch, j - starts[epoch]
+
+    def epochs(self, samples: int) -> list[int]:
+        """The epoch each source is in once `samples` global samples have been read."""
+        return [self._locate_row(s, n)[0] for s, n in enumerate(self.mixture.counts_before(samples))]
+
+    def efficiency(self, s: int = 0, epoch: int = 0) -> float:
+        """Share of the positions of an epoch's rows that hold conversation tokens (not padding)."""
+        rows = self.epoch_rows(s, epoch)
+        return float(self._lengths[s].sum()) / (len(rows) * self.seq_len)
+
+    def log_summary(self) -> None:
+        for s, source in enumerate(self.sources):
+            rows = self.epoch_rows(s, 0)
+            logger.info("chat data %s: %d conversations (%d truncated, %d dropped as longer than seq_len + 1 = %d) "
+                        "packed into %d rows per epoch; packing efficiency %.1f%%, %d answer tokens per epoch",
+                        source.name, source.num_conversations, source.truncated, source.dropped, self.seq_len + 1,
+                        len(rows), 100 * self.efficiency(s), int(source.trained.sum()))
+
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        s, j = self.mixture.locate(g)
+        epoch, r = self._locate_row(s, j)
+        source = self.sources[s]
+        x = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        p = np.zeros(self.seq_len, dtype=np.int64)
+        at = 0
+        for c in self.epoch_rows(s, epoch)[r]:
+            a, b = int(source.offsets[c]), int(source.offsets[c + 1])
+            n = b - a - 1
+            x[at:at + n] = source.tokens[a:b - 1]
+            y[at:at + n] = np.where(source.trained[a + 1:b], source.tokens[a + 1:b], IGNORE_INDEX)
+            p[at:at + n] = np.arange(n)
+            at += n
+        return x, y, p
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        x, y, p = self.sample(g)
+        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y), "positions": torch.from_numpy(p)}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        parts = [self.sample(g) for g in indices]
+        return {name: torch.from_numpy(np.stack([p[i] for p in parts]))
+                for i, name in enumerate(("input_ids", "labels", "positions"))}
+
+    def fingerprint(self) -> dict:
+        """What decides the sample order: a resumed run with other values reads other data."""
+        return {"chat": 1, "seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle, "buffer": self.buffer,
+                "sources": [[s.name, s.num_conversations, int(s.tokens.size), s.weight] for s in self.sources]}
