@@ -28,7 +28,7 @@ group exists.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -344,8 +344,6 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     par, training = cfg.parallelism, cfg.training
     replicas = par.data_parallel_replicate_degree if cfg.fault.replica_ft else 1
     if replicas > 1:  # this job is one replica group: its mesh has no replicate dimension
-        from dataclasses import replace
-
         par = replace(par, data_parallel_replicate_degree=1)
     dims = ParallelDims.from_config(par, world_size)
     strategy = DPStrategy.parse(par.data_parallel_strategy)
@@ -370,15 +368,10 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
                             fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,
                             print_after_conversion=cfg.model.print_after_conversion)
-    if float8 is not None:
-        from dataclasses import replace
-
-        layout = replace(layout, float8=float8)
     if cfg.lora.enable:
-        from dataclasses import replace
-
         check_lora_layout(cfg.lora, dims, float8 is not None)
-        layout = replace(layout, lora=cfg.lora)
+    if float8 is not None or cfg.lora.enable:
+        layout = replace(layout, float8=float8, lora=cfg.lora if cfg.lora.enable else None)
     if spec is None:
         return layout
     if dims.cp_enabled and not spec.context_parallel:
@@ -392,8 +385,6 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     if spec.validate is not None and model_args is not None:
         spec.validate(model_args, layout)
     if dims.pp_enabled:
-        from dataclasses import replace
-
         from torchtrain.distributed.pipeline import split_pipeline
 
         split = split_pipeline(par, dims.pp, model_args, spec.stage_modules, batch.local_sequences, spec.name)
