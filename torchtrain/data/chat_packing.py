@@ -34,10 +34,8 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
-from torchtrain.data.sampling import Mixture, Permutation
+from torchtrain.data.sampling import Mixture, Permutation, SampleDataset
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
@@ -113,7 +111,7 @@ def _seed_of(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(("chat",) + parts).encode(), digest_size=8).digest(), "little")
 
 
-class PackedChatDataset(Dataset):
+class PackedChatDataset(SampleDataset):
     """Map-style dataset over global sample indices: packed rows {"input_ids", "labels", "positions"}
     (module docstring); the same interface as `WindowDataset` for the loader."""
 
@@ -192,15 +190,6 @@ class PackedChatDataset(Dataset):
             p[at:at + n] = np.arange(n)
             at += n
         return x, y, p
-
-    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        x, y, p = self.sample(g)
-        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y), "positions": torch.from_numpy(p)}
-
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        parts = [self.sample(g) for g in indices]
-        return {name: torch.from_numpy(np.stack([p[i] for p in parts]))
-                for i, name in enumerate(("input_ids", "labels", "positions"))}
 
     def fingerprint(self) -> dict:
         """What decides the sample order: a resumed run with other values reads other data."""

@@ -22,11 +22,9 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 from torchtrain.data.format import TokenCorpus
-from torchtrain.data.sampling import Mixture, Permutation
+from torchtrain.data.sampling import Mixture, Permutation, SampleDataset
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
 
@@ -43,7 +41,7 @@ def _seed_of(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
 
-class WindowDataset(Dataset):
+class WindowDataset(SampleDataset):
     """Map-style dataset over global sample indices (infinite for training; see `num_windows` for a
     single unshuffled source read once, as validation does)."""
 
@@ -91,16 +89,6 @@ class WindowDataset(Dataset):
         if self.mask_cross_document_labels:
             labels[pos[1:] == 0] = IGNORE_INDEX
         return tokens[:-1], labels, pos[:-1]
-
-    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        x, y, p = self.sample(g)
-        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y), "positions": torch.from_numpy(p)}
-
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """A whole batch at once (the DataLoader's batched fetch): stacked (len(indices), seq_len)."""
-        parts = [self.sample(g) for g in indices]
-        return {name: torch.from_numpy(np.stack([p[i] for p in parts]))
-                for i, name in enumerate(("input_ids", "labels", "positions"))}
 
     def fingerprint(self) -> dict:
         """What decides the sample order: a resumed run with other values reads other data."""

@@ -21,6 +21,8 @@ reading, or even enumerating, anybody else's, and a loader's whole state is g (d
 from __future__ import annotations
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 _MASK64 = (1 << 64) - 1
 MIXTURE_PERIOD = 10_000
@@ -103,3 +105,21 @@ class Mixture:
         cycle, t = divmod(g, self.period)
         partial = np.bincount(self.source[:t], minlength=len(self.q))
         return [cycle * q + int(p) for q, p in zip(self.q, partial)]
+
+
+class SampleDataset(Dataset):
+    """A map-style dataset over global sample indices whose `sample(g)` gives the (input_ids, labels,
+    positions) int64 arrays of one seq_len row; items and the DataLoader's batched fetch are built here."""
+
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        x, y, p = self.sample(g)
+        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y), "positions": torch.from_numpy(p)}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A whole batch at once (the DataLoader's batched fetch): stacked (len(indices), seq_len)."""
+        parts = [self.sample(g) for g in indices]
+        return {name: torch.from_numpy(np.stack([p[i] for p in parts]))
+                for i, name in enumerate(("input_ids", "labels", "positions"))}

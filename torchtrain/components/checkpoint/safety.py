@@ -203,26 +203,23 @@ def _scan_entry(path: str, label: str, key: str, info: Any, files: dict, report:
         raise CheckpointError(f"[checkpoint] {where} is not a torch.save archive: it cannot be checked, so it is "
                               f"refused") from None
     for member in pickles:
-        unpickler = RestrictedUnpickler(archive.read(member), ENTRY_CLASSES, stub_calls=True)
-        try:
-            loaded = unpickler.load()
-        except RefusedPickle as e:
-            raise CheckpointError(_refusal(where, e)) from None
-        except Exception as e:
-            raise CheckpointError(f"[checkpoint] {where} is unreadable ({type(e).__name__}: {e}); the checkpoint "
-                                  f"is corrupt") from None
-        report.pickles += 1
-        report.classes |= unpickler.seen
+        loaded = _checked_load(RestrictedUnpickler(archive.read(member), ENTRY_CLASSES, stub_calls=True), where,
+                               report)
         if member.endswith("data.pkl"):
             value = loaded
     if isinstance(value, bytes) and key.startswith(LEGACY_BLOB_PREFIXES) and value[:1] == b"\x80":
-        unpickler = RestrictedUnpickler(value, LEGACY_CLASSES)
-        try:
-            unpickler.load()
-        except RefusedPickle as e:
-            raise CheckpointError(_refusal(where, e)) from None
-        except Exception as e:
-            raise CheckpointError(f"[checkpoint] {where}: its pickled state is unreadable ({type(e).__name__}: "
-                                  f"{e})") from None
-        report.pickles += 1
-        report.classes |= unpickler.seen
+        _checked_load(RestrictedUnpickler(value, LEGACY_CLASSES), f"{where}: its pickled state", report)
+
+
+def _checked_load(unpickler: "RestrictedUnpickler", where: str, report: ScanReport) -> Any:
+    """Unpickle through the allow-list; a refused class or an unreadable pickle is one line naming `where`."""
+    try:
+        loaded = unpickler.load()
+    except RefusedPickle as e:
+        raise CheckpointError(_refusal(where, e)) from None
+    except Exception as e:
+        raise CheckpointError(f"[checkpoint] {where} is unreadable ({type(e).__name__}: {e}); the checkpoint "
+                              f"is corrupt") from None
+    report.pickles += 1
+    report.classes |= unpickler.seen
+    return loaded
