@@ -25,7 +25,7 @@ from conftest import TINY_MODEL, read_metrics, run_train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # six short launches
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # six short launches (~35 s together)
 STEPS = 25
 LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
