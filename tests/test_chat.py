@@ -116,11 +116,11 @@ def test_packed_rows_hold_each_conversation_once_with_its_own_positions_and_answ
         x, y, p = data.sample(r)
         at = 0
         for c in row:
-            a, b = int(source.offsets[c]), int(source.offsets[c + 1])
-            n = b - a - 1
+            ids, trained = source.store.read(int(source.starts[c]), int(source.ends[c]))
+            n = len(ids) - 1
             assert p[at:at + n].tolist() == list(range(n))
-            assert x[at:at + n].tolist() == source.tokens[a:b - 1].tolist()
-            want = [t if m else IGNORE_INDEX for t, m in zip(source.tokens[a + 1:b], source.trained[a + 1:b])]
+            assert x[at:at + n].tolist() == ids[:-1].tolist()
+            want = [t if m else IGNORE_INDEX for t, m in zip(ids[1:], trained[1:])]
             assert y[at:at + n].tolist() == want
             at += n
         assert (y[at:] == IGNORE_INDEX).all() and (p[at:] == 0).all()

@@ -7,6 +7,9 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
   tolerance: only the order of float32 summations differs), and both log the same answer-token
   counts (the loss is normalised by the answer tokens of the whole global batch); the same for LoRA
   (frozen and trainable parameters sharded together), which also learns.
+* Full fine-tuning under tensor parallelism (2 ranks) and pipeline parallelism (2 stages, 4
+  micro-batches) matches one process the same way: packed rows with per-conversation positions and
+  answer-only labels go through every layout.
 
 One launch per layout, shared by the module."""
 
@@ -22,7 +25,7 @@ from conftest import TINY_MODEL, read_metrics, run_train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # four short launches (~35 s together)
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # six short launches (~35 s together)
 STEPS = 25
 LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
@@ -43,8 +46,11 @@ def runs(tmp_path_factory):
     out = {}
     lora = ["--lora.enable", "true", "--training.steps", str(LORA_STEPS), "--lora.target_modules",
             "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
     for name, nproc, local, extra in (("single", None, "4", validation), ("fsdp2", 2, "2", validation),
-                                      ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora)):
+                                      ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora),
+                                      ("tp2", 2, "4", tp), ("pp2", 2, "4", pp)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
                           "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300)
@@ -63,6 +69,14 @@ def test_loss_on_answers_only_falls_below_the_user_turns_entropy(runs):
     assert held_out < 0.4 * math.log(26)
     assert runs["fsdp2"][0][-1]["validation_loss"] == pytest.approx(held_out, rel=1e-4)
     assert "packing efficiency" in log and "answer tokens per epoch" in log
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_match_one_process(runs, layout):
+    single, other = runs["single"][0], runs[layout][0]
+    assert [m["answer_tokens"] for m in single] == [m["answer_tokens"] for m in other]
+    for a, b in zip(single, other, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (layout, a["step"], a["loss"], b["loss"])
 
 
 @pytest.mark.parametrize("prefix", ["", "lora_"])

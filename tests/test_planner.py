@@ -287,6 +287,44 @@ def test_analytic_estimate_is_close_to_the_trace(world, flags, job_args):
         assert abs(rank.analytic.peak - rank.traced_peak) <= 0.15 * rank.traced_peak, (rank.pp_rank, plan.ranks)
 
 
+LORA = ["--lora.enable", "true", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv,w2,output"]
+
+
+@pytest.mark.parametrize("world, flags", [(2, {}), (1, {}), (2, {"strategy": "zero1"})])
+def test_lora_trains_only_the_adapters_in_analytic_and_traced_memory(world, flags):
+    """Under LoRA only the adapters (r x (in + out) per targeted linear layer) have gradients and
+    optimizer state; the frozen base weights stay parameters. The trace (the trainer's own model with
+    its adapters) measures the analytic optimizer state exactly."""
+    job, p = _inputs(world, job_args=LORA + ["--training.global_batch_size", str(16 * world)], **flags)
+    _, full = _inputs(world, job_args=["--training.global_batch_size", str(16 * world)], **flags)
+    assert p.lora is not None and p.lora.rank == 4 and full.lora is None
+    a, r = p.model, 4
+    targets = [(a.dim, a.dim), (a.dim, a.kv_heads * a.head_dim), (a.ffn_hidden, a.dim)]  # wq, wv, w2 (in, out)
+    adapters = a.n_layers * sum(r * (i + o) for i, o in targets) + r * (a.dim + a.vocab_size)  # + output
+    units = shapes.adapter_units(a, analytic.estimate_memory(p).stages, p.lora)
+    assert shapes.numel([s for _, sh in units for s in sh]) == adapters
+    assert len(units) == a.n_layers + 1 and units[-1][0] == "norm+output"
+
+    plan = make_plan(job, p)
+    rank = plan.ranks[0]
+    rows = {row.name: row.bytes for row in rank.analytic.rows}
+    n_opt = world if p.dp_strategy.shards_optimizer_state else 1
+    assert _close(rows["optimizer state (Adam m, v)"], 8 * adapters / n_opt + 4 * (2 * (3 * a.n_layers + 1)), 0.02)
+    assert _close(rank.traced_breakdown["optimizer"], rows["optimizer state (Adam m, v)"], 0.01)
+    n_param = world if p.sharded else 1
+    assert _close(rows["parameters (fp32 master)"], 4 * (a.num_params + adapters) / n_param, 0.02)
+    # gradients (at the optimizer step) and the accumulator of the 2 micro-batches: the adapters' only
+    moments = analytic.estimate_memory(p).moments
+    grads = {row.name: row.bytes for row in moments["optimizer step"]}["gradients (fp32)"]
+    assert _close(grads, 4 * adapters / n_param, 0.02)
+    accum = [row for row in moments["start of backward"] if "micro-batches" in row.name]
+    assert len(accum) == 1 and 0 < accum[0].bytes <= 4 * adapters
+    # the full fine-tuning job's optimizer state is the whole model's
+    full_rows = {row.name: row.bytes for row in analytic.estimate_memory(full).rows}
+    assert full_rows["optimizer state (Adam m, v)"] > 10 * rows["optimizer state (Adam m, v)"]
+    assert abs(rank.analytic.peak - rank.traced_peak) <= 0.15 * rank.traced_peak, plan.ranks
+
+
 @pytest.mark.parametrize("flags", [{"ac_mode": "full"}, {"ac_mode": "selective", "ac_option": "op"}])
 def test_fake_tensors_measure_what_real_tensors_use(flags):
     """(Without AC the same is shown against real training in test_planner_accuracy.py.)"""

@@ -102,6 +102,32 @@ def test_float8_compile_and_async_tp_are_read_from_the_job():
     assert estimate_step(p).step_s < estimate_step(p.replace(float8=False)).step_s  # fp8 GEMMs
 
 
+def test_lora_runs_no_weight_gradients_of_frozen_weights():
+    """Under LoRA the blocks' backward runs the input-gradient GEMMs plus the adapters' GEMMs, the
+    gradient reductions and the optimizer step cover the adapters only, and model FLOPs are 4N + 6 per
+    adapter parameter + attention."""
+    from torchtrain.tools.planner import compute_time, pipeline, shapes
+
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--lora.enable", "true",
+                    "--lora.rank", "16"])
+    p = inputs_from_config(job.cfg, job.args, 8, "cuda", KNOWN_GPUS["h100"], {})
+    full = p.replace(lora=None)
+    dev, a = KNOWN_GPUS["h100"], p.model
+    lora_block, full_block = compute_time.block_time(p, dev), compute_time.block_time(full, dev)
+    t = p.microbatch_tokens
+    dgrad = sum(compute_time.linear_seconds(dev, t, m.in_features, m.out_features, "bfloat16")[1] for m in a.matmuls())
+    adapters_fwd, adapters_bwd = compute_time.lora_block_seconds(p, dev)
+    assert adapters_fwd > 0 and lora_block.gemm_bwd == pytest.approx(dgrad + adapters_bwd, rel=1e-9)
+    assert lora_block.gemm_fwd == pytest.approx(full_block.gemm_fwd + adapters_fwd, rel=1e-9)
+    lora, ft = estimate_step(p), estimate_step(full)
+    assert lora.optimizer_s < 0.01 * ft.optimizer_s and lora.comm_s["data parallel"] < ft.comm_s["data parallel"]
+    stages = [s for rank in pipeline.pipeline_of(p).stages.values() for s in rank]
+    adapters = shapes.numel([s for _, sh in shapes.adapter_units(a, stages, p.lora) for s in sh])
+    assert adapters == a.n_layers * 16 * (6 * a.dim + 2 * a.kv_heads * a.head_dim)  # r (in + out) of wq, wk, wv, wo
+    assert lora.flops_per_token == pytest.approx(ft.flops_per_token - a.flops_per_token(0) / 3 + 6 * adapters)
+    assert lora.step_s < ft.step_s
+
+
 def test_interruptions_add_restarts_and_lost_steps_to_time_and_cost():
     """Meta's rate on 16,384 GPUs is one interruption every ~3.1 h; each costs the restart and half a
     checkpoint interval; W = U / (1 - r N c / 3600); no figure without checkpoints or when the job

@@ -10,7 +10,6 @@ prepared), run by `preflight.check_job`, so the launch check reports bad data be
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
@@ -18,31 +17,12 @@ from torchtrain.data.bad_input import PrepareError
 from torchtrain.data.cache import cache_root, cached_dataset
 from torchtrain.data.chat import chat_sources, check_chat
 from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
-from torchtrain.data.dataset import Source, WindowDataset
-from torchtrain.data.format import FormatError, TokenCorpus, tokenizer_matches
+from torchtrain.data.dataset import Source, WindowDataset, open_prepared
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sampling import MIXTURE_PERIOD
 from torchtrain.data.sources import CHAT, FILES, HF_DATASETS, TOKENS, build_source, files_source
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import is_log_rank, logger
-
-
-def _describe(identity: dict[str, Any]) -> str:
-    sha = str(identity.get("sha256", ""))
-    return f"{identity.get('kind')} (vocab {identity.get('vocab_size')}, sha256 {sha[:12]})"
-
-
-def open_prepared(path: str, tokenizer: Tokenizer, key: str) -> TokenCorpus:
-    """A prepared folder, checked against the job's tokenizer."""
-    try:
-        corpus = TokenCorpus(path)
-    except (FormatError, OSError) as e:
-        raise ConfigError(f"[{key}] {e}") from None
-    if not tokenizer_matches(corpus.tokenizer, tokenizer.identity):
-        raise ConfigError(f"[{key}] {path} was prepared with the tokenizer {_describe(corpus.tokenizer)}, but this job "
-                          f"uses {_describe(tokenizer.identity)}: set model.hf_assets_path to the tokenizer the data "
-                          f"was prepared with, or prepare it again with --tokenizer <this job's tokenizer>")
-    return corpus
 
 
 def _token_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Tokenizer, section: str) -> list[Source]:
@@ -58,7 +38,11 @@ def _token_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Tok
                               f"it would never be drawn; raise it or drop the source")
         name = os.path.basename(os.path.normpath(p)) or p
         names.append(name if name not in names else f"{name}#{i}")
-        sources.append(Source(open_prepared(p, tokenizer, key), weight, names[-1]))
+        corpus = open_prepared(p, tokenizer, key)
+        if corpus.manifest.get("chat"):
+            raise ConfigError(f"[{key}] {p} holds prepared chat data (conversations with trained-token masks): "
+                              f"train on it with training.dataset = \"chat\"")
+        sources.append(Source(corpus, weight, names[-1]))
     return sources
 
 

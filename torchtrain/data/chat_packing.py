@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,53 +43,89 @@ from torchtrain.utils.token_loss import IGNORE_INDEX
 OVERLONG = ("truncate", "drop")
 
 
+class ArrayStore:
+    """Conversations' tokens and trained flags held in memory, one after another."""
+
+    def __init__(self, tokens: np.ndarray, trained: np.ndarray):
+        self.tokens, self.trained = tokens, trained
+
+    def read(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64, trained flags bool) of stream positions [a, b)."""
+        return self.tokens[a:b], self.trained[a:b]
+
+
 @dataclass
 class ChatSource:
-    """The tokenized conversations of one chat source (all of them fit seq_len + 1 tokens)."""
+    """The tokenized conversations of one chat source (each kept one cut to at most seq_len + 1 tokens)."""
 
     name: str
     weight: float
-    tokens: np.ndarray
-    """The conversations' token ids, one after another (int64)."""
-    trained: np.ndarray
-    """Per token: whether the loss trains on it (bool)."""
-    offsets: np.ndarray
-    """Conversation i is tokens[offsets[i]:offsets[i + 1]]."""
+    store: Any
+    """Where the tokens and trained flags are: `read(a, b)` -> (ids, trained) of positions [a, b)
+    (`ArrayStore`, or a prepared folder read by memory map: `chat_store.py`)."""
+    starts: np.ndarray
+    ends: np.ndarray
+    """Conversation i is positions starts[i] .. ends[i] - 1 of the store (int64)."""
     truncated: int = 0
     dropped: int = 0
+    answer_tokens: int = 0
+    """Trained tokens of the kept conversations (logged)."""
 
     @property
     def num_conversations(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.ends - self.starts).sum())
 
     def lengths(self) -> np.ndarray:
         """Positions each conversation takes in a row (its tokens - 1)."""
-        return np.diff(self.offsets) - 1
+        return self.ends - self.starts - 1
+
+
+def keep_rule(n: np.ndarray, first: np.ndarray, seq_len: int, overlong: str) -> tuple[np.ndarray, np.ndarray]:
+    """The overlong rule (module docstring), for conversations of n tokens whose first trained token
+    after position 0 is at `first` (n when none): (which are kept, the tokens kept of each)."""
+    kept_len = np.minimum(n, seq_len + 1)
+    over = n > seq_len + 1
+    keep = (kept_len >= 2) & (first < kept_len) & ~(over & (overlong == "drop"))
+    return keep, kept_len
+
+
+def first_trained(mask: np.ndarray) -> int:
+    """Index of the first trained token after position 0 (len(mask) when none)."""
+    hits = np.flatnonzero(mask[1:])
+    return int(hits[0]) + 1 if hits.size else len(mask)
 
 
 def build_chat_source(name: str, weight: float, rendered: list[tuple[list[int], list[bool]]], seq_len: int,
-                      overlong: str) -> ChatSource:
-    """Apply the overlong rule (module docstring) to rendered conversations and lay them out flat."""
-    tokens, trained, offsets = [], [], [0]
-    truncated = dropped = 0
-    for ids, mask in rendered:
-        if len(ids) > seq_len + 1:
-            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
-            if overlong == "drop" or not any(mask[1:]):
-                dropped += 1
-                continue
-            truncated += 1
-        if len(ids) < 2 or not any(mask[1:]):
-            dropped += 1  # nothing to predict (a trained first token has no input before it)
-            continue
-        tokens += ids
-        trained += mask
-        offsets.append(len(tokens))
-    if len(offsets) == 1:
-        raise ValueError(f"chat source {name!r}: none of its {len(rendered)} conversations is left to train on "
+                      overlong: str, store: Any = None, starts: np.ndarray | None = None,
+                      first: np.ndarray | None = None, answers: np.ndarray | None = None) -> ChatSource:
+    """Apply the overlong rule to rendered conversations and lay the kept ones out flat in memory; or,
+    given a `store` with the conversations' boundaries `starts` (conversations + 1 values), their
+    `first` trained tokens and their trained tokens among the first seq_len + 1 (`answers`), to
+    stored ones."""
+    if store is None:
+        n = np.asarray([len(ids) for ids, _ in rendered], dtype=np.int64)
+        first = np.asarray([first_trained(np.asarray(mask, dtype=bool)) for _, mask in rendered], dtype=np.int64)
+    else:
+        n = np.diff(starts)
+    keep, kept_len = keep_rule(n, first, seq_len, overlong)
+    over = n > seq_len + 1
+    truncated, dropped = int((keep & over).sum()), int((~keep).sum())
+    if not keep.any():
+        raise ValueError(f"chat source {name!r}: none of its {len(n)} conversations is left to train on "
                          f"with seq_len {seq_len} and chat_overlong = {overlong!r}")
-    return ChatSource(name, weight, np.asarray(tokens, dtype=np.int64), np.asarray(trained, dtype=bool),
-                      np.asarray(offsets, dtype=np.int64), truncated, dropped)
+    if store is None:
+        chosen = np.flatnonzero(keep)
+        tokens = np.asarray([t for i in chosen for t in rendered[i][0][:kept_len[i]]], dtype=np.int64)
+        trained = np.asarray([m for i in chosen for m in rendered[i][1][:kept_len[i]]], dtype=bool)
+        ends = np.cumsum(kept_len[keep])
+        return ChatSource(name, weight, ArrayStore(tokens, trained), ends - kept_len[keep], ends, truncated, dropped,
+                          int(trained.sum()))
+    begin = starts[:-1][keep]
+    return ChatSource(name, weight, store, begin, begin + kept_len[keep], truncated, dropped, int(answers[keep].sum()))
 
 
 def pack_first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -172,7 +209,7 @@ class PackedChatDataset(SampleDataset):
             logger.info("chat data %s: %d conversations (%d truncated, %d dropped as longer than seq_len + 1 = %d) "
                         "packed into %d rows per epoch; packing efficiency %.1f%%, %d answer tokens per epoch",
                         source.name, source.num_conversations, source.truncated, source.dropped, self.seq_len + 1,
-                        len(rows), 100 * self.efficiency(s), int(source.trained.sum()))
+                        len(rows), 100 * self.efficiency(s), source.answer_tokens)
 
     def sample(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s, j = self.mixture.locate(g)
@@ -183,10 +220,10 @@ class PackedChatDataset(SampleDataset):
         p = np.zeros(self.seq_len, dtype=np.int64)
         at = 0
         for c in self.epoch_rows(s, epoch)[r]:
-            a, b = int(source.offsets[c]), int(source.offsets[c + 1])
-            n = b - a - 1
-            x[at:at + n] = source.tokens[a:b - 1]
-            y[at:at + n] = np.where(source.trained[a + 1:b], source.tokens[a + 1:b], IGNORE_INDEX)
+            ids, trained = source.store.read(int(source.starts[c]), int(source.ends[c]))
+            n = len(ids) - 1
+            x[at:at + n] = ids[:-1]
+            y[at:at + n] = np.where(trained[1:], ids[1:], IGNORE_INDEX)
             p[at:at + n] = np.arange(n)
             at += n
         return x, y, p
@@ -194,4 +231,4 @@ class PackedChatDataset(SampleDataset):
     def fingerprint(self) -> dict:
         """What decides the sample order: a resumed run with other values reads other data."""
         return {"chat": 1, "seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle, "buffer": self.buffer,
-                "sources": [[s.name, s.num_conversations, int(s.tokens.size), s.weight] for s in self.sources]}
+                "sources": [[s.name, s.num_conversations, s.num_tokens, s.weight] for s in self.sources]}

@@ -26,6 +26,7 @@ and the template's scaffolding (role headers) keep the ignore label.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime
@@ -53,6 +54,8 @@ class BuiltinRenderer:
     """The documented built-in template (module docstring), for the byte tokenizer."""
 
     name = "built-in"
+    identity = "built-in"
+    """What decides the rendering, stored with prepared chat data (`chat_store.py`)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -144,6 +147,7 @@ class JinjaRenderer:
     def __init__(self, tokenizer: HFTokenizer, template: str, file: str, variables: dict[str, str]):
         self.tokenizer, self.file, self.variables = tokenizer, file, variables
         self.name = f"the chat template of {file}"
+        self.identity = "sha256:" + hashlib.sha256(template.encode()).hexdigest()
         self.template = compile_template(template, file)
 
     def text(self, turns: tuple[tuple[str, str], ...], add_generation_prompt: bool, where: str) -> str:

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchtrain.data.format import TokenCorpus
+from torchtrain.config.fields import ConfigError
+from torchtrain.data.format import FormatError, TokenCorpus, tokenizer_matches
 from torchtrain.data.sampling import Mixture, Permutation, SampleDataset
 from torchtrain.utils.token_loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from torchtrain.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -94,3 +99,21 @@ class WindowDataset(SampleDataset):
         """What decides the sample order: a resumed run with other values reads other data."""
         return {"seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle,
                 "sources": [[s.name, s.corpus.num_tokens, s.weight] for s in self.sources]}
+
+
+def _describe(identity: dict[str, Any]) -> str:
+    sha = str(identity.get("sha256", ""))
+    return f"{identity.get('kind')} (vocab {identity.get('vocab_size')}, sha256 {sha[:12]})"
+
+
+def open_prepared(path: str, tokenizer: Tokenizer, key: str) -> TokenCorpus:
+    """A prepared folder, checked against the job's tokenizer."""
+    try:
+        corpus = TokenCorpus(path)
+    except (FormatError, OSError) as e:
+        raise ConfigError(f"[{key}] {e}") from None
+    if not tokenizer_matches(corpus.tokenizer, tokenizer.identity):
+        raise ConfigError(f"[{key}] {path} was prepared with the tokenizer {_describe(corpus.tokenizer)}, but this job "
+                          f"uses {_describe(tokenizer.identity)}: set model.hf_assets_path to the tokenizer the data "
+                          f"was prepared with, or prepare it again with --tokenizer <this job's tokenizer>")
+    return corpus

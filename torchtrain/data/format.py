@@ -10,6 +10,10 @@ A prepared dataset is a folder::
                            incomplete and is prepared again)
     problems.jsonl         bad input found while preparing (file, line, reason), one JSON object a line
 
+Chat data (`prepare --chat`, `data/chat_store.py`) is the same format, one document per conversation,
+plus `shard-00000.mask` (uint8 per token: 1 where the loss trains on it) and a `chat` entry in the
+manifest.
+
 Each document is stored as the tokenizer's output with BOS (when the tokenizer has one) and EOS, so the
 concatenation of every shard in manifest order is the token stream the trainer cuts into windows.
 Everything is plain numpy-readable (`np.memmap(path, dtype="<u2")`), so other tools can write it.
@@ -35,6 +39,7 @@ MANIFEST = "manifest.json"
 PROBLEMS = "problems.jsonl"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _OFFSETS = np.dtype("<u8")
+MASK_DTYPE = np.dtype("u1")
 # A page fault on a file mapping maps the pages around it too (Linux "fault-around", 64 KiB): release
 # whole aligned 64 KiB blocks so those neighbours leave the resident set as well.
 _RELEASE = max(mmap.PAGESIZE, 64 << 10)
@@ -217,7 +222,7 @@ class TokenCorpus:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
-            dtype = self.dtype if kind == "bin" else _OFFSETS
+            dtype = {"bin": self.dtype, "idx": _OFFSETS, "mask": MASK_DTYPE}[kind]
             arr = np.frombuffer(mm, dtype=dtype) if mm is not None else np.zeros(0, dtype=dtype)
             if mm is not None and hasattr(mmap, "MADV_RANDOM"):
                 mm.madvise(mmap.MADV_RANDOM)
@@ -238,8 +243,14 @@ class TokenCorpus:
     def _shard_of(self, offset: int) -> int:
         return int(np.searchsorted(self.bounds, offset, side="right")) - 1
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the stream (int64), across shard boundaries."""
+    def array(self, shard: int, kind: str) -> np.ndarray:
+        """The whole memory-mapped array of one shard's file: "bin" (tokens), "idx" (document offsets)
+        or "mask" (chat data's per-token trained flags)."""
+        return self._array(shard, kind)[1]
+
+    def read(self, start: int, length: int, kind: str = "bin") -> np.ndarray:
+        """Tokens [start, start + length) of the stream (int64), across shard boundaries; with kind
+        "mask", chat data's trained flags of those tokens."""
         if start < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) outside the stream of {self.num_tokens}")
         out = np.empty(length, dtype=np.int64)
@@ -248,9 +259,9 @@ class TokenCorpus:
             shard = self._shard_of(start + done)
             local = start + done - int(self.bounds[shard])
             take = min(length - done, int(self.bounds[shard + 1]) - (start + done))
-            mm, arr = self._array(shard, "bin")
+            mm, arr = self._array(shard, kind)
             out[done:done + take] = arr[local:local + take]
-            self._release(mm, local * self.dtype.itemsize, (local + take) * self.dtype.itemsize)
+            self._release(mm, local * arr.itemsize, (local + take) * arr.itemsize)
             done += take
         return out
 

@@ -251,7 +251,7 @@ def _promote(staging: str, out: str) -> None:
     if os.path.exists(os.path.join(out, MANIFEST)):
         os.remove(os.path.join(out, MANIFEST))
     keep = {PROBLEMS} | {f"{s['name']}.{kind}" for s in read_json(os.path.join(staging, MANIFEST))["shards"]
-                         for kind in ("bin", "idx", "json")}
+                         for kind in ("bin", "idx", "json", "mask")}
     for name in os.listdir(out):  # the replaced dataset's shards that the new one does not overwrite
         if name.startswith("shard-") and name not in keep:
             os.remove(os.path.join(out, name))
@@ -271,7 +271,7 @@ def _write_problems(folder: str, records: list[dict]) -> None:
 
 
 def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dtype: str, digest: str,
-              text_field: str) -> dict[str, Any]:
+              text_field: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     sources: dict[str, dict[str, int]] = {}
     for record in records:
         for p in record["pieces"]:
@@ -288,6 +288,7 @@ def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dt
         "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256")} for r in records],
         "sources": [{"path": path, **info} for path, info in sources.items()],
         "problems": sum(r["problem_count"] for r in records), "bad_records": sum(bad_records(r) for r in records),
+        **(extra or {}),
     }
     write_json(os.path.join(out, MANIFEST), manifest)
     return manifest

@@ -4,6 +4,9 @@
         --tokenizer /models/llama3/tokenizer.model
 
 then train on them with `--training.dataset tokens --training.dataset_path /data/web-tokens`.
+With `--chat`, the inputs are chat files (JSON Lines conversations, docs/finetuning.md), rendered with
+the tokenizer folder's chat template and stored with a per-token trained mask (`data/chat_store.py`);
+train on the folder with `--training.dataset chat --training.dataset_path <out>`.
 A Hugging Face dataset is an input too: a `save_to_disk` folder as INPUT, or a dataset in the local
 HF cache by name (`--hf allenai/c4:en --split validation`); its Arrow files are read in order, a
 record batch at a time (`data/hf.py`).
@@ -18,6 +21,7 @@ import os
 import sys
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.data.chat_store import prepare_chat
 from torchtrain.data.hf import hf_files, saved_files
 from torchtrain.data.preparation import Options, PrepareError, prepare_files
 
@@ -33,6 +37,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf", action="append", default=[], metavar="NAME[:CONFIG]",
                    help="a Hugging Face dataset in the local HF cache, e.g. allenai/c4:en (the `datasets` package; "
                         "offline unless HF_HUB_OFFLINE=0); may be repeated")
+    p.add_argument("--chat", action="store_true",
+                   help="the inputs are chat files (.jsonl conversations): store each conversation rendered with the "
+                        "tokenizer folder's chat template and its trained-token mask, for training.dataset = \"chat\" "
+                        "(one process; a bad record stops it, naming file and line)")
     p.add_argument("--split", default="train", help="split of --hf datasets and DatasetDict folders (default train)")
     p.add_argument("--out", required=True, help="output folder (created; re-running resumes)")
     p.add_argument("--workers", type=int, default=1, help="parallel tokenizing processes (default 1)")
@@ -41,7 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "byte tokenizer. Train with the same file as model.hf_assets_path")
     p.add_argument("--text-field", default="text", help="document field of .jsonl records / .parquet column")
     p.add_argument("--shard-size-mb", type=float, default=256,
-                   help="input megabytes per shard, the unit of parallel work and of resuming (default 256)")
+                   help="input megabytes per shard, the unit of parallel work and of resuming (default 256); with "
+                        "--chat, 2^20 x this many tokens per shard")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (default: report it with file and line, count it, skip it)")
     p.add_argument("--max-bad-fraction", type=float, default=Options.max_bad_fraction, metavar="F",
@@ -52,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.inputs and not args.hf:
         p.error("give at least one INPUT or --hf NAME")
+    if args.chat and (args.hf or not args.inputs):
+        p.error("--chat reads chat files given as INPUT (convert a Hugging Face dataset to JSON Lines first)")
     if args.workers < 1:
         p.error("--workers must be >= 1")
     if args.shard_size_mb <= 0:
@@ -66,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     options = Options(text_field=args.text_field, shard_bytes=int(args.shard_size_mb * (1 << 20)), strict=args.strict,
                       max_bad_fraction=args.max_bad_fraction)
     try:
+        if args.chat:
+            prepare_chat(args.inputs, args.out, tokenizer_path=args.tokenizer,
+                         shard_tokens=max(1, int(args.shard_size_mb * (1 << 20))), overwrite=args.overwrite)
+            return 0
         inputs = []
         for spec in args.inputs:  # a save_to_disk folder: its Arrow files in the dataset's order
             saved = saved_files(spec, args.split, "INPUT") if os.path.isdir(spec) else None

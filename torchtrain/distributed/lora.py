@@ -58,6 +58,11 @@ def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name if "." in pattern else name.rsplit(".", 1)[-1], pattern)
 
 
+def is_target(name: str, cfg: Lora) -> bool:
+    """Whether a linear layer of this full module name (`layers.3.attention.wq`) gets an adapter."""
+    return any(_matches(name, pattern) for pattern in cfg.target_modules)
+
+
 def lora_targets(model: nn.Module, cfg: Lora) -> list[str]:
     """Names of the linear layers the patterns select; ConfigError naming the key when a pattern
     selects none."""

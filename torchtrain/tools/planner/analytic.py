@@ -14,7 +14,11 @@ bf16 casts in FSDP2's mixed-precision policy):
     zero1      4         4         8 / N          (DDP + sharded optimizer, N = dp)
     ddp        4         4         8
 
-plus 4 bytes per parameter tensor for Adam's step counter. TP divides every matmul and the
+plus 4 bytes per parameter tensor for Adam's step counter. With LoRA ([lora]) the gradients, the
+optimizer state, its step counters and the accumulators count the adapters only (r x (in + out) per
+targeted linear layer, `shapes.adapter_units`); the parameters count the frozen base and the adapters.
+The adapters store d r bytes per token each for backward (A's output), d (r + out) under selective
+"op" checkpointing (both matmul outputs). TP divides every matmul and the
 embedding/output tables by tp (norm weights are replicated); FSDP2 rounds each tensor's dim 0 up to a
 multiple of N. With CPU offload (FSDP2 CPUOffloadPolicy) all three live in host memory instead.
 
@@ -81,7 +85,7 @@ from dataclasses import dataclass, field
 from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.planner.shapes import numel, unit_shapes
+from torchtrain.tools.planner.shapes import adapter_units, numel, unit_shapes
 
 GIB = 2**30
 
@@ -106,6 +110,8 @@ class MemoryEstimate:
     params_on_rank: int = 0
     in_flight: int = 1
     notes: list[str] = field(default_factory=list)
+    moments: dict[str, list[Row]] = field(default_factory=dict)
+    """The rows of every moment considered (start of backward, optimizer step, ...), by name."""
 
 
 def _moe_act(a, d: int, ep: int = 1) -> float:
@@ -154,15 +160,30 @@ def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tupl
     return sharded / tp + 2 * d * h, "(2 d h_q + d h + 2 d h_kv + 4 n_heads + 2 d F) / tp + 2 d h"
 
 
+def lora_act_per_token(p: PlanInputs, stage: Stage) -> tuple[float, float]:
+    """What LoRA's adapters add to a block's stored activations per token (averaged over the stage's
+    blocks): (without checkpointing: A's output, B's input, d r per adapter; under selective "op"
+    checkpointing, which keeps every matmul output: d (r + out) per adapter)."""
+    if p.lora is None or not stage.layers:
+        return 0.0, 0.0
+    d = p.param_bytes
+    pairs = [(sh[k], sh[k + 1]) for name, sh in adapter_units(p.model, [stage], p.lora) if name.startswith("block")
+             for k in range(0, len(sh), 2)]  # ((r, in), (out, r)) per adapter
+    n = len(stage.layers)
+    return sum(d * A[0] for A, _ in pairs) / n, sum(d * (A[0] + B[0]) for A, B in pairs) / n
+
+
 def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
     a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
-    full = act_per_token_per_block(a, d, tp, p.ep, p.cp) * t
+    lora_full, lora_op = lora_act_per_token(p, stage)
+    full = (act_per_token_per_block(a, d, tp, p.ep, p.cp) + lora_full) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
         stored, recompute = n * full, 0.0
     else:
         kept, _ = ac_block_bytes_per_token(a, d, tp, p.ac_mode, p.ac_option)
+        kept += lora_op if p.ac_mode == "selective" and p.ac_option == "op" else 0.0
         if p.ac_mode == "selective" and p.ac_option != "op":
             n_ckpt = n // int(p.ac_option)
         else:
@@ -186,16 +207,25 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     a, d, r, t = p.model, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
     prof = pipeline_of(p)
     stages = list(prof.stages[pp_rank])
-    units = unit_shapes(a, stages, p.tp, p.ep)
+    units = unit_shapes(a, stages, p.tp, p.ep, p.lora)
+    # LoRA: the adapters are the only trainable parameters (gradients, optimizer state)
+    trainable = adapter_units(a, stages, p.lora) if p.lora is not None else units
     all_shapes = [s for _, shapes in units for s in shapes]
-    expert_shapes = [s for name, shapes in units if name.startswith("experts") for s in shapes]
     full_numel = numel(all_shapes)
+    train_shapes = [s for _, shapes in trainable for s in shapes]
+    train_numel = numel(train_shapes)
     fsdp = p.sharded
     n_shard = p.fsdp_degree if fsdp else p.dp
-    # experts: E / ep per rank (in their shapes), FSDP-sharded over the expert-FSDP ranks only
-    sharded = numel(all_shapes, n_shard) - numel(expert_shapes, n_shard) + \
-        numel(expert_shapes, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
-    n_tensors = len(all_shapes)
+
+    def sharded_numel(of: list[tuple[str, list[tuple[int, int]]]]) -> int:
+        # experts: E / ep per rank (in their shapes), FSDP-sharded over the expert-FSDP ranks only
+        every = [s for _, shapes in of for s in shapes]
+        experts = [s for name, shapes in of if name.startswith("experts") for s in shapes]
+        return numel(every, n_shard) - numel(experts, n_shard) + \
+            numel(experts, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
+
+    sharded, train_sharded = sharded_numel(units), sharded_numel(trainable)
+    n_tensors = len(train_shapes)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
     wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
     opt_sharded = p.dp_strategy.shards_optimizer_state
@@ -207,22 +237,25 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     # FSDP the parameter's .grad itself, keep whole. Measured under torchrun (tests/
     # test_planner_accuracy.py: PP x FSDP x TP with sequence parallelism x AC full).
     tied = a.tie_word_embeddings
-    emb_full = a.vocab_size * a.dim if p.tp > 1 and any(s.first for s in stages) and not tied else 0
+    emb_full = a.vocab_size * a.dim if p.tp > 1 and any(s.first for s in stages) and not tied \
+        and p.lora is None else 0
     emb_extra = emb_full - math.ceil(a.vocab_size / p.tp) * a.dim if emb_full else 0
 
     params = 4 * (sharded if fsdp else full_numel)
-    grads = 4 * (sharded if fsdp else full_numel + emb_extra)
+    grads = 4 * (train_sharded if fsdp else train_numel + emb_extra)
     state_bytes, state_name = 8.0, "Adam m, v"
     if p.optimizer == "Muon":  # one momentum buffer (4 B) per hidden matrix; Adam's m, v for the rest
-        matrices = numel([s for name, shapes in units if name.startswith(("block", "experts")) for s in shapes
+        matrices = numel([s for name, shapes in trainable if name.startswith(("block", "experts")) for s in shapes
                            if s[1] > 1])
-        state_bytes, state_name = 8.0 - 4.0 * matrices / max(full_numel, 1), "Muon momentum; Adam m, v"
-    opt = state_bytes * (sharded if opt_sharded else full_numel) + 4 * n_tensors
+        state_bytes, state_name = 8.0 - 4.0 * matrices / max(train_numel, 1), "Muon momentum; Adam m, v"
+    opt = state_bytes * (train_sharded if opt_sharded else train_numel) + 4 * n_tensors
     per = "params / N" + (f" (experts: E/{p.ep} per rank / {p.expert_fsdp})" if p.ep > 1 else "")
+    trained = "params" if p.lora is None else "adapter params"  # what gets gradients and optimizer state
     rows_state = [
-        Row("parameters (fp32 master)", params, f"4 B x {per if fsdp else 'params'}"),
-        Row(f"optimizer state ({state_name})", opt, f"{state_bytes:.3g} B x {per if opt_sharded else 'params'}"
-            " + 4 B step per tensor"),
+        Row("parameters (fp32 master)", params, f"4 B x {per if fsdp else 'params'}"
+            + (" (frozen base + adapters)" if p.lora is not None else "")),
+        Row(f"optimizer state ({state_name})", opt, f"{state_bytes:.3g} B x "
+            f"{per.replace('params', trained) if opt_sharded else trained} + 4 B step per tensor"),
     ]
     host = 0.0
     if p.cpu_offload:
@@ -260,11 +293,11 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     accum, accum_row = 0.0, None
     if p.grad_accum_steps > 1 or (p.pp > 1 and m > 1):
         if wrapped:
-            accum = r * (full_numel + emb_extra)
-            accum_row = Row("unsharded grads kept across micro-batches (FSDP2 no-sync)", accum, "r x params" + whole)
+            accum = r * (train_numel + emb_extra)
+            accum_row = Row("unsharded grads kept across micro-batches (FSDP2 no-sync)", accum, f"r x {trained}" + whole)
         elif not p.cpu_offload:
-            accum = 4 * (full_numel + emb_extra)
-            accum_row = Row("gradients accumulated from earlier micro-batches", accum, "4 B x params" + whole)
+            accum = 4 * (train_numel + emb_extra)
+            accum_row = Row("gradients accumulated from earlier micro-batches", accum, f"4 B x {trained}" + whole)
 
     rows_bwd = list(rows_state)
     if accum_row is not None:
@@ -283,19 +316,19 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
         rows_bwd.append(Row("loss gradient buffers (fp32)", loss_extra, "8 V t / tp"))
     rows_bwd.append(Row(f"gathered params: {how}", gathered, "d x unsharded unit params"))
 
-    opt_temp = 4 * (sharded if opt_sharded else full_numel) if p.optimizer_impl == "foreach" else 0.0
+    opt_temp = 4 * (train_sharded if opt_sharded else train_numel) if p.optimizer_impl == "foreach" else 0.0
     if p.cpu_offload:
         opt_temp = 0.0
-    rows_opt = list(rows_state) + [Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)"),
+    rows_opt = list(rows_state) + [Row("gradients (fp32)", grads, f"4 B x {trained} (/ N when sharded)"),
                                    Row(f"optimizer step temporaries ({p.optimizer_impl})", opt_temp,
-                                       "4 B x params / N (foreach sqrt buffer)")]
+                                       f"4 B x {trained} / N (foreach sqrt buffer)")]
     phases = [("start of backward", rows_bwd), ("optimizer step", rows_opt)]
     if recompute:
         # With AC little is stored, so gradients may outgrow it: the last block's backward holds every
         # gradient, the recomputed block and the gathered units (and the in-flight micro-batches).
         # (Accumulating micro-batches, the gradients are the accumulator until the last one is reduced.)
         grad_rows = [accum_row] if accum_row is not None else [
-            Row("gradients (fp32)", grads, "4 B x params (/ N when sharded)")]
+            Row("gradients (fp32)", grads, f"4 B x {trained} (/ N when sharded)")]
         rows_end = list(rows_state) + grad_rows + [
             Row("recomputed block (AC, during its backward)", recompute, "A x t"),
             Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]
@@ -326,7 +359,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     if p.pp > 1 and m < p.pp:
         notes.append(f"only {m} micro-batches for {p.pp} stages: most of the pipeline idles")
     return MemoryEstimate(pp_rank, stages, rows, peak, phase, other, host, params_on_rank=full_numel,
-                          in_flight=flight, notes=notes)
+                          in_flight=flight, notes=notes, moments=dict(phases))
 
 
 # ------------------------------------------------------------------------------ the textbook convention

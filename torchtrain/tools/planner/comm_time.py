@@ -212,9 +212,15 @@ class DataParallelTraffic:
     """FSDP2's copy-in / copy-out bytes per full all-gather + reduce round (memory traffic)."""
 
 
-def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple[int, int]]]]) -> DataParallelTraffic:
-    """The gathers and reductions of this rank's units (see the module docstring)."""
+def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple[int, int]]]],
+                  trainable: dict[str, list[tuple[int, int]]] | None = None) -> DataParallelTraffic:
+    """The gathers and reductions of this rank's units (see the module docstring); `trainable`: the
+    parameters of each unit that get gradients, when not all (LoRA's adapters)."""
     d, r = p.param_bytes, p.reduce_bytes
+
+    def grads(name: str, unit: list[tuple[int, int]]) -> int:
+        return shapes.numel(unit if trainable is None else trainable.get(name, []))
+
     out = DataParallelTraffic([], [])
     fp8_gather = p.float8 and p.float8_all_gather
     if p.sharded and p.fsdp_degree > 1:
@@ -228,14 +234,15 @@ def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple
             if fp8_gather and name.startswith("block"):
                 gather_bytes = count * 1  # the float8 linears' weights (norms are negligible)
             out.gathers.append(ring(group, gather_bytes, ln))
-            reduce = ring(group, count * r, ln)
+            g = grads(name, unit)
+            reduce = ring(group, g * r, ln)
             if p.dp_replicate > 1:
-                reduce += 2 * ring(p.dp_replicate, count * r / group, rep_ln)
+                reduce += 2 * ring(p.dp_replicate, g * r / group, rep_ln)
             out.reduces.append(reduce)
-            out.copy_bytes += count * (2 * d + r) + count / group * (4 + d + 2 * r)
+            out.copy_bytes += count * 2 * d + g * r + count / group * (4 + d) + g / group * 2 * r
     elif p.dp > 1:
         ln = link(dev, p.dp * p.tp)
-        out.reduces = [2 * ring(p.dp, shapes.numel(unit) * r, ln) for _, unit in units]
+        out.reduces = [2 * ring(p.dp, grads(name, unit) * r, ln) for name, unit in units]
         if p.dp_strategy.zero1:
-            out.after_step = ring(p.dp, 4 * sum(shapes.numel(u) for _, u in units), ln)
+            out.after_step = ring(p.dp, 4 * sum(grads(name, u) for name, u in units), ln)
     return out

@@ -39,6 +39,11 @@ and their backward) and 12 V / tp compiled. A float8 linear casts its input and 
 per token: (2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its
 backward GEMMs need), (d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
 
+**LoRA** (`[lora]`): the frozen weights get no weight gradient, so their weight-gradient GEMMs are
+not run (autograd skips them; the embedding's gradient table is not written either); each adapted
+linear layer adds its adapter's GEMMs, t x in x r and t x r x out, forward and backward. Adapters on
+a share of the blocks (patterns naming block indices) count by that share.
+
 **Recomputation** (activation checkpointing) repeats forward work in backward: `full` the whole
 block, selective every-N-th the N-th blocks, selective `op` the memory-bound kernels only
 (torchtrain's policy saves every matmul and attention output) plus `sac_matmul_share` of the
@@ -48,9 +53,11 @@ matmuls for policies that recompute some (torchtitan's recomputes every second m
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
+from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import Matmul
 from torchtrain.tools.planner.inputs import PlanInputs
 
@@ -170,6 +177,8 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
                              "ffn_out": (0.0, 0.0)})
     mm_fwd_s = 0.0
     fp8_bytes = 0.0
+    lora_s = lora_block_seconds(p, dev)
+    out.gemm_fwd, out.gemm_bwd = lora_s
     for mm in a.matmuls():
         gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
             mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
@@ -185,7 +194,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
             local = max(1, a.num_experts // p.ep)
             rows = t / tp * a.num_experts_per_tok / local
             fwd, dgrad, wgrad = (local * x for x in linear_seconds(dev, rows, mm.in_features, mm.out_features, dtype))
-        bwd = dgrad + wgrad
+        bwd = dgrad + (wgrad if p.lora is None else 0.0)  # LoRA: frozen weights, no weight gradient
         if gemm_dtype == "float8":
             fp8_bytes += float8_cast_bytes(mm, d, p.compile) * t / tp
         out.gemm_fwd += fwd
@@ -216,12 +225,32 @@ def _recompute_share(p: PlanInputs) -> float:
     return 0.0
 
 
+def lora_block_seconds(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's LoRA adapter GEMMs (module doc), averaged over the
+    blocks; (0, 0) without LoRA."""
+    if p.lora is None:
+        return 0.0, 0.0
+    a, t, r, n = p.model, p.microbatch_tokens, p.lora.rank, p.model.n_layers
+    adapted: Counter = Counter()  # (in, out) of the adapted linear layers over all blocks
+    for i in range(n):
+        block = a.moe_block if a.moe_block is not None and a.is_moe_layer(i) else a.dense
+        adapted.update((mm.in_features, mm.out_features) for mm in block.matmuls()
+                       if mm.kind != "expert" and is_target(f"layers.{i}.{mm.name}", p.lora))
+    fwd = bwd = 0.0
+    for (k_in, k_out), count in adapted.items():
+        for k, m in ((k_in, r), (r, k_out)):
+            f, dgrad, wgrad = linear_seconds(dev, t, k, m, p.param_dtype)
+            fwd, bwd = fwd + count / n * f, bwd + count / n * (dgrad + wgrad)
+    return fwd, bwd
+
+
 # ------------------------------------------------------------------------------ around the blocks
 def embedding_seconds(p: PlanInputs, dev: GPUSpec) -> float:
     """Embedding forward + backward for one micro-batch (the first stage): lookups, and the gradient
     table written whole (DTensor computes it for the whole vocabulary, see analytic.py)."""
     a, d, t = p.model, p.param_bytes, p.microbatch_tokens
-    return memory_seconds(dev, 3 * d * a.dim * t + 4 * a.vocab_size * a.dim)
+    table = 4 * a.vocab_size * a.dim if p.lora is None else 0  # LoRA: the embedding is frozen
+    return memory_seconds(dev, 3 * d * a.dim * t + table)
 
 
 def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
@@ -229,7 +258,12 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
     backward, for one micro-batch (the last stage)."""
     a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
     fwd, dgrad, wgrad = linear_seconds(dev, t, a.dim, a.vocab_size / tp, p.param_dtype)
-    bwd = dgrad + wgrad
+    bwd = dgrad + (wgrad if p.lora is None else 0.0)  # LoRA: the output weight is frozen (an adapter on it:
+    if p.lora is not None:                             # its own GEMMs, as on the blocks)
+        if is_target("output", p.lora) and not a.tie_word_embeddings:
+            for k, m in ((a.dim, p.lora.rank), (p.lora.rank, a.vocab_size)):
+                f, dg, wg = linear_seconds(dev, t, k, m, p.param_dtype)
+                fwd, bwd = fwd + f, bwd + dg + wg
     loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t
     norm_bytes = (6 * d if p.compile else 3 * (4 * d + 24)) * a.dim * t / tp
     return fwd + bwd + memory_seconds(dev, loss_bytes + norm_bytes)

@@ -19,6 +19,7 @@ from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
+from torchtrain.config.lora import Lora
 from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, effective_reshard
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import ModelContract, declare
@@ -123,6 +124,9 @@ class PlanInputs:
     """Float8 linear layers (`model.converters` includes float8): the blocks' GEMMs at the fp8 rate."""
     float8_all_gather: bool = False
     """FSDP all-gathers the float8 linears' weights in float8 (`enable_fsdp_float8_all_gather`)."""
+    lora: Lora | None = None
+    """LoRA adapters on frozen base weights (the job's [lora] when enabled): only the adapters get
+    gradients and optimizer state (`shapes.adapter_units`)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the neighbouring GEMMs
     (`parallelism.enable_async_tensor_parallel`)."""

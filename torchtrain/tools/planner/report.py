@@ -162,7 +162,8 @@ def _throughput_lines(plan: Plan) -> list[str]:
     p, t = plan.inputs, plan.throughput
     device = (f"{t.device}, {t.peak_tflops:,.1f} TFLOP/s {p.param_dtype} peak; rates from components/hardware.py"
               if t.peak_tflops else "no device rates: give --gpu, or --gpu cpu with --device FIELD=VALUE")
-    rows = [("FLOPs per token (model: 6N + attention)", _si(t.flops_per_token, "FLOP")),
+    model = "6N + attention" if p.lora is None else "4N + 6 x adapters + attention (LoRA)"
+    rows = [(f"FLOPs per token (model: {model})", _si(t.flops_per_token, "FLOP")),
             ("+ recomputation (activation checkpointing)", _si(t.recompute_flops_per_token, "FLOP")),
             ("tokens per step", f"{t.tokens_per_step:,}")]
     if t.step_s is not None:

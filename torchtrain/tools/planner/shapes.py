@@ -2,12 +2,20 @@
 what the model's family declares (`models/contract.py`: each block's modules with their TP split,
 which blocks have experts, multi-token-prediction depths, tied embeddings). The time model reads each
 block's matmuls, attention and collectives from the same declaration (`PlanInputs.model`).
+
+With LoRA ([lora]) each targeted linear layer also holds its adapter, A (r x in) and B (out x r), in
+the unit of its layer; the targets are the declared linear modules whose full names
+(`layers.{i}.attention.wq`, `output`) the job's patterns select (`distributed/lora.py::is_target`, the
+trainer's own rule). Adapters are the only trainable parameters then (`adapter_units`). LoRA runs
+without tensor parallelism, so adapters are whole tensors.
 """
 
 from __future__ import annotations
 
 import math
 
+from torchtrain.config.lora import Lora
+from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import ModelContract
 
 
@@ -19,9 +27,36 @@ def block_shapes(a: ModelContract, tp: int, ep: int, moe: bool = True) -> tuple[
     return block.params(tp, ep)
 
 
-def unit_shapes(a: ModelContract, stages, tp: int, ep: int = 1) -> list[tuple[str, list[tuple[int, int]]]]:
+def unit_shapes(a: ModelContract, stages, tp: int, ep: int = 1,
+                lora: Lora | None = None) -> list[tuple[str, list[tuple[int, int]]]]:
     """FSDP units in forward order with the TP-local (rows, cols) of each parameter tensor (an MoE
-    block's experts are a unit of their own, "experts i", before their block)."""
+    block's experts are a unit of their own, "experts i", before their block); with `lora`, each
+    unit's adapters after its own parameters."""
+    units = _base_units(a, stages, tp, ep)
+    if lora is None:
+        return units
+    adapters = dict(adapter_units(a, stages, lora))
+    return [(name, shapes + adapters.get(name, [])) for name, shapes in units]
+
+
+def adapter_units(a: ModelContract, stages, lora: Lora) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The LoRA adapters' (rows, cols) per FSDP unit (units without adapters left out): A (r x in) and
+    B (out x r) of every declared linear module the patterns select (module doc)."""
+    r = lora.rank
+    out = []
+    for s in stages:
+        for i in s.layers:
+            block = a.moe_block if a.moe_block is not None and a.is_moe_layer(i) else a.dense
+            shapes = [shape for name, m in block.modules.items() if m.linear and is_target(f"layers.{i}.{name}", lora)
+                      for shape in ((r, m.in_features), (m.out_features, r))]
+            if shapes:
+                out.append((f"block {i}", shapes))
+        if s.last and not a.tie_word_embeddings and is_target("output", lora):
+            out.append(("norm+output", [(r, a.dim), (a.vocab_size, r)]))
+    return out
+
+
+def _base_units(a: ModelContract, stages, tp: int, ep: int) -> list[tuple[str, list[tuple[int, int]]]]:
     block, experts = block_shapes(a, tp, ep)
     dense_block, _ = block_shapes(a, tp, ep, moe=False)
     table = (math.ceil(a.vocab_size / tp), a.dim)

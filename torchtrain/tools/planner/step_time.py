@@ -82,6 +82,18 @@ class StepTime:
     cost_with_interruptions: float | None = None
 
 
+def model_flops_per_token(p: PlanInputs, prof) -> float:
+    """The family's model FLOPs per token (6 N + attention); under LoRA the frozen weights get no
+    weight gradient (4 N) and every adapter parameter costs 6."""
+    a = p.model
+    flops = float(a.flops_per_token(p.seq_len))
+    if p.lora is None:
+        return flops
+    stages = [s for rank in prof.stages.values() for s in rank]
+    adapters = shapes.numel([s for _, sh in shapes.adapter_units(a, stages, p.lora) for s in sh])
+    return flops - a.flops_per_token(0) / 3 + 6 * adapters  # flops_per_token(0) = 6 N
+
+
 def recompute_flops_per_token(p: PlanInputs) -> float:
     """Matmul and attention FLOPs per token that activation checkpointing repeats (memory-bound work is
     counted in time only)."""
@@ -169,7 +181,7 @@ def estimate_step(p: PlanInputs) -> StepTime:
     prof = pipeline_of(p)
     dev = p.gpu
     peak = dev.matmul_tflops(p.param_dtype) if dev is not None else None
-    out = StepTime(float(a.flops_per_token(p.seq_len)), recompute_flops_per_token(p), tokens, peak, prof.bubble,
+    out = StepTime(model_flops_per_token(p, prof), recompute_flops_per_token(p), tokens, peak, prof.bubble,
                    device=dev.name if dev is not None else "", budget_tokens=p.token_budget,
                    expert_all_to_all_bytes=comm_time.expert_all_to_all_bytes(p))
     out.steps = math.ceil(out.budget_tokens / tokens)
@@ -180,8 +192,10 @@ def estimate_step(p: PlanInputs) -> StepTime:
     slow_rank = max(per_rank, key=lambda r: per_rank[r].seconds)
     mb = per_rank[slow_rank]
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
-    units = shapes.unit_shapes(a, list(prof.stages[slow_rank]), p.tp, p.ep)
-    traffic = comm_time.data_parallel(p, dev, units)
+    stages = list(prof.stages[slow_rank])
+    units = shapes.unit_shapes(a, stages, p.tp, p.ep, p.lora)
+    trainable = units if p.lora is None else shapes.adapter_units(a, stages, p.lora)  # LoRA: adapters only
+    traffic = comm_time.data_parallel(p, dev, units, dict(trainable))
     copies = compute_time.memory_seconds(dev, traffic.copy_bytes) * (1 if p.pp > 1 else passes)
     out.compute_breakdown_s = {k: v * passes for k, v in mb.breakdown.items()}
     if copies:
@@ -201,7 +215,7 @@ def estimate_step(p: PlanInputs) -> StepTime:
             out.compute_breakdown_s.get("slowdown under overlapped communication", 0.0) + slow
         out.compute_s += slow
         schedule += slow
-    local_params = sum(shapes.numel(u, _shard_degree(p, name)) for name, u in units)
+    local_params = sum(shapes.numel(u, _shard_degree(p, name)) for name, u in trainable)
     out.optimizer_s = compute_time.optimizer_seconds(p, dev, local_params)
     out.step_s = schedule + out.bubble_s + out.optimizer_s + dp + out.comm_s.get("pipeline p2p", 0.0)
     out.tokens_per_s = tokens / out.step_s

@@ -246,10 +246,12 @@ def _create_optimizer_state(parts: list[nn.Module], optimizers) -> None:
     """What a first training step leaves behind: optimizer state (Adam m, v, step), gradients freed.
 
     Stepping once on zero gradients creates exactly that state at a fraction of a real step's cost;
-    the measured step that follows is then a steady-state step.
+    the measured step that follows is then a steady-state step. Frozen parameters (LoRA's base
+    weights) get no gradient, as in training.
     """
     for part in parts:
         for q in part.parameters():
-            q.grad = torch.zeros_like(q)
+            if q.requires_grad:
+                q.grad = torch.zeros_like(q)
     optimizers.step()
     optimizers.zero_grad()
