@@ -229,24 +229,3 @@ def test_a_stall_that_resolves_before_the_declaration_is_logged_not_declared(cap
         assert store.check([DONE_KEY]) and monitor._declare([1]) is False and not store.check([HANG_KEY])
     finally:
         logger.removeHandler(caplog.handler)
-
-
-def test_launcher_forks_the_trainer_on_cpu_unless_told_otherwise():
-    """Without a GPU the launcher forks the trainer's workers after one import; an explicit
-    --start-method, another script or a static rendezvous keeps torchrun's own way."""
-    import torch
-    from torch.distributed.run import parse_args
-
-    from torchtrain.launcher import choose_start_method, forks_trainer
-
-    def decide(*argv: str) -> bool:
-        args = parse_args(list(argv))
-        choose_start_method(args, list(argv))
-        return forks_trainer(args)
-
-    c10d = ("--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0")
-    assert decide(*c10d, "-m", "torchtrain.train") == (not torch.cuda.is_available())
-    assert decide("--start-method", "fork", *c10d, "-m", "torchtrain.train")
-    assert not decide("--start-method", "spawn", *c10d, "-m", "torchtrain.train")
-    assert not decide("--start-method", "fork", *c10d, "examples/text_classifier/train_distributed.py")
-    assert not decide("--start-method", "fork", "--nproc_per_node=2", "--master_port=29500", "-m", "torchtrain.train")

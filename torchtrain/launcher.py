@@ -18,17 +18,11 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
-  see them;
-* on a machine without a visible GPU (or with `--start-method fork`), the trainer is imported once in
-  this process and every worker is forked from it, instead of each worker starting a fresh interpreter
-  that imports torch and torchtrain again: half the CPU of a small multi-process job's start-up
-  (`forks_trainer`). `--start-method spawn` keeps torchrun's own way.
+  see them.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
 import glob
 import logging
 import os
@@ -108,63 +102,6 @@ def hang_report(job) -> str:
         return f.read().strip() + f"\nstacks: {os.path.dirname(found[-1])}"
 
 
-def choose_start_method(args, argv: list[str]) -> None:
-    """Fork the trainer's workers on a machine without a visible GPU, unless the command line names a
-    start method (torchrun's --start-method). With CUDA the workers start as torchrun starts them."""
-    explicit = any(a.split("=")[0] in ("--start-method", "--start_method") for a in argv)
-    if not explicit and args.training_script == "torchtrain.train":
-        import torch
-
-        if not torch.cuda.is_available():
-            args.start_method = "fork"
-
-
-def forks_trainer(args) -> bool:
-    """`--start-method fork` with `-m torchtrain.train` on a c10d rendezvous (run_train.sh's one-node
-    one, --standalone, or a multi-node endpoint): this process imports torch and the trainer once and
-    forks every worker from it. torchrun honours the start method only for a function entry point; a
-    module's workers start as fresh interpreters, each importing torch and torchtrain again (2-3 s of
-    CPU per worker: most of a small job's start-up when the workers outnumber the cores). Nothing else
-    changes: the same agent, rendezvous, worker environment, restarts, logs and exit statuses."""
-    return (args.start_method == "fork" and args.module and args.training_script == "torchtrain.train"
-            and (args.standalone or args.rdzv_backend == "c10d"))
-
-
-def _forked_trainer(*argv: str) -> None:
-    """One forked worker: the trainer's command, as a fresh interpreter would run it. It returns like a
-    function (the agent collects the result); the exit handlers run first (TensorBoard, logging), and a
-    failure leaves with the trainer's exit status."""
-    import torch
-
-    from torchtrain import train
-
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # not the agent's handlers
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torchrun's per-worker thread count (torch read
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # it at import, before the agent set it)
-    code = train.main(list(argv))
-    atexit._run_exitfuncs()
-    if code:
-        sys.exit(code)
-
-
-def run_forked(args) -> None:
-    import uuid
-
-    import torch._dynamo  # noqa: F401  a worker's first tensor initialisation imports it: do it once
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
-
-    import torchtrain.train  # noqa: F401  imported here, once: every forked worker starts with it
-
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    config, _, _ = config_from_args(args)
-    gc.freeze()  # the imported objects stay shared: the workers' collections neither scan nor copy them
-    elastic_launch(config=config, entrypoint=_forked_trainer)(*args.training_script_args)
-
-
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -179,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     explicit = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
     if job is not None and not explicit:
         args.max_restarts = job.fault.max_restarts
-    choose_start_method(args, argv)
     install_restart_policy()
     try:
-        run_forked(args) if forks_trainer(args) else run(args)
+        run(args)
     except ChildFailedError as e:
         if any(f.exitcode == exit_codes.HANG for f in e.failures.values()):
             print(f"torchtrain: {hang_report(job)}", file=sys.stderr, flush=True)

@@ -84,8 +84,8 @@ def _where(frame) -> tuple[str, bool]:
     inner = stack[-1]
     ours = next((f for f in reversed(stack) if os.path.abspath(f.filename).startswith(_PACKAGE)), None)
     in_torch_dist = os.path.join("torch", "distributed") + os.sep
-    # below the innermost torchtrain frame only: a worker forked by the launcher also holds the frames
-    # of torchrun's agent (torch/distributed/elastic) that started it
+    # below the innermost torchtrain frame only: a worker started from a function (torchrun's function
+    # entry points) also holds the frames of torchrun's agent (torch/distributed/elastic) above it
     below = stack[stack.index(ours) + 1:] if ours is not None else stack
     waiting = any(in_torch_dist in f.filename for f in below)
     text = fmt(inner) + (f" (from {fmt(ours)})" if ours is not None and ours is not inner else "")
