@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.chat_format import ChatFormatError, Conversation
-from torchtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from torchtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_tokens
 
 Rendered = tuple[list[int], list[bool]]  # token ids, trained (the token is an answer token to predict)
 
@@ -85,17 +85,6 @@ class BuiltinRenderer:
         return ids + self.tokenizer.encode(BUILTIN_HEADERS["assistant"], bos=False, eos=False)
 
 
-def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
-        value = config.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
 def find_chat_template(folder: str) -> tuple[str, str, dict[str, str]] | None:
     """(template, the file it came from, special-token variables) of a tokenizer folder, or None."""
     config_file = os.path.join(folder, "tokenizer_config.json")
@@ -106,13 +95,13 @@ def find_chat_template(folder: str) -> tuple[str, str, dict[str, str]] | None:
     jinja_file = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja_file):
         with open(jinja_file) as f:
-            return f.read(), jinja_file, _special_tokens(config)
+            return f.read(), jinja_file, special_tokens(config)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
     if isinstance(template, str) and template:
-        return template, config_file, _special_tokens(config)
+        return template, config_file, special_tokens(config)
     return None
 
 

@@ -20,6 +20,8 @@ reading, or even enumerating, anybody else's, and a loader's whole state is g (d
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -107,12 +109,13 @@ class Mixture:
         return [cycle * q + int(p) for q, p in zip(self.q, partial)]
 
 
-class SampleDataset(Dataset):
+class SampleDataset(Dataset, abc.ABC):
     """A map-style dataset over global sample indices whose `sample(g)` gives the (input_ids, labels,
     positions) int64 arrays of one seq_len row; items and the DataLoader's batched fetch are built here."""
 
+    @abc.abstractmethod
     def sample(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        raise NotImplementedError
+        """The (input_ids, labels, positions) of global sample g (each subclass's own layout)."""
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
         x, y, p = self.sample(g)

@@ -32,6 +32,21 @@ class Tokenizer(Protocol):
     def identity(self) -> dict[str, Any]: ...
 
 
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def special_tokens(config: dict[str, Any], keys: tuple[str, ...] = SPECIAL_TOKEN_KEYS) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names (a string, or a dict with its "content")."""
+    out = {}
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
     h = hashlib.sha256()
@@ -111,15 +126,7 @@ class HFTokenizer:
         if not os.path.isfile(path):
             return {}
         with open(path) as f:
-            cfg = json.load(f)
-        out = {}
-        for key in ("bos_token", "eos_token"):
-            value = cfg.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
-                out[key] = value
-        return out
+            return special_tokens(json.load(f), ("bos_token", "eos_token"))
 
     def _find(self, preferred: str | None, names: tuple[str, ...]) -> int | None:
         for name in ((preferred,) if preferred else ()) + names:
