@@ -135,6 +135,11 @@ class Debug:
     every rank is multiplied by NaN before backward (so the loss and every gradient are NaN). Each
     step injects once: a step run again after a guard rollback is clean."""
 
+    expert_comm_delay_ms: Annotated[float, Ge(0)] = 0.0
+    """A stand-in for a slow inter-node network: every expert-parallel dispatch and combine
+    all-to-all completes this many milliseconds late (the wait is added inside the asynchronous
+    collective, so expert_parallel_overlap_chunks can hide it). For benchmarks; 0 disables it."""
+
     inject_delay_ranks: list[Annotated[int, Ge(0)]] = field(default_factory=list)
     """Fault injection for testing straggler detection ([fault] straggler_freq): the listed global
     ranks work `inject_delay_s` longer in every step's forward_backward phase (a busy loop on the

@@ -48,6 +48,24 @@ class Parallelism:
     data-parallel ranks that remain. Needs an FSDP strategy (zero3/zero2). 1 disables it
     (docs/moe.md)."""
 
+    expert_parallel_comm_backend: Literal["standard", "node_limited"] = "standard"
+    """How routed tokens travel to the ranks of their experts (the token dispatcher). `standard`: one
+    all-to-all over the EP group, every routed copy of a token sent separately. `node_limited`:
+    DeepSeek-V3's scheme for group-limited routing: a token crosses to each selected node once (to
+    the rank of the same local index there) and fans out to its experts inside the node; the combine
+    reduces inside the node first and crosses back once. Same numbers as `standard`; fewer
+    inter-node bytes. Node size: expert_parallel_ranks_per_node (docs/moe.md)."""
+
+    expert_parallel_ranks_per_node: Annotated[int, Ge(1)] | None = None
+    """Ranks of the EP group per node for the `node_limited` dispatcher (what counts as intra-node
+    traffic). Unset: the launcher's ranks per node (LOCAL_WORLD_SIZE). Must divide
+    expert_parallel_degree; a smaller value lets one machine play several nodes in tests."""
+
+    expert_parallel_overlap_chunks: Annotated[int, Ge(1)] = 1
+    """Split each MoE layer's tokens into this many chunks so one chunk's dispatch/combine
+    all-to-all runs (asynchronously) while another chunk's experts compute. 1: no overlap. Same
+    numbers as no overlap."""
+
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and
     the cross-entropy is computed on the shards (loss parallel), so full logits are never gathered.
