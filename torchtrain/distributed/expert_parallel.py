@@ -11,14 +11,13 @@ sharded on dim 1 (`parallelize.py`).
 
 One MoE layer's forward on a rank with T tokens, top-k, hidden size D, b bytes per element:
 
-1. the router picks k experts per token; the T k (token, expert) rows are sorted by expert;
-2. **dispatch**: the per-expert row counts are exchanged (all-to-all of E integers), then each rank
-   sends every row to the rank of its expert (`all_to_all_single`, uneven splits). A rank receives
-   the rows of its E/ep experts from every rank of the group, ordered (source rank, expert), and
-   reorders them to (expert, source rank) so each expert's rows are contiguous;
-3. the local experts run (grouped GEMM or a loop, `models/common/experts.py`);
-4. **combine**: the reverse reorder and all-to-all bring every result back to the rank of its token,
-   where the layer sums each token's k results with its gate weights.
+1. the router picks k experts per token;
+2. the experts module's **token dispatcher** (`token_dispatch.py`, `parallelism.expert_parallel_comm_backend`)
+   sends every (token, expert) row to its expert's rank -- `standard`: one all-to-all of all rows;
+   `node_limited`: once per node, then fanned out inside the node -- the local experts run (grouped
+   GEMM or a loop, `models/common/experts.py`), and the results come back to the token's rank,
+   summed with the gate weights. The all-to-alls are asynchronous (`expert_comm.py`); with
+   `expert_parallel_overlap_chunks` > 1 one chunk's all-to-all runs while another chunk computes.
 
 Volume per token and MoE layer: dispatch and combine each move k D b bytes, of which a fraction
 (ep - 1)/ep leaves the rank under balanced routing, in forward; backward sends the same again (the
@@ -47,79 +46,69 @@ statistics of the auxiliary loss whole-sequence sums.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import os
+from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.utils.sizes import host_split_sizes
+from torchtrain.distributed.expert_comm import ExpertLink
+from torchtrain.distributed.token_dispatch import DISPATCHERS
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `factor`."""
+@dataclass(frozen=True)
+class ExpertComm:
+    """How the expert-parallel all-to-all runs (resolved by `resolve_expert_comm` for the Layout)."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
-
-
-class ExpertDispatcher:
-    """Forward hooks of a GroupedExperts module under EP: dispatch before it, combine after it."""
-
-    def __init__(self, mesh: DeviceMesh, grad_scale: int):
-        self.mesh, self.group, self.size = mesh, mesh.get_group(), mesh.size()
-        self.grad_scale = grad_scale
-        self._pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
-
-    def dispatch(self, module: nn.Module, args: tuple) -> tuple:
-        x, counts = args
-        local = counts.numel() // self.size
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [source][local expert]
-        received = received.view(self.size, local)
-        send = host_split_sizes(counts.view(self.size, local).sum(1), x.shape[0])
-        recv = host_split_sizes(received.sum(1), x.shape[0])
-        rows = funcol.all_to_all_single_autograd(x.contiguous(), recv, send, self.group)
-        perm = self._permutation(received, sum(recv), x.device)
-        rows = rows[perm]
-        if self.grad_scale != 1:
-            rows = _ScaleGrad.apply(rows, float(self.grad_scale))
-        self._pending.append((perm, send, recv))
-        return rows, received.sum(0)
-
-    @staticmethod
-    def _permutation(received: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
-        """Row permutation from (source rank, expert) order to (expert, source rank) order."""
-        ep, local = received.shape
-        sizes = received.reshape(-1)
-        starts = (sizes.cumsum(0) - sizes).view(ep, local).t().reshape(-1)  # source start of each target segment
-        target_sizes = received.t().reshape(-1)
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=device), target_sizes, output_size=total)
-        within = torch.arange(total, device=device) - (target_sizes.cumsum(0) - target_sizes)[segment]
-        return starts[segment] + within
-
-    def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        perm, send, recv = self._pending.pop()
-        if self.grad_scale != 1:
-            out = _ScaleGrad.apply(out, 1.0 / self.grad_scale)
-        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-        out = funcol.all_to_all_single_autograd(out[back].contiguous(), send, recv, self.group)
-        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    backend: str = "standard"
+    """The token dispatcher: "standard" or "node_limited" (`token_dispatch.py`)."""
+    ranks_per_node: int = 1
+    """Consecutive EP ranks per node (link classes, and node_limited's two stages)."""
+    chunks: int = 1
+    """Token chunks per MoE forward whose communication overlaps the others' computation."""
+    delay_ms: float = 0.0
+    """Injected delay of each layer's dispatch and combine (`expert_comm.py`)."""
 
 
-def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int) -> None:
-    """Split every module's stacked expert weights (dim 0) over `ep_mesh` and install the dispatch and
-    combine around its forward. `grad_scale`: dp_shard_in_ep (see the module doc). Works on a model on
-    the meta device (before materialisation): each rank keeps only its slice."""
+def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> ExpertComm | None:
+    """The EP communication of a job with expert-parallel degree `ep` (None without EP), or a
+    ConfigError naming the key: node_limited or overlap chunks need EP; the node size must divide the
+    EP degree; the chunks cannot outnumber the tokens of a sequence shard."""
+    backend, chunks = par.expert_parallel_comm_backend, par.expert_parallel_overlap_chunks
+    if ep <= 1:
+        if backend != "standard":
+            raise ConfigError(f"[parallelism.expert_parallel_comm_backend] {backend!r} dispatches tokens between "
+                              f"expert-parallel ranks; it needs expert_parallel_degree > 1 (or set it to 'standard')")
+        if chunks > 1:
+            raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} overlaps the expert-parallel "
+                              f"all-to-all, which needs expert_parallel_degree > 1; set it to 1")
+        return None
+    node = par.expert_parallel_ranks_per_node
+    if node is None:  # the launcher's ranks per node, the whole group when it fits on one node
+        node = min(int(os.environ.get("LOCAL_WORLD_SIZE", ep)), ep)
+        source = "LOCAL_WORLD_SIZE"
+    else:
+        source = "parallelism.expert_parallel_ranks_per_node"
+    if ep % node:
+        raise ConfigError(f"[parallelism.expert_parallel_ranks_per_node] {node} ranks per node (from {source}) does "
+                          f"not divide expert_parallel_degree {ep}; set expert_parallel_ranks_per_node to a divisor "
+                          f"of {ep}")
+    if chunks > local_seq_len:
+        raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} chunks outnumber the {local_seq_len} "
+                          f"tokens of a sequence shard; use at most {local_seq_len}")
+    return ExpertComm(backend, node, chunks, delay_ms)
+
+
+def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int,
+                          comm: ExpertComm | None = None) -> None:
+    """Split every module's stacked expert weights (dim 0) over `ep_mesh` and install its token
+    dispatcher (`comm`'s backend, one `ExpertLink` per module). `grad_scale`: dp_shard_in_ep (see the
+    module doc). Works on a model on the meta device (before materialisation): each rank keeps only its
+    slice."""
+    comm = comm or ExpertComm(ranks_per_node=ep_mesh.size())
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     for module in experts:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -127,9 +116,13 @@ def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_sc
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                     stride=param.stride())
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        dispatcher = ExpertDispatcher(ep_mesh, grad_scale)
-        module.register_forward_pre_hook(dispatcher.dispatch)
-        module.register_forward_hook(dispatcher.combine)
+        link = ExpertLink(ep_mesh.get_group(), comm.ranks_per_node, comm.delay_ms)
+        module.dispatcher = DISPATCHERS[comm.backend](module.num_experts, link, grad_scale, comm.chunks)
+
+
+def expert_links(model: nn.Module) -> list[ExpertLink]:
+    """The EP links of `model`'s expert modules (none without expert parallelism)."""
+    return [m.dispatcher.link for m in model.modules() if hasattr(getattr(m, "dispatcher", None), "link")]
 
 
 def expert_fsdp_placement(mesh_size: int):

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.distributed.expert_parallel import ExpertComm, resolve_expert_comm
 from torchtrain.distributed.float8 import Float8Plan, resolve_float8
 from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.parallel_dims import ParallelDims
@@ -181,6 +182,9 @@ class Layout:
     """Float8 training of the Linear layers (`resolve_float8`); None: off."""
     lora: "Lora | None" = None
     """LoRA adapters on frozen base weights ([lora], `distributed/lora.py`); None: off."""
+    expert_comm: ExpertComm | None = None
+    """The expert-parallel token dispatcher, node size, overlap chunks and injected delay
+    (`resolve_expert_comm`); None without expert parallelism."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -372,6 +376,9 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         check_lora_layout(cfg.lora, dims, float8 is not None)
     if float8 is not None or cfg.lora.enable:
         layout = replace(layout, float8=float8, lora=cfg.lora if cfg.lora.enable else None)
+    expert_comm = resolve_expert_comm(par, cfg.debug.expert_comm_delay_ms, dims.ep, layout.local_seq_len // dims.tp)
+    if expert_comm is not None:
+        layout = replace(layout, expert_comm=expert_comm)
     if spec is None:
         return layout
     if dims.cp_enabled and not spec.context_parallel:

@@ -82,7 +82,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         apply_context_parallel(model, dims.cp_mesh)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if dims.ep_enabled:
-        apply_expert_parallel(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep)
+        apply_expert_parallel(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep, comm=layout.expert_comm)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,

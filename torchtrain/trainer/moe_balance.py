@@ -16,7 +16,10 @@ buffers during the step's training forwards. `MoEBalancer`, called by the TrainS
 * `record(stats)`: the logged metrics (on logging steps only: it reads the tensor on the host):
   `moe_aux_loss` (the mean over layers of each layer's auxiliary loss per token: 1.0 is perfectly
   balanced) and `moe_load_max_mean/<layers a-b>`, the load imbalance max_i c_i / mean_i c_i averaged
-  over a group of consecutive MoE layers (at most `GROUPS` groups), plus its mean over all layers.
+  over a group of consecutive MoE layers (at most `GROUPS` groups), plus its mean over all layers;
+  under expert parallelism also `moe/bytes_intra` and `moe/bytes_inter`: the bytes this rank's token
+  dispatchers sent in the step to ranks of its own node and of other nodes (forward and backward,
+  recomputation included; `distributed/token_dispatch.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtrain.distributed.expert_parallel import expert_links
 from torchtrain.models.common.moe import MoE, moe_layers
 
 GROUPS = 4
@@ -56,6 +60,8 @@ class MoEBalancer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(known, op=dist.ReduceOp.MAX)
         self.num_experts, self.top_k, self.aux_enabled = int(known[0]), int(known[1]), bool(known[2])
+        self.links = [link for part in model_parts for link in expert_links(part)]
+        self.step_bytes: dict[str, int] = {}
 
     @classmethod
     def for_model(cls, model_parts: list[nn.Module], device: torch.device, model_args) -> "MoEBalancer | None":
@@ -76,6 +82,10 @@ class MoEBalancer:
             row[: layer.num_experts] = layer.tokens_per_expert
             row[E] = layer.aux_loss_sum
             layer.reset_statistics()
+        self.step_bytes = {}
+        for link in self.links:
+            for kind, sent in link.take_bytes().items():
+                self.step_bytes[kind] = self.step_bytes.get(kind, 0) + sent
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
         if stepped:
@@ -95,6 +105,8 @@ class MoEBalancer:
         imbalance = counts.max(1).values / counts.mean(1).clamp(min=1e-9)
         if len(self.names):
             out["moe_load_max_mean"] = float(imbalance.mean())
+        for kind, sent in self.step_bytes.items():
+            out[f"moe/bytes_{kind}"] = float(sent)
         for group in self.groups():
             first, last = _layer_id(self.names[group[0]]), _layer_id(self.names[group[-1]])
             out[f"moe_load_max_mean/layers_{first}-{last}"] = float(imbalance[group].mean())

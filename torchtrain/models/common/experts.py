@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtrain.models.common.dispatch import LocalDispatcher, TokenDispatcher
 from torchtrain.utils.sizes import host_split_sizes
 
 GROUP_ALIGN = 16
@@ -91,11 +92,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights. forward(x, counts): rows of x sorted by expert.
+    """E SwiGLU experts with stacked weights. forward(tokens (T, D), idx (T, k), weights (T, k)) -> (T, D):
+    each token's gate-weighted sum of its k experts' outputs, through the module's token dispatcher
+    (`dispatch.py`; `LocalDispatcher` unless expert parallelism installs another).
 
     Expert parallelism (`distributed/expert_parallel.py`) splits the stacked weights on dim 0 into
-    DTensors and wraps this forward with the token dispatch and combine; the forward then computes
-    this rank's experts (`local_tensor`) over the rows it received, with `counts` of its own experts.
+    DTensors and installs a dispatcher that sends the tokens to their experts' ranks and back; `compute`
+    then runs this rank's experts (`local_tensor`) over the rows it received. The dispatcher runs inside
+    this module's forward, so FSDP gathers the expert weights once per forward whatever the chunking.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
@@ -104,7 +108,12 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.dispatcher: TokenDispatcher = LocalDispatcher(num_experts)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over rows `x` sorted by expert, `counts` rows per local expert."""
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         return expert_swiglu(x, counts, w1, w2, w3, self.use_grouped_mm)
+
+    def forward(self, tokens: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.dispatcher(self.compute, tokens, idx, weights)

@@ -9,14 +9,15 @@ For the T tokens of one forward (x reshaped to (T, D)), with E routed experts an
    (one per node when EP places a group per node); a group's score is the sum of its two best s + b,
    and a token's top-k is taken only among the experts of its `topk_group` best groups, so its
    tokens travel to at most topk_group nodes;
-2. **dispatch**: the T x k (token, expert) pairs are sorted by expert (a stable sort, so the order is
-   the same under any layout) and the experts (`experts.py`) run over their groups of rows -- every
-   pair is computed: no capacity limit, no token dropped;
+2. **dispatch** (the experts' token dispatcher, `dispatch.py`): the T x k (token, expert) pairs are
+   sorted by expert (a stable sort, so the order is the same under any layout) and the experts
+   (`experts.py`) run over their groups of rows -- every pair is computed: no capacity limit, no
+   token dropped;
 3. **combine**: each token's output is the gate-weighted sum of its k experts' outputs (summed in
    the order of its top-k), plus the shared experts' output when the layer has any.
 
-Expert parallelism wraps step 2 (`distributed/expert_parallel.py`); the layer itself has no
-parallel code.
+Expert parallelism replaces the dispatcher of step 2 (`distributed/token_dispatch.py`); the layer
+itself has no parallel code.
 
 **Load balancing** (docs/moe.md), each switchable:
 
@@ -51,6 +52,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec
+from torchtrain.models.common.dispatch import histogram
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.common.extra_loss import add_loss_gradient, counts_statistics
 from torchtrain.models.common.layers import FeedForward
@@ -144,14 +146,7 @@ class SequenceSum(nn.Identity):
     (`distributed/context_parallel.py`)."""
 
 
-def _histogram(keys: torch.Tensor, bins: int, ordered: torch.Tensor | None = None) -> torch.Tensor:
-    """How many of `keys` (integers in [0, bins)) fall in each bin, by sorting (`ordered`: keys already
-    sorted): deterministic on every device and static in shape (it also runs on the planner's fake
-    tensors, unlike bincount)."""
-    if ordered is None:
-        ordered = torch.sort(keys.reshape(-1)).values
-    edges = torch.searchsorted(ordered, torch.arange(bins + 1, device=keys.device, dtype=keys.dtype))
-    return edges.diff()
+_histogram = histogram
 
 
 class MoE(nn.Module):
@@ -214,9 +209,7 @@ class MoE(nn.Module):
         batch, dim = x.shape[0], x.shape[-1]
         tokens = x.reshape(-1, dim)
         scores, idx, weights = self.route(tokens)
-        pairs = idx.reshape(-1)
-        order = torch.argsort(pairs, stable=True)  # (token, k) pairs grouped by expert
-        counts = _histogram(pairs, self.num_experts, ordered=pairs[order])
+        counts = _histogram(idx, self.num_experts)
         use_aux = self.training and self.aux_loss_coeff > 0
         aux = self._aux_loss(scores, idx, batch) if use_aux else None
         if counts_statistics(self, counts):
@@ -225,10 +218,7 @@ class MoE(nn.Module):
                 if aux is not None:
                     self.aux_loss_sum.add_(aux.detach())
 
-        routed = self.experts(tokens[order // self.top_k], counts)
-        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        routed = routed[unsort].view(-1, self.top_k, dim)
-        out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
+        out = self.experts(tokens, idx, weights)  # the token dispatcher: dispatch, experts, combine
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view_as(x)
