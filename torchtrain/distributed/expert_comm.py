@@ -19,15 +19,60 @@ the delay, once, whatever the chunking; chunks hide it behind the computation of
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from torchtrain.config.fields import ConfigError
 from torchtrain.utils.sizes import host_split_sizes
 
 LINK_CLASSES = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class ExpertComm:
+    """How the expert-parallel all-to-all runs (resolved by `resolve_expert_comm` for the Layout)."""
+
+    backend: str = "standard"
+    """The token dispatcher: "standard" or "node_limited" (`token_dispatch.py`)."""
+    ranks_per_node: int = 1
+    """Consecutive EP ranks per node (link classes, and node_limited's two stages)."""
+    chunks: int = 1
+    """Token chunks per MoE forward whose communication overlaps the others' computation."""
+    delay_ms: float = 0.0
+    """Injected delay of each layer's dispatch and combine (`expert_comm.py`)."""
+
+
+def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> ExpertComm | None:
+    """The EP communication of a job with expert-parallel degree `ep` (None without EP), or a
+    ConfigError naming the key: node_limited or overlap chunks need EP; the node size must divide the
+    EP degree; the chunks cannot outnumber the tokens of a sequence shard."""
+    backend, chunks = par.expert_parallel_comm_backend, par.expert_parallel_overlap_chunks
+    if ep <= 1:
+        if backend != "standard":
+            raise ConfigError(f"[parallelism.expert_parallel_comm_backend] {backend!r} dispatches tokens between "
+                              f"expert-parallel ranks; it needs expert_parallel_degree > 1 (or set it to 'standard')")
+        if chunks > 1:
+            raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} overlaps the expert-parallel "
+                              f"all-to-all, which needs expert_parallel_degree > 1; set it to 1")
+        return None
+    node = par.expert_parallel_ranks_per_node
+    if node is None:  # the launcher's ranks per node, the whole group when it fits on one node
+        node = min(int(os.environ.get("LOCAL_WORLD_SIZE", ep)), ep)
+        source = "LOCAL_WORLD_SIZE"
+    else:
+        source = "parallelism.expert_parallel_ranks_per_node"
+    if ep % node:
+        raise ConfigError(f"[parallelism.expert_parallel_ranks_per_node] {node} ranks per node (from {source}) does "
+                          f"not divide expert_parallel_degree {ep}; set expert_parallel_ranks_per_node to a divisor "
+                          f"of {ep}")
+    if chunks > local_seq_len:
+        raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} chunks outnumber the {local_seq_len} "
+                          f"tokens of a sequence shard; use at most {local_seq_len}")
+    return ExpertComm(backend, node, chunks, delay_ms)
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -46,60 +46,13 @@ statistics of the auxiliary loss whole-sequence sums.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_comm import ExpertLink
-from torchtrain.distributed.token_dispatch import DISPATCHERS
-
-
-@dataclass(frozen=True)
-class ExpertComm:
-    """How the expert-parallel all-to-all runs (resolved by `resolve_expert_comm` for the Layout)."""
-
-    backend: str = "standard"
-    """The token dispatcher: "standard" or "node_limited" (`token_dispatch.py`)."""
-    ranks_per_node: int = 1
-    """Consecutive EP ranks per node (link classes, and node_limited's two stages)."""
-    chunks: int = 1
-    """Token chunks per MoE forward whose communication overlaps the others' computation."""
-    delay_ms: float = 0.0
-    """Injected delay of each layer's dispatch and combine (`expert_comm.py`)."""
-
-
-def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> ExpertComm | None:
-    """The EP communication of a job with expert-parallel degree `ep` (None without EP), or a
-    ConfigError naming the key: node_limited or overlap chunks need EP; the node size must divide the
-    EP degree; the chunks cannot outnumber the tokens of a sequence shard."""
-    backend, chunks = par.expert_parallel_comm_backend, par.expert_parallel_overlap_chunks
-    if ep <= 1:
-        if backend != "standard":
-            raise ConfigError(f"[parallelism.expert_parallel_comm_backend] {backend!r} dispatches tokens between "
-                              f"expert-parallel ranks; it needs expert_parallel_degree > 1 (or set it to 'standard')")
-        if chunks > 1:
-            raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} overlaps the expert-parallel "
-                              f"all-to-all, which needs expert_parallel_degree > 1; set it to 1")
-        return None
-    node = par.expert_parallel_ranks_per_node
-    if node is None:  # the launcher's ranks per node, the whole group when it fits on one node
-        node = min(int(os.environ.get("LOCAL_WORLD_SIZE", ep)), ep)
-        source = "LOCAL_WORLD_SIZE"
-    else:
-        source = "parallelism.expert_parallel_ranks_per_node"
-    if ep % node:
-        raise ConfigError(f"[parallelism.expert_parallel_ranks_per_node] {node} ranks per node (from {source}) does "
-                          f"not divide expert_parallel_degree {ep}; set expert_parallel_ranks_per_node to a divisor "
-                          f"of {ep}")
-    if chunks > local_seq_len:
-        raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} chunks outnumber the {local_seq_len} "
-                          f"tokens of a sequence shard; use at most {local_seq_len}")
-    return ExpertComm(backend, node, chunks, delay_ms)
+from torchtrain.distributed.expert_comm import ExpertComm, ExpertLink
 
 
 def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int,
@@ -108,6 +61,8 @@ def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_sc
     dispatcher (`comm`'s backend, one `ExpertLink` per module). `grad_scale`: dp_shard_in_ep (see the
     module doc). Works on a model on the meta device (before materialisation): each rank keeps only its
     slice."""
+    from torchtrain.distributed.token_dispatch import DISPATCHERS  # (models/ import this module)
+
     comm = comm or ExpertComm(ranks_per_node=ep_mesh.size())
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     for module in experts:

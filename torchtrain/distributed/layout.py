@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_parallel import ExpertComm, resolve_expert_comm
+from torchtrain.distributed.expert_comm import ExpertComm, resolve_expert_comm
 from torchtrain.distributed.float8 import Float8Plan, resolve_float8
 from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.parallel_dims import ParallelDims
