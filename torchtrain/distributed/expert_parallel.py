@@ -52,18 +52,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_comm import ExpertComm, ExpertLink
 
 
-def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int,
-                          comm: ExpertComm | None = None) -> None:
-    """Split every module's stacked expert weights (dim 0) over `ep_mesh` and install its token
-    dispatcher (`comm`'s backend, one `ExpertLink` per module). `grad_scale`: dp_shard_in_ep (see the
-    module doc). Works on a model on the meta device (before materialisation): each rank keeps only its
-    slice."""
-    from torchtrain.distributed.token_dispatch import DISPATCHERS  # (models/ import this module)
-
-    comm = comm or ExpertComm(ranks_per_node=ep_mesh.size())
+def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Split every module's stacked expert weights (dim 0) over `ep_mesh` (its token dispatcher is
+    installed by `token_dispatch.install_dispatchers`). Works on a model on the meta device (before
+    materialisation): each rank keeps only its slice."""
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     for module in experts:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -71,13 +65,6 @@ def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_sc
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                     stride=param.stride())
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        link = ExpertLink(ep_mesh.get_group(), comm.ranks_per_node, comm.delay_ms)
-        module.dispatcher = DISPATCHERS[comm.backend](module.num_experts, link, grad_scale, comm.chunks)
-
-
-def expert_links(model: nn.Module) -> list[ExpertLink]:
-    """The EP links of `model`'s expert modules (none without expert parallelism)."""
-    return [m.dispatcher.link for m in model.modules() if hasattr(getattr(m, "dispatcher", None), "link")]
 
 
 def expert_fsdp_placement(mesh_size: int):

@@ -50,6 +50,7 @@ from torchtrain.distributed.lora import apply_lora
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.distributed.tensor_parallel import enable_async_tp
+from torchtrain.distributed.token_dispatch import install_dispatchers
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.registry import ModelSpec
@@ -82,7 +83,8 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         apply_context_parallel(model, dims.cp_mesh)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if dims.ep_enabled:
-        apply_expert_parallel(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep, comm=layout.expert_comm)
+        apply_expert_parallel(experts, dims.ep_mesh)
+        install_dispatchers(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep, comm=layout.expert_comm)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,

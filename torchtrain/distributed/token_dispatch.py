@@ -41,8 +41,11 @@ per link class in the dispatcher's `ExpertLink`; the trainer logs them per step 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtrain.distributed.expert_comm import (
+    ExpertComm,
     ExpertLink,
     ScaleGrad,
     exchange_counts,
@@ -171,3 +174,18 @@ class NodeLimitedDispatcher(_EPDispatcher):
 
 
 DISPATCHERS = {"standard": StandardDispatcher, "node_limited": NodeLimitedDispatcher}
+
+
+def install_dispatchers(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scale: int,
+                        comm: ExpertComm | None = None) -> None:
+    """Give every expert module the token dispatcher of `comm` (one `ExpertLink` each) over `ep_mesh`.
+    `grad_scale`: dp_shard_in_ep (`expert_parallel.py`)."""
+    comm = comm or ExpertComm(ranks_per_node=ep_mesh.size())
+    for module in experts:
+        link = ExpertLink(ep_mesh.get_group(), comm.ranks_per_node, comm.delay_ms)
+        module.dispatcher = DISPATCHERS[comm.backend](module.num_experts, link, grad_scale, comm.chunks)
+
+
+def expert_links(model: nn.Module) -> list[ExpertLink]:
+    """The EP links of `model`'s expert modules (none without expert parallelism)."""
+    return [m.dispatcher.link for m in model.modules() if isinstance(getattr(m, "dispatcher", None), _EPDispatcher)]

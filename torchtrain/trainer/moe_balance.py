@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtrain.distributed.expert_parallel import expert_links
+from torchtrain.distributed.token_dispatch import expert_links
 from torchtrain.models.common.moe import MoE, moe_layers
 
 GROUPS = 4
