@@ -113,8 +113,11 @@ class StreamedOptimizer:
     def _write(self, items: list[tuple[str, torch.Tensor]], event: "torch.cuda.Event | None") -> None:
         if event is not None:
             event.synchronize()
+        recycle = getattr(self.store, "recycle", None) if not self.cuda else None
         for key, t in items:
             self.store.put(key, t)
+            if recycle is not None:
+                recycle(t)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()

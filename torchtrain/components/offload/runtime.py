@@ -64,7 +64,8 @@ class OffloadRuntime:
             self.params = ParamOffload(parts, store, self.pool)
         opt_store = None
         if cfg.optimizer != "none":
-            opt_store = FileStore(os.path.join(folder, "optimizer"), pin) if cfg.optimizer == "nvme" else HostStore(pin)
+            opt_store = (FileStore(os.path.join(folder, "optimizer"), pin, keep_bytes=2 * cfg.bucket_mb * 2**20)
+                         if cfg.optimizer == "nvme" else HostStore(pin))
             self.stores.append(opt_store)
         self.streamed = [StreamedOptimizer(opt, opt_store, f"opt{i}", device, cfg.bucket_mb * 2**20, self.pool,
                                            self.params) for i, opt in enumerate(optimizers)]

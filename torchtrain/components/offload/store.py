@@ -13,6 +13,7 @@ import ctypes
 import os
 import shutil
 import threading
+import time
 
 import torch
 
@@ -23,6 +24,20 @@ def _bytes(t: torch.Tensor) -> memoryview:
     shard's storage is freed and re-grown)."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> None:
+    """Have glibc serve allocations of `threshold` bytes and more from their own mappings, unmapped when
+    freed: a state bucket read from disk and written back is then returned to the OS at once, instead of
+    staying in the allocator's heaps (glibc's default raises that threshold to the size of the largest
+    freed block, up to 32 MiB, after which freed buckets stay resident). No-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass
 
 
 class HostStore:
@@ -67,12 +82,16 @@ class FileStore:
     reads into a new host tensor (page-locked with `pin`), so the process holds a tensor's memory only
     while it is in use."""
 
-    def __init__(self, folder: str, pin: bool = False):
-        self.folder, self.pin = folder, pin
+    def __init__(self, folder: str, pin: bool = False, keep_bytes: int = 0):
+        self.folder, self.pin, self.keep_bytes = folder, pin, keep_bytes
+        self._free: dict[tuple, list[torch.Tensor]] = {}  # buffers given back by `recycle`, reused by `get`
+        self._free_bytes = 0
+        return_freed_memory()
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder, exist_ok=True)
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.bytes_read = self.bytes_written = 0
+        self.read_seconds = self.write_seconds = 0.0  # summed over the I/O threads
         self._lock = threading.Lock()
 
     def __contains__(self, key: str) -> bool:
@@ -85,15 +104,26 @@ class FileStore:
         t = t.detach().contiguous()
         if t.device.type != "cpu":
             t = t.cpu()
+        start = time.perf_counter()
         with open(self._path(key), "wb", buffering=0) as f:
-            f.write(_bytes(t))
+            view, done = _bytes(t), 0
+            while done < len(view):
+                done += f.write(view[done:])
         with self._lock:
             self._meta[key] = (t.shape, t.dtype)
             self.bytes_written += t.numel() * t.element_size()
+            self.write_seconds += time.perf_counter() - start
 
     def get(self, key: str) -> torch.Tensor:
         shape, dtype = self._meta[key]
-        t = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        with self._lock:
+            spare = self._free.get((shape, dtype))
+            t = spare.pop() if spare else None
+            if t is not None:
+                self._free_bytes -= t.numel() * t.element_size()
+        if t is None:
+            t = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        start = time.perf_counter()
         with open(self._path(key), "rb", buffering=0) as f:
             view, done = _bytes(t), 0
             while done < len(view):
@@ -103,13 +133,25 @@ class FileStore:
                 done += n
         with self._lock:
             self.bytes_read += t.numel() * t.element_size()
+            self.read_seconds += time.perf_counter() - start
         return t
+
+    def recycle(self, t: torch.Tensor) -> None:
+        """`t` (a tensor `get` returned, written back and no longer used) may serve a later `get` of the
+        same shape: up to `keep_bytes` of such buffers are kept, which spares the page faults of fresh
+        allocations (about two buckets' worth is the step's working set)."""
+        size = t.numel() * t.element_size()
+        with self._lock:
+            if self._free_bytes + size <= self.keep_bytes:
+                self._free.setdefault((t.shape, t.dtype), []).append(t)
+                self._free_bytes += size
 
     def nbytes(self) -> int:
         return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in self._meta.values())
 
     def close(self) -> None:
         self._meta.clear()
+        self._free.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
