@@ -110,10 +110,13 @@ class StreamedOptimizer:
                 t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
             self.opt.state[p][name] = t
 
-    def _write(self, items: list[tuple[str, torch.Tensor]], event: "torch.cuda.Event | None") -> None:
+    def _write(self, items: list[tuple[str, torch.Tensor]], event: "torch.cuda.Event | None",
+               recycle_buffers: bool = True) -> None:
+        """Write the items back; with `recycle_buffers` the store may reuse them (the step's own buffers,
+        which nothing else references; not a checkpoint's, which the saved state dict still holds)."""
         if event is not None:
             event.synchronize()
-        recycle = getattr(self.store, "recycle", None) if not self.cuda else None
+        recycle = getattr(self.store, "recycle", None) if recycle_buffers and not self.cuda else None
         for key, t in items:
             self.store.put(key, t)
             if recycle is not None:
@@ -168,5 +171,5 @@ class StreamedOptimizer:
             out = self._take_out(every)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
-            self._write(out, None)
+            self._write(out, None, recycle_buffers=False)
 

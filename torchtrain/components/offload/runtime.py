@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Iterator
 
@@ -55,7 +56,7 @@ class OffloadRuntime:
         self.cfg = cfg
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="offload-io")
         pin = device.type == "cuda"
-        folder = os.path.join(cfg.nvme_path, f"rank{rank}") if cfg.uses_nvme else ""
+        self.folder = folder = os.path.join(cfg.nvme_path, f"rank{rank}") if cfg.uses_nvme else ""
         self.stores = []
         self.params = None
         if swap_params:
@@ -90,6 +91,8 @@ class OffloadRuntime:
         self.pool.shutdown(wait=True)
         for s in self.stores:
             s.close()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class ResidentModelState:

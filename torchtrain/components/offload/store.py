@@ -141,6 +141,8 @@ class FileStore:
         same shape: up to `keep_bytes` of such buffers are kept, which spares the page faults of fresh
         allocations (about two buckets' worth is the step's working set)."""
         size = t.numel() * t.element_size()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != size:
+            return  # a view into a larger buffer: not ours to reuse
         with self._lock:
             if self._free_bytes + size <= self.keep_bytes:
                 self._free.setdefault((t.shape, t.dtype), []).append(t)
