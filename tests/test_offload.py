@@ -125,3 +125,31 @@ def test_nvme_folder_without_the_room_needed(tmp_path):
     with pytest.raises(ValueError) as e:
         check_folder(str(tmp_path), 1 << 60)
     assert str(e.value).startswith("[offload.nvme_path]") and "GiB free but the offloaded state needs" in str(e.value)
+
+
+PLAN_70B = ["--config", "train_configs/llama3_70b.toml", "--world-size", "4", "--gpu", "h100", "--tp", "1",
+            "--training.local_batch_size", "1", "--no-trace"]
+
+
+def test_planner_70b_on_4_h100_fits_with_offload_and_says_how_few_gpus_without(capsys):
+    """The textbook case: Llama 3 70B does not fit 4 H100s (16 B/param of model state / 4 = 263 GiB per
+    GPU); with parameters, gradients and optimizer state in host memory it does (1 TiB on a 2 TiB node),
+    with the optimizer step on the CPU predicted slower; the fewest GPUs without offload is printed."""
+    from torchtrain.plan import main
+
+    assert main([*PLAN_70B, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["memory"]["fits"] is False and plain["offload"] is None
+    fewest = plain["fewest_gpus"]["without_offload"]
+    assert fewest > 4 and fewest % 8 == 0
+    assert main([*PLAN_70B, "--offload-params", "cpu", "--offload-optimizer", "cpu", "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["memory"]["fits"] is True and off["offload"]["fits_node"] is True
+    tiers = {r["component"]: r for r in off["offload"]["rows"]}
+    assert tiers["optimizer state"]["gpu"] == 0 and tiers["optimizer state"]["cpu"] == pytest.approx(
+        8 * off["model"]["num_params"] / 4, rel=0.01)
+    assert off["offload"]["optimizer_s"] > off["offload"]["base_optimizer_s"]
+    assert off["throughput"]["step_s"] > off["offload"]["step_s_without_offload"]
+    # a node with too little host memory for it: refused
+    assert main([*PLAN_70B, "--offload-params", "cpu", "--offload-optimizer", "cpu", "--host-memory-gib", "512"]) == 0
+    assert "DOES NOT FIT the node" in capsys.readouterr().out

@@ -151,10 +151,20 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: v for k, v in flags.items() if k in PLANNER_KEYS})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
                                 ns.runnable_only, show_progress=True, cp=ns.cp)
+                offload_note = ""
+                if not result.ranked and not (base.cpu_offload or base.offload_optimizer != "none"):
+                    from torchtrain.tools.planner.fewest import search_with_offload
+
+                    _, result = search_with_offload(job, {k: v for k, v in flags.items() if k in PLANNER_KEYS},
+                                                    world, ns.gpu, ns.device, ns.search_ac.split(","),
+                                                    ns.strategies.split(","), ns.verify, ns.peak_tflops,
+                                                    ns.runnable_only, ns.cp)
+                    offload_note = ("no layout fits on the GPUs alone; with the parameters, gradients and optimizer "
+                                    "state in host memory (--offload-params cpu --offload-optimizer cpu):\n")
                 annotate_runnable(job, result, ns.top)
                 data = report.search_to_dict(result, ns.top, ns.show_rejected) if ns.json else None
-                out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
-                                                                                              ns.show_rejected)
+                out = strict_json.dumps(data, indent=1) if ns.json else offload_note + report.format_search(
+                    result, ns.top, ns.show_rejected)
             else:
                 plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops,
                                        device=ns.device)

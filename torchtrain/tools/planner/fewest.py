@@ -5,10 +5,15 @@ tells how few GPUs offloading needs."""
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner.core import Job, Plan, plan_from_flags
+
+if TYPE_CHECKING:
+    from torchtrain.tools.planner.search import SearchResult
 
 WITHOUT_OFFLOAD = {"cpu_offload": False, "offload_optimizer": "none", "offload_params": "none"}
 
@@ -32,3 +37,41 @@ def fewest_gpus(job: Job, gpu: str, flags: dict[str, Any], device: list[str] | N
         if plan.valid and plan.fits:
             return world, plan
     return None
+
+
+OFFLOAD_TIERS = ("cpu", "cpu")
+"""(params, optimizer) the search falls back to when no layout fits: ZeRO-Offload's host-memory tiers."""
+
+
+def offloaded_job(job: Job, params: str = OFFLOAD_TIERS[0], optimizer: str = OFFLOAD_TIERS[1]) -> Job:
+    """`job` with its model state offloaded ([offload] params and optimizer)."""
+    cfg = copy.deepcopy(job.cfg)
+    cfg.offload.params, cfg.offload.optimizer = params, optimizer
+    return dataclasses.replace(job, cfg=cfg)
+
+
+def search_with_offload(job: Job, base_flags: dict[str, Any], world: int, gpu: str, device: list[str] | None,
+                        ac_modes: list[str], strategies: list[str], verify: int, peak_tflops: float | None,
+                        runnable_only: bool, cp: int | None) -> tuple[Job, "SearchResult"]:
+    """`--search` again with the model state in host memory, for when nothing fits on the GPUs alone;
+    each fitting layout's step time is the offloaded one (`offload.with_offload_time`), and layouts whose
+    node cannot hold the offloaded state are rejected."""
+    from torchtrain.tools.planner.core import make_plan, resolve_gpu
+    from torchtrain.tools.planner.from_job import inputs_from_config
+    from torchtrain.tools.planner.search import search
+
+    off_job = offloaded_job(job)
+    device_type, spec = resolve_gpu(gpu, device)
+    base = inputs_from_config(off_job.cfg, off_job.args, world, device_type, spec, base_flags)
+    result = search(off_job, base, ac_modes, strategies, 0, peak_tflops, runnable_only, show_progress=True, cp=cp)
+    kept = []
+    for c in result.ranked:
+        c.plan = make_plan(off_job, c.inputs, trace=False, peak_tflops=peak_tflops)
+        c.throughput = c.plan.throughput
+        if c.plan.offload is not None and not c.plan.offload.fits:
+            c.reason = "does not fit: the node's host memory / NVMe cannot hold the offloaded state"
+            result.rejected.append(c)
+        else:
+            kept.append(c)
+    result.ranked = sorted(kept, key=lambda c: (-c.tokens_per_s, c.peak))
+    return off_job, result
