@@ -107,7 +107,8 @@ class Trainer:
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
-        self.offload = OffloadRuntime(cfg.offload, self.model_parts, self.optimizers, device, self.rank,
+        state_device = device if layout.state_device_type == device.type else torch.device("cpu")
+        self.offload = OffloadRuntime(cfg.offload, self.model_parts, self.optimizers, state_device, self.rank,
                                       layout.swaps_params) if cfg.offload.enabled else None  # docs/offload.md
         self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
                                            self.lr_schedulers, device)

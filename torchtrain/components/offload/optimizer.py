@@ -105,6 +105,8 @@ class StreamedOptimizer:
                 torch.cuda.current_stream(self.device).wait_event(t)
                 continue
             p, name, spec = self._meta[key]
+            if self.cuda:  # allocated on the copy stream, used and freed on this one
+                t.record_stream(torch.cuda.current_stream(self.device))
             if spec is not None:
                 mesh, placements, shape, stride = spec
                 t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)

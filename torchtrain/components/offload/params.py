@@ -152,7 +152,7 @@ class ParamOffload:
                 return unshard(async_op)
             finally:
                 if group.device.type == "cuda":
-                    torch.cuda.current_stream(group.device).synchronize()  # the copy-in read the shards
+                    torch.cuda.synchronize(group.device)  # the copy-in (on FSDP's own stream) read the shards
                 for key, fp in entries:
                     self._release_one(key, fp, write=False)
 

@@ -49,7 +49,8 @@ def check_nvme_folder(cfg: Offload, num_params: int, optimizer: str, param_shard
 
 class OffloadRuntime:
     """Builds and owns this rank's offload; `swap_params`: the layout's parameter tier runs here (on CUDA
-    the cpu tier is FSDP2's own CPUOffloadPolicy, so only nvme does)."""
+    the cpu tier is FSDP2's own CPUOffloadPolicy, so only nvme does). `device`: where the optimizer
+    steps (the layout's `state_device_type`: the CPU under CPUOffloadPolicy)."""
 
     def __init__(self, cfg: Offload, parts: list[nn.Module], optimizers: "OptimizersContainer", device: torch.device,
                  rank: int, swap_params: bool):
@@ -70,7 +71,8 @@ class OffloadRuntime:
             self.stores.append(opt_store)
         self.streamed = [StreamedOptimizer(opt, opt_store, f"opt{i}", device, cfg.bucket_mb * 2**20, self.pool,
                                            self.params) for i, opt in enumerate(optimizers)]
-        optimizers.streamed = self.streamed
+        if opt_store is not None or self.params is not None:  # else FSDP2's CPUOffloadPolicy does it all
+            optimizers.streamed = self.streamed
         logger.info("offload: optimizer state -> %s, parameter shards -> %s%s; streamed in buckets of %d MiB, %d I/O "
                     "threads", cfg.optimizer, cfg.params if swap_params or cfg.params == "none" else
                     f"{cfg.params} (FSDP2 CPUOffloadPolicy)", f" (scratch folder {folder})" if folder else "",

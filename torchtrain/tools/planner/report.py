@@ -139,7 +139,8 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
     if est.host_bytes:
         lines.append(f"  {'host memory (CPU offload)':<58} {_g(est.host_bytes, u):>9}")
     if rank.trace is None:
-        lines.append(f"  {'traced peak':<58} {'skipped':>9}  (--no-trace)")
+        why = "(offloaded layout: analytic only)" if plan.offload is not None else "(--no-trace)"
+        lines.append(f"  {'traced peak':<58} {'skipped':>9}  {why}")
     elif rank.trace.skipped:
         lines.append(f"  {'traced peak':<58} {'n/a':>9}  {rank.trace.skipped}")
     else:
