@@ -112,8 +112,8 @@ JOB2 = ["--nproc-per-node", "2", "--nnodes", "1", *TINY_JOB]
     (["--offload.params", "cpu", "--parallelism.data_parallel_strategy", "ddp"], "offload.params", "zero2/zero3"),
     (["--offload.params", "cpu", "--parallelism.tensor_parallel_degree", "2"], "offload.params", "tensor"),
     (["--offload.optimizer", "cpu", "--parallelism.data_parallel_strategy", "zero1"], "offload.optimizer", "zero1"),
-    (["--offload.params", "nvme", "--offload.nvme_path", "/proc/no_such_folder"], "offload.nvme_path",
-     "not a writable folder"),
+    (["--offload.params", "nvme", "--offload.nvme_path", os.path.join(__file__, "nv")], "offload.nvme_path",
+     "not a writable folder"),  # under a file
 ])
 def test_offload_config_errors_before_launch(extra, key, says):
     with pytest.raises(ConfigError) as e:

@@ -126,6 +126,7 @@ class ParamOffload:
         for w in self._writes:
             w.result()
         self._writes.clear()
+        self._ahead.clear()  # reads ahead of shards the step has since updated would be stale
         if not self.active:
             self.active = True
             for g, group in enumerate(self.groups):

@@ -158,18 +158,16 @@ class FileStore:
 
 
 def check_folder(path: str, needed_bytes: int, key: str = "offload.nvme_path") -> None:
-    """A folder the nvme tier can use: creatable, writable, with `needed_bytes` free (ValueError with
-    one line otherwise)."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_probe.{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"0")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"[{key}] {path} is not a writable folder ({e.strerror}); point it at a folder on a "
-                         f"local disk this user can write") from None
-    free = shutil.disk_usage(path).free
+    """A folder the nvme tier can use: it, or the nearest folder above it that exists (the trainer creates
+    the rest), is writable and has `needed_bytes` free (ValueError with one line otherwise). Creates
+    nothing: the planner runs it too."""
+    existing = os.path.abspath(path or ".")
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"[{key}] {path} is not a writable folder ({existing} is not writable by this user); "
+                         f"point it at a folder on a local disk this user can write")
+    free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise ValueError(f"[{key}] {path} has {free / 2**30:.2f} GiB free but the offloaded state needs "
                          f"{needed_bytes / 2**30:.2f} GiB on this node; free space or choose another disk")
