@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per local batch (sets the local batch)")
     g.add_argument("--stages-per-rank", type=int, help="virtual pipeline stages per rank (interleaved)")
     g.add_argument("--cpu-offload", action="store_true", default=None, help="FSDP CPU offload")
+    g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
+                   help="optimizer state in host memory or on NVMe (offload.optimizer)")
+    g.add_argument("--offload-params", choices=("none", "cpu", "nvme"),
+                   help="parameter shards in host memory or on NVMe (offload.params; cpu = FSDP CPU offload)")
+    ap.add_argument("--host-memory-gib", type=float, help="host memory per node in GiB (default: the device table's)")
+    ap.add_argument("--nvme-gib", type=float, help="local NVMe capacity per node in GiB (default: the device table's)")
     s = ap.add_argument_group("search")
     s.add_argument("--search", action="store_true",
                    help="enumerate layouts for --world-size x --gpu, rank those that fit")
@@ -89,7 +95,8 @@ def _flags(ns: argparse.Namespace) -> dict:
     flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep,
              "strategy": ns.strategy, "reshard_after_forward": ns.reshard, "ac_mode": ns.ac, "ac_option": ns.ac_option,
              "pp_schedule": ns.schedule, "pp_microbatch_size": ns.microbatch_size,
-             "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload, "memory_gib": ns.memory_gib,
+             "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload,
+             "offload_optimizer": ns.offload_optimizer, "offload_params": ns.offload_params, "memory_gib": ns.memory_gib,
              "headroom": ns.headroom, "price": ns.price, "tokens": ns.tokens, "document_tokens": ns.document_tokens,
              "failure_rate": ns.failure_rate,
              "restart_s": None if ns.restart_minutes is None else 60 * ns.restart_minutes}
@@ -134,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(job_argv)
         world = _world_size(ns, job)
         flags = _flags(ns)
+        ns.device += [f"{k}={v}" for k, v in (("host_memory_gib", ns.host_memory_gib), ("nvme_gib", ns.nvme_gib))
+                      if v is not None]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if ns.search:
@@ -142,14 +151,31 @@ def main(argv: list[str] | None = None) -> int:
                                           {k: v for k, v in flags.items() if k in PLANNER_KEYS})
                 result = search(job, base, ns.search_ac.split(","), ns.strategies.split(","), ns.verify, ns.peak_tflops,
                                 ns.runnable_only, show_progress=True, cp=ns.cp)
+                offload_note = ""
+                if not result.ranked and not (base.cpu_offload or base.offload_optimizer != "none"):
+                    from torchtrain.tools.planner.fewest import search_with_offload
+
+                    _, result = search_with_offload(job, {k: v for k, v in flags.items() if k in PLANNER_KEYS},
+                                                    world, ns.gpu, ns.device, ns.search_ac.split(","),
+                                                    ns.strategies.split(","), ns.verify, ns.peak_tflops,
+                                                    ns.runnable_only, ns.cp)
+                    offload_note = ("no layout fits on the GPUs alone; with the parameters, gradients and optimizer "
+                                    "state in host memory (--offload-params cpu --offload-optimizer cpu):\n")
                 annotate_runnable(job, result, ns.top)
                 data = report.search_to_dict(result, ns.top, ns.show_rejected) if ns.json else None
-                out = strict_json.dumps(data, indent=1) if ns.json else report.format_search(result, ns.top,
-                                                                                              ns.show_rejected)
+                out = strict_json.dumps(data, indent=1) if ns.json else offload_note + report.format_search(
+                    result, ns.top, ns.show_rejected)
             else:
                 plan = plan_from_flags(job, world, ns.gpu, flags, trace=not ns.no_trace, peak_tflops=ns.peak_tflops,
                                        device=ns.device)
-                out = strict_json.dumps(report.plan_to_dict(plan), indent=1) if ns.json else report.format_plan(plan)
+                fewest = None
+                if plan.fits is False:  # how few GPUs would: without offload, and with these offload flags
+                    from torchtrain.tools.planner.fewest import fewest_gpus
+
+                    fewest = (fewest_gpus(job, ns.gpu, flags, ns.device), fewest_gpus(job, ns.gpu, flags, ns.device,
+                                                                                        offload=True))
+                out = strict_json.dumps(report.plan_to_dict(plan, fewest), indent=1) if ns.json else \
+                    report.format_plan(plan, fewest)
     except ConfigError as e:
         print(f"torchtrain.plan: error: {e}", file=sys.stderr)
         return 2

@@ -88,8 +88,25 @@ class GPUSpec:
     """Share of the SMs a running NCCL collective occupies (one thread block per channel: 16 channels
     of 132 SMs on Hopper, NCCL's usual count for large messages), so computation it overlaps runs that
     much slower."""
+    host_memory_gib: float | None = 2048.0
+    """Host (CPU) memory per node, GiB: what offloaded state may use (DGX H100 / HGX reference nodes: 2 TB;
+    override with --host-memory-gib or --device host_memory_gib=...)."""
+    host_memory_gbps: float | None = 614.0
+    """Host memory bandwidth per node, GB/s (2 sockets x 8 DDR5-4800 channels = 614 GB/s peak; the
+    CPU optimizer step of CPU offload is bound by it)."""
+    nvme_gib: float | None = 28610.0
+    """Local NVMe capacity per node, GiB (DGX H100: 8 x 3.84 TB U.2 = 30.72 TB)."""
+    nvme_read_gbps: float | None = 50.0
+    """Sequential NVMe read bandwidth per node, GB/s (8 PCIe Gen4 U.2 drives, ~6.5 GB/s each, assumed)."""
+    nvme_write_gbps: float | None = 25.0
+    """Sequential NVMe write bandwidth per node, GB/s (~3.5 GB/s per drive, assumed)."""
+    pcie_gbps: float | None = 64.0
+    """Host-to-device bandwidth per GPU and direction, GB/s (PCIe Gen5 x16: 64 GB/s; Gen4: 32)."""
+    pcie_efficiency: float = 0.8
+    """Achievable share of the PCIe peak for large pinned copies (assumed: ~50 of 64 GB/s on Gen5 x16)."""
     sources: str = ""
-    """Where the figures come from; "assumed" ones say why."""
+    """Where the figures come from; "assumed" ones say why. Host memory, NVMe and PCIe figures are those
+    of a DGX H100-class node unless the entry says otherwise (assumed for other GPUs' nodes)."""
 
     def matmul_tflops(self, dtype: str) -> float | None:
         """Peak dense TFLOP/s of the tensor cores for GEMMs in `dtype` (bfloat16/float16, float32, float8)."""
@@ -156,7 +173,8 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
     )
 }
 
-CPU = GPUSpec("cpu", "CPU", 0, None, None, r"$^", gpus_per_node=1, matmul_efficiency=1.0,
+CPU = GPUSpec("cpu", "CPU", 0, None, None, r"$^", gpus_per_node=1, matmul_efficiency=1.0, host_memory_gib=None,
+              host_memory_gbps=None, nvme_gib=None, nvme_read_gbps=None, nvme_write_gbps=None, pcie_gbps=None,
               attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, memory_efficiency=1.0,
               sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "
                       "--device fp32_tflops=0.2 --device hbm_tbps=0.01")

@@ -15,6 +15,7 @@ from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.lora import Lora
+from torchtrain.config.offload import Offload
 from torchtrain.config.operations import Guard, Profiling, Validation, check_operations
 from torchtrain.config.parallelism import Comm, Parallelism
 from torchtrain.config.quantize import Quantize
@@ -35,6 +36,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     lora: Lora = field(default_factory=Lora)
+    offload: Offload = field(default_factory=Offload)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)

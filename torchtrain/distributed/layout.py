@@ -37,6 +37,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_comm import ExpertComm, resolve_expert_comm
 from torchtrain.distributed.float8 import Float8Plan, resolve_float8
 from torchtrain.distributed.lora import check_lora_layout
+from torchtrain.distributed.offload import check_offload
 from torchtrain.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -185,6 +186,10 @@ class Layout:
     expert_comm: ExpertComm | None = None
     """The expert-parallel token dispatcher, node size, overlap chunks and injected delay
     (`resolve_expert_comm`); None without expert parallelism."""
+    offload_optimizer: str = "none"
+    """Where the optimizer state lives between steps ([offload].optimizer: none / cpu / nvme)."""
+    offload_params: str = "none"
+    """Where the sharded parameters live outside their use ([offload].params: none / cpu / nvme)."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -235,6 +240,12 @@ class Layout:
     def state_device_type(self) -> str:
         """Where parameters' optimizer state lives: host memory under CPU offload."""
         return "cpu" if self.cpu_offload else self.device_type
+
+    @property
+    def swaps_params(self) -> bool:
+        """The parameter tier runs in torchtrain's own swapping (components/offload/params.py): every tier
+        on a CPU run, the nvme tier on CUDA (whose cpu tier is FSDP2's CPUOffloadPolicy)."""
+        return self.offload_params != "none" and (self.device_type != "cuda" or self.offload_params == "nvme")
 
     @property
     def loss_parallel(self) -> bool:
@@ -293,6 +304,7 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
             raise ConfigError("[optimizer.name] Muon is not combined with training.enable_cpu_offload: its step gathers "
                               "each sharded matrix across ranks, which the host-side optimizer step of CPU offload would "
                               "run over host memory; use AdamW with CPU offload, or turn offload off")
+    check_offload(cfg, dims, strategy, device_type)
     compile_model = cfg.compile.enable and "model" in cfg.compile.components
     if par.enable_async_tensor_parallel:
         if not dims.tp_enabled:
@@ -361,8 +373,10 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         param_dtype=resolve_param_dtype(training.mixed_precision_param, device_type),
         reduce_dtype=DTYPES[training.mixed_precision_reduce],
         optimizer_impl=resolve_optimizer_impl(cfg.optimizer.implementation,
-                                              "cpu" if training.enable_cpu_offload else device_type),
-        cpu_offload=training.enable_cpu_offload,
+                                              "cpu" if training.enable_cpu_offload or (
+                                                  cfg.offload.params != "none") else device_type),
+        cpu_offload=training.enable_cpu_offload or (cfg.offload.params != "none" and device_type == "cuda"),
+        offload_optimizer=cfg.offload.optimizer, offload_params=cfg.offload.params,
         ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
         compile_model=cfg.compile.enable and "model" in cfg.compile.components,
         compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,

@@ -20,6 +20,7 @@ from torchtrain.components.checkpoint.startup import preflight as checkpoint_pre
 from torchtrain.components.evaluation.tasks import check_eval
 from torchtrain.components.evaluation.validation import check_validation, check_validation_data
 from torchtrain.components.observability.wandb_sink import check_wandb
+from torchtrain.components.offload.runtime import check_nvme_folder
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.build import check_sources
@@ -87,4 +88,10 @@ def check_job(cfg: JobConfig, world_size: int, device_type: str) -> ResolvedJob:
     check_wandb(cfg.metrics)
     check_replica_ft(cfg.fault)
     check_data(cfg, job.tokenizer)
+    dims = job.layout.dims
+    try:  # the nvme folder: writable, with room for this node's offloaded shards
+        check_nvme_folder(cfg.offload, job.model_args.num_params(), cfg.optimizer.name,
+                          dims.fsdp_shard_degree * dims.tp * dims.pp if job.layout.strategy.sharded else dims.tp * dims.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return job

@@ -27,6 +27,7 @@ from torchtrain.components.observability.metrics import MetricsLogger, Throughpu
 from torchtrain.components.observability.phases import PhaseTimer
 from torchtrain.components.observability.profiling import Profiler
 from torchtrain.components.observability.tensor_memory import StepMemoryMeter
+from torchtrain.components.offload.runtime import OffloadRuntime, ResidentModelState
 from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.config import JobConfig, to_dict, to_toml
@@ -106,6 +107,9 @@ class Trainer:
         # 4. The train step (optimizer, schedule, loss, precision, pipeline schedule), data, metrics.
         self.optimizers = OptimizersContainer.for_layout(self.model_parts, cfg.optimizer, layout)
         self.lr_schedulers = LRSchedulersContainer(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        state_device = device if layout.state_device_type == device.type else torch.device("cpu")
+        self.offload = OffloadRuntime(cfg.offload, self.model_parts, self.optimizers, state_device, self.rank,
+                                      layout.swaps_params) if cfg.offload.enabled else None  # docs/offload.md
         self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
                                            self.lr_schedulers, device)
         if self.train_step.pipeline is not None:
@@ -139,6 +143,8 @@ class Trainer:
             hf_adapter = lora_adapter_class(hf_adapter)
         states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
                                  self.state, dims.dp_rank, self.rank, device)
+        if self.offload is not None and self.offload.params is not None:
+            states["model"] = ResidentModelState(states["model"], self.offload)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter))
@@ -292,6 +298,8 @@ class Trainer:
         self.profiler.stop()
         self.gc.close()
         self.checkpointer.close()
+        if self.offload is not None:
+            self.offload.close()
         self.metrics.close()
         if self.replicas is not None:
             self.replicas.close()

@@ -13,10 +13,14 @@ not decayed (the common practice of Megatron-LM, nanoGPT and OLMo). Muon takes t
 ZeRO-1 (the layout's `zero1`): parameters and gradients stay replicated, but each of the dp ranks
 keeps Adam state for, and updates, only its 1/dp share of the parameters, then broadcasts the
 updated share (ZeroRedundancyOptimizer): optimizer memory 8 P -> 8 P / dp.
+
+Under [offload] the container's `streamed` optimizers (`components/offload/optimizer.py`) step each
+optimizer bucket by bucket over offloaded state, and put the whole state back around checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -87,6 +91,8 @@ class OptimizersContainer:
                  zero1_group: "dist.ProcessGroup | None" = None):
         self.model_parts = model_parts
         self.optimizers = [build_optimizer(part, cfg, impl, zero1_group) for part in model_parts]
+        self.streamed: list | None = None
+        """The optimizers' offloaded steps, one per optimizer ([offload]; set by `OffloadRuntime`)."""
 
     @classmethod
     def for_layout(cls, model_parts: list[nn.Module], cfg: OptimizerConfig, layout: "Layout") -> "OptimizersContainer":
@@ -98,8 +104,14 @@ class OptimizersContainer:
         return iter(self.optimizers)
 
     def step(self) -> None:
-        for opt in self.optimizers:
+        for opt in self.streamed or self.optimizers:
             opt.step()
+
+    def _resident(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for streamed in self.streamed or ():
+            stack.enter_context(streamed.resident())
+        return stack
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:
@@ -108,15 +120,17 @@ class OptimizersContainer:
     def state_dict(self) -> dict:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         merged: dict = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, opt, options=options))
+        with self._resident():
+            for part, opt in zip(self.model_parts, self.optimizers):
+                merged.update(get_optimizer_state_dict(part, opt, options=options))
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         # Each (part, optimizer) pair picks its own parameters' entries from the merged flat dict.
         options = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state, options=options)
+        with self._resident():
+            for part, opt in zip(self.model_parts, self.optimizers):
+                set_optimizer_state_dict(part, opt, state, options=options)
 
     @property
     def lr(self) -> float:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
+from torchtrain.tools.planner import offload
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.tools.planner.inputs import PlanInputs
@@ -22,6 +23,9 @@ from torchtrain.tools.planner.pipeline import pipeline_of, structure
 from torchtrain.tools.planner.step_time import StepTime, estimate_step
 from torchtrain.tools.planner.trace import TraceResult, trace_rank
 from torchtrain.tools.planner.validate import runnable_problems
+
+if TYPE_CHECKING:
+    from torchtrain.tools.planner.offload import OffloadPlan
 
 
 @dataclass
@@ -50,6 +54,10 @@ class Plan:
     """Why this torchtrain build would not start the job ([] = it would)."""
     overrides: list[str]
     notes: list[str] = field(default_factory=list)
+    offload: "OffloadPlan | None" = None
+    """Tiers, node capacities and offload times (`offload.py`); None without offload."""
+    base_throughput: StepTime | None = None
+    """The step time without offload, for the slowdown (None without offload)."""
 
     @property
     def worst(self) -> RankPlan:
@@ -58,7 +66,9 @@ class Plan:
     @property
     def fits(self) -> bool | None:
         usable = self.inputs.usable_bytes
-        return None if usable is None or not self.ranks else self.worst.peak <= usable
+        if usable is None or not self.ranks:
+            return None
+        return self.worst.peak <= usable and (self.offload is None or self.offload.fits)
 
     @property
     def valid(self) -> bool:
@@ -136,6 +146,9 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
         return Plan(p, [], estimate_step(with_peak(p.replace(pp=1), peak_tflops)), problems, ["invalid layout"],
                     overrides, list(job.notes) + p.notes)
     ranks = [RankPlan(r, estimate_memory(p, r)) for r in range(p.pp)]
+    if offload.active(p):  # the trace's fake tensors cannot be pinned nor streamed: analytic memory
+        trace = False
+        p.notes.append("offloaded layout: memory from the analytic model (the trace does not run offload)")
     if trace and not blockers:  # a job the trainer refuses has no real step to trace
         tcfg = trace_job(p)
         done: dict[tuple, TraceResult] = {}
@@ -152,7 +165,14 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
         p.notes.append("traced in eager mode (the job compiles its blocks; compiled kernels may keep fewer "
                        "intermediates, so the traced peak is an upper bound)")
     peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
-    return Plan(p, ranks, estimate_step(with_peak(p, peak)), problems, blockers, overrides, list(job.notes) + p.notes)
+    step = estimate_step(with_peak(p, peak))
+    plan = Plan(p, ranks, step, problems, blockers, overrides, list(job.notes) + p.notes)
+    if offload.active(p):
+        plan.offload = offload.plan_offload(p, ranks[0].analytic, step)
+        for rank in ranks:
+            rank.analytic = offload.adjust_memory(rank.analytic, p)
+        plan.base_throughput, plan.throughput = step, offload.with_offload_time(step, plan.offload)
+    return plan
 
 
 def trace_job(p: PlanInputs) -> JobConfig:

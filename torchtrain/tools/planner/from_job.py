@@ -122,6 +122,7 @@ def _from_layout(layout: Layout) -> dict[str, Any]:
                 cp=d.cp, ep=d.ep, strategy=layout.strategy.value, global_batch_size=layout.batch.global_batch_size,
                 pp_stages_per_rank=layout.pipeline.stages_per_rank if layout.pipeline is not None else 1,
                 ac_mode=layout.ac_mode, ac_option=str(layout.ac_option), cpu_offload=layout.cpu_offload,
+                offload_optimizer=layout.offload_optimizer, offload_params=layout.offload_params,
                 param_dtype=DTYPE_NAMES[layout.param_dtype], reduce_dtype=DTYPE_NAMES[layout.reduce_dtype],
                 optimizer_impl=layout.optimizer_impl, compile=layout.compile_model or layout.compile_loss,
                 async_tp=layout.async_tp, float8=f8 is not None, float8_all_gather=f8 is not None and
@@ -144,7 +145,8 @@ def _as_asked(job: JobConfig, world_size: int, device_type: str, split: tuple, n
                 global_batch_size=resolve_batch(tr.local_batch_size, -1, rep * shard).global_batch_size
                 if tr.global_batch_size == -1 else tr.global_batch_size, pp_stages_per_rank=v,
                 ac_mode=job.activation_checkpoint.mode, ac_option=str(job.activation_checkpoint.selective_ac_option),
-                cpu_offload=tr.enable_cpu_offload,
+                cpu_offload=tr.enable_cpu_offload or job.offload.params != "none",
+                offload_optimizer=job.offload.optimizer, offload_params=job.offload.params,
                 param_dtype=DTYPE_NAMES[resolve_param_dtype(tr.mixed_precision_param, device_type)],
                 reduce_dtype=tr.mixed_precision_reduce,
                 optimizer_impl=resolve_optimizer_impl(job.optimizer.implementation,

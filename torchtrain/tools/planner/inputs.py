@@ -53,6 +53,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "ac_mode": ("activation_checkpoint", "mode"),
     "ac_option": ("activation_checkpoint", "selective_ac_option"),
     "cpu_offload": ("training", "enable_cpu_offload"),
+    "offload_optimizer": ("offload", "optimizer"),
+    "offload_params": ("offload", "params"),
     "seq_len": ("training", "seq_len"),
     "local_batch_size": ("training", "local_batch_size"),
     "global_batch_size": ("training", "global_batch_size"),
@@ -108,6 +110,10 @@ class PlanInputs:
     ac_option: str = "op"
     """Selective AC: "op" (save matmul/attention outputs per op policy) or an integer N (every N-th block)."""
     cpu_offload: bool = False
+    offload_optimizer: str = "none"
+    """[offload].optimizer: none / cpu / nvme (tools/planner/offload.py)."""
+    offload_params: str = "none"
+    """[offload].params: none / cpu / nvme (cpu on CUDA sets cpu_offload: FSDP2's CPUOffloadPolicy)."""
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
     optimizer: str = "AdamW"
@@ -253,6 +259,8 @@ class PlanInputs:
             text += f", AC {self.ac_mode}" + (f"({self.ac_option})" if self.ac_mode == "selective" else "")
         if self.cpu_offload:
             text += ", CPU offload"
+        if self.offload_optimizer != "none" or self.offload_params == "nvme":
+            text += f", offload optimizer {self.offload_optimizer} params {self.offload_params}"
         return text
 
     def short(self) -> str:

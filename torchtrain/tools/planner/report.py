@@ -74,7 +74,22 @@ def _experts_line(plan: Plan) -> str | None:
             f"(4 k h d (ep-1)/ep per routed token and MoE block)")
 
 
-def format_plan(plan: Plan) -> str:
+def _fewest_lines(plan: Plan, fewest: tuple | None) -> list[str]:
+    """What fits instead, when the plan does not: the fewest GPUs without offload and with the plan's
+    offload flags (`fewest.py`)."""
+    if fewest is None:
+        return []
+    gpu = plan.inputs.gpu.name if plan.inputs.gpu else "devices"
+    lines = []
+    for what, found in zip(("without offload", "with this offload"), fewest):
+        if what == "with this offload" and plan.offload is None:
+            continue
+        lines.append(f"  fewest {gpu} that fit {what}: " + (
+            f"{found[0]} ({found[1].inputs.describe()})" if found else "none up to 4096"))
+    return lines
+
+
+def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
     p, a, lines = plan.inputs, plan.inputs.model, []
     lines.append(f"torchtrain plan: {p.model_name} {p.flavor} ({_params(a)}) on {_device(plan)}")
     lines.append(f"  layout   {p.describe()}")
@@ -97,9 +112,13 @@ def format_plan(plan: Plan) -> str:
     if not plan.ranks:  # an impossible layout has no memory to show
         return "\n".join(lines)
     worst = plan.worst
-    lines += _memory_table(plan, worst)
+    lines += _memory_table(plan, worst) + _fewest_lines(plan, fewest)
     if p.pp > 1:
         lines += ["", _pipeline_table(plan)]
+    if plan.offload is not None:
+        from torchtrain.tools.planner.offload import format_offload
+
+        lines += ["", *format_offload(plan.offload, plan.base_throughput, plan.throughput)]
     lines += ["", *_throughput_lines(plan)]
     notes = plan.notes + worst.analytic.notes + (worst.trace.notes if worst.trace else [])
     if notes:
@@ -120,7 +139,8 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
     if est.host_bytes:
         lines.append(f"  {'host memory (CPU offload)':<58} {_g(est.host_bytes, u):>9}")
     if rank.trace is None:
-        lines.append(f"  {'traced peak':<58} {'skipped':>9}  (--no-trace)")
+        why = "(offloaded layout: analytic only)" if plan.offload is not None else "(--no-trace)"
+        lines.append(f"  {'traced peak':<58} {'skipped':>9}  {why}")
     elif rank.trace.skipped:
         lines.append(f"  {'traced peak':<58} {'n/a':>9}  {rank.trace.skipped}")
     else:
@@ -202,7 +222,7 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
+def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
     p = plan.inputs
     inputs = {f.name: _clean(getattr(p, f.name)) for f in dataclasses.fields(p)
               if f.name not in ("args", "notes", "job", "layout", "problems")}
@@ -231,6 +251,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                    "worst_peak_bytes": plan.worst.peak if ranks else None, "usable_bytes": p.usable_bytes,
                    "fits": plan.fits if ranks else None},
         "throughput": _clean(plan.throughput), "notes": plan.notes,
+        "offload": None if plan.offload is None else {
+            **_clean(plan.offload), "host_per_node_bytes": plan.offload.host_per_node,
+            "nvme_per_node_bytes": plan.offload.nvme_per_node, "fits_node": plan.offload.fits,
+            "step_s_without_offload": plan.base_throughput.step_s if plan.base_throughput else None},
+        "fewest_gpus": None if fewest is None else {
+            k: f[0] if f else None for k, f in zip(("without_offload", "with_offload"), fewest)},
     }
 
 
