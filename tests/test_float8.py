@@ -130,7 +130,7 @@ def test_float8_experts_convert_the_selected_routed_experts_only():
     from torch import nn
     from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
 
-    from torchtrain.distributed.float8 import convert_experts
+    from torchtrain.distributed.float8 import convert_experts, high_precision
     from torchtrain.models.common.experts import GroupedExperts, swiglu_looped
     from torchtrain.models.common.moe import FeedForward
 
@@ -146,6 +146,8 @@ def test_float8_experts_convert_the_selected_routed_experts_only():
     assert convert_experts(m, ("experts",)) == 2
     assert wrapped(m) == [f"layers.{i}.moe.experts.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")]
     assert m.layers[0].moe.experts.float8 and not hasattr(m.layers[0].moe.shared_experts, "float8")
+    w1 = m.layers[0].moe.experts.w1
+    assert type(high_precision(w1)) is torch.Tensor and high_precision(w1) is w1._data  # checkpoints: unwrapped
     m = model()
     assert convert_experts(m, ("layers.1.",)) == 1 and wrapped(m) == [f"layers.1.moe.experts.{w}"
                                                                        for w in ("w1", "w2", "w3")]

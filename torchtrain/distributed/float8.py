@@ -156,20 +156,24 @@ def convert_linears(model: nn.Module, plan: Float8Plan) -> int:
 
 
 def high_precision(t: torch.Tensor) -> torch.Tensor:
-    """`t` without torchao's float8 all-gather wrapper: under float8 all-gather FSDP's sharded weights
-    are `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), which DCP would pickle as that class,
-    unloadable by a job without torchao. The wrapper holds the high-precision tensor itself (`_tensor`),
-    so this returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
+    """`t` without torchao's float8 weight wrapper: under float8 all-gather FSDP's sharded weights are
+    `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), float8 experts' weights
+    `Float8TrainingWeightWrapperTensor`s, which DCP would pickle as that class, unloadable by a job
+    without torchao. The wrapper holds the high-precision tensor itself (`_tensor`, `_data`), so this
+    returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
     from torch.distributed.tensor import DTensor
 
     local = t._local_tensor if isinstance(t, DTensor) else t
-    if not type(local).__module__.startswith("torchao.") or not isinstance(getattr(local, "_tensor", None),
-                                                                         torch.Tensor):
+    inner = None
+    if type(local).__module__.startswith("torchao."):
+        inner = next((v for v in (getattr(local, "_tensor", None), getattr(local, "_data", None))
+                      if isinstance(v, torch.Tensor)), None)
+    if inner is None:
         return t
     if isinstance(t, DTensor):
-        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+        return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
                                   run_check=False)
-    return local._tensor
+    return inner
 
 
 def precompute_scales(model_parts: list[nn.Module]) -> None:
