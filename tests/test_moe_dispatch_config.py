@@ -26,6 +26,8 @@ P = "--parallelism."
      "needs expert_parallel_degree > 1"),
     ([f"{P}pipeline_parallel_schedule", "DualPipeV", f"{P}expert_parallel_degree", "2", f"{P}tensor_parallel_degree",
       "2", f"{P}expert_parallel_overlap_f_b", "true"], 4, "tensor/context-parallel collectives would race"),
+    ([f"{P}pipeline_parallel_schedule", "DualPipeV", f"{P}expert_parallel_degree", "2", "--compile.enable",
+      f"{P}expert_parallel_overlap_f_b", "true"], 2, "with a compiled model is not supported"),
 ])
 def test_bad_expert_comm_settings_are_config_errors(argv, world, message):
     with pytest.raises(ConfigError) as err:

@@ -71,7 +71,7 @@ class Parallelism:
     of micro-batches concurrently (the backward in a second thread, its expert all-to-alls on a
     second EP process group), so one micro-batch's all-to-all runs under the other's computation.
     Needs pipeline_parallel_schedule = "DualPipeV" and expert_parallel_degree > 1, without tensor or
-    context parallelism. Same numbers as without it (docs/moe.md)."""
+    context parallelism or a compiled model. Same numbers as without it (docs/moe.md)."""
 
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and

@@ -50,10 +50,12 @@ class ExpertComm:
     issued inside autograd's backward go over a second EP process group."""
 
 
-def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> ExpertComm | None:
+def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int,
+                        compile_model: bool = False) -> ExpertComm | None:
     """The EP communication of a job with expert-parallel degree `ep` (None without EP), or a
     ConfigError naming the key: node_limited or overlap chunks need EP; the node size must divide the
-    EP degree; the chunks cannot outnumber the tokens of a sequence shard."""
+    EP degree; the chunks cannot outnumber the tokens of a sequence shard; overlapped DualPipeV pairs
+    need DualPipeV and EP, and neither TP, CP nor a compiled model."""
     backend, chunks = par.expert_parallel_comm_backend, par.expert_parallel_overlap_chunks
     overlap_f_b = par.expert_parallel_overlap_f_b
     if overlap_f_b:
@@ -68,6 +70,9 @@ def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> Ex
             raise ConfigError(f"{key} runs a backward concurrently with a forward, whose tensor/context-parallel "
                               f"collectives would race on one process group; set it to false, or use "
                               f"tensor_parallel_degree = context_parallel_degree = 1")
+        if compile_model:
+            raise ConfigError(f"{key} with a compiled model is not supported (compilation would run in both "
+                              f"threads at once); set it to false, or remove \"model\" from compile.components")
     if ep <= 1:
         if backend != "standard":
             raise ConfigError(f"[parallelism.expert_parallel_comm_backend] {backend!r} dispatches tokens between "

@@ -380,7 +380,8 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     if float8 is not None or float8_experts is not None or cfg.lora.enable:
         layout = replace(layout, float8=float8, float8_experts=float8_experts,
                          lora=cfg.lora if cfg.lora.enable else None)
-    expert_comm = resolve_expert_comm(par, cfg.debug.expert_comm_delay_ms, dims.ep, layout.local_seq_len // dims.tp)
+    expert_comm = resolve_expert_comm(par, cfg.debug.expert_comm_delay_ms, dims.ep, layout.local_seq_len // dims.tp,
+                                      layout.compile_model)
     if expert_comm is not None:
         layout = replace(layout, expert_comm=expert_comm)
     if spec is None:
