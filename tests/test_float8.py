@@ -79,7 +79,8 @@ def test_the_405b_style_job_resolves_for_the_cluster():
 @pytest.mark.parametrize("argv, message", [
     (["--model.converters", "float8"], "float8 needs a CUDA GPU of compute capability 8.9\\+.*this run is on CPU"),
     (["--model.converters", "mx"], "MX formats"),
-    (["--model.converters", "quantize.grouped_mm.float8"], "float8 grouped GEMMs for MoE experts are not supported"),
+    (["--model.converters", "quantize.grouped_mm.float8"],
+     r"^\[model.converters\] 'quantize.grouped_mm.float8': float8 grouped GEMMs .* this run is on cpu"),
     (["--model.converters", "flaot8"], "unknown converter 'flaot8'; did you mean 'float8'"),
     (["--model.converters", "float8,quantize.linear.float8"], "names a converter twice"),
     (EMULATED + ["--quantize.linear.float8.recipe_name", "rowwise",
@@ -103,6 +104,70 @@ def test_float8_on_an_older_gpu_or_without_torchao_is_a_config_error(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match="needs torchao"):
         _layout(TINY_JOB + EMULATED)
+
+
+def test_float8_experts_resolve_on_hopper_only(monkeypatch):
+    """The grouped-GEMM converter runs on CUDA 9.0+ (no CPU kernel, no emulation): checked with the
+    capability mocked, so no float8 GEMM runs here."""
+    experts = TINY_JOB + ["--model.converters", "quantize.grouped_mm.float8"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40S")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    with pytest.raises(ConfigError, match="need a GPU of compute capability 9.0\\+ .*NVIDIA L40S has 8.9"):
+        _layout(experts + ["--quantize.grouped_mm.float8.fqns", "experts"], device="cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(ConfigError, match=r"^\[quantize.grouped_mm.float8.fqns\] is empty"):
+        _layout(experts, device="cuda")
+    layout = _layout(experts + ["--quantize.grouped_mm.float8.fqns", "experts", "--model.converters",
+                                "quantize.grouped_mm.float8,float8"], device="cuda")
+    assert layout.float8_experts == ("experts",) and layout.float8.recipe == "tensorwise"
+    assert _layout(TINY_JOB, device="cuda").float8_experts is None
+
+
+def test_float8_experts_convert_the_selected_routed_experts_only():
+    """`convert_experts` wraps the stacked weights of the routed-expert modules named by fqns (the
+    shared experts' Linear layers stay), and converted experts take the `torch._grouped_mm` path."""
+    from torch import nn
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
+    from torchtrain.distributed.float8 import convert_experts, high_precision
+    from torchtrain.models.common.experts import GroupedExperts, swiglu_looped
+    from torchtrain.models.common.moe import FeedForward
+
+    def model():
+        layer = lambda: nn.ModuleDict({"moe": nn.ModuleDict({"experts": GroupedExperts(16, 32, 4),  # noqa: E731
+                                                             "shared_experts": FeedForward(16, 32)})})
+        return nn.ModuleDict({"layers": nn.ModuleList([layer(), layer()])})
+
+    def wrapped(m):
+        return sorted(n for n, p in m.named_parameters() if isinstance(p.data, Float8TrainingWeightWrapperTensor))
+
+    m = model()
+    assert convert_experts(m, ("experts",)) == 2
+    assert wrapped(m) == [f"layers.{i}.moe.experts.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")]
+    assert m.layers[0].moe.experts.float8 and not hasattr(m.layers[0].moe.shared_experts, "float8")
+    w1 = m.layers[0].moe.experts.w1
+    assert type(high_precision(w1)) is torch.Tensor and high_precision(w1) is w1._data  # checkpoints: unwrapped
+    m = model()
+    assert convert_experts(m, ("layers.1.",)) == 1 and wrapped(m) == [f"layers.1.moe.experts.{w}"
+                                                                       for w in ("w1", "w2", "w3")]
+    with pytest.raises(ConfigError, match=r"\[quantize.grouped_mm.float8.fqns\] \['attention'\] names no routed"):
+        convert_experts(model(), ("attention",))
+    # the float8 path is `torch._grouped_mm` (run here unconverted, on torch's CPU kernel)
+    experts = GroupedExperts(16, 32, 4)
+    for w in (experts.w1, experts.w2, experts.w3):
+        nn.init.normal_(w, std=0.1)
+    experts.float8 = True
+    x, counts = torch.randn(10, 16), torch.tensor([3, 0, 5, 2])
+    calls = []
+    real = torch._grouped_mm
+    try:
+        torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
+        out = experts.compute(x, counts)
+    finally:
+        torch._grouped_mm = real
+    assert len(calls) == 3
+    torch.testing.assert_close(out, swiglu_looped(x, counts, experts.w1, experts.w2, experts.w3))
 
 
 def test_launch_check_prints_one_line(capsys):

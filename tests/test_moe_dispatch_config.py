@@ -20,6 +20,14 @@ P = "--parallelism."
      "[parallelism.expert_parallel_ranks_per_node] 3"),
     ([f"{P}expert_parallel_degree", "2", f"{P}expert_parallel_overlap_chunks", "65"], 2, "outnumber the 64"),
     (["--model.converters", "quantize.grouped_mm.float8"], 1, "float8 grouped GEMMs"),
+    ([f"{P}expert_parallel_degree", "2", f"{P}expert_parallel_overlap_f_b", "true"], 2,
+     "[parallelism.expert_parallel_overlap_f_b] overlaps the forward/backward pairs of the DualPipeV schedule"),
+    ([f"{P}pipeline_parallel_schedule", "DualPipeV", f"{P}expert_parallel_overlap_f_b", "true"], 2,
+     "needs expert_parallel_degree > 1"),
+    ([f"{P}pipeline_parallel_schedule", "DualPipeV", f"{P}expert_parallel_degree", "2", f"{P}tensor_parallel_degree",
+      "2", f"{P}expert_parallel_overlap_f_b", "true"], 4, "tensor/context-parallel collectives would race"),
+    ([f"{P}pipeline_parallel_schedule", "DualPipeV", f"{P}expert_parallel_degree", "2", "--compile.enable",
+      f"{P}expert_parallel_overlap_f_b", "true"], 2, "with a compiled model is not supported"),
 ])
 def test_bad_expert_comm_settings_are_config_errors(argv, world, message):
     with pytest.raises(ConfigError) as err:
@@ -34,3 +42,6 @@ def test_expert_comm_resolves_node_size_chunks_and_delay(monkeypatch):
     comm = resolve_layout(cfg, 4, "cpu").expert_comm
     assert (comm.backend, comm.ranks_per_node, comm.chunks, comm.delay_ms) == ("node_limited", 2, 4, 5.0)
     assert resolve_layout(parse_args(MOE), 4, "cpu").expert_comm is None
+    overlap = parse_args([*MOE, f"{P}expert_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "DualPipeV",
+                          f"{P}expert_parallel_overlap_f_b", "true"])
+    assert resolve_layout(overlap, 2, "cpu").expert_comm.overlap_f_b

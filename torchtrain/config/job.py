@@ -52,7 +52,9 @@ class Model:
     """Model converters applied after the model is built and before parallelism: `float8` (also
     written `quantize.linear.float8`) trains its nn.Linear layers in float8 through torchao, as
     `[quantize.linear.float8]` configures (needs `pip install "torchtrain[float8]"` and a GPU of
-    compute capability 8.9+, or quantize.linear.float8.emulate; docs/float8.md)."""
+    compute capability 8.9+, or quantize.linear.float8.emulate; docs/float8.md);
+    `quantize.grouped_mm.float8` runs the grouped GEMMs of the MoE experts named by
+    `[quantize.grouped_mm.float8] fqns` in float8 (a GPU of compute capability 9.0+ only)."""
 
     print_after_conversion: bool = False
     """Log the model (rank 0) after the converters have been applied."""

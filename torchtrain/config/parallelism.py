@@ -66,6 +66,13 @@ class Parallelism:
     all-to-all runs (asynchronously) while another chunk's experts compute. 1: no overlap. Same
     numbers as no overlap."""
 
+    expert_parallel_overlap_f_b: bool = False
+    """Under the DualPipeV schedule with expert parallelism: run each overlapped forward/backward pair
+    of micro-batches concurrently (the backward in a second thread, its expert all-to-alls on a
+    second EP process group), so one micro-batch's all-to-all runs under the other's computation.
+    Needs pipeline_parallel_schedule = "DualPipeV" and expert_parallel_degree > 1, without tensor or
+    context parallelism or a compiled model. Same numbers as without it (docs/moe.md)."""
+
     disable_loss_parallel: bool = False
     """With tensor parallelism, the output projection's logits stay sharded over the vocabulary and
     the cross-entropy is computed on the shards (loss parallel), so full logits are never gathered.

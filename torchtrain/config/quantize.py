@@ -3,9 +3,9 @@
 
 These tables only hold settings: a converter named in `model.converters` switches the feature on
 (`converters = ["float8"]`, as torchtitan's job files write it). Which converters torchtrain runs, and
-on which devices, is decided by the resolved Layout (`distributed/float8.py::resolve_float8`); the MX
-and grouped-GEMM tables are accepted so that torchtitan's job files load, and naming their converters
-is a config error that says why (docs/float8.md).
+on which devices, is decided by the resolved Layout (`distributed/float8.py::resolve_float8` and
+`resolve_float8_experts`); the MX tables are accepted so that torchtitan's job files load, and naming
+their converters is a config error that says why (docs/float8.md).
 """
 
 from __future__ import annotations
@@ -76,9 +76,11 @@ class QuantizedLinear:
 @dataclass
 class Float8GroupedMM:
     fqns: list[str] = field(default_factory=list)
-    """MoE modules whose grouped GEMMs would run in float8 (e.g. ["experts"]). Accepted so that
-    torchtitan's job files load; the `quantize.grouped_mm.float8` converter is not supported yet
-    (torchao runs it only on CUDA 9.0+ with no emulation to test it by; docs/float8.md)."""
+    """With the converter `quantize.grouped_mm.float8` in model.converters: the routed-expert modules
+    whose grouped GEMMs run in float8 through torchao, by name substring (e.g. ["experts"] for every MoE
+    layer's experts; shared experts are Linear layers, the "float8" converter's). Needs a CUDA GPU of
+    compute capability 9.0+ (torchao has no CPU kernel or emulation for it); elsewhere naming the
+    converter is a config error (docs/float8.md)."""
 
 
 @dataclass
@@ -93,7 +95,7 @@ class MXGroupedMM:
 @dataclass
 class QuantizedGroupedMM:
     float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
-    """Float8 grouped GEMMs of MoE experts (not supported yet: accepted for torchtitan's job files)."""
+    """Float8 grouped GEMMs of MoE experts (converter `quantize.grouped_mm.float8`; CUDA 9.0+ only)."""
 
     mx: MXGroupedMM = field(default_factory=MXGroupedMM)
     """MX grouped GEMMs of MoE experts (not supported: accepted for torchtitan's job files)."""

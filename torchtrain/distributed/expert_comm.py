@@ -20,6 +20,7 @@ the delay, once, whatever the chunking; chunks hide it behind the computation of
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -44,13 +45,34 @@ class ExpertComm:
     """Token chunks per MoE forward whose communication overlaps the others' computation."""
     delay_ms: float = 0.0
     """Injected delay of each layer's dispatch and combine (`expert_comm.py`)."""
+    overlap_f_b: bool = False
+    """DualPipeV's forward/backward pairs run concurrently (`pipeline_overlap.py`): the all-to-alls
+    issued inside autograd's backward go over a second EP process group."""
 
 
-def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> ExpertComm | None:
+def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int,
+                        compile_model: bool = False) -> ExpertComm | None:
     """The EP communication of a job with expert-parallel degree `ep` (None without EP), or a
     ConfigError naming the key: node_limited or overlap chunks need EP; the node size must divide the
-    EP degree; the chunks cannot outnumber the tokens of a sequence shard."""
+    EP degree; the chunks cannot outnumber the tokens of a sequence shard; overlapped DualPipeV pairs
+    need DualPipeV and EP, and neither TP, CP nor a compiled model."""
     backend, chunks = par.expert_parallel_comm_backend, par.expert_parallel_overlap_chunks
+    overlap_f_b = par.expert_parallel_overlap_f_b
+    if overlap_f_b:
+        key = "[parallelism.expert_parallel_overlap_f_b]"
+        if par.pipeline_parallel_schedule.lower() != "dualpipev" or par.pipeline_parallel_schedule_csv:
+            raise ConfigError(f"{key} overlaps the forward/backward pairs of the DualPipeV schedule; set "
+                              f"pipeline_parallel_schedule = \"DualPipeV\" (no schedule csv) or set it to false")
+        if ep <= 1:
+            raise ConfigError(f"{key} overlaps the expert-parallel all-to-all, which needs expert_parallel_degree "
+                              f"> 1; set it to false")
+        if par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1:
+            raise ConfigError(f"{key} runs a backward concurrently with a forward, whose tensor/context-parallel "
+                              f"collectives would race on one process group; set it to false, or use "
+                              f"tensor_parallel_degree = context_parallel_degree = 1")
+        if compile_model:
+            raise ConfigError(f"{key} with a compiled model is not supported (compilation would run in both "
+                              f"threads at once); set it to false, or remove \"model\" from compile.components")
     if ep <= 1:
         if backend != "standard":
             raise ConfigError(f"[parallelism.expert_parallel_comm_backend] {backend!r} dispatches tokens between "
@@ -72,7 +94,7 @@ def resolve_expert_comm(par, delay_ms: float, ep: int, local_seq_len: int) -> Ex
     if chunks > local_seq_len:
         raise ConfigError(f"[parallelism.expert_parallel_overlap_chunks] {chunks} chunks outnumber the {local_seq_len} "
                           f"tokens of a sequence shard; use at most {local_seq_len}")
-    return ExpertComm(backend, node, chunks, delay_ms)
+    return ExpertComm(backend, node, chunks, delay_ms, overlap_f_b)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -91,8 +113,10 @@ class ScaleGrad(torch.autograd.Function):
 class ExpertLink:
     """An EP group as one rank's dispatcher sees it: peers' nodes, bytes sent, the simulated delay."""
 
-    def __init__(self, group, ranks_per_node: int, delay_ms: float = 0.0):
+    def __init__(self, group, ranks_per_node: int, delay_ms: float = 0.0, backward_group=None):
         self.group = group
+        self.backward_group = backward_group
+        self.lock = threading.Lock()  # counters and the simulated link, shared by a forward and a backward thread
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks_per_node = ranks_per_node
         self.node = self.rank // ranks_per_node
@@ -100,25 +124,37 @@ class ExpertLink:
         self.free_at = 0.0
         self.bytes = dict.fromkeys(LINK_CLASSES, 0)
 
+    def current_group(self):
+        """The process group of a collective issued now: the backward group (when there is one) inside
+        autograd's backward -- gradient all-to-alls and recomputed forwards -- the EP group otherwise.
+        Each group then sees its collectives in the order of one thread on every rank, also while
+        DualPipeV runs one micro-batch's forward and another's backward concurrently."""
+        if self.backward_group is not None and torch._C._current_graph_task_id() != -1:
+            return self.backward_group
+        return self.group
+
     def link_class(self, peer: int) -> str:
         return "intra" if peer // self.ranks_per_node == self.node else "inter"
 
     def count(self, send: list[int], row_bytes: int) -> None:
-        for peer, rows in enumerate(send):
-            if peer != self.rank and rows:
-                self.bytes[self.link_class(peer)] += rows * row_bytes
+        with self.lock:
+            for peer, rows in enumerate(send):
+                if peer != self.rank and rows:
+                    self.bytes[self.link_class(peer)] += rows * row_bytes
 
     def take_bytes(self) -> dict[str, int]:
         """Bytes sent since the last call, per link class; resets the counters."""
-        out, self.bytes = self.bytes, dict.fromkeys(LINK_CLASSES, 0)
+        with self.lock:
+            out, self.bytes = self.bytes, dict.fromkeys(LINK_CLASSES, 0)
         return out
 
     def deadline(self, share: float) -> float | None:
         """When a transfer carrying `share` of a layer's tokens, issued now, leaves the simulated link."""
         if self.delay_s <= 0 or share <= 0:
             return None
-        done = max(time.monotonic(), self.free_at) + share * self.delay_s
-        self.free_at = done
+        with self.lock:
+            done = max(time.monotonic(), self.free_at) + share * self.delay_s
+            self.free_at = done
         return done
 
 
@@ -145,7 +181,7 @@ def issue(link: ExpertLink, x: torch.Tensor, send: list[int], recv: list[int], s
     """Start the all-to-all of rows `x` (`send` rows to each peer, `recv` from each); (buffer, handle)."""
     x = x.contiguous()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x, recv, send, group=link.group, async_op=True)
+    work = dist.all_to_all_single(out, x, recv, send, group=link.current_group(), async_op=True)
     link.count(send, x[:1].numel() * x.element_size())
     return out, Handle(work, link.deadline(share))
 
@@ -204,7 +240,7 @@ def exchange_counts(link: ExpertLink, counts: torch.Tensor) -> torch.Tensor:
     """All-to-all of per-peer integer counts (`counts` (size, ...): row p goes to peer p): what each
     peer sends here, same shape. Synchronous and not delayed (a few integers)."""
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=link.group)
+    dist.all_to_all_single(received, counts.contiguous(), group=link.current_group())
     return received
 
 

@@ -11,6 +11,11 @@
   so parameter names, initialisation and checkpoints stay exactly as without float8; under float8
   all-gather the checkpoint stores the weights unwrapped (`high_precision`), loadable by a job
   without float8 or torchao.
+* `resolve_float8_experts` / `convert_experts`: the same for the MoE experts' grouped GEMMs
+  (converter `quantize.grouped_mm.float8`, modules named by `quantize.grouped_mm.float8.fqns`, kept as
+  `Layout.float8_experts`): torchao's float8 grouped GEMM has kernels on CUDA 9.0+ only and no
+  emulation, so anywhere else it is a ConfigError; the converted experts' weights become torchao's
+  `Float8TrainingWeightWrapperTensor`, which takes over their `torch._grouped_mm` calls.
 * `precompute_scales` runs after each optimizer step that stepped (`trainer/step.py`) when the plan says
   so: one all-reduce for the float8 scales of every sharded weight.
 
@@ -33,6 +38,7 @@ from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR, MX, Qua
 from torchtrain.utils.logging import logger
 
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: float8 tensor cores (torch._scaled_mm)
+MIN_CAPABILITY_GROUPED = (9, 0)  # Hopper and newer: torchao's float8 grouped GEMM (torch._scaled_grouped_mm)
 AUTO_FILTER = "auto_filter_small_kn"
 
 
@@ -88,10 +94,6 @@ def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, 
             raise ConfigError(f"[model.converters] {name!r}: MX formats (MXFP8) are not supported by torchtrain "
                               f"(torchao runs them on Blackwell GPUs, compute capability 10.0, only); use \"float8\" "
                               f"or remove it")
-        if name in FLOAT8_GROUPED_MM:
-            raise ConfigError(f"[model.converters] {name!r}: float8 grouped GEMMs for MoE experts are not supported "
-                              f"yet: torchao runs them on CUDA 9.0+ only, with no emulation a CPU test could check "
-                              f"(docs/float8.md); remove it (\"float8\" still converts the dense Linear layers)")
     if not any(name in FLOAT8_LINEAR for name in converters):
         return None
     cfg = quantize.linear.float8
@@ -154,20 +156,24 @@ def convert_linears(model: nn.Module, plan: Float8Plan) -> int:
 
 
 def high_precision(t: torch.Tensor) -> torch.Tensor:
-    """`t` without torchao's float8 all-gather wrapper: under float8 all-gather FSDP's sharded weights
-    are `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), which DCP would pickle as that class,
-    unloadable by a job without torchao. The wrapper holds the high-precision tensor itself (`_tensor`),
-    so this returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
+    """`t` without torchao's float8 weight wrapper: under float8 all-gather FSDP's sharded weights are
+    `WeightWithDynamicFloat8CastTensor`s (inside the DTensor), float8 experts' weights
+    `Float8TrainingWeightWrapperTensor`s, which DCP would pickle as that class, unloadable by a job
+    without torchao. The wrapper holds the high-precision tensor itself (`_tensor`, `_data`), so this
+    returns the same data as a plain tensor (no copy). Any other tensor is returned as is."""
     from torch.distributed.tensor import DTensor
 
     local = t._local_tensor if isinstance(t, DTensor) else t
-    if not type(local).__module__.startswith("torchao.") or not isinstance(getattr(local, "_tensor", None),
-                                                                         torch.Tensor):
+    inner = None
+    if type(local).__module__.startswith("torchao."):
+        inner = next((v for v in (getattr(local, "_tensor", None), getattr(local, "_data", None))
+                      if isinstance(v, torch.Tensor)), None)
+    if inner is None:
         return t
     if isinstance(t, DTensor):
-        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+        return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
                                   run_check=False)
-    return local._tensor
+    return inner
 
 
 def precompute_scales(model_parts: list[nn.Module]) -> None:
@@ -176,3 +182,60 @@ def precompute_scales(model_parts: list[nn.Module]) -> None:
     float8 = _import_float8()
     for part in model_parts:
         float8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def resolve_float8_experts(converters: list[str], quantize: Quantize, device_type: str) -> tuple[str, ...] | None:
+    """The expert-module name filters whose grouped GEMMs run in float8 (`Layout.float8_experts`), or
+    None without the `quantize.grouped_mm.float8` converter; ConfigError where it cannot run. As for
+    the Linear layers, the GPU's capability is checked where a GPU is visible."""
+    if not any(name in FLOAT8_GROUPED_MM for name in converters):
+        return None
+    key = "[model.converters] 'quantize.grouped_mm.float8'"
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{key} needs torchao: pip install \"torchtrain[float8]\" (or remove the converter)")
+    if device_type != "cuda":
+        raise ConfigError(f"{key}: float8 grouped GEMMs of MoE experts need a CUDA GPU of compute capability 9.0+ "
+                          f"(torchao has no CPU kernel and no emulation for them); this run is on {device_type}. "
+                          f"Remove the converter")
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if cap < MIN_CAPABILITY_GROUPED:
+            raise ConfigError(f"{key}: float8 grouped GEMMs of MoE experts need a GPU of compute capability 9.0+ "
+                              f"(Hopper or newer); {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Remove "
+                              f"the converter")
+    fqns = tuple(quantize.grouped_mm.float8.fqns)
+    if not fqns:
+        raise ConfigError("[quantize.grouped_mm.float8.fqns] is empty: name the MoE expert modules whose grouped "
+                          "GEMMs run in float8 (e.g. fqns = [\"experts\"]), or remove the converter")
+    return fqns
+
+
+def expert_modules(model: nn.Module, fqns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The routed-expert modules (`GroupedExperts`) whose name contains one of `fqns` (torchtitan's
+    substring match): the only modules whose weights float8 grouped GEMMs convert (a shared expert's
+    nn.Linear layers are the Linear converter's business)."""
+    from torchtrain.models.common.experts import GroupedExperts
+
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, GroupedExperts) and any(f in name for f in fqns)]
+
+
+def convert_experts(model: nn.Module, fqns: tuple[str, ...]) -> int:
+    """Wrap the stacked weights of `model`'s selected experts in torchao's float8 grouped-GEMM tensor
+    (in place, before any parallelism); returns how many expert modules were converted. A converted
+    module runs its experts through `torch._grouped_mm` (`GroupedExperts.float8`), which torchao takes
+    over. Selecting no module is a ConfigError."""
+    selected = expert_modules(model, fqns)
+    if not selected:
+        raise ConfigError(f"[quantize.grouped_mm.float8.fqns] {list(fqns)} names no routed-expert module of this "
+                          f"model (their names look like 'layers.0.moe.experts'); fix fqns or remove the converter")
+    with _quiet_import():
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+    chosen = {id(m) for _, m in selected}
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda m, _fqn: id(m) in chosen)
+    for _, m in selected:
+        m.float8 = True
+    logger.info("float8 grouped GEMMs: %d expert modules converted (%s)", len(selected),
+                ", ".join(name for name, _ in selected[:3]) + (", ..." if len(selected) > 3 else ""))
+    return len(selected)

@@ -35,7 +35,7 @@ import torch
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_comm import ExpertComm, resolve_expert_comm
-from torchtrain.distributed.float8 import Float8Plan, resolve_float8
+from torchtrain.distributed.float8 import Float8Plan, resolve_float8, resolve_float8_experts
 from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.offload import check_offload
 from torchtrain.distributed.parallel_dims import ParallelDims
@@ -181,6 +181,8 @@ class Layout:
     """This job's replica group under fault.replica_ft."""
     float8: Float8Plan | None = None
     """Float8 training of the Linear layers (`resolve_float8`); None: off."""
+    float8_experts: tuple[str, ...] | None = None
+    """Name filters of the MoE experts whose grouped GEMMs run in float8 (`resolve_float8_experts`); None: off."""
     lora: "Lora | None" = None
     """LoRA adapters on frozen base weights ([lora], `distributed/lora.py`); None: off."""
     expert_comm: ExpertComm | None = None
@@ -388,9 +390,12 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
                             print_after_conversion=cfg.model.print_after_conversion)
     if cfg.lora.enable:
         check_lora_layout(cfg.lora, dims, float8 is not None)
-    if float8 is not None or cfg.lora.enable:
-        layout = replace(layout, float8=float8, lora=cfg.lora if cfg.lora.enable else None)
-    expert_comm = resolve_expert_comm(par, cfg.debug.expert_comm_delay_ms, dims.ep, layout.local_seq_len // dims.tp)
+    float8_experts = resolve_float8_experts(cfg.model.converters, cfg.quantize, device_type)
+    if float8 is not None or float8_experts is not None or cfg.lora.enable:
+        layout = replace(layout, float8=float8, float8_experts=float8_experts,
+                         lora=cfg.lora if cfg.lora.enable else None)
+    expert_comm = resolve_expert_comm(par, cfg.debug.expert_comm_delay_ms, dims.ep, layout.local_seq_len // dims.tp,
+                                      layout.compile_model)
     if expert_comm is not None:
         layout = replace(layout, expert_comm=expert_comm)
     if spec is None:

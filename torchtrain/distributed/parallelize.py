@@ -4,7 +4,8 @@
 model. It applies, in this fixed order:
 
 0. **model converters**: float8 training swaps nn.Linear for torchao's Float8Linear
-   (`float8.py`, when `layout.float8` says so), so that every wrapper below sees the float8 layers;
+   (`float8.py`, when `layout.float8` says so) and wraps the selected MoE experts' weights for float8
+   grouped GEMMs (when `layout.float8_experts` says so), so that every wrapper below sees the float8 layers;
 1. **tensor parallelism**: the model's own plan (`spec.tp_plan`) over the "tp" mesh dimension, plus
    async TP when the layout asks for it;
 2. **context parallelism**: the model's attention modules become their sequence-sharded version over
@@ -43,7 +44,7 @@ from torchtrain.distributed.compile import compile_blocks, compile_modules
 from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
 from torchtrain.distributed.expert_parallel import apply_expert_parallel
-from torchtrain.distributed.float8 import convert_linears
+from torchtrain.distributed.float8 import convert_experts, convert_linears
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.lora import apply_lora
@@ -73,6 +74,8 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         apply_lora(model, layout.lora)
     if layout.float8 is not None:
         convert_linears(model, layout.float8)
+    if layout.float8_experts is not None:
+        convert_experts(model, layout.float8_experts)
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
         tp_mesh = dims.world_mesh["tp"]

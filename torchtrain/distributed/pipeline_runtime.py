@@ -25,7 +25,9 @@ from torch import nn
 
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline import build_schedule, schedule_timeline
+from torchtrain.distributed.pipeline_overlap import register_overlap_f_b
 from torchtrain.models.base import forward_counting
+from torchtrain.utils.logging import logger
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # dtype code, ndim, up to 6 dimensions
@@ -45,6 +47,8 @@ class PipelineRunner:
         stages = [_counting_stage()(part, s, split.num_stages, device, group=self.group)
                   for s, part in zip(self.stage_ids, model_parts)]
         self.schedule = build_schedule(split, stages, loss_fn)
+        if layout.expert_comm is not None and layout.expert_comm.overlap_f_b:
+            register_overlap_f_b(self.schedule)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
 
@@ -59,6 +63,10 @@ class PipelineRunner:
         args = (inputs.to(self.device),) if self.has_first else ()
         with forward_counting(False):  # shape inference; the micro-batch forwards count (_counting_stage)
             self.schedule.step(*args, target=targets, losses=losses, **(kwargs or {}))
+        if getattr(self.schedule, "overlapped_pairs", None) and not getattr(self, "_pairs_logged", False):
+            self._pairs_logged = True
+            logger.info("pipeline: %d forward/backward pairs ran concurrently in the first step "
+                        "(expert_parallel_overlap_f_b)", self.schedule.overlapped_pairs)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()

@@ -181,9 +181,30 @@ def install_dispatchers(experts: list[nn.Module], ep_mesh: DeviceMesh, grad_scal
     """Give every expert module the token dispatcher of `comm` (one `ExpertLink` each) over `ep_mesh`.
     `grad_scale`: dp_shard_in_ep (`expert_parallel.py`)."""
     comm = comm or ExpertComm(ranks_per_node=ep_mesh.size())
+    backward_group = backward_ep_group(ep_mesh) if comm.overlap_f_b else None
     for module in experts:
-        link = ExpertLink(ep_mesh.get_group(), comm.ranks_per_node, comm.delay_ms)
+        link = ExpertLink(ep_mesh.get_group(), comm.ranks_per_node, comm.delay_ms, backward_group)
         module.dispatcher = DISPATCHERS[comm.backend](module.num_experts, link, grad_scale, comm.chunks)
+
+
+_BACKWARD_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def backward_ep_group(ep_mesh: DeviceMesh):
+    """A second process group over this rank's EP ranks, for the all-to-alls issued inside autograd's
+    backward (`expert_parallel_overlap_f_b`; `ExpertLink.current_group`). Collective over all ranks
+    (each creates every EP group's twin, in one order); created once per process."""
+    import torch.distributed as dist
+
+    mine = tuple(dist.get_process_group_ranks(ep_mesh.get_group()))
+    if mine not in _BACKWARD_GROUPS:
+        groups: list = [None] * dist.get_world_size()
+        dist.all_gather_object(groups, mine)
+        for ranks in sorted(set(groups)):
+            group = dist.new_group(list(ranks))
+            if ranks == mine:
+                _BACKWARD_GROUPS[mine] = group
+    return _BACKWARD_GROUPS[mine]
 
 
 def expert_links(model: nn.Module) -> list[ExpertLink]:

@@ -19,6 +19,9 @@ Two implementations, equal within fp32 rounding (tests/test_moe.py):
   CPU `_grouped_mm`, but its backward rejects the zero-stride gradients autograd can hand it, so CPU
   training does not use it; the test compares the two paths on it.)
 
+Float8 experts (`quantize.grouped_mm.float8`) always take the grouped path: torchao's weight tensors
+intercept `torch._grouped_mm` only (`GroupedExperts.float8`).
+
 Every expert's weights take part in the computation even when it receives no rows (its gradient is
 then zero, not None), so data-parallel gradient reduction sees the same parameters on every rank.
 """
@@ -105,6 +108,10 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
+        # Set by the float8 grouped-GEMM converter (`distributed/float8.py::convert_experts`): the weights
+        # are torchao tensors that take over `torch._grouped_mm`, so the grouped path always runs (the
+        # converter runs only on a GPU that has the kernel), its output cast back to the input's dtype.
+        self.float8 = False
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -113,6 +120,8 @@ class GroupedExperts(nn.Module):
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts over rows `x` sorted by expert, `counts` rows per local expert."""
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        if self.float8:
+            return swiglu_grouped(x, counts, w1, w2, w3).to(x.dtype)
         return expert_swiglu(x, counts, w1, w2, w3, self.use_grouped_mm)
 
     def forward(self, tokens: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

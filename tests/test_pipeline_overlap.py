@@ -1,0 +1,65 @@
+"""DualPipeV with concurrently run forward/backward pairs (`parallelism.expert_parallel_overlap_f_b`;
+real torchrun + gloo, fp32, 4 ranks: PP 2 x EP 2, the dense weights FSDP-sharded over the 2 data ranks).
+
+The overlapped run matches one process step for step over 10 steps, with activation checkpointing (so
+recomputed forwards, inside the concurrent backward, issue all-to-alls too), and resumes exactly.
+Tolerance: relative difference <= 1e-4 per step, loss and gradient norm (the acceptance bound of
+tests/test_moe_parity.py): only the summation order of the data-parallel reduction differs (~1e-7
+here). Exact resume: the run saves step 5, a second run resumes from it; its steps 6-10 are BITWISE
+the first run's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from conftest import ParitySuite
+from test_moe_parity import SHAPE
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+RTOL = 1e-4
+P = "--parallelism."
+# 4 layers for DualPipeV's 4 stages; local batch 4 = 4 micro-batches (DualPipeV needs >= 4)
+MOE = ["--model.name", "qwen3_moe", *SHAPE, "--model.n_layers", "4", "--model.num_experts", "8",
+       "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32", "--model.moe_load_balance_coeff",
+       "0.01", "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", "4",
+       "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+       "--activation_checkpoint.mode", "full"]
+OVERLAP = (f"4 {P}pipeline_parallel_degree 2 {P}expert_parallel_degree 2 {P}pipeline_parallel_schedule DualPipeV "
+           f"{P}expert_parallel_overlap_f_b true")
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
+def _folder(name: str) -> str:
+    return name.replace(" ", "_").replace("/", "_").replace("-", "")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process, the overlapped layout (saving step 5), then the overlapped layout resumed from step 5."""
+    from torchtrain.tools.parity import parse_layout, run_layout
+
+    work = str(tmp_path_factory.mktemp("pipeline_overlap"))
+    first, = ParitySuite(work, MOE).check([OVERLAP], rtol=RTOL, extra=CKPT)
+    layout = parse_layout(OVERLAP)
+    resume_dir = os.path.join(work, "resume")
+    src = os.path.join(work, _folder(layout.name), "checkpoint", "step-5")
+    shutil.copytree(src, os.path.join(resume_dir, _folder(layout.name), "checkpoint", "step-5"))
+    resumed = run_layout(layout, None, 10, MOE + CKPT, resume_dir)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    return first, resumed
+
+
+def test_overlapped_pairs_run_concurrently_and_match_one_process(runs):
+    first, _ = runs
+    assert len(first.records) == 10
+    assert "forward/backward pairs ran concurrently in the first step" in first.log, first.log[-3000:]
+
+
+def test_overlapped_run_resumes_exactly(runs):
+    first, resumed = runs
+    assert [r["step"] for r in resumed.records] == [6, 7, 8, 9, 10]
+    for a, b in zip(first.records[5:], resumed.records):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a["step"], a, b)
