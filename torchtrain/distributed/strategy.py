@@ -1,0 +1,124 @@
+"""The data-parallel strategy and the small decisions that follow from it (dtypes, optimizer kernel,
+reshard policy, whether FSDP applies, the batch plan), used by the resolved Layout
+(`distributed/layout.py`), which is where every one of them is decided for a job."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from torchtrain.config.fields import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Reshard = Literal["default", "always", "never"]
+
+
+class DPStrategy(str, enum.Enum):
+    """`parallelism.data_parallel_strategy` (ZeRO paper names; see config/parallelism.py)."""
+
+    ZERO3 = "zero3"
+    ZERO2 = "zero2"
+    ZERO1 = "zero1"
+    DDP = "ddp"
+
+    @classmethod
+    def parse(cls, name: str) -> "DPStrategy":
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(f"[parallelism.data_parallel_strategy] must be one of "
+                              f"{', '.join(repr(s.value) for s in cls)}, got {name!r}") from None
+
+    @property
+    def replicated(self) -> bool:
+        """Parameters and gradients whole on every data-parallel rank (DDP all-reduce)."""
+        return self in (DPStrategy.ZERO1, DPStrategy.DDP)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: parameters, gradients and optimizer state sharded over dp_shard."""
+        return not self.replicated
+
+    @property
+    def zero1(self) -> bool:
+        """Replicated parameters/gradients with the optimizer state sharded over dp."""
+        return self is DPStrategy.ZERO1
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Adam state split over the data-parallel ranks (everything but plain DDP)."""
+        return self is not DPStrategy.DDP
+
+    @property
+    def keeps_gathered_params(self) -> bool:
+        """ZeRO-2: gathered parameters stay from forward to backward (FSDP's SHARD_GRAD_OP)."""
+        return self is DPStrategy.ZERO2
+
+
+# ----------------------------------------------------------------------------- single decisions
+def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
+    """`training.mixed_precision_param`: `auto` means bfloat16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_optimizer_impl(name: str, state_device_type: str) -> str:
+    """`optimizer.implementation`: `auto` means the fused kernel where the optimizer state lives on CUDA,
+    foreach where it lives in host memory (CPU training, or CPU offload)."""
+    if name == "auto":
+        return "fused" if state_device_type == "cuda" else "foreach"
+    return name
+
+
+def effective_reshard(strategy: DPStrategy, pp_enabled: bool, requested: Reshard) -> Reshard:
+    """The FSDP reshard-after-forward policy actually applied.
+
+    `default` resolves to `never` for zero2 (its definition) and under pipeline parallelism (each
+    micro-batch's forward would otherwise all-gather the stage's parameters again); otherwise
+    `default` stays `default`: every unit reshards after forward except the last (backward needs it
+    first). `always` / `never` are taken as given (the contradictions are rejected in `resolve_layout`).
+    """
+    if requested == "default" and (strategy.keeps_gathered_params or pp_enabled):
+        return "never"
+    return requested
+
+
+def applies_fsdp(strategy: DPStrategy, ranks: int, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
+    """FSDP2 wraps the model: a sharded strategy with gradients to reduce over `ranks` > 1 (data x
+    context parallel), a compute dtype to cast to (FSDP's mixed-precision policy), or CPU offload."""
+    return strategy.sharded and (ranks > 1 or param_dtype != torch.float32 or cpu_offload)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's global batch is laid out over data-parallel ranks and micro-batches."""
+
+    local_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+    seq_len: int = 0
+
+    @property
+    def local_sequences(self) -> int:
+        """Sequences one data-parallel rank processes per step (all micro-batches)."""
+        return self.local_batch_size * self.grad_accum_steps
+
+
+def resolve_batch(local_batch_size: int, global_batch_size: int, dp_degree: int, seq_len: int = 0) -> BatchPlan:
+    """global = local x dp x accumulation; a global batch that is not a multiple is a config error."""
+    per_micro = local_batch_size * dp_degree
+    global_bs = per_micro if global_batch_size == -1 else global_batch_size
+    if global_bs % per_micro:
+        raise ConfigError(
+            f"[training.global_batch_size] {global_bs} is not a multiple of training.local_batch_size "
+            f"({local_batch_size}) x data-parallel degree ({dp_degree}) = {per_micro}; "
+            f"use a multiple of {per_micro} (or -1 for exactly {per_micro})"
+        )
+    return BatchPlan(local_batch_size, global_bs, global_bs // per_micro, seq_len)
+
+
+# ----------------------------------------------------------------------------- the layout
