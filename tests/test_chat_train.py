@@ -10,6 +10,14 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
 * Full fine-tuning under tensor parallelism (2 ranks) and pipeline parallelism (2 stages, 4
   micro-batches) matches one process the same way: packed rows with per-conversation positions and
   answer-only labels go through every layout.
+* Every layout matches one process the same way: full fine-tuning under context parallelism and
+  HSDP (2 x 2); LoRA under TP (adapters sharded with column- and row-parallel base weights), PP with
+  full activation checkpointing, CP, HSDP, and, on a Qwen3-MoE model (adapters on the attention),
+  EP 2 against its own one-process run.
+* Adapter-only checkpoints (`lora.save_adapter_only`): a LoRA run starts from the last checkpoint of
+  the full fine-tuning run (a checkpoint without adapters: base weights loaded, adapters fresh), saves
+  the adapters alone, and a resume from them (base weights from the initial load again) continues
+  with exactly the losses of the uninterrupted run.
 
 One launch per layout, shared by the module."""
 
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 
 import pytest
@@ -25,13 +34,18 @@ from conftest import TINY_MODEL, read_metrics, run_train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # six short launches (~35 s together)
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # sixteen short launches (~100 s together)
 STEPS = 25
 LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
                     "--training.seq_len", "128", "--training.global_batch_size", "4", "--training.steps", str(STEPS),
                     "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
                     "--job.print_config", "false"]
+
+
+MOE = ["--model.name", "qwen3_moe", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
+       "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32"]
+MOE_STEPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +62,37 @@ def runs(tmp_path_factory):
             "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
-    for name, nproc, local, extra in (("single", None, "4", validation), ("fsdp2", 2, "2", validation),
+    cp = ["--parallelism.context_parallel_degree", "2"]
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", str(LORA_STEPS // 2)]
+    from_full = [*lora, *ckpt, "--lora.save_adapter_only", "true",
+                 "--checkpoint.initial_load_path", str(root / "single" / "checkpoint")]
+    moe = [*MOE, "--training.steps", str(MOE_STEPS), "--lora.enable", "true",
+           "--lora.target_modules", "*.attention.wq,*.attention.wo"]
+    for name, nproc, local, extra in (("single", None, "4", [*validation, *ckpt]), ("fsdp2", 2, "2", validation),
                                       ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora),
-                                      ("tp2", 2, "4", tp), ("pp2", 2, "4", pp)):
+                                      ("tp2", 2, "4", tp), ("pp2", 2, "4", pp),
+                                      ("cp2", 2, "4", cp), ("hsdp", 4, "1", hsdp),
+                                      ("lora_tp2", 2, "4", [*lora, *tp]),
+                                      ("lora_pp2", 2, "4", [*lora, *pp, "--activation_checkpoint.mode", "full"]),
+                                      ("lora_cp2", 2, "4", [*lora, *cp]), ("lora_hsdp", 4, "1", [*lora, *hsdp]),
+                                      ("moe_lora_single", None, "4", moe),
+                                      ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
+                                      ("lora_from_full", None, "4", from_full)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
                           "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = (read_metrics(folder), proc.stdout + proc.stderr)
+    # resume the adapter-only run from its middle checkpoint: the last one removed, the metrics kept aside
+    folder = root / "lora_from_full"
+    shutil.rmtree(folder / "checkpoint" / f"step-{LORA_STEPS}")
+    os.rename(folder / "metrics.jsonl", root / "lora_from_full.jsonl")
+    proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", "4",
+                      "--job.dump_folder", str(folder), *from_full], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out["lora_resumed"] = (read_metrics(str(folder)), proc.stdout + proc.stderr)
+    out["adapter_checkpoint"] = str(folder / "checkpoint" / f"step-{LORA_STEPS // 2}")
     return out
 
 
@@ -92,3 +129,39 @@ def test_lora_learns_and_differs_from_full_fine_tuning(runs):
     assert lora[0]["loss"] == pytest.approx(full[0]["loss"], rel=1e-6)  # B = 0: the base model at step 1
     assert lora[-1]["loss"] < lora[0]["loss"] - 0.2
     assert lora[-1]["loss"] != pytest.approx(full[LORA_STEPS - 1]["loss"], rel=1e-3)
+
+
+def same_losses(reference: list[dict], other: list[dict], label: str) -> None:
+    assert [m["answer_tokens"] for m in reference] == [m["answer_tokens"] for m in other], label
+    for a, b in zip(reference, other, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (label, a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.parametrize("layout", ["cp2", "hsdp", "lora_tp2", "lora_pp2", "lora_cp2", "lora_hsdp", "moe_lora_ep2"])
+def test_every_layout_matches_one_process(runs, layout):
+    reference = "moe_lora_single" if layout.startswith("moe") else "lora_single" if layout.startswith("lora") else "single"
+    same_losses(runs[reference][0], runs[layout][0], layout)
+
+
+def test_lora_learns_on_the_moe_model(runs):
+    losses = [m["loss"] for m in runs["moe_lora_single"][0]]
+    assert len(losses) == MOE_STEPS and losses[-1] < losses[0] - 0.2, losses
+
+
+def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    first, log = runs["lora_from_full"]
+    fresh = runs["lora_single"][0]
+    # the base weights came from the full fine-tuning run's checkpoint: its answers are already learnt
+    assert first[0]["loss"] < 0.5 * fresh[0]["loss"], (first[0]["loss"], fresh[0]["loss"])
+    assert "initial load of model" in log
+    stored = FileSystemReader(runs["adapter_checkpoint"]).read_metadata().state_dict_metadata
+    model_keys = [k for k in stored if k.startswith("model.")]
+    assert model_keys and all(".lora_a." in k or ".lora_b." in k for k in model_keys), model_keys[:5]
+    assert any(k.startswith("optimizer.") for k in stored)
+    resumed, log = runs["lora_resumed"]
+    assert "base weights of the adapter-only checkpoint loaded" in log
+    assert [m["step"] for m in resumed] == list(range(LORA_STEPS // 2 + 1, LORA_STEPS + 1))
+    for a, b in zip(first[LORA_STEPS // 2:], resumed, strict=True):
+        assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])

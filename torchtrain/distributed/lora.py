@@ -183,6 +183,19 @@ def is_adapter_param(fqn: str) -> bool:
     return fqn.endswith(ADAPTER_PARAMS)
 
 
+def lora_load_keys(model_state: dict, stored: set[str]) -> dict:
+    """The entries of a LoRA model's state dict that a DCP load asks for, given the model keys the
+    checkpoint holds: its adapters only when it holds adapters (a checkpoint without them, e.g. of a
+    full fine-tuning or pre-training run loaded as the initial load, leaves them fresh), its base
+    weights only when it holds base weights (an adapter-only save, `lora.save_adapter_only`). A model
+    without adapters: everything."""
+    if not any(is_adapter_param(k) for k in model_state):
+        return model_state
+    has_adapters = any(is_adapter_param(k) for k in stored)
+    has_base = any(not is_adapter_param(k) for k in stored)
+    return {k: v for k, v in model_state.items() if (has_adapters if is_adapter_param(k) else has_base)}
+
+
 def adapter_init_spec(fqn: str, shape: tuple[int, ...]) -> InitSpec | None:
     """How an adapter parameter starts (A random, B zero); None for any other parameter."""
     if fqn.endswith(".lora_a.weight"):

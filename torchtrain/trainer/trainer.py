@@ -138,7 +138,8 @@ class Trainer:
         if layout.lora is not None and hf_adapter is not None:
             hf_adapter = lora_adapter_class(hf_adapter)
         states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
-                                 self.state, dims.dp_rank, self.rank, device)
+                                 self.state, dims.dp_rank, self.rank, device,
+                                 adapter_only=layout.lora is not None and layout.lora.save_adapter_only)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter))
