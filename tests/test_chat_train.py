@@ -92,6 +92,7 @@ def runs(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out["lora_resumed"] = (read_metrics(str(folder)), proc.stdout + proc.stderr)
     out["adapter_checkpoint"] = str(folder / "checkpoint" / f"step-{LORA_STEPS // 2}")
+    out["lora_job"] = [*JOB, "--training.dataset_path", data, *lora]
     return out
 
 
@@ -147,7 +148,7 @@ def test_lora_learns_on_the_moe_model(runs):
     assert len(losses) == MOE_STEPS and losses[-1] < losses[0] - 0.2, losses
 
 
-def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs):
+def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     first, log = runs["lora_from_full"]
@@ -164,3 +165,11 @@ def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs):
     assert [m["step"] for m in resumed] == list(range(LORA_STEPS // 2 + 1, LORA_STEPS + 1))
     for a, b in zip(first[LORA_STEPS // 2:], resumed, strict=True):
         assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
+    # it exports as a PEFT adapter (all PEFT needs); a merged export needs the base weights: one line
+    from safetensors.torch import load_file
+
+    from torchtrain.tools.lora_export import main as export
+
+    assert export([runs["adapter_checkpoint"], str(tmp_path / "peft"), "--format", "peft", *runs["lora_job"]]) == 0
+    assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(model_keys)
+    assert export([runs["adapter_checkpoint"], str(tmp_path / "merged"), "--format", "merged", *runs["lora_job"]]) == 2
