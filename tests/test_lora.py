@@ -85,6 +85,8 @@ def test_peft_loads_the_adapter_and_the_merged_export_loads_with_equal_logits(tm
 @pytest.mark.parametrize("extra, key, says", [
     (["--lora.target_modules", "*.attention.wq,*.nothing"], "lora.target_modules", "'*.nothing' (entry 1) matches no"),
     (["--model.converters", "float8", "--quantize.linear.float8.emulate", "true"], "lora.enable", "float8"),
+    (["--lora.target_modules", "layers.0.attention.wq", "--parallelism.pipeline_parallel_degree", "2"],
+     "lora.target_modules", "pipeline stage 1 (layers.1"),
     (["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
       "--checkpoint.last_save_in_hf", "true"], "checkpoint.last_save_in_hf", "lora_export"),
 ])

@@ -160,6 +160,16 @@ def lora_targets(model: nn.Module, cfg: Lora) -> list[str]:
     return chosen
 
 
+def check_stages_have_adapters(targets: list[str], modules_per_stage: list[list[str]]) -> None:
+    """Under pipeline parallelism every stage must hold an adapted layer (a stage without trainable
+    parameters has nothing to optimise); ConfigError naming the key otherwise."""
+    for s, modules in enumerate(modules_per_stage):
+        if not any(t == m or t.startswith(m + ".") for t in targets for m in modules):
+            raise ConfigError(f"[lora.target_modules] pipeline stage {s} ({', '.join(modules[:3])}"
+                              f"{', ...' if len(modules) > 3 else ''}) holds no adapted layer, so it would train "
+                              f"nothing: target layers of every stage (e.g. \"*.attention.wq\") or use fewer stages")
+
+
 def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
     """Freeze every parameter and put adapters on the targeted linear layers (in place; on any device,
     meta included). Returns the adapted layers' names."""
