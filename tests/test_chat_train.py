@@ -93,6 +93,7 @@ def runs(tmp_path_factory):
     out["lora_resumed"] = (read_metrics(str(folder)), proc.stdout + proc.stderr)
     out["adapter_checkpoint"] = str(folder / "checkpoint" / f"step-{LORA_STEPS // 2}")
     out["lora_job"] = [*JOB, "--training.dataset_path", data, *lora]
+    out["full_checkpoint"] = str(root / "single" / "checkpoint")
     return out
 
 
@@ -173,3 +174,15 @@ def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs, tm
     assert export([runs["adapter_checkpoint"], str(tmp_path / "peft"), "--format", "peft", *runs["lora_job"]]) == 0
     assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(model_keys)
     assert export([runs["adapter_checkpoint"], str(tmp_path / "merged"), "--format", "merged", *runs["lora_job"]]) == 2
+    # generation puts it over the base weights it was trained on (the job's initial load)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtrain.tools.generation import load
+
+    job = [*runs["lora_job"], "--checkpoint.initial_load_path", runs["full_checkpoint"]]
+    state = load(runs["adapter_checkpoint"], None, job, torch.device("cpu"), torch.float32).model.state_dict()
+    base = {"layers.0.attention.wq.weight": torch.empty_like(state["layers.0.attention.wq.weight"])}
+    dcp.load({"model": base}, checkpoint_id=os.path.join(runs["full_checkpoint"], f"step-{STEPS}"), no_dist=True)
+    assert torch.equal(state["layers.0.attention.wq.weight"], base["layers.0.attention.wq.weight"])
+    assert state["layers.0.attention.wq.lora_b.weight"].abs().sum() > 0
