@@ -64,17 +64,19 @@ def runs(tmp_path_factory):
             "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    full_ac = ["--activation_checkpoint.mode", "full"]
     hsdp_cp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.context_parallel_degree", "2"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", str(LORA_STEPS // 2)]
     from_full = [*lora, *ckpt, "--lora.save_adapter_only", "true",
                  "--checkpoint.initial_load_path", str(root / "single" / "checkpoint")]
     moe = [*MOE, "--training.steps", str(MOE_STEPS), "--lora.enable", "true",
            "--lora.target_modules", "*.attention.wq,*.attention.wo"]
-    for name, nproc, local, extra in (("single", None, "4", [*validation, *ckpt]), ("fsdp2", 2, "2", validation),
+    final_save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
+    for name, nproc, local, extra in (("single", None, "4", [*validation, *final_save]), ("fsdp2", 2, "2", validation),
                                       ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora),
                                       ("tp2", 2, "4", tp), ("pp2", 2, "4", pp),
                                       ("hsdp_cp", 4, "2", hsdp_cp), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
-                                      ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, "--activation_checkpoint.mode", "full"]),
+                                      ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, *full_ac]),
                                       ("moe_lora_single", None, "4", moe),
                                       ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
                                       ("lora_from_full", None, "4", from_full)):
@@ -140,7 +142,7 @@ def same_losses(reference: list[dict], other: list[dict], label: str) -> None:
 
 @pytest.mark.parametrize("layout", ["hsdp_cp", "lora_hsdp_cp", "lora_tp2_pp2", "moe_lora_ep2"])
 def test_every_layout_matches_one_process(runs, layout):
-    reference = "moe_lora_single" if layout.startswith("moe") else "lora_single" if layout.startswith("lora") else "single"
+    reference = {"moe": "moe_lora_single", "lora": "lora_single"}.get(layout.split("_")[0], "single")
     same_losses(runs[reference][0], runs[layout][0], layout)
 
 

@@ -123,7 +123,8 @@ def test_compiled_adapter_layer_equals_eager():
     compiled = torch.compile(layer, backend="aot_eager")(x)
     compiled.square().sum().backward()
     assert torch.allclose(compiled, eager, atol=1e-6)
-    assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip([p for p in layer.parameters() if p.requires_grad], grads))
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(trained, grads, strict=True))
 
 
 def apply_lora_to_one(cfg: Lora) -> LoRALinear:

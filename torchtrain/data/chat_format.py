@@ -69,8 +69,8 @@ def chat_files(path: str) -> list[str]:
         found = sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
     elif os.path.isfile(path):
         if not path.endswith(CHAT_SUFFIXES):
-            raise ChatFormatError(f"{path}: a chat file is JSON Lines ({', '.join(JSON_SUFFIXES)}) or a Hugging Face "
-                                  f"dataset's Arrow or Parquet file")
+            raise ChatFormatError(f"{path}: a chat file is JSON Lines ({', '.join(JSON_SUFFIXES)}) or a Hugging "
+                                  f"Face dataset's Arrow or Parquet file")
         return [path]
     else:
         raise ChatFormatError(f"{path}: no such file, folder or glob match")
