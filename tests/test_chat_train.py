@@ -10,6 +10,16 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
 * Full fine-tuning under tensor parallelism (2 ranks) and pipeline parallelism (2 stages, 4
   micro-batches) matches one process the same way: packed rows with per-conversation positions and
   answer-only labels go through every layout.
+* Every layout matches one process the same way, the remaining ones composed in 4-rank launches:
+  full fine-tuning and LoRA under HSDP with context parallelism (2 replicas x CP 2, FSDP over the CP
+  ranks); LoRA under TP 2 x PP 2 with full activation checkpointing (adapters sharded with the column-
+  and row-parallel base weights, frozen inputs to checkpointed blocks); and, on a Qwen3-MoE model
+  (adapters on the attention, experts frozen), EP 2 against its own one-process run. (Full
+  fine-tuning under EP is the pre-training path: tests/test_moe_parity.py.)
+* Adapter-only checkpoints (`lora.save_adapter_only`): a LoRA run starts from the last checkpoint of
+  the full fine-tuning run (a checkpoint without adapters: base weights loaded, adapters fresh), saves
+  the adapters alone, and a resume from them (base weights from the initial load again) continues
+  with exactly the losses of the uninterrupted run.
 
 One launch per layout, shared by the module."""
 
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 
 import pytest
@@ -25,13 +36,18 @@ from conftest import TINY_MODEL, read_metrics, run_train
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # six short launches (~35 s together)
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # thirteen short launches (~90 s together)
 STEPS = 25
 LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
                     "--training.seq_len", "128", "--training.global_batch_size", "4", "--training.steps", str(STEPS),
                     "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
                     "--job.print_config", "false"]
+
+
+MOE = ["--model.name", "qwen3_moe", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
+       "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32"]
+MOE_STEPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +64,38 @@ def runs(tmp_path_factory):
             "*.attention.wq,*.attention.wv,*.feed_forward.w2"]
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
-    for name, nproc, local, extra in (("single", None, "4", validation), ("fsdp2", 2, "2", validation),
+    full_ac = ["--activation_checkpoint.mode", "full"]
+    hsdp_cp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.context_parallel_degree", "2"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", str(LORA_STEPS // 2)]
+    from_full = [*lora, *ckpt, "--lora.save_adapter_only", "true",
+                 "--checkpoint.initial_load_path", str(root / "single" / "checkpoint")]
+    moe = [*MOE, "--training.steps", str(MOE_STEPS), "--lora.enable", "true",
+           "--lora.target_modules", "*.attention.wq,*.attention.wo"]
+    final_save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
+    for name, nproc, local, extra in (("single", None, "4", [*validation, *final_save]), ("fsdp2", 2, "2", validation),
                                       ("lora_single", None, "4", lora), ("lora_fsdp2", 2, "2", lora),
-                                      ("tp2", 2, "4", tp), ("pp2", 2, "4", pp)):
+                                      ("tp2", 2, "4", tp), ("pp2", 2, "4", pp),
+                                      ("hsdp_cp", 4, "2", hsdp_cp), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
+                                      ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, *full_ac]),
+                                      ("moe_lora_single", None, "4", moe),
+                                      ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
+                                      ("lora_from_full", None, "4", from_full)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
                           "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = (read_metrics(folder), proc.stdout + proc.stderr)
+    # resume the adapter-only run from its middle checkpoint: the last one removed, the metrics kept aside
+    folder = root / "lora_from_full"
+    shutil.rmtree(folder / "checkpoint" / f"step-{LORA_STEPS}")
+    os.rename(folder / "metrics.jsonl", root / "lora_from_full.jsonl")
+    proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", "4",
+                      "--job.dump_folder", str(folder), *from_full], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out["lora_resumed"] = (read_metrics(str(folder)), proc.stdout + proc.stderr)
+    out["adapter_checkpoint"] = str(folder / "checkpoint" / f"step-{LORA_STEPS // 2}")
+    out["lora_job"] = [*JOB, "--training.dataset_path", data, *lora]
+    out["full_checkpoint"] = str(root / "single" / "checkpoint")
     return out
 
 
@@ -92,3 +132,59 @@ def test_lora_learns_and_differs_from_full_fine_tuning(runs):
     assert lora[0]["loss"] == pytest.approx(full[0]["loss"], rel=1e-6)  # B = 0: the base model at step 1
     assert lora[-1]["loss"] < lora[0]["loss"] - 0.2
     assert lora[-1]["loss"] != pytest.approx(full[LORA_STEPS - 1]["loss"], rel=1e-3)
+
+
+def same_losses(reference: list[dict], other: list[dict], label: str) -> None:
+    assert [m["answer_tokens"] for m in reference] == [m["answer_tokens"] for m in other], label
+    for a, b in zip(reference, other, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (label, a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.parametrize("layout", ["hsdp_cp", "lora_hsdp_cp", "lora_tp2_pp2", "moe_lora_ep2"])
+def test_every_layout_matches_one_process(runs, layout):
+    reference = {"moe": "moe_lora_single", "lora": "lora_single"}.get(layout.split("_")[0], "single")
+    same_losses(runs[reference][0], runs[layout][0], layout)
+
+
+def test_lora_learns_on_the_moe_model(runs):
+    losses = [m["loss"] for m in runs["moe_lora_single"][0]]
+    assert len(losses) == MOE_STEPS and losses[-1] < losses[0] - 0.2, losses
+
+
+def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    first, log = runs["lora_from_full"]
+    fresh = runs["lora_single"][0]
+    # the base weights came from the full fine-tuning run's checkpoint: its answers are already learnt
+    assert first[0]["loss"] < 0.5 * fresh[0]["loss"], (first[0]["loss"], fresh[0]["loss"])
+    assert "initial load of model" in log
+    stored = FileSystemReader(runs["adapter_checkpoint"]).read_metadata().state_dict_metadata
+    model_keys = [k for k in stored if k.startswith("model.")]
+    assert model_keys and all(".lora_a." in k or ".lora_b." in k for k in model_keys), model_keys[:5]
+    assert any(k.startswith("optimizer.") for k in stored)
+    resumed, log = runs["lora_resumed"]
+    assert "base weights of the adapter-only checkpoint loaded" in log
+    assert [m["step"] for m in resumed] == list(range(LORA_STEPS // 2 + 1, LORA_STEPS + 1))
+    for a, b in zip(first[LORA_STEPS // 2:], resumed, strict=True):
+        assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
+    # it exports as a PEFT adapter (all PEFT needs); a merged export needs the base weights: one line
+    from safetensors.torch import load_file
+
+    from torchtrain.tools.lora_export import main as export
+
+    assert export([runs["adapter_checkpoint"], str(tmp_path / "peft"), "--format", "peft", *runs["lora_job"]]) == 0
+    assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(model_keys)
+    assert export([runs["adapter_checkpoint"], str(tmp_path / "merged"), "--format", "merged", *runs["lora_job"]]) == 2
+    # generation puts it over the base weights it was trained on (the job's initial load)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtrain.tools.generation import load
+
+    job = [*runs["lora_job"], "--checkpoint.initial_load_path", runs["full_checkpoint"]]
+    state = load(runs["adapter_checkpoint"], None, job, torch.device("cpu"), torch.float32).model.state_dict()
+    base = {"layers.0.attention.wq.weight": torch.empty_like(state["layers.0.attention.wq.weight"])}
+    dcp.load({"model": base}, checkpoint_id=os.path.join(runs["full_checkpoint"], f"step-{STEPS}"), no_dist=True)
+    assert torch.equal(state["layers.0.attention.wq.weight"], base["layers.0.attention.wq.weight"])
+    assert state["layers.0.attention.wq.lora_b.weight"].abs().sum() > 0

@@ -1,6 +1,7 @@
 """LoRA in one process: frozen base weights and adapter-only optimizer state, the exports (a PEFT
 adapter folder that `peft` loads onto the transformers base model, and a merged HF checkpoint) with
-logits equal to torchtrain's, and the config errors before launch.
+logits equal to torchtrain's, the config errors before launch, the layouts LoRA takes, the keys a
+checkpoint load asks for, and a compiled adapter layer.
 
 Tolerance of the logit comparisons: 1e-5 absolute in float32 (the same model computed by two
 implementations; test_checkpoint_hf.py sees ~3e-7 for the base model, and the adapter adds one
@@ -16,7 +17,7 @@ from test_checkpoint_hf import built, export, tiny_args
 from torchtrain.components.optim.optimizer import _param_groups
 from torchtrain.config import ConfigError
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import LoRALinear, apply_lora
+from torchtrain.distributed.lora import LoRALinear, apply_lora, lora_load_keys
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.launch_check import check
 from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -83,8 +84,9 @@ def test_peft_loads_the_adapter_and_the_merged_export_loads_with_equal_logits(tm
 
 @pytest.mark.parametrize("extra, key, says", [
     (["--lora.target_modules", "*.attention.wq,*.nothing"], "lora.target_modules", "'*.nothing' (entry 1) matches no"),
-    (["--parallelism.tensor_parallel_degree", "2"], "lora.enable", "parallelism.tensor_parallel_degree = 2"),
-    (["--parallelism.pipeline_parallel_degree", "2"], "lora.enable", "parallelism.pipeline_parallel_degree = 2"),
+    (["--model.converters", "float8", "--quantize.linear.float8.emulate", "true"], "lora.enable", "float8"),
+    (["--lora.target_modules", "layers.0.attention.wq", "--parallelism.pipeline_parallel_degree", "2"],
+     "lora.target_modules", "pipeline stage 1 (layers.1"),
     (["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
       "--checkpoint.last_save_in_hf", "true"], "checkpoint.last_save_in_hf", "lora_export"),
 ])
@@ -93,3 +95,44 @@ def test_lora_config_errors_before_launch(extra, key, says):
         check(["--nproc-per-node", "2", "--nnodes", "1", *JOB, *extra])
     assert str(e.value).startswith(f"[{key}]") and says in str(e.value) and "\n" not in str(e.value)
     assert check(["--nproc-per-node", "2", "--nnodes", "1", *JOB]) == 2
+
+
+@pytest.mark.parametrize("layout", [["--parallelism.tensor_parallel_degree", "2"],
+                                    ["--parallelism.pipeline_parallel_degree", "2"],
+                                    ["--parallelism.context_parallel_degree", "2"],
+                                    ["--activation_checkpoint.mode", "full"]])
+def test_lora_takes_model_parallel_layouts(layout):
+    assert check(["--nproc-per-node", "2", "--nnodes", "1", *JOB, *layout]) == 2
+
+
+def test_checkpoint_loads_ask_for_what_the_checkpoint_holds():
+    state = {"a.weight": 0, "a.lora_a.weight": 1, "a.lora_b.weight": 2}
+    assert lora_load_keys(state, set(state)) == state  # a LoRA checkpoint: everything
+    assert lora_load_keys(state, {"a.weight"}) == {"a.weight": 0}  # no adapters stored: they stay fresh
+    assert lora_load_keys(state, {"a.lora_a.weight", "a.lora_b.weight"}) == {"a.lora_a.weight": 1, "a.lora_b.weight": 2}
+    assert lora_load_keys({"a.weight": 0}, set()) == {"a.weight": 0}  # no LoRA: unchanged
+
+
+def test_compiled_adapter_layer_equals_eager():
+    layer = apply_lora_to_one(Lora(enable=True, rank=4, alpha=8.0, target_modules=["lin"]))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    eager = layer(x)
+    eager.square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters() if p.requires_grad]
+    layer.zero_grad()
+    compiled = torch.compile(layer, backend="aot_eager")(x)
+    compiled.square().sum().backward()
+    assert torch.allclose(compiled, eager, atol=1e-6)
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(trained, grads, strict=True))
+
+
+def apply_lora_to_one(cfg: Lora) -> LoRALinear:
+    model = torch.nn.Sequential()
+    model.add_module("lin", torch.nn.Linear(16, 8))
+    apply_lora(model, cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return model.lin

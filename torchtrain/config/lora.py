@@ -14,8 +14,9 @@ class Lora:
     """Train rank-`rank` adapters beside the linear layers named by `target_modules` and freeze every
     other weight: each such layer computes W x + (alpha / rank) B A dropout(x), with A (rank x in)
     random and B (out x rank) zero at the start, so training starts from the base model. Only A and
-    B get gradients and optimizer state. Data parallelism only (FSDP/HSDP, DDP, ZeRO): tensor, pipeline,
-    context and expert parallelism and float8 are refused."""
+    B get gradients and optimizer state. Composes with every parallelism (FSDP/HSDP, DDP, ZeRO, tensor,
+    pipeline, context and expert parallelism; under expert parallelism the grouped experts are not
+    linear layers and stay unadapted), activation checkpointing and compile; float8 is refused."""
 
     rank: Annotated[int, Ge(1)] = 8
     """Rank r of each adapter."""
@@ -32,6 +33,12 @@ class Lora:
     each module's full name in the model (e.g. `layers.3.attention.wq`; `*.feed_forward.*` for the
     MLPs); a pattern without a `.` matches the last part of the name (`wq`). Every pattern must match
     at least one linear layer."""
+
+    save_adapter_only: bool = False
+    """Checkpoints hold the adapters only (with their optimizer state, the schedule, the data position and
+    the RNG states), not the frozen base weights. Resuming from one first loads the base weights from
+    `checkpoint.initial_load_path` (or, without it, draws them from the seed as at the start), then the
+    adapters: exact when the base is the one the run started from."""
 
     def validate(self) -> None:
         if self.enable and not self.target_modules:

@@ -1,6 +1,10 @@
-"""Chat data as conversations: JSON Lines files read into lists of (role, content) turns.
+"""Chat data as conversations: JSON Lines files, or Hugging Face datasets, read into lists of (role,
+content) turns.
 
-One conversation per line (blank lines skipped), in one of these shapes:
+One conversation per line (blank lines skipped) -- or per row of a Hugging Face dataset: a folder
+written by `save_to_disk` (a `DatasetDict`'s `train` split; point at another split's subfolder for
+it), or its `.arrow` / `.parquet` files (the `pyarrow` package, `pip install 'torchtrain[data]'`) --
+in one of these shapes:
 
 * ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``
 * flat records, mapped to one user turn and one assistant turn (with an optional ``"system"`` string
@@ -28,9 +32,14 @@ import gzip
 import json
 import os
 from dataclasses import dataclass
+from typing import Iterator
+
+from torchtrain.data.hf import saved_files
 
 ROLES = ("system", "user", "assistant")
-CHAT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+TABLE_SUFFIXES = (".arrow", ".parquet")
+CHAT_SUFFIXES = JSON_SUFFIXES + TABLE_SUFFIXES
 # flat shape: (user field, assistant field(s)); `input` joins `instruction` below
 _FLAT = (("prompt", ("response", "completion")), ("instruction", ("output",)), ("question", ("answer",)))
 
@@ -48,14 +57,20 @@ class Conversation:
 
 
 def chat_files(path: str) -> list[str]:
-    """The chat files a `dataset_path` names: a file, a folder (searched recursively) or a glob, sorted."""
+    """The chat files a `dataset_path` names: a file, a folder (searched recursively) or a glob, sorted;
+    a `save_to_disk` folder: its Arrow files in the dataset's order."""
+    if os.path.isdir(path):
+        saved = saved_files(path, "train", "training.dataset_path")
+        if saved is not None:
+            return saved
     if any(ch in path for ch in "*?["):
         found = sorted(glob.glob(path, recursive=True))
     elif os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
     elif os.path.isfile(path):
         if not path.endswith(CHAT_SUFFIXES):
-            raise ChatFormatError(f"{path}: a chat file is JSON Lines ({', '.join(CHAT_SUFFIXES)})")
+            raise ChatFormatError(f"{path}: a chat file is JSON Lines ({', '.join(JSON_SUFFIXES)}) or a Hugging "
+                                  f"Face dataset's Arrow or Parquet file")
         return [path]
     else:
         raise ChatFormatError(f"{path}: no such file, folder or glob match")
@@ -103,10 +118,40 @@ def _turns_of(record: object, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(turns)
 
 
+def _table_rows(file: str) -> Iterator[dict]:
+    """The rows of an Arrow (as `datasets` writes it: a stream, or a file) or Parquet file, as dicts
+    without the None entries that a column missing from a row becomes."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ChatFormatError(f"{file}: reading a Hugging Face dataset needs the `pyarrow` package: "
+                              f"pip install 'torchtrain[data]'") from None
+    try:
+        if file.endswith(".parquet"):
+            batches = pq.ParquetFile(file).iter_batches()
+        else:
+            source = pa.memory_map(file)
+            try:
+                batches = iter(pa.ipc.open_stream(source))
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield {k: v for k, v in row.items() if v is not None}
+    except (pa.ArrowException, OSError) as e:
+        raise ChatFormatError(f"{file}: not a readable {file.rsplit('.', 1)[-1]} file ({e})") from None
+
+
 def read_conversations(path: str) -> list[Conversation]:
-    """Every conversation of the chat files at `path`, in file and line order."""
+    """Every conversation of the chat files at `path`, in file and line (row) order."""
     out: list[Conversation] = []
     for file in chat_files(path):
+        if file.endswith(TABLE_SUFFIXES):
+            out += [Conversation(_turns_of(row, f"{file}:row {n}"), f"{file}:row {n}")
+                    for n, row in enumerate(_table_rows(file), 1)]
+            continue
         opener = gzip.open if file.endswith(".gz") else open
         with opener(file, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):

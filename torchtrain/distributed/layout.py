@@ -289,7 +289,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
                             fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,
                             print_after_conversion=cfg.model.print_after_conversion)
     if cfg.lora.enable:
-        check_lora_layout(cfg.lora, dims, float8 is not None)
+        check_lora_layout(cfg.lora, float8 is not None)
     float8_experts = resolve_float8_experts(cfg.model.converters, cfg.quantize, device_type)
     if float8 is not None or float8_experts is not None or cfg.lora.enable:
         layout = replace(layout, float8=float8, float8_experts=float8_experts,

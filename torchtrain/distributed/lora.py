@@ -10,8 +10,24 @@ A starts random (normal, std 1/sqrt(in), drawn like every other parameter: the s
 every layout) and B at zero, so the first step starts from the base model. `apply_lora` runs on the
 meta-device model before any parallelism; FSDP2 then shards frozen and trainable parameters of a
 unit together (only the trainable ones get gradients, reduce-scatters and optimizer state:
-`optimizer.py` builds its groups from parameters that require gradients). The layouts it takes are
-decided in `check_lora_layout`: data parallelism only.
+`optimizer.py` builds its groups from parameters that require gradients).
+
+Tensor parallelism: the model's TP plan sees each `LoRALinear` as the plain linear layer it wraps
+(`tp_plan_with_adapters` takes the adapters off while the plan runs), then each adapter follows its
+base weight's placement:
+
+* column-parallel W (`Shard(0)`, output features split): A replicated, B `Shard(0)`: each rank
+  computes the whole r-dim code `A x` from its replicated input and its own output features `B_i h`.
+  The code's gradient is a partial sum over the ranks' output features: it is all-reduced in the
+  backward (r values per token);
+* row-parallel W (`Shard(1)`, input features split): A `Shard(1)`, B replicated: the code
+  `sum_i A_i x_i` is all-reduced in the forward (r values per token), then B's output joins the
+  base's partial sums (as a `Partial` share), reduced with them by the plan's output hook.
+
+Pipeline, context and expert parallelism need nothing of their own: adapters live in the blocks a
+stage holds, act per token, and target linear layers only (the grouped experts of an MoE layer are
+not `nn.Linear`s: they stay frozen and unadapted; its router, shared experts and the attention can be
+targeted). The layouts refused are in `check_lora_layout`.
 
 Export: `tools/lora_export.py` writes a merged Hugging Face checkpoint (W + (alpha/r) B A) or a PEFT
 adapter folder.
@@ -25,6 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.lora import Lora
@@ -48,10 +65,75 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return base + self.lora_b(self.lora_a(h)) * self.scale
+        code = self.lora_a(h)
+        if isinstance(code, DTensor):  # tensor parallel (module docstring)
+            code = _replicated_code(code)
+        delta = self.lora_b(code) * self.scale
+        if isinstance(base, DTensor) and base.placements != delta.placements:
+            delta = _partial_share(delta)  # row-parallel: B's output joins the base's partial sums
+        return base + delta
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scale={self.scale:g}"
+
+
+def _replicated_code(code: DTensor) -> DTensor:
+    """The r-dim code A x, whole on every TP rank with a whole gradient: a partial code (row-parallel A)
+    all-reduced in the forward; a replicated one (column-parallel W) passed through `from_local`,
+    whose backward all-reduces the partial gradient that the output-sharded B gives it."""
+    if any(p.is_partial() for p in code.placements):
+        return code.redistribute(placements=[Replicate()] * len(code.placements))
+    return DTensor.from_local(code.to_local(), code.device_mesh, code.placements, run_check=False)
+
+
+class _Share(torch.autograd.Function):
+    """x / n forward, the gradient unchanged backward: each of n ranks' share of a replicated value
+    summed as a partial sum, whose gradient is the whole gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _partial_share(delta: DTensor) -> DTensor:
+    """A replicated (TP-mesh) DTensor as a `Partial` one of the same value."""
+    mesh = delta.device_mesh
+    return DTensor.from_local(_Share.apply(delta.to_local(), mesh.size()), mesh, [Partial()], run_check=False)
+
+
+def tp_plan_with_adapters(model: nn.Module, tp_mesh, plan) -> None:
+    """Run the model's TP plan `plan(model)` over a model with adapters: the plan sees plain linear
+    layers, then A and B are distributed after their base weight (module docstring). A targeted layer
+    the plan leaves alone keeps plain adapters. Frozen parameters stay frozen (a style may build new
+    parameters without carrying `requires_grad` over, e.g. `SequenceParallel`'s replicated norms)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    adapters = {name: (m._modules.pop("lora_a"), m._modules.pop("lora_b")) for name, m in layers.items()}
+    try:
+        plan(model)
+    finally:
+        for name, m in layers.items():
+            m.lora_a, m.lora_b = adapters[name]
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    for m in layers.values():
+        if not isinstance(m.weight, DTensor):
+            continue
+        (placement,) = m.weight.placements
+        if placement == Shard(0):
+            a, b = Replicate(), Shard(0)
+        elif placement == Shard(1):
+            a, b = Shard(1), Replicate()
+        else:
+            a = b = Replicate()
+        for sub, where in ((m.lora_a, a), (m.lora_b, b)):
+            sub.weight = nn.Parameter(distribute_tensor(sub.weight, m.weight.device_mesh, [where]),
+                                      requires_grad=sub.weight.requires_grad)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -78,6 +160,16 @@ def lora_targets(model: nn.Module, cfg: Lora) -> list[str]:
     return chosen
 
 
+def check_stages_have_adapters(targets: list[str], modules_per_stage: list[list[str]]) -> None:
+    """Under pipeline parallelism every stage must hold an adapted layer (a stage without trainable
+    parameters has nothing to optimise); ConfigError naming the key otherwise."""
+    for s, modules in enumerate(modules_per_stage):
+        if not any(t == m or t.startswith(m + ".") for t in targets for m in modules):
+            raise ConfigError(f"[lora.target_modules] pipeline stage {s} ({', '.join(modules[:3])}"
+                              f"{', ...' if len(modules) > 3 else ''}) holds no adapted layer, so it would train "
+                              f"nothing: target layers of every stage (e.g. \"*.attention.wq\") or use fewer stages")
+
+
 def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
     """Freeze every parameter and put adapters on the targeted linear layers (in place; on any device,
     meta included). Returns the adapted layers' names."""
@@ -101,6 +193,19 @@ def is_adapter_param(fqn: str) -> bool:
     return fqn.endswith(ADAPTER_PARAMS)
 
 
+def lora_load_keys(model_state: dict, stored: set[str]) -> dict:
+    """The entries of a LoRA model's state dict that a DCP load asks for, given the model keys the
+    checkpoint holds: its adapters only when it holds adapters (a checkpoint without them, e.g. of a
+    full fine-tuning or pre-training run loaded as the initial load, leaves them fresh), its base
+    weights only when it holds base weights (an adapter-only save, `lora.save_adapter_only`). A model
+    without adapters: everything."""
+    if not any(is_adapter_param(k) for k in model_state):
+        return model_state
+    has_adapters = any(is_adapter_param(k) for k in stored)
+    has_base = any(not is_adapter_param(k) for k in stored)
+    return {k: v for k, v in model_state.items() if (has_adapters if is_adapter_param(k) else has_base)}
+
+
 def adapter_init_spec(fqn: str, shape: tuple[int, ...]) -> InitSpec | None:
     """How an adapter parameter starts (A random, B zero); None for any other parameter."""
     if fqn.endswith(".lora_a.weight"):
@@ -110,16 +215,10 @@ def adapter_init_spec(fqn: str, shape: tuple[int, ...]) -> InitSpec | None:
     return None
 
 
-def check_lora_layout(cfg: Lora, dims, float8: bool) -> None:
-    """LoRA runs under data parallelism only: a one-line ConfigError for any other layout."""
+def check_lora_layout(cfg: Lora, float8: bool) -> None:
+    """Every parallelism takes LoRA (module docstring); float8 training does not: a one-line ConfigError."""
     if not cfg.enable:
         return
-    degrees = {"tensor_parallel_degree": dims.tp, "pipeline_parallel_degree": dims.pp,
-               "context_parallel_degree": dims.cp, "expert_parallel_degree": dims.ep}
-    for key, degree in degrees.items():
-        if degree > 1:
-            raise ConfigError(f"[lora.enable] LoRA runs under data parallelism only (FSDP/HSDP, DDP, ZeRO), but "
-                              f"parallelism.{key} = {degree}: set it to 1 or train without LoRA")
     if float8:
         raise ConfigError("[lora.enable] LoRA does not combine with float8 training: drop \"float8\" from "
                           "model.converters or train without LoRA")

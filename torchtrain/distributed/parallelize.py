@@ -47,7 +47,7 @@ from torchtrain.distributed.expert_parallel import apply_expert_parallel
 from torchtrain.distributed.float8 import convert_experts, convert_linears
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
-from torchtrain.distributed.lora import apply_lora
+from torchtrain.distributed.lora import apply_lora, tp_plan_with_adapters
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.distributed.tensor_parallel import enable_async_tp
@@ -79,7 +79,10 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
         tp_mesh = dims.world_mesh["tp"]
-        spec.tp_plan(model, tp_mesh, layout.loss_parallel)
+        if layout.lora is not None:
+            tp_plan_with_adapters(model, tp_mesh, lambda m: spec.tp_plan(m, tp_mesh, layout.loss_parallel))
+        else:
+            spec.tp_plan(model, tp_mesh, layout.loss_parallel)
         if layout.async_tp:
             enable_async_tp(tp_mesh)
     if dims.cp_enabled:

@@ -153,6 +153,8 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     if hf:
         _load_hf(model, spec, args, path)
     else:
+        if meta.get("adapter_only"):
+            _load_base(model, spec, args, cfg, path)
         _load_dcp(model, path)
     for p in model.parameters():  # parameters only: buffers (the RoPE table) keep their float32
         p.data = p.data.to(dtype)
@@ -160,13 +162,32 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     return Loaded(model.eval(), tokenizer, args, f"{'HF' if hf else 'DCP'} {path} (model from {where})")
 
 
+def _load_base(model: torch.nn.Module, spec, args, cfg, path: str) -> None:
+    """The base weights under an adapter-only checkpoint (`lora.save_adapter_only`): the job's
+    `checkpoint.initial_load_path`, as the run loaded them."""
+    from torchtrain.components.checkpoint.startup import resolve_dcp_path
+
+    base = cfg.checkpoint.initial_load_path
+    if not base:
+        raise ConfigError(f"[checkpoint.initial_load_path] --checkpoint {path} holds LoRA adapters only "
+                          f"(lora.save_adapter_only): set checkpoint.initial_load_path to the base weights it was "
+                          f"trained on")
+    if cfg.checkpoint.initial_load_in_hf:
+        _load_hf(model, spec, args, base)
+    else:
+        _load_dcp(model, resolve_dcp_path(base)[0])
+
+
 def _load_dcp(model: torch.nn.Module, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from torchtrain.components.checkpoint.validate import CheckpointError, check_against_metadata, read_metadata
+    from torchtrain.distributed.lora import lora_load_keys
 
-    state = {"model": model.state_dict()}
-    problem = check_against_metadata(read_metadata(path, "checkpoint"), state, path, "checkpoint")
+    metadata = read_metadata(path, "checkpoint")
+    stored = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    state = {"model": lora_load_keys(model.state_dict(), stored)}  # a LoRA model: what the checkpoint holds
+    problem = check_against_metadata(metadata, state, path, "checkpoint")
     if problem:
         raise CheckpointError(problem)
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point here
@@ -180,7 +201,12 @@ def _load_hf(model: torch.nn.Module, spec, args, path: str) -> None:
 
     if spec.state_dict_adapter is None:
         raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter; use a DCP checkpoint")
-    warnings, _, _ = load_hf_into_model(ModelState([model]), path, spec.state_dict_adapter(args))
+    from torchtrain.distributed.lora import is_adapter_param, lora_adapter_class
+
+    adapter = spec.state_dict_adapter
+    if any(is_adapter_param(k) for k in model.state_dict()):  # a LoRA model: the base weights only
+        adapter = lora_adapter_class(adapter)
+    warnings, _, _ = load_hf_into_model(ModelState([model]), path, adapter(args))
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
 

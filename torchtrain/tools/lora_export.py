@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import apply_lora, is_adapter_param
+from torchtrain.distributed.lora import apply_lora, is_adapter_param, lora_load_keys
 from torchtrain.models.state_dict_adapter import StateDictAdapter
 
 A, B = ".lora_a.weight", ".lora_b.weight"
@@ -95,7 +95,8 @@ def write_merged(folder: str, state: dict[str, torch.Tensor], cfg: Lora, adapter
 
 
 def load_lora_state(checkpoint: str, job_argv: list[str]) -> tuple[dict[str, torch.Tensor], Lora, StateDictAdapter]:
-    """The LoRA model's full state from a DCP checkpoint of any layout, its [lora] section and HF adapter."""
+    """The LoRA model's state from a DCP checkpoint of any layout (an adapter-only checkpoint,
+    `lora.save_adapter_only`: the adapters only), its [lora] section and HF adapter."""
     import torch.distributed.checkpoint as dcp
 
     from torchtrain.components.checkpoint.startup import resolve_dcp_path
@@ -114,8 +115,10 @@ def load_lora_state(checkpoint: str, job_argv: list[str]) -> tuple[dict[str, tor
         model = spec.model_cls(args)
     apply_lora(model, cfg.lora)
     model.to_empty(device="cpu")
-    state = model.state_dict()
     path, _ = resolve_dcp_path(checkpoint)
+    stored = {k[len("model."):] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+              if k.startswith("model.")}
+    state = lora_load_keys(model.state_dict(), stored)
     dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
     return state, cfg.lora, spec.state_dict_adapter(args)
 
@@ -133,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         state, cfg, adapter = load_lora_state(opts.checkpoint, job_argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if opts.format == "merged" and not any(not is_adapter_param(k) for k in state):
+        print(f"error: [lora.save_adapter_only] {opts.checkpoint} holds the adapters only: export them with --format "
+              f"peft (PEFT applies them to the base model), or merge from a checkpoint with the base weights",
+              file=sys.stderr)
         return 2
     if opts.format == "peft":
         write_peft(opts.out, state, cfg, adapter, opts.base)

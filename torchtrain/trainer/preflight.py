@@ -27,7 +27,7 @@ from torchtrain.data.build import check_sources
 from torchtrain.data.sources import CHAT, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
-from torchtrain.distributed.lora import lora_targets
+from torchtrain.distributed.lora import check_stages_have_adapters, lora_targets
 from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
@@ -59,7 +59,9 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     check_dataset_name(cfg.training.dataset, "training.dataset")
     if layout.lora is not None:  # every target pattern must select a linear layer (a meta model: no memory)
         with torch.device("meta"):
-            lora_targets(spec.model_cls(args), layout.lora)
+            targets = lora_targets(spec.model_cls(args), layout.lora)
+        if layout.pipeline is not None:
+            check_stages_have_adapters(targets, layout.pipeline.modules_per_stage)
     if cfg.training.dataset == CHAT and getattr(args, "attention_mask", "block_causal") != "block_causal":
         raise ConfigError("[model.attention_mask] chat data packs several conversations into each row: set "
                           "model.attention_mask = \"block_causal\" so that they do not attend to each other")

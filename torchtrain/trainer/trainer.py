@@ -142,7 +142,8 @@ class Trainer:
         if layout.lora is not None and hf_adapter is not None:
             hf_adapter = lora_adapter_class(hf_adapter)
         states = training_states(self.model_parts, self.optimizers, self.lr_schedulers, self.dataloader,
-                                 self.state, dims.dp_rank, self.rank, device)
+                                 self.state, dims.dp_rank, self.rank, device,
+                                 adapter_only=layout.lora is not None and layout.lora.save_adapter_only)
         if self.offload is not None and self.offload.params is not None:
             states["model"] = ResidentModelState(states["model"], self.offload)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,

@@ -29,6 +29,7 @@ from torchtrain.components.checkpoint.validate import (
     stored_keys,
 )
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.distributed.lora import lora_load_keys
 from torchtrain.utils.logging import logger
 
 
@@ -105,6 +106,9 @@ class CheckpointLoader:
         self._warn_model_args(meta, label)
         metadata = self.collective_try(lambda: read_metadata(path, label, trusted), f"{label} ({path})")
         template = self._template(keys, metadata, meta)
+        if "model" in template:
+            stored = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+            template["model"] = lora_load_keys(template["model"], stored)
         template, restore = self.collective_try(  # a torchtitan checkpoint: loaded under its names
             lambda: torchtitan.rename(template, self.model, meta, metadata, label), label)
         self.agree(check_against_metadata(metadata, template, path, label))

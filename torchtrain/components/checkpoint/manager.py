@@ -106,6 +106,8 @@ class CheckpointManager:
         elif plan.kind == "initial_hf":
             self.loader.load_hf(plan.path)
         elif plan.kind in ("resume", "initial_dcp"):
+            if plan.base is not None:  # an adapter-only checkpoint: its base weights first
+                self._load_base(plan.base)
             label = f"step-{plan.step}" if plan.kind == "resume" else "checkpoint.initial_load_path"
             self.loader.load_dcp(plan.path, plan.keys, label, plan.meta,
                                  trusted=plan.kind == "initial_dcp" and self.cfg.trust_initial_load)
@@ -117,6 +119,14 @@ class CheckpointManager:
                 logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
                             time.perf_counter() - t0, ", ".join(plan.keys),
                             f"; start fresh: {', '.join(skipped)}" if skipped else "", plan.step + 1)
+
+    def _load_base(self, base: StartPlan) -> None:
+        if base.kind == "initial_hf":
+            self.loader.load_hf(base.path)
+        else:
+            self.loader.load_dcp(base.path, ("model",), "checkpoint.initial_load_path", base.meta,
+                                 trusted=self.cfg.trust_initial_load)
+        logger.info("base weights of the adapter-only checkpoint loaded from %s", base.path)
 
     # ------------------------------------------------------------------ saving
     def _meta(self, step: int, contents: list[str], dtype: torch.dtype, **extra: Any) -> dict[str, Any]:
@@ -143,10 +153,12 @@ class CheckpointManager:
         dist.barrier(group=self._pg)
         t0 = time.perf_counter()
         keys = ["model"] if model_only else list(CHECKPOINT_KEYS)
-        state: dict[str, Any] = {"model": self.states["model"].state_dict(dtype)}
+        model = self.states["model"]
+        state: dict[str, Any] = {"model": model.saved_state_dict(dtype)}
         for key in keys[1:]:
             state[key] = self.states[key].state_dict()
-        meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only)
+        meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only,
+                          adapter_only=bool(getattr(model, "adapter_only", False)))
         writer = self._writer(path, step)
         if self.cfg.async_mode != "disabled" and not sync:
             kwargs = {"async_stager": self._stager} if self._stager is not None else {}

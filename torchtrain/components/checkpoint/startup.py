@@ -32,6 +32,8 @@ class StartPlan:
     step: int = 0
     keys: tuple[str, ...] = ()
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    base: "StartPlan | None" = None
+    """A resume from an adapter-only checkpoint: the initial load of its base weights, done first."""
 
 
 def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
@@ -121,27 +123,38 @@ def plan_start(cfg, folder: str, total_steps: int) -> StartPlan:
             logger.info("checkpoint %s holds the model only (an export), not a resume point; looking further "
                         "back", c.path)
     if chosen is not None:
+        keys = tuple(k for k in CHECKPOINT_KEYS if k in chosen.contents and k not in cfg.exclude_from_loading)
+        if chosen.meta.get("adapter_only"):
+            base = _initial_plan(cfg, "the adapter-only checkpoint " + chosen.path) if cfg.initial_load_path else None
+            if base is None:
+                logger.info("%s holds LoRA adapters only and there is no checkpoint.initial_load_path: the base "
+                            "weights are the seed's initial ones", chosen.path)
+            return StartPlan("resume", chosen.path, chosen.step, keys, chosen.meta, base=base)
         if cfg.initial_load_path:
             logger.info("checkpoint.initial_load_path %s is NOT loaded: a resume point exists, and resuming "
                         "always wins over an initial load", cfg.initial_load_path)
-        keys = tuple(k for k in CHECKPOINT_KEYS if k in chosen.contents and k not in cfg.exclude_from_loading)
         return StartPlan("resume", chosen.path, chosen.step, keys, chosen.meta)
-    where = f"no checkpoint to resume in {folder}"
     if cfg.initial_load_path:
-        if cfg.initial_load_in_hf:
-            logger.info("%s: initial load of Hugging Face weights from %s", where, cfg.initial_load_path)
-            return StartPlan("initial_hf", cfg.initial_load_path, 0, ("model",))
-        path, meta = resolve_dcp_path(cfg.initial_load_path)
-        contents = meta.get("contents", ["model"])
-        if not meta:  # not written by torchtrain: torchtitan's? (components/checkpoint/torchtitan.py)
-            metadata = read_metadata(path, "checkpoint.initial_load_path", cfg.trust_initial_load)
-            version = torchtitan.detect(metadata)
-            if version is not None:
-                meta, contents = {"torchtitan": version}, torchtitan.contents(metadata)
-                logger.info("%s is a torchtitan %s checkpoint (%s)", path, version, ", ".join(contents))
-        wanted = ("model",) if cfg.initial_load_model_only else tuple(
-            k for k in CHECKPOINT_KEYS if k in contents and k not in cfg.exclude_from_loading)
-        logger.info("%s: initial load of %s from %s", where, ", ".join(wanted), path)
-        return StartPlan("initial_dcp", path, int(meta.get("step", 0)), wanted, meta)
-    logger.info("%s and no checkpoint.initial_load_path: training starts from the initial weights", where)
+        return _initial_plan(cfg, f"no checkpoint to resume in {folder}")
+    logger.info("no checkpoint to resume in %s and no checkpoint.initial_load_path: training starts from the "
+                "initial weights", folder)
     return StartPlan("none")
+
+
+def _initial_plan(cfg, where: str) -> StartPlan:
+    """The initial load of `checkpoint.initial_load_path` (set)."""
+    if cfg.initial_load_in_hf:
+        logger.info("%s: initial load of Hugging Face weights from %s", where, cfg.initial_load_path)
+        return StartPlan("initial_hf", cfg.initial_load_path, 0, ("model",))
+    path, meta = resolve_dcp_path(cfg.initial_load_path)
+    contents = meta.get("contents", ["model"])
+    if not meta:  # not written by torchtrain: torchtitan's? (components/checkpoint/torchtitan.py)
+        metadata = read_metadata(path, "checkpoint.initial_load_path", cfg.trust_initial_load)
+        version = torchtitan.detect(metadata)
+        if version is not None:
+            meta, contents = {"torchtitan": version}, torchtitan.contents(metadata)
+            logger.info("%s is a torchtitan %s checkpoint (%s)", path, version, ", ".join(contents))
+    wanted = ("model",) if cfg.initial_load_model_only else tuple(
+        k for k in CHECKPOINT_KEYS if k in contents and k not in cfg.exclude_from_loading)
+    logger.info("%s: initial load of %s from %s", where, ", ".join(wanted), path)
+    return StartPlan("initial_dcp", path, int(meta.get("step", 0)), wanted, meta)

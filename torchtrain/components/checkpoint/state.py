@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchtrain.components.checkpoint.safety import safe_loads
 from torchtrain.distributed.float8 import high_precision
+from torchtrain.distributed.lora import is_adapter_param
 from torchtrain.utils.json_tensor import decode_json, encode_json
 
 
@@ -45,8 +46,15 @@ class Stateful(Protocol):
 class ModelState:
     """The model parts as one state dict (parameter names are unique across parts)."""
 
-    def __init__(self, model_parts: list[nn.Module]):
+    def __init__(self, model_parts: list[nn.Module], adapter_only: bool = False):
         self.model_parts = model_parts
+        self.adapter_only = adapter_only
+        """Saves hold the LoRA adapters only (`lora.save_adapter_only`)."""
+
+    def saved_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """What a save writes: the whole state dict, or its adapters only."""
+        state = self.state_dict(dtype)
+        return {k: v for k, v in state.items() if is_adapter_param(k)} if self.adapter_only else state
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         merged: dict[str, torch.Tensor] = {}
@@ -131,8 +139,9 @@ def _tensor(raw: bytes) -> torch.Tensor:
 
 def training_states(model_parts: list[nn.Module], optimizers: Stateful, lr_schedulers: Stateful,
                     dataloader: Stateful, train_state: Stateful, dp_rank: int, rank: int,
-                    device: torch.device) -> dict[str, Stateful]:
-    """What a checkpoint saves and restores, by top-level key (see the module docstring)."""
-    return {"model": ModelState(model_parts), "optimizer": optimizers, "lr_scheduler": lr_schedulers,
+                    device: torch.device, adapter_only: bool = False) -> dict[str, Stateful]:
+    """What a checkpoint saves and restores, by top-level key (see the module docstring); `adapter_only`:
+    the model's saves hold its LoRA adapters only."""
+    return {"model": ModelState(model_parts, adapter_only), "optimizer": optimizers, "lr_scheduler": lr_schedulers,
             "dataloader": DataLoaderState(dataloader, dp_rank), "train_state": train_state,
             "rng": RNGState(rank, device)}

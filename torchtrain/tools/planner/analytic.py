@@ -209,7 +209,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     stages = list(prof.stages[pp_rank])
     units = unit_shapes(a, stages, p.tp, p.ep, p.lora)
     # LoRA: the adapters are the only trainable parameters (gradients, optimizer state)
-    trainable = adapter_units(a, stages, p.lora) if p.lora is not None else units
+    trainable = adapter_units(a, stages, p.lora, p.tp) if p.lora is not None else units
     all_shapes = [s for _, shapes in units for s in shapes]
     full_numel = numel(all_shapes)
     train_shapes = [s for _, shapes in trainable for s in shapes]

@@ -16,7 +16,7 @@ import math
 
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.lora import is_target
-from torchtrain.models.contract import ModelContract
+from torchtrain.models.contract import ModelContract, matmul_kind
 
 
 # ------------------------------------------------------------------------------ parameter shapes
@@ -35,24 +35,31 @@ def unit_shapes(a: ModelContract, stages, tp: int, ep: int = 1,
     units = _base_units(a, stages, tp, ep)
     if lora is None:
         return units
-    adapters = dict(adapter_units(a, stages, lora))
+    adapters = dict(adapter_units(a, stages, lora, tp))
     return [(name, shapes + adapters.get(name, [])) for name, shapes in units]
 
 
-def adapter_units(a: ModelContract, stages, lora: Lora) -> list[tuple[str, list[tuple[int, int]]]]:
-    """The LoRA adapters' (rows, cols) per FSDP unit (units without adapters left out): A (r x in) and
-    B (out x r) of every declared linear module the patterns select (module doc)."""
+def adapter_units(a: ModelContract, stages, lora: Lora, tp: int = 1) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The LoRA adapters' TP-local (rows, cols) per FSDP unit (units without adapters left out): A
+    (r x in) and B (out x r) of every declared linear module the patterns select (module doc). Under
+    TP they follow the base weight (`distributed/lora.py`): a column-parallel layer's B holds out / tp
+    rows, a row-parallel layer's A in / tp columns, the other factor is replicated."""
     r = lora.rank
     out = []
     for s in stages:
         for i in s.layers:
             block = a.moe_block if a.moe_block is not None and a.is_moe_layer(i) else a.dense
-            shapes = [shape for name, m in block.modules.items() if m.linear and is_target(f"layers.{i}.{name}", lora)
-                      for shape in ((r, m.in_features), (m.out_features, r))]
+            shapes = []
+            for name, m in block.modules.items():
+                if m.linear and is_target(f"layers.{i}.{name}", lora):
+                    kind = matmul_kind(block.plan.get(name))
+                    cols = math.ceil(m.in_features / tp) if kind == "row" else m.in_features
+                    rows = math.ceil(m.out_features / tp) if kind == "column" else m.out_features
+                    shapes += [(r, cols), (rows, r)]
             if shapes:
                 out.append((f"block {i}", shapes))
-        if s.last and not a.tie_word_embeddings and is_target("output", lora):
-            out.append(("norm+output", [(r, a.dim), (a.vocab_size, r)]))
+        if s.last and not a.tie_word_embeddings and is_target("output", lora):  # the head: column-parallel
+            out.append(("norm+output", [(r, a.dim), (math.ceil(a.vocab_size / tp), r)]))
     return out
 
 

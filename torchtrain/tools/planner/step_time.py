@@ -194,7 +194,7 @@ def estimate_step(p: PlanInputs) -> StepTime:
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
     stages = list(prof.stages[slow_rank])
     units = shapes.unit_shapes(a, stages, p.tp, p.ep, p.lora)
-    trainable = units if p.lora is None else shapes.adapter_units(a, stages, p.lora)  # LoRA: adapters only
+    trainable = units if p.lora is None else shapes.adapter_units(a, stages, p.lora, p.tp)  # LoRA: adapters only
     traffic = comm_time.data_parallel(p, dev, units, dict(trainable))
     copies = compute_time.memory_seconds(dev, traffic.copy_bytes) * (1 if p.pp > 1 else passes)
     out.compute_breakdown_s = {k: v * passes for k, v in mb.breakdown.items()}
