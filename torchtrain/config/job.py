@@ -138,9 +138,11 @@ class Debug:
     step injects once: a step run again after a guard rollback is clean."""
 
     expert_comm_delay_ms: Annotated[float, Ge(0)] = 0.0
-    """A stand-in for a slow inter-node network: every expert-parallel dispatch and combine
-    all-to-all completes this many milliseconds late (the wait is added inside the asynchronous
-    collective, so expert_parallel_overlap_chunks can hide it). For benchmarks; 0 disables it."""
+    """A stand-in for a slow inter-node network: each rank has one simulated link, and every MoE
+    layer's dispatch and combine each occupy it for this many milliseconds (a chunk carrying 1/n of
+    the layer's tokens for 1/n of it; the node_limited dispatcher delays only its inter-node stage).
+    The wait is added inside the asynchronous collective, so expert_parallel_overlap_chunks can hide
+    it behind other chunks' computation (distributed/expert_comm.py). For benchmarks; 0 disables it."""
 
     inject_delay_ranks: list[Annotated[int, Ge(0)]] = field(default_factory=list)
     """Fault injection for testing straggler detection ([fault] straggler_freq): the listed global
