@@ -108,7 +108,7 @@ def declare(args: DeepseekV3Args) -> contract.ModelContract:
     dense = contract.Block(block_plan(args, False), {**attention, **contract.swiglu_modules(h, args.hidden_dim)},
                            dim=h)
     moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-                            args.num_shared_experts)
+                            args.num_shared_experts, args.n_group, args.topk_group)
     moe_block = contract.Block(block_plan(args, True), {**attention, **contract.moe_modules(h, moe)}, moe=moe, dim=h)
     flags = tuple(args.is_moe_layer(i) for i in range(layers))
     return contract.ModelContract(

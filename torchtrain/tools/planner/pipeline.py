@@ -14,7 +14,7 @@ A layout the trainer would refuse raises the trainer's ConfigError (also cached)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,9 @@ class PipelineProfile:
     schedule: str
     n_microbatches: int
     stages_per_rank: int
+    overlapped: dict[int, float] = field(default_factory=dict)
+    """pipeline rank -> share of its forwards that run paired with another micro-batch's backward in
+    one OVERLAP_F_B action (DualPipeV): one's communication under the other's computation."""
 
 
 def default_stages_per_rank(schedule: str) -> int:
@@ -130,7 +133,24 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
     finally:
         dist.destroy_process_group()
     return PipelineProfile(stages, peak_in_flight(order), timeline.bubble_fraction, timeline.render(), pipe.schedule_name,
-                           pipe.n_microbatches, pipe.stages_per_rank)
+                           pipe.n_microbatches, pipe.stages_per_rank, overlapped_share(order))
+
+
+def overlapped_share(order: dict[int, list]) -> dict[int, float]:
+    """Per rank, the share of its forward actions inside an OVERLAP_F_B action (module doc of
+    `PipelineProfile.overlapped`), read from the schedule's own action lists."""
+    out = {}
+    for rank, actions in order.items():
+        forwards = paired = 0
+        for a in (x for x in actions if x is not None):
+            kind = a.computation_type.value
+            if kind == "OVERLAP_F_B":
+                paired += sum(sub.computation_type.value == "F" for sub in a.sub_actions)
+                forwards += sum(sub.computation_type.value == "F" for sub in a.sub_actions)
+            elif kind == "F":
+                forwards += 1
+        out[rank] = paired / forwards if forwards else 0.0
+    return out
 
 
 def no_pipeline(n_layers: int) -> PipelineProfile:
