@@ -323,6 +323,9 @@ class ModelContract:
     block_causal: bool = False
     qk_norm: bool = False
     """Per-head query/key RMSNorm (Qwen3)."""
+    cheap_to_recompute: tuple[str, ...] = ()
+    """Block modules that selective checkpointing "cheap" recomputes (the family's `ModelSpec` field of
+    the same name, from one constant of the family)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -355,6 +358,10 @@ class ModelContract:
 
     def matmuls(self) -> list[Matmul]:
         return self.block.matmuls()
+
+    def cheap_matmuls(self) -> list[Matmul]:
+        """The block's matmuls among `cheap_to_recompute` (what selective "cheap" runs again)."""
+        return [m for m in self.matmuls() if m.name in self.cheap_to_recompute]
 
     def collectives(self, tp: int, cp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
         return self.block.collectives(tp, cp, ep, self.attention, dispatch)
@@ -397,12 +404,19 @@ def register(args_cls: type):
     return wrap
 
 
+_DECLARED: dict[tuple[type, str], ModelContract] = {}
+
+
 def declare(args) -> ModelContract:
     """The contract of the model with these arguments (its family's declaration; the most derived
-    registered argument class wins)."""
+    registered argument class wins). Contracts are frozen: one per distinct arguments is kept."""
+    key = (type(args), repr(args))
+    if key in _DECLARED:
+        return _DECLARED[key]
     for cls in type(args).__mro__:
         if cls in _DECLARATIONS:
-            return _DECLARATIONS[cls](args)
+            _DECLARED[key] = _DECLARATIONS[cls](args)
+            return _DECLARED[key]
     raise ConfigError(f"[model.name] the planner cannot size this model: its arguments ({type(args).__name__}) "
                       f"declare no contract; register one with `models.contract.register` (docs/architecture.md, "
                       f"'Add a model')")

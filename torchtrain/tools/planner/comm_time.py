@@ -96,8 +96,11 @@ def p2p(size: float, ln: Link | None) -> float:
 
 
 # ------------------------------------------------------------------------------ per micro-batch
-def forward_repeats(p: PlanInputs) -> float:
-    """Forward passes a block's collectives run per micro-batch: 2 when checkpointing re-runs them."""
+def forward_repeats(p: PlanInputs, expert: bool = False) -> float:
+    """Forward passes a block's collectives run per micro-batch: 2 when checkpointing re-runs them.
+    `expert`: the expert all-to-alls, which selective "cheap" saves instead of sending again."""
+    if p.ac_mode == "selective" and p.ac_option == "cheap":
+        return 1.0 if expert else 2.0
     if p.ac_mode == "full" or (p.ac_mode == "selective" and p.ac_option == "op"):
         return 2.0
     if p.ac_mode == "selective":
@@ -179,7 +182,7 @@ def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str) -> tuple[float, float]:
             bwd += s
         else:
             fwd += s
-    return fwd * forward_repeats(p), bwd
+    return fwd * forward_repeats(p, mesh.startswith("ep")), bwd
 
 
 def tp_edge(p: PlanInputs, dev: GPUSpec) -> float:
@@ -227,7 +230,7 @@ def expert_link_bytes(p: PlanInputs) -> dict[str, float]:
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
     for c in block_collectives(p, "ep"):
         if c.per_token:
-            sent = collective_bytes(p, c) * c.count * (1.0 if c.backward else forward_repeats(p)) * blocks * passes
+            sent = collective_bytes(p, c) * c.count * (1.0 if c.backward else forward_repeats(p, True)) * blocks * passes
             inter, intra = expert_link_shares(p, c.mesh)
             out["inter-node"] += sent * inter
             out["intra-node"] += sent * intra
@@ -264,7 +267,7 @@ def ep_passes(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
 def ep_block(p: PlanInputs, dev: GPUSpec) -> float:
     """Dispatch and combine all-to-alls of one MoE block for one micro-batch (forward, recompute, backward)."""
     fwd, bwd = ep_passes(p, dev)
-    return fwd * forward_repeats(p) + bwd
+    return fwd * forward_repeats(p, True) + bwd
 
 
 def pp_microbatch(p: PlanInputs, dev: GPUSpec) -> float:

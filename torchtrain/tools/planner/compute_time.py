@@ -49,7 +49,9 @@ a share of the blocks (patterns naming block indices) count by that share.
 **Recomputation** (activation checkpointing) repeats forward work in backward: `full` the whole
 block, selective every-N-th the N-th blocks, selective `op` the memory-bound kernels only
 (torchtrain's policy saves every matmul and attention output) plus `sac_matmul_share` of the
-matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5).
+matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5);
+selective `cheap` the memory-bound kernels and the forward GEMMs of the modules the model declares
+cheap to recompute (DeepSeek-V3: MLA's up-projections).
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     dtype = p.param_dtype
     out = BlockTime(tp_gemm={"attn_in": (0.0, 0.0), "attn_out": (0.0, 0.0), "ffn_in": (0.0, 0.0),
                              "ffn_out": (0.0, 0.0)})
-    mm_fwd_s = 0.0
+    mm_fwd_s = cheap_fwd_s = 0.0
     fp8_bytes = 0.0
     lora_s = lora_block_seconds(p, dev)
     out.gemm_fwd, out.gemm_bwd = lora_s
@@ -211,6 +213,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
         out.gemm_fwd += fwd
         out.gemm_bwd += bwd
         mm_fwd_s += fwd
+        cheap_fwd_s += fwd if mm.name in a.cheap_to_recompute else 0.0
         if mm.kind == "expert" or ".shared_experts." in mm.name:
             out.expert_fwd += fwd
             out.expert_bwd += bwd
@@ -227,6 +230,8 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     out.recompute = _recompute_share(p) * (out.gemm_fwd + out.attn_fwd + out.mem_fwd)
     if p.ac_mode == "selective" and p.ac_option == "op":
         out.recompute = out.mem_fwd + p.sac_matmul_share * mm_fwd_s
+    if p.ac_mode == "selective" and p.ac_option == "cheap":
+        out.recompute = out.mem_fwd + cheap_fwd_s
     return out
 
 
@@ -234,7 +239,7 @@ def _recompute_share(p: PlanInputs) -> float:
     """Share of the blocks whose whole forward is recomputed (full AC: all; selective N: 1 / N)."""
     if p.ac_mode == "full":
         return 1.0
-    if p.ac_mode == "selective" and p.ac_option != "op":
+    if p.ac_mode == "selective" and p.ac_option not in ("op", "cheap"):
         return 1.0 / int(p.ac_option)
     return 0.0
 

@@ -47,7 +47,7 @@ def block_all_to_all(p: PlanInputs, dev: GPUSpec, block: BlockTime, overlapped: 
     recomputed forward, backward), with `overlapped` the share of micro-batches the pipeline schedule
     pairs forward with backward (module doc)."""
     fwd, bwd = comm_time.ep_passes(p, dev)
-    repeats = comm_time.forward_repeats(p)
+    repeats = comm_time.forward_repeats(p, True)
     total = repeats * fwd + bwd
     chunks = p.ep_overlap_chunks
     exposed = repeats * chunk_exposed(fwd, block.expert_fwd, chunks) + chunk_exposed(bwd, block.expert_bwd, chunks)

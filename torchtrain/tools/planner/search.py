@@ -14,7 +14,8 @@ same tokens per step):
 * MoE models with ep > 1: the token dispatcher (standard, and node_limited when the EP group spans
   nodes) and the overlap chunks (1, 2, 4) -- tried on each layout that fits, the fastest kept (they
   change the step, not the memory) -- and the DualPipeV schedule with pipelining;
-* activation checkpointing: none, selective "op", full (`--ac` restricts);
+* activation checkpointing: none, selective "op" (and "cheap" for a model that declares modules cheap
+  to recompute), full (`--search-ac` restricts);
 * without pipelining: local batch = every divisor of global / dp up to 32 (the rest is accumulation);
   with pipelining: local batch = global / dp, micro-batch size in {1, 2, 4, 8} dividing it, and
   schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe;
@@ -107,13 +108,23 @@ def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[st
             dp = world // (tp * pp * c)
             if base.global_batch_size % dp:
                 continue
-            for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
+            for rep, strategy, (ac, option) in itertools.product(_divisors(dp), strategies, _ac_choices(base, ac_modes)):
                 if DPStrategy.parse(strategy).replicated and (rep != dp or c > 1):
                     continue  # replicated strategies: one data-parallel group, counted once; no CP
                 for ep in (_expert_degrees(base, dp // rep, tp, DPStrategy.parse(strategy)) if c == 1 else [1]):
                     out += _batchings(base, dict(tp=tp, pp=pp, cp=c, ep=ep, dp_replicate=rep, dp_shard=dp // rep,
-                                                 strategy=strategy, ac_mode=ac, ac_option="op",
+                                                 strategy=strategy, ac_mode=ac, ac_option=option,
                                                  global_batch_size=base.global_batch_size), dp)
+    return out
+
+
+def _ac_choices(base: PlanInputs, ac_modes: list[str]) -> list[tuple[str, str]]:
+    """(mode, option) pairs to try: selective "op", and "cheap" when the model declares modules cheap to
+    recompute."""
+    out = []
+    for mode in ac_modes:
+        options = ["op"] + (["cheap"] if base.model.cheap_to_recompute else []) if mode == "selective" else ["op"]
+        out += [(mode, option) for option in options]
     return out
 
 

@@ -112,6 +112,8 @@ def recompute_flops_per_token(p: PlanInputs) -> float:
     if p.ac_mode == "selective":
         if p.ac_option == "op":
             return a.n_layers * p.sac_matmul_share * block_matmul
+        if p.ac_option == "cheap":
+            return a.n_layers * 2 * sum(m.in_features * m.out_features for m in a.cheap_matmuls())
         return (a.n_layers // int(p.ac_option)) * (block_matmul + attention)
     return 0.0
 
