@@ -253,6 +253,15 @@ def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollectiv
             BlockCollective("reduce_scatter", "cp", True, per_token=kv)]
 
 
+def _memo(obj, name: str, key: tuple, compute: Callable[[], list]) -> list:
+    """`compute()` once per (frozen `obj`, name, key): the planner asks a contract the same questions
+    for every layout of a search."""
+    memo = obj.__dict__.setdefault("_memo", {})
+    if (name, key) not in memo:
+        memo[(name, key)] = compute()
+    return memo[(name, key)]
+
+
 @dataclass(frozen=True)
 class Block:
     """One block as its family's plan sees it."""
@@ -265,6 +274,9 @@ class Block:
     dim: int = 0
 
     def matmuls(self) -> list[Matmul]:
+        return list(_memo(self, "matmuls", (), self._matmuls))
+
+    def _matmuls(self) -> list[Matmul]:
         out = [Matmul(name, m.in_features, m.out_features, matmul_kind(self.plan.get(name)))
                for name, m in self.modules.items() if m.linear]
         if self.moe is not None:
@@ -288,6 +300,11 @@ class Block:
 
     def collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
                     dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
+        return list(_memo(self, "collectives", (tp, cp, ep, att, dispatch),
+                          lambda: self._collectives(tp, cp, ep, att, dispatch)))
+
+    def _collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
+                     dispatch: Dispatch) -> list[BlockCollective]:
         out = tp_collectives(self.plan, self.modules, tp) + cp_collectives(att, tp, cp)
         return out + (ep_collectives(self.moe, self.dim, tp, ep, dispatch) if self.moe is not None else [])
 
@@ -358,6 +375,10 @@ class ModelContract:
 
     def matmuls(self) -> list[Matmul]:
         return self.block.matmuls()
+
+    def flops(self, seq_len: int) -> int:
+        """`flops_per_token(seq_len)`, computed once per sequence length."""
+        return _memo(self, "flops", (seq_len,), lambda: self.flops_per_token(seq_len))
 
     def cheap_matmuls(self) -> list[Matmul]:
         """The block's matmuls among `cheap_to_recompute` (what selective "cheap" runs again)."""

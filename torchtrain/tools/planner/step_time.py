@@ -91,12 +91,12 @@ def model_flops_per_token(p: PlanInputs, prof) -> float:
     """The family's model FLOPs per token (6 N + attention); under LoRA the frozen weights get no
     weight gradient (4 N) and every adapter parameter costs 6."""
     a = p.model
-    flops = float(a.flops_per_token(p.seq_len))
+    flops = float(a.flops(p.seq_len))
     if p.lora is None:
         return flops
     stages = [s for rank in prof.stages.values() for s in rank]
     adapters = shapes.numel([s for _, sh in shapes.adapter_units(a, stages, p.lora) for s in sh])
-    return flops - a.flops_per_token(0) / 3 + 6 * adapters  # flops_per_token(0) = 6 N
+    return flops - a.flops(0) / 3 + 6 * adapters  # flops_per_token(0) = 6 N
 
 
 def recompute_flops_per_token(p: PlanInputs) -> float:
