@@ -91,3 +91,29 @@ def test_cheap_declaration_is_one_list_and_other_models_refuse_the_option():
     llama = Llama3(Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=8))
     with pytest.raises(ConfigError, match=r"selective_ac_option\] \"cheap\": this model declares no modules"):
         apply_activation_checkpointing(llama.layers, "selective", "cheap", get_model_spec("llama3").cheap_to_recompute)
+
+
+def test_planner_offers_cheap_where_declared_and_saves_the_all_to_alls():
+    """The search tries "cheap" for a model that declares cheap modules (and only there); under it the
+    expert all-to-alls run once per micro-batch forward (saved), other collectives twice."""
+    from types import SimpleNamespace
+
+    from torchtrain.tools.planner.comm_time import forward_repeats
+    from torchtrain.tools.planner.search import _ac_choices
+
+    ds = SimpleNamespace(model=declare(ARGS))
+    llama = SimpleNamespace(model=declare(Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=8)))
+    assert ("selective", "cheap") in _ac_choices(ds, ["none", "selective", "full"])
+    assert _ac_choices(llama, ["none", "selective", "full"]) == [("none", "op"), ("selective", "op"), ("full", "op")]
+    cheap = SimpleNamespace(ac_mode="selective", ac_option="cheap")
+    op = SimpleNamespace(ac_mode="selective", ac_option="op")
+    assert (forward_repeats(cheap, True), forward_repeats(cheap), forward_repeats(op, True)) == (1.0, 2.0, 2.0)
+
+
+def test_shared_stage_cut_holds_the_same_blocks_without_copying():
+    from torchtrain.distributed.pipeline import keep_modules
+
+    model = _model(None)
+    part = keep_modules(model, ["tok_embeddings", "layers.0"], share=True)
+    assert list(part.layers.keys()) == ["0"] and part.layers["0"] is model.layers["0"]
+    assert part.norm is None and model.norm is not None and list(model.layers.keys()) == ["0", "1"]
