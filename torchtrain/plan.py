@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel strategy (zero3 = FSDP/HSDP; see docs/planner.md)")
     g.add_argument("--reshard", choices=RESHARD, help="FSDP reshard after forward")
     g.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
-    g.add_argument("--ac-option", help='selective AC: "op" or N (every N-th block)')
+    g.add_argument("--ac-option", help='selective AC: "op", "cheap" (the modules the model declares cheap to recompute) '
+                                        'or N (every N-th block)')
     g.add_argument("--schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), help="pipeline schedule")
     g.add_argument("--microbatch-size", type=int, help="pipeline micro-batch size (sequences)")
     g.add_argument("--microbatches", type=int, help="pipeline micro-batches per local batch (sets the local batch)")

@@ -17,14 +17,18 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """For mode = "selective": an integer N checkpoints every N-th block fully (1 = all blocks);
     "op" keeps every block but saves the outputs of matmuls and attention and recomputes only the
-    cheap element-wise operations (norms, activations, RoPE)."""
+    cheap element-wise operations (norms, activations, RoPE); "cheap" is "op" that also recomputes the
+    modules the model declares cheap to recompute, matmuls included (DeepSeek-V3: its RMSNorms and
+    MLA's up-projections, so only their narrow latents are stored), and saves the expert all-to-all
+    outputs instead of sending them again."""
 
     def validate(self) -> None:
         opt = self.selective_ac_option
-        if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+        if self.mode == "selective" and opt not in ("op", "cheap") and not (opt.isdigit() and int(opt) >= 1):
             raise ConfigError(
                 f"[activation_checkpoint.selective_ac_option] must be \"op\" or a positive integer N "
-                f"(checkpoint every N-th block), got {opt!r}"
+                f"(checkpoint every N-th block) or \"cheap\" (recompute the modules the model declares cheap), "
+                f"got {opt!r}"
             )
 
 

@@ -91,7 +91,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     if dims.ep_enabled:
         apply_expert_parallel(experts, dims.ep_mesh)
         install_dispatchers(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep, comm=layout.expert_comm)
-    apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option)
+    apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option, spec.cheap_to_recompute)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
                        fullgraph=not experts)

@@ -176,10 +176,15 @@ def _check_explicit_split(modules: list[list[str]], all_names: list[str]) -> Non
                           f"order, with no empty stage: {', '.join(all_names)}")
 
 
-def keep_modules(model: nn.Module, names: list[str]) -> nn.Module:
+def keep_modules(model: nn.Module, names: list[str], share: bool = False) -> nn.Module:
     """A copy of `model` holding only the named modules: top-level modules not named become None,
-    and a ModuleDict (like `layers`) keeps only its named entries ("layers.3")."""
-    part = copy.deepcopy(model)
+    and a ModuleDict (like `layers`) keeps only its named entries ("layers.3"). `share`: copy only the
+    containers (the model object and its ModuleDicts) and share the kept modules with `model` -- for
+    callers that only read the cut's structure (the planner's schedule objects)."""
+    part = copy.copy(model) if share else copy.deepcopy(model)
+    if share:
+        part._modules = {attr: (nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict) else child)
+                         for attr, child in model._modules.items()}
     wanted = set(names)
     for attr, child in list(part.named_children()):
         if isinstance(child, nn.ModuleDict):

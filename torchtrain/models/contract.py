@@ -20,7 +20,9 @@ find what each style moves per block and micro-batch:
 
 Expert parallelism (`distributed/expert_parallel.py`) and context parallelism
 (`distributed/context_parallel.py`) are generic: `ep_collectives` and `cp_collectives` state them from
-the MoE and attention shapes.
+the MoE and attention shapes; the expert all-to-alls follow the token dispatcher the job selects
+(`parallelism.expert_parallel_comm_backend`, `Dispatch`), with group-limited routing's expected node
+count (`expected_nodes`) for the node-limited one.
 
 Sizes (`BlockCollective`): elements per token of the rank's micro-batch (t = batch x seq_len / cp,
 before sequence parallelism splits it), per sequence, and fixed; for an all-gather or reduce-scatter
@@ -29,6 +31,7 @@ the whole gathered tensor, for an all-reduce the tensor, for an all-to-all what 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,7 +97,8 @@ class BlockCollective:
     kind: str
     """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all"."""
     mesh: str
-    """"tp", "cp" or "ep"."""
+    """"tp", "cp" or "ep"; the node-limited dispatcher's "ep_inter" (one rank per node of the EP
+    group) and "ep_intra" (the EP ranks of one node)."""
     backward: bool
     """False: issued in forward (again when activation checkpointing re-runs the forward)."""
     per_token: float = 0.0
@@ -169,18 +173,73 @@ class MoEShape:
     """One routed expert's hidden size."""
     shared: int
     """Shared experts (each of the routed hidden size)."""
+    n_group: int = 1
+    """Group-limited routing: the experts form this many equal groups (1: none)."""
+    topk_group: int = 1
+    """Groups a token's experts may come from (read when n_group > 1)."""
 
 
-def ep_collectives(moe: MoEShape, dim: int, tp: int, ep: int) -> list[BlockCollective]:
+@dataclass(frozen=True)
+class Dispatch:
+    """How routed tokens travel to their experts' ranks (`parallelism.expert_parallel_comm_backend`)."""
+
+    backend: str = "standard"
+    """"standard": one all-to-all over the EP group, every routed copy sent separately; "node_limited":
+    a token crosses to each selected node once and fans out inside it (the combine mirrors it)."""
+    ranks_per_node: int = 0
+    """EP ranks per node (`parallelism.expert_parallel_ranks_per_node`; 0: the whole group is one node)."""
+
+
+def _miss(pool: int, own: int, k: int) -> float:
+    """Probability that k experts drawn uniformly without replacement from `pool` miss `own` of them."""
+    return math.comb(pool - own, k) / math.comb(pool, k) if pool - own >= k else 0.0
+
+
+def expected_nodes(moe: MoEShape, nodes: int) -> float:
+    """Expected distinct nodes a token's top-k experts sit on, with the E experts spread evenly over
+    `nodes` nodes and routing taken as uniform (the planner's balanced-routing assumption). With
+    group-limited routing (n_group > 1) the k experts come from the token's topk_group groups, which
+    bounds the count: a node holding whole groups is reached when one of its selected groups receives an
+    expert; a group spanning several nodes sends to each of them that receives one."""
+    e, k = moe.num_experts, moe.top_k
+    if nodes <= 1:
+        return 1.0
+    per_node = e // nodes
+    if moe.n_group <= 1:
+        return nodes * (1.0 - _miss(e, per_node, k))
+    g, pool = moe.n_group, moe.topk_group * (e // moe.n_group)
+    if g % nodes == 0:  # each node holds g / nodes whole groups; j of them selected (hypergeometric)
+        held = g // nodes
+        total = math.comb(g, moe.topk_group)
+        reach = sum(math.comb(held, j) * math.comb(g - held, moe.topk_group - j) / total
+                    * (1.0 - _miss(pool, j * (e // g), k)) for j in range(1, min(held, moe.topk_group) + 1))
+        return nodes * reach
+    spans = nodes // g if nodes % g == 0 else 1  # nodes per group
+    return min(nodes, moe.topk_group * spans) * (1.0 - _miss(pool, per_node, k))
+
+
+def ep_collectives(moe: MoEShape, dim: int, tp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
     """An MoE block's expert-parallel collectives (`distributed/expert_parallel.py`): the per-expert
     row counts exchanged (E integers), then the dispatch and combine all-to-alls of each of the rank's
-    t / tp tokens' k rows of `dim` values, mirrored by their gradients' in backward."""
+    t / tp tokens, mirrored by their gradients' in backward.
+
+    "standard" (mesh "ep"): each token's k rows of `dim` values go to their experts' ranks in one
+    all-to-all. "node_limited" over n = ep / ranks_per_node > 1 nodes: first one all-to-all among the
+    ranks of the same local index on each node (mesh "ep_inter"), carrying each token once per node it
+    selects (`expected_nodes` rows, its own node's included as the (n - 1) / n of an all-to-all
+    discounts), then one inside the node (mesh "ep_intra") fanning the k rows out to the experts' ranks;
+    the combine reduces inside the node first and crosses back once."""
     if ep == 1:
         return []
+    counts = BlockCollective("all_to_all", "ep", False, fixed=moe.num_experts, dtype="int64")
     rows = moe.top_k * dim / tp
-    return [BlockCollective("all_to_all", "ep", False, fixed=moe.num_experts, dtype="int64"),
-            BlockCollective("all_to_all", "ep", False, per_token=rows, count=2),
-            BlockCollective("all_to_all", "ep", True, per_token=rows, count=2)]
+    node = dispatch.ranks_per_node or ep
+    if dispatch.backend != "node_limited" or node >= ep:
+        return [counts, BlockCollective("all_to_all", "ep", False, per_token=rows, count=2),
+                BlockCollective("all_to_all", "ep", True, per_token=rows, count=2)]
+    crossing = expected_nodes(moe, ep // node) * dim / tp
+    return [counts] + [BlockCollective("all_to_all", mesh, backward, per_token=size, count=2)
+                       for backward in (False, True) for mesh, size in (("ep_inter", crossing), ("ep_intra", rows))]
 
 
 def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollective]:
@@ -192,6 +251,15 @@ def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollectiv
     kv = 2 * att.kv_heads * att.qk_head_dim * cp / tp
     return [BlockCollective("all_gather", "cp", False, per_token=kv),
             BlockCollective("reduce_scatter", "cp", True, per_token=kv)]
+
+
+def _memo(obj, name: str, key: tuple, compute: Callable[[], list]) -> list:
+    """`compute()` once per (frozen `obj`, name, key): the planner asks a contract the same questions
+    for every layout of a search."""
+    memo = obj.__dict__.setdefault("_memo", {})
+    if (name, key) not in memo:
+        memo[(name, key)] = compute()
+    return memo[(name, key)]
 
 
 @dataclass(frozen=True)
@@ -206,6 +274,9 @@ class Block:
     dim: int = 0
 
     def matmuls(self) -> list[Matmul]:
+        return list(_memo(self, "matmuls", (), self._matmuls))
+
+    def _matmuls(self) -> list[Matmul]:
         out = [Matmul(name, m.in_features, m.out_features, matmul_kind(self.plan.get(name)))
                for name, m in self.modules.items() if m.linear]
         if self.moe is not None:
@@ -227,9 +298,15 @@ class Block:
         local, h, H = self.moe.num_experts // ep, self.dim, self.moe.hidden
         return dense, [(local * H, h), (local * h, H), (local * H, h)]
 
-    def collectives(self, tp: int, cp: int, ep: int, att: AttentionShape) -> list[BlockCollective]:
+    def collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
+                    dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
+        return list(_memo(self, "collectives", (tp, cp, ep, att, dispatch),
+                          lambda: self._collectives(tp, cp, ep, att, dispatch)))
+
+    def _collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
+                     dispatch: Dispatch) -> list[BlockCollective]:
         out = tp_collectives(self.plan, self.modules, tp) + cp_collectives(att, tp, cp)
-        return out + (ep_collectives(self.moe, self.dim, tp, ep) if self.moe is not None else [])
+        return out + (ep_collectives(self.moe, self.dim, tp, ep, dispatch) if self.moe is not None else [])
 
 
 @dataclass(frozen=True)
@@ -263,6 +340,9 @@ class ModelContract:
     block_causal: bool = False
     qk_norm: bool = False
     """Per-head query/key RMSNorm (Qwen3)."""
+    cheap_to_recompute: tuple[str, ...] = ()
+    """Block modules that selective checkpointing "cheap" recomputes (the family's `ModelSpec` field of
+    the same name, from one constant of the family)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -296,8 +376,16 @@ class ModelContract:
     def matmuls(self) -> list[Matmul]:
         return self.block.matmuls()
 
-    def collectives(self, tp: int, cp: int, ep: int) -> list[BlockCollective]:
-        return self.block.collectives(tp, cp, ep, self.attention)
+    def flops(self, seq_len: int) -> int:
+        """`flops_per_token(seq_len)`, computed once per sequence length."""
+        return _memo(self, "flops", (seq_len,), lambda: self.flops_per_token(seq_len))
+
+    def cheap_matmuls(self) -> list[Matmul]:
+        """The block's matmuls among `cheap_to_recompute` (what selective "cheap" runs again)."""
+        return [m for m in self.matmuls() if m.name in self.cheap_to_recompute]
+
+    def collectives(self, tp: int, cp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
+        return self.block.collectives(tp, cp, ep, self.attention, dispatch)
 
 
 def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward") -> dict[str, Module]:
@@ -337,12 +425,19 @@ def register(args_cls: type):
     return wrap
 
 
+_DECLARED: dict[tuple[type, str], ModelContract] = {}
+
+
 def declare(args) -> ModelContract:
     """The contract of the model with these arguments (its family's declaration; the most derived
-    registered argument class wins)."""
+    registered argument class wins). Contracts are frozen: one per distinct arguments is kept."""
+    key = (type(args), repr(args))
+    if key in _DECLARED:
+        return _DECLARED[key]
     for cls in type(args).__mro__:
         if cls in _DECLARATIONS:
-            return _DECLARATIONS[cls](args)
+            _DECLARED[key] = _DECLARATIONS[cls](args)
+            return _DECLARED[key]
     raise ConfigError(f"[model.name] the planner cannot size this model: its arguments ({type(args).__name__}) "
                       f"declare no contract; register one with `models.contract.register` (docs/architecture.md, "
                       f"'Add a model')")

@@ -62,6 +62,12 @@ class ModelSpec:
     outside the blocks, e.g. the final norm before the output projection). A module that is None on
     this pipeline stage is skipped. Not applied under tensor parallelism (those modules carry the
     plan's DTensor redistribution hooks and stay eager)."""
+    cheap_to_recompute: tuple[str, ...] = ()
+    """Modules inside a block (names relative to the block, e.g. "attention.wkv_b") whose outputs are
+    cheap to recompute and heavy to store: selective activation checkpointing "cheap" recomputes
+    exactly these in backward (`distributed/activation_checkpoint.py`) and the planner sizes the
+    option from the same names (`models/contract.py` ModelContract.cheap_to_recompute). Empty: the
+    option is refused for this model."""
     context_parallel: bool = False
     """The model's attention is `models/common/attention.py::AttentionCore` and its forward takes
     `seq_index` (and `positions`), so context parallelism can shard its sequences."""

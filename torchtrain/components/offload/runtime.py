@@ -105,10 +105,19 @@ class ResidentModelState:
         self.inner, self.runtime = inner, runtime
         self.model_parts = inner.model_parts
 
-    def state_dict(self, *args, **kwargs) -> dict:
+    def __getattr__(self, name: str):  # everything else (adapter_only, ...) is the wrapped state's
+        return getattr(self.inner, name)
+
+    def _resident_copy(self, read, *args, **kwargs) -> dict:
         with self.runtime.params_resident():
-            sd = self.inner.state_dict(*args, **kwargs)
+            sd = read(*args, **kwargs)
             return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return self._resident_copy(self.inner.state_dict, *args, **kwargs)
+
+    def saved_state_dict(self, *args, **kwargs) -> dict:
+        return self._resident_copy(self.inner.saved_state_dict, *args, **kwargs)
 
     def load_state_dict(self, state: dict) -> None:
         with self.runtime.params_resident():

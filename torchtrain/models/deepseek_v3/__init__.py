@@ -2,7 +2,7 @@
 
 from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
-from torchtrain.models.deepseek_v3.model import Transformer
+from torchtrain.models.deepseek_v3.model import CHEAP_TO_RECOMPUTE, Transformer
 from torchtrain.models.deepseek_v3.parallelize import apply_tp, fsdp_units, stage_modules, validate_deepseek_v3
 from torchtrain.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 
@@ -35,6 +35,6 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepseekV3Args] = {
 
 register_decoder("deepseek_v3", Transformer, DeepseekV3Args, DEEPSEEK_V3_FLAVORS, tp_plan=apply_tp,
                  validate=validate_deepseek_v3, fsdp_units=fsdp_units, stage_modules=stage_modules,
-                 state_dict_adapter=DeepseekV3StateDictAdapter)
+                 state_dict_adapter=DeepseekV3StateDictAdapter, cheap_to_recompute=CHEAP_TO_RECOMPUTE)
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepseekV3Args", "DeepseekV3StateDictAdapter", "Transformer"]

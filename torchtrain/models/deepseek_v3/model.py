@@ -101,6 +101,13 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+# What DeepSeek-V3 recomputes in backward instead of storing (its report, section 3.3.2): the RMSNorms
+# and MLA's up-projections (queries from their latent, keys and values from theirs), whose outputs are
+# many times wider than their inputs; selective checkpointing "cheap" recomputes exactly these.
+CHEAP_TO_RECOMPUTE = ("attention_norm", "ffn_norm", "attention.q_norm", "attention.kv_norm", "attention.wq_b",
+                      "attention.wkv_b")
+
+
 def deepseek_block(args: DeepseekV3Args, layer_id: int) -> DecoderBlock:
     """Block `layer_id`: MLA, then a dense feed-forward in the first `first_k_dense_replace` blocks and a
     mixture of experts after (multi-token-prediction depths are blocks n_layers + k)."""

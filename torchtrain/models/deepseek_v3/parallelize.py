@@ -33,6 +33,7 @@ from torchtrain.distributed.tensor_parallel import GatherForLocalHeads, apply_de
 from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout, decoder_fsdp_units, decoder_stage_modules
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
+from torchtrain.models.deepseek_v3.model import CHEAP_TO_RECOMPUTE
 
 
 def validate_deepseek_v3(args: DeepseekV3Args, layout) -> None:
@@ -108,7 +109,7 @@ def declare(args: DeepseekV3Args) -> contract.ModelContract:
     dense = contract.Block(block_plan(args, False), {**attention, **contract.swiglu_modules(h, args.hidden_dim)},
                            dim=h)
     moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-                            args.num_shared_experts)
+                            args.num_shared_experts, args.n_group, args.topk_group)
     moe_block = contract.Block(block_plan(args, True), {**attention, **contract.moe_modules(h, moe)}, moe=moe, dim=h)
     flags = tuple(args.is_moe_layer(i) for i in range(layers))
     return contract.ModelContract(
@@ -119,7 +120,8 @@ def declare(args: DeepseekV3Args) -> contract.ModelContract:
                                           args.n_heads),
         dense=dense, moe_block=moe_block if any(flags) else None, moe_layers=flags,
         num_params=args.num_params(), num_active_params=args.num_active_params(), flops_per_token=args.flops_per_token, ffn_hidden=args.hidden_dim,
-        mtp_depth=args.mtp_depth, max_seq_len=args.max_seq_len, block_causal=args.attention_mask == "block_causal")
+        mtp_depth=args.mtp_depth, max_seq_len=args.max_seq_len, block_causal=args.attention_mask == "block_causal",
+        cheap_to_recompute=CHEAP_TO_RECOMPUTE)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:

@@ -40,7 +40,7 @@ def block_plan(args: Qwen3MoeArgs) -> dict[str, object]:
 def declare(args: Qwen3MoeArgs) -> contract.ModelContract:
     """The planner's view: every block is `block_plan`, Qwen3's attention and the shared MoE layer."""
     moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-                            args.num_shared_experts)
+                            args.num_shared_experts, args.n_group, args.topk_group)
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                **contract.qk_norm_modules(args.head_dim), **contract.moe_modules(args.dim, moe)}
     block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim)

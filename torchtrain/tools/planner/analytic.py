@@ -46,7 +46,9 @@ N-th block checkpointed; selective "op" -> the block input and every matmul and 
 (`distributed/activation_checkpoint.py`): q, k, v, attention out (+ logsumexp), w1, w3 head- or
 hidden-sharded, and the row-parallel wo / w2 outputs, which are whole-sequence partial sums before
 their reduce-scatter: (d h + d h + 2 d h_kv + d h + 4 n_heads + 2 d F) / tp + 2 d h. One block is
-recomputed at a time during backward (+ A for that block).
+recomputed at a time during backward (+ A for that block). Selective "cheap" keeps what "op" keeps
+less the outputs of the matmuls the model declares cheap to recompute (DeepSeek-V3's MLA
+up-projections wq_b and wkv_b: d (n_heads qk_head_dim + n_heads (nope + v)) / tp per token).
 
 Other terms: each in-flight micro-batch's stage output (d h t / tp, every stage but the last); under
 FSDP2 mixed precision each block's RoPE-table input cast to d; with TP, the embedding's gradient for
@@ -82,6 +84,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
@@ -149,8 +152,12 @@ def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1) -> flo
 def ac_block_bytes_per_token(a, d: int, tp: int, mode: str, option: str) -> tuple[float, str]:
     """Bytes a checkpointed block keeps per token, with a label."""
     h, hq, hkv = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim
-    if mode == "full" or (mode == "selective" and option != "op"):
+    if mode == "full" or (mode == "selective" and option not in OP_LEVEL_OPTIONS):
         return d * h / tp, "block input d h / tp"
+    if option == "cheap":  # as "op", less the outputs of the declared cheap matmuls (recomputed instead)
+        kept, label = ac_block_bytes_per_token(a, d, tp, mode, "op")
+        cheap = sum(m.out_features for m in a.cheap_matmuls())
+        return kept - d * cheap / tp, f"{label} - d x {cheap:,} / tp (recomputed up-projections)"
     if a.num_experts:  # matmul outputs: router scores, each routed row's w1/w3/w2 outputs
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         sharded = 2 * d * hq + d * h + 2 * d * hkv + 4 * a.n_heads + 4 * a.num_experts + k * (2 * d * H + d * h)
@@ -183,8 +190,8 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
         stored, recompute = n * full, 0.0
     else:
         kept, _ = ac_block_bytes_per_token(a, d, tp, p.ac_mode, p.ac_option)
-        kept += lora_op if p.ac_mode == "selective" and p.ac_option == "op" else 0.0
-        if p.ac_mode == "selective" and p.ac_option != "op":
+        kept += lora_op if p.ac_mode == "selective" and p.ac_option in OP_LEVEL_OPTIONS else 0.0
+        if p.ac_mode == "selective" and p.ac_option not in OP_LEVEL_OPTIONS:
             n_ckpt = n // int(p.ac_option)
         else:
             n_ckpt = n
@@ -202,30 +209,44 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     return stored, recompute
 
 
-# ------------------------------------------------------------------------------ the estimate
-def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
-    a, d, r, t = p.model, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
-    prof = pipeline_of(p)
-    stages = list(prof.stages[pp_rank])
-    units = unit_shapes(a, stages, p.tp, p.ep, p.lora)
+_COUNTS: dict[tuple, tuple] = {}
+
+
+def _param_counts(a, stages: tuple, tp: int, ep: int, lora, n_shard: int, expert_shard: int) -> tuple:
+    """(units, trainable units, elements on the rank, trainable elements, their sharded counts, trainable
+    tensors) of a pipeline rank's stages: the same for every layout with these degrees (kept per key)."""
+    key = (id(a), stages, tp, ep, repr(lora), n_shard, expert_shard)
+    if key in _COUNTS and _COUNTS[key][0] is a:
+        return _COUNTS[key][1]
+    units = unit_shapes(a, stages, tp, ep, lora)
     # LoRA: the adapters are the only trainable parameters (gradients, optimizer state)
-    trainable = adapter_units(a, stages, p.lora, p.tp) if p.lora is not None else units
-    all_shapes = [s for _, shapes in units for s in shapes]
-    full_numel = numel(all_shapes)
+    trainable = adapter_units(a, stages, lora, tp) if lora is not None else units
     train_shapes = [s for _, shapes in trainable for s in shapes]
-    train_numel = numel(train_shapes)
-    fsdp = p.sharded
-    n_shard = p.fsdp_degree if fsdp else p.dp
 
     def sharded_numel(of: list[tuple[str, list[tuple[int, int]]]]) -> int:
         # experts: E / ep per rank (in their shapes), FSDP-sharded over the expert-FSDP ranks only
         every = [s for _, shapes in of for s in shapes]
         experts = [s for name, shapes in of if name.startswith("experts") for s in shapes]
-        return numel(every, n_shard) - numel(experts, n_shard) + \
-            numel(experts, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
+        return numel(every, n_shard) - numel(experts, n_shard) + numel(experts, expert_shard)
 
-    sharded, train_sharded = sharded_numel(units), sharded_numel(trainable)
-    n_tensors = len(train_shapes)
+    sizes = [numel(shapes) for _, shapes in units]
+    block_size = max((numel(sh) for name, sh in units if name.startswith("block")), default=0) + \
+        max((numel(sh) for name, sh in units if name.startswith("experts")), default=0)
+    out = (units, trainable, numel([s for _, shapes in units for s in shapes]), numel(train_shapes),
+           sharded_numel(units), sharded_numel(trainable), len(train_shapes), sizes, block_size)
+    _COUNTS[key] = (a, out)
+    return out
+
+
+# ------------------------------------------------------------------------------ the estimate
+def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
+    a, d, r, t = p.model, p.param_bytes, p.reduce_bytes, p.microbatch_tokens
+    prof = pipeline_of(p)
+    stages = list(prof.stages[pp_rank])
+    fsdp = p.sharded
+    n_shard = p.fsdp_degree if fsdp else p.dp
+    units, trainable, full_numel, train_numel, sharded, train_sharded, n_tensors, sizes, block_size = _param_counts(
+        a, tuple(stages), p.tp, p.ep, p.lora, n_shard, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
     wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
     opt_sharded = p.dp_strategy.shards_optimizer_state
@@ -275,9 +296,6 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     loss_extra = 8 * a.vocab_size * t / p.tp if has_last else 0.0
 
     # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
-    sizes = [numel(shapes) for _, shapes in units]
-    block_size = max((numel(sh) for name, sh in units if name.startswith("block")), default=0) + \
-        max((numel(sh) for name, sh in units if name.startswith("experts")), default=0)
     if not wrapped:
         gathered, how = 0.0, "none (no FSDP units)"
         if not fsdp and d != 4:

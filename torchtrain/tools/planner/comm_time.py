@@ -28,6 +28,17 @@ tokens on the rank, h the width):
   Forward collectives run again when activation checkpointing re-runs the forward (full, and
   selective "op", whose policy saves matmul outputs, not collectives). The embedding's output and
   the head's input add one forward and one backward collective of t h d each on their stages.
+* EP, by link class: the dispatcher the job selects (`parallelism.expert_parallel_comm_backend`,
+  `models/contract.py::ep_collectives`) decides what crosses the network. With r EP ranks per node
+  (`expert_parallel_ranks_per_node`, default the device's GPUs per node), "standard" sends every
+  routed copy of a token separately: of the X bytes a rank sends, X (ep - r) / ep leave the node on its
+  NIC while X (r - 1) / ep go over NVLink at the same time, so one all-to-all takes
+  (n - 1) a + max(inter bytes / B_inter, intra bytes / B_intra). "node_limited" runs two all-to-alls
+  one after the other: across the ep / r nodes (one row per selected node, `expected_nodes`) on the
+  NIC, then inside the node (k rows) on NVLink. With `expert_parallel_overlap_chunks` C each pass is C
+  all-to-alls of 1 / C of the tokens (each paying its latency), and `debug.expert_comm_delay_ms` adds
+  its delay to every dispatch and combine (per chunk) -- how much of that is hidden is
+  `expert_overlap.py`'s business.
 * PP: per micro-batch and virtual stage, the stage output t h d / tp forward and its gradient back.
 * FSDP over N = dp_shard x cp: per unit an all-gather of its parameters (d bytes each; 1 byte for
   float8 linears with `enable_fsdp_float8_all_gather`) and a reduce-scatter of its gradients (r bytes);
@@ -85,8 +96,11 @@ def p2p(size: float, ln: Link | None) -> float:
 
 
 # ------------------------------------------------------------------------------ per micro-batch
-def forward_repeats(p: PlanInputs) -> float:
-    """Forward passes a block's collectives run per micro-batch: 2 when checkpointing re-runs them."""
+def forward_repeats(p: PlanInputs, expert: bool = False) -> float:
+    """Forward passes a block's collectives run per micro-batch: 2 when checkpointing re-runs them.
+    `expert`: the expert all-to-alls, which selective "cheap" saves instead of sending again."""
+    if p.ac_mode == "selective" and p.ac_option == "cheap":
+        return 1.0 if expert else 2.0
     if p.ac_mode == "full" or (p.ac_mode == "selective" and p.ac_option == "op"):
         return 2.0
     if p.ac_mode == "selective":
@@ -96,28 +110,67 @@ def forward_repeats(p: PlanInputs) -> float:
 
 def _group(p: PlanInputs, mesh: str) -> tuple[int, int]:
     """(ranks, span of consecutive ranks) of a mesh dimension's group."""
-    return {"tp": (p.tp, p.tp), "cp": (p.cp, p.cp * p.tp), "ep": (p.ep, p.ep)}[mesh]
+    r = p.ep_ranks_per_node
+    return {"tp": (p.tp, p.tp), "cp": (p.cp, p.cp * p.tp), "ep": (p.ep, p.ep), "ep_inter": (p.ep // r, p.ep),
+            "ep_intra": (r, r)}[mesh]
 
 
-def collective_bytes(p: PlanInputs, c: BlockCollective) -> float:
-    """Bytes of one of the declared collectives `c` for one micro-batch (module doc of models/contract.py)."""
-    return c.nbytes(p.microbatch_tokens, p.microbatch_tokens * p.cp / p.seq_len, p.param_bytes)
+def _link_class(dev: GPUSpec, inter: bool) -> Link | None:
+    """The inter-node (NIC) or intra-node (NVLink) link, whatever the group's span."""
+    return link(dev, dev.gpus_per_node + 1 if inter else 1)
 
 
-def collective_seconds(p: PlanInputs, dev: GPUSpec, c: BlockCollective) -> float:
-    """Seconds of the `c.count` collectives `c` for one micro-batch."""
+def collective_bytes(p: PlanInputs, c: BlockCollective, share: float = 1.0) -> float:
+    """Bytes of one of the declared collectives `c` for one micro-batch (module doc of models/contract.py),
+    or for `share` of its tokens (an overlap chunk)."""
+    t = p.microbatch_tokens * share
+    return c.nbytes(t, t * p.cp / p.seq_len, p.param_bytes)
+
+
+def expert_link_shares(p: PlanInputs, mesh: str) -> tuple[float, float]:
+    """(inter-node, intra-node) shares of the bytes a rank hands an expert all-to-all over `mesh` that
+    leave it (the rest stay on the rank)."""
+    ep, r = p.ep, p.ep_ranks_per_node
+    if mesh == "ep_inter":
+        return (ep // r - 1) / (ep // r), 0.0
+    if mesh == "ep_intra":
+        return 0.0, (r - 1) / r
+    return ((ep - r) / ep, (r - 1) / ep) if ep > r else (0.0, (ep - 1) / ep)
+
+
+def _expert_all_to_all(p: PlanInputs, dev: GPUSpec, c: BlockCollective, size: float) -> float:
+    """One expert all-to-all of `size` bytes sent by the rank, by link class (module doc)."""
+    n, _ = _group(p, c.mesh)
+    if c.mesh == "ep" and p.ep <= p.ep_ranks_per_node:
+        return all_to_all(n, size, link(dev, p.ep))
+    inter_ln, intra_ln = _link_class(dev, True), _link_class(dev, False)
+    if c.mesh != "ep":
+        return all_to_all(n, size, inter_ln if c.mesh == "ep_inter" else intra_ln)
+    if n <= 1 or not size or inter_ln is None:
+        return 0.0
+    inter, intra = expert_link_shares(p, c.mesh)
+    intra_s = size * intra / intra_ln.bytes_per_s if intra_ln is not None else 0.0
+    return (n - 1) * inter_ln.latency_s + max(size * inter / inter_ln.bytes_per_s, intra_s)
+
+
+def collective_seconds(p: PlanInputs, dev: GPUSpec, c: BlockCollective, share: float = 1.0) -> float:
+    """Seconds of the `c.count` collectives `c` for one micro-batch (or `share` of its tokens)."""
     n, span = _group(p, c.mesh)
-    size, ln = collective_bytes(p, c), link(dev, span)
-    if c.kind == "all_to_all":
-        one = all_to_all(n, size, ln)
+    size = collective_bytes(p, c, share)
+    if c.kind == "all_to_all" and c.mesh.startswith("ep"):
+        one = _expert_all_to_all(p, dev, c, size)
+    elif c.kind == "all_to_all":
+        one = all_to_all(n, size, link(dev, span))
     else:
-        one = ring(n, size, ln) * (2 if c.kind == "all_reduce" else 1)
+        one = ring(n, size, link(dev, span)) * (2 if c.kind == "all_reduce" else 1)
     return c.count * one
 
 
 def block_collectives(p: PlanInputs, mesh: str) -> list[BlockCollective]:
-    """The collectives over `mesh` the model declares for one block (its plans, `models/contract.py`)."""
-    return [c for c in p.model.collectives(p.tp, p.cp, p.ep) if c.mesh == mesh]
+    """The collectives over `mesh` the model declares for one block (its plans, `models/contract.py`);
+    "ep": all expert-parallel ones (the node-limited dispatcher's "ep_inter" and "ep_intra" included)."""
+    return [c for c in p.model.collectives(p.tp, p.cp, p.ep, p.dispatch)
+            if c.mesh == mesh or (mesh == "ep" and c.mesh.startswith("ep"))]
 
 
 def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str) -> tuple[float, float]:
@@ -129,7 +182,7 @@ def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str) -> tuple[float, float]:
             bwd += s
         else:
             fwd += s
-    return fwd * forward_repeats(p), bwd
+    return fwd * forward_repeats(p, mesh.startswith("ep")), bwd
 
 
 def tp_edge(p: PlanInputs, dev: GPUSpec) -> float:
@@ -167,16 +220,26 @@ def kv_exchange_bytes(p: PlanInputs) -> float:
                for c in block_collectives(p, "cp"))
 
 
-def expert_all_to_all_bytes(p: PlanInputs) -> float:
+def expert_link_bytes(p: PlanInputs) -> dict[str, float]:
     """Bytes of routed rows one rank sends through the EP all-to-alls per step (dispatch + combine,
-    forward, recomputed forward, backward) over the MoE blocks of its stages."""
+    forward, recomputed forward, backward) over the MoE blocks of its stages, by link class."""
+    out = {"inter-node": 0.0, "intra-node": 0.0}
     if p.ep == 1 or p.model.moe is None:
-        return 0.0
+        return out
     blocks = sum(len(s.layers) for s in pipeline_of(p).stages[0])
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
-    per_pass = sum(collective_bytes(p, c) * c.count * (p.ep - 1) / p.ep * (1.0 if c.backward else forward_repeats(p))
-                   for c in block_collectives(p, "ep") if c.per_token)
-    return per_pass * blocks * passes
+    for c in block_collectives(p, "ep"):
+        if c.per_token:
+            sent = collective_bytes(p, c) * c.count * (1.0 if c.backward else forward_repeats(p, True)) * blocks * passes
+            inter, intra = expert_link_shares(p, c.mesh)
+            out["inter-node"] += sent * inter
+            out["intra-node"] += sent * intra
+    return out
+
+
+def expert_all_to_all_bytes(p: PlanInputs) -> float:
+    """Bytes of routed rows one rank sends through the EP all-to-alls per step, all links together."""
+    return sum(expert_link_bytes(p).values())
 
 
 def cp_block(p: PlanInputs, dev: GPUSpec) -> float:
@@ -184,9 +247,27 @@ def cp_block(p: PlanInputs, dev: GPUSpec) -> float:
     return sum(_per_block(p, dev, "cp"))
 
 
+def ep_passes(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
+    """(one forward pass's, the backward's) seconds of one MoE block's expert all-to-alls for one
+    micro-batch: `ep_overlap_chunks` C all-to-alls of 1 / C of the tokens each, plus the injected delay
+    on every dispatch and combine that crosses the network (module doc)."""
+    chunks, delay = p.ep_overlap_chunks, p.ep_comm_delay_ms / 1e3
+    fwd = bwd = 0.0
+    for c in block_collectives(p, "ep"):
+        s = chunks * collective_seconds(p, dev, c, 1.0 / chunks)
+        if c.per_token and c.mesh != "ep_intra" and p.ep > 1:
+            s += chunks * c.count * delay
+        if c.backward:
+            bwd += s
+        else:
+            fwd += s
+    return fwd, bwd
+
+
 def ep_block(p: PlanInputs, dev: GPUSpec) -> float:
     """Dispatch and combine all-to-alls of one MoE block for one micro-batch (forward, recompute, backward)."""
-    return sum(_per_block(p, dev, "ep"))
+    fwd, bwd = ep_passes(p, dev)
+    return fwd * forward_repeats(p, True) + bwd
 
 
 def pp_microbatch(p: PlanInputs, dev: GPUSpec) -> float:

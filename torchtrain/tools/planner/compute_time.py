@@ -11,7 +11,9 @@ ceil(m / 128) ceil(n / 256), and they run in waves = ceil(tiles / S) of one tile
 too few tiles leaves SMs idle (wave quantization). Backward runs the input gradient (m x n @ n x k)
 and the weight gradient (k x m @ m x n) the same way. Under float8 (`model.converters`) the blocks'
 linear layers run all three GEMMs at the fp8 rate, plus the casts (below); the output head stays in
-bf16 (torchtitan's and the shipped jobs' `filter_fqns = ["output"]`).
+bf16 (torchtitan's and the shipped jobs' `filter_fqns = ["output"]`). Float8 expert GEMMs
+(`quantize.grouped_mm.float8`) run the routed experts' three GEMMs at the fp8 rate, plus the casts of
+their routed rows.
 
 **Attention** (flash attention, which stores no s x s matrix): forward FLOPs per sequence and head
 2 s_q s_k (d_qk + d_v), halved by the causal mask, scaled by L / s for block-causal masks over
@@ -47,7 +49,9 @@ a share of the blocks (patterns naming block indices) count by that share.
 **Recomputation** (activation checkpointing) repeats forward work in backward: `full` the whole
 block, selective every-N-th the N-th blocks, selective `op` the memory-bound kernels only
 (torchtrain's policy saves every matmul and attention output) plus `sac_matmul_share` of the
-matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5).
+matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5);
+selective `cheap` the memory-bound kernels and the forward GEMMs of the modules the model declares
+cheap to recompute (DeepSeek-V3: MLA's up-projections).
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ class BlockTime:
     mem_bwd: float = 0.0
     recompute: float = 0.0
     """Forward work activation checkpointing repeats in backward."""
+    expert_fwd: float = 0.0
+    expert_bwd: float = 0.0
+    """The MoE layer's expert GEMMs (routed and shared), forward and backward: the compute an
+    expert all-to-all of another chunk can run under (`expert_overlap.py`)."""
     tp_gemm: dict[str, tuple[float, float]] | None = None
     """(forward, input-gradient) GEMM seconds next to each tensor-parallel collective, which async TP
     can overlap with it (keys attn_in, attn_out, ffn_in, ffn_out). The weight-gradient GEMM needs the
@@ -175,7 +183,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     dtype = p.param_dtype
     out = BlockTime(tp_gemm={"attn_in": (0.0, 0.0), "attn_out": (0.0, 0.0), "ffn_in": (0.0, 0.0),
                              "ffn_out": (0.0, 0.0)})
-    mm_fwd_s = 0.0
+    mm_fwd_s = cheap_fwd_s = 0.0
     fp8_bytes = 0.0
     lora_s = lora_block_seconds(p, dev)
     out.gemm_fwd, out.gemm_bwd = lora_s
@@ -190,16 +198,25 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
                 fwd, dgrad, _ = (tp * x for x in linear_seconds(dev, t / tp, k, n, gemm_dtype))
         elif mm.kind == "local":
             fwd, dgrad, wgrad = linear_seconds(dev, t / tp, mm.in_features, mm.out_features, dtype)
-        else:  # routed experts: top-k routed rows of this rank's sequence shard, spread over its local experts
-            local = max(1, a.num_experts // p.ep)
+        else:  # routed experts: top-k routed rows of this rank's sequence shard, spread over its local experts,
+            # in `ep_overlap_chunks` rounds of 1 / C of the rows each; float8 grouped GEMMs on request
+            local, chunks = max(1, a.num_experts // p.ep), p.ep_overlap_chunks
             rows = t / tp * a.num_experts_per_tok / local
-            fwd, dgrad, wgrad = (local * x for x in linear_seconds(dev, rows, mm.in_features, mm.out_features, dtype))
+            gemm_dtype = "float8" if p.float8_experts else dtype
+            fwd, dgrad, wgrad = (local * chunks * x for x in linear_seconds(dev, rows / chunks, mm.in_features,
+                                                                            mm.out_features, gemm_dtype))
+            if p.float8_experts:
+                fp8_bytes += float8_cast_bytes(mm, d, p.compile) * rows * local
         bwd = dgrad + (wgrad if p.lora is None else 0.0)  # LoRA: frozen weights, no weight gradient
-        if gemm_dtype == "float8":
+        if gemm_dtype == "float8" and mm.kind != "expert":
             fp8_bytes += float8_cast_bytes(mm, d, p.compile) * t / tp
         out.gemm_fwd += fwd
         out.gemm_bwd += bwd
         mm_fwd_s += fwd
+        cheap_fwd_s += fwd if mm.name in a.cheap_to_recompute else 0.0
+        if mm.kind == "expert" or ".shared_experts." in mm.name:
+            out.expert_fwd += fwd
+            out.expert_bwd += bwd
         side = "attn" if mm.attention else "ffn"
         if mm.kind in ("column", "row"):
             key = f"{side}_{'in' if mm.kind == 'column' else 'out'}"
@@ -213,6 +230,8 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     out.recompute = _recompute_share(p) * (out.gemm_fwd + out.attn_fwd + out.mem_fwd)
     if p.ac_mode == "selective" and p.ac_option == "op":
         out.recompute = out.mem_fwd + p.sac_matmul_share * mm_fwd_s
+    if p.ac_mode == "selective" and p.ac_option == "cheap":
+        out.recompute = out.mem_fwd + cheap_fwd_s
     return out
 
 
@@ -220,7 +239,7 @@ def _recompute_share(p: PlanInputs) -> float:
     """Share of the blocks whose whole forward is recomputed (full AC: all; selective N: 1 / N)."""
     if p.ac_mode == "full":
         return 1.0
-    if p.ac_mode == "selective" and p.ac_option != "op":
+    if p.ac_mode == "selective" and p.ac_option not in ("op", "cheap"):
         return 1.0 / int(p.ac_option)
     return 0.0
 

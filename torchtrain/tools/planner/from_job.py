@@ -20,6 +20,7 @@ from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError, JobConfig
+from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR
 from torchtrain.distributed.layout import Layout, resolve_batch, resolve_optimizer_impl, resolve_param_dtype
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES, PLANNER_KEYS, SCHEDULES, PlanInputs
@@ -107,12 +108,24 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         local_batch_size=job.training.local_batch_size, pp_schedule=par.pipeline_parallel_schedule,
         pp_microbatch_size=par.pipeline_parallel_microbatch_size, pp_split=split,
         optimizer=job.optimizer.name, device_type=device_type, gpu=gpu, memory_gib=memory, notes=notes,
+        ep_backend=par.expert_parallel_comm_backend, ep_node=par.expert_parallel_ranks_per_node,
+        ep_overlap_chunks=par.expert_parallel_overlap_chunks, ep_comm_delay_ms=job.debug.expert_comm_delay_ms,
+        float8_experts=float8_experts(job),
         checkpoint_interval=ckpt.interval if ckpt.enable else None,
         job=job, layout=layout, problems=problems, **decided)
     for knob in PLANNER_KEYS:
         if knob != "memory_gib" and flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])
     return inputs
+
+
+def float8_experts(job: JobConfig) -> bool:
+    """Whether the job asks for float8 expert GEMMs: `model.converters` names quantize.grouped_mm.float8
+    and its fqns name the experts (torchtitan's convention: no fqns means the experts)."""
+    if not any(c in FLOAT8_GROUPED_MM for c in job.model.converters):
+        return False
+    fqns = job.quantize.grouped_mm.float8.fqns
+    return not fqns or any("experts" in f for f in fqns)
 
 
 def _from_layout(layout: Layout) -> dict[str, Any]:
@@ -139,7 +152,7 @@ def _as_asked(job: JobConfig, world_size: int, device_type: str, split: tuple, n
     v = default_stages_per_rank(par.pipeline_parallel_schedule)
     if split and split[4] and pp > 1:
         v = max(1, (n_layers + split[0] + split[1]) // (split[4] * pp))
-    f8 = any("float8" in str(c).lower() for c in job.model.converters)
+    f8 = any(c in FLOAT8_LINEAR for c in job.model.converters)
     return dict(dp_replicate=rep, dp_shard=shard, tp=par.tensor_parallel_degree, pp=pp,
                 cp=par.context_parallel_degree, ep=par.expert_parallel_degree, strategy=par.data_parallel_strategy,
                 global_batch_size=resolve_batch(tr.local_batch_size, -1, rep * shard).global_batch_size

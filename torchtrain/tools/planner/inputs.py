@@ -22,7 +22,7 @@ from torchtrain.config import JobConfig
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, effective_reshard
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.models.contract import ModelContract, declare
+from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 
 
@@ -44,6 +44,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "dp_shard": ("parallelism", "data_parallel_shard_degree"),
     "tp": ("parallelism", "tensor_parallel_degree"),
     "ep": ("parallelism", "expert_parallel_degree"),
+    "ep_backend": ("parallelism", "expert_parallel_comm_backend"),
+    "ep_overlap_chunks": ("parallelism", "expert_parallel_overlap_chunks"),
     "pp": ("parallelism", "pipeline_parallel_degree"),
     "cp": ("parallelism", "context_parallel_degree"),
     "pp_schedule": ("parallelism", "pipeline_parallel_schedule"),
@@ -90,6 +92,16 @@ class PlanInputs:
     """Context-parallel degree: each sequence split over cp ranks; FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel degree (MoE models): borrowed from dp_shard x tp, adds no ranks."""
+    ep_backend: str = "standard"
+    """The token dispatcher (`parallelism.expert_parallel_comm_backend`): "standard" or "node_limited"."""
+    ep_node: int | None = None
+    """EP ranks per node as the job sets them (`parallelism.expert_parallel_ranks_per_node`; None: the
+    device's GPUs per node)."""
+    ep_overlap_chunks: int = 1
+    """Chunks each MoE layer's tokens are split into so one chunk's all-to-all runs under another's
+    expert compute (`parallelism.expert_parallel_overlap_chunks`; 1: no overlap)."""
+    ep_comm_delay_ms: float = 0.0
+    """Delay added to every expert dispatch and combine all-to-all (`debug.expert_comm_delay_ms`)."""
     strategy: str = "zero3"
     """zero3: FSDP2 (HSDP with dp_replicate > 1), everything sharded over dp_shard; zero2: the same,
     but gathered parameters kept from forward to backward (FSDP's SHARD_GRAD_OP); zero1: DDP with the
@@ -128,6 +140,9 @@ class PlanInputs:
     """torch.compile of the blocks and the loss (`compile.enable`): fused memory-bound kernels."""
     float8: bool = False
     """Float8 linear layers (`model.converters` includes float8): the blocks' GEMMs at the fp8 rate."""
+    float8_experts: bool = False
+    """The routed experts' grouped GEMMs in float8 (`model.converters` names quantize.grouped_mm.float8
+    and its fqns cover the experts): at the fp8 rate, plus their casts."""
     float8_all_gather: bool = False
     """FSDP all-gathers the float8 linears' weights in float8 (`enable_fsdp_float8_all_gather`)."""
     lora: Lora | None = None
@@ -172,6 +187,17 @@ class PlanInputs:
     def num_experts(self) -> int:
         """Routed experts per MoE layer (0: a dense model)."""
         return self.model.num_experts
+
+    @property
+    def ep_ranks_per_node(self) -> int:
+        """EP ranks per node for the dispatcher and the link classes: the job's value, else the device's
+        GPUs per node, never more than the EP group."""
+        node = self.ep_node or (self.gpu.gpus_per_node if self.gpu is not None else self.ep)
+        return max(1, min(node, self.ep))
+
+    @property
+    def dispatch(self) -> Dispatch:
+        return Dispatch(self.ep_backend, self.ep_ranks_per_node)
 
     @property
     def dp_shard_in_ep(self) -> int:
@@ -249,7 +275,8 @@ class PlanInputs:
         parts = [f"{n} {d}" for n, d in (("pp", self.pp), *dp, ("cp", self.cp), ("tp", self.tp)) if d > 1]
         text = " x ".join(parts) or "1 rank"
         if self.ep > 1:
-            text += f", ep {self.ep}"
+            text += f", ep {self.ep}" + (" (node-limited dispatch)" if self.ep_backend == "node_limited" else "")
+            text += f", overlap chunks {self.ep_overlap_chunks}" if self.ep_overlap_chunks > 1 else ""
         if self.dp_strategy is not DPStrategy.ZERO3:
             text += f" [{self.strategy}]"
         if self.pp > 1:
@@ -273,7 +300,9 @@ class PlanInputs:
         if self.dp == 1:
             dp = ""
         parts = [(dp + (f" cp{self.cp}" if self.cp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
-                  + (f" ep{self.ep}" if self.ep > 1 else "")).strip()
+                  + (f" ep{self.ep}" if self.ep > 1 else "")
+                  + (" node-limited" if self.ep > 1 and self.ep_backend == "node_limited" else "")
+                  + (f" chunks{self.ep_overlap_chunks}" if self.ep_overlap_chunks > 1 else "")).strip()
                  or "1 rank"]
         if self.pp > 1:
             sched = {"Interleaved1F1B": "I1F1B"}.get(self.pp_schedule, self.pp_schedule)

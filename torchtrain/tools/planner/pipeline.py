@@ -14,7 +14,7 @@ A layout the trainer would refuse raises the trainer's ConfigError (also cached)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,9 @@ class PipelineProfile:
     schedule: str
     n_microbatches: int
     stages_per_rank: int
+    overlapped: dict[int, float] = field(default_factory=dict)
+    """pipeline rank -> share of its forwards that run paired with another micro-batch's backward in
+    one OVERLAP_F_B action (DualPipeV): one's communication under the other's computation."""
 
 
 def default_stages_per_rank(schedule: str) -> int:
@@ -89,13 +92,7 @@ def _profile(key: tuple, args) -> PipelineProfile:
 
 def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_size: int, local_sequences: int,
                    stages_per_rank: int, split: tuple) -> PipelineProfile:
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from torchtrain.distributed.parallel_dims import ParallelDims
-    from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline, split_pipeline
-    from torchtrain.distributed.pipeline_timeline import peak_in_flight
+    from torchtrain.distributed.pipeline import split_pipeline
     from torchtrain.models.registry import get_model_spec
 
     spec = get_model_spec(model_name)
@@ -112,25 +109,80 @@ def _build_profile(model_name: str, args, pp: int, schedule: str, microbatch_siz
             raise ConfigError(f"[model.n_layers] {args.n_layers} blocks cannot be split into {pp * stages_per_rank} "
                               f"equal stages")
         par.pipeline_parallel_layers_per_stage = layers
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
     pipe = split_pipeline(par, pp, args, spec.stage_modules, local_sequences, model_name)
     stages = {r: tuple(_stage(s, pipe.modules_per_stage[s]) for s in pipe.stage_ids(r, pp)) for r in range(pp)}
+    key = (model_name, repr(args), pp, pipe.schedule_name, pipe.multi_stage, pipe.num_stages, pipe.stages_per_rank,
+           pipe.v_placement, pipe.n_microbatches, pipe.csv_path)
+    if key not in _SCHEDULES:
+        _SCHEDULES[key] = _schedule_facts(model_name, args, pp, pipe)
+    in_flight, bubble, timeline, overlapped = _SCHEDULES[key]
+    return PipelineProfile(stages, in_flight, bubble, timeline, pipe.schedule_name, pipe.n_microbatches,
+                           pipe.stages_per_rank, overlapped)
+
+
+_SCHEDULES: dict[tuple, tuple] = {}
+"""The schedule's facts per (model, degree, schedule, stages, micro-batches): layouts that differ only
+in micro-batch size or local batch but run as many micro-batches share them."""
+
+
+def _schedule_facts(model_name: str, args, pp: int, pipe) -> tuple:
+    """(in-flight per rank, bubble, rendered timeline, overlapped share per rank) of torch's schedule
+    object for the split `pipe`, built on meta-device stages over a fake process group."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline
+    from torchtrain.distributed.pipeline_timeline import peak_in_flight
+
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
     if dist.is_initialized():
         raise RuntimeError("pipeline profiles are built outside the planner's traces")
     dist.init_process_group("fake", rank=0, world_size=pp, store=FakeStore())
     try:
         pd.build_mesh("cpu")
-        with torch.device("meta"):
-            whole = spec.model_cls(args)
-        objs = [PipelineStage(keep_modules(whole, pipe.modules_per_stage[s]), s, pipe.num_stages, torch.device("cpu"),
-                              group=pd.pp_mesh.get_group()) for s in pipe.stage_ids(0, pp)]
+        whole = _meta_model(model_name, args)
+        objs = [PipelineStage(keep_modules(whole, pipe.modules_per_stage[s], share=True), s, pipe.num_stages,
+                              torch.device("cpu"), group=pd.pp_mesh.get_group()) for s in pipe.stage_ids(0, pp)]
         sched = build_schedule(pipe, objs, lambda out, target: out.sum())
         order = sched.pipeline_order if pipe.multi_stage else sched._get_pipeline_order()
         timeline = schedule_timeline(sched, pipe)
     finally:
         dist.destroy_process_group()
-    return PipelineProfile(stages, peak_in_flight(order), timeline.bubble_fraction, timeline.render(), pipe.schedule_name,
-                           pipe.n_microbatches, pipe.stages_per_rank)
+    return peak_in_flight(order), timeline.bubble_fraction, timeline.render(), overlapped_share(order)
+
+
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+def _meta_model(model_name: str, args) -> torch.nn.Module:
+    """The whole model on the meta device, built once per (model, arguments): the schedule objects only
+    read the structure of their stages' cuts."""
+    from torchtrain.models.registry import get_model_spec
+
+    key = (model_name, repr(args))
+    if key not in _MODELS:
+        with torch.device("meta"):
+            _MODELS[key] = get_model_spec(model_name).model_cls(args)
+    return _MODELS[key]
+
+
+def overlapped_share(order: dict[int, list]) -> dict[int, float]:
+    """Per rank, the share of its forward actions inside an OVERLAP_F_B action (module doc of
+    `PipelineProfile.overlapped`), read from the schedule's own action lists."""
+    out = {}
+    for rank, actions in order.items():
+        forwards = paired = 0
+        for a in (x for x in actions if x is not None):
+            kind = a.computation_type.value
+            if kind == "OVERLAP_F_B":
+                paired += sum(sub.computation_type.value == "F" for sub in a.sub_actions)
+                forwards += sum(sub.computation_type.value == "F" for sub in a.sub_actions)
+            elif kind == "F":
+                forwards += 1
+        out[rank] = paired / forwards if forwards else 0.0
+    return out
 
 
 def no_pipeline(n_layers: int) -> PipelineProfile:

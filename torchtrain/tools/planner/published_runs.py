@@ -25,6 +25,9 @@ TORCHTITAN_2412 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 
 TORCHTITAN_ASYNC_TP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (Jun 2025; same "
                        "Grand Teton H100 systems)")
 TRAINY_H200 = "torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (Jun 2025; H200, 400 Gb/s per GPU)"
+DEEPSEEK_V3 = ("DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), sections 3.2-3.3 and Table 1: 2.788M H800 "
+               "GPU-hours for 14.8T tokens (180K GPU-hours per trillion tokens) on 2,048 H800s, 400 Gb/s InfiniBand "
+               "per GPU")
 LLAMA3_PAPER = ("The Llama 3 Herd of Models (Meta, 2024), Table 4 (H100 80 GB HBM3 700 W, 400 Gb/s RoCE; "
                 "BF16 model TFLOP/s per GPU)")
 
@@ -152,6 +155,15 @@ RUNS: list[Run] = [
         schedule="Interleaved1F1B", ac="full", compile=True, measured_tflops=400,
         extra=_LESS,
         notes="the shipped llama3_405b.toml", miss=_META_MISS, miss_direction=-1),
+    # DeepSeek-V3 as published: PP 16 x EP 64 over 2,048 H800s, node-limited routing (4 of 8 nodes),
+    # DualPipe (replayed as torch's DualPipeV), no recomputation of the MoE layers, 15,360 sequences of
+    # 4,096 tokens; 180K GPU-hours per trillion tokens = 1e12 / (180e3 x 3600) / 2,048 x 2,048 tok/s
+    Run("DeepSeek-V3 671B PP 16 x EP 64, DualPipe", DEEPSEEK_V3, "deepseek_v3", "671B", "h800", 2048, 4096, 120,
+        15360, pp=16, schedule="DualPipeV", float8=True, measured_tokens_per_s=1e12 / (180e3 * 3600),
+        extra=("--parallelism.expert_parallel_degree", "64", "--parallelism.data_parallel_strategy", "zero2",
+               "--parallelism.expert_parallel_comm_backend", "node_limited",
+               "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+               "--parallelism.pipeline_parallel_last_stage_less_layers", "2")),
 ]
 
 

@@ -69,9 +69,13 @@ def _experts_line(plan: Plan) -> str | None:
         return None
     if p.ep == 1:
         return f"  experts  {p.num_experts} per MoE layer on every rank (no expert parallelism: --ep)"
+    links = t.expert_link_bytes or {}
+    scheme = ("node-limited: one row per selected node across nodes, k rows inside" if p.ep_backend == "node_limited"
+              else "standard: k rows of h per routed token")
     return (f"  experts  ep {p.ep}: {p.num_experts // p.ep} of {p.num_experts} experts per rank, FSDP-sharded over "
-            f"{p.expert_fsdp} ranks; all-to-all {_si(t.expert_all_to_all_bytes, 'B')} sent per rank per step "
-            f"(4 k h d (ep-1)/ep per routed token and MoE block)")
+            f"{p.expert_fsdp} ranks; all-to-all sent per rank per step: {_si(links.get('inter-node', 0.0), 'B')} "
+            f"inter-node, {_si(links.get('intra-node', 0.0), 'B')} intra-node ({scheme}; "
+            f"{p.ep_ranks_per_node} EP ranks per node)")
 
 
 def _fewest_lines(plan: Plan, fewest: tuple | None) -> list[str]:
@@ -189,6 +193,8 @@ def _throughput_lines(plan: Plan) -> list[str]:
     if t.step_s is not None:
         work = ", ".join(f"{k} {v:,.3f}" for k, v in t.compute_breakdown_s.items() if v)
         comm = ", ".join(f"{k} {v:,.3f} s" for k, v in t.comm_s.items()) or "none"
+        if t.expert_all_to_all_hidden_s:
+            comm += f" (expert all-to-all hidden behind computation: {t.expert_all_to_all_hidden_s:,.3f} s)"
         rows += [("compute on the critical path", f"{t.compute_s:,.3f} s ({work})"),
                  ("pipeline bubble", f"{t.bubble_s:,.3f} s ({t.bubble:.1%} of the schedule)"),
                  ("exposed communication", comm), ("optimizer step", f"{t.optimizer_s:,.3f} s"),

@@ -11,7 +11,11 @@ same tokens per step):
 * dp_replicate x dp_shard = world / (tp pp cp), every factorisation (dp_shard = 1: pure replication);
 * MoE models: the expert-parallel degree ep in the powers of two dividing num_experts that the mesh
   admits (borrowed from dp_shard x tp; a multiple of tp with tensor parallelism), 1 included;
-* activation checkpointing: none, selective "op", full (`--ac` restricts);
+* MoE models with ep > 1: the token dispatcher (standard, and node_limited when the EP group spans
+  nodes) and the overlap chunks (1, 2, 4) -- tried on each layout that fits, the fastest kept (they
+  change the step, not the memory) -- and the DualPipeV schedule with pipelining;
+* activation checkpointing: none, selective "op" (and "cheap" for a model that declares modules cheap
+  to recompute), full (`--search-ac` restricts);
 * without pipelining: local batch = every divisor of global / dp up to 32 (the rest is accumulation);
   with pipelining: local batch = global / dp, micro-batch size in {1, 2, 4, 8} dividing it, and
   schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe;
@@ -104,13 +108,23 @@ def enumerate_layouts(base: PlanInputs, ac_modes: list[str], strategies: list[st
             dp = world // (tp * pp * c)
             if base.global_batch_size % dp:
                 continue
-            for rep, strategy, ac in itertools.product(_divisors(dp), strategies, ac_modes):
+            for rep, strategy, (ac, option) in itertools.product(_divisors(dp), strategies, _ac_choices(base, ac_modes)):
                 if DPStrategy.parse(strategy).replicated and (rep != dp or c > 1):
                     continue  # replicated strategies: one data-parallel group, counted once; no CP
                 for ep in (_expert_degrees(base, dp // rep, tp, DPStrategy.parse(strategy)) if c == 1 else [1]):
                     out += _batchings(base, dict(tp=tp, pp=pp, cp=c, ep=ep, dp_replicate=rep, dp_shard=dp // rep,
-                                                 strategy=strategy, ac_mode=ac, ac_option="op",
+                                                 strategy=strategy, ac_mode=ac, ac_option=option,
                                                  global_batch_size=base.global_batch_size), dp)
+    return out
+
+
+def _ac_choices(base: PlanInputs, ac_modes: list[str]) -> list[tuple[str, str]]:
+    """(mode, option) pairs to try: selective "op", and "cheap" when the model declares modules cheap to
+    recompute."""
+    out = []
+    for mode in ac_modes:
+        options = ["op"] + (["cheap"] if base.model.cheap_to_recompute else []) if mode == "selective" else ["op"]
+        out += [(mode, option) for option in options]
     return out
 
 
@@ -138,7 +152,8 @@ def _batchings(base: PlanInputs, common: dict, dp: int) -> list[dict]:
     if common["pp"] == 1:
         return [dict(common, local_batch_size=local) for local in _divisors(per_rank) if local <= 32]
     out = []
-    for mb, schedule in itertools.product((1, 2, 4, 8), ("1F1B", "Interleaved1F1B", "GPipe")):
+    schedules = ("1F1B", "Interleaved1F1B", "GPipe") + (("DualPipeV",) if common["ep"] > 1 else ())
+    for mb, schedule in itertools.product((1, 2, 4, 8), schedules):
         if per_rank % mb == 0:
             out.append(dict(common, local_batch_size=per_rank, pp_microbatch_size=mb, pp_schedule=schedule))
     return out
@@ -169,7 +184,8 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     with Progress("search: checking layouts", len(candidates), "layouts", enabled=show_progress) as bar:
         for knobs in candidates:
             bar.update()
-            _check(candidate_inputs(job, base, knobs), usable, peak_tflops, result, survivors)
+            if _check(candidate_inputs(job, base, knobs), usable, peak_tflops, result, survivors):
+                _best_mechanisms(job, base, knobs, peak_tflops, survivors)
     survivors.sort(key=lambda c: (-c.tokens_per_s, c.peak))
     # traces: `verify`, plus one more for each traced layout that turns out not to fit
     with Progress(f"search: tracing the best layouts (--verify {verify})", None, "traces",
@@ -178,26 +194,51 @@ def search(job: Job, base: PlanInputs, ac_modes: list[str], strategies: list[str
     return result
 
 
+EP_CHUNKS = (1, 2, 4)
+
+
+def _best_mechanisms(job: Job, base: PlanInputs, knobs: dict, peak_tflops: float | None,
+                     survivors: list[Candidate]) -> None:
+    """For an MoE layout with ep > 1 that fits (the last survivor): the fastest token dispatcher and
+    overlap chunking (module doc), each variant resolved by the trainer like any layout."""
+    c = survivors[-1]
+    p = c.inputs
+    if p.ep == 1 or p.model.moe is None:
+        return
+    backends = ("standard", "node_limited") if p.ep > p.ep_ranks_per_node else ("standard",)
+    for backend, chunks in itertools.product(backends, EP_CHUNKS):
+        if (backend, chunks) == (p.ep_backend, p.ep_overlap_chunks):
+            continue
+        q = candidate_inputs(job, base, dict(knobs, ep_backend=backend, ep_overlap_chunks=chunks))
+        if q.problems:
+            continue
+        step = estimate_step(with_peak(q, peak_tflops))
+        if (step.tokens_per_s or 0.0) > c.tokens_per_s:
+            c.inputs, c.throughput = q, step
+
+
 def _check(p: PlanInputs, usable: float | None, peak_tflops: float | None, result: SearchResult,
-           survivors: list[Candidate]) -> None:
-    """Reject the layout with its reason, or add it to `survivors` with its analytic peak and speed."""
+           survivors: list[Candidate]) -> bool:
+    """Reject the layout with its reason, or add it to `survivors` with its analytic peak and speed
+    (then True)."""
     c = Candidate(p)
     if p.problems:
         c.reason = "invalid: " + "; ".join(p.problems)
         result.rejected.append(c)
-        return
+        return False
     try:
         c.peak = _worst_analytic(p)
     except ConfigError as e:  # the trainer's pipeline rules (split, micro-batches, schedule)
         c.reason = f"invalid: {e}"
         result.rejected.append(c)
-        return
+        return False
     if usable is not None and c.peak > usable:
         c.reason = f"does not fit: analytic peak {c.peak / 2**30:,.1f} GiB > usable {usable / 2**30:,.1f} GiB"
         result.rejected.append(c)
-        return
+        return False
     c.throughput = estimate_step(with_peak(p, peak_tflops))
     survivors.append(c)
+    return True
 
 
 def _verify(job: Job, survivors: list[Candidate], verify: int, usable: float | None, peak_tflops: float | None,

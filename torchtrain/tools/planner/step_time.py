@@ -10,7 +10,8 @@ replayed), and nothing calls back.
    path between kernels: tensor-parallel all-gathers / reduce-scatters (with
    `parallelism.enable_async_tensor_parallel` each is hidden behind the GEMM next to it, and only what
    the GEMM cannot cover is exposed), context parallelism's key/value exchange and expert
-   parallelism's all-to-alls (not overlapped in torchtrain).
+   parallelism's all-to-alls, of which chunked overlap and DualPipeV's paired micro-batches hide
+   what their computation covers (`expert_overlap.py`).
 2. **The schedule.** Without pipelining a step is `accumulation` micro-batches back to back. With
    pipelining, the slowest pipeline rank sets the pace: m micro-batches of it, stretched by the
    schedule's bubble b (replayed from torch's own schedule, `pipeline.py`): m t / (1 - b), plus the
@@ -39,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.tools.planner import comm_time, compute_time, shapes
+from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
 from torchtrain.tools.planner.pipeline import pipeline_of
@@ -71,6 +72,10 @@ class StepTime:
     effective_mfu: float | None = None
     expert_all_to_all_bytes: float = 0.0
     """Bytes one rank sends through the expert-parallel all-to-alls per step (0 without EP)."""
+    expert_link_bytes: dict[str, float] = field(default_factory=dict)
+    """The same by link class: "inter-node" (the NIC) and "intra-node" (NVLink)."""
+    expert_all_to_all_hidden_s: float = 0.0
+    """Expert all-to-all seconds per step hidden behind computation (the exposed ones are in comm_s)."""
     budget_tokens: float = 0.0
     steps: int = 0
     train_s: float | None = None
@@ -86,12 +91,12 @@ def model_flops_per_token(p: PlanInputs, prof) -> float:
     """The family's model FLOPs per token (6 N + attention); under LoRA the frozen weights get no
     weight gradient (4 N) and every adapter parameter costs 6."""
     a = p.model
-    flops = float(a.flops_per_token(p.seq_len))
+    flops = float(a.flops(p.seq_len))
     if p.lora is None:
         return flops
     stages = [s for rank in prof.stages.values() for s in rank]
     adapters = shapes.numel([s for _, sh in shapes.adapter_units(a, stages, p.lora) for s in sh])
-    return flops - a.flops_per_token(0) / 3 + 6 * adapters  # flops_per_token(0) = 6 N
+    return flops - a.flops(0) / 3 + 6 * adapters  # flops_per_token(0) = 6 N
 
 
 def recompute_flops_per_token(p: PlanInputs) -> float:
@@ -107,6 +112,8 @@ def recompute_flops_per_token(p: PlanInputs) -> float:
     if p.ac_mode == "selective":
         if p.ac_option == "op":
             return a.n_layers * p.sac_matmul_share * block_matmul
+        if p.ac_option == "cheap":
+            return a.n_layers * 2 * sum(m.in_features * m.out_features for m in a.cheap_matmuls())
         return (a.n_layers // int(p.ac_option)) * (block_matmul + attention)
     return 0.0
 
@@ -118,9 +125,11 @@ class _Microbatch:
     backward_s: float
     breakdown: dict[str, float]
     comm: dict[str, float]
+    ep_hidden: float = 0.0
 
 
-def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages) -> _Microbatch:
+def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages,
+                     overlapped: float = 0.0) -> _Microbatch:
     """One micro-batch through this rank's stages (step 1 of the module docstring)."""
     mtp = p.model.mtp_depth * sum(s.last for s in stages)  # MTP depths: one block + head each
     n_blocks = sum(len(s.layers) for s in stages) + mtp
@@ -140,9 +149,11 @@ def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime,
         tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in pairs) + comm_time.tp_unpaired(p, dev)
         hidden = n_blocks * (tp_fwd + tp_bwd - tp_exposed)
     edges = sum(s.first for s in stages) + sum(s.last for s in stages)
+    ep_exposed, ep_hidden = expert_overlap.block_all_to_all(p, dev, block, overlapped)
+    hidden += n_blocks * ep_hidden
     comm = {"tensor parallel": n_blocks * tp_exposed + edges * 2 * comm_time.tp_edge(p, dev),
             "context parallel": n_blocks * comm_time.cp_block(p, dev),
-            "expert all-to-all": n_blocks * comm_time.ep_block(p, dev)}
+            "expert all-to-all": n_blocks * ep_exposed}
     breakdown = {"matmuls": n_blocks * (block.gemm_fwd + block.gemm_bwd),
                  "attention": n_blocks * (block.attn_fwd + block.attn_bwd),
                  "memory-bound": n_blocks * (block.mem_fwd + block.mem_bwd),
@@ -153,7 +164,7 @@ def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime,
         breakdown["slowdown under overlapped communication"] = hidden * dev.comm_sm_share
     compute = sum(breakdown.values())
     forward = n_blocks * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
-    return _Microbatch(compute + sum(comm.values()), forward, compute - forward, breakdown, comm)
+    return _Microbatch(compute + sum(comm.values()), forward, compute - forward, breakdown, comm, n_blocks * ep_hidden)
 
 
 def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic, mb: _Microbatch,
@@ -183,12 +194,14 @@ def estimate_step(p: PlanInputs) -> StepTime:
     peak = dev.matmul_tflops(p.param_dtype) if dev is not None else None
     out = StepTime(model_flops_per_token(p, prof), recompute_flops_per_token(p), tokens, peak, prof.bubble,
                    device=dev.name if dev is not None else "", budget_tokens=p.token_budget,
-                   expert_all_to_all_bytes=comm_time.expert_all_to_all_bytes(p))
+                   expert_link_bytes=comm_time.expert_link_bytes(p))
+    out.expert_all_to_all_bytes = sum(out.expert_link_bytes.values())
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak or (dev.hbm_tbps is None and dev.key != "cpu"):
         return out
     block = compute_time.block_time(p, dev)
-    per_rank = {r: _rank_microbatch(p, dev, block, prof.stages[r]) for r in _distinct_ranks(prof)}
+    per_rank = {r: _rank_microbatch(p, dev, block, prof.stages[r], prof.overlapped.get(r, 0.0))
+                for r in _distinct_ranks(prof)}
     slow_rank = max(per_rank, key=lambda r: per_rank[r].seconds)
     mb = per_rank[slow_rank]
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
@@ -204,6 +217,7 @@ def estimate_step(p: PlanInputs) -> StepTime:
     schedule = passes * mb.seconds + copies
     out.bubble_s = schedule * prof.bubble / (1 - prof.bubble) if p.pp > 1 else 0.0
     out.comm_s = {k: v * passes for k, v in mb.comm.items() if v}
+    out.expert_all_to_all_hidden_s = mb.ep_hidden * passes
     if p.pp > 1:
         out.comm_s["pipeline p2p"] = passes * prof.stages_per_rank * comm_time.pp_microbatch(p, dev)
     dp, dp_hidden = _data_parallel_exposed(p, traffic, mb, passes)

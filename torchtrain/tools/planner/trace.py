@@ -50,6 +50,7 @@ from torch import nn
 
 from torchtrain.components.observability.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
+from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.simulation.fake_world import fake_backend_available, fake_world
 from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
 from torchtrain.simulation.stage_step import StagePipeline
@@ -115,7 +116,7 @@ def trace_rank(p: PlanInputs, cfg: JobConfig, pp_rank: int = 0, cache: dict | No
     if sum(len(s.layers) for s in stages) <= FULL_TRACE_MAX_BLOCKS:
         result = dataclasses.replace(traced(stages), pp_rank=pp_rank)
     else:
-        q = int(p.ac_option) if p.ac_mode == "selective" and p.ac_option != "op" else 1
+        q = int(p.ac_option) if p.ac_mode == "selective" and p.ac_option not in OP_LEVEL_OPTIONS else 1
         small = [traced(_resized(stages, k * q)) for k in (3, 4)]
         result = _extend(small[0], small[1], len(stages) * q, sum(len(s.layers) for s in stages))
         result.pp_rank = pp_rank
