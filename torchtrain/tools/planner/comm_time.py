@@ -37,8 +37,9 @@ tokens on the rank, h the width):
   one after the other: across the ep / r nodes (one row per selected node, `expected_nodes`) on the
   NIC, then inside the node (k rows) on NVLink. With `expert_parallel_overlap_chunks` C each pass is C
   all-to-alls of 1 / C of the tokens (each paying its latency), and `debug.expert_comm_delay_ms` adds
-  its delay to every dispatch and combine (per chunk) -- how much of that is hidden is
-  `expert_overlap.py`'s business.
+  its delay to every dispatch and combine that crosses the network, split over the chunks as the
+  trainer's simulated link does (a chunk occupies it for 1 / C of the delay) -- how much of that is
+  hidden is `expert_overlap.py`'s business.
 * PP: per micro-batch and virtual stage, the stage output t h d / tp forward and its gradient back.
 * FSDP over N = dp_shard x cp: per unit an all-gather of its parameters (d bytes each; 1 byte for
   float8 linears with `enable_fsdp_float8_all_gather`) and a reduce-scatter of its gradients (r bytes);
@@ -250,13 +251,13 @@ def cp_block(p: PlanInputs, dev: GPUSpec) -> float:
 def ep_passes(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
     """(one forward pass's, the backward's) seconds of one MoE block's expert all-to-alls for one
     micro-batch: `ep_overlap_chunks` C all-to-alls of 1 / C of the tokens each, plus the injected delay
-    on every dispatch and combine that crosses the network (module doc)."""
+    of every dispatch and combine that crosses the network (C chunks of delay / C each; module doc)."""
     chunks, delay = p.ep_overlap_chunks, p.ep_comm_delay_ms / 1e3
     fwd = bwd = 0.0
     for c in block_collectives(p, "ep"):
         s = chunks * collective_seconds(p, dev, c, 1.0 / chunks)
         if c.per_token and c.mesh != "ep_intra" and p.ep > 1:
-            s += chunks * c.count * delay
+            s += c.count * delay
         if c.backward:
             bwd += s
         else:
