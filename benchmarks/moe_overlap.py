@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ_LEN, BATCH, DIM, HEADS, EXPERT_HIDDEN = 512, 2, 256, 4, 1024
 JOB = ["--model.name", "qwen3_moe", "--model.dim", "256", "--model.n_layers", "2", "--model.n_heads", "4",
        "--model.n_kv_heads", "2", "--model.head_dim", "64", "--model.vocab_size", "512", "--model.num_experts", "4",
        "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "1024", "--training.dataset", "synthetic",
@@ -68,10 +69,26 @@ def _find_step_time(node) -> float | None:
     return None
 
 
-def planned(nproc: int, args: list[str]) -> float | None:
-    """The planner's step time for the run, or None where it gives none."""
+def measured_rates() -> dict[str, float]:
+    """This CPU's rates for one worker's thread (torchrun gives each of its workers one), measured at the
+    job's own matmul shapes as benchmarks/planner_cpu.py measures them: what the planner is told."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from planner_cpu import measure_rates
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_rates(SEQ_LEN * BATCH, SEQ_LEN, DIM, EXPERT_HIDDEN, HEADS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def planned(nproc: int, args: list[str], rates: dict[str, float]) -> float | None:
+    """The planner's step time for the run (`--gpu cpu` with the measured rates), or None where it gives none."""
+    device = [f"--device={k}={v:.6g}" for k, v in rates.items()]
     cmd = [sys.executable, "-m", "torchtrain.plan", "--config", os.path.join(REPO, "train_configs",
-           "qwen3_moe_debug.toml"), "--gpu", "cpu", "--world-size", str(nproc), "--json", *args]
+           "qwen3_moe_debug.toml"), "--gpu", "cpu", "--world-size", str(nproc), "--json", "--no-trace", *device, *args]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     try:
         return _find_step_time(json.loads(out.stdout)) if out.returncode == 0 else None
@@ -86,16 +103,18 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     a = p.parse_args()
+    rates = measured_rates()
     rows = {}
     with tempfile.TemporaryDirectory() as work:
         for name, delay, chunks in (("no delay, off", 0.0, 1), ("no delay, on", 0.0, a.chunks),
                                     ("delay, off", a.delay_ms, 1), ("delay, on", a.delay_ms, a.chunks)):
             args = overrides(a.nproc, delay, chunks)
             rows[name] = (train(a.nproc, args, a.steps, os.path.join(work, name.replace(", ", "_").replace(" ", ""))),
-                          planned(a.nproc, args))
+                          planned(a.nproc, args, rates))
     base, off, on = rows["no delay, off"][0], rows["delay, off"][0], rows["delay, on"][0]
     hidden = (off - on) / (off - base) if off > base else float("nan")
     fmt = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
+    print("rates measured on this CPU (1 thread): " + ", ".join(f"{k} {v:.4g}" for k, v in rates.items()))
     print(f"{a.nproc} gloo ranks, EP {a.nproc}, delay {a.delay_ms} ms per dispatch/combine, {a.chunks} chunks")
     print("| run | step (s) | planner (s) |\n|---|---|---|")
     for name, (t, plan) in rows.items():
