@@ -177,7 +177,7 @@ def start_forkserver(args):
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS before the server starts
+    config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS: each worker applies its own (_worker)
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
     return config
