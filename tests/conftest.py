@@ -41,11 +41,13 @@ TINY_JOB = TINY_MODEL + ["--training.dataset", "synthetic", "--training.seq_len"
 
 
 def train_command(args: list[str], nproc: int | None = None, env: dict | None = None) -> tuple[list[str], dict]:
-    """(command, environment) that run the trainer, under torchrun when nproc is given."""
+    """(command, environment) that run the trainer, under torchrun when nproc is given (through
+    torchtrain.launcher, as run_train.sh does: torchrun's agent, with the workers started from a
+    forkserver on CPU)."""
     if nproc is None:
         cmd = [sys.executable, "-m", "torchtrain.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={nproc}",
                "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("RANK", None)

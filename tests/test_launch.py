@@ -84,3 +84,26 @@ def test_parse_launch():
         parse_launch(["--nproc-per-node", "0"])
     with pytest.raises(ConfigError, match="usage"):
         parse_launch(["--training.steps", "3"])
+
+
+def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherwise():
+    """Without a GPU the launcher's workers start from a forkserver that imported the trainer once; an
+    explicit --start-method, another script or a static rendezvous keeps torchrun's own way."""
+    import torch
+    from torch.distributed.run import parse_args
+
+    from torchtrain.launcher import choose_start_method, uses_forkserver
+
+    def decide(*argv: str) -> bool:
+        args = parse_args(list(argv))
+        choose_start_method(args, list(argv))
+        return uses_forkserver(args)
+
+    c10d = ("--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0")
+    assert decide(*c10d, "-m", "torchtrain.train") == (not torch.cuda.is_available())
+    assert decide("--standalone", "--nproc_per_node=2", "-m", "torchtrain.train") == (not torch.cuda.is_available())
+    assert decide("--start-method", "forkserver", *c10d, "-m", "torchtrain.train")
+    assert not decide("--start-method", "spawn", *c10d, "-m", "torchtrain.train")
+    assert not decide("--start-method", "forkserver", *c10d, "examples/text_classifier/train_distributed.py")
+    assert not decide("--start-method", "forkserver", "--nproc_per_node=2", "--master_port=29500",
+                      "-m", "torchtrain.train")

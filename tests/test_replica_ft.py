@@ -46,7 +46,10 @@ def job(dump, group: int) -> list[str]:
 def launch(args: list[str], **env: str) -> subprocess.Popen:
     full = dict(os.environ, **ENV, **env)
     full.pop("RANK", None)
-    cmd = [sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=2", "--rdzv_backend=c10d",
+    # torchrun's own start method (fresh interpreters), as on a GPU machine: a restarted group then takes the
+    # seconds of a real start-up, so group 0 trains alone for a few steps before the rejoin at step 8
+    cmd = [sys.executable, "-m", "torchtrain.launcher", "--start-method", "spawn", "--nproc_per_node=2",
+           "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
            "-m", "torchtrain.train", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -18,11 +18,18 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
-  see them.
+  see them;
+* on a machine without a visible GPU, the workers of `-m torchtrain.train` start from a forkserver
+  (`--start-method forkserver`, torchrun's function entry point `_worker`): one single-threaded server
+  process imports torch and the trainer once and forks every worker from itself, instead of each worker
+  starting a fresh interpreter that imports them again (2-3 s of CPU per worker: most of a small job's
+  start-up when the workers outnumber the cores). The agent itself is never forked (it runs threads).
+  An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way.
 """
 
 from __future__ import annotations
 
+import atexit
 import glob
 import logging
 import os
@@ -102,7 +109,93 @@ def hang_report(job) -> str:
         return f.read().strip() + f"\nstacks: {os.path.dirname(found[-1])}"
 
 
+# What the forkserver imports once, before it forks any worker: the trainer (torch with it);
+# torch._dynamo is imported by a worker's first tensor initialisation.
+FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
+
+
+def _explicit_start_method(argv: list[str]) -> bool:
+    return any(a.split("=")[0] in ("--start-method", "--start_method") for a in argv)
+
+
+def prestart_forkserver(argv: list[str]) -> None:
+    """Start the forkserver before this process imports torch, when the command will most likely use it
+    (`-m torchtrain.train`, no start method named, no NVIDIA device file): the server's imports then run
+    beside the agent's own instead of after them. A server the command ends up not using just exits with
+    this process."""
+    import multiprocessing.forkserver
+
+    if "torchtrain.train" in argv and not _explicit_start_method(argv) and not glob.glob("/dev/nvidia[0-9]*"):
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+
+
+def choose_start_method(args, argv: list[str]) -> None:
+    """Start the trainer's workers from a forkserver on a machine without a visible GPU, unless the
+    command line names a start method. With CUDA the workers start as torchrun starts them."""
+    if not _explicit_start_method(argv) and args.training_script == "torchtrain.train":
+        import torch
+
+        if not torch.cuda.is_available():
+            args.start_method = "forkserver"
+
+
+def uses_forkserver(args) -> bool:
+    """`--start-method forkserver` with `-m torchtrain.train` on a c10d rendezvous (run_train.sh's
+    one-node one, --standalone, or a multi-node endpoint). torchrun honours the start method only for a
+    function entry point; a module's workers would start as fresh interpreters whatever it says."""
+    return (args.start_method == "forkserver" and args.module and args.training_script == "torchtrain.train"
+            and (args.standalone or args.rdzv_backend == "c10d"))
+
+
+def _worker(*argv: str) -> None:
+    """One worker forked by the forkserver: the trainer's command, as a fresh interpreter would run it.
+    It returns like a function (the agent collects the result); the exit handlers run first
+    (TensorBoard, logging), and a failure leaves with the trainer's exit status."""
+    import torch
+
+    from torchtrain import train
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the worker's thread count from its own
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # environment, not the server's
+    code = train.main(list(argv))
+    atexit._run_exitfuncs()
+    if code:
+        sys.exit(code)
+
+
+def start_forkserver(args):
+    """torchrun's launch config; the forkserver starts now (unless it did already), importing the
+    trainer while the agent meets the other nodes."""
+    import multiprocessing.forkserver
+    import uuid
+
+    from torch.distributed.run import config_from_args
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS: each worker applies its own (_worker)
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    return config
+
+
+def run_forkserver(config, args) -> None:
+    from torch.distributed.launcher.api import elastic_launch
+
+    # the entry point by its importable name (this file may run as __main__)
+    from torchtrain.launcher import _worker as entry
+
+    elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prestart_forkserver(argv)
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -110,15 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         # (exitcode: 2)") repeat what the launcher reports in one line
         logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     job = _job(args.training_script_args) if args.training_script == "torchtrain.train" else None
     explicit = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
     if job is not None and not explicit:
         args.max_restarts = job.fault.max_restarts
+    choose_start_method(args, argv)
+    config = start_forkserver(args) if uses_forkserver(args) else None
     install_restart_policy()
     try:
-        run(args)
+        run_forkserver(config, args) if config is not None else run(args)
     except ChildFailedError as e:
         if any(f.exitcode == exit_codes.HANG for f in e.failures.values()):
             print(f"torchtrain: {hang_report(job)}", file=sys.stderr, flush=True)

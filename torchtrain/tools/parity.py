@@ -3,7 +3,7 @@
     python -m torchtrain.tools.parity --config train_configs/debug_model.toml --steps 10 \\
         --baseline single --candidate fsdp2 --candidate hsdp2x2 [--rtol 1e-4] [-- overrides...]
 
-Every layout runs under real `torchrun` on the same job with the same seed (so identical initial
+Every layout runs under real torchrun (`python -m torchtrain.launcher`) on the same job with the same seed (so identical initial
 weights and data: see `distributed/param_init.py` and `data/dataset.py`), deterministic
 algorithms, and the same global batch (layouts with fewer data-parallel ranks accumulate more
 micro-batches). The per-step loss and gradient norm of each candidate are compared with the
@@ -116,7 +116,7 @@ def run_layout(layout: ParityCase, config_file: str | None, steps: int, override
     dump = os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
     cmd = [sys.executable, "-m", "torchtrain.train"]  # one process needs no launcher
     if layout.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={layout.nproc}",
+        cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={layout.nproc}",
                "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train"]
     if config_file:
         cmd += ["--job.config_file", config_file]
