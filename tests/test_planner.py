@@ -396,3 +396,18 @@ def test_trace_follows_the_tensor_parallel_plan():
     matmul_share = 1 - (2 * 4 + 1) * 64 / p.args.num_params()  # all but the norm weights are TP-sharded
     ratio = tp2.traced_breakdown["optimizer"] / tp1.traced_breakdown["optimizer"]
     assert abs(ratio - (1 - matmul_share / 2)) < 0.01
+
+
+def test_a_job_whose_degrees_exceed_the_world_is_planned_with_degrees_that_fit():
+    """The 70B job file asks for TP 8; asked about 4 GPUs, the planner shrinks the degrees the flags did
+    not set (with a note) instead of refusing, and a degree given as a flag is kept as given."""
+    from torchtrain.plan import main as plan_main
+
+    job = load_job(["--job.config_file", "train_configs/llama3_70b.toml"])
+    p = inputs_from_config(job.cfg, job.args, 4, "cuda", KNOWN_GPUS["h100"], {})
+    assert (p.tp, p.dp_shard) == (4, 1)
+    assert any("tensor_parallel_degree 8 does not fit 4 GPUs; planned with 4" in n for n in p.notes)
+    q = inputs_from_config(job.cfg, job.args, 4, "cuda", KNOWN_GPUS["h100"], {"tp": 2})
+    assert (q.tp, q.dp_shard) == (2, 2) and not any("tensor_parallel_degree" in n for n in q.notes)
+    assert plan_main(["--config", "train_configs/llama3_70b.toml", "--world-size", "4", "--gpu", "h100",
+                      "--no-trace", "--json"]) == 0

@@ -16,6 +16,7 @@ into the planned one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
@@ -70,6 +71,32 @@ def _knobs(cfg: JobConfig, flags: dict[str, Any], n_layers: int) -> dict[str, An
     return knobs
 
 
+def _fit_degrees(job: JobConfig, world_size: int, given: set[str]) -> tuple[JobConfig, list[str]]:
+    """A job whose fixed degrees (replicate x tp x pp x cp) do not divide a world size the planner was
+    asked about: each degree the planner's flags did not set shrinks to its largest divisor that fits
+    what the others leave (tp first, then cp, pp, replicate), with a note -- the question is about the
+    model on that many GPUs, not about the job's degrees (pass --tp ... to choose them)."""
+    par, notes = job.parallelism, []
+    names = {"tp": "tensor_parallel_degree", "cp": "context_parallel_degree", "pp": "pipeline_parallel_degree",
+             "dp_replicate": "data_parallel_replicate_degree"}
+    degrees = {k: getattr(par, v) for k, v in names.items()}
+    if world_size % math.prod(degrees.values()) == 0:
+        return job, notes
+    knobs = {}
+    for knob in names:
+        if knob in given:
+            continue
+        others = math.prod(d for k, d in degrees.items() if k != knob)
+        room = world_size // others if world_size % others == 0 else math.gcd(world_size, degrees[knob])
+        fit = math.gcd(degrees[knob], room)
+        if fit != degrees[knob]:
+            notes.append(f"the job's {names[knob]} {degrees[knob]} does not fit {world_size} GPUs; planned with {fit}")
+            degrees[knob] = knobs[knob] = fit
+        if world_size % math.prod(degrees.values()) == 0:
+            break
+    return (job_with_knobs(job, knobs) if knobs else job), notes
+
+
 def _fit_world(job: JobConfig, world_size: int, shard_given: bool) -> tuple[JobConfig, list[str]]:
     """The job with its data-parallel shard degree pinned for `world_size` (the trainer's rule,
     `ParallelDims.resolve_dp_shard`); a job degree that does not fit a world size the planner was asked
@@ -90,7 +117,9 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     """PlanInputs of the job `cfg` with the planner's `flags` (layout knobs, `pp_stages_per_rank`, and
     `PLANNER_KEYS`; None = unset) on `world_size` devices of `device_type`."""
     knobs = _knobs(cfg, flags, args.n_layers)
-    job, notes = _fit_world(job_with_knobs(cfg, knobs), world_size, "dp_shard" in knobs)
+    job, fitted = _fit_degrees(job_with_knobs(cfg, knobs), world_size, set(knobs))
+    job, notes = _fit_world(job, world_size, "dp_shard" in knobs)
+    notes = fitted + notes
     layout, problems = resolve(job, world_size, device_type, args)
     par = job.parallelism
     split = (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
