@@ -82,6 +82,14 @@ def _import_float8():
     return float8
 
 
+
+def _gpu_below(minimum: tuple[int, int]) -> str | None:
+    """"NAME has X.Y" when this process's GPU is below compute capability `minimum`, else None."""
+    if not torch.cuda.is_available():
+        return None
+    cap = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}" if cap < minimum else None
+
 def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, fsdp_shards: bool,
                    print_after_conversion: bool = False) -> Float8Plan | None:
     """The job's float8 plan, or None without a float8 converter; ConfigError when it cannot run.
@@ -105,12 +113,11 @@ def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, 
             raise ConfigError("[model.converters] float8 needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper "
                               "or newer); this run is on CPU. Remove \"float8\", or set "
                               "quantize.linear.float8.emulate = true to test float8 numerics (slow)")
-        if torch.cuda.is_available():
-            cap = torch.cuda.get_device_capability()
-            if cap < MIN_CAPABILITY:
-                raise ConfigError(f"[model.converters] float8 needs a GPU of compute capability 8.9+ (Ada, Hopper or "
-                                  f"newer); {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Remove \"float8\", "
-                                  f"or set quantize.linear.float8.emulate = true to test float8 numerics")
+        below = _gpu_below(MIN_CAPABILITY)
+        if below:
+            raise ConfigError(f"[model.converters] float8 needs a GPU of compute capability 8.9+ (Ada, Hopper or "
+                              f"newer); {below}. Remove \"float8\", or set quantize.linear.float8.emulate = true "
+                              f"to test float8 numerics")
     recipe = cfg.recipe_name or "tensorwise"
     all_gather = cfg.enable_fsdp_float8_all_gather and fsdp_shards
     return Float8Plan(recipe=recipe, emulate=cfg.emulate, fsdp_float8_all_gather=all_gather,
@@ -197,12 +204,10 @@ def resolve_float8_experts(converters: list[str], quantize: Quantize, device_typ
         raise ConfigError(f"{key}: float8 grouped GEMMs of MoE experts need a CUDA GPU of compute capability 9.0+ "
                           f"(torchao has no CPU kernel and no emulation for them); this run is on {device_type}. "
                           f"Remove the converter")
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        if cap < MIN_CAPABILITY_GROUPED:
-            raise ConfigError(f"{key}: float8 grouped GEMMs of MoE experts need a GPU of compute capability 9.0+ "
-                              f"(Hopper or newer); {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Remove "
-                              f"the converter")
+    below = _gpu_below(MIN_CAPABILITY_GROUPED)
+    if below:
+        raise ConfigError(f"{key}: float8 grouped GEMMs of MoE experts need a GPU of compute capability 9.0+ "
+                          f"(Hopper or newer); {below}. Remove the converter")
     fqns = tuple(quantize.grouped_mm.float8.fqns)
     if not fqns:
         raise ConfigError("[quantize.grouped_mm.float8.fqns] is empty: name the MoE expert modules whose grouped "
