@@ -49,6 +49,9 @@ JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.datase
 MOE = ["--model.name", "qwen3_moe", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",
        "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32"]
 MOE_STEPS = 5
+# one intra-op thread per process, as torchrun gives each worker: on a shared 2-core machine a second
+# thread only spins (same results, about half the CPU time of a one-process run)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def runs(tmp_path_factory):
                                       ("lora_from_full", None, "4", from_full)):
         folder = str(root / name)
         proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
-                          "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300)
+                          "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300, env=ONE_THREAD)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = (read_metrics(folder), proc.stdout + proc.stderr)
     # resume the adapter-only run from its middle checkpoint: the last one removed, the metrics kept aside
@@ -90,7 +93,7 @@ def runs(tmp_path_factory):
     shutil.rmtree(folder / "checkpoint" / f"step-{LORA_STEPS}")
     os.rename(folder / "metrics.jsonl", root / "lora_from_full.jsonl")
     proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", "4",
-                      "--job.dump_folder", str(folder), *from_full], timeout=300)
+                      "--job.dump_folder", str(folder), *from_full], timeout=300, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out["lora_resumed"] = (read_metrics(str(folder)), proc.stdout + proc.stderr)
     out["adapter_checkpoint"] = str(folder / "checkpoint" / f"step-{LORA_STEPS // 2}")

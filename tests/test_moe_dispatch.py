@@ -41,7 +41,9 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 def runs(tmp_path_factory):
     """One process, then the three layouts (the first saving step 5), then the resumed first layout."""
     work = str(tmp_path_factory.mktemp("moe_dispatch"))
-    suite = ParitySuite(work, GROUPED)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # the one-process run with one thread, as torchrun's workers have
+        suite = ParitySuite(work, GROUPED)
     first, = suite.check([EP2_NODES], rtol=RTOL, extra=CKPT)
     others = suite.check([EP4_NODES, PP2_EP2_CHUNKS], rtol=RTOL)
     # resume: a fresh dump folder holding only the step-5 checkpoint of the first run
