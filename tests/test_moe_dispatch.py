@@ -1,17 +1,18 @@
 """The expert-parallel token dispatchers and the overlapped all-to-all (real torchrun + gloo, fp32): each
 matches one process step for step, counts its bytes per link class, and resumes exactly with overlap on.
 
-Layouts (4 ranks each), against one process on the same job (group-limited routing: 8 experts in 2
-groups, one group per "node", each token's experts in 1 group):
+Layouts, against one process on the same job (group-limited routing: 8 experts in 2 groups, one group
+per "node", each token's experts in 1 group):
 
-* EP 2 x FSDP 2, `node_limited` with 1 rank per node (2 nodes) and 2 overlap chunks;
+* EP 2 on 2 ranks (the dense weights FSDP-sharded over both), `node_limited` with 1 rank per node
+  (2 nodes) and 2 overlap chunks;
 * EP 4, `node_limited` with 2 ranks per node (2 nodes);
-* PP 2 x EP 2, `standard` with 2 overlap chunks (EP x PP).
+* PP 2 x EP 2 (4 ranks), `standard` with 2 overlap chunks (EP x PP).
 
 Tolerance: relative difference <= 1e-4 per step for 10 steps, loss and gradient norm (the acceptance
 bound of tests/test_moe_parity.py): only the summation order differs (a token's results are summed per
-node first, the expert gradients per chunk), ~1e-7 on the loss here. Exact resume: the first EP 2 x
-FSDP 2 run saves step 5, a second run resumes from it; its steps 6-10 are BITWISE the first run's.
+node first, the expert gradients per chunk), ~1e-7 on the loss here. Exact resume: the first (EP 2)
+run saves step 5, a second run resumes from it; its steps 6-10 are BITWISE the first run's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ RTOL = 1e-4
 GROUPED = [*TINY_MOE, "--model.n_group", "2", "--model.topk_group", "1"]
 P = "--parallelism."
 NODE_LIMITED = [f"{P}expert_parallel_comm_backend", "node_limited"]
-EP2_FSDP2_NODES = (f"4 {P}expert_parallel_degree 2 {' '.join(NODE_LIMITED)} {P}expert_parallel_ranks_per_node 1 "
+EP2_NODES = (f"2 {P}expert_parallel_degree 2 {' '.join(NODE_LIMITED)} {P}expert_parallel_ranks_per_node 1 "
                    f"{P}expert_parallel_overlap_chunks 2")
 EP4_NODES = f"4 {P}expert_parallel_degree 4 {' '.join(NODE_LIMITED)} {P}expert_parallel_ranks_per_node 2"
 PP2_EP2_CHUNKS = (f"4 {P}pipeline_parallel_degree 2 {P}expert_parallel_degree 2 "
@@ -40,29 +41,31 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 def runs(tmp_path_factory):
     """One process, then the three layouts (the first saving step 5), then the resumed first layout."""
     work = str(tmp_path_factory.mktemp("moe_dispatch"))
-    suite = ParitySuite(work, GROUPED)
-    first, = suite.check([EP2_FSDP2_NODES], rtol=RTOL, extra=CKPT)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # the one-process run with one thread, as torchrun's workers have
+        suite = ParitySuite(work, GROUPED)
+    first, = suite.check([EP2_NODES], rtol=RTOL, extra=CKPT)
     others = suite.check([EP4_NODES, PP2_EP2_CHUNKS], rtol=RTOL)
     # resume: a fresh dump folder holding only the step-5 checkpoint of the first run
     from torchtrain.tools.parity import parse_layout, run_layout
 
     resume_dir = os.path.join(work, "resume")
-    layout = parse_layout(EP2_FSDP2_NODES)
-    src = os.path.join(work, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""), "checkpoint")
-    dst = os.path.join(resume_dir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""), "checkpoint")
+    layout = parse_layout(EP2_NODES)
+    folder = layout.name.replace(" ", "_").replace("/", "_").replace("-", "")
+    src, dst = os.path.join(work, folder, "checkpoint"), os.path.join(resume_dir, folder, "checkpoint")
     shutil.copytree(os.path.join(src, "step-5"), os.path.join(dst, "step-5"))
     resumed = run_layout(layout, None, 10, GROUPED + CKPT, resume_dir)
     assert resumed.returncode == 0, resumed.log[-3000:]
-    return {"ep2_fsdp2": first, "ep4": others[0], "pp2_ep2": others[1], "resumed": resumed}
+    return {"ep2": first, "ep4": others[0], "pp2_ep2": others[1], "resumed": resumed}
 
 
 def test_dispatchers_and_overlap_match_one_process(runs):
-    for name in ("ep2_fsdp2", "ep4", "pp2_ep2"):
+    for name in ("ep2", "ep4", "pp2_ep2"):
         assert len(runs[name].records) == 10, name  # the parity itself is asserted by ParitySuite.check
 
 
 def test_bytes_are_counted_per_link_class(runs):
-    for record in runs["ep2_fsdp2"].records:  # one rank per node: every byte leaves the node
+    for record in runs["ep2"].records:  # one rank per node: every byte leaves the node
         assert record["moe/bytes_intra"] == 0 and record["moe/bytes_inter"] > 0
     for record in runs["ep4"].records:  # two nodes of two ranks: both stages send
         assert record["moe/bytes_intra"] > 0 and record["moe/bytes_inter"] > 0
@@ -71,7 +74,7 @@ def test_bytes_are_counted_per_link_class(runs):
 
 
 def test_exact_resume_with_overlap(runs):
-    ref = {r["step"]: r["loss"] for r in runs["ep2_fsdp2"].records}
+    ref = {r["step"]: r["loss"] for r in runs["ep2"].records}
     got = {r["step"]: r["loss"] for r in runs["resumed"].records}
     assert "resumed from" in runs["resumed"].log
     assert sorted(got) == [6, 7, 8, 9, 10] and all(got[s] == ref[s] for s in got), (ref, got)
