@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -104,21 +105,71 @@ def tiny_job():
     return list(TINY_JOB)
 
 
+PARITY_RUNS = os.path.join(REPO, "tests", "scripts", "parity_runs.py")
+
+
+def run_together(argvs: list[list[str]], nproc: int, workdir: str, timeout: float = 1800) -> list[tuple[int, str]]:
+    """Train several jobs (trainer arguments, each with its own --job.dump_folder) one after another in ONE
+    launch of `nproc` processes (tests/scripts/parity_runs.py: one process group, one interpreter start per
+    rank instead of one per job). Returns each job's (exit status, log): a job the launch did not finish
+    gets the launch's exit status and the end of its output."""
+    from torchtrain.tools.parity import launch_env, launcher_command
+
+    spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False)
+    with spec_file:
+        json.dump(argvs, spec_file)
+    cmd = ([sys.executable] if nproc == 1 else launcher_command(nproc)) + [PARITY_RUNS, spec_file.name]
+    env = launch_env()  # a script's folder comes first on its path: this checkout's package must win
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    outcomes = []
+    for argv in argvs:
+        dump = argv[len(argv) - 1 - argv[::-1].index("--job.dump_folder") + 1]
+        log_path = os.path.join(dump, "launch.log")
+        log = open(log_path).read() if os.path.exists(log_path) else ""
+        if f"PARITY-RUN-DONE {dump}" in proc.stdout:
+            outcomes.append((0, log))
+        else:
+            outcomes.append((proc.returncode or 1, log + proc.stdout[-3000:] + proc.stderr[-5000:]))
+    return outcomes
+
+
 class ParitySuite:
-    """One baseline run (one process) shared by a test module; candidates are compared against it."""
+    """One baseline run (one process) shared by a test module; candidates are compared against it.
 
-    def __init__(self, workdir: str, overrides: list[str], steps: int = 10):
-        from torchtrain.tools.parity import parse_layout, run_layout
+    `layouts` (specs, or (spec, extra overrides) pairs) are run up front together with the baseline: one
+    launch per process count (tests/scripts/parity_runs.py trains them one after another in one process
+    group), instead of one launch per layout; `check` then uses their results."""
 
+    def __init__(self, workdir: str, overrides: list[str], steps: int = 10, layouts=()):
         self.workdir, self.overrides, self.steps = workdir, overrides, steps
-        self.baseline = run_layout(parse_layout("single"), None, steps, overrides, workdir)
+        self.results = {}
+        self._run_together([("single", ())] + [(s, ()) if isinstance(s, str) else (s[0], tuple(s[1])) for s in layouts])
+        self.baseline = self.results["single", ()]
         assert self.baseline.returncode == 0, self.baseline.log[-3000:]
 
+    def _run_together(self, keys):
+        from torchtrain.tools.parity import layout_arguments, layout_dump_folder, parse_layout, read_result
+
+        groups = {}
+        for spec, extra in keys:
+            layout = parse_layout(spec)
+            groups.setdefault(layout.nproc, []).append((spec, extra, layout))
+        for nproc, group in groups.items():
+            dumps = [layout_dump_folder(layout, self.workdir) for _, _, layout in group]
+            argvs = [layout_arguments(layout, None, self.steps, self.overrides + list(extra), dump)
+                     for (_, extra, layout), dump in zip(group, dumps)]
+            outcomes = run_together(argvs, nproc, self.workdir)
+            for (spec, extra, layout), dump, (rc, log) in zip(group, dumps, outcomes):
+                self.results[spec, extra] = read_result(layout, dump, rc, log)
+
     def check(self, layouts: list[str], rtol: float = 1e-4, extra=()):
-        """Run each layout, print the per-step table, assert every layout matches; return the runs."""
+        """Run each layout (unless it ran up front), print the per-step table, assert every layout matches;
+        return the runs."""
         from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
 
-        runs = [run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.workdir)
+        runs = [self.results.get((s, tuple(extra))) or
+                run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.workdir)
                 for s in layouts]
         comps = [compare(self.baseline, r, self.steps, rtol) for r in runs]
         table = format_table(self.baseline, comps, rtol)

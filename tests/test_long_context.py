@@ -112,18 +112,24 @@ def test_context_parallel_config_errors(monkeypatch):
 # ------------------------------------------------------------------------------------- multi-process
 @pytest.fixture(scope="module")
 def causal_suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("cp")), list(TINY_JOB) + ["--training.global_batch_size", "4"], 10)
+    return ParitySuite(str(tmp_path_factory.mktemp("cp")), list(TINY_JOB) + ["--training.global_batch_size", "4"], 10,
+                       layouts=CP_LAYOUTS)
+
+
+CP_LAYOUTS = ["cp2", "cp2_fsdp2", "cp2_tp2", "pp2_cp2"]
 
 
 @pytest.mark.dist
 def test_context_parallel_layouts_match_one_process(causal_suite):
-    causal_suite.check(["cp2", "cp2_fsdp2", "cp2_tp2", "pp2_cp2"])
+    causal_suite.check(CP_LAYOUTS)
 
 
 @pytest.mark.dist
 def test_context_parallel_with_block_causal_masks(tmp_path):
-    suite = ParitySuite(str(tmp_path), list(TINY_JOB) + ["--training.global_batch_size", "4"] + BLOCK, 10)
-    suite.check(["cp2", "cp2_tp2"])
+    layouts = ["cp2", "cp2_tp2"]
+    suite = ParitySuite(str(tmp_path), list(TINY_JOB) + ["--training.global_batch_size", "4"] + BLOCK, 10,
+                        layouts=layouts)
+    suite.check(layouts)
 
 
 @pytest.mark.dist

@@ -28,27 +28,39 @@ STEPS = 10
 OVERRIDES = list(TINY_JOB) + ["--training.global_batch_size", "8"]
 
 
+TENSOR_PARALLEL = ["tp2", "tp4", "fsdp2_tp2", "hsdp2x2_tp2"]
+DATA_PARALLEL = ["ddp2", "zero1_2", "zero2_2"]
+CHECKPOINTING = ["ac_full", "ac_every2", "ac_op"]
+COMPILE = ["compile", "fsdp2_tp2_compile"]
+LOW_PRECISION = ["1 --training.mixed_precision_param bfloat16",
+                 "1 --training.mixed_precision_param float16",
+                 "2 --training.mixed_precision_param bfloat16",
+                 "2 --training.mixed_precision_param float16 --parallelism.data_parallel_strategy ddp"]
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("parity")), OVERRIDES, STEPS)
+    """Every layout of this module trained up front: one launch per process count (1, 2, 4, 8)."""
+    layouts = TENSOR_PARALLEL + DATA_PARALLEL + CHECKPOINTING + COMPILE + LOW_PRECISION
+    return ParitySuite(str(tmp_path_factory.mktemp("parity")), OVERRIDES, STEPS, layouts=layouts)
 
 
 def test_tensor_parallel_layouts(suite):
-    suite.check(["tp2", "tp4", "fsdp2_tp2", "hsdp2x2_tp2"])
+    suite.check(TENSOR_PARALLEL)
 
 
 def test_data_parallel_flavours(suite):
-    suite.check(["ddp2", "zero1_2", "zero2_2"])
+    suite.check(DATA_PARALLEL)
 
 
 def test_activation_checkpointing(suite):
-    suite.check(["ac_full", "ac_every2", "ac_op"])
+    suite.check(CHECKPOINTING)
 
 
 def test_compile(suite):
     """Compiled runs match one process, report their compile time, and never recompile after step 2
     (the monitor counts the graphs Dynamo compiles inside training steps: components/observability/compile_monitor.py)."""
-    for run in suite.check(["compile", "fsdp2_tp2_compile"]):
+    for run in suite.check(COMPILE):
         name, records = run.layout.name, run.records
         assert "compile: the first step took" in run.log and "spent compiling" in run.log, name
         assert "compile_time_s" in records[1] and records[1]["compile_time_s"] >= 0, (name, records[1])
@@ -59,11 +71,7 @@ def test_compile(suite):
 
 
 def test_low_precision_tracks_fp32(suite):
-    suite.check(["1 --training.mixed_precision_param bfloat16",
-                              "1 --training.mixed_precision_param float16",
-                              "2 --training.mixed_precision_param bfloat16",
-                 "2 --training.mixed_precision_param float16 --parallelism.data_parallel_strategy ddp"],
-                rtol=1e-2)
+    suite.check(LOW_PRECISION, rtol=1e-2)
 
 
 def test_fp16_overflow_skips_exactly_that_step(tmp_path):
@@ -124,4 +132,5 @@ def test_second_model_brings_its_own_plan(tmp_path, monkeypatch):
            "--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.global_batch_size", "4", "--lr_scheduler.warmup_steps", "1", "--job.print_config", "false",
            "--activation_checkpoint.mode", "full", "--compile.enable", "true"]
-    ParitySuite(str(tmp_path), toy, steps=5).check(["fsdp2", "ddp2", "zero1_2", "zero2_2", "tp2"])
+    layouts = ["fsdp2", "ddp2", "zero1_2", "zero2_2", "tp2"]
+    ParitySuite(str(tmp_path), toy, steps=5, layouts=layouts).check(layouts)

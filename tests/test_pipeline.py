@@ -22,9 +22,34 @@ STEPS = 10
 PP_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.global_batch_size", "8"]
 
 
+SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+CSV_LAYOUT = "2 --parallelism.pipeline_parallel_degree 2"
+
+
+def _looped_gpipe_csv(folder) -> list[str]:
+    """A hand-written looped GPipe over 4 stages on 2 ranks (rank r holds stages r and r + 2); returns the
+    overrides that run it."""
+    rows = []
+    for rank in range(2):
+        low, high = rank, rank + 2
+        acts = [f"{low}F{m}" for m in range(8)] + [f"{high}F{m}" for m in range(8)]
+        acts += [f"{high}B{m}" for m in range(8)] + [f"{low}B{m}" for m in range(8)]
+        rows.append(",".join(acts))
+    path = folder / "looped_gpipe.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return ["--parallelism.pipeline_parallel_schedule_csv", str(path)]
+
+
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("pp")), PP_JOB, STEPS)
+def csv_extra(tmp_path_factory):
+    return _looped_gpipe_csv(tmp_path_factory.mktemp("csv"))
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, csv_extra):
+    """The baseline and every 1-8 process layout of this module up front: one launch per process count."""
+    layouts = [f"pp2_{n}" for n in SCHEDULES] + ["pp4_1f1b", "pp2_fsdp2_tp2", (CSV_LAYOUT, csv_extra)]
+    return ParitySuite(str(tmp_path_factory.mktemp("pp")), PP_JOB, STEPS, layouts=layouts)
 
 
 def _bubble(log: str) -> tuple[float, float]:
@@ -35,7 +60,7 @@ def _bubble(log: str) -> tuple[float, float]:
 
 @pytest.mark.dist
 def test_every_schedule_matches_one_process(suite):
-    names = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+    names = SCHEDULES
     runs = suite.check([f"pp2_{n}" for n in names])
     bubbles = {n: _bubble(r.log) for n, r in zip(names, runs)}
     # 2 ranks, 8 micro-batches: the textbook bubble is 1/9 = 11.1%; the single-stage schedules hit it,
@@ -59,18 +84,9 @@ def test_4d_layout_16_ranks(suite):
 
 
 @pytest.mark.dist
-def test_csv_schedule(suite, tmp_path):
+def test_csv_schedule(suite, csv_extra):
     """A hand-written looped GPipe over 4 stages on 2 ranks, run by torch's schedule runtime."""
-    rows = []
-    for rank in range(2):
-        low, high = rank, rank + 2  # loop placement: rank r holds stages r and r + 2
-        acts = [f"{low}F{m}" for m in range(8)] + [f"{high}F{m}" for m in range(8)]
-        acts += [f"{high}B{m}" for m in range(8)] + [f"{low}B{m}" for m in range(8)]
-        rows.append(",".join(acts))
-    path = tmp_path / "looped_gpipe.csv"
-    path.write_text("\n".join(rows) + "\n")
-    suite.check(["2 --parallelism.pipeline_parallel_degree 2"],
-                extra=["--parallelism.pipeline_parallel_schedule_csv", str(path)])
+    suite.check([CSV_LAYOUT], extra=csv_extra)
 
 
 # ----------------------------------------------------------------------------------- timeline
@@ -170,19 +186,19 @@ def test_1f1b_activation_memory_stays_flat_while_gpipe_grows(tmp_path):
     """Measured on rank 0 (the first stage) with the trainer's live-tensor tracker
     (`metrics.track_tensor_memory`) while really training PP 2: going from 2 to 8 micro-batches,
     GPipe keeps every micro-batch's activations until its backward (~4x), 1F1B at most p = 2 of them."""
-    from conftest import read_metrics, run_train
+    from conftest import read_metrics, run_together
 
+    runs = [(schedule, m) for schedule in ("GPipe", "1F1B") for m in (2, 8)]  # all four in one launch
+    argvs = [PP_JOB + PP2 + [
+        "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "1",
+        "--training.global_batch_size", str(m), "--training.steps", "2", "--metrics.log_freq", "1",
+        "--metrics.track_tensor_memory", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", str(tmp_path / f"{schedule}_{m}")] for schedule, m in runs]
     peak = {}
-    for schedule in ("GPipe", "1F1B"):
-        for m in (2, 8):
-            dump = tmp_path / f"{schedule}_{m}"
-            out = run_train(PP_JOB + PP2 + [
-                "--parallelism.pipeline_parallel_schedule", schedule, "--training.local_batch_size", "1",
-                "--training.global_batch_size", str(m), "--training.steps", "2", "--metrics.log_freq", "1",
-                "--metrics.track_tensor_memory", "--metrics.enable_tensorboard", "false",
-                "--job.dump_folder", str(dump)], nproc=2)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-            peak[schedule, m] = max(r["memory_tensor_breakdown_gib"]["activations"] for r in read_metrics(str(dump)))
+    for (schedule, m), (status, log) in zip(runs, run_together(argvs, 2, str(tmp_path))):
+        assert status == 0, log[-4000:]
+        dump = tmp_path / f"{schedule}_{m}"
+        peak[schedule, m] = max(r["memory_tensor_breakdown_gib"]["activations"] for r in read_metrics(str(dump)))
     print({k: f"{v * 2**30 / 2**20:.2f} MiB" for k, v in peak.items()})
     assert peak["GPipe", 8] > 2.5 * peak["GPipe", 2]
     assert peak["1F1B", 8] < 1.2 * peak["1F1B", 2]

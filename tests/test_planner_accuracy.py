@@ -25,7 +25,7 @@ measurement as well.
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_JOB, read_metrics, run_train
+from conftest import TINY_JOB, read_metrics, run_together
 
 from torchtrain.tools.planner.core import load_job, plan_from_flags
 
@@ -66,13 +66,26 @@ LAYOUTS = [
 ANALYTIC_CHECKED = {"pp2_fsdp2_tp2_sp_ac_full"}
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every layout trained for 2 steps with the tensor-memory tracker: one launch per process count
+    (tests/scripts/parity_runs.py runs that count's layouts one after another). name -> (status, log, dump)."""
+    root = tmp_path_factory.mktemp("trained")
+    out = {}
+    for count in sorted({nproc for _, nproc, _ in LAYOUTS}):
+        rows = [(name, overrides) for name, nproc, overrides in LAYOUTS if nproc == count]
+        argvs = [list(TINY_JOB) + overrides + [
+            "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.track_tensor_memory",
+            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(root / name)] for name, overrides in rows]
+        for (name, _), (status, log) in zip(rows, run_together(argvs, count, str(root))):
+            out[name] = status, log, root / name
+    return out
+
+
 @pytest.mark.parametrize("name, nproc, overrides", LAYOUTS, ids=[row[0] for row in LAYOUTS])
-def test_traced_peak_matches_training(tmp_path, name, nproc, overrides):
-    dump = tmp_path / name
-    out = run_train(list(TINY_JOB) + overrides + [
-        "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.track_tensor_memory",
-        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump)], nproc=nproc, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_traced_peak_matches_training(trained, name, nproc, overrides):
+    status, log, dump = trained[name]
+    assert status == 0, log[-6000:]
     measured = max(r["memory_tensor_peak_gib"] for r in read_metrics(str(dump))) * 2**30
 
     plan = plan_from_flags(load_job(list(TINY_JOB) + overrides), nproc, "cpu", {})

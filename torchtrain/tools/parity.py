@@ -113,26 +113,47 @@ def run_layout(layout: ParityCase, config_file: str | None, steps: int, override
                timeout: float = 900.0) -> RunResult:
     """Train `steps` steps of the job under this layout (one process directly, more under torchrun);
     return its metrics.jsonl records."""
-    dump = os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
+    dump = layout_dump_folder(layout, workdir)
     cmd = [sys.executable, "-m", "torchtrain.train"]  # one process needs no launcher
     if layout.nproc > 1:
-        cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={layout.nproc}",
-               "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train"]
-    if config_file:
-        cmd += ["--job.config_file", config_file]
-    cmd += ["--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.deterministic", "true",
-            "--metrics.enable_tensorboard", "false", "--job.print_config", "false", "--job.dump_folder", dump]
-    cmd += list(overrides) + list(layout.overrides)
-    env = dict(os.environ, LOG_RANK="0", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # never inherit a launcher's rank from the calling process
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        cmd = launcher_command(layout.nproc) + ["-m", "torchtrain.train"]
+    cmd += layout_arguments(layout, config_file, steps, overrides, dump)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=timeout)
     os.makedirs(dump, exist_ok=True)
     with open(os.path.join(dump, "launch.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
+    return read_result(layout, dump, proc.returncode, proc.stdout + proc.stderr)
+
+
+def layout_dump_folder(layout: ParityCase, workdir: str) -> str:
+    return os.path.join(workdir, layout.name.replace(" ", "_").replace("/", "_").replace("-", ""))
+
+
+def launcher_command(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
+
+
+def layout_arguments(layout: ParityCase, config_file: str | None, steps: int, overrides: list[str],
+                     dump: str) -> list[str]:
+    """The trainer's arguments for one parity run of this layout."""
+    args = ["--job.config_file", config_file] if config_file else []
+    args += ["--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.deterministic", "true",
+             "--metrics.enable_tensorboard", "false", "--job.print_config", "false", "--job.dump_folder", dump]
+    return args + list(overrides) + list(layout.overrides)
+
+
+def launch_env() -> dict[str, str]:
+    env = dict(os.environ, LOG_RANK="0", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # never inherit a launcher's rank from the calling process
+    return env
+
+
+def read_result(layout: ParityCase, dump: str, returncode: int, log: str) -> RunResult:
     path = os.path.join(dump, "metrics.jsonl")
     records = read_jsonl(path) if os.path.exists(path) else []  # non-finite losses come back as floats
-    return RunResult(layout, records, proc.returncode, proc.stdout + proc.stderr)
+    return RunResult(layout, records, returncode, log)
 
 
 def rel_diff(a: float, b: float) -> float:
