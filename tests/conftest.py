@@ -115,6 +115,7 @@ def run_together(argvs: list[list[str]], nproc: int, workdir: str, timeout: floa
     gets the launch's exit status and the end of its output."""
     from torchtrain.tools.parity import launch_env, launcher_command
 
+    os.makedirs(workdir, exist_ok=True)
     spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False)
     with spec_file:
         json.dump(argvs, spec_file)
