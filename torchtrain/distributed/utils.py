@@ -72,6 +72,25 @@ def init_distributed(comm: Comm, device: torch.device) -> None:
         kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    atexit.register(_let_collective_threads_finish)
+
+
+def _let_collective_threads_finish() -> None:
+    """Give the GIL, for a moment, to the process group's worker threads before Python finalises.
+
+    A gloo worker thread drops its reference to a finished collective (and so to the tensors it
+    used) just after the waiting rank has been woken. Dropping a tensor that Python also knows takes
+    the GIL; when the program ends right after its last collective (a loss printed, then return),
+    the thread can get the GIL only once finalisation has begun, and a thread that takes the GIL then
+    is ended by Python -- inside C++ code that cannot be unwound, so the process aborts ("terminate
+    called without an active exception", SIGABRT after a run that finished correctly). Exit handlers
+    run before finalisation begins; sleeping here lets every thread waiting for the GIL finish that
+    last release first. Registered once per process group start, so it runs after the exit handlers
+    registered later (which may still run collectives themselves).
+    """
+    import time
+
+    time.sleep(0.05)
 
 
 def agent_store(timeout: datetime.timedelta, prefix: str) -> dist.Store:
