@@ -19,6 +19,9 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
 
 # One dataset cache for the whole session (every trainer subprocess inherits it): document datasets are
 # prepared once per session, in a fresh folder, never in the user's ~/.cache.
+# Under pytest-xdist the test processes inherit the first process's folder; only the process that made it
+# removes it, at the end of its session.
+_OWN_CACHE = "TORCHTRAIN_CACHE" not in os.environ
 _CACHE = os.environ.setdefault("TORCHTRAIN_CACHE", tempfile.mkdtemp(prefix="torchtrain-test-cache-"))
 # The test plugins (tests/plugins) are importable in every subprocess; a job loads one only when it names it
 # in job.custom_imports, e.g. the fault injection of the fault and checkpoint tests (FAULT_INJECTION).
@@ -28,7 +31,7 @@ FAULT_INJECTION = ["--job.custom_imports", "fault_injection"]
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if os.path.basename(_CACHE).startswith("torchtrain-test-cache-"):
+    if _OWN_CACHE and os.path.basename(_CACHE).startswith("torchtrain-test-cache-"):
         shutil.rmtree(_CACHE, ignore_errors=True)
 
 # A model small enough that a 10-step multi-process run takes seconds on 2 CPU cores, with GQA

@@ -66,7 +66,7 @@ def _close(a: list[float], b: list[float]) -> bool:
 def layouts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("accelerate")
     out = folder / "losses.json"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
+    _run([sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=4", "--rdzv_backend=c10d",
           "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "accelerate_layouts.py"), str(out),
           str(folder)])
     return json.loads(out.read_text())

@@ -10,6 +10,7 @@ it stops at the initial load): about 10 s.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import subprocess
@@ -113,6 +114,7 @@ def test_legacy_state_reads_with_builtins_only_and_trust_skips_the_scan(tmp_path
     path, target = crafted(tmp_path, "entry")
     from torchtrain.utils.logging import logger
 
+    caplog.set_level(logging.WARNING, logger=logger.name)  # whatever an earlier test in this process set
     logger.addHandler(caplog.handler)
     try:
         read_metadata(path, "checkpoint.initial_load_path", trusted=True)  # the metadata itself is clean

@@ -48,7 +48,7 @@ def test_parity_tool_exits_nonzero_on_a_planted_mismatch():
 
 @pytest.mark.parametrize("nproc, layout", [(2, []), (4, ["--parallelism.data_parallel_replicate_degree", "2"])])
 def test_initial_weights_are_layout_independent(nproc, layout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+    cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "check_init.py"),
            *TINY_MODEL, "--model.vocab_size", "301", *layout]  # odd vocab: uneven FSDP shards
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)

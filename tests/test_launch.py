@@ -87,8 +87,9 @@ def test_parse_launch():
 
 
 def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherwise():
-    """Without a GPU the launcher's workers start from a forkserver that imported the trainer once; an
-    explicit --start-method, another script or a static rendezvous keeps torchrun's own way."""
+    """Without a GPU the launcher's workers (the trainer's, or a Python file's) start from a forkserver
+    that imported the trainer once; an explicit --start-method, another module, --no-python or a static
+    rendezvous keeps torchrun's own way."""
     import torch
     from torch.distributed.run import parse_args
 
@@ -104,6 +105,11 @@ def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherw
     assert decide("--standalone", "--nproc_per_node=2", "-m", "torchtrain.train") == (not torch.cuda.is_available())
     assert decide("--start-method", "forkserver", *c10d, "-m", "torchtrain.train")
     assert not decide("--start-method", "spawn", *c10d, "-m", "torchtrain.train")
-    assert not decide("--start-method", "forkserver", *c10d, "examples/text_classifier/train_distributed.py")
+    script = "examples/text_classifier/train_distributed.py"
+    assert decide(*c10d, script) == (not torch.cuda.is_available())
+    assert decide("--start-method", "forkserver", *c10d, script)
+    assert not decide("--start-method", "spawn", *c10d, script)
+    assert not decide("--start-method", "forkserver", *c10d, "-m", "torchtrain.generate")
+    assert not decide("--start-method", "forkserver", *c10d, "--no-python", "echo")
     assert not decide("--start-method", "forkserver", "--nproc_per_node=2", "--master_port=29500",
                       "-m", "torchtrain.train")

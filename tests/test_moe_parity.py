@@ -54,7 +54,7 @@ def test_qwen3_dense_fsdp2_x_tp2_matches_one_process(tmp_path):
 def test_expert_weights_initialise_identically_under_expert_parallelism():
     """Experts split over 2 EP ranks and FSDP-sharded over 2 more (2-D DTensors) hold exactly the
     single-process initial values (init keyed by global name and shape, not by the rank's slice)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
+    cmd = [sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=4", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "check_init.py"), *TINY_MOE,
            "--parallelism.expert_parallel_degree", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)

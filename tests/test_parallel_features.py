@@ -94,7 +94,7 @@ def test_fp16_overflow_skips_exactly_that_step(tmp_path):
 
 
 def _state_bytes(strategy: str, dump_folder) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+    cmd = [sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=2", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "state_bytes.py"), *TINY_JOB,
            "--model.n_layers", "4", "--parallelism.data_parallel_strategy", strategy,
            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump_folder)]

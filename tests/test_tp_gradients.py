@@ -39,7 +39,7 @@ def reported() -> dict[str, float]:
     argv = []
     for name, extra in FAMILIES.items():
         argv += ["--model.name", name, *COMMON, *extra, "--next"]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+    out = subprocess.run([sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=2", "--rdzv_backend=c10d",
                           "--rdzv_endpoint=localhost:0", os.path.join(REPO, "tests", "scripts", "tp_grads.py"),
                           *argv[:-1]], capture_output=True, text=True, timeout=600, cwd=REPO,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))

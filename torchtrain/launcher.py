@@ -19,12 +19,14 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
   see them;
-* on a machine without a visible GPU, the workers of `-m torchtrain.train` start from a forkserver
-  (`--start-method forkserver`, torchrun's function entry point `_worker`): one single-threaded server
-  process imports torch and the trainer once and forks every worker from itself, instead of each worker
+* on a machine without a visible GPU, the workers of `-m torchtrain.train`, or of a Python file (a loop
+  of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`,
+  torchrun's function entry points `_worker` and `_script_worker`): one single-threaded server process
+  imports torch and the trainer once and forks every worker from itself, instead of each worker
   starting a fresh interpreter that imports them again (2-3 s of CPU per worker: most of a small job's
-  start-up when the workers outnumber the cores). The agent itself is never forked (it runs threads).
-  An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way.
+  start-up when the workers outnumber the cores). A file runs as `python FILE ARGS` would run it:
+  as `__main__`, with its folder first on `sys.path` and `sys.argv` set. The agent itself is never
+  forked (it runs threads). An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way.
 """
 
 from __future__ import annotations
@@ -120,20 +122,31 @@ def _explicit_start_method(argv: list[str]) -> bool:
 
 def prestart_forkserver(argv: list[str]) -> None:
     """Start the forkserver before this process imports torch, when the command will most likely use it
-    (`-m torchtrain.train`, no start method named, no NVIDIA device file): the server's imports then run
+    (`-m torchtrain.train` or a Python file, no start method named, no NVIDIA device file): the server's imports then run
     beside the agent's own instead of after them. A server the command ends up not using just exits with
     this process."""
     import multiprocessing.forkserver
 
-    if "torchtrain.train" in argv and not _explicit_start_method(argv) and not glob.glob("/dev/nvidia[0-9]*"):
+    likely = "torchtrain.train" in argv or any(a.endswith(".py") for a in argv)
+    if likely and not _explicit_start_method(argv) and not glob.glob("/dev/nvidia[0-9]*"):
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
         multiprocessing.forkserver.ensure_running()
 
 
+def _runs_python_file(args) -> bool:
+    """`torchrun FILE.py ARGS`: a Python file run by the interpreter (not a module, not --no-python)."""
+    return not args.module and not args.no_python and args.training_script.endswith(".py")
+
+
+def _runs_trainer(args) -> bool:
+    return bool(args.module) and args.training_script == "torchtrain.train"
+
+
 def choose_start_method(args, argv: list[str]) -> None:
-    """Start the trainer's workers from a forkserver on a machine without a visible GPU, unless the
-    command line names a start method. With CUDA the workers start as torchrun starts them."""
-    if not _explicit_start_method(argv) and args.training_script == "torchtrain.train":
+    """Start the workers of the trainer or of a Python file from a forkserver on a machine without a
+    visible GPU, unless the command line names a start method. With CUDA the workers start as torchrun
+    starts them."""
+    if not _explicit_start_method(argv) and (_runs_trainer(args) or _runs_python_file(args)):
         import torch
 
         if not torch.cuda.is_available():
@@ -141,27 +154,54 @@ def choose_start_method(args, argv: list[str]) -> None:
 
 
 def uses_forkserver(args) -> bool:
-    """`--start-method forkserver` with `-m torchtrain.train` on a c10d rendezvous (run_train.sh's
-    one-node one, --standalone, or a multi-node endpoint). torchrun honours the start method only for a
-    function entry point; a module's workers would start as fresh interpreters whatever it says."""
-    return (args.start_method == "forkserver" and args.module and args.training_script == "torchtrain.train"
+    """`--start-method forkserver` with `-m torchtrain.train` or a Python file, on a c10d rendezvous
+    (run_train.sh's one-node one, --standalone, or a multi-node endpoint). torchrun itself honours the
+    start method only for a function entry point; other workers start as fresh interpreters."""
+    return (args.start_method == "forkserver" and (_runs_trainer(args) or _runs_python_file(args))
             and (args.standalone or args.rdzv_backend == "c10d"))
 
 
-def _worker(*argv: str) -> None:
-    """One worker forked by the forkserver: the trainer's command, as a fresh interpreter would run it.
-    It returns like a function (the agent collects the result); the exit handlers run first
-    (TensorBoard, logging), and a failure leaves with the trainer's exit status."""
+def _as_fresh_worker() -> None:
+    """A forked worker's signals and thread count, as a fresh interpreter of its own would have them."""
     import torch
-
-    from torchtrain import train
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the worker's thread count from its own
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # environment, not the server's
+
+
+def _worker(*argv: str) -> None:
+    """One worker forked by the forkserver: the trainer's command, as a fresh interpreter would run it.
+    It returns like a function (the agent collects the result); the exit handlers run first
+    (TensorBoard, logging), and a failure leaves with the trainer's exit status."""
+    from torchtrain import train
+
+    _as_fresh_worker()
     code = train.main(list(argv))
+    atexit._run_exitfuncs()
+    if code:
+        sys.exit(code)
+
+
+def _script_worker(script: str, *argv: str) -> None:
+    """One worker forked by the forkserver running a Python file as `python FILE ARGS` would. The file
+    ends like a function too: its `sys.exit(code)` or `exit_process(code)` (distributed/utils.py, which
+    returns through SystemExit here instead of leaving the process) becomes the worker's status."""
+    import runpy
+
+    from torchtrain.distributed import utils
+
+    _as_fresh_worker()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    utils.EXIT_BY_SYSTEM_EXIT = True
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
     atexit._run_exitfuncs()
     if code:
         sys.exit(code)
@@ -186,10 +226,13 @@ def start_forkserver(args):
 def run_forkserver(config, args) -> None:
     from torch.distributed.launcher.api import elastic_launch
 
-    # the entry point by its importable name (this file may run as __main__)
-    from torchtrain.launcher import _worker as entry
+    # the entry points by their importable names (this file may run as __main__)
+    from torchtrain.launcher import _script_worker, _worker
 
-    elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)
+    if _runs_trainer(args):
+        elastic_launch(config=config, entrypoint=_worker)(*args.training_script_args)
+    else:
+        elastic_launch(config=config, entrypoint=_script_worker)(args.training_script, *args.training_script_args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,6 @@ arbitrary (document) masks with SDPA.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -51,19 +50,17 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or fu
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-@functools.lru_cache(maxsize=64)
-def _indices(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
-    chunk = seq_len // (2 * cp)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk)
-    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
-    return torch.cat([head, tail]).to(device)
-
-
 def cp_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The full-sequence indices of the tokens CP rank `rank` holds, in its local order."""
+    """The full-sequence indices of the tokens CP rank `rank` holds, in its local order.
+
+    Built on each call (two ranges, no cache): a cached tensor made while a planner trace or dry run
+    holds fake tensors would be handed to later real steps."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
-    return _indices(seq_len, cp, rank, torch.device(device))
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([head, tail])
 
 
 def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:

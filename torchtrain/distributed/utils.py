@@ -198,6 +198,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
     return total
 
 
+# Set in a worker the launcher forked to run a Python file (launcher._script_worker): exit_process then
+# raises SystemExit, which that worker returns as its status, instead of leaving the process.
+EXIT_BY_SYSTEM_EXIT = False
+
+
 def exit_process(code: int) -> NoReturn:
     """End a (torchrun) worker process with `code` without tearing down the interpreter.
 
@@ -207,8 +212,11 @@ def exit_process(code: int) -> NoReturn:
     finished correctly; more often on a loaded machine), which torchrun reports as a failure. So after
     the Python exit handlers have run (they flush TensorBoard, logging and stop compile workers) the
     process leaves with os._exit, which skips only that final teardown. Everything this program
-    writes is flushed and closed before it returns its exit code.
+    writes is flushed and closed before it returns its exit code. (In a worker the launcher forked,
+    which never finalises an interpreter of its own, it raises SystemExit(code) instead.)
     """
+    if EXIT_BY_SYSTEM_EXIT:
+        raise SystemExit(code)
     try:
         atexit._run_exitfuncs()
     finally:
