@@ -36,7 +36,6 @@ arbitrary (document) masks with SDPA.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
