@@ -167,6 +167,19 @@ class ParitySuite:
             for (spec, extra, layout), dump, (rc, log) in zip(group, dumps, outcomes):
                 self.results[spec, extra] = read_result(layout, dump, rc, log)
 
+    def resume(self, spec: str, step: int, extra=()):
+        """Run `spec` (with `extra`) again, in a fresh folder holding only the step-`step` checkpoint of its
+        run in this suite: it resumes from there and runs to the suite's last step. Returns the run."""
+        from torchtrain.tools.parity import layout_dump_folder, parse_layout, run_layout
+
+        layout, resume_dir = parse_layout(spec), os.path.join(self.workdir, "resume")
+        saved = os.path.join("checkpoint", f"step-{step}")
+        shutil.copytree(os.path.join(layout_dump_folder(layout, self.workdir), saved),
+                        os.path.join(layout_dump_folder(layout, resume_dir), saved))
+        run = run_layout(layout, None, self.steps, self.overrides + list(extra), resume_dir)
+        assert run.returncode == 0, run.log[-3000:]
+        return run
+
     def check(self, layouts: list[str], rtol: float = 1e-4, extra=()):
         """Run each layout (unless it ran up front), print the per-step table, assert every layout matches;
         return the runs."""

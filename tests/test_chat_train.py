@@ -22,7 +22,7 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
   the adapters alone, and a resume from them (base weights from the initial load again) continues
   with exactly the losses of the uninterrupted run.
 
-One launch per layout, shared by the module."""
+One launch per process count (its jobs one after another), shared by the module."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ import shutil
 import sys
 
 import pytest
-from conftest import TINY_MODEL, read_metrics, run_train
+from conftest import TINY_MODEL, read_metrics, run_together, run_train
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from synthetic_chat import write_task  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # eleven short launches
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # four launches: one per process count, and a resume
 STEPS = 25
 LORA_STEPS = 10
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
@@ -76,18 +76,23 @@ def runs(tmp_path_factory):
     moe = [*MOE, "--training.steps", str(MOE_STEPS), "--lora.enable", "true",
            "--lora.target_modules", "*.attention.wq,*.attention.wo"]
     final_save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
-    for name, nproc, local, extra in (("single", None, "4", [*validation, *final_save]), ("fsdp2", 2, "2", validation),
-                                      ("lora_single", None, "4", lora), ("tp2_pp2", 4, "4", [*tp, *pp]),
-                                      ("hsdp_cp", 4, "2", hsdp_cp), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
-                                      ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, *full_ac]),
-                                      ("moe_lora_single", None, "4", moe),
-                                      ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
-                                      ("lora_from_full", None, "4", from_full)):
-        folder = str(root / name)
-        proc = run_train([*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
-                          "--job.dump_folder", folder, *extra], nproc=nproc, timeout=300, env=ONE_THREAD)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[name] = (read_metrics(folder), proc.stdout + proc.stderr)
+    jobs = (("single", 1, "4", [*validation, *final_save]), ("fsdp2", 2, "2", validation),
+            ("lora_single", 1, "4", lora), ("tp2_pp2", 4, "4", [*tp, *pp]),
+            ("hsdp_cp", 4, "2", hsdp_cp), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
+            ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, *full_ac]),
+            ("moe_lora_single", 1, "4", moe),
+            ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
+            ("lora_from_full", 1, "4", from_full))  # after "single", whose last checkpoint it loads
+    for nproc in (1, 2, 4):  # one launch per process count, its jobs one after another
+        group = [(name, local, extra) for name, n, local, extra in jobs if n == nproc]
+        argvs = [[*JOB, "--training.dataset_path", data, "--training.local_batch_size", local,
+                  "--job.dump_folder", str(root / name), *extra] for name, local, extra in group]
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("OMP_NUM_THREADS", "1")
+            outcomes = run_together(argvs, nproc, str(root / f"launch{nproc}"), timeout=900)
+        for (name, _, _), (returncode, log) in zip(group, outcomes):
+            assert returncode == 0, log[-5000:]
+            out[name] = (read_metrics(str(root / name)), log)
     # resume the adapter-only run from its middle checkpoint: the last one removed, the metrics kept aside
     folder = root / "lora_from_full"
     shutil.rmtree(folder / "checkpoint" / f"step-{LORA_STEPS}")

@@ -17,9 +17,6 @@ run saves step 5, a second run resumes from it; its steps 6-10 are BITWISE the f
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 from conftest import ParitySuite
 from test_moe_parity import TINY_MOE
@@ -39,24 +36,14 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process, then the three layouts (the first saving step 5), then the resumed first layout."""
-    work = str(tmp_path_factory.mktemp("moe_dispatch"))
+    """One process and the three layouts (the first saving step 5), then the first resumed from step 5."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")  # the one-process run with one thread, as torchrun's workers have
-        suite = ParitySuite(work, GROUPED)
+        suite = ParitySuite(str(tmp_path_factory.mktemp("moe_dispatch")), GROUPED,
+                            layouts=[(EP2_NODES, CKPT), EP4_NODES, PP2_EP2_CHUNKS])
     first, = suite.check([EP2_NODES], rtol=RTOL, extra=CKPT)
     others = suite.check([EP4_NODES, PP2_EP2_CHUNKS], rtol=RTOL)
-    # resume: a fresh dump folder holding only the step-5 checkpoint of the first run
-    from torchtrain.tools.parity import parse_layout, run_layout
-
-    resume_dir = os.path.join(work, "resume")
-    layout = parse_layout(EP2_NODES)
-    folder = layout.name.replace(" ", "_").replace("/", "_").replace("-", "")
-    src, dst = os.path.join(work, folder, "checkpoint"), os.path.join(resume_dir, folder, "checkpoint")
-    shutil.copytree(os.path.join(src, "step-5"), os.path.join(dst, "step-5"))
-    resumed = run_layout(layout, None, 10, GROUPED + CKPT, resume_dir)
-    assert resumed.returncode == 0, resumed.log[-3000:]
-    return {"ep2": first, "ep4": others[0], "pp2_ep2": others[1], "resumed": resumed}
+    return {"ep2": first, "ep4": others[0], "pp2_ep2": others[1], "resumed": suite.resume(EP2_NODES, 5, CKPT)}
 
 
 def test_dispatchers_and_overlap_match_one_process(runs):

@@ -11,9 +11,6 @@ the first run's.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 from conftest import ParitySuite
 from test_moe_parity import SHAPE
@@ -32,27 +29,14 @@ OVERLAP = (f"4 {P}pipeline_parallel_degree 2 {P}expert_parallel_degree 2 {P}pipe
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
-def _folder(name: str) -> str:
-    return name.replace(" ", "_").replace("/", "_").replace("-", "")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process, the overlapped layout (saving step 5), then the overlapped layout resumed from step 5."""
-    from torchtrain.tools.parity import parse_layout, run_layout
-
-    work = str(tmp_path_factory.mktemp("pipeline_overlap"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")  # the one-process run with one thread, as torchrun's workers have
-        suite = ParitySuite(work, MOE)
+        suite = ParitySuite(str(tmp_path_factory.mktemp("pipeline_overlap")), MOE, layouts=[(OVERLAP, CKPT)])
     first, = suite.check([OVERLAP], rtol=RTOL, extra=CKPT)
-    layout = parse_layout(OVERLAP)
-    resume_dir = os.path.join(work, "resume")
-    src = os.path.join(work, _folder(layout.name), "checkpoint", "step-5")
-    shutil.copytree(src, os.path.join(resume_dir, _folder(layout.name), "checkpoint", "step-5"))
-    resumed = run_layout(layout, None, 10, MOE + CKPT, resume_dir)
-    assert resumed.returncode == 0, resumed.log[-3000:]
-    return first, resumed
+    return first, suite.resume(OVERLAP, 5, CKPT)
 
 
 def test_overlapped_pairs_run_concurrently_and_match_one_process(runs):

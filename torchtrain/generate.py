@@ -94,4 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchtrain.utils.process_exit import exit_process
+
+    exit_process(main())

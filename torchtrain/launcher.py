@@ -111,9 +111,9 @@ def hang_report(job) -> str:
         return f.read().strip() + f"\nstacks: {os.path.dirname(found[-1])}"
 
 
-# What the forkserver imports once, before it forks any worker: the trainer (torch with it);
-# torch._dynamo is imported by a worker's first tensor initialisation.
-FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
+# What the forkserver imports once, before it forks any worker: its quick exit (utils/forkserver_exit.py),
+# the trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
+FORKSERVER_PRELOAD = ["torchtrain.utils.forkserver_exit", "torchtrain.train", "torch._dynamo"]
 
 
 def _explicit_start_method(argv: list[str]) -> bool:
@@ -187,16 +187,16 @@ def _worker(*argv: str) -> None:
 
 def _script_worker(script: str, *argv: str) -> None:
     """One worker forked by the forkserver running a Python file as `python FILE ARGS` would. The file
-    ends like a function too: its `sys.exit(code)` or `exit_process(code)` (distributed/utils.py, which
+    ends like a function too: its `sys.exit(code)` or `exit_process(code)` (utils/process_exit.py, which
     returns through SystemExit here instead of leaving the process) becomes the worker's status."""
     import runpy
 
-    from torchtrain.distributed import utils
+    from torchtrain.utils import process_exit
 
     _as_fresh_worker()
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    utils.EXIT_BY_SYSTEM_EXIT = True
+    process_exit.EXIT_BY_SYSTEM_EXIT = True
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
@@ -269,4 +269,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchtrain.utils.process_exit import exit_process
+
+    exit_process(main())

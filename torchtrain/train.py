@@ -12,12 +12,12 @@ import time
 import torch.distributed as dist
 
 from torchtrain.config import ConfigError, format_help, parse_args
-from torchtrain.distributed.utils import exit_process
 from torchtrain.models.registry import model_arguments
 from torchtrain.trainer.guard import GuardAbort
 from torchtrain.trainer.trainer import Trainer
 from torchtrain.utils import exit_codes
 from torchtrain.utils.logging import init_logger, is_log_rank
+from torchtrain.utils.process_exit import exit_process
 
 # torchrun stops all workers as soon as one fails; a quiet rank that failed first would cut the log
 # rank off before it printed the error.

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 from classifier import Block, TextClassifier, make_dataset  # noqa: E402
 
 from torchtrain.accelerate import Accelerator  # noqa: E402
-from torchtrain.distributed.utils import exit_process  # noqa: E402
+from torchtrain.utils.process_exit import exit_process  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 LAYOUTS = {

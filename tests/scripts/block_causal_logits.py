@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from torchtrain.config import parse_args
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.param_init import init_model_weights
-from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.preflight import preflight
+from torchtrain.utils.process_exit import exit_process
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")

@@ -9,8 +9,8 @@ from layout_model import reference_and_sharded
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.preflight import preflight
+from torchtrain.utils.process_exit import exit_process
 
 cfg = parse_args(sys.argv[1:])
 dist.init_process_group("gloo")

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.trainer import Trainer
 from torchtrain.utils.logging import init_logger
+from torchtrain.utils.process_exit import exit_process
 
 
 def dump_folder(argv: list[str]) -> str:

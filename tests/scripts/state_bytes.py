@@ -9,8 +9,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.trainer import Trainer
+from torchtrain.utils.process_exit import exit_process
 
 
 def nbytes(t: torch.Tensor) -> int:

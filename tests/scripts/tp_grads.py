@@ -11,8 +11,8 @@ from layout_model import reference_and_sharded
 from torch.distributed.tensor import DTensor
 
 from torchtrain.config import parse_args
-from torchtrain.distributed.utils import exit_process
 from torchtrain.trainer.preflight import preflight
+from torchtrain.utils.process_exit import exit_process
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,6 @@ import functools
 import os
 import random
 import socket
-import sys
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -196,33 +194,3 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
-
-
-# Set in a worker the launcher forked to run a Python file (launcher._script_worker): exit_process then
-# raises SystemExit, which that worker returns as its status, instead of leaving the process.
-EXIT_BY_SYSTEM_EXIT = False
-
-
-def exit_process(code: int) -> NoReturn:
-    """End a (torchrun) worker process with `code` without tearing down the interpreter.
-
-    Once the process group is destroyed, Python's finalisation still destroys the C++ objects that
-    module globals hold (c10d groups, stores, their threads). On torch 2.13 with gloo this aborts the
-    process now and then ("terminate called without an active exception", SIGABRT after a run that
-    finished correctly; more often on a loaded machine), which torchrun reports as a failure. So after
-    the Python exit handlers have run (they flush TensorBoard, logging and stop compile workers) the
-    process leaves with os._exit, which skips only that final teardown. Everything this program
-    writes is flushed and closed before it returns its exit code. (In a worker the launcher forked,
-    which never finalises an interpreter of its own, it raises SystemExit(code) instead.)
-    """
-    if EXIT_BY_SYSTEM_EXIT:
-        raise SystemExit(code)
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)

@@ -22,6 +22,7 @@ with a stable sort, computes, unsorts and sums. The expert-parallel dispatchers 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Generator
 
 import torch
@@ -75,7 +76,7 @@ def run_round_robin(routes: list[Route]) -> list[torch.Tensor]:
     return results  # type: ignore[return-value]
 
 
-class TokenDispatcher:
+class TokenDispatcher(abc.ABC):
     """Base of the dispatchers: splits the tokens into `chunks` and runs their routes round-robin."""
 
     chunks: int = 1
@@ -83,8 +84,10 @@ class TokenDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
+    @abc.abstractmethod
     def route(self, compute: Compute, tokens: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> Route:
-        raise NotImplementedError
+        """One chunk's journey: a generator that yields while its communication is in flight and returns
+        the chunk's combined output."""
 
     def __call__(self, compute: Compute, tokens: torch.Tensor, idx: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
