@@ -29,6 +29,7 @@ from conftest import (
     TINY_JOB,
     assert_no_trainer_traceback,
     read_metrics,
+    run_together,
     run_train,
     train_command,
     wait_for_pid_file,
@@ -257,12 +258,30 @@ HF_EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"
              "bfloat16", "--checkpoint.hf_max_shard_bytes", "100000", "--checkpoint.interval", "4"]
 
 
+GLOBAL_8 = ["--training.global_batch_size", "8", "--checkpoint.interval", "4"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
 @pytest.fixture(scope="module")
-def hsdp_ref(tmp_path_factory):
-    """Uninterrupted HSDP 2x2 run: full saves at 4, a bf16 model-only save + HF export at 8."""
-    dump = tmp_path_factory.mktemp("hsdp_ref")
-    ok(run_train(job(dump, *HSDP, *HF_EXPORT), nproc=4))
-    return dump
+def refs4(tmp_path_factory):
+    """The uninterrupted 4-rank runs the tests below resume, reshard or reload, one after another in one
+    launch (conftest.run_together):
+
+    * hsdp: HSDP 2x2, full saves at 4, a bf16 model-only save + HF export at 8;
+    * fsdp4: FSDP 4 with a global batch of 8, saves at 4 and 8;
+    * pp_tp: PP 2 x TP 2 (DTensor parameters, one model part per stage), saves at 4 and 8."""
+    root = tmp_path_factory.mktemp("refs4")
+    jobs = {"hsdp": [*HSDP, *HF_EXPORT], "fsdp4": GLOBAL_8, "pp_tp": [*PP2, *TP2, "--checkpoint.interval", "4"]}
+    outcomes = run_together([job(root / name, *extra) for name, extra in jobs.items()], 4, str(root))
+    for returncode, log in outcomes:
+        assert returncode == 0, log[-4000:]
+    return {name: root / name for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def hsdp_ref(refs4):
+    return refs4["hsdp"]
 
 
 def test_exact_resume_hsdp(hsdp_ref, tmp_path):
@@ -306,18 +325,9 @@ def test_last_save_model_only_in_hf_and_initial_load(hsdp_ref, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- resharding
-GLOBAL_8 = ["--training.global_batch_size", "8", "--checkpoint.interval", "4"]
-
-
 @pytest.fixture(scope="module")
-def fsdp4_ref(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("fsdp4_ref")
-    ok(run_train(job(dump, *GLOBAL_8), nproc=4))
-    return dump
-
-
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+def fsdp4_ref(refs4):
+    return refs4["fsdp4"]
 
 
 @pytest.mark.parametrize("nproc, layout, dp", [
@@ -339,11 +349,8 @@ def test_reshard_fsdp4_checkpoint(fsdp4_ref, tmp_path, nproc, layout, dp):
 
 # ----------------------------------------------------------------------------------------------- TP x PP
 @pytest.fixture(scope="module")
-def pp_tp_ref(tmp_path_factory):
-    """Uninterrupted PP 2 x TP 2 run (4 ranks: DTensor parameters, one model part per stage)."""
-    dump = tmp_path_factory.mktemp("pp_tp_ref")
-    ok(run_train(job(dump, *PP2, *TP2, "--checkpoint.interval", "4"), nproc=4))
-    return dump
+def pp_tp_ref(refs4):
+    return refs4["pp_tp"]
 
 
 def test_exact_resume_pipeline_x_tensor_parallel(pp_tp_ref, tmp_path):

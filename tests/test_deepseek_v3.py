@@ -222,9 +222,14 @@ TINY = ["--model.name", "deepseek_v3", "--model.dim", "64", "--model.n_layers", 
         "--model.v_head_dim", "16", "--model.moe_intermediate_size", "32", *DATA]
 
 
+SELECTIVE_AC = ["--activation_checkpoint.mode", "selective"]
+
+
 @pytest.fixture(scope="module")
 def ds_suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_parity")), TINY)
+    """The layouts of the tests below trained up front, in one 4-rank launch."""
+    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_parity")), TINY,
+                       layouts=["ep2_tp2", "pp2_ep2", "cp2_ep2", ("ep2_fsdp2", SELECTIVE_AC)])
 
 
 @pytest.mark.dist
@@ -239,7 +244,8 @@ def test_layouts_match_one_process(ds_suite, layout):
 
 @pytest.fixture(scope="module")
 def mtp_suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_mtp_parity")), [*TINY, "--model.mtp_depth", "1"])
+    return ParitySuite(str(tmp_path_factory.mktemp("deepseek_mtp_parity")), [*TINY, "--model.mtp_depth", "1"],
+                       layouts=["ep2_fsdp2", "pp2_1f1b"])
 
 
 @pytest.mark.dist
@@ -261,7 +267,7 @@ def test_ep_x_fsdp_with_selective_op_checkpointing_matches_one_process(ds_suite)
     """EP 2 x FSDP 2 with op-level selective AC, which recomputes blocks whose experts are an FSDP unit
     of their own: the recomputation must be accepted (FSDP's profiler ranges are not ops) and change
     nothing."""
-    ds_suite.check(["ep2_fsdp2"], rtol=1e-4, extra=["--activation_checkpoint.mode", "selective"])
+    ds_suite.check(["ep2_fsdp2"], rtol=1e-4, extra=SELECTIVE_AC)
 
 
 @pytest.mark.dist

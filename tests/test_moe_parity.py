@@ -30,12 +30,16 @@ TINY_MOE = ["--model.name", "qwen3_moe", *SHAPE, "--model.num_experts", "8", "--
 TINY_QWEN3 = ["--model.name", "qwen3", *SHAPE, "--model.hidden_dim", "128", *DATA]
 
 
+EP_LAYOUTS = ["ep2", "ep2_fsdp2", "ep2_tp2", "pp2_ep2", "cp2_ep2"]
+
+
 @pytest.fixture(scope="module")
 def moe_suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("moe_parity")), TINY_MOE)
+    """The layouts trained up front: one launch per process count (2, 4)."""
+    return ParitySuite(str(tmp_path_factory.mktemp("moe_parity")), TINY_MOE, layouts=EP_LAYOUTS)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2_fsdp2", "ep2_tp2", "pp2_ep2", "cp2_ep2"])
+@pytest.mark.parametrize("layout", EP_LAYOUTS)
 def test_expert_parallel_layouts_match_one_process(moe_suite, layout):
     run, = moe_suite.check([layout], rtol=RTOL)
     assert len(run.records) == 10

@@ -122,9 +122,9 @@ def _explicit_start_method(argv: list[str]) -> bool:
 
 def prestart_forkserver(argv: list[str]) -> None:
     """Start the forkserver before this process imports torch, when the command will most likely use it
-    (`-m torchtrain.train` or a Python file, no start method named, no NVIDIA device file): the server's imports then run
-    beside the agent's own instead of after them. A server the command ends up not using just exits with
-    this process."""
+    (`-m torchtrain.train` or a Python file, no start method named, no NVIDIA device file): the server's
+    imports then run beside the agent's own instead of after them. A server the command ends up not
+    using just exits with this process."""
     import multiprocessing.forkserver
 
     likely = "torchtrain.train" in argv or any(a.endswith(".py") for a in argv)
