@@ -174,15 +174,12 @@ def _as_fresh_worker() -> None:
 
 def _worker(*argv: str) -> None:
     """One worker forked by the forkserver: the trainer's command, as a fresh interpreter would run it.
-    It returns like a function (the agent collects the result); the exit handlers run first
-    (TensorBoard, logging), and a failure leaves with the trainer's exit status."""
+    It returns like a function (the agent collects the result); a failure leaves with the trainer's
+    exit status."""
     from torchtrain import train
 
     _as_fresh_worker()
-    code = train.main(list(argv))
-    atexit._run_exitfuncs()
-    if code:
-        sys.exit(code)
+    _end_worker(train.main(list(argv)))
 
 
 def _script_worker(script: str, *argv: str) -> None:
@@ -202,6 +199,12 @@ def _script_worker(script: str, *argv: str) -> None:
         code = 0
     except SystemExit as e:
         code = e.code
+    _end_worker(code)
+
+
+def _end_worker(code) -> None:
+    """A forked worker's end: its exit handlers run (TensorBoard, logging), then it returns to the agent,
+    or leaves with `code` when that is a failure."""
     atexit._run_exitfuncs()
     if code:
         sys.exit(code)

@@ -82,13 +82,13 @@ def _import_float8():
     return float8
 
 
-
 def _gpu_below(minimum: tuple[int, int]) -> str | None:
     """"NAME has X.Y" when this process's GPU is below compute capability `minimum`, else None."""
     if not torch.cuda.is_available():
         return None
     cap = torch.cuda.get_device_capability()
     return f"{torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}" if cap < minimum else None
+
 
 def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, fsdp_shards: bool,
                    print_after_conversion: bool = False) -> Float8Plan | None:

@@ -70,7 +70,8 @@ def init_distributed(comm: Comm, device: torch.device) -> None:
         kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    atexit.register(_let_collective_threads_finish)
+    atexit.unregister(_let_collective_threads_finish)  # once per process, after the handlers registered
+    atexit.register(_let_collective_threads_finish)  # later (those may still run collectives)
 
 
 def _let_collective_threads_finish() -> None:
@@ -83,8 +84,7 @@ def _let_collective_threads_finish() -> None:
     is ended by Python -- inside C++ code that cannot be unwound, so the process aborts ("terminate
     called without an active exception", SIGABRT after a run that finished correctly). Exit handlers
     run before finalisation begins; sleeping here lets every thread waiting for the GIL finish that
-    last release first. Registered once per process group start, so it runs after the exit handlers
-    registered later (which may still run collectives themselves).
+    last release first.
     """
     import time
 
