@@ -104,6 +104,17 @@ class GPUSpec:
     """Host-to-device bandwidth per GPU and direction, GB/s (PCIe Gen5 x16: 64 GB/s; Gen4: 32)."""
     pcie_efficiency: float = 0.8
     """Achievable share of the PCIe peak for large pinned copies (assumed: ~50 of 64 GB/s on Gen5 x16)."""
+    host_op_us: float | None = 53.3
+    """Host time per dispatched operator that runs a kernel, microseconds: Python, dispatcher, autograd's
+    bookkeeping and the launch (`tools/planner/host_time.py`; derivation in `_HOST_SRC`). None: no host
+    term (a CPU target, whose host is the device)."""
+    host_alias_us: float = 4.3
+    """The same for an operator that only makes a view or an allocation (view, t, detach, empty)."""
+    host_handler_us: float = 22.9
+    """Extra host time per operator issued from a Python `__torch_dispatch__` (selective activation
+    checkpointing's policy, a tensor subclass's dispatch)."""
+    host_launch_us: float = 8.0
+    """Host time per kernel launch of a compiled graph."""
     sources: str = ""
     """Where the figures come from; "assumed" ones say why. Host memory, NVMe and PCIe figures are those
     of a DGX H100-class node unless the entry says otherwise (assumed for other GPUs' nodes)."""
@@ -115,6 +126,14 @@ class GPUSpec:
         return self.fp32_tflops if dtype == "float32" else self.bf16_tflops
 
 
+_HOST_SRC = ("host costs (host_*_us): measured on the GPU kit's H100 machine (16 CPU cores, torch 2.11, CUDA 13) from "
+             "a profile of one eager step of torchtitan 0.2.2 training the kit's 1B Llama 3 at seq 2048 x 2 (a "
+             "host-bound step: 0.116 s of GPU work in 0.177 s): each operator class's mean duration in the profile, "
+             "scaled so that one step's operators add up to torchtitan's unprofiled step in the same kit run "
+             "(4,096 tokens / 23,085 tokens/s = 0.1774 s; x1.338); the launch cost is the mean host duration of a "
+             "kernel launch call in that profile. `python benchmarks/gpu/trace_stats.py TRACE --step-s 0.17743`; "
+             "the summary is benchmarks/gpu/results/traces.json. Other machine kinds: assumed the same (hosts of "
+             "the same class)")
 _CLOCK_500W = (500 / 700) ** (1 / 3)
 """Sustained-clock ratio of an H100 held to 500 W against 700 W (dynamic power ~ f V^2 ~ f^3)."""
 _HOPPER = dict(sm_count=132, matmul_efficiency=0.803, attention_fwd_efficiency=0.374, attention_bwd_efficiency=0.325)
@@ -126,7 +145,7 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
     g.key: g
     for g in (
         GPUSpec("h100", "NVIDIA H100 SXM 80GB", 80, 989.4, 66.9, r"h100(?!.*(pcie|nvl|hbm2e))", 450, 50,
-                fp8_tflops=1978.9, hbm_tbps=3.35, **_HOPPER, sources=_HOPPER_SRC),
+                fp8_tflops=1978.9, hbm_tbps=3.35, **_HOPPER, sources=_HOPPER_SRC + "; " + _HOST_SRC),
         GPUSpec("h100_hbm2e", "NVIDIA H100 SXM 96GB HBM2e, 500 W (Meta Grand Teton)", 96, 989.4, 66.9,
                 r"h100.*hbm2e", 450, 50, fp8_tflops=1978.9, hbm_tbps=2.4, sm_count=132,
                 matmul_efficiency=0.803 * _CLOCK_500W, fp8_matmul_efficiency=0.65 * _CLOCK_500W,
@@ -174,6 +193,7 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
 }
 
 CPU = GPUSpec("cpu", "CPU", 0, None, None, r"$^", gpus_per_node=1, matmul_efficiency=1.0, host_memory_gib=None,
+              host_op_us=None,
               host_memory_gbps=None, nvme_gib=None, nvme_read_gbps=None, nvme_write_gbps=None, pcie_gbps=None,
               attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, memory_efficiency=1.0,
               sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "

@@ -55,7 +55,8 @@ FSDP2 mixed precision each block's RoPE-table input cast to d; with TP, the embe
 the whole vocabulary (DTensor computes it unsharded: d V h, and the FSDP2 accumulator keeps r V h);
 the final norm + output input (4 + 2d) h t / tp on the last stage; the loss keeps the
 fp32 log-softmax (4 V t / tp, loss-parallel with TP) per in-flight micro-batch and needs two more
-such buffers at the start of backward; FSDP2 keeps gathered units (d bytes per unsharded parameter):
+such buffers at the start of backward (compiled, `compile.enable`: the logits, d V t / tp, and its
+gradient written in their dtype, d V t / tp: `compiled.py`); FSDP2 keeps gathered units (d bytes per unsharded parameter):
 with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
 every unit of the stage. Gradient accumulation without synchronisation (and pipeline micro-batches)
 keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded parameters.
@@ -197,8 +198,8 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
             n_ckpt = n
         stored = (n - n_ckpt) * full + n_ckpt * kept * t
         recompute = full if n_ckpt else 0.0
-    if stage.last:
-        stored += (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp  # final norm, output input; log-softmax
+    if stage.last:  # final norm, output input; the loss keeps the fp32 log-softmax (compiled: the logits)
+        stored += (4 + 2 * d) * a.dim * t / tp + loss_saved_bytes(p) * a.vocab_size * t / tp
         # multi-token prediction: per depth a block (not checkpointed), its norms and projection, a head
         depth = a.mtp_depth
         stored += depth * (full + (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp + (8 + 4 * d) * a.dim * t)
@@ -207,6 +208,25 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     if d != 4 and applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload):
         stored += n * a.max_seq_len * a.head_dim * d  # FSDP2 casts each block's RoPE-table input to d; kept for backward
     return stored, recompute
+
+
+def loss_saved_bytes(p: PlanInputs) -> int:
+    """Bytes per token and vocabulary entry the cross-entropy keeps for backward: the fp32 log-softmax
+    (4); compiled, its input logits in the compute dtype (d: `tools/planner/compiled.py`)."""
+    return p.param_bytes if _compiled_loss(p) else 4
+
+
+def loss_backward_bytes(p: PlanInputs) -> int:
+    """The same for the buffers its backward starts with: two fp32 (8); compiled, the logits' gradient
+    written in their dtype (d)."""
+    return p.param_bytes if _compiled_loss(p) else 8
+
+
+def _compiled_loss(p: PlanInputs) -> bool:
+    layout = p.layout
+    if layout is not None:
+        return layout.compile_loss and not layout.loss_parallel
+    return p.compile and p.tp == 1
 
 
 _COUNTS: dict[tuple, tuple] = {}
@@ -293,7 +313,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     recompute = max(rc for _, rc in per_stage)
     acts = per_chunk * (flight if p.pp > 1 else 1)
     has_last = any(s.last for s in stages)
-    loss_extra = 8 * a.vocab_size * t / p.tp if has_last else 0.0
+    loss_extra = loss_backward_bytes(p) * a.vocab_size * t / p.tp if has_last else 0.0
 
     # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
     if not wrapped:
@@ -331,7 +351,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     if recompute > loss_extra:
         rows_bwd.append(Row("recomputed block (AC, during its backward)", recompute, "A x t"))
     elif loss_extra:
-        rows_bwd.append(Row("loss gradient buffers (fp32)", loss_extra, "8 V t / tp"))
+        rows_bwd.append(Row("loss gradient buffers", loss_extra, f"{loss_backward_bytes(p)} V t / tp"))
     rows_bwd.append(Row(f"gathered params: {how}", gathered, "d x unsharded unit params"))
 
     opt_temp = 4 * (train_sharded if opt_sharded else train_numel) if p.optimizer_impl == "foreach" else 0.0

@@ -43,7 +43,8 @@ tokens on the rank, h the width):
 * PP: per micro-batch and virtual stage, the stage output t h d / tp forward and its gradient back.
 * FSDP over N = dp_shard x cp: per unit an all-gather of its parameters (d bytes each; 1 byte for
   float8 linears with `enable_fsdp_float8_all_gather`) and a reduce-scatter of its gradients (r bytes);
-  experts over their own expert-FSDP group. HSDP adds an all-reduce of the reduced shard over the R
+  experts over their own expert-FSDP group (FSDP2 on a single rank, which only casts, runs the same
+  copies and no collective). HSDP adds an all-reduce of the reduced shard over the R
   replicas. DDP and ZeRO-1 all-reduce every gradient over dp; ZeRO-1 also all-gathers the updated fp32
   parameters after the step. FSDP2's copy-in / copy-out around each collective is memory traffic on the
   compute stream (`fsdp_copy_bytes`).
@@ -322,6 +323,9 @@ def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple
                 reduce += 2 * ring(p.dp_replicate, g * r / group, rep_ln)
             out.reduces.append(reduce)
             out.copy_bytes += count * 2 * d + g * r + count / group * (4 + d) + g / group * 2 * r
+    elif p.fsdp_wraps and not p.cpu_offload:  # FSDP2 on one rank (it casts): its copies, no collective
+        for name, unit in units:
+            out.copy_bytes += shapes.numel(unit) * (3 * d + 4) + grads(name, unit) * 3 * r
     elif p.dp > 1:
         ln = link(dev, p.dp * p.tp)
         out.reduces = [2 * ring(p.dp, grads(name, unit) * r, ln) for name, unit in units]

@@ -18,6 +18,7 @@ from torchtrain.config import ConfigError, JobConfig, parse_args
 from torchtrain.tools.planner import offload
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
+from torchtrain.tools.planner.host_time import HostTime, host_seconds
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import pipeline_of, structure
 from torchtrain.tools.planner.step_time import StepTime, estimate_step
@@ -162,10 +163,10 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
                 flight = prof.in_flight[rank.pp_rank]
                 rank.traced_peak, rank.traced_phase, rank.traced_breakdown, rank.traced_in_flight = result.at(flight)
     if trace and job.cfg.compile.enable:
-        p.notes.append("traced in eager mode (the job compiles its blocks; compiled kernels may keep fewer "
-                       "intermediates, so the traced peak is an upper bound)")
+        p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (tools/planner/compiled.py); "
+                       "compiled blocks may keep fewer intermediates, so the traced peak is an upper bound")
     peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
-    step = estimate_step(with_peak(p, peak))
+    step = estimate_step(with_peak(p, peak), host_of(p, ranks))
     plan = Plan(p, ranks, step, problems, blockers, overrides, list(job.notes) + p.notes)
     if offload.active(p):
         plan.offload = offload.plan_offload(p, ranks[0].analytic, step)
@@ -173,6 +174,16 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
             rank.analytic = offload.adjust_memory(rank.analytic, p)
         plan.base_throughput, plan.throughput = step, offload.with_offload_time(step, plan.offload)
     return plan
+
+
+def host_of(p: PlanInputs, ranks: list[RankPlan]) -> HostTime | None:
+    """The host's dispatch time of a step (`host_time.py`): the slowest traced pipeline rank's, its
+    forward/backward operators scaled to the job's micro-batches; None without a traced step."""
+    microbatches = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
+    times = [host_seconds(r.trace.counts.scaled(microbatches), p.gpu, p.compile) for r in ranks
+             if r.trace is not None and r.trace.counts is not None]
+    times = [t for t in times if t is not None]
+    return max(times, key=lambda t: t.seconds) if times else None
 
 
 def trace_job(p: PlanInputs) -> JobConfig:

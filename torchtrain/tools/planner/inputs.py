@@ -20,7 +20,7 @@ from typing import Any
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, effective_reshard
+from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, applies_fsdp, effective_reshard
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
@@ -242,6 +242,14 @@ class PlanInputs:
     def sharded(self) -> bool:
         """FSDP2 strategies (zero3, zero2): parameters, gradients and optimizer state over dp_shard."""
         return self.dp_strategy.sharded
+
+    @property
+    def fsdp_wraps(self) -> bool:
+        """Whether FSDP2 wraps the model (gathers, or only casts on one rank): the Layout's decision (a
+        what-if copy without one: the same rule, `applies_fsdp`)."""
+        if self.layout is not None:
+            return self.layout.fsdp
+        return applies_fsdp(self.dp_strategy, self.dp * self.cp, DTYPES[self.param_dtype], self.cpu_offload)
 
     @property
     def reshard(self) -> str:

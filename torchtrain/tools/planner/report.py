@@ -198,7 +198,12 @@ def _throughput_lines(plan: Plan) -> list[str]:
         rows += [("compute on the critical path", f"{t.compute_s:,.3f} s ({work})"),
                  ("pipeline bubble", f"{t.bubble_s:,.3f} s ({t.bubble:.1%} of the schedule)"),
                  ("exposed communication", comm), ("optimizer step", f"{t.optimizer_s:,.3f} s"),
-                 ("step time", f"{t.step_s:,.3f} s"),
+                 ("GPU time", f"{t.gpu_s:,.3f} s")]
+        if t.host_s is not None:
+            parts = ", ".join(f"{k} {v:,.3f}" for k, v in t.host_breakdown_s.items())
+            rows.append(("host time (dispatching the step)", f"{t.host_s:,.3f} s ({t.host_ops:,.0f} operators: {parts})"))
+        bound = "" if t.host_s is None else " (host-bound)" if t.host_s > t.gpu_s else " (GPU-bound)"
+        rows += [("step time", f"{t.step_s:,.3f} s{bound}"),
                  ("tokens/s", f"{t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per GPU)"),
                  ("effective MFU", f"{t.effective_mfu:.1%}")]
     budget = "Chinchilla: 20 x parameters" if p.tokens is None else "--tokens"

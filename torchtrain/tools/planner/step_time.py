@@ -24,10 +24,12 @@ replayed), and nothing calls back.
    step (`layout.effective_reshard`), so it gathers once. DDP's all-reduce overlaps the last backward.
    FSDP2's copy-in/out is memory traffic on the compute stream.
 4. **The optimizer step** over the rank's shard (memory-bound), and ZeRO-1's parameter all-gather.
-5. **Interruptions** (`interruptions.py`): the run's wall-clock time, GPU-hours and cost with the
+5. **The host** (`host_time.py`): the CPU dispatching the step's operators (counted in the traced step)
+   sets the pace when it is slower than the GPU; the step is the larger of the two.
+6. **Interruptions** (`interruptions.py`): the run's wall-clock time, GPU-hours and cost with the
    expected failures, each costing a restart and half a checkpoint interval of steps.
 
-    step = schedule + exposed data-parallel communication + optimizer
+    step = max(GPU: schedule + exposed data-parallel communication + optimizer, host dispatch time)
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes
+from torchtrain.tools.planner.host_time import HostTime
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
 from torchtrain.tools.planner.pipeline import pipeline_of
@@ -66,8 +69,16 @@ class StepTime:
     """Exposed communication per kind (tensor parallel, context parallel, expert all-to-all, pipeline
     p2p, data parallel), seconds per step."""
     optimizer_s: float | None = None
+    gpu_s: float | None = None
+    """The GPU's seconds per step: compute + bubble + exposed communication + optimizer."""
+    host_s: float | None = None
+    """The host's seconds per step dispatching it (`host_time.py`; None: not known -- no traced step,
+    or a device without host costs)."""
+    host_breakdown_s: dict[str, float] = field(default_factory=dict)
+    host_ops: float | None = None
+    """Operators the host dispatches a step (compiled graphs count as one each)."""
     step_s: float | None = None
-    """Predicted seconds per step: compute + bubble + exposed communication + optimizer."""
+    """Predicted seconds per step: the larger of the GPU's and the host's."""
     tokens_per_s: float | None = None
     effective_mfu: float | None = None
     expert_all_to_all_bytes: float = 0.0
@@ -185,8 +196,10 @@ def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic
     return exposed, max(0.0, total - exposed)
 
 
-def estimate_step(p: PlanInputs) -> StepTime:
-    """The step time of layout `p` on its device (see the module docstring); no times without a device."""
+def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
+    """The step time of layout `p` on its device (see the module docstring); no times without a device.
+    `host`: the host's dispatch time of the step (`host_time.py`, from the traced step's operators); the
+    step is the larger of it and the GPU's time."""
     a = p.model
     tokens = p.global_batch_size * p.seq_len
     prof = pipeline_of(p)
@@ -231,7 +244,11 @@ def estimate_step(p: PlanInputs) -> StepTime:
         schedule += slow
     local_params = sum(shapes.numel(u, _shard_degree(p, name)) for name, u in trainable)
     out.optimizer_s = compute_time.optimizer_seconds(p, dev, local_params)
-    out.step_s = schedule + out.bubble_s + out.optimizer_s + dp + out.comm_s.get("pipeline p2p", 0.0)
+    out.gpu_s = schedule + out.bubble_s + out.optimizer_s + dp + out.comm_s.get("pipeline p2p", 0.0)
+    out.step_s = out.gpu_s
+    if host is not None:
+        out.host_s, out.host_breakdown_s, out.host_ops = host.seconds, host.breakdown, host.ops
+        out.step_s = max(out.gpu_s, host.seconds)
     out.tokens_per_s = tokens / out.step_s
     out.effective_mfu = tokens * out.flops_per_token / p.world_size / out.step_s / (peak * 1e12)
     out.train_s = out.steps * out.step_s

@@ -54,6 +54,8 @@ from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.simulation.fake_world import fake_backend_available, fake_world
 from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
 from torchtrain.simulation.stage_step import StagePipeline
+from torchtrain.tools.planner.compiled import compiled_modules, compiles_loss, fused_cross_entropy_sum
+from torchtrain.tools.planner.host_time import OpCounter, OpCounts
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
 from torchtrain.tools.planner.stage_model import has_ac, has_tp, part_cut
@@ -77,6 +79,8 @@ class TraceResult:
     optimizer_breakdown: dict[str, float] = field(default_factory=dict)
     per_microbatch: float = 0.0
     seconds: float = 0.0
+    counts: OpCounts | None = None
+    """The operators the traced step dispatched (`host_time.py`), for the host time."""
     traced_blocks: tuple[int, ...] = ()
     """Blocks per traced model part; several entries when the result was extended linearly."""
     skipped: str | None = None
@@ -145,7 +149,8 @@ def _extend(a: TraceResult, b: TraceResult, step_blocks: int, real_blocks: int) 
     out = TraceResult(a.pp_rank, lin(a.backward, b.backward), lin_dict(a.backward_breakdown, b.backward_breakdown),
                       lin(a.optimizer, b.optimizer), lin_dict(a.optimizer_breakdown, b.optimizer_breakdown),
                       lin(a.per_microbatch, b.per_microbatch), traced_blocks=a.traced_blocks + b.traced_blocks,
-                      notes=list(dict.fromkeys(a.notes + b.notes)))
+                      notes=list(dict.fromkeys(a.notes + b.notes)),
+                      counts=a.counts.lin(b.counts, scale) if a.counts is not None and b.counts is not None else None)
     out.notes.append(f"traced with {sum(a.traced_blocks)} and {sum(b.traced_blocks)} blocks, extended linearly "
                      f"to {real_blocks} (identical blocks)")
     return out
@@ -209,6 +214,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
         schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
+    counter = OpCounter(compiled_modules(p, parts) if p.compile else None)
     stored: list[float] = []
     # The trainer's own step (z-loss, MoE balancer, extra losses as the job sets them); a pipeline rank
     # runs up to two micro-batches through its stages (simulation/stage_step.py).
@@ -216,9 +222,12 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
                                  stored=stored)
     step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
                             pipeline=pipeline)
+    if compiles_loss(p):  # the compiled cross-entropy's memory, counted as a compiled graph (compiled.py)
+        step.loss_fn.ce_sum = counter.compiled(fused_cross_entropy_sum)
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def end_of_backward(*_):
+        counter.phase = "optimizer"
         if "backward" not in phases:
             phases["backward"] = (tracker.peak, tracker.peak_breakdown())
             tracker.reset_peak()
@@ -231,11 +240,14 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
                                    sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)
         _create_optimizer_state(parts, optimizers)
         hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
-        with tracker:
+        with tracker, counter:
             step(batches)
     phases["optimizer"] = (tracker.peak, tracker.peak_breakdown())
     hook.remove()
     tracker.remove_hooks()
+    counter.remove_hooks()
+    counter.counts.microbatches = len(batches) if p.pp == 1 else step.pipeline.n_micro
+    result.counts = counter.counts
     if stored:
         result.per_microbatch = sum(stored) / len(stored)
     (bwd, bwd_parts), (opt, opt_parts) = phases["backward"], phases["optimizer"]
