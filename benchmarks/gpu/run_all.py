@@ -44,14 +44,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from budget import Budget  # noqa: E402
 from kit import REPO, TITLES, Context, PartResult, environment, log  # noqa: E402
 
-PARTS = "abcdef"
+PARTS = "abcdefgh"
 
 
 def run_part(ctx: Context, part: str) -> PartResult:
+    import headline
     import parts
     import titan
 
-    fn = titan.part_d if part == "d" else getattr(parts, f"part_{part}")
+    fn = titan.part_d if part == "d" else getattr(headline if part in "cgh" else parts, f"part_{part}")
     t0 = time.perf_counter()
     if ctx.budget.stopped:
         result = PartResult(part, TITLES[part], [], ok=True)
@@ -120,11 +121,21 @@ def write_summary(out: str, command: str) -> str:
     return text
 
 
+GENERATED = ("d/torchtitan/data", "d/torchtitan/assets")
+"""What the kit writes for torchtitan's runs and would write again (its data and tokenizer): not evidence."""
+
+
+def evidence(name: str) -> bool:
+    """Whether a path inside the output folder belongs in an archive: not checkpoints (the evidence is the
+    metrics), not what the kit generates as input (GENERATED)."""
+    return "checkpoint" not in name.split("/") and not any(name == g or name.startswith(g + "/") for g in GENERATED)
+
+
 def pack(out: str, archive: str) -> None:
-    """DIR as one tar.gz under the top folder `kit/`, checkpoints left out (the evidence is the metrics)."""
+    """DIR as one tar.gz under the top folder `kit/`, with `evidence` only."""
     tmp = archive + ".partial"
     with tarfile.open(tmp, "w:gz") as tar:
-        tar.add(out, arcname="kit", filter=lambda m: None if "checkpoint" in m.name.split("/") else m)
+        tar.add(out, arcname="kit", filter=lambda m: m if evidence(m.name.partition("/")[2]) else None)
     os.replace(tmp, archive)
 
 
@@ -133,10 +144,13 @@ def merge(archives: list[str], out: str) -> None:
     commands = []
     for archive in archives:
         with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith("kit/") and ".." not in m.name
-                       and (m.isfile() or m.isdir())]
-            for m in members:
-                m.name = m.name[len("kit/"):]
+            members = []
+            for m in tar.getmembers():  # "kit/..." as --pack writes it, "./kit/..." when repacked with tar -C
+                name = m.name[2:] if m.name.startswith("./") else m.name
+                if name.startswith("kit/") and ".." not in name.split("/") and (m.isfile() or m.isdir()) \
+                        and evidence(name[len("kit/"):]):
+                    m.name = name[len("kit/"):]
+                    members.append(m)
             env_member = next((m for m in members if m.name == "environment.json"), None)
             if env_member is not None:
                 commands += json.load(tar.extractfile(env_member)).get("commands", [])

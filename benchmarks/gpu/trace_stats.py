@@ -1,0 +1,240 @@
+"""Per-step figures of a torch.profiler chrome trace of training steps (torchtrain's or torchtitan's).
+
+    python benchmarks/gpu/trace_stats.py TRACE.json[.gz] [TRACE2 ...] [--json]
+
+For each trace: the recorded steps (the host-side `ProfilerStep#N` annotations; the GPU-side copies of
+those annotations are not steps), and per step
+
+* step s            the host-side duration of a profiled step (the profiler slows the host: compare
+                    with the unprofiled steps of the same run);
+* kernels           GPU kernels, memcpys and memsets;
+* GPU busy s        the union of their intervals (the time the GPU had work);
+* kernel s by kind  GEMM, attention, element-wise, reduction, copy, optimizer (multi-tensor), other;
+* host launches     cudaLaunchKernel / cuLaunchKernelEx calls and their mean host duration;
+* profiler ops      every `aten::` (and `c10d::`, `fsdp::`) operator event, nested calls included;
+* dispatched ops    the operators a dispatch-level observer (a `TorchDispatchMode`, which is what the
+                    planner's traced step counts) sees: an operator event counts unless it is
+                    CompositeImplicitAutograd (it decomposes into others before dispatch) or it runs
+                    inside another counted operator; the operator that enters a Python dispatch mode
+                    (activation checkpointing's policy: a `PythonDispatchMode` event) hands its count
+                    to the call the mode re-dispatches. `detach` events count as `aten::detach`;
+* mode calls        Python dispatch-mode calls (`PythonDispatchMode` events): selective activation
+                    checkpointing's policy sees every forward and recomputed operator of a block.
+
+The dispatched-op count needs torch (the operator registry says which operators are composite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from dataclasses import dataclass, field
+
+OP_PREFIXES = ("aten::", "c10d::", "fsdp::", "_c10d_functional::", "prims::")
+KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "multi_tensor_apply" in n or "fused_adam" in n:
+        return "optimizer"
+    if any(k in n for k in ("flash", "fmha", "sdpa", "cudnn", "attention")):
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "wgmma")):
+        return "gemm"
+    if "memcpy" in n or "memset" in n or "chunk_cat" in n or "copy" in n:
+        return "copy"
+    if "reduce" in n or "softmax" in n:
+        return "reduction"
+    if "elementwise" in n or "triton" in n:
+        return "element-wise"
+    return "other"
+
+
+_COMPOSITE: dict[str, bool] = {}
+
+
+def composite(name: str) -> bool:
+    """Whether every functional overload of the operator is CompositeImplicitAutograd."""
+    if name not in _COMPOSITE:
+        import torch
+
+        ns, op = name.split("::", 1)
+        kinds = []
+        packet = getattr(getattr(torch.ops, ns, None), op, None) if hasattr(torch.ops, ns) else None
+        for overload in (packet.overloads() if packet is not None else []):
+            if "out" in overload:
+                continue
+            try:
+                qualified = getattr(packet, overload).name()
+                kinds.append(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"))
+            except (RuntimeError, AttributeError):
+                continue  # a TorchScript-only overload
+        _COMPOSITE[name] = bool(kinds) and all(kinds)
+    return _COMPOSITE[name]
+
+
+HANDLERS = ("PythonDispatchMode", "PythonSubclass")
+"""Profiler events of a Python `__torch_dispatch__` (a dispatch mode's; a tensor subclass's)."""
+
+
+@dataclass
+class Dispatched:
+    """The dispatched operators of a trace (see the module doc), with what the host spent on them."""
+
+    names: collections.Counter = field(default_factory=collections.Counter)
+    classes: collections.Counter = field(default_factory=collections.Counter)
+    """kernel | alias -> operators (host_time.op_class); "handled" -> those of them issued inside a handler."""
+    class_us: collections.Counter = field(default_factory=collections.Counter)
+    """The same -> summed durations of those operator events (their nested calls included), us."""
+    handler_self_us: float = 0.0
+    """Time inside handler events outside any operator they issued, us."""
+    handler_calls: int = 0
+    profiler_ops: int = 0
+
+
+def dispatched_ops(events: list[dict]) -> Dispatched:
+    """Count the dispatched operators over all threads (see the module doc)."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    out = Dispatched()
+    out.profiler_ops = sum(1 for t in by_thread.values() for e in t if e["name"].startswith(OP_PREFIXES))
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        root: dict = {"name": "", "dur": 0.0, "children": []}
+        stack = [(float("inf"), root)]
+        for e in thread:  # the nesting tree of the thread's events
+            while stack[-1][0] <= e["ts"]:
+                stack.pop()
+            node = {"name": e["name"], "dur": e["dur"], "children": []}
+            stack[-1][1]["children"].append(node)
+            stack.append((e["ts"] + e["dur"], node))
+        _count(root, False, False, out)
+    return out
+
+
+def _count(node: dict, inside: bool, handled: bool, out: Dispatched) -> bool:
+    """Count `node`'s subtree into `out`; True when a handler in it re-dispatched operators that were
+    counted (the enclosing counted operator then hands its count over to them)."""
+    from torchtrain.tools.planner.host_time import op_class
+
+    if node["name"] in HANDLERS:
+        before = sum(out.names.values())
+        out.handler_calls += 1
+        out.handler_self_us += node["dur"] - sum(c["dur"] for c in node["children"])
+        for child in node["children"]:
+            _count(child, False, True, out)
+        return sum(out.names.values()) > before
+    name = "aten::detach" if node["name"] == "detach" else node["name"]
+    counted = name.startswith(OP_PREFIXES) and not inside and not composite(name)
+    redispatched = False
+    for child in node["children"]:
+        redispatched |= _count(child, inside or counted, handled, out)
+    if counted:
+        if not redispatched:
+            cls = op_class(name)
+            out.names[name] += 1
+            out.classes[cls] += 1
+            out.class_us[cls] += node["dur"]
+            out.classes["handled"] += handled
+        return False
+    return redispatched
+
+
+def host_costs(summary: dict, step_s: float) -> dict[str, float]:
+    """Per-operator host costs (us) from one profiled program's summary (`summarize`) and its unprofiled
+    step time `step_s` (host-bound: the GPU was idle part of every step). The profile gives each class's
+    mean duration -- operators with their nested calls and launches; for handled operators the
+    handlers' own Python time per operator they issued -- and these explain part of the profiled host
+    time; the rest (the Python between operators, autograd's per-node work) and the profiler's own
+    slowdown are spread over them in proportion: each mean is scaled so that the counted operators of
+    one step add up to `step_s`."""
+    n, mean = summary["dispatched_by_class_per_step"], summary["mean_us_by_class"]
+    handler_us = summary["handler_self_s_per_step"] * 1e6
+    scale = step_s * 1e6 / (n["kernel"] * mean["kernel"] + n["alias"] * mean["alias"] + handler_us)
+    return {"host_op_us": round(mean["kernel"] * scale, 1), "host_alias_us": round(mean["alias"] * scale, 1),
+            "host_handler_us": round(handler_us / n["handled"] * scale, 1),
+            "host_launch_us": round(summary["launch_host_us_mean"], 1), "profile_scale": round(scale, 3)}
+
+
+def summarize(path: str) -> dict:
+    events = load(path)
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                    and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    n = max(1, len(steps))
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS]
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, start, end = 0.0, None, None
+    for s, t in intervals:
+        if start is None or s > end:
+            busy += 0.0 if start is None else end - start
+            start, end = s, t
+        else:
+            end = max(end, t)
+    busy += 0.0 if start is None else end - start
+    by_kind: collections.Counter = collections.Counter()
+    for e in kernels:
+        by_kind[kind(e["name"])] += e["dur"]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaLaunchKernel",)]
+    launches += [e for e in events if e.get("cat") == "cuda_driver" and e.get("name") == "cuLaunchKernelEx"]
+    d = dispatched_ops(events)
+    return {
+        "trace": path.rsplit("/", 1)[-1], "steps": [e["name"] for e in steps],
+        "step_s": [round(e["dur"] / 1e6, 4) for e in steps],
+        "kernels_per_step": round(len(kernels) / n, 1),
+        "gpu_busy_s_per_step": round(busy / 1e6 / n, 4),
+        "kernel_s_per_step_by_kind": {k: round(v / 1e6 / n, 4) for k, v in by_kind.most_common()},
+        "launches_per_step": round(len(launches) / n, 1),
+        "launch_host_us_mean": round(sum(e["dur"] for e in launches) / max(1, len(launches)), 3),
+        "profiler_ops_per_step": round(d.profiler_ops / n, 1),
+        "dispatched_ops_per_step": round((d.classes["kernel"] + d.classes["alias"]) / n, 1),
+        "dispatched_by_class_per_step": {k: round(v / n, 1) for k, v in sorted(d.classes.items())},
+        "mean_us_by_class": {k: round(d.class_us[k] / v, 3) for k, v in sorted(d.classes.items()) if k != "handled"},
+        "handler_calls_per_step": round(d.handler_calls / n, 1),
+        "handler_self_s_per_step": round(d.handler_self_us / 1e6 / n, 6),
+        "top_dispatched_ops_per_step": {k: round(v / n, 1) for k, v in d.names.most_common(12)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--step-s", type=float, action="append",
+                    help="the unprofiled step time of a trace's run (once per trace, in order): derive the "
+                         "per-operator host costs of the device table from it (host_costs)")
+    args = ap.parse_args(argv)
+    if args.step_s and len(args.step_s) != len(args.traces):
+        ap.error("give --step-s once per trace")
+    out = []
+    for i, path in enumerate(args.traces):
+        summary = summarize(path)
+        if args.step_s:
+            summary["unprofiled_step_s"] = args.step_s[i]
+            summary["host_costs_us"] = host_costs(summary, args.step_s[i])
+        out.append(summary)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    for s in out:
+        print(f"{s['trace']}: {len(s['steps'])} steps, profiled step s {s['step_s']}")
+        for key, value in s.items():
+            if key not in ("trace", "steps", "step_s"):
+                text = ", ".join(f"{k} {v:g}" for k, v in value.items()) if isinstance(value, dict) else value
+                print(f"  {key:30s} {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
