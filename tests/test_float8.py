@@ -171,9 +171,11 @@ def test_float8_experts_convert_the_selected_routed_experts_only():
 
 
 def test_launch_check_prints_one_line(capsys):
+    """float8 on the CPU (chosen explicitly: the check asks the job's device, which on a GPU machine is the
+    GPU) is refused in one line."""
     from torchtrain.launch_check import main
 
-    assert main(["--nproc-per-node", "2", *TINY_JOB, "--model.converters", "float8"]) == 2
+    assert main(["--nproc-per-node", "2", *TINY_JOB, "--model.converters", "float8", "--training.device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("torchtrain: config error: [model.converters] float8 needs")
     assert_no_traceback(err)

@@ -47,22 +47,29 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_part(dry_run):
     out, proc = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdef"}
+    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdefgh"}
     assert all(r["ok"] for r in results.values()), {p: r["rows"] for p, r in results.items() if not r["ok"]}
     a = results["a"]["rows"][0]
     assert a[1] > 0 and a[2] == 0  # pytest ran tests on the "device" and none failed
     b = {(row[0], row[1]): row for row in results["b"]["rows"]}
     assert b[("debug", "float8")][5] is True and b[("debug", "fp16 + loss scaling")][5] is True  # falling
     assert any("cpu offload: not run in a dry run" in n for n in results["b"]["notes"])
-    assert {row[1] for row in results["c"]["rows"]} == {"eager", "float8 (emulated)"}
-    assert {row[0] for row in results["c"]["rows"]} == {2048}  # the headline's one sequence length
-    assert all(row[4] is not None for row in results["c"]["rows"])  # MFU against the measured peak
-    # (d) and (e) reuse (c)'s runs of the same command line instead of training again
-    assert results["d"]["rows"][0][4] == "c/seq2048_eager"
+    c = results["c"]["rows"]  # [seq, batch, mode, tokens/s, TFLOP/s, MFU vs measured peak, ...]
+    assert [(row[0], row[1], row[2]) for row in c] == [(2048, 2, "eager"), (2048, 4, "eager")]  # two batches
+    assert all(row[3] > 0 and row[5] is not None for row in c)  # MFU against the measured peak
+    # (d), (e) and (g) reuse (c)'s runs of the same command line instead of training again
+    d = results["d"]["rows"]
+    assert [(row[0], row[1], row[5]) for row in d] == [(2, "eager", "c/b2_eager"), (4, "eager", "c/b4_eager")]
     e = results["e"]["rows"]
-    assert len(e) == 2 and all(row[1] and row[2] and row[4] and row[5] for row in e)  # planned and measured
-    assert [row[7] for row in e] == ["c/seq2048_eager", "c/seq2048_float8_emulated"]
-    assert not os.path.exists(out / "kit" / "e" / "seq2048_eager")
+    assert len(e) == 2 and all(row[1] and row[2] and row[4] and row[7] for row in e)  # planned and measured
+    assert [row[9] for row in e] == ["c/b2_eager", "c/b4_eager"] and all(row[6] for row in e)  # host time planned
+    assert not os.path.exists(out / "kit" / "e" / "b2_eager")
+    g = results["g"]["rows"]  # [model, batch, bf16 tokens/s, float8 tokens/s, float8 / bf16, ...]
+    assert [(row[0], row[1]) for row in g] == [("1B", 4), ("1B", 2)] and all(float(row[4]) > 0 for row in g)
+    assert [run[0] for run in results["g"]["runs"]] == ["g/1B_b4_float8_emulated", "g/1B_b2_float8_emulated"]
+    h = results["h"]["rows"]  # one profiled window: the trace's per-step figures (a CPU has no kernels)
+    assert len(h) == 1 and h[0][0] == "torchtrain" and h[0][6] == 0 and h[0][7] > h[0][8] > 0
+    assert (out / "kit" / "h" / "torchtrain_eager_trace.json.gz").exists()
     # without a budget nothing is skipped, and every run's estimate and duration are recorded
     assert all(not r["skipped"] for r in results.values())
     assert [run[0] for run in results["f"]["runs"]] == ["f/straight", "f/resumed (steps 1-4, saved)",
@@ -70,11 +77,14 @@ def test_dry_run_runs_every_part(dry_run):
     assert all(run[1] > 0 and run[2] > 0 for r in results.values() for run in r["runs"])
     f = results["f"]["rows"]
     assert f[1][2] == 0.0  # resumed losses bitwise equal
-    job = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_eager.toml", "rb"))
+    job = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_eager_b2.toml", "rb"))
     assert job["experimental"]["custom_import"] == "titan_flavor" and job["training"]["dataset"] == "c4_test"
+    assert job["training"]["local_batch_size"] == 2
+    profile = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_eager_b2_profile.toml", "rb"))
+    assert profile["profiling"]["enable_profiling"] and profile["training"]["steps"] == 6
     summary = (out / "kit" / "summary.md").read_text()
     assert "Dry run on a CPU at tiny size: these are not CUDA figures" in summary
-    assert all(f"## ({p})" in summary for p in "abcdef")
+    assert all(f"## ({p})" in summary for p in "abcdefgh")
     assert "runs finished (estimated s / took s): f/straight" in summary
     with tarfile.open(out / "kit.tar.gz") as tar:  # the archive leaves the checkpoints out
         names = tar.getnames()
@@ -93,35 +103,46 @@ def test_archives_merge_into_one_summary(dry_run, tmp_path):
 
 def test_budget_estimates_from_the_table_then_from_what_ran():
     budget = _budget_module()
+    overhead, step, first = budget.OVERHEAD_S, budget.STEP_S, budget.FIRST_RUN_S
     now = [0.0]
     b = budget.Budget(200.0, clock=lambda: now[0])
     job = ["--model.flavor", "1B", "--training.seq_len", "2048", "--training.local_batch_size", "2",
            "--training.steps", "15"]
     eager = budget.spec_of(job, dry=False)
-    float8 = budget.spec_of(job + ["--model.converters", "float8"], dry=False)
-    compiled = budget.spec_of(job + ["--compile.enable", "true", "--model.converters", "float8"], dry=False)
-    plain_compiled = budget.spec_of(job + ["--compile.enable", "true"], dry=False)
-    assert (eager.model, eager.mode, eager.tokens, eager.steps) == ("1B", "eager", 4096, 15)
-    assert (float8.mode, compiled.mode) == ("float8", "compile+float8")
-    assert b.estimate(eager) == pytest.approx(12.0 + 15 * 0.15)  # the table
-    b.done(b.admit("c", "c/eager", b.estimate(eager)), 20.0, eager, step_s=0.2)  # 17 s of overhead
-    assert b.estimate(eager) == pytest.approx(17.0 + 15 * 0.2)  # its own measurement
-    # the process's first run also pays one-time imports: it refines step times, not other modes' overheads
-    assert b.estimate(compiled) == pytest.approx(75.0 + 15 * 0.09 * (0.2 / 0.15))
-    b.done(b.admit("c", "c/float8", b.estimate(float8)), 30.0, float8, step_s=0.3)  # 25.5 s of overhead
-    step_ratio = (0.2 / 0.15 + 0.3 / 0.17) / 2
-    assert b.estimate(compiled) == pytest.approx(75.0 + 15 * 0.09 * step_ratio)  # no compiled run measured yet
-    b.done(b.admit("c", "c/compile", b.estimate(plain_compiled)), 105.0, plain_compiled, step_s=0.11)  # 1.5 x
-    # compiled modes now scale by the compiled run's drift; steps by the median measured/table ratio
-    drift, step_ratio = (105.0 - 15 * 0.11) / 60.0, 0.2 / 0.15  # median of 1.33, 1.76 and 1.0
-    assert b.estimate(compiled) == pytest.approx(75.0 * drift + 15 * 0.09 * step_ratio)
-    assert b.estimate(float8) == pytest.approx(25.5 + 15 * 0.3)  # eager-side modes keep their own
-    now[0] = 150.0  # 50 s left: the ~131 s compiled float8 run is skipped, a cheaper one still starts
-    assert b.admit("c", "c/compile_float8", b.estimate(compiled)) is None
+    compiled = budget.spec_of(job + ["--compile.enable", "true"], dry=False)
+    compiled8 = budget.spec_of(job[:-3] + ["8", "--training.steps", "15", "--compile.enable", "true"], dry=False)
+    float8 = budget.spec_of(job + ["--compile.enable", "true", "--model.converters", "float8"], dry=False)
+    titan = budget.RunSpec("torchtitan", "1B", "compile", 15, 4096)
+    assert (eager.engine, eager.model, eager.mode, eager.tokens, eager.steps) == ("torchtrain", "1B", "eager", 4096, 15)
+    assert (compiled8.mode, compiled8.tokens, float8.mode) == ("compile", 16384, "compile+float8")
+    assert budget.spec_of(job + ["--profiling.enable_profiling", "true"], dry=False).mode == "profile"
+    # the table: the larger of the host's and the GPU's step (x tokens / 4,096); the first run adds imports
+    host, gpu = step[("torchtrain", "1B", "compile")]
+    assert b.estimate(compiled) == pytest.approx(first + overhead[("torchtrain", "1B", "compile")] + 15 * host)
+    assert b.estimate(compiled8) == pytest.approx(first + overhead[("torchtrain", "1B", "compile")] + 15 * 4 * gpu)
+    o_eager, s_eager = overhead[("torchtrain", "1B", "eager")], step[("torchtrain", "1B", "eager")][0]
+    assert b.estimate(eager) == pytest.approx(first + o_eager + 15 * s_eager)
+    b.done(b.admit("c", "c/eager", b.estimate(eager)), 20.0, eager, step_s=1.2 * s_eager)
+    assert b.estimate(eager) == pytest.approx(20.0 - first)  # its own overhead and step: the run less the imports
+    # other modes scale their steps by the measured/table ratio; the first run's overhead is no drift
+    assert b.estimate(compiled) == pytest.approx(overhead[("torchtrain", "1B", "compile")] + 15 * 1.2 * host)
+    b.done(b.admit("c", "c/compile", b.estimate(compiled)), 60.0, compiled, step_s=0.9 * host)
+    drift = min((60.0 - 15 * 0.9 * host) / overhead[("torchtrain", "1B", "compile")], 2.0)
+    # the same mode at 4x the tokens: its own measurement, scaled by the table's form (GPU-bound there)
+    assert b.estimate(compiled8) == pytest.approx(60.0 - 15 * 0.9 * host + 15 * 4 * gpu * 0.9)
+    # compiled modes not measured take the compiled runs' overhead drift, torchtitan's too
+    ratio = (1.2 + 0.9) / 2  # median of the model's measured/table step ratios
+    f_host = step[("torchtrain", "1B", "compile+float8")][0]
+    assert b.estimate(float8) == pytest.approx(overhead[("torchtrain", "1B", "compile+float8")] * drift
+                                               + 15 * f_host * ratio)
+    assert b.estimate(titan) == pytest.approx(overhead[("torchtitan", "1B", "compile")] * drift
+                                              + 15 * step[("torchtitan", "1B", "compile")][0] * ratio)
+    now[0] = 190.0  # 10 s left: the compiled float8 run is skipped, a cheaper one still starts
+    assert b.admit("c", "c/compile_float8", b.estimate(float8)) is None
     assert b.admit("f", "f/straight", 5.0) is not None
     finished, skipped = b.of_part("c")
-    assert finished == [["c/eager", 14.2, 20.0], ["c/float8", 18.4, 30.0], ["c/compile", 62.6, 105.0]]
-    assert skipped == ["c/compile_float8: needs ~131 s (estimated), 50 s of the budget left"]
+    assert [run[0] for run in finished] == ["c/eager", "c/compile"] and [run[2] for run in finished] == [20.0, 60.0]
+    assert skipped == [f"c/compile_float8: needs ~{b.estimate(float8):.0f} s (estimated), 10 s of the budget left"]
     assert budget.Budget().left() == math.inf
 
 
@@ -152,7 +173,7 @@ def test_spent_budget_skips_every_run_and_names_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {p: json.load(open(tmp_path / "kit" / f"{p}.json")) for p in "acf"}
     assert all(r["runs"] == [] and r["rows"] == [] for r in results.values())
-    assert [s.split(":")[0] for s in results["c"]["skipped"]] == ["c/seq2048_eager", "c/seq2048_float8_emulated"]
+    assert [s.split(":")[0] for s in results["c"]["skipped"]] == ["c/b2_eager", "c/b4_eager"]
     assert results["a"]["skipped"][0].startswith("a/pytest: needs ~5 s (estimated), 0 s of the budget left")
     summary = (tmp_path / "kit" / "summary.md").read_text()
     assert "## (f) Checkpoint save/resume exactness: OK, 2 runs skipped" in summary
@@ -171,9 +192,11 @@ def test_sigterm_stops_the_kit_and_keeps_what_finished(tmp_path):
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2, rest[-3000:]
     d, b, c = (json.load(open(out / f"{p}.json")) for p in "dbc")
-    assert d["ok"] and d["rows"][0][1] > 0 and [run[0] for run in d["runs"]] == ["d/torchtrain_eager"]
+    assert d["ok"] and d["rows"][0][2] > 0
+    assert [run[0] for run in d["runs"]] == ["d/torchtrain_b2_eager", "d/torchtrain_b4_eager"]
     assert b["notes"] == ["not started: SIGTERM"] or b["skipped"] and all("SIGTERM" in s for s in b["skipped"])
     assert c["notes"] == ["not started: SIGTERM"] and not c["runs"]
     with tarfile.open(tmp_path / "kit.tar.gz") as tar:  # the archive is rewritten after the stop
         summary = tar.extractfile("kit/summary.md").read().decode()
-    assert "## (c) 1B throughput and MFU: NOT STARTED" in summary and "## (d) torchtrain vs torchtitan" in summary
+    assert "## (c) 1B throughput and MFU, local batch 2 and 8: NOT STARTED" in summary
+    assert "## (d) torchtrain vs torchtitan" in summary

@@ -123,11 +123,10 @@ def test_sharding_is_real(tmp_path):
     assert frac("zero3", "params_after_forward") < 0.75
 
 
-def test_second_model_brings_its_own_plan(tmp_path, monkeypatch):
-    """tests/plugins/toy_mlp.py registers a model and only its TP plan from outside the package; the
-    generic applier gives it every data-parallel strategy, activation checkpointing and compile, and
+def test_second_model_brings_its_own_plan(tmp_path):
+    """tests/plugins/toy_mlp.py (on the path through conftest.py) registers a model and only its TP plan
+    from outside the package; the generic applier gives it every data-parallel strategy, activation checkpointing and compile, and
     each trains like one process (same AC + compile there), within the fp32 tolerance (1e-4)."""
-    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests", "plugins"))
     toy = ["--job.custom_imports", "toy_mlp", "--model.name", "toy_mlp", "--model.flavor", "small",
            "--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.global_batch_size", "4", "--lr_scheduler.warmup_steps", "1", "--job.print_config", "false",

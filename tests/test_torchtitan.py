@@ -132,7 +132,8 @@ def test_launch_check_fails_only_for_what_is_not_on_this_machine(stand_in, tmp_p
 
 
 def test_launch_check_line_for_c4_is_one_line_without_traceback(stand_in):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)  # keeps added packages
     out = subprocess.run([sys.executable, "-m", "torchtrain.launch_check", "--nproc-per-node", "1", "--job.config_file",
                           fixture("qwen3__qwen3_0.6b")], cwd=stand_in, env=env, capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
@@ -144,7 +145,8 @@ def test_launch_check_line_for_c4_is_one_line_without_traceback(stand_in):
 @pytest.mark.parametrize("name", DEBUG_FILES)
 def test_debug_job_files_train_on_cpu(stand_in, name):
     """Unchanged files, shortened on the command line to fit the test budget (2 steps of 2 x 128 tokens)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)  # keeps added packages
     env.pop("RANK", None)
     dump = stand_in / "outputs" / name
     out = subprocess.run([sys.executable, "-m", "torchtrain.train", "--job.config_file", fixture(name),

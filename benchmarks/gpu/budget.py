@@ -20,33 +20,48 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-# Seconds from a run's start to the end of its first step (process start for torchtitan, model build and
-# initialisation, optimizer, CUDA/cuBLAS set-up, compilation), on an H100 or H200. The 1B figures assume
-# one compiled graph shared by the 16 blocks (fwd + bwd, ~40-60 s of Inductor on 16 cores); float8 adds
-# the casts and scaled matmuls to that graph. "tiny" is a dry run's CPU model (dim 64, 2 layers).
+# Seconds from a run's start to the end of its first step, as measured on the kit's H100 machine (16 cores,
+# torch 2.11, 2026-11-27: each run's duration less its steps): building and initialising the model, the
+# optimizer, CUDA/cuBLAS set-up and, compiled, Inductor (one graph shared by the blocks: ~11 s for the 1B,
+# the loss and the final norm included); torchtitan's also count torchrun, its imports and `datasets`. The
+# 3B's are the 1B's plus its larger initialisation (estimated). A process's first trainer run also pays
+# the one-time imports (FIRST_RUN_S). "tiny" is a dry run's CPU model (dim 64, 2 layers).
 OVERHEAD_S = {
     ("torchtrain", "tiny", "eager"): 1.5, ("torchtrain", "tiny", "float8"): 2.0,
-    ("torchtrain", "debug", "eager"): 5.0, ("torchtrain", "debug", "float8"): 6.0,
-    ("torchtrain", "debug", "offload"): 6.0, ("torchtrain", "debug", "compile"): 30.0,
-    ("torchtrain", "1B", "eager"): 12.0, ("torchtrain", "1B", "float8"): 15.0,
-    ("torchtrain", "1B", "offload"): 20.0, ("torchtrain", "1B", "compile"): 60.0,
-    ("torchtrain", "1B", "compile+float8"): 75.0,
-    ("torchtitan", "1B", "eager"): 30.0, ("torchtitan", "1B", "compile"): 65.0,
+    ("torchtrain", "tiny", "profile"): 2.5,
+    ("torchtrain", "debug", "eager"): 1.0, ("torchtrain", "debug", "float8"): 1.5,
+    ("torchtrain", "debug", "offload"): 1.5, ("torchtrain", "debug", "compile"): 11.0,
+    ("torchtrain", "1B", "eager"): 1.5, ("torchtrain", "1B", "float8"): 2.0, ("torchtrain", "1B", "profile"): 4.5,
+    ("torchtrain", "1B", "offload"): 21.0, ("torchtrain", "1B", "compile"): 12.0,
+    ("torchtrain", "1B", "compile+float8"): 14.0,
+    ("torchtrain", "3B", "compile"): 15.0, ("torchtrain", "3B", "compile+float8"): 17.0,
+    ("torchtitan", "1B", "eager"): 22.0, ("torchtitan", "1B", "compile"): 32.0, ("torchtitan", "1B", "profile"): 25.0,
 }
 UNKNOWN_OVERHEAD_S = 60.0
+FIRST_RUN_S = 5.0
+"""One-time imports of the process's first trainer run (the kit machine's first runs took 5-9 s more)."""
 
-# Steady step seconds at each model's reference tokens per step (REF_TOKENS). The 1B: 8.22 GFLOP a token
-# (6 x 1.24B non-embedding parameters + attention) x 4,096 tokens = 33.7 TFLOP a step; at ~30% of an
-# H100's ~800 TFLOP/s measured bf16 peak (eager) that is ~0.14 s, ~40% compiled ~0.11 s, float8
-# compiled ~0.09 s. CPU offload runs Adam over 1.5B fp32 parameters on the host and moves 6 GB of
-# gradients and parameters a step: ~2.5 s. The debug model is launch-bound: ~30 ms a step.
+# Steady step seconds: (host, GPU at the model's REF_TOKENS) -> max(host, GPU x tokens / REF_TOKENS), the
+# planner's form: a small step waits on the host dispatching it, a large one on the GPU. Measured on the
+# kit's H100 machine: 1B eager 0.286 s at 4,096 tokens (host-bound; 0.14 s of GPU work a step in its
+# profile); compiled 0.138 s at 4,096 and 0.273 s at 16,384 tokens; compiled float8 0.206 s at 4,096; the
+# feature runs' float8 (eager) 0.395 s and CPU offload 2.5 s; torchtitan eager 0.177 s (0.116 s of GPU
+# work), compiled 0.105 s at 4,096 and 0.312 s at 16,384 tokens. Estimated: the 3B (28 blocks of 3072:
+# 2.2x the 1B's FLOPs a token, 1.75x its blocks' host work), float8's GPU share, profiled steps (1.5x).
+# The debug model and the dry run's tiny one are host-bound.
 STEP_S = {
-    ("tiny", "eager"): 0.05, ("tiny", "float8"): 0.1,
-    ("debug", "eager"): 0.03, ("debug", "float8"): 0.05, ("debug", "offload"): 0.1, ("debug", "compile"): 0.02,
-    ("1B", "eager"): 0.15, ("1B", "float8"): 0.17, ("1B", "offload"): 2.5, ("1B", "compile"): 0.11,
-    ("1B", "compile+float8"): 0.09,
+    ("torchtrain", "tiny", "eager"): (0.05, 0.0), ("torchtrain", "tiny", "float8"): (0.1, 0.0),
+    ("torchtrain", "tiny", "profile"): (0.08, 0.0),
+    ("torchtrain", "debug", "eager"): (0.05, 0.005), ("torchtrain", "debug", "float8"): (0.14, 0.005),
+    ("torchtrain", "debug", "offload"): (0.07, 0.005), ("torchtrain", "debug", "compile"): (0.035, 0.005),
+    ("torchtrain", "1B", "eager"): (0.286, 0.14), ("torchtrain", "1B", "float8"): (0.395, 0.12),
+    ("torchtrain", "1B", "profile"): (0.43, 0.14), ("torchtrain", "1B", "offload"): (2.5, 0.14),
+    ("torchtrain", "1B", "compile"): (0.138, 0.068), ("torchtrain", "1B", "compile+float8"): (0.206, 0.085),
+    ("torchtrain", "3B", "compile"): (0.24, 0.19), ("torchtrain", "3B", "compile+float8"): (0.36, 0.23),
+    ("torchtitan", "1B", "eager"): (0.177, 0.116), ("torchtitan", "1B", "compile"): (0.105, 0.078),
+    ("torchtitan", "1B", "profile"): (0.27, 0.116),
 }
-REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096}
+REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096}
 UNKNOWN_STEP_S = 0.5
 SAFETY = 1.1
 """An estimate is multiplied by this before it is compared with the time left."""
@@ -63,7 +78,7 @@ class RunSpec:
     model: str
     """tiny | debug | 1B"""
     mode: str
-    """eager | compile | compile+float8 | float8 | offload"""
+    """eager | compile | compile+float8 | float8 | offload | profile (eager, with a profiler window)"""
     steps: int
     tokens: int
     """tokens per step"""
@@ -77,8 +92,9 @@ def spec_of(argv: list[str], dry: bool, engine: str = "torchtrain") -> RunSpec:
     compiled = flags.get("--compile.enable") == "true"
     float8 = "float8" in flags.get("--model.converters", "")
     offload = flags.get("--training.enable_cpu_offload") == "true"
+    profiled = flags.get("--profiling.enable_profiling") == "true"
     mode = ("compile+float8" if compiled and float8 else "compile" if compiled else "float8" if float8
-            else "offload" if offload else "eager")
+            else "offload" if offload else "profile" if profiled else "eager")
     tokens = int(flags.get("--training.seq_len", 2048)) * int(flags.get("--training.local_batch_size", 1))
     return RunSpec(engine, model, mode, int(flags.get("--training.steps", 10)), tokens)
 
@@ -118,13 +134,21 @@ class Budget:
         return self.seconds - (self.clock() - self.start)
 
     # ------------------------------------------------------------------ estimates
+    @staticmethod
+    def table_step_s(key: tuple[str, str, str], tokens: int) -> float:
+        host, gpu = STEP_S.get(key, (UNKNOWN_STEP_S, 0.0))
+        return max(host, gpu * tokens / REF_TOKENS.get(key[1], tokens or 1))
+
     def step_s(self, spec: RunSpec) -> float:
-        measured = self._steps.get((spec.model, spec.mode))
-        if measured is None:
-            table = STEP_S.get((spec.model, spec.mode), UNKNOWN_STEP_S)
-            ratios = [m / STEP_S[k] for k, m in self._steps.items() if k in STEP_S and k[0] == spec.model]
-            measured = table * min(max(statistics.median(ratios), 0.5), 3.0) if ratios else table
-        return measured * spec.tokens / REF_TOKENS.get(spec.model, spec.tokens or 1)
+        """The table's step at the spec's tokens, scaled by how far this machine measured from it: the
+        same (engine, model, mode) when measured, else the median over the model's measured modes."""
+        key = (spec.engine, spec.model, spec.mode)
+        table = self.table_step_s(key, spec.tokens)
+        if key in self._steps:
+            measured, tokens = self._steps[key]
+            return table * measured / self.table_step_s(key, tokens)
+        ratios = [m / self.table_step_s(k, t) for k, (m, t) in self._steps.items() if k in STEP_S and k[1] == spec.model]
+        return table * min(max(statistics.median(ratios), 0.5), 3.0) if ratios else table
 
     def overhead_s(self, spec: RunSpec) -> float:
         key = (spec.engine, spec.model, spec.mode)
@@ -137,7 +161,8 @@ class Budget:
         return table * min(max(drift, 0.5), 2.0)
 
     def estimate(self, spec: RunSpec) -> float:
-        return self.overhead_s(spec) + spec.steps * self.step_s(spec)
+        first = FIRST_RUN_S if spec.engine == "torchtrain" and not self._trained else 0.0
+        return first + self.overhead_s(spec) + spec.steps * self.step_s(spec)
 
     # ------------------------------------------------------------------ admission and records
     def admit(self, part: str, name: str, estimate_s: float) -> Entry | None:
@@ -163,11 +188,12 @@ class Budget:
         self.entries.append(entry)
         if stopped or spec is None:
             return
-        if step_s:
-            self._steps[(spec.model, spec.mode)] = step_s * REF_TOKENS.get(spec.model, spec.tokens) / spec.tokens
-        step = step_s or self.step_s(spec)
         key = (spec.engine, spec.model, spec.mode)
-        self._overheads[key] = max(seconds - spec.steps * step, 0.0)
+        if step_s:
+            self._steps[key] = (step_s, spec.tokens)
+        step = step_s or self.step_s(spec)
+        first = FIRST_RUN_S if spec.engine == "torchtrain" and not self._trained else 0.0
+        self._overheads[key] = max(seconds - spec.steps * step - first, 0.0)
         if spec.engine == "torchtrain":
             self._trained += 1
         if self._trained > 1 or spec.engine != "torchtrain":

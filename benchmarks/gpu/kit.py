@@ -32,6 +32,10 @@ class Context:
     """Cap on part (a)'s pytest run (also held to the budget)."""
     runs: dict = field(default_factory=dict)
     """Trainer runs made in this process, by command line: a later part asking for the same run reuses it."""
+    titan: dict = field(default_factory=dict)
+    """torchtitan's steady tokens/s measured in this process, by (batch, mode)."""
+    peak: tuple[float, str] | None = None
+    """The measured GEMM peak (TFLOP/s, how), once measured."""
 
     @property
     def device(self) -> str:
@@ -44,8 +48,9 @@ class Context:
 
 
 TITLES = {"a": "Single-process test cases on the device", "b": "Short runs per feature: the loss falls",
-          "c": "1B throughput and MFU", "d": "torchtrain vs torchtitan, same model/batch/sequence",
-          "e": "Planner vs measured", "f": "Checkpoint save/resume exactness"}
+          "c": "1B throughput and MFU, local batch 2 and 8", "d": "torchtrain vs torchtitan, same model/batch/sequence",
+          "e": "Planner vs measured", "f": "Checkpoint save/resume exactness",
+          "g": "float8 vs bf16, compiled", "h": "One profiled eager step window per side"}
 
 
 @dataclass

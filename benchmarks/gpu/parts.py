@@ -10,28 +10,39 @@ import signal
 import sys
 import xml.etree.ElementTree as ET
 
-from kit import REPO, TITLES, Context, PartResult, admit_process, gemm_peak_tflops, log, run_process, train
+from kit import REPO, TITLES, Context, PartResult, admit_process, log, run_process, train
 
 # A dry run's stand-in for every model: the suite's tiny Llama (tests/conftest.py TINY_MODEL).
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
         "--model.vocab_size", "512"]
 COMMON = ["--training.dataset", "synthetic", "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-3"]
 FLOAT8 = ["--model.converters", "float8"]
-HEADLINE_SEQ, HEADLINE_BATCH, HEADLINE_STEPS = 2048, 2, 15
-"""The headline shape: the 1B at seq 2048 x 2, bf16, selective AC, 15 steps ((c), (d) and (e))."""
+HEADLINE_SEQ, HEADLINE_STEPS = 2048, 15
+BATCHES = (2, 8)
+"""The headline's local batches (seq 2048 each): 2, where one step is launch-bound, and 8, where the GPU
+is busy; a dry run uses 2 and 4."""
 
 
 def model(ctx: Context, name: str) -> list[str]:
-    """The debug model, or the ~1B Llama 3 shape (untied output, as torchtitan's llama3 builds it)."""
+    """The debug model, the ~1B Llama 3 shape (untied output, as torchtitan's llama3 builds it) or the
+    3B (Llama 3.2's shape, tied: the largest Llama 3 that trains on one 80 GB GPU with AdamW)."""
     if ctx.dry:
         return TINY
     if name == "debug":
         return ["--model.flavor", "debugmodel"]
+    if name == "3B":
+        return ["--model.flavor", "3B"]
     return ["--model.flavor", "1B", "--model.tie_word_embeddings", "false"]
 
 
-def shape(ctx: Context, seq: int, batch: int) -> list[str]:
-    return ["--training.seq_len", str(64 if ctx.dry else seq), "--training.local_batch_size", str(2 if ctx.dry else batch)]
+def batches(ctx: Context) -> tuple[int, ...]:
+    return (2, 4) if ctx.dry else BATCHES
+
+
+def shape(ctx: Context, seq: int, batch: int, dry_batch: int = 2) -> list[str]:
+    """seq x batch; a dry run: seq 64 x `dry_batch`."""
+    return ["--training.seq_len", str(64 if ctx.dry else seq), "--training.local_batch_size",
+            str(dry_batch if ctx.dry else batch)]
 
 
 def bf16(ctx: Context) -> list[str]:
@@ -47,19 +58,12 @@ def compiled(ctx: Context) -> list[str] | None:
     return None if ctx.dry else ["--compile.enable", "true"]
 
 
-def headline_modes(ctx: Context) -> dict[str, list[str] | None]:
-    """The (c) variants (None: not run in a dry run); a dry run adds emulated float8 in their place."""
-    modes = {"eager": [], "compile": compiled(ctx), "compile + float8": None if ctx.dry else compiled(ctx) + FLOAT8}
-    if ctx.dry:
-        modes["float8 (emulated)"] = float8(ctx)
-    return modes
-
-
-def headline_job(ctx: Context, extra: list[str]) -> list[str]:
-    """The one command line of a headline run: (d) and (e) reuse (c)'s run of the same line."""
-    return (model(ctx, "1B") + COMMON + shape(ctx, HEADLINE_SEQ, HEADLINE_BATCH) + bf16(ctx)
-            + ["--activation_checkpoint.mode", "selective", "--training.steps",
-               str(6 if ctx.dry else HEADLINE_STEPS)] + extra)
+def headline_job(ctx: Context, extra: list[str], batch: int = 2, name: str = "1B", steps: int | None = None) -> list[str]:
+    """The one command line of a headline run (bf16, selective AC): (d), (e), (g) and (h) reuse (c)'s
+    and (g)'s runs of the same line."""
+    steps = steps if steps is not None else 6 if ctx.dry else HEADLINE_STEPS
+    return (model(ctx, name) + COMMON + shape(ctx, HEADLINE_SEQ, batch, dry_batch=batch) + bf16(ctx)
+            + ["--activation_checkpoint.mode", "selective", "--training.steps", str(steps)] + extra)
 
 
 def slug(text: str) -> str:
@@ -72,7 +76,8 @@ def part_a(ctx: Context) -> PartResult:
     pytest still writes its report) at the cap or the budget's deadline."""
     res = PartResult("a", TITLES["a"], ["selection", "passed", "failed", "skipped", "errors", "seconds"])
     junit = os.path.join(ctx.folder("a"), "junit.xml")
-    select = ["tests/test_lr_scheduler.py"] if ctx.dry else ["tests", "-m", "not dist and not slow"]
+    # on the GPU machine's 16 cores, 8 test processes (the suite's default is 2, for a 2-core machine)
+    select = ["tests/test_lr_scheduler.py"] if ctx.dry else ["tests", "-m", "not dist and not slow", "-n", "8"]
     cmd = [sys.executable, "-m", "pytest", *select, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     entry, allowed = admit_process(ctx, "a", "pytest", 5.0 if ctx.dry else 60.0, ctx.pytest_s)
@@ -133,29 +138,6 @@ def part_b(ctx: Context) -> PartResult:
     return res
 
 
-# ----------------------------------------------------------------------------- (c)
-def part_c(ctx: Context) -> PartResult:
-    """Tokens/s and MFU of the 1B shape, eager vs compile vs compile + float8, against the measured peak."""
-    peak, how = gemm_peak_tflops(ctx.dry)
-    res = PartResult("c", TITLES["c"], ["seq", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
-                                        "MFU vs table peak", "peak GiB", "error"])
-    res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how}); steady state = median over steps 4..N")
-    for mode, extra in headline_modes(ctx).items():
-        if extra is None:
-            res.notes.append(f"{mode}: not run in a dry run (compiling is ~20 s a run on a CPU)")
-            continue
-        log(f"(c) seq {HEADLINE_SEQ} {mode}")
-        run = train(ctx, "c", f"seq{HEADLINE_SEQ}_{slug(mode)}", headline_job(ctx, extra), reuse=True)
-        if run.skipped:
-            continue
-        tflops, mfu = run.steady("tflops_per_device"), run.steady("mfu_pct")
-        res.rows.append([HEADLINE_SEQ, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
-                         None if tflops is None else f"{100 * tflops / peak:.1f}%",
-                         None if mfu is None else f"{mfu:.1f}%", run.peak_gib(), run.error])
-        res.ok &= run.ok
-    return res
-
-
 def _round(value, digits: int = 0):
     return None if value is None else round(value, digits)
 
@@ -166,10 +148,10 @@ PLAN_STEP_KEYS = ("step_s", "step_time_s", "step_seconds")
 present, so that a renamed field still reads)."""
 
 
-def planner_prediction(argv: list[str], gpu: str) -> tuple[float | None, float | None, str | None]:
-    """(peak GiB, step seconds, error) from the planner's entry point (`python -m torchtrain.plan ...
-    --json`, called in this process), reading only the report's top-level `memory.worst_peak_bytes` and
-    `throughput` fields."""
+def planner_prediction(argv: list[str], gpu: str) -> tuple[float | None, dict, str | None]:
+    """(peak GiB, {"step_s", "gpu_s", "host_s"}, error) from the planner's entry point (`python -m
+    torchtrain.plan ... --json`, called in this process), reading only the report's top-level
+    `memory.worst_peak_bytes` and `throughput` fields."""
     import contextlib
     import io
 
@@ -179,17 +161,23 @@ def planner_prediction(argv: list[str], gpu: str) -> tuple[float | None, float |
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = plan_main(["--world-size", "1", "--gpu", gpu, "--json", *argv])
     if code != 0:
-        return None, None, (err.getvalue().strip().splitlines() or ["planner failed"])[-1][:300]
+        return None, {}, (err.getvalue().strip().splitlines() or ["planner failed"])[-1][:300]
     report = json.loads(out.getvalue())
     peak = (report.get("memory") or {}).get("worst_peak_bytes")
     throughput = report.get("throughput") or {}
     step = next((throughput[k] for k in PLAN_STEP_KEYS if throughput.get(k) is not None), None)
-    return (None if peak is None else peak / 2**30), step, None
+    return (None if peak is None else peak / 2**30), {"step_s": step, "gpu_s": throughput.get("gpu_s"),
+                                                       "host_s": throughput.get("host_s")}, None
+
+
+PLAN_S = 4.0
+"""Budget estimate of one plan (a traced 1B step on fake tensors, on the GPU machine's CPU)."""
 
 
 def part_e(ctx: Context) -> PartResult:
     """The planner's memory and step time against torch.cuda.max_memory_allocated and the measured step,
-    for two headline jobs: (c)'s runs when they were made in this command, else runs of their own."""
+    for every headline run this command made ((c) and (g), reused, not run again); when none was made
+    (the part alone), for (c)'s first run, made here."""
     import torch
 
     gpu = "h100"
@@ -197,24 +185,30 @@ def part_e(ctx: Context) -> PartResult:
         name = torch.cuda.get_device_name().lower()
         gpu = "h200" if "h200" in name else "h100" if "h100" in name else gpu
     res = PartResult("e", f"{TITLES['e']} ({gpu})", ["job", "planned GiB", "measured GiB", "ratio",
-                                                     "planned step s", "measured step s", "ratio", "measured by",
-                                                     "error"])
+                                                     "planned step s", "GPU s", "host s", "measured step s",
+                                                     "ratio", "measured by", "error"])
     if ctx.dry:
         res.notes.append("dry run: measured on a CPU (process RSS, CPU step time) against a plan for a GPU; the "
                          "ratios mean nothing, the mechanism is what runs")
-    modes = headline_modes(ctx)
-    for mode in ("eager", "float8 (emulated)" if ctx.dry else "compile"):
-        argv = headline_job(ctx, modes[mode])
-        label = f"1B seq {HEADLINE_SEQ} x {HEADLINE_BATCH}, AC selective, {mode}"
-        log(f"(e) {label}")
-        run = train(ctx, "e", f"seq{HEADLINE_SEQ}_{slug(mode)}", argv, reuse=True)
+    made = [(argv, run) for argv, run in ctx.runs.items() if run.folder.startswith(("c/", "g/")) and run.ok]
+    if not made:
+        argv = headline_job(ctx, [])
+        made = [(tuple(argv), train(ctx, "e", "b2_eager", argv, reuse=True))]
+    for argv, run in made:
         if run.skipped:
             continue
-        planned_gib, planned_step, error = planner_prediction(argv, gpu)
+        entry = ctx.budget.admit("e", f"e/{run.folder}", PLAN_S)
+        if entry is None:
+            continue
+        log(f"(e) plan of {run.folder}")
+        t0 = ctx.budget.clock()
+        planned_gib, planned, error = planner_prediction(list(argv), gpu)
+        ctx.budget.done(entry, ctx.budget.clock() - t0)
         measured_step, measured_gib = run.steady("step_time_s"), run.peak_gib()
-        res.rows.append([label, planned_gib, measured_gib, _ratio(planned_gib, measured_gib),
-                         planned_step, measured_step, _ratio(planned_step, measured_step), run.folder,
-                         error or run.error])
+        step = planned.get("step_s")
+        res.rows.append([run.folder, planned_gib, measured_gib, _ratio(planned_gib, measured_gib), step,
+                         planned.get("gpu_s"), planned.get("host_s"), measured_step, _ratio(step, measured_step),
+                         run.folder, error or run.error])
         res.ok &= run.ok and error is None
     return res
 

@@ -1,5 +1,6 @@
-"""Part (d): torchtrain against torchtitan (carried as a wheel) on the same model, batch and sequence,
-back to back: torchtrain eager, torchtitan eager, torchtrain compiled, torchtitan compiled.
+"""Part (d): torchtrain against torchtitan (carried as a wheel) on the same model, batch and sequence, at
+local batch 2 and 8, compiled and eager (compiled first: its ratio is a goal, and the budget may not hold
+every run); and torchtitan's profiled eager step for part (h).
 
 torchtitan 0.2.2 has no ~1B Llama 3 flavor, so `titan_flavor.py` (imported by torchtitan through
 `experimental.custom_import`) registers the kit's 1B shape under the name "torchtrain_1B". Its data is
@@ -7,6 +8,7 @@ a folder of JSON lines read by its `c4_test` loader (Hugging Face `datasets`), i
 `tokenizer.json` written here with `tokenizers`; the model's vocabulary is 128,256 on both sides, so
 the tokenizer only feeds ids. Each side's throughput is the median tokens/s over steps 4..N.
 torchtrain's side is (c)'s run of the same command line when (c) ran earlier in the same command.
+torchtitan trains one GPU without FSDP, its bf16 through autocast (AMP), as its users run it.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import sys
 
 from budget import RunSpec
 from kit import TITLES, Context, PartResult, admit_process, log, run_process, train
-from parts import HEADLINE_BATCH, HEADLINE_SEQ, HEADLINE_STEPS, headline_job, headline_modes
+from parts import HEADLINE_SEQ, HEADLINE_STEPS, batches, compiled, headline_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")  # torchtitan's per-step log line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-SEQ, BATCH, STEPS = HEADLINE_SEQ, HEADLINE_BATCH, HEADLINE_STEPS
+SEQ, STEPS = HEADLINE_SEQ, HEADLINE_STEPS
+PROFILE_STEPS = 6
+"""torchtitan's profiled run: the same window as torchtrain's (headline.PROFILE): steps 4-5 recorded."""
 
 
-def titan_job(ctx: Context, compiled: bool) -> str:
+def titan_job(ctx: Context, compiled: bool, batch: int = 2, profile: bool = False) -> str:
     """Write torchtitan's job file (and its tokenizer and data) for the kit's 1B shape; return its path."""
     folder = ctx.folder("d", "torchtitan")
     assets, data = ctx.folder("d", "torchtitan", "assets"), ctx.folder("d", "torchtitan", "data")
@@ -37,9 +41,11 @@ def titan_job(ctx: Context, compiled: bool) -> str:
         for i in range(20 if ctx.dry else 200):
             f.write(json.dumps({"text": f"document {i}: " + " ".join(f"w{(i * 7 + j) % 997}" for j in range(2000))})
                     + "\n")
-    seq, batch = (64, 2) if ctx.dry else (SEQ, BATCH)
+    seq = 64 if ctx.dry else SEQ
+    name = f"{'compiled' if compiled else 'eager'}_b{batch}{'_profile' if profile else ''}"
+    steps = PROFILE_STEPS if profile else 4 if ctx.dry else STEPS
     text = f"""[job]
-dump_folder = "{folder}/out_{'compiled' if compiled else 'eager'}"
+dump_folder = "{folder}/out_{name}"
 [model]
 name = "llama3"
 flavor = "{'debugmodel' if ctx.dry else 'torchtrain_1B'}"
@@ -49,7 +55,7 @@ dataset = "c4_test"
 dataset_path = "{data}"
 local_batch_size = {batch}
 seq_len = {seq}
-steps = {4 if ctx.dry else STEPS}
+steps = {steps}
 mixed_precision_param = "bfloat16"
 [optimizer]
 lr = 1e-3
@@ -68,7 +74,9 @@ log_freq = 1
 [experimental]
 custom_import = "titan_flavor"
 """
-    path = os.path.join(folder, f"job_{'compiled' if compiled else 'eager'}.toml")
+    if profile:
+        text += "[profiling]\nenable_profiling = true\nprofile_freq = 5\nprofiler_warmup = 1\nprofiler_active = 2\n"
+    path = os.path.join(folder, f"job_{name}.toml")
     with open(path, "w") as f:
         f.write(text)
     return path
@@ -92,33 +100,51 @@ def _write_tokenizer(folder: str) -> None:
         json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True}, f)
 
 
-def run_titan(ctx: Context, job: str, mode: str) -> tuple[float | None, str | None, str]:
-    """(steady tokens/s, error or why it did not run, "skipped" or "") of one torchtitan run, started only
-    if the budget's estimate fits; its log goes to DIR/d/torchtitan_<mode>.log."""
-    spec = RunSpec("torchtitan", "1B", "compile" if mode == "compiled" else "eager", STEPS, SEQ * BATCH)
-    entry, allowed = admit_process(ctx, "d", f"torchtitan_{mode}", ctx.budget.estimate(spec), 900.0)
+def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", steps: int = STEPS
+              ) -> tuple[float | None, str | None, str, list[float]]:
+    """(steady tokens/s, error or why it did not run, "skipped" or "", every step's tokens/s) of one
+    torchtitan run, started only if the budget's estimate fits; its log goes to DIR/d/torchtitan_<label>.log."""
+    label = label or f"b{batch}_{mode}"
+    spec = RunSpec("torchtitan", "1B", "compile" if mode == "compiled" else "eager", steps, SEQ * batch)
+    entry, allowed = admit_process(ctx, "d", f"torchtitan_{label}", ctx.budget.estimate(spec), 900.0)
     if entry is None:
-        return None, f"torchtitan skipped: {ctx.budget.entries[-1].reason}", "skipped"
+        return None, f"torchtitan skipped: {ctx.budget.entries[-1].reason}", "skipped", []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", "--job.config_file", job]
-    log_path = os.path.join(ctx.out, "d", f"torchtitan_{mode}.log")
+    log_path = os.path.join(ctx.out, "d", f"torchtitan_{label}.log")
     t0 = ctx.budget.clock()
     code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
     text = ANSI.sub("", open(log_path, errors="replace").read())
     tps = [float(t.replace(",", "")) for _, t in sorted(STEP.findall(text), key=lambda st: int(st[0]))]
     steady = statistics.median(tps[3:] or tps[1:]) if tps else None
-    ctx.budget.done(entry, ctx.budget.clock() - t0, spec, SEQ * BATCH / steady if steady else None,
+    ctx.budget.done(entry, ctx.budget.clock() - t0, spec, SEQ * batch / steady if steady else None,
                     cut if cut.startswith("stopped") else "")
     if cut.startswith("stopped"):
-        return None, f"torchtitan {cut}", "skipped"
+        return None, f"torchtitan {cut}", "skipped", tps
     if code != 0 or not tps:
-        return None, cut or (text.strip().splitlines() or ["no output"])[-1][:300], ""
-    return steady, None, ""
+        return None, cut or (text.strip().splitlines() or ["no output"])[-1][:300], "", tps
+    return steady, None, "", tps
+
+
+def profile(ctx: Context, batch: int) -> tuple[list, bool]:
+    """Part (h)'s torchtitan row: its eager job at `batch` with the profiler window; (row, skipped)."""
+    from headline import keep_trace, profile_row
+
+    job = titan_job(ctx, False, batch, profile=True)
+    _, error, skipped, tps = run_titan(ctx, job, "eager", batch, label=f"b{batch}_eager_profile", steps=PROFILE_STEPS)
+    if skipped:
+        return [], True
+    measured = ctx.titan.get((batch, "eager"))
+    unprofiled = SEQ * batch / measured if measured else (
+        SEQ * batch / statistics.median([tps[i - 1] for i in (2, 6) if i <= len(tps)]) if len(tps) >= 2 else None)
+    trace = keep_trace(os.path.join(ctx.out, "d", "torchtitan", f"out_eager_b{batch}_profile"), ctx.folder("h"),
+                       "torchtitan_eager")
+    return profile_row("torchtitan", f"d/torchtitan/job_eager_b{batch}_profile.toml", trace, unprofiled, error), False
 
 
 def part_d(ctx: Context) -> PartResult:
-    res = PartResult("d", TITLES["d"], ["mode", "torchtrain tokens/s", "torchtitan tokens/s", "ratio",
+    res = PartResult("d", TITLES["d"], ["batch", "mode", "torchtrain tokens/s", "torchtitan tokens/s", "ratio",
                                         "torchtrain run", "error"])
     available = importlib.util.find_spec("torchtitan") is not None
     if not available:
@@ -126,24 +152,25 @@ def part_d(ctx: Context) -> PartResult:
                          "on the GPU machine it comes from the carried wheels (fetch_wheels.sh)")
     if ctx.dry:
         res.notes.append("dry run: torchtitan has no CPU device path; its runs need the GPU")
-    modes = headline_modes(ctx)
-    for compiled in (True, False):  # compiled first: its ratio is the goal, and the budget may not hold both
-        job = titan_job(ctx, compiled)
-        if ctx.dry and compiled:
-            res.notes.append("compiled: not run in a dry run (compiling is ~20 s a run on a CPU)")
+    small, large = batches(ctx)
+    for batch, mode in ((small, "compiled"), (large, "compiled"), (small, "eager"), (large, "eager")):
+        job = titan_job(ctx, mode == "compiled", batch)
+        extra = compiled(ctx) if mode == "compiled" else []
+        if extra is None:
+            res.notes.append(f"batch {batch} compiled: not run in a dry run (compiling is ~20 s a run on a CPU)")
             continue
-        mode = "compiled" if compiled else "eager"
-        log(f"(d) torchtrain {mode}")
-        ours = train(ctx, "d", f"torchtrain_{mode}", headline_job(ctx, modes["compile" if compiled else "eager"]),
-                     reuse=True)
+        log(f"(d) torchtrain batch {batch} {mode}")
+        ours = train(ctx, "d", f"torchtrain_b{batch}_{mode}", headline_job(ctx, extra, batch), reuse=True)
         if ours.skipped:
             continue
         ours_tps = ours.steady("tokens_per_s_per_device")
         theirs_tps, error, skipped = None, None, ""
         if available and not ctx.dry:
-            log(f"(d) torchtitan {mode}")
-            theirs_tps, error, skipped = run_titan(ctx, job, mode)
-        res.rows.append([mode, None if ours_tps is None else round(ours_tps), None if theirs_tps is None
+            log(f"(d) torchtitan batch {batch} {mode}")
+            theirs_tps, error, skipped, _ = run_titan(ctx, job, mode, batch)
+            if theirs_tps:
+                ctx.titan[(batch, mode)] = theirs_tps
+        res.rows.append([batch, mode, None if ours_tps is None else round(ours_tps), None if theirs_tps is None
                          else round(theirs_tps), None if not (ours_tps and theirs_tps) else f"{ours_tps / theirs_tps:.2f}",
                          ours.folder, ours.error or error])
         res.ok &= ours.ok and (error is None or skipped == "skipped")
