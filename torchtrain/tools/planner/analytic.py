@@ -346,7 +346,8 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     what = what.replace("chunkes", "chunks")
     rows_bwd += [
         Row(f"activations ({flight} {what} x {t} tokens{ac_note})", acts,
-            "A x blocks x t (+ last stage: norm/output input, 4 V t log-softmax)"),
+            "A x blocks x t (+ last stage: norm/output input, "
+            + ("d V t logits (compiled loss))" if _compiled_loss(p) else "4 V t log-softmax)")),
     ]
     if recompute > loss_extra:
         rows_bwd.append(Row("recomputed block (AC, during its backward)", recompute, "A x t"))
