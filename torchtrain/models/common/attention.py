@@ -150,5 +150,6 @@ def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor,
     seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
     ctx = prepare_attention(model, AttentionContext(positions=positions if documents else None), tokens.shape[0],
                             seqlen, rope_table.device)
-    rope = rope_table if token_positions is None else rope_table[token_positions.to(rope_table.device)]
-    return rotations(rope, seqlen), ctx
+    if token_positions is None:  # all rows: a block may see more tokens than `tokens` (sequence parallel)
+        return rotations(rope_table, rope_table.shape[0]), ctx
+    return rotations(rope_table[token_positions.to(rope_table.device)], seqlen), ctx

@@ -83,9 +83,9 @@ def rope_table(freqs: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> tor
 
 def rotations(rope: torch.Tensor, seqlen: int) -> torch.Tensor:
     """The (cos, sin) pairs (batch or 1, seqlen, 1, d/2, 2) of a table's first `seqlen` rows or of per-token
-    rows (batch, seq, d); views, no copy. Pairs already in that shape are returned as they are."""
+    rows (batch, seq, d); views, no copy. Pairs already in that shape keep their first `seqlen` rows."""
     if rope.dim() == 5:
-        return rope
+        return rope if rope.shape[1] == seqlen else rope[:, :seqlen]
     if rope.dim() == 2:
         rope = rope[:seqlen].unsqueeze(0)
     return rope.unflatten(-1, (-1, 2)).unsqueeze(2)
@@ -93,24 +93,23 @@ def rotations(rope: torch.Tensor, seqlen: int) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: PairLayout = "pairs") -> torch.Tensor:
     """Rotate the pairs of x (batch, seq, heads, d) by their angles, in float32; `layout` as the module
-    doc says. Eagerly one complex multiplication (the fewest operations); under torch.compile the same
-    products in real arithmetic, which Inductor fuses into one kernel (it generates no complex code)."""
+    doc says. Eagerly, the pair layouts are one complex multiplication of a view of x (the fewest
+    operations); "half" pairs and torch.compile use the same products in real arithmetic ("half" would
+    otherwise store its complex numbers as a new tensor for backward; Inductor fuses the real products
+    into one kernel and generates no complex code)."""
     rot = rotations(rope, x.shape[1])
     if rot.dtype in (torch.bfloat16, torch.float16):  # a table cast down on its way (a wrapper's input cast)
         rot = rot.float()
     xf = x.float()
     half = x.shape[-1] // 2
-    if torch.compiler.is_compiling():
+    if layout == "half" or torch.compiler.is_compiling():  # "half": its complex numbers would be a new tensor
         first, second = (xf[..., :half], xf[..., half:]) if layout == "half" else (xf[..., 0::2], xf[..., 1::2])
         cos, sin = rot[..., 0], rot[..., 1]
         turned = (first * cos - second * sin, second * cos + first * sin)
         out = torch.stack(turned, dim=-1).flatten(-2) if layout == "pairs" else torch.cat(turned, dim=-1)
         return out.to(x.dtype)
-    if layout == "half":
-        z = torch.complex(xf[..., :half], xf[..., half:])
-    else:
-        z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)) if xf.is_contiguous() else
-                                  xf.contiguous().unflatten(-1, (-1, 2)))
+    z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)) if xf.is_contiguous() else
+                              xf.contiguous().unflatten(-1, (-1, 2)))
     turned = z * torch.view_as_complex(rot)
     out = torch.view_as_real(turned).flatten(-2) if layout == "pairs" else torch.cat([turned.real, turned.imag], -1)
     return out.to(x.dtype)
