@@ -54,8 +54,8 @@ def export(model: Transformer, tmp_path, max_shard_bytes: int = 60_000, dtype=No
 def rope_rotate_half(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """HF's RoPE: pairs (x[i], x[i + d/2]) rotated by angle i."""
     seq, half = x.shape[1], x.shape[-1] // 2
-    cos = table[:seq, :half].repeat(1, 2).view(1, seq, 1, 2 * half)
-    sin = table[:seq, half:].repeat(1, 2).view(1, seq, 1, 2 * half)
+    cos = table[:seq, 0::2].repeat(1, 2).view(1, seq, 1, 2 * half)  # the table holds (cos, sin) pairs
+    sin = table[:seq, 1::2].repeat(1, 2).view(1, seq, 1, 2 * half)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 

@@ -71,7 +71,7 @@ def resolve(parallelism: Parallelism, mixed_precision: str, world_size: int, dev
     job = JobConfig()
     job.parallelism = parallelism
     job.training = replace(job.training, mixed_precision_param=PRECISIONS[mixed_precision])
-    layout = resolve_layout(job, world_size, device_type)
+    layout = replace(resolve_layout(job, world_size, device_type), allow_compute_copy=False)  # the loop is the user's
     if layout.zero1:
         raise ConfigError("[parallelism.data_parallel_strategy] zero1 is not offered by torchtrain.accelerate (the "
                           "user's optimizer is not a ZeroRedundancyOptimizer); use ddp, zero2 or zero3")

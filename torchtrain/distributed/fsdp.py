@@ -44,20 +44,23 @@ def apply_fsdp(
     first used by backward's tail). `cpu_offload` keeps the sharded state in host memory.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # the units' floating-point inputs are already in the compute dtype (the previous unit's output), except
+    # side inputs that must stay float32 (the RoPE table): only the root casts what enters the model
+    unit_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     extra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if expert_units:
         from torchtrain.distributed.expert_parallel import expert_fsdp_placement
 
         placement = expert_fsdp_placement(expert_mesh.size(expert_mesh.ndim - 1))
         for unit in expert_units:
-            fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward != "never",
+            fully_shard(unit, mesh=expert_mesh, mp_policy=unit_mp, reshard_after_forward=reshard_after_forward != "never",
                         shard_placement_fn=placement, **extra)
     for i, unit in enumerate(units):
         if reshard_after_forward == "default":
             reshard = i < len(units) - 1
         else:
             reshard = reshard_after_forward == "always"
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
+        fully_shard(unit, mesh=mesh, mp_policy=unit_mp, reshard_after_forward=reshard, **extra)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always", **extra)
     return model
 

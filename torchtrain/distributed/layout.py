@@ -92,13 +92,34 @@ class Layout:
     """Where the optimizer state lives between steps ([offload].optimizer: none / cpu / nvme)."""
     offload_params: str = "none"
     """Where the sharded parameters live outside their use ([offload].params: none / cpu / nvme)."""
+    allow_compute_copy: bool = True
+    """Whether a job whose FSDP would only cast may train from a compute copy instead (`compute_copy`).
+    The trainer's step manages the copy; the Accelerate API, whose loop is the user's, keeps FSDP."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
     def fsdp(self) -> bool:
-        """FSDP2 wraps the model (`applies_fsdp`; gradients are reduced over every replica group's ranks)."""
-        return applies_fsdp(self.strategy, self.dims.loss_degree * self.replica_groups, self.param_dtype,
-                            self.cpu_offload)
+        """FSDP2 wraps the model (`applies_fsdp`; gradients are reduced over every replica group's ranks),
+        unless all it would do is cast (`compute_copy`)."""
+        return applies_fsdp(self.strategy, self.gradient_ranks, self.param_dtype, self.cpu_offload) and \
+            not self.compute_copy
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks whose gradients are averaged: data x context parallel, times the replica groups."""
+        return self.dims.loss_degree * self.replica_groups
+
+    @property
+    def compute_copy(self) -> bool:
+        """No wrapper, no autocast: one rank of data (and context) parallelism in a lower precision trains
+        from a low-precision copy of its float32 parameters, refreshed once a step, with float32 gradients
+        (`distributed/compute_copy.py`: FSDP2's numerics on one rank without its machinery). Not with
+        tensor, pipeline or expert parallelism (their parameters are split or staged), CPU or NVMe offload,
+        or LoRA (their own paths go through FSDP), nor where `allow_compute_copy` is off."""
+        dims = self.dims
+        return (self.allow_compute_copy and self.param_dtype != torch.float32 and self.gradient_ranks == 1
+                and not (dims.tp_enabled or dims.pp_enabled or dims.ep_enabled) and not self.cpu_offload
+                and self.offload_optimizer == "none" and self.offload_params == "none" and self.lora is None)
 
     @property
     def data_degree(self) -> int:
@@ -128,8 +149,8 @@ class Layout:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """Replicated strategies compute in a lower precision through torch.autocast; FSDP casts
-        parameters itself (its mixed-precision policy), so it needs none."""
-        if self.strategy.replicated and self.param_dtype != torch.float32:
+        parameters itself (its mixed-precision policy), and so does the compute copy: they need none."""
+        if self.strategy.replicated and self.param_dtype != torch.float32 and not self.compute_copy:
             return self.param_dtype
         return None
 
@@ -159,6 +180,9 @@ class Layout:
             text += f" [{self.strategy.value}]"
         if self.replica_groups > 1:
             text = f"replica group {self.replica_id} of {self.replica_groups} (torchft) x {text}"
+        if self.compute_copy:
+            dtype = str(self.param_dtype).removeprefix("torch.")
+            text += f", no FSDP wrapping ({dtype} compute copy of float32 parameters)"
         return text
 
 

@@ -5,6 +5,10 @@ S (initially 2^16) before backward so gradients live in float16's range; they ar
 before clipping and the optimizer step. If any gradient is inf/nan, the step is skipped on every
 rank (the scaler's found-inf flag is all-reduced across the sharded gradients) and S is halved;
 after `growth_interval` clean steps S doubles. bfloat16 and float32 need none of this.
+
+Sharded gradients (FSDP) use torch's ShardedGradScaler, which all-reduces the found-inf flag. Its flag
+has shape (1,), while the fused Adam/AdamW kernels subtract it from their scalar step counters when a
+step overflows; `_sharded_scaler` hands them the flag as a scalar view of the same storage.
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ class LossScaler:
         self._scaler = None
         if enabled:
             if sharded:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-                self._scaler = ShardedGradScaler(device=device.type)
+                self._scaler = _sharded_scaler(device)
             else:
                 self._scaler = torch.amp.GradScaler(device.type)
 
@@ -66,3 +68,16 @@ class LossScaler:
     @property
     def value(self) -> float | None:
         return self._scaler.get_scale() if self.enabled else None
+
+
+def _sharded_scaler(device: torch.device):
+    """torch's ShardedGradScaler whose per-device found-inf flags are scalars (the fused optimizers need it;
+    see the module doc). The views share the flags' storage, so its in-place all-reduce still lands."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class ScalarFlagScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            return {dev: flag.reshape(()) for dev, flag in per_device.items()}
+
+    return ScalarFlagScaler(device=device.type)

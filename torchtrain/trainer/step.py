@@ -46,6 +46,7 @@ from torch import nn
 from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.distributed.compile import compile_loss
+from torchtrain.distributed.compute_copy import ComputeCopy
 from torchtrain.distributed.context_parallel import shard_batch
 from torchtrain.distributed.float8 import precompute_scales
 from torchtrain.distributed.layout import Layout
@@ -138,7 +139,8 @@ class TrainStep:
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
-        self.scaler = LossScaler(layout.loss_scaling, sharded=layout.strategy.sharded, device=device)
+        self.scaler = LossScaler(layout.loss_scaling, sharded=layout.fsdp, device=device)
+        self.compute_copy = ComputeCopy(model_parts, layout.param_dtype) if layout.compute_copy else None
         self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, self.loss_fn) \
             if layout.pipeline else None
         self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
@@ -166,9 +168,12 @@ class TrainStep:
         return kwargs
 
     def context(self) -> contextlib.ExitStack:
-        """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies."""
+        """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies, the
+        low-precision parameters of the compute copy (one rank without FSDP)."""
         stack = contextlib.ExitStack()
         stack.enter_context(maybe_loss_parallel(self.layout.loss_parallel))
+        if self.compute_copy is not None:
+            stack.enter_context(self.compute_copy.active())
         dtype = self.layout.autocast_dtype
         if dtype is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
@@ -196,15 +201,16 @@ class TrainStep:
                 return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], value,
                                                         self.model_kwargs(merged))
         model = self.model_parts[0]
-        for i, batch in enumerate(batches):
-            if len(batches) > 1:
-                set_gradient_sync(self.model_parts, i == len(batches) - 1)
-            with self.context():
-                logits = model(batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
-                loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
-                del logits
-                self.scaler.scale(loss).backward()
-            accumulated += local_value(loss.detach()).float()
+        with self.compute_copy.active() if self.compute_copy is not None else contextlib.nullcontext():
+            for i, batch in enumerate(batches):  # (one compute copy for all micro-batches)
+                if len(batches) > 1:
+                    set_gradient_sync(self.model_parts, i == len(batches) - 1)
+                with self.context():
+                    logits = model(batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
+                    loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
+                    del logits
+                    self.scaler.scale(loss).backward()
+                accumulated += local_value(loss.detach()).float()
         return accumulated
 
     def __call__(self, batches: list[dict[str, torch.Tensor]], hooks: StepHooks | None = None) -> StepResult:

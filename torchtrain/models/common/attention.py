@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtrain.models.common.rope import rotations
+
 MaskType = Literal["causal", "block_causal"]
 Backend = Literal["auto", "sdpa", "flex", "memory_proxy"]
 """`auto`: FlexAttention for masks on CUDA, SDPA elsewhere. `memory_proxy`: SDPA's causal kernel
@@ -138,7 +140,7 @@ def prepare_attention(model: nn.Module, ctx: AttentionContext, batch: int, lengt
 def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor, tokens: torch.Tensor,
                      positions: torch.Tensor | None, seq_index: torch.Tensor | None
                      ) -> tuple[torch.Tensor, AttentionContext]:
-    """(RoPE rows, attention context) of one forward of a decoder whose forward takes `positions` and
+    """(RoPE (cos, sin) pairs (`rope.py::rotations`), attention context) of one forward of a decoder whose forward takes `positions` and
     `seq_index` (see `models/common/transformer.py::Decoder`). Block-causal attention uses the document
     positions (mask and RoPE restart per document); causal uses each token's index in its sequence
     (None: 0..seq-1, the table's first rows). `tokens` may be a pipeline stage's sequence-sharded hidden
@@ -148,5 +150,6 @@ def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor,
     seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
     ctx = prepare_attention(model, AttentionContext(positions=positions if documents else None), tokens.shape[0],
                             seqlen, rope_table.device)
-    rope = rope_table if token_positions is None else rope_table[token_positions.to(rope_table.device)]
-    return rope, ctx
+    if token_positions is None:  # all rows: a block may see more tokens than `tokens` (sequence parallel)
+        return rotations(rope_table, rope_table.shape[0]), ctx
+    return rotations(rope_table[token_positions.to(rope_table.device)], seqlen), ctx

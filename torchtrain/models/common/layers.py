@@ -8,7 +8,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back: torch's fused
+    `rms_norm` (one kernel forward and one backward on CUDA)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -16,9 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):

@@ -1,10 +1,13 @@
 """Rotary position embeddings (RoPE) of the decoder families: one table format, three frequency
 schedules, three pair layouts.
 
-A table is (max_seq_len, d) float32: the cosines of each pair's angle position x freq_i (i < d/2),
-then the sines. `rope` arguments are the table (rows 0..seq-1 are used) or per-token rows
-(batch or 1, seq, d) (`common/attention.py::attention_inputs`, for document positions and context
-parallelism).
+A table is (max_seq_len, d) float32: for each pair i < d/2 the rotation scale x e^(i x angle), angle =
+position x freq_i, stored as (cos, sin) pairs -- the layout of a complex tensor, so it reads as complex
+numbers without a copy. `rope` arguments are the table (rows 0..seq-1 are used), per-token
+rows (batch or 1, seq, d) (`common/attention.py::attention_inputs`, for document positions and context
+parallelism), or those rows already shaped as (cos, sin) pairs (`rotations`: what the decoder hands its
+blocks, prepared once per forward). A rotation is one complex multiplication in float32: the fewest
+operations eagerly, and one fused kernel under torch.compile.
 
 Frequencies (`frequencies`): theta^(-2i/d), optionally rescaled for long contexts by
 
@@ -72,23 +75,41 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def rope_table(freqs: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> torch.Tensor:
-    """(max_seq_len, 2 x len(freqs)) float32 on `freqs`' device: cos of each angle, then sin, times `scale`."""
+    """(max_seq_len, 2 x len(freqs)) float32 on `freqs`' device: (cos, sin) of each angle, pair by pair,
+    times `scale` (see the module doc)."""
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device=freqs.device), freqs)
-    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).float()
+    return (torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(-2) * scale).float()
+
+
+def rotations(rope: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """The (cos, sin) pairs (batch or 1, seqlen, 1, d/2, 2) of a table's first `seqlen` rows or of per-token
+    rows (batch, seq, d); views, no copy. Pairs already in that shape keep their first `seqlen` rows."""
+    if rope.dim() == 5:
+        return rope if rope.shape[1] == seqlen else rope[:, :seqlen]
+    if rope.dim() == 2:
+        rope = rope[:seqlen].unsqueeze(0)
+    return rope.unflatten(-1, (-1, 2)).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: PairLayout = "pairs") -> torch.Tensor:
-    """Rotate the pairs of x (batch, seq, heads, d) by their angles; `layout` as the module doc says."""
-    half = x.shape[-1] // 2
-    if rope.dim() == 2:
-        rope = rope[: x.shape[1]].unsqueeze(0)
-    cos, sin = rope[..., :half].unsqueeze(2), rope[..., half:].unsqueeze(2)
+    """Rotate the pairs of x (batch, seq, heads, d) by their angles, in float32; `layout` as the module
+    doc says. Eagerly, the pair layouts are one complex multiplication of a view of x (the fewest
+    operations); "half" pairs and torch.compile use the same products in real arithmetic ("half" would
+    otherwise store its complex numbers as a new tensor for backward; Inductor fuses the real products
+    into one kernel and generates no complex code)."""
+    rot = rotations(rope, x.shape[1])
+    if rot.dtype in (torch.bfloat16, torch.float16):  # a table cast down on its way (a wrapper's input cast)
+        rot = rot.float()
     xf = x.float()
-    if layout == "half":
-        first, second = xf[..., :half], xf[..., half:]
-    else:
-        first, second = xf[..., 0::2], xf[..., 1::2]
-    rotated = (first * cos - second * sin, second * cos + first * sin)
-    if layout == "pairs":
-        return torch.stack(rotated, dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat(rotated, dim=-1).to(x.dtype)
+    half = x.shape[-1] // 2
+    if layout == "half" or torch.compiler.is_compiling():  # "half": its complex numbers would be a new tensor
+        first, second = (xf[..., :half], xf[..., half:]) if layout == "half" else (xf[..., 0::2], xf[..., 1::2])
+        cos, sin = rot[..., 0], rot[..., 1]
+        turned = (first * cos - second * sin, second * cos + first * sin)
+        out = torch.stack(turned, dim=-1).flatten(-2) if layout == "pairs" else torch.cat(turned, dim=-1)
+        return out.to(x.dtype)
+    z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)) if xf.is_contiguous() else
+                              xf.contiguous().unflatten(-1, (-1, 2)))
+    turned = z * torch.view_as_complex(rot)
+    out = torch.view_as_real(turned).flatten(-2) if layout == "pairs" else torch.cat([turned.real, turned.imag], -1)
+    return out.to(x.dtype)

@@ -127,26 +127,35 @@ def _moe_act(a, d: int, ep: int = 1) -> float:
     return d * h + 4 * a.num_experts + 4 + k * per_route + 4 * d * H * a.num_shared_experts
 
 
-def _attention_act(a, d: int) -> float:
+def _attention_act(a, d: int, fused_norm: bool = False) -> float:
     """Head-sharded attention activations per token: rotated q, k, v and the attention output, the
-    logsumexp, and (Qwen3) the per-head query/key norms' fp32 inputs, outputs and statistics."""
+    logsumexp, and (Qwen3) what the per-head query/key norms keep (`norm_act_per_token`)."""
     hq, hkv = a.n_heads * a.head_dim, a.kv_heads * a.head_dim
     out = 2 * d * hq + 2 * d * hkv + 4 * a.n_heads
     if a.qk_norm:
-        out += (4 + d) * (hq + hkv) + 4 * (a.n_heads + a.kv_heads)
+        out += (a.n_heads + a.kv_heads) * norm_act_per_token(a.head_dim, d, fused_norm)
     return out
 
 
-def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1) -> float:
+def norm_act_per_token(h: int, d: int, fused: bool) -> float:
+    """Bytes an RMSNorm over h features stores per token, its output included (`F.rms_norm`): the fused
+    CUDA kernel keeps its input, output and the float32 rstd; the CPU composition keeps the float32
+    normalised values instead of the input, and in a lower precision also their cast."""
+    if fused:
+        return 2 * d * h + 4
+    return (4 + d) * h + 4 + (d * h if d < 4 else 0)
+
+
+def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1, fused_norm: bool = False) -> float:
     """A_tp (A_cp with context parallelism): bytes of activations a block stores for backward per local
-    token (no checkpointing)."""
+    token (no checkpointing). `fused_norm`: the RMSNorms are CUDA's fused kernel."""
     h = a.dim
-    seq_sharded = 2 * (4 + d) * h + 8
+    seq_sharded = 2 * norm_act_per_token(h, d, fused_norm)
     cp_kv = 2 * d * a.kv_heads * a.head_dim * (cp - 1) / tp  # keys and values gathered from the other CP ranks
     if a.num_experts:  # the MoE layer works on this rank's sequence shard
-        return seq_sharded / tp + d * h + _attention_act(a, d) / tp + _moe_act(a, d, ep) / tp + cp_kv
+        return seq_sharded / tp + d * h + _attention_act(a, d, fused_norm) / tp + _moe_act(a, d, ep) / tp + cp_kv
     gathered = 2 * d * h
-    head_sharded = _attention_act(a, d) + 4 * d * a.ffn_hidden
+    head_sharded = _attention_act(a, d, fused_norm) + 4 * d * a.ffn_hidden
     return seq_sharded / tp + gathered + head_sharded / tp + cp_kv
 
 
@@ -185,7 +194,7 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     """(bytes one micro-batch leaves stored on this stage, recompute transient of one block)."""
     a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
     lora_full, lora_op = lora_act_per_token(p, stage)
-    full = (act_per_token_per_block(a, d, tp, p.ep, p.cp) + lora_full) * t
+    full = (act_per_token_per_block(a, d, tp, p.ep, p.cp, fused_norm=p.device_type == "cuda") + lora_full) * t
     n = len(stage.layers)
     if p.ac_mode == "none":
         stored, recompute = n * full, 0.0
