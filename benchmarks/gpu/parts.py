@@ -109,7 +109,7 @@ def part_a(ctx: Context) -> PartResult:
 
 # ----------------------------------------------------------------------------- (b)
 def part_b(ctx: Context) -> PartResult:
-    """Short bf16 runs, FSDP on a 1-rank mesh, each feature on its own: does the loss fall? The cheap runs
+    """Short bf16 runs on one rank (its default layout), each feature on its own: does the loss fall? The cheap runs
     first: under a budget, the costly ones (1B CPU offload, 1B compile) are the ones skipped."""
     res = PartResult("b", TITLES["b"], ["model", "variant", "steps", "first loss", "last loss", "falling",
                                         "peak GiB", "error"])

@@ -9,10 +9,11 @@ profiled steps left out) and the run's peak `torch.cuda.max_memory_allocated`. P
 step time (the larger of the GPU's and the host's, docs/planner.md) and its peak per-rank memory.
 
 The host time counts the operators of the traced step, which are the current code's. The runs were
-measured at one commit (`planner_counts.json`: the operator counts the planner traced at that commit,
-written by `--record`); when the code has changed since (fewer operators, another layout), the host
-time of a run is computed from the counts of the code that ran, which this table says
-("ops: recorded").
+measured at one commit (`planner_counts.json`: the operator counts the planner traced at that commit, and
+whether that code trained a run's one rank from a compute copy, written by `--record`); when the code has
+changed since (fewer operators, another layout), a run is planned as it ran: its host time from the
+counts of the code that ran ("ops: recorded"), FSDP2 or autocast where that code had no compute copy
+("layout as measured"). Its memory is traced from today's code in that layout.
 
 `KNOWN_MISSES` names the rows the model misses by more than the tolerance, with the reason and the
 side; tests/test_planner_gpu.py holds every other row within 25% (step) and 10% (memory).
@@ -83,6 +84,8 @@ class Row:
     ops_source: str = ""
     counts: dict | None = None
     """The traced operator counts (`host_time.OpCounts.as_dict`), for --record."""
+    compute_copy: bool | None = None
+    """Whether the plan trains the run's one rank from a compute copy, for --record."""
 
     @property
     def step_error(self) -> float | None:
@@ -159,20 +162,27 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
             job = load_job(["--job.config_file", row.job, *row.overrides])
             device_type, spec = resolve_gpu(gpu)
             inputs = inputs_from_config(job.cfg, job.args, 1, device_type, spec, {})
-            key = repr(dataclasses.replace(inputs, job=None, layout=None, notes=[], problems=[]))
+            copy_then = (recorded or {}).get("compute_copy", {}).get(row.name)
+            if copy_then is False and inputs.layout is not None and inputs.layout.compute_copy:
+                # the run's code cast through FSDP2 (or autocast) on its one rank; today's uses a compute copy
+                inputs = inputs.replace(layout=dataclasses.replace(inputs.layout, allow_compute_copy=False))
+                row.ops_source = "layout as measured"
+            key = repr(dataclasses.replace(inputs, job=None, layout=None, notes=[], problems=[])) + repr(
+                inputs.layout.fsdp if inputs.layout is not None else None)
             if key not in plans:
                 plans[key] = make_plan(job, inputs)
             plan = plans[key]
         t, p = plan.throughput, plan.inputs
-        row.planned_gib, row.gpu_s = plan.worst.peak / 2**30, t.gpu_s
+        row.planned_gib, row.gpu_s, row.compute_copy = plan.worst.peak / 2**30, t.gpu_s, p.compute_copy
         traced = plan.ranks[0].trace.counts if plan.ranks and plan.ranks[0].trace is not None else None
         row.counts = traced.as_dict() if traced is not None else None
         then = (recorded or {}).get("rows", {}).get(row.name)
         host = host_of(p, plan.ranks)
-        row.ops_source = "traced"
+        layout_note = f", {row.ops_source}" if row.ops_source else ""
+        row.ops_source = "traced" + layout_note
         if then is not None and traced is not None and _differs(then, row.counts):
             host = host_seconds(OpCounts.from_dict(then).scaled(p.grad_accum_steps), p.gpu, p.compile)
-            row.ops_source = f"recorded ({recorded.get('commit', '?')})"
+            row.ops_source = f"recorded ({recorded.get('commit', '?')}){layout_note}"
         row.host_s = host.seconds if host is not None else None
         row.ops = host.ops if host is not None else None
         row.planned_step_s = t.step_s if host is None else max(t.gpu_s, host.seconds)
@@ -220,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(path, "w") as f:
             json.dump({"commit": args.commit, "torch": torch.__version__,
-                       "rows": {r.name: r.counts for r in rows if r.counts is not None}}, f, indent=1)
+                       "note": "operator counts the planner traced for each run at the commit measured "
+                               "(tools/planner/host_time.py OpCounts.as_dict), and whether that code trained the "
+                               "run's one rank from a compute copy (distributed/compute_copy.py)",
+                       "rows": {r.name: r.counts for r in rows if r.counts is not None},
+                       "compute_copy": {r.name: r.compute_copy for r in rows if r.counts is not None}}, f, indent=1)
             f.write("\n")
     return 0
 

@@ -1,22 +1,24 @@
 """The GPU evidence kit: the CUDA figures of torchtrain, from prepared commands that fit a short GPU window.
 
-    python benchmarks/gpu/run_all.py --out DIR [--part c,d,e,f] [--budget-s S] [--pytest-s S] [--dry-run]
+    python benchmarks/gpu/run_all.py --out DIR [--part c,d,g,h,f] [--budget-s S] [--pytest-s S] [--dry-run]
                                      [--pack FILE.tar.gz]
     python benchmarks/gpu/run_all.py --merge A.tar.gz B.tar.gz ... --out DIR
 
 Parts (benchmarks/gpu/README.md has the machine's commands, their timing, the output folder and the
 summary format), run in the order given:
   a  the suite's single-process test cases on the device (pytest, capped by --pytest-s)
-  b  short bf16 runs of the debug model and a ~1B Llama 3 (FSDP on a 1-rank mesh) per feature -- AC
+  b  short bf16 runs of the debug model and a ~1B Llama 3 (one rank, its default layout) per feature -- AC
      none/selective/full, fp16 + loss scaling, float8, CPU offload, compile -- each must end with a
      falling loss
-  c  tokens/s and MFU of the 1B shape at seq 2048 x 2: eager, compile, compile + float8, against the
-     device's measured bf16 GEMM peak
-  d  torchtitan (a carried wheel) on the same model/batch/sequence, and the ratio (torchtrain's side
-     reuses (c)'s runs when (c) ran first in the same command)
+  c  tokens/s and MFU of the 1B shape at seq 2048 and local batch 2 and 8, eager and compiled, against
+     the device's measured bf16 GEMM peak
+  d  torchtitan (a carried wheel) on the same model/sequence at both batches, compiled and eager, and
+     the ratios (torchtrain's side reuses (c)'s runs when (c) ran first in the same command)
   e  the planner's peak memory and step time against torch.cuda.max_memory_allocated and the measured
-     step, for (c)'s eager and compiled runs
+     step, for the (c) and (g) runs of the same command
   f  DCP save/resume exactness (bitwise losses after a resume)
+  g  float8 against bf16, compiled: the 1B at batch 8 and 2, the 3B at batch 4
+  h  one profiled eager step window per side (torchtrain, torchtitan): kernels, GPU busy time, operators
 
 `--budget-s S`: before each run starts its duration is estimated (budget.py: a table refined with the
 runs already measured) and a run that would not finish within S seconds of the start is skipped;

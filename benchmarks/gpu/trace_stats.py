@@ -14,8 +14,9 @@ those annotations are not steps), and per step
 * profiler ops      every `aten::` (and `c10d::`, `fsdp::`) operator event, nested calls included;
 * dispatched ops    the operators a dispatch-level observer (a `TorchDispatchMode`, which is what the
                     planner's traced step counts) sees: an operator event counts unless it is
-                    CompositeImplicitAutograd (it decomposes into others before dispatch) or it runs
-                    inside another counted operator; the operator that enters a Python dispatch mode
+                    CompositeImplicitAutograd (it decomposes into others before dispatch; unless the
+                    profile shows it reaching a Python dispatch handler whole) or it runs inside another
+                    counted operator; the operator that enters a Python dispatch mode
                     (activation checkpointing's policy: a `PythonDispatchMode` event) hands its count
                     to the call the mode re-dispatches. `detach` events count as `aten::detach`;
 * mode calls        Python dispatch-mode calls (`PythonDispatchMode` events): selective activation
@@ -64,7 +65,10 @@ _COMPOSITE: dict[str, bool] = {}
 
 
 def composite(name: str) -> bool:
-    """Whether every functional overload of the operator is CompositeImplicitAutograd."""
+    """Whether every functional overload of the operator is CompositeImplicitAutograd (and the profile
+    did not show it dispatched whole)."""
+    if name in _DISPATCHED_WHOLE:
+        return False
     if name not in _COMPOSITE:
         import torch
 
@@ -110,6 +114,7 @@ def dispatched_ops(events: list[dict]) -> Dispatched:
             by_thread[(e.get("pid"), e.get("tid"))].append(e)
     out = Dispatched()
     out.profiler_ops = sum(1 for t in by_thread.values() for e in t if e["name"].startswith(OP_PREFIXES))
+    roots = []
     for thread in by_thread.values():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
         root: dict = {"name": "", "dur": 0.0, "children": []}
@@ -118,10 +123,20 @@ def dispatched_ops(events: list[dict]) -> Dispatched:
             while stack[-1][0] <= e["ts"]:
                 stack.pop()
             node = {"name": e["name"], "dur": e["dur"], "children": []}
+            if e["name"] in HANDLERS:  # the operator above reached the Python dispatch key whole
+                _DISPATCHED_WHOLE.add(stack[-1][1]["name"])
             stack[-1][1]["children"].append(node)
             stack.append((e["ts"] + e["dur"], node))
+        roots.append(root)
+    for root in roots:
         _count(root, False, False, out)
     return out
+
+
+_DISPATCHED_WHOLE: set[str] = set()
+"""Operators seen entering a Python dispatch handler in a profile: dispatched as themselves on the device
+that ran it, whatever this build's registry says (`_fused_rms_norm` has a CUDA kernel of its own; a
+CPU-only build registers it as a composite)."""
 
 
 def _count(node: dict, inside: bool, handled: bool, out: Dispatched) -> bool:

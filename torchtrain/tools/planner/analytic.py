@@ -14,6 +14,10 @@ bf16 casts in FSDP2's mixed-precision policy):
     zero1      4         4         8 / N          (DDP + sharded optimizer, N = dp)
     ddp        4         4         8
 
+One data-parallel rank computing in bf16/fp16 has no FSDP (the Layout's `compute_copy`): 4 + 8 bytes as
+above, float32 gradients (4) from their first arrival to the step, and the compute copy of every
+weight (d) from the first forward to the last backward, in the "gathered params" row.
+
 plus 4 bytes per parameter tensor for Adam's step counter. With LoRA ([lora]) the gradients, the
 optimizer state, its step counters and the accumulators count the adapters only (r x (in + out) per
 targeted linear layer, `shapes.adapter_units`); the parameters count the frozen base and the adapters.
@@ -86,7 +90,6 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
-from torchtrain.distributed.layout import DTYPES, applies_fsdp
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
 from torchtrain.tools.planner.shapes import adapter_units, numel, unit_shapes
@@ -214,7 +217,7 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
         stored += depth * (full + (4 + 2 * d) * a.dim * t / tp + 4 * a.vocab_size * t / tp + (8 + 4 * d) * a.dim * t)
     elif p.pp > 1:
         stored += d * a.dim * t / tp  # the stage's output, kept by the schedule until its backward
-    if d != 4 and applies_fsdp(p.dp_strategy, p.dp, DTYPES[p.param_dtype], p.cpu_offload):
+    if d != 4 and p.fsdp_wraps:
         stored += n * a.max_seq_len * a.head_dim * d  # FSDP2 casts each block's RoPE-table input to d; kept for backward
     return stored, recompute
 
@@ -277,7 +280,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     units, trainable, full_numel, train_numel, sharded, train_sharded, n_tensors, sizes, block_size = _param_counts(
         a, tuple(stages), p.tp, p.ep, p.lora, n_shard, p.expert_fsdp if fsdp and p.ep > 1 else n_shard)
     # FSDP2 wraps the units (gathers / casts them) as the trainer's layout decides
-    wrapped = applies_fsdp(p.dp_strategy, p.dp * p.cp, DTYPES[p.param_dtype], p.cpu_offload)
+    wrapped = p.fsdp_wraps
     opt_sharded = p.dp_strategy.shards_optimizer_state
 
     # TP shards the token embedding by vocabulary rows (RowwiseParallel), but DTensor computes its weight
@@ -327,7 +330,9 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     # FSDP2 gathered (unsharded, compute-dtype) units at the start of backward
     if not wrapped:
         gathered, how = 0.0, "none (no FSDP units)"
-        if not fsdp and d != 4:
+        if p.compute_copy:
+            gathered, how = d * full_numel, "the compute copy of all weights"
+        elif not fsdp and d != 4:
             gathered, how = d * full_numel, "compute-dtype copies of all weights (autocast)"
     elif p.reshard == "never":
         gathered, how = d * sum(sizes), "every unit of the stage (kept from forward to backward)"

@@ -44,7 +44,8 @@ tokens on the rank, h the width):
 * FSDP over N = dp_shard x cp: per unit an all-gather of its parameters (d bytes each; 1 byte for
   float8 linears with `enable_fsdp_float8_all_gather`) and a reduce-scatter of its gradients (r bytes);
   experts over their own expert-FSDP group (FSDP2 on a single rank, which only casts, runs the same
-  copies and no collective). HSDP adds an all-reduce of the reduced shard over the R
+  copies and no collective; the compute copy that replaces it casts every parameter once a step and adds
+  every gradient into its float32 one). HSDP adds an all-reduce of the reduced shard over the R
   replicas. DDP and ZeRO-1 all-reduce every gradient over dp; ZeRO-1 also all-gathers the updated fp32
   parameters after the step. FSDP2's copy-in / copy-out around each collective is memory traffic on the
   compute stream (`fsdp_copy_bytes`).
@@ -326,6 +327,9 @@ def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple
     elif p.fsdp_wraps and not p.cpu_offload:  # FSDP2 on one rank (it casts): its copies, no collective
         for name, unit in units:
             out.copy_bytes += shapes.numel(unit) * (3 * d + 4) + grads(name, unit) * 3 * r
+    elif p.compute_copy:  # the compute copy refreshed (read 4, write d), each gradient added into float32
+        for name, unit in units:
+            out.copy_bytes += shapes.numel(unit) * (4 + d) + grads(name, unit) * (d + 8)
     elif p.dp > 1:
         ln = link(dev, p.dp * p.tp)
         out.reduces = [2 * ring(p.dp, grads(name, unit) * r, ln) for name, unit in units]

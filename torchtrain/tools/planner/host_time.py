@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtrain.components.hardware import GPUSpec
@@ -64,6 +65,9 @@ EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"
 """Operators Inductor calls as library kernels rather than fusing (with the attention operators)."""
 IGNORED_NAMESPACES = ("prim", "profiler")
 """Not operators a step dispatches: fake tensors' device queries, the profiler's record functions."""
+FUSED_ON_CUDA = frozenset({"rms_norm"})
+"""`torch.nn.functional` calls that are one kernel forward and one backward on CUDA, and a composition of
+several operators on the CPU the trace runs on: counted as the CUDA step dispatches them."""
 MACHINERY = ("FSDP::",)
 """Profiler ranges of eager machinery that runs inside a compiled module's call (its hooks)."""
 CLASSES = ("kernel", "alias", "handled")
@@ -168,10 +172,17 @@ class OpCounter(TorchDispatchMode):
     compiling job compiles (their forward and the backward of what it built count as "inside").
     `phase` is set by the caller ("forward/backward", then "optimizer")."""
 
-    def __init__(self, compiled: list[nn.Module] | None = None) -> None:
+    def __init__(self, compiled: list[nn.Module] | None = None, cuda: bool = False) -> None:
         super().__init__()
         self.counts = OpCounts()
         self.phase = "forward/backward"
+        self.cuda = cuda
+        """The target is a GPU: `FUSED_ON_CUDA` calls count as their CUDA kernels (see `functions`)."""
+        self._fused_depth = 0
+        self._fused_handled = False
+        self._fused_inputs: list[set] = []
+        self._fused_nodes: dict = {}  # autograd node -> the fused call that created it
+        self._fused_done: set[int] = set()  # fused calls whose backward was counted
         self.regions = compiled is not None
         """Whether compiled regions are told apart (a compiling job)."""
         self._depth = 0
@@ -185,6 +196,30 @@ class OpCounter(TorchDispatchMode):
                 lambda module, args, kwargs: self.enter_region((args, kwargs)), with_kwargs=True))
             self._hooks.append(module.register_forward_hook(
                 lambda module, args, output: self.leave_region(output), prepend=True))
+
+    def functions(self) -> TorchFunctionMode:
+        """The torch-function mode to enter beside the counter (inside it): it sees `FUSED_ON_CUDA` calls."""
+        return _FusedCalls(self)
+
+    def _count(self, cls: str, handled: bool) -> None:
+        where = "inside" if self.regions and self._inside() else "outside"
+        self.counts.ops[(self.phase, cls, where)] += 1
+        if handled:
+            self.counts.ops[(self.phase, "handled", where)] += 1
+
+    def fused_enter(self, inputs) -> None:
+        self._fused_depth += 1
+        self._fused_handled = False
+        self._fused_inputs.append({t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None})
+
+    def fused_leave(self, output) -> None:
+        self._fused_depth -= 1
+        stop = self._fused_inputs.pop()
+        call = len(self._keep)
+        self._count("kernel", self._fused_handled)  # the forward kernel
+        for node in _nodes_between(output, stop, self._fused_nodes):
+            self._fused_nodes[node] = call
+            self._keep.append(node)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -209,14 +244,9 @@ class OpCounter(TorchDispatchMode):
     def leave_region(self, output) -> None:
         self._depth -= 1
         stop = self._inputs.pop()
-        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        while todo:  # the autograd nodes this module's forward created: its backward is inside too
-            node = todo.pop()
-            if node in self._nodes or node in stop or type(node).__name__ == "AccumulateGrad":
-                continue
+        for node in _nodes_between(output, stop, self._nodes):  # its backward is inside too
             self._nodes.add(node)
             self._keep.append(node)
-            todo += [n for n, _ in node.next_functions if n is not None]
 
     def _inside(self) -> bool:
         if any(self._machinery):  # FSDP's hooks run eagerly, also inside a compiled module's call
@@ -238,14 +268,50 @@ class OpCounter(TorchDispatchMode):
         if self.regions and name.startswith("profiler."):
             self._track_machinery(name, args)
         if not name.startswith(IGNORED_NAMESPACES):
-            inside = self.regions and self._inside()
-            where = "inside" if inside else "outside"
-            self.counts.ops[(self.phase, op_class(name), where)] += 1
-            if _issued_by_handler(sys._getframe(1)):
-                self.counts.ops[(self.phase, "handled", where)] += 1
-            if inside and is_extern(name):
-                self.counts.extern_inside += 1
+            handled = _issued_by_handler(sys._getframe(1))
+            node = torch._C._current_autograd_node() if self._fused_nodes else None
+            if self._fused_depth:  # a fused call's forward: counted once, when it returns
+                self._fused_handled |= handled
+            elif node is not None and node in self._fused_nodes:  # its backward: one kernel, once
+                call = self._fused_nodes[node]
+                if call not in self._fused_done:
+                    self._fused_done.add(call)
+                    self._count("kernel", handled)
+            else:
+                self._count(op_class(name), handled)
+                if is_extern(name) and self.regions and self._inside():
+                    self.counts.extern_inside += 1
         return func(*args, **(kwargs or {}))
+
+
+class _FusedCalls(TorchFunctionMode):
+    """Marks the `FUSED_ON_CUDA` calls for the counter (a target GPU only)."""
+
+    def __init__(self, counter: OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not (self.counter.cuda and getattr(func, "__name__", "") in FUSED_ON_CUDA
+                and getattr(func, "__module__", "") == "torch.nn.functional"):
+            return func(*args, **kwargs)
+        self.counter.fused_enter((args, kwargs))
+        out = func(*args, **kwargs)
+        self.counter.fused_leave(out)
+        return out
+
+
+def _nodes_between(output, stop: set, seen) -> list:
+    """The autograd nodes from `output`'s back to the inputs' (`stop`), parameters' accumulators left out."""
+    out, todo = [], [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stop or node in out or type(node).__name__ == "AccumulateGrad":
+            continue
+        out.append(node)
+        todo += [n for n, _ in node.next_functions if n is not None]
+    return out
 
 
 def _issued_by_handler(frame) -> bool:

@@ -244,12 +244,24 @@ class PlanInputs:
         return self.dp_strategy.sharded
 
     @property
+    def compute_copy(self) -> bool:
+        """One data-parallel rank in a lower precision trains from a compute copy of its float32 parameters,
+        without FSDP (`distributed/compute_copy.py`): the Layout's decision (a what-if copy without one: the
+        conditions of `Layout.compute_copy`)."""
+        if self.layout is not None:
+            return self.layout.compute_copy
+        return (self.param_dtype != "float32" and self.dp * self.cp == 1 and self.tp == self.pp == self.ep == 1
+                and not self.cpu_offload and self.offload_optimizer == "none" and self.offload_params == "none"
+                and self.lora is None)
+
+    @property
     def fsdp_wraps(self) -> bool:
         """Whether FSDP2 wraps the model (gathers, or only casts on one rank): the Layout's decision (a
-        what-if copy without one: the same rule, `applies_fsdp`)."""
+        what-if copy without one: the same rule, `applies_fsdp`, unless a compute copy replaces it)."""
         if self.layout is not None:
             return self.layout.fsdp
-        return applies_fsdp(self.dp_strategy, self.dp * self.cp, DTYPES[self.param_dtype], self.cpu_offload)
+        return applies_fsdp(self.dp_strategy, self.dp * self.cp, DTYPES[self.param_dtype], self.cpu_offload) \
+            and not self.compute_copy
 
     @property
     def reshard(self) -> str:
@@ -294,6 +306,8 @@ class PlanInputs:
             text += f", AC {self.ac_mode}" + (f"({self.ac_option})" if self.ac_mode == "selective" else "")
         if self.cpu_offload:
             text += ", CPU offload"
+        if self.compute_copy:
+            text += ", compute copy (no FSDP)"
         if self.offload_optimizer != "none" or self.offload_params == "nvme":
             text += f", offload optimizer {self.offload_optimizer} params {self.offload_params}"
         return text

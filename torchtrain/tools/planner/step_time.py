@@ -225,7 +225,7 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     copies = compute_time.memory_seconds(dev, traffic.copy_bytes) * (1 if p.pp > 1 else passes)
     out.compute_breakdown_s = {k: v * passes for k, v in mb.breakdown.items()}
     if copies:
-        out.compute_breakdown_s["FSDP copy-in/out"] = copies
+        out.compute_breakdown_s["FSDP copy-in/out" if not p.compute_copy else "compute copy casts"] = copies
     out.compute_s = sum(out.compute_breakdown_s.values())
     schedule = passes * mb.seconds + copies
     out.bubble_s = schedule * prof.bubble / (1 - prof.bubble) if p.pp > 1 else 0.0

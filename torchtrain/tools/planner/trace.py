@@ -191,7 +191,8 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
     layout = resolve_layout(cfg, p.world_size, p.device_type, p.args, get_model_spec(p.model_name))
     dims = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world,
                         loss_parallel_requested=layout.dims.loss_parallel_requested, cp=p.cp, ep=p.ep)
-    return dataclasses.replace(layout, dims=dims)
+    allow = p.layout.allow_compute_copy if p.layout is not None else layout.allow_compute_copy
+    return dataclasses.replace(layout, dims=dims, allow_compute_copy=allow)  # the planned Layout's choice
 
 
 def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list[nn.Module],
@@ -214,7 +215,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
         schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
-    counter = OpCounter(compiled_modules(p, parts) if p.compile else None)
+    counter = OpCounter(compiled_modules(p, parts) if p.compile else None, cuda=p.device_type == "cuda")
     stored: list[float] = []
     # The trainer's own step (z-loss, MoE balancer, extra losses as the job sets them); a pipeline rank
     # runs up to two micro-batches through its stages (simulation/stage_step.py).
@@ -240,7 +241,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
                                    sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)
         _create_optimizer_state(parts, optimizers)
         hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
-        with tracker, counter:
+        with tracker, counter, counter.functions():
             step(batches)
     phases["optimizer"] = (tracker.peak, tracker.peak_breakdown())
     hook.remove()
