@@ -90,6 +90,7 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
+from torchtrain.tools.planner.compiled import compiles_loss, loss_backward_bytes, loss_saved_bytes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
 from torchtrain.tools.planner.shapes import adapter_units, numel, unit_shapes
@@ -222,25 +223,6 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
     return stored, recompute
 
 
-def loss_saved_bytes(p: PlanInputs) -> int:
-    """Bytes per token and vocabulary entry the cross-entropy keeps for backward: the fp32 log-softmax
-    (4); compiled, its input logits in the compute dtype (d: `tools/planner/compiled.py`)."""
-    return p.param_bytes if _compiled_loss(p) else 4
-
-
-def loss_backward_bytes(p: PlanInputs) -> int:
-    """The same for the buffers its backward starts with: two fp32 (8); compiled, the logits' gradient
-    written in their dtype (d)."""
-    return p.param_bytes if _compiled_loss(p) else 8
-
-
-def _compiled_loss(p: PlanInputs) -> bool:
-    layout = p.layout
-    if layout is not None:
-        return layout.compile_loss and not layout.loss_parallel
-    return p.compile and p.tp == 1
-
-
 _COUNTS: dict[tuple, tuple] = {}
 
 
@@ -361,7 +343,7 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     rows_bwd += [
         Row(f"activations ({flight} {what} x {t} tokens{ac_note})", acts,
             "A x blocks x t (+ last stage: norm/output input, "
-            + ("d V t logits (compiled loss))" if _compiled_loss(p) else "4 V t log-softmax)")),
+            + ("d V t logits (compiled loss))" if compiles_loss(p) else "4 V t log-softmax)")),
     ]
     if recompute > loss_extra:
         rows_bwd.append(Row("recomputed block (AC, during its backward)", recompute, "A x t"))

@@ -8,7 +8,8 @@ the job eagerly, and this module supplies what differs:
   every block, and without tensor parallelism the modules the model names in `compile_also`): the
   operator counter charges their insides as graph launches, not as dispatched operators
   (`host_time.py`);
-* **the compiled cross-entropy's memory** (`FusedCrossEntropySum`): eagerly, the loss upcasts the
+* **the compiled cross-entropy's memory** (`FusedCrossEntropySum`; `loss_saved_bytes` and
+  `loss_backward_bytes` for the analytic rows): eagerly, the loss upcasts the
   logits to float32, saves the float32 log-softmax (4 V bytes a token) and starts its backward with two
   more float32 buffers of that size; Inductor's graph of the same function keeps only its input (the
   logits, d V bytes a token in the compute dtype) and the per-token log-sum-exp, and its backward
@@ -50,9 +51,23 @@ def compiled_modules(p: PlanInputs, parts: list[nn.Module]) -> list[nn.Module]:
 
 def compiles_loss(p: PlanInputs) -> bool:
     """Whether the job compiles its cross-entropy (not under loss parallelism: vocabulary-sharded DTensor
-    logits, which the stand-in does not take)."""
+    logits, which the stand-in does not take); a what-if copy without a Layout: compiling, without TP."""
     layout = p.layout
-    return layout is not None and layout.compile_loss and not layout.loss_parallel
+    if layout is not None:
+        return layout.compile_loss and not layout.loss_parallel
+    return p.compile and p.tp == 1
+
+
+def loss_saved_bytes(p: PlanInputs) -> int:
+    """Bytes per token and vocabulary entry the cross-entropy keeps for backward: the fp32 log-softmax
+    (4); compiled, its input logits in the compute dtype (d)."""
+    return p.param_bytes if compiles_loss(p) else 4
+
+
+def loss_backward_bytes(p: PlanInputs) -> int:
+    """The same for the buffers its backward starts with: two fp32 (8); compiled, the logits' gradient
+    written in their dtype (d)."""
+    return p.param_bytes if compiles_loss(p) else 8
 
 
 class FusedCrossEntropySum(torch.autograd.Function):
