@@ -30,6 +30,38 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, os.environ.get("
 FAULT_INJECTION = ["--job.custom_imports", "fault_injection"]
 
 
+def usable_cores() -> int:
+    """CPUs this session may use: its affinity mask, capped by a cgroup CPU quota (a container's cpu.max,
+    or cgroup v1's cfs quota). `os.cpu_count()` counts the host's, which a container may not have."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(quota_file) as f:
+                fields = f.read().split()
+            if period_file is not None:
+                with open(period_file) as f:
+                    fields.append(f.read().strip())
+            quota, period = fields[0], fields[-1]
+            if quota not in ("max", "-1"):
+                cores = min(cores, max(1, int(quota) // int(period)))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cores
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
+    return max(1, min(2, usable_cores()))
+
+
+# Every process the tests start computes on one thread, as torchrun's workers do: the two test processes
+# (pyproject's `-n 2`) and the ranks they launch already outnumber the cores of a small machine, and torch's
+# default (a thread per core it sees -- on a container, the host's cores) would oversubscribe them many
+# times over. One-process runs then reduce in the same order as the ranks they are compared with.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE and os.path.basename(_CACHE).startswith("torchtrain-test-cache-"):
         shutil.rmtree(_CACHE, ignore_errors=True)

@@ -28,17 +28,23 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from torchtrain.config import ConfigError
 
-# Operators whose outputs selective "op" checkpointing saves instead of recomputing.
+# Operators whose outputs selective "op" checkpointing saves instead of recomputing: every matmul --
+# plain, float8 (`_scaled_mm`, torchao's Float8Linear), grouped (the MoE experts, bf16 and float8) -- and
+# attention; and the whole-tensor maxima float8 scaling takes (torchao's amax: one number each, so
+# saving them costs nothing and spares the recomputation a reduction over every activation).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten.max.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+} | {getattr(torch.ops.aten, name).default for name in ("_grouped_mm", "_scaled_grouped_mm")
+     if hasattr(torch.ops.aten, name)}  # (newer operators: absent from some torch builds)
 
 
 # Profiler ranges are not computation: FSDP opens more of them while recomputing a block whose experts
