@@ -67,9 +67,11 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout`
-    decides."""
+    """Apply the model's own adaptations -> LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile ->
+    FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
     dims = layout.dims
+    if spec.adapt is not None:
+        spec.adapt(model, layout)
     if layout.lora is not None:
         apply_lora(model, layout.lora)
     if layout.float8 is not None:
@@ -94,7 +96,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option, spec.cheap_to_recompute)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
-                       fullgraph=not experts)
+                       fullgraph=spec.compile_fullgraph and not experts)
         if not dims.tp_enabled:  # (under TP these carry the plan's redistribution hooks: they stay eager)
             compile_modules([m for m in (getattr(model, name, None) for name in spec.compile_also) if m is not None])
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc

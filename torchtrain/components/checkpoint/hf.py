@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import warnings
 from typing import Any, Iterator
 
@@ -119,9 +120,16 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
                       indent=2)
     config_dtype = dtype or entries[0][2]
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(adapter.hf_config(config_dtype), f, indent=2)
+    write_config(out_dir, adapter, config_dtype)
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total}
+
+
+def write_config(out_dir: str, adapter: StateDictAdapter, dtype: torch.dtype) -> None:
+    """config.json of an export, and the files the model keeps beside it (`StateDictAdapter.extra_files`)."""
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(adapter.hf_config(dtype), f, indent=2)
+    for path in adapter.extra_files():
+        shutil.copyfile(path, os.path.join(out_dir, os.path.basename(path)))
 
 
 class HFCheckpoint:
