@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.utils.logging import logger
 
 BLOCK = "layers.*."
 ROW = ("rowwise", "rowwise_split_input", "rowwise_rep")
@@ -209,7 +210,10 @@ def model_sp_problem(model: nn.Module, own: OwnStyles | None = None) -> str | No
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, own: OwnStyles | None = None) -> None:
     """Shard `model` over `tp_mesh` as its declared plan says (module doc); `own`: the styles of modules the
     engine swapped in (they need sequence parallelism, which the model's checks made sure of)."""
-    sp = model_sp_problem(model, own) is None
+    problem = model_sp_problem(model, own)
+    sp = problem is None
+    logger.info("tensor parallelism of model type %s from its declared plan, %s", model.config.model_type,
+                "with sequence parallelism" if sp else f"without sequence parallelism ({problem})")
     base_plan, head_plan = top_plan(model, sp, loss_parallel)
     parallelize_module(model.base_model, tp_mesh, base_plan)
     parallelize_module(model, tp_mesh, head_plan)
