@@ -114,10 +114,25 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     return model
 
 
+def _shared_parameters(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, name) places of every parameter several modules hold (tied embeddings)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in part.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
 def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int) -> nn.Module:
     """Allocate a meta-device part on its device and initialise it (values independent of the layout).
-    Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU."""
+    Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU.
+    A parameter several modules hold (tied embeddings) stays one parameter."""
+    shared = _shared_parameters(part)
     part.to_empty(device="cpu" if cpu_offload else device)
+    for (first, first_name), *others in shared:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     if cpu_offload:
         for module in part.modules():
             for name, buf in module._buffers.items():

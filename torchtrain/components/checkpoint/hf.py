@@ -212,6 +212,7 @@ def load_hf_into_model(model_state: ModelState, folder: str, adapter: StateDictA
     all ranks."""
     ckpt = HFCheckpoint(folder)
     try:
+        adapter = adapter.reading(ckpt.keys())
         if ckpt.config is not None:
             warnings = adapter.check_hf_config(ckpt.config, os.path.join(folder, CONFIG_FILE))
         else:
@@ -252,6 +253,7 @@ def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAda
     keys = list(iter_model_keys(model))
     out_bytes = lambda shape, model_dtype: torch.Size(shape).numel() * (dtype or model_dtype).itemsize  # noqa: E731
     try:
+        adapter = adapter.reading(ckpt.keys())
         warnings = adapter.check_hf_config(ckpt.config, folder) if ckpt.config else []
         state = {}
         with Progress("read HF", sum(out_bytes(s, d) for _, s, d in keys), "bytes", enabled=show_progress) as bar:

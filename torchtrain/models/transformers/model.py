@@ -99,5 +99,6 @@ def build_model(args: TransformersArgs) -> nn.Module:
     if registry:
         config._attn_implementation = attention.IMPLEMENTATION
     model = cls(config)
+    model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
     model.tt_setup(args, registry)
     return model

@@ -1,7 +1,8 @@
 """A transformers model's Hugging Face names are its own: every parameter is stored under its name,
 as is. The export writes the folder's config (with the layers built and the stored dtype) and copies
 its tokenizer and generation files, so `AutoModelForCausalLM.from_pretrained` loads the result (the
-`save_pretrained` layout)."""
+`save_pretrained` layout). A folder stored in another layout (transformers' conversion mapping, e.g.
+one tensor per expert) is read through transformers' own conversion (`checkpoint_layout.py`)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ class TransformersStateDictAdapter(StateDictAdapter):
         config.dtype = dtype
         return json.loads(config.to_json_string(use_diff=False))
 
+    def reading(self, available: set[str]) -> StateDictAdapter:
+        names = [name for name, _ in self.model_args.parameter_shapes()]
+        if all(key in available for name in names for key in self.hf_keys(name)):
+            return self
+        from torchtrain.models.transformers.checkpoint_layout import ConversionPlan
+        from torchtrain.models.transformers.parallelize import meta_model
+
+        return ConvertedLayout(self.model_args, ConversionPlan(meta_model(self.model_args), available))
+
     def extra_files(self) -> list[str]:
         folder = self.model_args.hf_path
         return [os.path.join(folder, n) for n in COMPANION_FILES if os.path.isfile(os.path.join(folder, n))]
@@ -71,3 +81,19 @@ class TransformersStateDictAdapter(StateDictAdapter):
                               f"{config['num_hidden_layers']} layers, fewer than the {self.model_args.n_layers} "
                               f"built (model.n_layers)")
         return []
+
+
+class ConvertedLayout(TransformersStateDictAdapter):
+    """Reads a checkpoint stored in transformers' conversion layout (`checkpoint_layout.ConversionPlan`)."""
+
+    def __init__(self, model_args: TransformersArgs, plan):
+        super().__init__(model_args)
+        self.plan = plan
+
+    def hf_keys(self, key: str) -> list[str]:
+        if not super().hf_keys(key):
+            return []
+        return self.plan.keys(key) or [key]  # (a missing parameter is reported under its own name)
+
+    def from_hf_tensors(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return self.plan.build(key, tensors)
