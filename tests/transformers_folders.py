@@ -8,6 +8,7 @@ transformers' 0.02) so logits are O(1) and routing is far from uniform."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -45,8 +46,13 @@ def config(kind: str, **changes):
     return cfg
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
 def write_tokenizer(folder: str) -> None:
-    """A byte-level BPE tokenizer.json (258 ids: 256 bytes, <s>, </s>) and a tokenizer_config.json."""
+    """A byte-level BPE tokenizer.json (258 ids: 256 bytes, <s>, </s>) and a tokenizer_config.json with a
+    chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -58,7 +64,7 @@ def write_tokenizer(folder: str) -> None:
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        f.write('{"bos_token": "<s>", "eos_token": "</s>"}\n')
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}, f)
 
 
 def hf_folder(folder, kind: str, weights: bool = True, tokenizer: bool = False, seed: int = 0, **changes) -> str:
