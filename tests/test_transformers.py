@@ -232,3 +232,60 @@ def test_the_folders_tokenizer_and_weights_are_the_defaults_and_chat_packs_block
                                                                                          weights=False)})) is None
     own = parse_args(["--model.name", "transformers", "--model.hf_path", folder, "--model.hf_assets_path", "x.json"])
     assert own.model.hf_assets_path == "x.json"  # the job's own tokenizer wins
+
+
+@pytest.mark.parametrize("kind, ep", [("olmo2", 1), ("mixtral", 2)])
+def test_declared_collectives_match_the_dry_run(kind, ep, tmp_path):
+    """The planner's view (tests/test_contract.py's check): per block and step, each collective's count
+    exact and its bytes within 5%, under TP 2 (OLMo 2's plan gathers its q/k/v outputs and cuts o_proj's
+    input; Mixtral's MoE blocks run as the engine's layer under EP 2)."""
+    from collections import Counter
+
+    from test_contract import BATCH, DTYPES, OPS, SEQ
+
+    from torchtrain.models.contract import declare
+    from torchtrain.tools.dryrun import run_rank
+
+    folder = hf_folder(tmp_path, kind, weights=False)
+
+    def logged(layers: int) -> tuple[Counter, Counter]:
+        argv = ["--model.name", "transformers", "--model.hf_path", folder, "--model.n_layers", str(layers),
+                "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
+                "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", str(ep),
+                "--parallelism.data_parallel_shard_degree", "1"]
+        counts, sizes = Counter(), Counter()
+        for c in run_rank(argv, 2, 0, "cuda", steps=1).collectives:
+            n = 1
+            for s in c.shapes[0]:
+                n *= s
+            counts[OPS[c.op]] += 1
+            sizes[OPS[c.op]] += n * DTYPES[c.dtype] * (2 if OPS[c.op] == "all_gather" else 1)
+        return counts, sizes
+
+    (c1, b1), (c2, b2) = logged(1), logged(2)
+    count = {k: c2[k] - c1[k] for k in c2 if c2[k] - c1[k]}
+    contract = declare(build_model_args(SPEC, "debugmodel", {"hf_path": folder, "n_layers": 2}))
+    block = contract.moe_block if contract.is_moe_layer(1) else contract.dense
+    declared_count, declared_size = Counter(), Counter()
+    for c in block.collectives(2, 1, ep, contract.attention):
+        declared_count[c.kind] += c.count
+        declared_size[c.kind] += c.count * c.nbytes(BATCH * SEQ, BATCH, 2)
+    assert count == dict(declared_count)
+    for kind_, logged_bytes in ((k, b2[k] - b1[k]) for k in count):
+        assert declared_size[kind_] == pytest.approx(logged_bytes, rel=0.05), kind_
+
+
+def test_the_planner_plans_a_transformers_folder(tmp_path):
+    """Parameters from the config, the plan it declares, traced memory of one real step on fake tensors."""
+    from torchtrain.tools.planner.core import load_job, plan_from_flags
+
+    folder = hf_folder(tmp_path, "mistral", weights=False)
+    job = load_job(["--model.name", "transformers", "--model.hf_path", folder, "--training.seq_len", "32",
+                    "--training.local_batch_size", "2"])
+    plan = plan_from_flags(job, 4, "h100", {"tp": 2})
+    assert plan.valid and not plan.blockers and plan.fits
+    assert plan.inputs.model.num_params == sum(p.numel() for p in ours(folder, load=False).parameters())
+    assert plan.ranks[0].trace is not None and plan.ranks[0].traced_peak is not None
+    assert plan.throughput.tokens_per_s > 0
+    refused = plan_from_flags(job, 4, "h100", {"pp": 2})
+    assert any("pipeline_parallel_degree" in p for p in refused.problems)

@@ -15,6 +15,9 @@ find what each style moves per block and micro-batch:
   reduce-scatter of the output width in forward, an all-gather of its gradient in backward
   (`Replicate()` output: one all-reduce in forward);
 * a partial sum made whole (`PrepareModuleInput` from `Partial()`): an all-reduce of the input in forward;
+* a column-parallel output gathered whole (`ColwiseParallel(output_layouts=Replicate())`): an all-gather
+  of the output width in forward; a row-parallel layer cutting a whole input (`RowwiseParallel(
+  input_layouts=Replicate())`): an all-gather of the input width's gradient in backward;
 * replicated weights on sequence shards (`SequenceParallel`): one all-reduce of each parameter's
   gradient in backward.
 
@@ -113,7 +116,11 @@ def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int)
                     add("reduce_scatter", True, m, m.in_features)
             elif isinstance(src, Partial) and isinstance(dst, Replicate):
                 add("all_reduce", False, m, m.in_features)
+            if isinstance(style, ColwiseParallel) and isinstance(_layouts(style.output_layouts)[0], Replicate):
+                add("all_gather", False, m, m.out_features)  # the output gathered whole (its gradient cut locally)
         if isinstance(style, RowwiseParallel):
+            if isinstance(_layouts(style.input_layouts)[0], Replicate):
+                add("all_gather", True, m, m.in_features)  # a whole input cut locally: its gradient gathered
             dst = _layouts(style.output_layouts)[0]
             if isinstance(dst, Shard):
                 add("reduce_scatter", False, m, m.out_features)

@@ -180,8 +180,8 @@ class TransformersArgs(BaseModelArgs):
         return int(getattr(self.full_config(), "num_experts_per_tok", 0) or 0)
 
     def describe(self) -> str:
-        """How the start-up line names the model."""
-        return f"transformers {self.model_type} ({self.hf_path})"
+        """How the start-up line and the planner name the model."""
+        return f"{self.model_type} from {self.hf_path}"
 
     # ------------------------------------------------------------------ the job
     def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:

@@ -198,5 +198,6 @@ def own_styles(layer: nn.Module) -> dict[str, object]:
     styles: dict[str, object] = {}
     for name in blocks(layer):
         for key, value in moe_tp_plan(name, shared_experts=False).items():
-            styles[key.replace(f"{name}.router", f"{name}.gate")] = value
+            if key != f"{name}.sequence_sum":  # (the auxiliary loss's statistics: the layer has none)
+                styles[key.replace(f"{name}.router", f"{name}.gate")] = value
     return styles
