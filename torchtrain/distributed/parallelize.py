@@ -57,6 +57,20 @@ from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.registry import ModelSpec
 
 
+def _beside(model: nn.Module, blocks: nn.Module) -> list[nn.Module]:
+    """The modules beside the blocks: the model's children but the one holding the blocks, whose own
+    children are taken the same way (the blocks may sit deeper, e.g. `model.layers` of a transformers model)."""
+    out = []
+    for child in model.children():
+        if child is blocks:
+            continue
+        if any(m is blocks for m in child.modules()):
+            out += _beside(child, blocks)
+        else:
+            out.append(child)
+    return out
+
+
 def materialize_async_output(module: nn.Module, inputs, output):
     """Under TP, a sequence-parallel output (e.g. the embedding's reduce-scatter) arrives as an
     AsyncCollectiveTensor (a lazily waited tensor subclass). Hand compiled blocks a plain tensor:
@@ -100,9 +114,8 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         if not dims.tp_enabled:  # (under TP these carry the plan's redistribution hooks: they stay eager)
             compile_modules([m for m in (getattr(model, name, None) for name in spec.compile_also) if m is not None])
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
-            for child in model.children():
-                if child is not blocks:
-                    child.register_forward_hook(materialize_async_output)
+            for module in _beside(model, blocks):
+                module.register_forward_hook(materialize_async_output)
     if layout.ddp:
         apply_ddp(model, dims.dp_mesh)
     elif layout.fsdp:

@@ -124,6 +124,7 @@ def _small(args: TransformersArgs):
 def _semantics(block_cls: type, config_cls: type, config_json: str, kind: str) -> tuple[str, bool]:
     """(score_func, norm_topk_prob) with which the MoE layer reproduces `block_cls` (ConfigError if none)."""
     config = config_cls.from_dict(json.loads(config_json))
+    config._experts_implementation = "eager"  # the experts' own loop (a block built outside its model)
     if getattr(config, "router_jitter_noise", 0):
         raise ConfigError(f"[parallelism.expert_parallel_degree] model type {kind!r}: its router adds jitter noise "
                           f"in training (router_jitter_noise), which torchtrain's MoE layer does not")
