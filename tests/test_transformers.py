@@ -178,12 +178,13 @@ def test_layouts_the_model_cannot_take_are_one_config_error(tmp_path, monkeypatc
          hf_folder(tmp_path / "tied", "mistral", weights=False, tie_word_embeddings=True)),
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.expert_parallel_degree", "packed expert",
          hf_folder(tmp_path / "moe", "mixtral", weights=False)),
-        (["--parallelism.tensor_parallel_degree", "4"], "", "num_key_value_heads] 2 is not divisible"),
+        (["--parallelism.tensor_parallel_degree", "4"], "parallelism.tensor_parallel_degree",
+         "4 does not divide model type 'mistral''s num_key_value_heads (2"),
     ]
     for extra, key, says, *where in cases:
         with pytest.raises(ConfigError) as e:
             job(where[0] if where else folder, 4, *extra)
-        assert str(e.value).startswith(f"[{key}]" if key else "model type 'mistral'") and says in str(e.value)
+        assert str(e.value).startswith(f"[{key}]") and says in str(e.value)
         assert "\n" not in str(e.value)
     plan = {**transformers.MistralConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_params"}
     monkeypatch.setattr(transformers.MistralConfig, "base_model_tp_plan", plan)

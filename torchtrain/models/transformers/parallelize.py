@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.models.registry import Layout
 from torchtrain.models.transformers import moe, tp_plan
 from torchtrain.models.transformers.args import TransformersArgs
@@ -65,19 +64,19 @@ def check_tp(args: TransformersArgs, layout: Layout, swapped: tuple[str, ...]) -
     if swapped and problem is not None:
         raise ConfigError(f"[parallelism.tensor_parallel_degree] model type {kind!r}: its MoE layers run under "
                           f"tensor parallelism with sequence parallelism, which its plan does not allow ({problem})")
-    sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads}
+    sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab_size}
     for layer_index, layer in enumerate(model.decoder_layers):
         for name, style in tp_plan.layer_entries(layer, model.config, set(swapped)).items():
             module = layer.get_submodule(name)
             if isinstance(module, nn.Linear) and style in tp_plan.COL:
-                sizes[f"layers.{layer_index}.{name}.out_features"] = module.out_features
+                sizes[f"layers.{layer_index}.{name} out_features"] = module.out_features
             elif isinstance(module, nn.Linear) and style in tp_plan.ROW:
-                sizes[f"layers.{layer_index}.{name}.in_features"] = module.in_features
-    sizes["vocab_size"] = args.vocab_size
-    try:
-        check_divisible(dims.tp, sizes)
-    except ConfigError as e:
-        raise ConfigError(f"model type {kind!r} ({args.hf_path}/config.json): {e}") from None
+                sizes[f"layers.{layer_index}.{name} in_features"] = module.in_features
+    for what, size in sizes.items():
+        if size % dims.tp:
+            raise ConfigError(f"[parallelism.tensor_parallel_degree] {dims.tp} does not divide model type {kind!r}'s "
+                              f"{what} ({size}, {args.hf_path}/config.json): each TP rank holds an equal share; "
+                              f"choose a degree that divides it")
     if problem is None and layout.local_seq_len % dims.tp:
         raise ConfigError(f"[training.seq_len] sequence parallelism splits each rank's {layout.local_seq_len} tokens "
                           f"over tensor_parallel_degree {dims.tp}; use a multiple of {dims.tp * dims.cp}")
