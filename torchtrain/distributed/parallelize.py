@@ -137,10 +137,12 @@ def _shared_parameters(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [p for p in places.values() if len(p) > 1]
 
 
-def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int) -> nn.Module:
+def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int,
+                loaded: bool = False) -> nn.Module:
     """Allocate a meta-device part on its device and initialise it (values independent of the layout).
     Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU.
-    A parameter several modules hold (tied embeddings) stays one parameter."""
+    A parameter several modules hold (tied embeddings) stays one parameter. `loaded`: every base weight
+    is loaded right after (`init_model_weights`)."""
     shared = _shared_parameters(part)
     part.to_empty(device="cpu" if cpu_offload else device)
     for (first, first_name), *others in shared:
@@ -151,7 +153,7 @@ def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: 
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-    init_model_weights(part, seed)
+    init_model_weights(part, seed, loaded)
     return part.train()
 
 
@@ -164,9 +166,10 @@ def stage_parts(whole: nn.Module, layout: Layout) -> list[tuple[int, nn.Module]]
 
 
 def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, device: torch.device,
-                      seed: int) -> list[nn.Module]:
-    """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised."""
+                      seed: int, loaded: bool = False) -> list[nn.Module]:
+    """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised
+    (`loaded`: every base weight is loaded right after, `init_model_weights`)."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
-    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed)
+    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed, loaded)
             for _, part in stage_parts(whole, layout)]

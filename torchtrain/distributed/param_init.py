@@ -105,12 +105,13 @@ def init_parameter(param: torch.Tensor, spec: InitSpec, fqn: str, seed: int) -> 
     local.copy_(rows.view(local.shape))
 
 
-def init_model_weights(model: nn.Module, seed: int) -> None:
+def init_model_weights(model: nn.Module, seed: int, loaded: bool = False) -> None:
     """Initialise every parameter of a (possibly sharded) model from its `init_spec` (LoRA adapters:
     `lora.adapter_init_spec`), then its buffers; or module by module (`init_by_modules`) for a model
-    with `init_module`."""
+    with `init_module`, whose whole-tensor draws are skipped when every base weight is `loaded` next
+    (its buffers and LoRA adapters are still initialised)."""
     if hasattr(model, "init_module"):
-        init_by_modules(model, seed)
+        init_by_modules(model, seed, parameters=not loaded)
         return
     for name, param in model.named_parameters():
         fqn = canonical_name(name)
@@ -145,12 +146,13 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def init_by_modules(model: nn.Module, seed: int) -> None:
+def init_by_modules(model: nn.Module, seed: int, parameters: bool = True) -> None:
     """Initialise a (possibly sharded) model with its own module-level code, `model.init_module(module)`
     (module doc). Each module is handed to it as a shallow copy whose own parameters and buffers are
     whole host tensors; a parameter shared by several modules (tied embeddings) is initialised by the
     first. LoRA adapters start as `lora.adapter_init_spec` says. A floating-point parameter or buffer
-    the model's code leaves unset is an error naming it."""
+    the model's code leaves unset is an error naming it. `parameters` False: the buffers only (and the
+    adapters): the base weights are about to be loaded."""
     done: dict[int, torch.Tensor] = {}
     for name, module in model.named_modules():
         fqn = canonical_name(name)
@@ -158,14 +160,15 @@ def init_by_modules(model: nn.Module, seed: int) -> None:
         adapters = {k: p for k, p in params.items() if adapter_init_spec(f"{fqn}.{k}", tuple(p.shape))}
         for k, p in adapters.items():
             init_parameter(p, adapter_init_spec(f"{fqn}.{k}", tuple(p.shape)), f"{fqn}.{k}", seed)
-        params = {k: p for k, p in params.items() if k not in adapters}
+        params = {k: p for k, p in params.items() if k not in adapters} if parameters else {}
         buffers = {k: b for k, b in module._buffers.items() if b is not None}
         if not params and not buffers:
             continue
         shared = {k for k, p in params.items() if id(p) in done}  # initialised with an earlier module
         shadow = _shallow_copy(module)
         shadow._parameters = {k: None if p is None else done[id(p)].clone() if k in shared else
-                              adapters[k] if k in adapters else _whole(p) for k, p in module._parameters.items()}
+                              _whole(p) if k in params else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+                              for k, p in module._parameters.items()}  # (meta: not initialised here)
         shadow._buffers = {k: None if b is None else _whole(b) for k, b in module._buffers.items()}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_block_seed(seed, fqn or "<root>", 0))

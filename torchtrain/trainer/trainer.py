@@ -100,7 +100,10 @@ class Trainer:
         # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard
         #    with values that do not depend on the layout.
-        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
+        # a model with its own weights (a transformers folder) loads every base weight at start-up (the
+        # folder's, or a checkpoint's): its initialisation draws only what is not loaded
+        loaded = bool(spec.hf_weights and spec.hf_weights(args)) and "model" not in cfg.checkpoint.exclude_from_loading
+        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed, loaded)
         if layout.lora is not None:  # numel of a sharded parameter is its global size
             trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
             logger.info("LoRA: rank-%d adapters, %.3fM trainable parameters (%.2f%% of the model); the rest frozen",
