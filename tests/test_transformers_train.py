@@ -2,14 +2,14 @@
 shared by the module (tests/scripts/parity_runs.py runs its jobs one after another):
 
 * Mistral (sliding window shorter than the sequence), from its config alone (the model's own
-  initialisation, keyed by module name): FSDP2 per decoder layer, DDP, ZeRO-1, TP 2 (the declared plan,
+  initialisation, keyed by module name): FSDP2 per decoder layer, DDP, ZeRO-1, ZeRO-2, TP 2 (the declared plan,
   with sequence parallelism) and FSDP2 x TP2 equal one process step by step; an FSDP2 run resumed from
   its step-2 checkpoint repeats its last steps bitwise; the FSDP2 x TP2 run's checkpoint exports to a
   folder that transformers loads with the logits of the torchtrain model;
 * Granite, a model type no torchtrain code names (embedding, residual and logit multipliers of its own):
   FSDP2 and TP2 equal one process from its declared plan alone;
-* Mixtral loaded from its folder (stored one tensor per expert): expert parallelism (EP 2 x FSDP 2, its MoE
-  blocks run as torchtrain's MoE layer) equals one process, where the blocks train as they are;
+* Mixtral loaded from its folder (stored one tensor per expert): FSDP2 with its MoE blocks as they are, and
+  expert parallelism (EP 2 x FSDP 2, its MoE blocks run as torchtrain's MoE layer) equal one process;
 * LoRA fine-tuning of Mistral's own weights on chat data with the folder's tokenizer (its default), the
   attention mask block-causal by default, an adapter-only checkpoint that `peft` loads.
 
@@ -65,9 +65,11 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
                                        "--checkpoint.initial_load_model_only", "false"]),  # after mistral_fsdp2
             ("mistral_ddp2", 2, 2, ["--model.hf_path", mistral, P + "data_parallel_strategy", "ddp"]),
             ("mistral_zero1", 2, 2, ["--model.hf_path", mistral, P + "data_parallel_strategy", "zero1"]),
+            ("mistral_zero2", 2, 2, ["--model.hf_path", mistral, P + "data_parallel_strategy", "zero2"]),
             ("mistral_tp2", 2, 4, ["--model.hf_path", mistral, P + "tensor_parallel_degree", "2"]),
             ("granite_fsdp2", 2, 2, ["--model.hf_path", granite]),
             ("granite_tp2", 2, 4, ["--model.hf_path", granite, P + "tensor_parallel_degree", "2"]),
+            ("mixtral_fsdp2", 2, 2, ["--model.hf_path", mixtral]),
             ("mistral_fsdp2_tp2", 4, 2, ["--model.hf_path", mistral, P + "tensor_parallel_degree", "2",
                                          "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]),
             ("mixtral_ep2_fsdp2", 4, 1, ["--model.hf_path", mixtral, P + "expert_parallel_degree", "2"])]
@@ -101,7 +103,7 @@ def check(runs, baseline: str, candidates: list[str]) -> None:
 
 
 def test_every_layout_of_a_dense_model_equals_one_process(runs):
-    check(runs, "mistral_single", ["mistral_fsdp2", "mistral_ddp2", "mistral_zero1", "mistral_tp2",
+    check(runs, "mistral_single", ["mistral_fsdp2", "mistral_ddp2", "mistral_zero1", "mistral_zero2", "mistral_tp2",
                                    "mistral_fsdp2_tp2"])
     assert "with sequence parallelism" in runs["mistral_tp2"].log
 
@@ -118,8 +120,8 @@ def test_a_model_type_no_code_names_trains_from_its_declared_plan(runs):
     check(runs, "granite_single", ["granite_fsdp2", "granite_tp2"])
 
 
-def test_expert_parallelism_swaps_the_moe_blocks_and_equals_one_process(runs):
-    check(runs, "mixtral_single", ["mixtral_ep2_fsdp2"])
+def test_moe_blocks_train_as_they_are_under_fsdp_and_swapped_under_expert_parallelism(runs):
+    check(runs, "mixtral_single", ["mixtral_fsdp2", "mixtral_ep2_fsdp2"])
     assert "initial load: model weights loaded from the Hugging Face folder" in runs["mixtral_single"].log
 
 
