@@ -103,8 +103,8 @@ class ContextParallelAttention(AttentionCore):
         ctx.mask = self.build_mask(batch, q_seq, k_seq, q_doc, k_doc)
         ctx.extra["cp"] = True  # every attention of this forward must be sharded alike
         for window in sorted(set(windows)):
-            if window < seq_len:
-                ctx.windowed[window] = self.build_mask(batch, q_seq, k_seq, q_doc, k_doc, window)
+            ctx.windowed[window] = (self.build_mask(batch, q_seq, k_seq, q_doc, k_doc, window) if window < seq_len
+                                    else ctx.mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 scale: float | None = None, window: int | None = None, softcap: float | None = None,

@@ -54,14 +54,14 @@ class AttentionContext:
     mask: Any = None
     """Set by `AttentionCore.prepare`: None (plain causal), a dense bool mask, or a flex BlockMask."""
     windowed: dict[int, Any] = field(default_factory=dict)
-    """The masks of sliding windows shorter than the sequence, by window (set by `prepare`)."""
+    """The mask of each sliding window the forward's layers use, by window (set by `prepare`; `mask`
+    itself for a window no shorter than the sequence)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> Any:
-        """The mask of attention with this sliding window (None: none)."""
-        if window is None or window not in self.windowed:
-            return self.mask
-        return self.windowed[window]
+        """The mask of attention with this sliding window (None: none); KeyError for a window `prepare`
+        was not given."""
+        return self.mask if window is None else self.windowed[window]
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -129,8 +129,7 @@ class AttentionCore(nn.Module):
         if documents:
             ctx.mask = self.build_mask(batch, seq, seq, doc, doc)
         for window in sorted(set(windows)):
-            if window < length:
-                ctx.windowed[window] = self.build_mask(batch, seq, seq, doc, doc, window)
+            ctx.windowed[window] = self.build_mask(batch, seq, seq, doc, doc, window) if window < length else ctx.mask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None = None,
                softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:

@@ -40,7 +40,7 @@ def torchtrain_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          is_causal: bool | None = None, sliding_window: int | None = None,
                          softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (output (batch, seq, heads, head_dim), no weights)."""
-    ctx = kwargs.pop(CONTEXT_KEY, None) or AttentionContext()
+    ctx = kwargs.pop(CONTEXT_KEY, None)
     kind = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
     unsupported = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None and v is not False)
     if attention_mask is not None:
@@ -52,11 +52,18 @@ def torchtrain_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                           f"which torchtrain's attention does not implement")
     core = getattr(module, CORE, None)
     if core is None:
-        if ctx.extra.get("cp"):
+        if ctx is not None and ctx.extra.get("cp"):
             raise ConfigError(f"[parallelism.context_parallel_degree] model type {kind!r}: attention module "
                               f"{type(module).__name__} was not recognised as one, so context parallelism cannot "
                               f"shard it; set context_parallel_degree = 1")
         core = AttentionCore("causal")
+    windows = (sliding_window,) if sliding_window is not None else ()
+    if ctx is None:  # called outside torchtrain's forward (e.g. by transformers' generate): this call's masks
+        ctx = AttentionContext()
+        core.prepare(ctx, query.shape[0], query.shape[2], query.device, windows)
+    elif sliding_window is not None and sliding_window not in ctx.windowed:
+        raise ConfigError(f"[model.hf_path] model type {kind!r}: a layer asks for a sliding window of {sliding_window} "
+                          f"tokens that its config does not declare (sliding_window, use_sliding_window, layer_types)")
     out = core(query, key, value, ctx, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
 
@@ -95,6 +102,12 @@ def attach_cores(layers: nn.Module, mask: MaskType) -> int:
 
 
 def sliding_windows(config) -> tuple[int, ...]:
-    """The sliding windows the model's layers may ask for (their masks are prepared once per forward)."""
+    """The sliding window the model's layers ask for, if any (its mask is prepared once per forward): the
+    config's `sliding_window`, unless `use_sliding_window` is off or no layer is a sliding one (`layer_types`)."""
     window = getattr(config, "sliding_window", None)
-    return (int(window),) if isinstance(window, int) and window > 0 else ()
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return ()
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and not any("sliding" in str(kind) for kind in kinds):
+        return ()
+    return (window,)
