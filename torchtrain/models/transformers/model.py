@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import TransformersArgs, import_transformers
@@ -99,6 +100,9 @@ def build_model(args: TransformersArgs) -> nn.Module:
     if registry:
         config._attn_implementation = attention.IMPLEMENTATION
     model = cls(config)
+    if not isinstance(getattr(model.base_model, "layers", None), nn.ModuleList):
+        raise ConfigError(f"[model.hf_path] model type {config.model_type!r}: its decoder layers are not the base "
+                          f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
     model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
     model.tt_setup(args, registry)
     return model
