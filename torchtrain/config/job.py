@@ -45,7 +45,8 @@ class Model:
     argument can be overridden in this section too, e.g. `--model.dim 128 --model.n_layers 3`."""
 
     hf_assets_path: str | None = None
-    """Hugging Face tokenizer: a `tokenizer.json` file or a folder holding one. Unset: the built-in
+    """Hugging Face tokenizer: a `tokenizer.json` file or a folder holding one. Unset: the tokenizer.json
+    of `model.hf_path` when that model folder has one (model.name = "transformers"), else the built-in
     byte-level tokenizer (256 byte tokens + BOS + EOS), which needs no download."""
 
     converters: list[str] = field(default_factory=list)

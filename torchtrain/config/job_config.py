@@ -6,6 +6,7 @@ parser, `--help`, validation and the saved config pick it up without further cha
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from torchtrain.config.checkpoint import Checkpoint
@@ -50,6 +51,10 @@ class JobConfig:
     def validate(self) -> None:
         """Checks that need no process group: each section's own, then those across sections."""
         ckpt = self.checkpoint
+        folder = self.model.overrides.get("hf_path")  # a Hugging Face model folder (model.name = "transformers")
+        if self.model.hf_assets_path is None and isinstance(folder, str) and \
+                os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            self.model.hf_assets_path = folder  # the model's own tokenizer is the default
         if ckpt.initial_load_in_hf and not ckpt.initial_load_path and self.model.hf_assets_path:
             ckpt.initial_load_path = self.model.hf_assets_path  # torchtitan's meaning: the HF folder of the model
         for name in self.__dataclass_fields__:

@@ -87,7 +87,8 @@ class ContextParallelAttention(AttentionCore):
     def extra_repr(self) -> str:
         return f"mask={self.mask_type}, cp={self.cp}"
 
-    def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device) -> None:
+    def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device,
+                windows: tuple[int, ...] = ()) -> None:
         seq_len = length * self.cp
         q_seq = cp_indices(seq_len, self.cp, self.rank, device)
         k_seq = torch.cat([cp_indices(seq_len, self.cp, r, device) for r in range(self.cp)])
@@ -100,11 +101,17 @@ class ContextParallelAttention(AttentionCore):
             docs = document_ids(full)
             q_doc, k_doc = docs[:, q_seq], docs[:, k_seq]
         ctx.mask = self.build_mask(batch, q_seq, k_seq, q_doc, k_doc)
+        ctx.extra["cp"] = True  # every attention of this forward must be sharded alike
+        for window in sorted(set(windows)):
+            ctx.windowed[window] = (self.build_mask(batch, q_seq, k_seq, q_doc, k_doc, window) if window < seq_len
+                                    else ctx.mask)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+                scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                dropout: float = 0.0) -> torch.Tensor:
         k = _all_gather_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
         v = _all_gather_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
-        return self.attend(q, k, v, ctx.mask)
+        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout)
 
 
 def _sum_over_cp(cp_mesh: DeviceMesh):

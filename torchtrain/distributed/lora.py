@@ -265,6 +265,13 @@ class LoRAStateDictAdapter(StateDictAdapter):
     def hf_config(self, dtype):
         return self.base.hf_config(dtype)
 
+    def extra_files(self):
+        return self.base.extra_files()
+
+    def reading(self, available):
+        base = self.base.reading(available)
+        return self if base is self.base else LoRAStateDictAdapter(base)
+
     def check_hf_config(self, config, source):
         return self.base.check_hf_config(config, source)
 

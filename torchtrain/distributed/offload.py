@@ -9,8 +9,8 @@ from torchtrain.config.fields import ConfigError
 
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
-    from torchtrain.distributed.layout import DPStrategy
     from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.distributed.strategy import DPStrategy
 
 
 def check_offload(cfg: "JobConfig", dims: "ParallelDims", strategy: "DPStrategy", device_type: str) -> None:

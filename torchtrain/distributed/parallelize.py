@@ -57,6 +57,20 @@ from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.registry import ModelSpec
 
 
+def _beside(model: nn.Module, blocks: nn.Module) -> list[nn.Module]:
+    """The modules beside the blocks: the model's children but the one holding the blocks, whose own
+    children are taken the same way (the blocks may sit deeper, e.g. `model.layers` of a transformers model)."""
+    out = []
+    for child in model.children():
+        if child is blocks:
+            continue
+        if any(m is blocks for m in child.modules()):
+            out += _beside(child, blocks)
+        else:
+            out.append(child)
+    return out
+
+
 def materialize_async_output(module: nn.Module, inputs, output):
     """Under TP, a sequence-parallel output (e.g. the embedding's reduce-scatter) arrives as an
     AsyncCollectiveTensor (a lazily waited tensor subclass). Hand compiled blocks a plain tensor:
@@ -67,9 +81,11 @@ def materialize_async_output(module: nn.Module, inputs, output):
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
-    """Apply LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile -> FSDP/HSDP/DDP to `model` in place, as `layout`
-    decides."""
+    """Apply the model's own adaptations -> LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile ->
+    FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
     dims = layout.dims
+    if spec.adapt is not None:
+        spec.adapt(model, layout)
     if layout.lora is not None:
         apply_lora(model, layout.lora)
     if layout.float8 is not None:
@@ -94,13 +110,12 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option, spec.cheap_to_recompute)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
-                       fullgraph=not experts)
+                       fullgraph=spec.compile_fullgraph and not experts)
         if not dims.tp_enabled:  # (under TP these carry the plan's redistribution hooks: they stay eager)
             compile_modules([m for m in (getattr(model, name, None) for name in spec.compile_also) if m is not None])
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
-            for child in model.children():
-                if child is not blocks:
-                    child.register_forward_hook(materialize_async_output)
+            for module in _beside(model, blocks):
+                module.register_forward_hook(materialize_async_output)
     if layout.ddp:
         apply_ddp(model, dims.dp_mesh)
     elif layout.fsdp:
@@ -112,16 +127,33 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     return model
 
 
-def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int) -> nn.Module:
+def _shared_parameters(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, name) places of every parameter several modules hold (tied embeddings)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in part.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
+def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int,
+                loaded: bool = False) -> nn.Module:
     """Allocate a meta-device part on its device and initialise it (values independent of the layout).
-    Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU."""
+    Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU.
+    A parameter several modules hold (tied embeddings) stays one parameter. `loaded`: every base weight
+    is loaded right after (`init_model_weights`)."""
+    shared = _shared_parameters(part)
     part.to_empty(device="cpu" if cpu_offload else device)
+    for (first, first_name), *others in shared:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     if cpu_offload:
         for module in part.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-    init_model_weights(part, seed)
+    init_model_weights(part, seed, loaded)
     return part.train()
 
 
@@ -134,9 +166,10 @@ def stage_parts(whole: nn.Module, layout: Layout) -> list[tuple[int, nn.Module]]
 
 
 def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, device: torch.device,
-                      seed: int) -> list[nn.Module]:
-    """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised."""
+                      seed: int, loaded: bool = False) -> list[nn.Module]:
+    """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised
+    (`loaded`: every base weight is loaded right after, `init_model_weights`)."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
-    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed)
+    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed, loaded)
             for _, part in stage_parts(whole, layout)]

@@ -12,6 +12,12 @@ shard's size and order), so each parameter is generated from counter-based seeds
 
 The values therefore depend on (seed, parameter name, global shape, device type) only. Cost per rank is
 its local rows x the full row width, never the whole tensor (unless the shard is the whole tensor).
+
+A model whose initialisation is code acting on whole modules (a Hugging Face model's `_init_weights`)
+supplies `init_module(module)` instead of `init_spec`: each module's own parameters and buffers are
+made whole on the host, the model's code initialises them under a torch seed keyed by (seed, the
+module's canonical name), and each rank copies out its slice (`init_by_modules`). The values depend on
+(seed, module name, global shapes) only, as above; each rank draws every whole tensor once.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.lora import adapter_init_spec
 from torchtrain.models.base import InitSpec
 
@@ -98,11 +105,83 @@ def init_parameter(param: torch.Tensor, spec: InitSpec, fqn: str, seed: int) -> 
     local.copy_(rows.view(local.shape))
 
 
-def init_model_weights(model: nn.Module, seed: int) -> None:
+def init_model_weights(model: nn.Module, seed: int, loaded: bool = False) -> None:
     """Initialise every parameter of a (possibly sharded) model from its `init_spec` (LoRA adapters:
-    `lora.adapter_init_spec`), then its buffers."""
+    `lora.adapter_init_spec`), then its buffers; or module by module (`init_by_modules`) for a model
+    with `init_module`, whose whole-tensor draws are skipped when every base weight is `loaded` next
+    (its buffers and LoRA adapters are still initialised)."""
+    if hasattr(model, "init_module"):
+        init_by_modules(model, seed, parameters=not loaded)
+        return
     for name, param in model.named_parameters():
         fqn = canonical_name(name)
         spec = adapter_init_spec(fqn, tuple(param.shape)) or model.init_spec(fqn)
         init_parameter(param, spec, fqn, seed)
     model.init_buffers()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor of `t`'s global shape and dtype, NaN-filled to show what stays unset."""
+    out = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+    return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+@torch.no_grad()
+def _copy_slice(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """This rank's part of `whole` into `target` (a DTensor's local shard, or the tensor itself)."""
+    if isinstance(target, DTensor):
+        local = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(whole.to(target.device))
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new object of the module's class sharing its attributes (no constructor runs: FSDP's module
+    classes construct the original class in `__new__`)."""
+    shadow = object.__new__(type(module))
+    shadow.__dict__.update(module.__dict__)
+    return shadow
+
+
+@torch.no_grad()
+def init_by_modules(model: nn.Module, seed: int, parameters: bool = True) -> None:
+    """Initialise a (possibly sharded) model with its own module-level code, `model.init_module(module)`
+    (module doc). Each module is handed to it as a shallow copy whose own parameters and buffers are
+    whole host tensors; a parameter shared by several modules (tied embeddings) is initialised by the
+    first. LoRA adapters start as `lora.adapter_init_spec` says. A floating-point parameter or buffer
+    the model's code leaves unset is an error naming it. `parameters` False: the buffers only (and the
+    adapters): the base weights are about to be loaded."""
+    done: dict[int, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        fqn = canonical_name(name)
+        params = {k: p for k, p in module._parameters.items() if p is not None}
+        adapters = {k: p for k, p in params.items() if adapter_init_spec(f"{fqn}.{k}", tuple(p.shape))}
+        for k, p in adapters.items():
+            init_parameter(p, adapter_init_spec(f"{fqn}.{k}", tuple(p.shape)), f"{fqn}.{k}", seed)
+        params = {k: p for k, p in params.items() if k not in adapters} if parameters else {}
+        buffers = {k: b for k, b in module._buffers.items() if b is not None}
+        if not params and not buffers:
+            continue
+        shared = {k for k, p in params.items() if id(p) in done}  # initialised with an earlier module
+        shadow = _shallow_copy(module)
+        shadow._parameters = {k: None if p is None else done[id(p)].clone() if k in shared else
+                              _whole(p) if k in params else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+                              for k, p in module._parameters.items()}  # (meta: not initialised here)
+        shadow._buffers = {k: None if b is None else _whole(b) for k, b in module._buffers.items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_block_seed(seed, fqn or "<root>", 0))
+            model.init_module(shadow)
+        for kind, own, made in (("parameter", params, shadow._parameters), ("buffer", buffers, shadow._buffers)):
+            for k, target in own.items():
+                if kind == "parameter" and k in shared:
+                    continue
+                value = made[k]
+                if value.is_floating_point() and torch.isnan(value).any():
+                    raise ConfigError(f"[model] the model's own initialisation leaves {kind} {fqn}.{k} unset "
+                                      f"(its code has no rule for {type(module).__name__}); it cannot train from "
+                                      f"scratch: start from weights (checkpoint.initial_load_path)")
+                _copy_slice(target if isinstance(target, DTensor) else target.data, value)
+                if kind == "parameter":
+                    done[id(target)] = value

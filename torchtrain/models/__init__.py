@@ -5,4 +5,5 @@ from torchtrain.models import (
     llama3,  # noqa: F401  (registers "llama3")
     qwen3,  # noqa: F401,E402  (registers "qwen3")
     qwen3_moe,  # noqa: F401,E402  (registers "qwen3_moe")
+    transformers,  # noqa: F401,E402  (registers "transformers": any causal LM of the transformers package)
 )

@@ -11,6 +11,11 @@ A model is an ordinary ``nn.Module`` with no parallel code. To plug into torchtr
 * ``init_buffers()``: recompute non-persistent buffers (e.g. RoPE tables) after the model has been
   materialised from the meta device.
 
+A model whose initialisation is code acting on whole modules (a Hugging Face transformers model) gives
+``init_module(module)`` instead of ``init_spec``: the trainer runs it module by module on whole host
+tensors under seeds keyed by the module's name (``param_init.init_by_modules``), which is layout
+independent too.
+
 A model may keep statistics of its training forwards (an MoE layer's per-expert token counts, which
 drive load balancing). `forward_counting(False)` marks forwards that are not part of training -- the
 pipeline schedule's shape-inference pass -- so they leave those statistics untouched.

@@ -26,8 +26,11 @@ from torchtrain.models.base import BaseModelArgs
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtrain.distributed.layout import Layout
     from torchtrain.models.state_dict_adapter import StateDictAdapter
+
+Layout = Any
+"""The resolved layout (`distributed/layout.py::Layout`) a model's checks receive; named here without
+importing it, so that the model registry does not depend on the distributed layout."""
 
 
 @dataclass
@@ -35,13 +38,16 @@ class ModelSpec:
     """Everything model-specific. Optional hooks default to "not supported" (a config error names it)."""
 
     name: str
-    model_cls: type[nn.Module]
+    model_cls: Callable[[BaseModelArgs], nn.Module]
+    """Builds the model from its arguments (a class, or a factory returning a module)."""
     args_cls: type[BaseModelArgs]
     flavors: dict[str, BaseModelArgs]
+    """Named presets of the arguments. Empty: the model has no presets -- its `[model]` keys alone
+    describe it (e.g. a Hugging Face folder), and `model.flavor` keeps its default."""
     blocks: str = "layers"
-    """Attribute of the model holding its repeated blocks, an nn.ModuleDict keyed by global block
-    index (an nn.ModuleList works when the model has no pipeline split). Activation checkpointing and
-    compile apply per block; by default each block is one FSDP unit."""
+    """Attribute (or dotted path, e.g. "model.layers") of the model holding its repeated blocks, an
+    nn.ModuleDict keyed by global block index (an nn.ModuleList works when the model has no pipeline
+    split). Activation checkpointing and compile apply per block; by default each block is one FSDP unit."""
     tp_plan: Callable[[nn.Module, "DeviceMesh", bool], None] | None = None
     """(model, tp_mesh, loss_parallel): shard the model's matmuls over the TP mesh (DTensor
     `parallelize_module` plans). None: tensor parallelism is unsupported for this model."""
@@ -71,10 +77,22 @@ class ModelSpec:
     context_parallel: bool = False
     """The model's attention is `models/common/attention.py::AttentionCore` and its forward takes
     `seq_index` (and `positions`), so context parallelism can shard its sequences."""
+    compile_fullgraph: bool = True
+    """Compile each block as one graph (False: Dynamo may break the graph where the block's code needs it,
+    e.g. a model whose code was not written for `fullgraph`)."""
+    adapt: Callable[[nn.Module, "Layout"], None] | None = None
+    """The model's own changes for a layout, made first on the meta-device model (e.g. a Hugging Face MoE
+    block becomes the engine's MoE layer under expert parallelism). None: none."""
+    hf_weights: Callable[[BaseModelArgs], str | None] | None = None
+    """A Hugging Face folder holding the model's own initial weights (safetensors), loaded at start-up
+    unless a checkpoint is resumed or `checkpoint.initial_load_path` names other weights; None: none."""
 
     def blocks_of(self, model: nn.Module) -> nn.Module:
         """The model's container of repeated blocks (`blocks`)."""
-        container = getattr(model, self.blocks, None)
+        try:
+            container = model.get_submodule(self.blocks)
+        except AttributeError:
+            container = None
         if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
             raise TypeError(f"model {self.name!r}: ModelSpec.blocks = {self.blocks!r} must name an nn.ModuleDict or "
                             f"nn.ModuleList attribute of {type(model).__name__}")
@@ -123,7 +141,17 @@ def coerce_overrides(spec: ModelSpec, overrides: dict[str, Any], sources: dict[s
 
 def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any],
                      sources: dict[str, str] | None = None) -> BaseModelArgs:
-    """The flavor preset with the job's `[model]` overrides applied, validated."""
+    """The flavor preset with the job's `[model]` overrides applied, validated. A model without presets
+    (`ModelSpec.flavors` empty) starts from its arguments' defaults and takes no other flavor."""
+    if not spec.flavors:
+        from torchtrain.config.job import Model
+
+        if flavor != default_of(next(f for f in dataclasses.fields(Model) if f.name == "flavor")):
+            raise ConfigError(f"[model.flavor] {spec.name} has no flavors: its [model] keys describe the model; "
+                              f"leave model.flavor unset")
+        args = spec.args_cls().replace(**coerce_overrides(spec, overrides, sources))
+        args.validate()
+        return args
     if flavor not in spec.flavors:
         hint = did_you_mean(flavor, list(spec.flavors))
         raise ConfigError(

@@ -112,6 +112,15 @@ class StateDictAdapter(abc.ABC):
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """config.json for this model, with weights stored in `dtype`."""
 
+    def reading(self, available: set[str]) -> "StateDictAdapter":
+        """The adapter that reads an HF checkpoint holding the keys `available`: this one, unless the model's
+        HF files come in more than one layout and these are in another."""
+        return self
+
+    def extra_files(self) -> list[str]:
+        """Files an export copies beside the weights and config.json (e.g. the model's tokenizer)."""
+        return []
+
     def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
         """Raise ConfigError when `config` (an HF config.json) describes an incompatible model; return
         warnings about settings that load but behave differently."""

@@ -26,6 +26,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from torchtrain.components.checkpoint.hf import write_config
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.lora import apply_lora, is_adapter_param, lora_load_keys
 from torchtrain.models.state_dict_adapter import StateDictAdapter
@@ -89,9 +90,7 @@ def write_merged(folder: str, state: dict[str, torch.Tensor], cfg: Lora, adapter
             tensors.update({k: v.contiguous() for k, v in adapter.to_hf_tensors(key, value).items()})
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    dtype = next(iter(tensors.values())).dtype
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(adapter.hf_config(dtype), f, indent=2)
+    write_config(folder, adapter, next(iter(tensors.values())).dtype)
 
 
 def load_lora_state(checkpoint: str, job_argv: list[str]) -> tuple[dict[str, torch.Tensor], Lora, StateDictAdapter]:

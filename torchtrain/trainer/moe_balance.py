@@ -65,8 +65,13 @@ class MoEBalancer:
 
     @classmethod
     def for_model(cls, model_parts: list[nn.Module], device: torch.device, model_args) -> "MoEBalancer | None":
-        """A balancer for a mixture-of-experts model (`model_args.num_experts` > 0), else None."""
-        return cls(model_parts, device) if getattr(model_args, "num_experts", 0) else None
+        """A balancer for a mixture-of-experts model (`model_args.num_experts` > 0) whose MoE blocks are the
+        engine's layer (`models/common/moe.py`) on some rank, else None (e.g. a transformers MoE block
+        trained as it is)."""
+        if not getattr(model_args, "num_experts", 0):
+            return None
+        balancer = cls(model_parts, device)  # (collective: every rank builds it, and agrees on the layers)
+        return balancer if balancer.names else None
 
     def begin_step(self, scale: torch.Tensor | float) -> None:
         for layer in self.local.values():

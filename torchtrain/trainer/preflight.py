@@ -22,7 +22,7 @@ from torchtrain.components.evaluation.validation import check_validation, check_
 from torchtrain.components.observability.wandb_sink import check_wandb
 from torchtrain.components.offload.runtime import check_nvme_folder
 from torchtrain.config import JobConfig
-from torchtrain.config.fields import ConfigError
+from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
 from torchtrain.data.sources import CHAT, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
@@ -43,9 +43,18 @@ class ResolvedJob:
 
 def resolve_model(cfg: JobConfig, tokenizer) -> tuple[ModelSpec, BaseModelArgs]:
     """The job's model spec and its arguments (flavor + overrides, adapted to the job). The overrides
-    in `cfg.model` are replaced by their checked, typed values (so the saved config is typed)."""
+    in `cfg.model` are replaced by their checked, typed values (so the saved config is typed). Chat data
+    packs conversations into rows: its attention mask defaults to block-causal (a notice says so)."""
     spec = get_model_spec(cfg.model.name)
     cfg.model.overrides = coerce_overrides(spec, cfg.model.overrides, cfg.model.override_sources)
+    if (cfg.training.dataset == CHAT and "attention_mask" not in cfg.model.overrides
+            and "attention_mask" in field_types(spec.args_cls)):
+        cfg.model.overrides["attention_mask"] = "block_causal"
+        cfg.model.override_sources["attention_mask"] = "by training.dataset = \"chat\""
+        notice = ("info", "training.dataset = \"chat\" packs several conversations into each row: "
+                          "model.attention_mask defaults to \"block_causal\" so that they do not attend to each other")
+        if notice not in cfg.job.notices:
+            cfg.job.notices.append(notice)
     args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
     args.update_from_job(cfg.training.seq_len, tokenizer)
     return spec, args

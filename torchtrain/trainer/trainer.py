@@ -89,8 +89,10 @@ class Trainer:
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         check_cluster(checkpoint_folder if cfg.checkpoint.enable else None)  # a multi-node folder must be shared
         active = getattr(args, "num_active_params", args.num_params)()
-        logger.info("%s | %d processes: %s | device %s | model %s/%s, %.2fM parameters%s", cfg.job.description,
-                    world_size, layout.describe(), device, cfg.model.name, cfg.model.flavor, args.num_params() / 1e6,
+        model_name = f"{cfg.model.name} ({args.describe()})" if hasattr(args, "describe") else \
+            f"{cfg.model.name}/{cfg.model.flavor}"
+        logger.info("%s | %d processes: %s | device %s | model %s, %.2fM parameters%s", cfg.job.description,
+                    world_size, layout.describe(), device, model_name, args.num_params() / 1e6,
                     f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
         for level, text in cfg.job.notices:  # torchtitan keys adapted or dropped (config/torchtitan.py)
             (logger.warning if level == "warning" else logger.info)("%s", text)
@@ -98,7 +100,10 @@ class Trainer:
         # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
         #    whole), parallelised as the layout says, then materialised and initialised shard by shard
         #    with values that do not depend on the layout.
-        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed)
+        # a model with its own weights (a transformers folder) loads every base weight at start-up (the
+        # folder's, or a checkpoint's): its initialisation draws only what is not loaded
+        loaded = bool(spec.hf_weights and spec.hf_weights(args)) and "model" not in cfg.checkpoint.exclude_from_loading
+        self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed, loaded)
         if layout.lora is not None:  # numel of a sharded parameter is its global size
             trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
             logger.info("LoRA: rank-%d adapters, %.3fM trainable parameters (%.2f%% of the model); the rest frozen",
@@ -148,7 +153,8 @@ class Trainer:
             states["model"] = ResidentModelState(states["model"], self.offload)
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
-                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter))
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter,
+                                                        spec.hf_weights(args) if spec.hf_weights else None))
         self.checkpointer.load()
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import warnings
 from typing import Any, Iterator
 
@@ -119,9 +120,16 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
                       indent=2)
     config_dtype = dtype or entries[0][2]
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(adapter.hf_config(config_dtype), f, indent=2)
+    write_config(out_dir, adapter, config_dtype)
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total}
+
+
+def write_config(out_dir: str, adapter: StateDictAdapter, dtype: torch.dtype) -> None:
+    """config.json of an export, and the files the model keeps beside it (`StateDictAdapter.extra_files`)."""
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(adapter.hf_config(dtype), f, indent=2)
+    for path in adapter.extra_files():
+        shutil.copyfile(path, os.path.join(out_dir, os.path.basename(path)))
 
 
 class HFCheckpoint:
@@ -204,6 +212,7 @@ def load_hf_into_model(model_state: ModelState, folder: str, adapter: StateDictA
     all ranks."""
     ckpt = HFCheckpoint(folder)
     try:
+        adapter = adapter.reading(ckpt.keys())
         if ckpt.config is not None:
             warnings = adapter.check_hf_config(ckpt.config, os.path.join(folder, CONFIG_FILE))
         else:
@@ -244,6 +253,7 @@ def hf_to_dcp(folder: str, out_dir: str, model: nn.Module, adapter: StateDictAda
     keys = list(iter_model_keys(model))
     out_bytes = lambda shape, model_dtype: torch.Size(shape).numel() * (dtype or model_dtype).itemsize  # noqa: E731
     try:
+        adapter = adapter.reading(ckpt.keys())
         warnings = adapter.check_hf_config(ckpt.config, folder) if ckpt.config else []
         state = {}
         with Progress("read HF", sum(out_bytes(s, d) for _, s, d in keys), "bytes", enabled=show_progress) as bar:

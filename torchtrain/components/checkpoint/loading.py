@@ -43,6 +43,9 @@ class ModelInfo:
     """The model's arguments dataclass (recorded; a resume with other arguments is warned about)."""
     adapter: Any = None
     """The model's StateDictAdapter class, or None (no HF import/export)."""
+    weights: str | None = None
+    """A Hugging Face folder of the model's own initial weights (`ModelSpec.hf_weights`): the initial
+    load when there is no resume point and no `checkpoint.initial_load_path`, with or without checkpoints."""
 
 
 class CheckpointLoader:

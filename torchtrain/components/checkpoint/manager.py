@@ -61,7 +61,11 @@ class CheckpointManager:
         self.enabled = cfg.enable
         self._pending: _Pending | None = None
         self.preemption: PreemptionWatcher | None = None
+        self.loader: CheckpointLoader | None = None
         if not self.enabled:
+            if model.weights:  # no checkpoints, but the model's own weights to load at start-up
+                self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+                self.loader = CheckpointLoader(dict(states), dims, model, self._pg)
             return
         self.parallel_dims, self.model, self.dump_folder = dims, model, dump_folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -88,11 +92,15 @@ class CheckpointManager:
     def load(self) -> None:
         """Resume, or initial load, or nothing (see the module docstring); every rank calls it."""
         if not self.enabled:
+            if self.loader is not None:  # the model's own weights (ModelInfo.weights), then no more loading
+                self.loader.load_hf(self.loader.model.weights)
+                dist.destroy_process_group(self._pg)
+                self._pg = self.loader = None
             return
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                box[0] = plan_start(self.cfg, self.folder, self.total_steps)
+                box[0] = plan_start(self.cfg, self.folder, self.total_steps, self.model.weights)
             except ConfigError as e:
                 box[0] = str(e)
         dist.broadcast_object_list(box, src=0, group=self._pg)

@@ -96,8 +96,12 @@ def preflight(cfg, dump_folder: str, device_type: str, model_name: str, has_hf_a
 
 
 
-def plan_start(cfg, folder: str, total_steps: int) -> StartPlan:
-    """Decide what start-up loads, and say so in the log (rank 0 runs it; the others follow)."""
+def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = None) -> StartPlan:
+    """Decide what start-up loads, and say so in the log (rank 0 runs it; the others follow).
+    `model_weights`: a Hugging Face folder of the model's own weights, the initial load unless
+    `checkpoint.initial_load_path` names another."""
+    if not cfg.initial_load_path and model_weights:
+        cfg = dataclasses.replace(cfg, initial_load_path=model_weights, initial_load_in_hf=True)
     found = fs.scan(folder)
     for c in found:
         if not c.complete:

@@ -19,6 +19,13 @@ blocks only read it. Kernels: the plain causal case uses SDPA's `is_causal` (fla
 kernels); any other mask uses FlexAttention on CUDA (compiled, with a block mask) and SDPA with a dense
 boolean mask elsewhere (FlexAttention has no CPU backward). Both give the same result (tested on the
 forward, where both run on CPU).
+
+Options a model's attention may pass per call (the families above use none; the Hugging Face models,
+`models/transformers/`, pass what their code asks for): the score `scale` (default 1/sqrt(d)), a
+sliding `window` (key j is visible to query i only when seq(i) - seq(j) < window: one more mask per
+distinct window, prepared with the others), logit soft-capping `softcap` (scores s become
+softcap * tanh(s / softcap) before the mask: FlexAttention's score modifier on CUDA, explicit scores
+elsewhere) and attention `dropout`.
 """
 
 from __future__ import annotations
@@ -48,7 +55,15 @@ class AttentionContext:
     """(B, L) position of each local token in its document (0 at document starts), or None."""
     mask: Any = None
     """Set by `AttentionCore.prepare`: None (plain causal), a dense bool mask, or a flex BlockMask."""
+    windowed: dict[int, Any] = field(default_factory=dict)
+    """The mask of each sliding window the forward's layers use, by window (set by `prepare`; `mask`
+    itself for a window no shorter than the sequence)."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> Any:
+        """The mask of attention with this sliding window (None: none); KeyError for a window `prepare`
+        was not given."""
+        return self.mask if window is None else self.windowed[window]
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -79,9 +94,10 @@ class AttentionCore(nn.Module):
         return self.backend == "flex" or (self.backend == "auto" and device.type == "cuda")
 
     def build_mask(self, batch: int, q_seq: torch.Tensor, k_seq: torch.Tensor, q_doc: torch.Tensor | None,
-                   k_doc: torch.Tensor | None) -> Any:
-        """Visibility of keys (seq k_seq, documents k_doc) to queries (q_seq, q_doc): a flex BlockMask,
-        or a dense (B or 1, 1, Lq, Lk) additive float32 mask (0 visible, -inf hidden)."""
+                   k_doc: torch.Tensor | None, window: int | None = None) -> Any:
+        """Visibility of keys (seq k_seq, documents k_doc) to queries (q_seq, q_doc), within a sliding
+        `window` when given: a flex BlockMask, or a dense (B or 1, 1, Lq, Lk) additive float32 mask
+        (0 visible, -inf hidden)."""
         if self.backend == "memory_proxy":
             return None
         if self._use_flex(q_seq.device):
@@ -89,35 +105,76 @@ class AttentionCore(nn.Module):
 
             def mask_mod(b, h, i, j):
                 visible = k_seq[j] <= q_seq[i]
+                if window is not None:
+                    visible = visible & (q_seq[i] - k_seq[j] < window)
                 return visible & (q_doc[b, i] == k_doc[b, j]) if q_doc is not None else visible
 
             return create_block_mask(mask_mod, batch if q_doc is not None else None, None, len(q_seq), len(k_seq),
                                      device=q_seq.device)
-        mask = (k_seq[None, :] <= q_seq[:, None])[None, None]
+        mask = (k_seq[None, :] <= q_seq[:, None])
+        if window is not None:
+            mask = mask & (q_seq[:, None] - k_seq[None, :] < window)
+        mask = mask[None, None]
         if q_doc is not None:
             mask = mask & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
         # as an additive float mask: SDPA would otherwise convert (and keep for backward) a copy in
         # every layer; one shared copy per forward is enough
         return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
-    def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device) -> None:
-        """Build the mask of a forward over local sequences of `length` tokens into `ctx`."""
-        if self.mask_type == "block_causal" and ctx.positions is not None:
-            seq = torch.arange(length, device=device)
-            doc = document_ids(ctx.positions.to(device))
+    def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device,
+                windows: tuple[int, ...] = ()) -> None:
+        """Build the masks of a forward over local sequences of `length` tokens into `ctx` (and one per
+        sliding window shorter than the sequence)."""
+        documents = self.mask_type == "block_causal" and ctx.positions is not None
+        seq = torch.arange(length, device=device)
+        doc = document_ids(ctx.positions.to(device)) if documents else None
+        if documents:
             ctx.mask = self.build_mask(batch, seq, seq, doc, doc)
+        for window in sorted(set(windows)):
+            ctx.windowed[window] = self.build_mask(batch, seq, seq, doc, doc, window) if window < length else ctx.mask
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-        gqa = q.shape[1] != k.shape[1]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None = None,
+               softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+        gqa, block_mask = q.shape[1] != k.shape[1], mask is not None and not isinstance(mask, torch.Tensor)
+        if softcap is not None and not block_mask:
+            return softcapped_attention(q, k, v, mask, scale, softcap, dropout)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale,
+                                                  dropout_p=dropout)
         if isinstance(mask, torch.Tensor):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa, scale=scale,
+                                                  dropout_p=dropout)
         flex = _compiled_flex() if q.is_cuda else _eager_flex()
-        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        score_mod = None
+        if softcap is not None:
+            def score_mod(score, b, h, i, j):
+                return softcap * torch.tanh(score / softcap)
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale, score_mod=score_mod)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        return self.attend(q, k, v, ctx.mask)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+                scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                dropout: float = 0.0) -> torch.Tensor:
+        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float | None, softcap: float, dropout: float = 0.0) -> torch.Tensor:
+    """Attention with soft-capped scores, computed explicitly: softmax(softcap tanh(q k^T scale / softcap)
+    + M) v, M the additive `mask` (None: causal over equal query and key lengths)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    else:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout:
+        weights = F.dropout(weights, dropout)
+    return weights @ v
 
 
 def _eager_flex():
@@ -127,12 +184,12 @@ def _eager_flex():
 
 
 def prepare_attention(model: nn.Module, ctx: AttentionContext, batch: int, length: int,
-                      device: torch.device) -> AttentionContext:
-    """Let the model's attention modules build this forward's mask once (the first module decides:
-    every attention module of a model is configured alike)."""
+                      device: torch.device, windows: tuple[int, ...] = ()) -> AttentionContext:
+    """Let the model's attention modules build this forward's masks once (the first module decides:
+    every attention module of a model is configured alike; `windows`: the sliding windows its layers use)."""
     for module in model.modules():
         if isinstance(module, AttentionCore):
-            module.prepare(ctx, batch, length, device)
+            module.prepare(ctx, batch, length, device, windows)
             break
     return ctx
 

@@ -132,7 +132,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
     ckpt = job.checkpoint
     inputs = PlanInputs(
         model_name=job.model.name, args=args, world_size=world_size,
-        flavor=job.model.flavor + (" (with overrides)" if job.model.overrides else ""),
+        flavor=flavor_label(job, args),
         reshard_after_forward=par.fsdp_reshard_after_forward, seq_len=job.training.seq_len,
         local_batch_size=job.training.local_batch_size, pp_schedule=par.pipeline_parallel_schedule,
         pp_microbatch_size=par.pipeline_parallel_microbatch_size, pp_split=split,
@@ -146,6 +146,14 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         if knob != "memory_gib" and flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])
     return inputs
+
+
+def flavor_label(job: JobConfig, args: Any) -> str:
+    """How the report names the model after its name: the flavor (with overrides), or what arguments
+    without presets describe themselves as (a transformers folder)."""
+    if hasattr(args, "describe"):
+        return f"({args.describe()})"
+    return job.model.flavor + (" (with overrides)" if job.model.overrides else "")
 
 
 def float8_experts(job: JobConfig) -> bool:

@@ -1,0 +1,142 @@
+"""The collectives a model's block issues per micro-batch (`BlockCollective`), and those of the
+generic parallelisms, stated from shapes alone (the tensor-parallel ones are derived from a family's
+plan in `models/contract.py`, which re-exports these names).
+
+Expert parallelism (`distributed/expert_parallel.py`) and context parallelism
+(`distributed/context_parallel.py`) are generic: `ep_collectives` and `cp_collectives` state them from
+the MoE and attention shapes; the expert all-to-alls follow the token dispatcher the job selects
+(`parallelism.expert_parallel_comm_backend`, `Dispatch`), with group-limited routing's expected node
+count (`expected_nodes`) for the node-limited one.
+
+Sizes (`BlockCollective`): elements per token of the rank's micro-batch (t = batch x seq_len / cp,
+before sequence parallelism splits it), per sequence, and fixed; for an all-gather or reduce-scatter
+the whole gathered tensor, for an all-reduce the tensor, for an all-to-all what the rank sends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    kv_heads: int
+
+
+@dataclass(frozen=True)
+class BlockCollective:
+    """Collectives of one kind a block issues per micro-batch (see the module doc for the sizes)."""
+
+    kind: str
+    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all"."""
+    mesh: str
+    """"tp", "cp" or "ep"; the node-limited dispatcher's "ep_inter" (one rank per node of the EP
+    group) and "ep_intra" (the EP ranks of one node)."""
+    backward: bool
+    """False: issued in forward (again when activation checkpointing re-runs the forward)."""
+    per_token: float = 0.0
+    per_sequence: float = 0.0
+    fixed: float = 0.0
+    dtype: str = "compute"
+    """"compute" (the parameters' compute dtype), "float32" or "int64"."""
+    count: int = 1
+
+    def elements(self, tokens: float, sequences: float) -> float:
+        """Elements of one of these collectives."""
+        return self.per_token * tokens + self.per_sequence * sequences + self.fixed
+
+    def nbytes(self, tokens: float, sequences: float, compute_bytes: int) -> float:
+        size = {"compute": compute_bytes, "float32": 4, "int64": 8}[self.dtype]
+        return self.elements(tokens, sequences) * size
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_experts: int
+    top_k: int
+    hidden: int
+    """One routed expert's hidden size."""
+    shared: int
+    """Shared experts (each of the routed hidden size)."""
+    n_group: int = 1
+    """Group-limited routing: the experts form this many equal groups (1: none)."""
+    topk_group: int = 1
+    """Groups a token's experts may come from (read when n_group > 1)."""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How routed tokens travel to their experts' ranks (`parallelism.expert_parallel_comm_backend`)."""
+
+    backend: str = "standard"
+    """"standard": one all-to-all over the EP group, every routed copy sent separately; "node_limited":
+    a token crosses to each selected node once and fans out inside it (the combine mirrors it)."""
+    ranks_per_node: int = 0
+    """EP ranks per node (`parallelism.expert_parallel_ranks_per_node`; 0: the whole group is one node)."""
+
+
+def _miss(pool: int, own: int, k: int) -> float:
+    """Probability that k experts drawn uniformly without replacement from `pool` miss `own` of them."""
+    return math.comb(pool - own, k) / math.comb(pool, k) if pool - own >= k else 0.0
+
+
+def expected_nodes(moe: MoEShape, nodes: int) -> float:
+    """Expected distinct nodes a token's top-k experts sit on, with the E experts spread evenly over
+    `nodes` nodes and routing taken as uniform (the planner's balanced-routing assumption). With
+    group-limited routing (n_group > 1) the k experts come from the token's topk_group groups, which
+    bounds the count: a node holding whole groups is reached when one of its selected groups receives an
+    expert; a group spanning several nodes sends to each of them that receives one."""
+    e, k = moe.num_experts, moe.top_k
+    if nodes <= 1:
+        return 1.0
+    per_node = e // nodes
+    if moe.n_group <= 1:
+        return nodes * (1.0 - _miss(e, per_node, k))
+    g, pool = moe.n_group, moe.topk_group * (e // moe.n_group)
+    if g % nodes == 0:  # each node holds g / nodes whole groups; j of them selected (hypergeometric)
+        held = g // nodes
+        total = math.comb(g, moe.topk_group)
+        reach = sum(math.comb(held, j) * math.comb(g - held, moe.topk_group - j) / total
+                    * (1.0 - _miss(pool, j * (e // g), k)) for j in range(1, min(held, moe.topk_group) + 1))
+        return nodes * reach
+    spans = nodes // g if nodes % g == 0 else 1  # nodes per group
+    return min(nodes, moe.topk_group * spans) * (1.0 - _miss(pool, per_node, k))
+
+
+def ep_collectives(moe: MoEShape, dim: int, tp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
+    """An MoE block's expert-parallel collectives (`distributed/expert_parallel.py`): the per-expert
+    row counts exchanged (E integers), then the dispatch and combine all-to-alls of each of the rank's
+    t / tp tokens, mirrored by their gradients' in backward.
+
+    "standard" (mesh "ep"): each token's k rows of `dim` values go to their experts' ranks in one
+    all-to-all. "node_limited" over n = ep / ranks_per_node > 1 nodes: first one all-to-all among the
+    ranks of the same local index on each node (mesh "ep_inter"), carrying each token once per node it
+    selects (`expected_nodes` rows, its own node's included as the (n - 1) / n of an all-to-all
+    discounts), then one inside the node (mesh "ep_intra") fanning the k rows out to the experts' ranks;
+    the combine reduces inside the node first and crosses back once."""
+    if ep == 1:
+        return []
+    counts = BlockCollective("all_to_all", "ep", False, fixed=moe.num_experts, dtype="int64")
+    rows = moe.top_k * dim / tp
+    node = dispatch.ranks_per_node or ep
+    if dispatch.backend != "node_limited" or node >= ep:
+        return [counts, BlockCollective("all_to_all", "ep", False, per_token=rows, count=2),
+                BlockCollective("all_to_all", "ep", True, per_token=rows, count=2)]
+    crossing = expected_nodes(moe, ep // node) * dim / tp
+    return [counts] + [BlockCollective("all_to_all", mesh, backward, per_token=size, count=2)
+                       for backward in (False, True) for mesh, size in (("ep_inter", crossing), ("ep_intra", rows))]
+
+
+def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollective]:
+    """Context parallelism (`distributed/context_parallel.py`): the keys and values of the whole
+    sequence (cp t tokens, this rank's kv_heads / tp heads) all-gathered in forward, their gradients
+    reduce-scattered in backward."""
+    if cp == 1:
+        return []
+    kv = 2 * att.kv_heads * att.qk_head_dim * cp / tp
+    return [BlockCollective("all_gather", "cp", False, per_token=kv),
+            BlockCollective("reduce_scatter", "cp", True, per_token=kv)]

@@ -1,0 +1,108 @@
+"""A transformers causal LM as a torchtrain model: transformers' own class, built from the folder's
+config, with torchtrain's forward signature and initialisation mixed in.
+
+`build_model(args)` builds `Torchtrain<Class>`, a subclass of the causal-LM class transformers maps
+the config to (e.g. `MistralForCausalLM`) with `TorchtrainCausalLM` first in its method order. So the
+modules, parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), the forward
+and every model-specific detail (embedding scales, soft-capped logits, residual multipliers) are
+transformers' own; the mixin adds only:
+
+* `forward(tokens, positions=None, seq_index=None) -> logits`: the trainer's signature. It passes
+  explicit position ids (document positions for block-causal masks, the tokens' indices in their
+  sequence under context parallelism, else 0..L-1) and this forward's `AttentionContext` (masks
+  prepared once, `attention.py`) to transformers' forward, and returns its logits;
+* `init_module(module)`: transformers' `_init_weights`, which `distributed/param_init.py` runs
+  module by module on whole host tensors under seeds keyed by module name (identical weights under
+  every layout); a module torchtrain swapped in (`moe.py`) is initialised as the module it replaced;
+* `decoder_layers`: the base model's `layers` (the blocks the engine checkpoints, compiles and shards).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.attention import AttentionContext, prepare_attention
+from torchtrain.models.transformers import attention
+from torchtrain.models.transformers.args import TransformersArgs, import_transformers
+
+
+class TorchtrainCausalLM(nn.Module):
+    """Mixed in before the transformers class (module doc). Only methods: transformers' `__init__` builds
+    the model; `tt_setup` records what the forward needs."""
+
+    tt_mask: str = "causal"
+    tt_windows: tuple[int, ...] = ()
+    tt_registry: bool = False
+
+    def tt_setup(self, args: TransformersArgs, registry: bool) -> None:
+        self.tt_mask, self.tt_registry = args.attention_mask, registry
+        self.tt_windows = attention.sliding_windows(self.config)
+        self.args = args
+        if registry:
+            attention.attach_cores(self.decoder_layers, args.attention_mask)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The base model's decoder layers."""
+        return self.base_model.layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        batch, length = tokens.shape
+        documents = self.tt_mask == "block_causal" and positions is not None
+        position_ids = positions if documents else seq_index
+        if position_ids is None:
+            position_ids = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        kwargs = {}
+        if self.tt_registry:
+            ctx = AttentionContext(positions=positions if documents else None)
+            kwargs[attention.CONTEXT_KEY] = prepare_attention(self, ctx, batch, length, tokens.device,
+                                                              self.tt_windows)
+        out = super().forward(input_ids=tokens, position_ids=position_ids.to(tokens.device), use_cache=False,
+                              **kwargs)
+        return out.logits
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise one module's own parameters and buffers as transformers does (`distributed/param_init.py`)."""
+        own = getattr(module, "tt_init_as", None)
+        if own is not None:
+            own(self)
+        else:
+            self._init_weights(module)
+
+    def init_buffers(self) -> None:
+        """Nothing: the buffers are initialised with their modules (`init_module`)."""
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def model_class(config) -> type:
+    """`Torchtrain<Class>` for the causal-LM class transformers maps `config` to (one per class)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    base = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Torchtrain{base.__name__}", (TorchtrainCausalLM, base),
+                              {"__module__": base.__module__, "__doc__": TorchtrainCausalLM.__doc__})
+    return _CLASSES[base]
+
+
+def build_model(args: TransformersArgs) -> nn.Module:
+    """The model of `args` (on the current default device: the trainer builds it on meta)."""
+    import_transformers()
+    attention.register()
+    config = args.config
+    cls = model_class(config)
+    registry = attention.uses_registry(cls)
+    if registry:
+        config._attn_implementation = attention.IMPLEMENTATION
+    model = cls(config)
+    if not isinstance(getattr(model.base_model, "layers", None), nn.ModuleList):
+        raise ConfigError(f"[model.hf_path] model type {config.model_type!r}: its decoder layers are not the base "
+                          f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
+    model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
+    model.tt_setup(args, registry)
+    return model

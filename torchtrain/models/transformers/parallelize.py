@@ -1,0 +1,132 @@
+"""What the engine's one applier (`distributed/parallelize.py`) needs of a transformers model, read from
+what the model declares: its checks against the layout, its tensor-parallel plan (`tp_plan.py`), its
+FSDP units (the embedding, each decoder layer, the final norm with the output head) and, under expert
+parallelism, its MoE blocks swapped for the engine's MoE layer (`moe.py`).
+
+Layouts refused, each with one ConfigError naming the model type and the layout: pipeline parallelism
+(transformers' forward runs the whole model), context parallelism and block-causal masks for a model
+whose attention does not go through transformers' attention-function registry, tensor parallelism for
+a model without a plan or with an entry that has no DTensor translation, tied embeddings under tensor
+parallelism, and an MoE model under tensor parallelism without expert parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.registry import Layout
+from torchtrain.models.transformers import moe, tp_plan
+from torchtrain.models.transformers.args import TransformersArgs
+from torchtrain.models.transformers.attention import uses_registry
+from torchtrain.models.transformers.model import build_model, model_class
+
+_META: dict[str, nn.Module] = {}
+
+
+def meta_model(args: TransformersArgs) -> nn.Module:
+    """The model on the meta device (a few kept, by arguments; for checks and the planner only: do not
+    modify)."""
+    key = f"{args!r}@{args.config_mtime()}"
+    if key not in _META:
+        if len(_META) >= 4:
+            _META.pop(next(iter(_META)))
+        with torch.device("meta"):
+            _META[key] = build_model(args)
+    return _META[key]
+
+
+def check_attention(args: TransformersArgs, layout: Layout) -> None:
+    kind, dims = args.model_type, layout.dims
+    if uses_registry(model_class(args.config)):
+        return
+    if dims.cp_enabled:
+        raise ConfigError(f"[parallelism.context_parallel_degree] model type {kind!r} computes its attention itself "
+                          f"(not through transformers' attention-function registry), so context parallelism cannot "
+                          f"shard it; set context_parallel_degree = 1")
+    if args.attention_mask == "block_causal":
+        raise ConfigError(f"[model.attention_mask] model type {kind!r} computes its attention itself (not through "
+                          f"transformers' attention-function registry): block-causal masks need torchtrain's; use "
+                          f"\"causal\"")
+
+
+def check_tp(args: TransformersArgs, layout: Layout, swapped: tuple[str, ...]) -> None:
+    """The declared plan translates, and the sizes it shards divide by the TP degree."""
+    dims, kind = layout.dims, args.model_type
+    tp_plan.check_translatable(args.config, swapped)
+    if args.tie_word_embeddings:
+        raise ConfigError(f"[parallelism.tensor_parallel_degree] model type {kind!r} ties its input and output "
+                          f"embeddings ({args.hf_path}/config.json tie_word_embeddings), which tensor parallelism "
+                          f"does not split here; set tensor_parallel_degree = 1")
+    model = meta_model(args)
+    problem = tp_plan.model_sp_problem(model, moe.own_styles)
+    if swapped and problem is not None:
+        raise ConfigError(f"[parallelism.tensor_parallel_degree] model type {kind!r}: its MoE layers run under "
+                          f"tensor parallelism with sequence parallelism, which its plan does not allow ({problem})")
+    sizes = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab_size}
+    for layer_index, layer in enumerate(model.decoder_layers):
+        for name, style in tp_plan.layer_entries(layer, model.config, set(swapped)).items():
+            module = layer.get_submodule(name)
+            if isinstance(module, nn.Linear) and style in tp_plan.COL:
+                sizes[f"layers.{layer_index}.{name} out_features"] = module.out_features
+            elif isinstance(module, nn.Linear) and style in tp_plan.ROW:
+                sizes[f"layers.{layer_index}.{name} in_features"] = module.in_features
+    for what, size in sizes.items():
+        if size % dims.tp:
+            raise ConfigError(f"[parallelism.tensor_parallel_degree] {dims.tp} does not divide model type {kind!r}'s "
+                              f"{what} ({size}, {args.hf_path}/config.json): each TP rank holds an equal share; "
+                              f"choose a degree that divides it")
+    if problem is None and layout.local_seq_len % dims.tp:
+        raise ConfigError(f"[training.seq_len] sequence parallelism splits each rank's {layout.local_seq_len} tokens "
+                          f"over tensor_parallel_degree {dims.tp}; use a multiple of {dims.tp * dims.cp}")
+
+
+def validate(args: TransformersArgs, layout: Layout) -> None:
+    """The model's checks against the layout (module doc)."""
+    dims, kind = layout.dims, args.model_type
+    if dims.pp_enabled:
+        raise ConfigError(f"[parallelism.pipeline_parallel_degree] model type {kind!r} (model.name = "
+                          f"\"transformers\") runs transformers' own forward over the whole model, which torchtrain "
+                          f"does not cut into pipeline stages; set pipeline_parallel_degree = 1")
+    check_attention(args, layout)
+    swapped: tuple[str, ...] = ()
+    if args.num_experts:
+        if dims.tp_enabled and not dims.ep_enabled:
+            raise ConfigError(f"[parallelism.expert_parallel_degree] model type {kind!r}: its experts' declared "
+                              f"tensor-parallel plan (packed expert weights) has no DTensor translation; with "
+                              f"tensor_parallel_degree {dims.tp} use expert_parallel_degree a multiple of {dims.tp}, "
+                              f"which runs its MoE blocks as torchtrain's MoE layer")
+        if dims.ep_enabled:
+            swapped = moe.check_swappable(args, meta_model(args))
+    if dims.tp_enabled:
+        check_tp(args, layout, swapped)
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """The declared plan (`tp_plan.apply_tp`), the swapped MoE layers' own styles included."""
+    tp_plan.apply_tp(model, tp_mesh, loss_parallel, moe.own_styles)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """The embedding, each decoder layer, then the base model's other weights (the final norm) with the
+    output head; with tied embeddings the shared table stays with the root."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    layers = model.decoder_layers
+    units: list[nn.Module | list[nn.Module]] = [] if tied else [embed]
+    units += list(layers)
+    tail = [m for m in model.base_model.children()
+            if m is not embed and m is not layers and any(True for _ in m.parameters())]
+    if not tied and head is not None:
+        tail.append(head)
+    if tail and not tied:
+        units.append(tail)
+    return units
+
+
+def adapt(model: nn.Module, layout: Layout) -> None:
+    """Before anything else of the layout: under expert parallelism the MoE blocks become torchtrain's
+    MoE layer (`moe.py`)."""
+    if layout.dims.ep_enabled:
+        moe.swap_blocks(model)

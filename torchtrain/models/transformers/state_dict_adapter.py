@@ -1,0 +1,99 @@
+"""A transformers model's Hugging Face names are its own: every parameter is stored under its name,
+as is. The export writes the folder's config (with the layers built and the stored dtype) and copies
+its tokenizer and generation files, so `AutoModelForCausalLM.from_pretrained` loads the result (the
+`save_pretrained` layout). A folder stored in another layout (transformers' conversion mapping, e.g.
+one tensor per expert) is read through transformers' own conversion (`checkpoint_layout.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from torchtrain.config.fields import ConfigError
+from torchtrain.models.state_dict_adapter import StateDictAdapter
+from torchtrain.models.transformers.args import TransformersArgs
+
+# Files of a model folder that belong with its weights (tokenizer, chat template, generation defaults).
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+# Settings of config.json that decide the tensors' names and shapes.
+STRUCTURAL = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "tie_word_embeddings", "moe_intermediate_size", "num_local_experts",
+              "num_experts")
+
+
+class TransformersStateDictAdapter(StateDictAdapter):
+    model_args: TransformersArgs
+
+    def hf_key(self, key: str) -> str:
+        return key
+
+    def hf_keys(self, key: str) -> list[str]:
+        if key == "lm_head.weight" and self.model_args.tie_word_embeddings:
+            return []  # transformers stores the tied table once, as the embedding
+        return [key]
+
+    def ignored_hf_keys(self) -> set[str]:
+        return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()
+
+    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = self.model_args.config
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+        config.dtype = dtype
+        return json.loads(config.to_json_string(use_diff=False))
+
+    def reading(self, available: set[str]) -> StateDictAdapter:
+        names = [name for name, _ in self.model_args.parameter_shapes()]
+        if all(key in available for name in names for key in self.hf_keys(name)):
+            return self
+        from torchtrain.models.transformers.checkpoint_layout import ConversionPlan
+        from torchtrain.models.transformers.parallelize import meta_model
+
+        return ConvertedLayout(self.model_args, ConversionPlan(meta_model(self.model_args), available))
+
+    def extra_files(self) -> list[str]:
+        folder = self.model_args.hf_path
+        return [os.path.join(folder, n) for n in COMPANION_FILES if os.path.isfile(os.path.join(folder, n))]
+
+    def unused_hf_keys(self, available: set[str], used: set[str]) -> set[str]:
+        # a model built with fewer layers than the folder's (model.n_layers) leaves the others' tensors
+        extra = {k for k in available if k.startswith(self._layer_prefixes_beyond())}
+        return super().unused_hf_keys(available, used) - extra
+
+    def _layer_prefixes_beyond(self) -> tuple[str, ...]:
+        total = self.model_args.full_config().num_hidden_layers
+        return tuple(f"model.layers.{i}." for i in range(self.model_args.n_layers, total))
+
+    def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
+        ours = self.model_args.config.to_dict()
+        for key in STRUCTURAL:
+            if key in config and key in ours and config[key] != ours[key]:
+                raise ConfigError(f"[checkpoint.initial_load_path] {source}: config.json has {key} = {config[key]!r} "
+                                  f"but the model (model.hf_path {self.model_args.hf_path}) has {ours[key]!r}")
+        if config.get("num_hidden_layers", self.model_args.n_layers) < self.model_args.n_layers:
+            raise ConfigError(f"[checkpoint.initial_load_path] {source}: config.json has "
+                              f"{config['num_hidden_layers']} layers, fewer than the {self.model_args.n_layers} "
+                              f"built (model.n_layers)")
+        return []
+
+
+class ConvertedLayout(TransformersStateDictAdapter):
+    """Reads a checkpoint stored in transformers' conversion layout (`checkpoint_layout.ConversionPlan`)."""
+
+    def __init__(self, model_args: TransformersArgs, plan):
+        super().__init__(model_args)
+        self.plan = plan
+
+    def hf_keys(self, key: str) -> list[str]:
+        if not super().hf_keys(key):
+            return []
+        return self.plan.keys(key) or [key]  # (a missing parameter is reported under its own name)
+
+    def from_hf_tensors(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return self.plan.build(key, tensors)
