@@ -65,6 +65,8 @@ REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096}
 UNKNOWN_STEP_S = 0.5
 SAFETY = 1.1
 """An estimate is multiplied by this before it is compared with the time left."""
+MIN_RUN_S = 0.5
+"""No run costs less than this: building its trainer (an estimate refined from a fast run stays above it)."""
 
 
 class Stop(Exception):
@@ -162,7 +164,7 @@ class Budget:
 
     def estimate(self, spec: RunSpec) -> float:
         first = FIRST_RUN_S if spec.engine == "torchtrain" and not self._trained else 0.0
-        return first + self.overhead_s(spec) + spec.steps * self.step_s(spec)
+        return max(first + self.overhead_s(spec) + spec.steps * self.step_s(spec), MIN_RUN_S)
 
     # ------------------------------------------------------------------ admission and records
     def admit(self, part: str, name: str, estimate_s: float) -> Entry | None:
