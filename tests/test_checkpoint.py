@@ -27,6 +27,7 @@ from conftest import (
     FAULT_INJECTION,
     REPO,
     TINY_JOB,
+    assert_no_traceback,
     assert_no_trainer_traceback,
     read_metrics,
     run_together,
@@ -93,28 +94,50 @@ def fsdp2_ref(tmp_path_factory):
     return dump
 
 
-def _popen_train(args: list[str], nproc: int, env: dict) -> subprocess.Popen:
-    cmd, full_env = train_command(args, nproc, env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=full_env)
-
-
-def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_path):
-    """Also the FSDP 2 exact-resume test: 3 steps + preemption save + resume + 5 steps == 8 steps."""
-    # Rank 1 parks after step 3 until a signal arrives (test hook), so the signal lands at a known step.
-    # It goes straight to that worker (torchrun is not signalled), so rank 0 learns of it only through
-    # the step-boundary agreement. A second SIGTERM arrives during the save (test hook) and is ignored.
-    args = job(tmp_path, "--checkpoint.interval", "100", *FAULT_INJECTION)
-    env = {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": "3:1", "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": "1:SIGTERM"}
-    proc = _popen_train(args, 2, env)
-    pid = wait_for_pid_file(proc, tmp_path / "test_waiting_rank1.pid", "rank 1 never reached step 3")
-    os.kill(pid, signal.SIGTERM)
+def _preempt(args: list[str], step: int, signal_in_save: str, launcher_args=(), group: bool = True):
+    """Run the job until rank 1 has finished `step` (a test hook parks it there until a preemption signal
+    arrives, so the signal lands at a known step), then send SIGTERM to the launch's whole process group, or
+    to that worker only; during the save the hook sends `signal_in_save` once more. Returns (exit status,
+    output)."""
+    cmd, env = train_command(args, 2, {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": f"{step}:1",
+                                       "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": signal_in_save})
+    cmd[3:3] = launcher_args  # after `python -m torchtrain.launcher`
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            start_new_session=True)  # its own process group, as under a scheduler
+    pid_file = os.path.join(args[args.index("--job.dump_folder") + 1], "test_waiting_rank1.pid")
+    pid = wait_for_pid_file(proc, pid_file, f"rank 1 never reached step {step}")
+    os.killpg(proc.pid, signal.SIGTERM) if group else os.kill(pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output[-4000:]
-    assert "rank 1 received SIGTERM" in output and "checkpoint step-3 saved, exiting" in output
-    assert sorted(losses(tmp_path)) == [1, 2, 3]
-    assert marker(ckpt(tmp_path, 3))["contents"][:2] == ["model", "optimizer"]
+    os.remove(pid_file)
+    return proc.returncode, output
+
+
+def test_preemption_saves_whoever_gets_the_signal_and_resumes_exactly(fsdp2_ref, tmp_path):
+    """Also the FSDP 2 exact-resume test. One job preempted three times, then finished:
+
+    * after step 2, SIGTERM to rank 1 only (the agent is not signalled: rank 0 learns of it through the
+      step-boundary agreement), and again to rank 1 during the save: every rank saves and exits 0;
+    * after step 4, what `scancel` or a preempting scheduler does: SIGTERM to every process of the launch
+      (agent, forkserver, workers) on the forkserver path (the default on CPU), and again to all of them
+      during the save: the save completes, the launcher exits 128 + 15 with one line. (Before the
+      forkserver ignored the workers' signals it died of the first SIGTERM, and its workers got a
+      KeyboardInterrupt in the middle of the save);
+    * after step 6, the same on torchrun's spawn path;
+    * the same command again trains steps 7 and 8: the losses equal the uninterrupted run's bitwise."""
+    args = job(tmp_path, "--checkpoint.interval", "100", *FAULT_INJECTION)
+    code, out = _preempt(args, 2, "1:SIGTERM", group=False)
+    assert code == 0, out[-4000:]
+    assert "rank 1 received SIGTERM" in out and "checkpoint step-2 saved, exiting" in out
+    assert marker(ckpt(tmp_path, 2))["contents"][:2] == ["model", "optimizer"]
+    for step, launcher_args in ((4, ()), (6, ("--start-method", "spawn"))):
+        code, out = _preempt(args, step, "1:SIGTERM:group", launcher_args)
+        assert code == 128 + signal.SIGTERM, out[-4000:]
+        assert f"training continues at step {step - 1}" in out and f"checkpoint step-{step} saved, exiting" in out
+        assert "torchtrain: stopped by SIGTERM" in out
+        assert_no_traceback(out)
+        assert marker(ckpt(tmp_path, step))["step"] == step and max(losses(tmp_path)) == step
     out = ok(run_train(args, nproc=2))  # the requeued job
-    assert f"resumed from {ckpt(tmp_path, 3)}" in out.stdout and "training continues at step 4" in out.stdout
+    assert f"resumed from {ckpt(tmp_path, 6)}" in out.stdout and "training continues at step 7" in out.stdout
     ref, got = losses(fsdp2_ref), losses(tmp_path)
     assert sorted(got) == list(range(1, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
 

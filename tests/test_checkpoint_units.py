@@ -155,6 +155,26 @@ def test_preemption_handler_only_sets_a_flag():
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
+def test_no_signal_interrupts_a_save_and_one_that_arrived_is_honoured_after_it():
+    """SIGINT (Ctrl-C, or the parent-death signal of a forked worker) during a save only records its arrival;
+    it raises KeyboardInterrupt once the save is done. The preemption flag's own handler stays in place."""
+    from torchtrain.components.checkpoint.preemption import DeferredSignals
+
+    watcher = PreemptionWatcher(["SIGUSR2"])
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with DeferredSignals("a test save") as deferred:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGUSR2)
+                finished.append(list(deferred.arrived))  # the "save" ran to its end
+        assert finished == [[signal.SIGINT, signal.SIGINT]] and watcher.received == ["SIGUSR2"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        watcher.restore()
+
+
 def test_several_model_parts_round_trip():
     """Pipeline-style model parts, one optimizer each: merged state dicts restore every part."""
     from torch import nn

@@ -17,8 +17,10 @@ by an environment variable; unset, the hook does nothing.
   with SIGKILL (kill -9 semantics: no cleanup, no exception) right after writing its own data files,
   i.e. in the middle of the save: the other ranks' files may exist, the metadata and the completion
   marker do not.
-* ``TORCHTRAIN_TEST_SIGNAL_IN_SAVE=RANK:SIGNAL``: during every save, rank RANK sends itself SIGNAL
-  (e.g. a second SIGTERM arriving while the preemption checkpoint is written).
+* ``TORCHTRAIN_TEST_SIGNAL_IN_SAVE=RANK:SIGNAL[:group]``: during every save, rank RANK sends itself SIGNAL
+  (e.g. a second SIGTERM arriving while the preemption checkpoint is written); with ``:group``, to the
+  launcher's whole process group instead (its parent's group: the launcher's agent or forkserver), as a
+  scheduler that signals every process again would.
 * ``TORCHTRAIN_TEST_WAIT_FOR_SIGNAL=STEP:RANK``: after step STEP, rank RANK writes its pid to
   ``{dump_folder}/test_waiting_rank{RANK}.pid`` and waits (at most 300 s) until a preemption signal
   has arrived, so a test can signal that exact process at a known step without any timing race.
@@ -84,14 +86,16 @@ def replica_wait(step: int) -> bool:
 
 
 class _FaultyWriter(FileSystemWriter):
-    def __init__(self, path: str, crash: bool, signum: int | None):
+    def __init__(self, path: str, crash: bool, signum: int | None, group: bool = False):
         super().__init__(path)
-        self._crash, self._signum = crash, signum
+        self._crash, self._signum, self._group = crash, signum, group
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
         future.wait()  # this rank's files are written
-        if self._signum is not None:
+        if self._signum is not None and self._group:
+            os.killpg(os.getpgid(os.getppid()), self._signum)
+        elif self._signum is not None:
             os.kill(os.getpid(), self._signum)
         if self._crash:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -102,10 +106,13 @@ def storage_writer(path: str, step: int, rank: int) -> FileSystemWriter | None:
     crash = _pair(CRASH_IN_SAVE)
     do_crash = crash is not None and (int(crash[0]), int(crash[1])) == (step, rank)
     sig = _pair(SIGNAL_IN_SAVE)
-    signum = getattr(signal, sig[1]) if sig is not None and int(sig[0]) == rank else None
+    signum, group = None, False
+    if sig is not None and int(sig[0]) == rank:
+        name, _, target = sig[1].partition(":")
+        signum, group = getattr(signal, name), target == "group"
     if not do_crash and signum is None:
         return None
-    return _FaultyWriter(path, do_crash, signum)
+    return _FaultyWriter(path, do_crash, signum, group)
 
 
 def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf
 from torchtrain.components.checkpoint.loading import CheckpointLoader, ModelInfo
-from torchtrain.components.checkpoint.preemption import PreemptionWatcher
+from torchtrain.components.checkpoint.preemption import DeferredSignals, PreemptionWatcher
 from torchtrain.components.checkpoint.startup import StartPlan, plan_start
 from torchtrain.components.checkpoint.state import Stateful
 from torchtrain.components.checkpoint.validate import CheckpointError
@@ -142,6 +142,12 @@ class CheckpointManager:
 
     def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None, sync: bool = False,
              final: bool = False, hf: bool = False) -> None:
+        """Save step `step`; no signal interrupts it (a signal that arrives meanwhile is honoured after it)."""
+        with DeferredSignals(f"the checkpoint save of step-{step}"):
+            self._save(step, model_only=model_only, dtype=dtype, sync=sync, final=final, hf=hf)
+
+    def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, sync: bool, final: bool,
+              hf: bool) -> None:
         self._wait_pending()
         path = fs.step_dir(self.folder, step)
         if self.rank == 0:
