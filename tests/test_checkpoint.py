@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 pytestmark = pytest.mark.dist
 RTOL = 1e-4
+sys.path.insert(0, os.path.join(REPO, "scripts"))  # verify_checkpoint
 
 
 def job(dump, *extra: str) -> list[str]:
@@ -228,8 +230,9 @@ def test_fresh_checkpoint_holds_no_pickled_state(fsdp2_ref):
 
 
 def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
-    """A checkpoint written before the loader and RNG states were JSON tensors (pickled bytes) and the
-    train state int64 tensors (plain ints) passes the scan and resumes bitwise."""
+    """A checkpoint written before the loader and RNG states were JSON tensors (pickled bytes), the
+    train state int64 tensors (plain ints) and the marker held file hashes passes the scan and resumes
+    bitwise."""
     import base64
     import pickle
 
@@ -248,7 +251,7 @@ def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
         elif key.startswith("train_state."):
             state[key] = int(value)
     dcp.save(state, checkpoint_id=ckpt(tmp_path, 4), no_dist=True)
-    shutil.copy(os.path.join(src, "complete.json"), ckpt(tmp_path, 4))
+    legacy_marker(src, ckpt(tmp_path, 4))  # these checkpoints predate the file hashes too
     assert scan(ckpt(tmp_path, 4)).pickles > 1  # the legacy blobs are read, with builtins only
     out = ok(run_train(job(tmp_path), nproc=2))
     assert f"resumed from {ckpt(tmp_path, 4)}" in out.stdout and "training continues at step 5" in out.stdout
@@ -256,15 +259,55 @@ def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)
 
 
-def test_truncated_checkpoint_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):
+def legacy_marker(src: str, dst: str) -> None:
+    """dst's completion marker: src's as torchtrain wrote it before it hashed the files (no "files")."""
+    meta = {k: v for k, v in marker(src).items() if k not in ("files", "hash")}
+    with open(os.path.join(dst, "complete.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_truncated_checkpoint_without_hashes_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):
+    """A checkpoint written before the file hashes loads unverified (said so); its truncated data file is
+    found by the metadata check instead, before any data is read."""
     copy_step(fsdp2_ref, 4, tmp_path)
+    legacy_marker(ckpt(fsdp2_ref, 4), ckpt(tmp_path, 4))
     data = os.path.join(ckpt(tmp_path, 4), "__1_0.distcp")
     os.truncate(data, os.path.getsize(data) // 2)
     out = run_train(job(tmp_path), nproc=2, timeout=300)
     assert out.returncode != 0
+    assert "has no file hashes (written before torchtrain hashed its files): loaded without verifying" in out.stdout
     assert "config error: [checkpoint] step-4" in out.stderr and "__1_0.distcp is truncated" in out.stderr
     assert "key '" in out.stderr
     assert_no_trainer_traceback(out.stderr)  # a message, not a traceback
+
+
+def test_corrupt_checkpoints_are_named_and_skipped_for_the_newest_good_one(fsdp2_ref, tmp_path):
+    """The newest checkpoint has a truncated shard, the one before a flipped byte: each is named in one line
+    with its file, the run resumes from the one before them and its losses equal the uninterrupted run's
+    bitwise; scripts/verify_checkpoint.py fails on both, offline."""
+    import verify_checkpoint
+
+    for step in (2, 4, 6):
+        copy_step(fsdp2_ref, step, tmp_path)
+    saved = marker(ckpt(fsdp2_ref, 6))
+    assert saved["hash"] == "crc32" and sorted(saved["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    flipped = os.path.join(ckpt(tmp_path, 4), "__0_0.distcp")
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+    os.truncate(os.path.join(ckpt(tmp_path, 6), "__1_0.distcp"), 1000)
+    assert verify_checkpoint.main([os.path.join(str(tmp_path), "checkpoint")]) == 1
+    assert verify_checkpoint.main([ckpt(tmp_path, 2)]) == 0
+    out = ok(run_train(job(tmp_path), nproc=2))
+    named = [line for line in out.stdout.splitlines() if " is corrupt: " in line]
+    assert len(named) == 2, out.stdout[-3000:]
+    assert f"{ckpt(tmp_path, 6)} is corrupt: __1_0.distcp has 1000 bytes" in named[0] and "(truncated)" in named[0]
+    assert f"{ckpt(tmp_path, 4)} is corrupt: __0_0.distcp has crc32 " in named[1]
+    assert f"resumed from {ckpt(tmp_path, 2)}" in out.stdout and "replacing the corrupt checkpoint" in out.stdout
+    ref, got = losses(fsdp2_ref), losses(tmp_path)
+    assert sorted(got) == list(range(3, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
 
 
 def test_checkpoint_of_another_model_shape_is_a_clear_error(fsdp2_ref, tmp_path):

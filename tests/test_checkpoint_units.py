@@ -65,6 +65,74 @@ def test_remove_is_rename_first(tmp_path, monkeypatch):
     assert not os.path.exists(path) and os.path.basename(seen[0]).startswith(".deleting-step-5")
 
 
+def test_file_hashes_find_a_flipped_byte_a_truncated_and_a_missing_file(tmp_path):
+    from torchtrain.components.checkpoint import integrity
+
+    path = str(tmp_path / "step-3")
+    dcp.save({"model": {"w": torch.arange(4000.0)}, "train_state": {"step": torch.tensor(3)}}, checkpoint_id=path,
+             no_dist=True)
+    open(os.path.join(path, "__1_0.distcp"), "wb").write(os.urandom(5000))  # a second rank's file
+    names = integrity.checkpoint_files(path, fs.MARKER)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # spread over the ranks: a rank's own files to it, the others by position
+    assert integrity.share(names, 0, 2) == [".metadata", "__0_0.distcp"] and integrity.share(names, 1, 2) == [
+        "__1_0.distcp"]
+    assert integrity.share(names, 0, 1) == names
+    files = integrity.digests(path, names)
+    assert files["__0_0.distcp"]["bytes"] == os.path.getsize(os.path.join(path, "__0_0.distcp"))
+    assert integrity.verify(path, files, names) is None
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:  # one flipped bit
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 4]))
+    assert "__0_0.distcp has crc32 " in integrity.verify(path, files, names) and "changed since the save" in (
+        integrity.verify(path, files, names))
+    os.truncate(data, 64)
+    assert integrity.verify(path, files, names) == (
+        f"__0_0.distcp has 64 bytes, {files['__0_0.distcp']['bytes']} were written (truncated)")
+    os.remove(data)
+    assert integrity.verify(path, files, names) == "__0_0.distcp is missing"
+    assert integrity.verify(path, files, ["__1_0.distcp"]) is None  # another rank's share
+
+
+def test_purge_never_counts_corrupt_or_incomplete_checkpoints(tmp_path):
+    """keep_latest_k keeps k GOOD checkpoints: newer corrupt or incomplete ones never cost the newest good one."""
+    for step in (2, 4, 6, 10):
+        make(tmp_path, step)
+    make(tmp_path, 8, complete=False)
+    corrupt = {fs.step_dir(str(tmp_path), 6)}
+    removed = fs.purge(str(tmp_path), keep_latest_k=2, newest_complete=10, corrupt=corrupt)
+    assert sorted(os.path.basename(p) for p in removed) == ["step-2", "step-8"]
+    assert sorted(os.listdir(tmp_path)) == ["step-10", "step-4", "step-6"]  # the corrupt one stays for inspection
+
+
+def test_start_plan_skips_corrupt_checkpoints_and_refuses_to_start_over_them(tmp_path, caplog):
+    from torchtrain.utils.logging import logger
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        make(folder, step)
+    cfg = ck(tmp_path).checkpoint
+    bad = {4: "__1_0.distcp has 10 bytes, 20 were written (truncated)", 6: "__0_0.distcp has crc32 1, 2 was written"}
+    verify = lambda c: bad.get(c.step)  # noqa: E731
+    logger.addHandler(caplog.handler)
+    try:
+        plan = plan_start(cfg, str(folder), 8, verify)
+        assert (plan.kind, plan.step) == ("resume", 2)
+        lines = list(dict.fromkeys(r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()))
+        assert len(lines) == 2 and "step-6 is corrupt: __0_0.distcp has crc32" in lines[0], lines
+        bad[2] = ".metadata is missing"
+        with pytest.raises(ConfigError, match="holds no good checkpoint to resume: every one is corrupt"):
+            plan_start(cfg, str(folder), 8, verify)
+        cfg.load_step = 4
+        with pytest.raises(ConfigError, match=r"\[checkpoint.load_step\] .*step-4 is corrupt: __1_0.distcp has 10"):
+            plan_start(cfg, str(folder), 8, verify)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def ck(tmp_path, *extra: str):
     return parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", *extra])
 
@@ -146,10 +214,10 @@ def test_metadata_checks_name_step_and_key(tmp_path):
 def test_preemption_handler_only_sets_a_flag():
     watcher = PreemptionWatcher(["SIGUSR2"])
     try:
-        assert not watcher.agreed(None)
+        assert not watcher.requested
         os.kill(os.getpid(), signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGUSR2)  # a second signal: still just the flag
-        assert watcher.requested and watcher.received == ["SIGUSR2", "SIGUSR2"] and watcher.agreed(None)
+        assert watcher.requested and watcher.received == ["SIGUSR2", "SIGUSR2"]
     finally:
         watcher.restore()
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL

@@ -76,6 +76,14 @@ class Checkpoint:
     """`initial_load_path` is a Hugging Face model folder (safetensors, HF parameter names), converted
     by the model's state-dict adapter while loading."""
 
+    verify_on_load: bool = True
+    """Before a checkpoint is loaded (resume, guard rollback, a torchtrain checkpoint as
+    `initial_load_path`), check its files against the CRC-32 hashes written into its `complete.json`,
+    every rank reading its share. A checkpoint whose files changed (a flipped byte, a truncated, missing
+    or replaced file) is named in one line with the file and skipped for the newest good one (an error
+    when it was asked for by `load_step` or `initial_load_path`). Costs one read of the checkpoint
+    (docs/checkpointing.md, Integrity). Checkpoints written without hashes load unverified (logged)."""
+
     trust_initial_load: bool = False
     """Load the DCP folder of `initial_load_path` without the pickle scan. By default every DCP folder
     is scanned before it is loaded: a pickle in it that imports anything but the classes of DCP's

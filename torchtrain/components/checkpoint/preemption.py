@@ -4,7 +4,7 @@ A signal can arrive on one rank (a process killed by the scheduler or the OOM ha
 on all of them, or twice (SLURM signals every process of the step and torchrun forwards the SIGTERM
 it received to its workers as well). So the handler does nothing but set a flag: no I/O, no
 collective, nothing that could interrupt a save in progress. At each step boundary the ranks
-all-reduce the flag (MAX) over the checkpoint process group; when it is set anywhere, every rank
+all-reduce the flag (MAX) over the checkpoint process group (`CheckpointManager._agree`); when it is set anywhere, every rank
 sees it at the same step, and they save a checkpoint, flush metrics and exit 0 together.
 
 A signal that arrives while a rank is blocked inside a collective waits (Python runs handlers between
@@ -24,9 +24,6 @@ import signal
 import threading
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
 from torchtrain.utils.logging import logger
 
 
@@ -43,13 +40,6 @@ class PreemptionWatcher:
         # Only set a flag: a second signal during a save must not disturb it.
         self.requested = True
         self.received.append(signal.Signals(signum).name)
-
-    def agreed(self, group: dist.ProcessGroup | None) -> bool:
-        """True on every rank when any rank has received a preemption signal (a collective)."""
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-        if group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
 
     def restore(self) -> None:
         """Put the previous handlers back (at shutdown)."""
