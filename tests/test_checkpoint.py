@@ -281,10 +281,13 @@ def test_truncated_checkpoint_without_hashes_is_a_clear_error_on_every_rank(fsdp
     assert_no_trainer_traceback(out.stderr)  # a message, not a traceback
 
 
-def test_corrupt_checkpoints_are_named_and_skipped_for_the_newest_good_one(fsdp2_ref, tmp_path):
-    """The newest checkpoint has a truncated shard, the one before a flipped byte: each is named in one line
-    with its file, the run resumes from the one before them and its losses equal the uninterrupted run's
-    bitwise; scripts/verify_checkpoint.py fails on both, offline."""
+def test_corrupt_checkpoints_are_skipped_and_a_failed_save_does_not_end_the_run(fsdp2_ref, tmp_path):
+    """Storage in trouble. The newest checkpoint has a truncated shard, the one before a flipped byte: each is
+    named in one line with its file, and the run resumes from the one before them. Its save of step 4 then
+    fails mid-write on rank 1 (no space left: the file is cut short, the write raises ENOSPC): the run goes on,
+    the failure is in the log and the metrics, the partial folder is gone, the next checkpoint is good and
+    nothing older was deleted. The losses equal the uninterrupted run's bitwise. scripts/verify_checkpoint.py
+    fails on the corrupt checkpoints offline, and passes on the folder afterwards."""
     import verify_checkpoint
 
     for step in (2, 4, 6):
@@ -298,14 +301,21 @@ def test_corrupt_checkpoints_are_named_and_skipped_for_the_newest_good_one(fsdp2
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 1]))
     os.truncate(os.path.join(ckpt(tmp_path, 6), "__1_0.distcp"), 1000)
-    assert verify_checkpoint.main([os.path.join(str(tmp_path), "checkpoint")]) == 1
-    assert verify_checkpoint.main([ckpt(tmp_path, 2)]) == 0
-    out = ok(run_train(job(tmp_path), nproc=2))
+    folder = os.path.join(str(tmp_path), "checkpoint")
+    assert verify_checkpoint.main([folder]) == 1 and verify_checkpoint.main([ckpt(tmp_path, 2)]) == 0
+    out = ok(run_train(job(tmp_path, *FAULT_INJECTION), nproc=2, env={"TORCHTRAIN_TEST_FAIL_SAVE": "4:1"}))
     named = [line for line in out.stdout.splitlines() if " is corrupt: " in line]
     assert len(named) == 2, out.stdout[-3000:]
     assert f"{ckpt(tmp_path, 6)} is corrupt: __1_0.distcp has 1000 bytes" in named[0] and "(truncated)" in named[0]
     assert f"{ckpt(tmp_path, 4)} is corrupt: __0_0.distcp has crc32 " in named[1]
     assert f"resumed from {ckpt(tmp_path, 2)}" in out.stdout and "replacing the corrupt checkpoint" in out.stdout
+    failed = [line for line in out.stdout.splitlines() if "checkpoint step-4 failed" in line]
+    assert len(failed) == 1 and "rank 1: OSError: [Errno 28] No space left on device" in failed[0], out.stdout[-3000:]
+    assert "partial folder was removed; training goes on" in failed[0]
+    assert sorted(os.listdir(folder)) == ["step-2", "step-6", "step-8"]
+    assert verify_checkpoint.main([folder]) == 0
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    assert records[5]["checkpoint_failures"] == 1 and records[5]["checkpoint_failure"].startswith("step-4: rank 1")
     ref, got = losses(fsdp2_ref), losses(tmp_path)
     assert sorted(got) == list(range(3, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
 

@@ -133,6 +133,65 @@ def test_start_plan_skips_corrupt_checkpoints_and_refuses_to_start_over_them(tmp
         logger.removeHandler(caplog.handler)
 
 
+def test_a_failed_save_lets_training_go_on_and_the_limit_stops_it(tmp_path):
+    """The saver in one process (a one-rank gloo group): a save whose write fails mid-way (no space left) is
+    reported, its partial folder removed, the metrics say so, the next save works and older checkpoints stay;
+    `max_consecutive_save_failures` failures in a row raise SaveFailed with the reason."""
+    import errno
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from torchtrain.components.checkpoint.saver import CheckpointSaver, SaveFailed
+    from torchtrain.utils import extensions
+
+    class FullDisk(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    @dataclass
+    class Args:
+        dim: int = 4
+
+    class State(dict):
+        def state_dict(self, *args):
+            return dict(self)
+
+        saved_state_dict = state_dict
+
+    failing = {2, 6, 8}
+    writer = lambda path, step, rank: FullDisk(path) if step in failing else None  # noqa: E731
+    states = {"model": State(w=torch.ones(3)), "train_state": State(step=torch.tensor(1), tokens_seen=torch.tensor(0))}
+    states.update({k: State(x=torch.zeros(1)) for k in ("optimizer", "lr_scheduler", "dataloader", "rng")})
+    dims = SimpleNamespace(describe=lambda: "one process", dp=1)
+    cfg = ck(tmp_path, "--checkpoint.max_consecutive_save_failures", "2").checkpoint
+    folder = str(tmp_path / "checkpoint")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    extensions.register("storage_writer", writer)
+    try:
+        saver = CheckpointSaver(cfg, folder, states, dims, SimpleNamespace(name="m", flavor="f", args=Args()), None,
+                                None, None)
+        assert saver.save(2) is False and not os.path.exists(fs.step_dir(folder, 2))  # removed, not left half-written
+        record = saver.record()
+        assert record["checkpoint_failures"] == 1 and record["checkpoint_failures_in_a_row"] == 1
+        assert record["checkpoint_failure"].startswith("step-2: rank 0: OSError: [Errno 28] No space left on device")
+        assert "checkpoint_failure" not in saver.record()  # the reason is logged once
+        assert saver.save(4) is True and saver.failures_in_a_row == 0
+        assert fs.scan(folder)[0].meta["files"]  # complete, with its hashes
+        assert saver.save(6) is False
+        with pytest.raises(SaveFailed, match=r"2 saves in a row failed \(checkpoint.max_consecutive_save_failures = 2\), "
+                                             r"the last: step-8: rank 0: OSError: \[Errno 28\].*newest good checkpoint: step-4"):
+            saver.save(8)
+        assert [(c.step, c.complete) for c in fs.scan(folder)] == [(4, True)]  # nothing older was deleted
+    finally:
+        extensions.unregister("storage_writer", writer)
+        dist.destroy_process_group()
+
+
 def ck(tmp_path, *extra: str):
     return parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", *extra])
 

@@ -132,7 +132,8 @@ def test_launcher_exit_statuses():
     failure = lambda code: SimpleNamespace(exitcode=code)  # noqa: E731
     assert describe_exit(-9) == "signal SIGKILL" and describe_exit(4) == "exit 4 (hang detected)"
     assert final_status({0: failure(2), 1: failure(-15)}) == 2  # the others were stopped by the agent
-    assert final_status({0: failure(3)}) == 3
+    assert final_status({0: failure(3)}) == 3 and final_status({0: failure(5), 1: failure(-15)}) == 5
+    assert describe_exit(5) == "exit 5 (checkpoint saves failed)"
     assert final_status({0: failure(2), 1: failure(1)}) is None  # a crash too: not a clean, final error
     assert final_status({0: failure(-9)}) is None and final_status({0: failure(4)}) is None
 

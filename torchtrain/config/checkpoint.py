@@ -37,6 +37,13 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints (0 keeps all). Older ones are deleted only after a
     newer checkpoint is complete, so the newest good checkpoint always survives."""
 
+    max_consecutive_save_failures: Annotated[int, Ge(1)] = 3
+    """A save that fails (no space left, a read-only folder, an I/O error on one rank) does not end the
+    run: every rank agrees it failed, its partial folder is removed, the failure is logged and in the
+    metrics (`checkpoint_failures`), and training goes on; the next due save tries again (a final or
+    preemption save at once). After this many failed saves in a row the run stops with the reason
+    (exit status 5)."""
+
     load_step: int = -1
     """Resume from this step's checkpoint instead of the newest complete one (-1: the newest). It
     must exist and be complete."""

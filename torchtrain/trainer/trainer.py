@@ -218,7 +218,8 @@ class Trainer:
             evaluation = None
             if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
                 evaluation = self.evaluation.run(self.state.step, self.phases)
-            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None):
+            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None
+                               or self.checkpointer.unreported_failure):
                 self._log(out, evaluation)
                 logged = True
             if self.state.step == first_step:
@@ -283,7 +284,7 @@ class Trainer:
                           step_skipped=not out.stepped)
         record.update(step_metrics)  # z_loss, MoE metrics, extra losses
         record.update(**self.phases.summary(record["step_time_s"]), **(evaluation or {}),
-                      **self.guard.record(), **self.fault.record())  # [ops]
+                      **self.guard.record(), **self.fault.record(), **self.checkpointer.record())  # [ops]
         if self.replicas is not None:
             record.update(self.replicas.record())
             if self.state.step == self.job_config.training.steps:

@@ -10,6 +10,7 @@ folders, completion marker, purge), `integrity` (file hashes), `state` (what is 
 
 from torchtrain.components.checkpoint.loading import ModelInfo
 from torchtrain.components.checkpoint.manager import CheckpointManager
+from torchtrain.components.checkpoint.saver import SaveFailed
 from torchtrain.components.checkpoint.validate import CheckpointError
 
-__all__ = ["CheckpointError", "CheckpointManager", "ModelInfo"]
+__all__ = ["CheckpointError", "CheckpointManager", "ModelInfo", "SaveFailed"]

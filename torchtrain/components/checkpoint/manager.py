@@ -38,6 +38,8 @@ from torchtrain.distributed.layout import DTYPES
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
+RETRY_PAUSE_S = 2.0  # between the attempts of a save that cannot wait for the next interval
+
 
 class CheckpointManager:
     """`states` maps the checkpoint's top-level keys (config/checkpoint.py CHECKPOINT_KEYS) to the live
@@ -140,6 +142,7 @@ class CheckpointManager:
                 logger.info("initial load done in %.1fs: %s from %s", time.perf_counter() - t0,
                             ", ".join(plan.keys), plan.path)
             else:
+                self.saver.newest_good = plan.step
                 skipped = [k for k in CHECKPOINT_KEYS if k not in plan.keys]
                 logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
                             time.perf_counter() - t0, ", ".join(plan.keys),
@@ -155,10 +158,26 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None, sync: bool = False,
-             final: bool = False, hf: bool = False) -> None:
-        """Save step `step` (every rank); no signal interrupts it (one that arrives is honoured after it)."""
+             final: bool = False, hf: bool = False) -> bool:
+        """Save step `step` (every rank); no signal interrupts it (one that arrives is honoured after it).
+        False: it failed (saver.py); training may go on."""
         with DeferredSignals(f"the checkpoint save of step-{step}"):
-            self.saver.save(step, model_only=model_only, dtype=dtype, sync=sync, final=final, hf=hf)
+            return self.saver.save(step, model_only=model_only, dtype=dtype, sync=sync, final=final, hf=hf)
+
+    def _save_at_once(self, step: int, **kwargs: Any) -> None:
+        """A save with no later interval to retry at (the last step's, a preemption's): retried after a
+        pause until it succeeds or the failures reach checkpoint.max_consecutive_save_failures (SaveFailed)."""
+        while not self.save(step, sync=True, **kwargs):
+            time.sleep(RETRY_PAUSE_S)
+
+    def record(self) -> dict[str, Any]:
+        """Metrics fields of a logged step (failed saves, once there was one)."""
+        return self.saver.record() if self.enabled else {}
+
+    @property
+    def unreported_failure(self) -> bool:
+        """A failed save whose reason is not in the metrics yet (the trainer logs the next step for it)."""
+        return self.enabled and self.saver.last_failure is not None
 
     def _agree(self, step: int) -> tuple[bool, bool]:
         """(preempt, background save written) -- the same on every rank: one all-reduce when a preemption
@@ -197,11 +216,11 @@ class CheckpointManager:
             return preempt
         if step >= self.total_steps:
             model_only = cfg.last_save_model_only
-            self.save(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,
-                      sync=True, final=True, hf=cfg.last_save_in_hf)
+            self._save_at_once(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,
+                               final=True, hf=cfg.last_save_in_hf)
         elif preempt:
             logger.info("preemption: all ranks stop after step %d; saving a checkpoint first", step)
-            self.save(step, sync=True)
+            self._save_at_once(step)
         elif step % cfg.interval == 0:
             self.save(step)
         if preempt:
@@ -238,7 +257,7 @@ class CheckpointManager:
         """With create_seed_checkpoint: write the current weights as step-0 and return True (no training)."""
         if not (self.enabled and self.cfg.create_seed_checkpoint):
             return False
-        self.save(0, model_only=True, sync=True)
+        self._save_at_once(0, model_only=True)
         logger.info("seed checkpoint written to %s; exiting without training", fs.step_dir(self.folder, 0))
         return True
 
