@@ -181,7 +181,7 @@ def test_fault_injection_lives_in_the_tests_plugin_not_in_the_package():
             if name.endswith(".py"):
                 assert "TORCHTRAIN_TEST_" not in open(os.path.join(folder, name)).read(), name
     plugin = open(os.path.join(REPO, "tests", "plugins", "fault_injection.py")).read()
-    for point in ("phase", "quorum", "storage_writer", "preemption_check"):
+    for point in ("phase", "quorum", "storage_writer", "preemption_check", "gradients"):
         assert f'extensions.register("{point}",' in plugin
 
 

@@ -29,6 +29,13 @@ by an environment variable; unset, the hook does nothing.
   RANK's write fails as a full disk makes it fail (ERRNO default ENOSPC; EROFS: a read-only folder, EIO:
   an I/O error): its data file is cut to half its size, then the write raises OSError. The other ranks'
   files are written.
+* ``TORCHTRAIN_TEST_CONTROL=DIR``: faults requested from outside while the job runs (benchmarks/chaos.py),
+  by files dropped into DIR: ``slow-RANK`` (holding seconds): while it exists, rank RANK works that many
+  more CPU seconds in every forward_backward phase (a slow rank); ``nonfinite-grad-RANK``: at its next
+  step rank RANK puts +inf into one of its gradients; ``fail-save-RANK``: rank RANK's next checkpoint
+  write fails as a full disk makes it fail (as FAIL_SAVE). The one-shot ones are renamed to
+  ``<name>.done`` holding the step at which they happened. Every rank writes its pid to ``pid-RANK``
+  when it starts training, for signals sent from outside.
 * ``TORCHTRAIN_TEST_WAIT_FOR_SIGNAL=STEP:RANK``: after step STEP, rank RANK writes its pid to
   ``{dump_folder}/test_waiting_rank{RANK}.pid`` and waits (at most 300 s) until a preemption signal
   has arrived, so a test can signal that exact process at a known step without any timing race.
@@ -55,6 +62,7 @@ CRASH_IN_SAVE = "TORCHTRAIN_TEST_CRASH_IN_SAVE"
 SIGNAL_IN_SAVE = "TORCHTRAIN_TEST_SIGNAL_IN_SAVE"
 WAIT_FOR_SIGNAL = "TORCHTRAIN_TEST_WAIT_FOR_SIGNAL"
 FAIL_SAVE = "TORCHTRAIN_TEST_FAIL_SAVE"
+CONTROL = "TORCHTRAIN_TEST_CONTROL"
 WAIT_S = 300
 
 
@@ -90,6 +98,52 @@ def stop_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
         return
     if phase == "forward_backward" and (int(spec[0]), int(spec[1])) == (step, rank):
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _requested(name: str, step: int) -> bool:
+    """A one-shot request file of the control folder: True (once) if present; it becomes <name>.done."""
+    folder = os.environ.get(CONTROL)
+    if not folder:
+        return False
+    path = os.path.join(folder, name)
+    try:
+        os.rename(path, path + ".done")
+    except OSError:
+        return False
+    with open(path + ".done", "w") as f:
+        f.write(str(step))
+    return True
+
+
+_pid_reported: list[bool] = []
+
+
+def report_pid(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    folder = os.environ.get(CONTROL)
+    if folder and not _pid_reported:
+        _write_pid(os.path.join(folder, f"pid-{rank}"))
+        _pid_reported.append(True)
+
+
+def slow_rank(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    folder = os.environ.get(CONTROL)
+    if not folder or phase != "forward_backward":
+        return
+    try:
+        seconds = float(open(os.path.join(folder, f"slow-{rank}")).read())
+    except (OSError, ValueError):
+        return
+    end = time.thread_time() + seconds  # work, not sleep: the straggler detection measures CPU time
+    while time.thread_time() < end:
+        pass
+
+
+def nonfinite_gradient(step: int, model_parts: list) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if not _requested(f"nonfinite-grad-{rank}", step):
+        return
+    grad = next(p.grad for part in model_parts for p in part.parameters() if p.grad is not None)
+    (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
 
 
 def replica_wait(step: int) -> bool:
@@ -158,7 +212,7 @@ def storage_writer(path: str, step: int, rank: int) -> FileSystemWriter | None:
         name, _, target = sig[1].partition(":")
         signum, group = getattr(signal, name), target == "group"
     fail = _pair(FAIL_SAVE)
-    fail_errno = None
+    fail_errno = errno.ENOSPC if _requested(f"fail-save-{rank}", step) else None
     if fail is not None:
         steps = {int(s) for s in fail[0].split(",")}
         fail_rank, _, name = fail[1].partition(":")
@@ -183,6 +237,9 @@ def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:
 
 extensions.register("phase", park_in_step)
 extensions.register("phase", stop_in_step)
+extensions.register("phase", report_pid)
+extensions.register("phase", slow_rank)
+extensions.register("gradients", nonfinite_gradient)
 extensions.register("quorum", replica_wait)
 extensions.register("quorum", rejoin_after)
 extensions.register("storage_writer", storage_writer)

@@ -83,6 +83,7 @@ class Trainer:
         self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
                                   cfg.profiling.enable_profiling)
         self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)
+        self._replay = False  # the guard's latest rollback restored the data position (guard.rollback_replay)
         dims.build_mesh(device.type)
         set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self._write_config()
@@ -210,7 +211,9 @@ class Trainer:
             self.phases.end_step()
             self.state.add_tokens(out.tokens)
             logged = out.verdict in ("rollback", "abort")  # [ops] _guard_act logs the step first
-            if logged and self._guard_act(out):  # True: rolled back
+            if logged and self._guard_act(out):  # rolled back
+                if self._replay:  # guard.rollback_replay: the restored data position, read again
+                    data_iter = iter(self.dataloader)
                 continue
             if out.verdict == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
@@ -245,19 +248,26 @@ class Trainer:
 
     def _guard_act(self, out: StepResult) -> bool:
         """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
-        rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
-        continues after the restored step)."""
+        rank; rollback restores the newest checkpoint but keeps the data position, or with
+        guard.rollback_replay the first time restores it too (True: the loop continues after the restored
+        step)."""
         self._log(out)
         if out.verdict == "abort":
             raise GuardAbort(self.guard.abort_message())
         bad = self.state.step
         self.fault.mark("checkpoint")
-        restored = self.checkpointer.restore_latest(exclude=("dataloader",))
+        self._replay = self.guard.replay(bad)
+        restored = self.checkpointer.restore_latest(exclude=() if self._replay else ("dataloader",))
         if restored is None:
             logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
             return False
-        logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d runs "
-                    "again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
+        if self._replay:
+            logger.info("guard: rolled back from step %d to step-%d with its data position: steps %d-%d run again on "
+                        "the same data (guard.rollback_replay; if step %d is bad again, its data is skipped)", bad,
+                        restored, restored + 1, bad, bad)
+        else:
+            logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d "
+                        "runs again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
         self.throughput.reset()
         self.phases.reset()
         return True
