@@ -263,10 +263,9 @@ class Chaos:
             run.wait(lambda: declared() and any(r.seen >= t0 and r.step > at for r in run.records),
                      what="the hang to be declared and the run to go on")
             folder = declared()[0]
-            stacks = sorted(glob.glob(os.path.join(folder, "rank-*.txt")))
-            after = min(os.path.getmtime(p) for p in stacks) - t0
+            after = min(os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "rank-*.txt"))) - t0
             out.detected = (f"hang declared by the monitor {after:.1f} s after the stop (hang_timeout_s {HANG_S:g}); "
-                            f"{len(stacks)} ranks' stacks in hangs/{os.path.basename(folder)}")
+                            f"every rank's stacks in hangs/{os.path.basename(folder)}")
             if run.attempts_after(t0) is None:  # the monitor continued the stopped rank to dump its stacks
                 back = next(r for r in run.records if r.seen >= t0 and r.step > at)
                 out.seconds_lost = max(back.seen - t0 - (back.step - at) * self.step_s, 0.0)
