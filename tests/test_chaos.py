@@ -7,8 +7,8 @@ uninterrupted run's BITWISE (deterministic CPU kernels, exact resume and replay:
 step's loss may be logged twice with different values; every fault must have been detected as designed.
 
 The benchmark's full run (4 processes, 300 steps, all eight faults, SIGSTOP, a slow rank and kill -9 of a rank
-included) is in docs/resilience.md. Two launches of the reference and three of the chaos run: about 30 s on 2
-CPU cores.
+included) is in docs/resilience.md. One launch of the reference and three of the chaos run: 20-35 s on 2 CPU
+cores.
 """
 
 from __future__ import annotations

@@ -9,14 +9,13 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   killed or hung worker group is restarted by torchrun's elastic agent and resumes from the newest
   complete checkpoint (docs/resilience.md);
 * no restart after a final failure: a worker that exits with a config error (2), a guard abort (3) or
-  failing checkpoint saves (5) would fail the same way again, so the agent's remaining restarts are dropped (the one private hook
-  used here, on the agent's worker monitoring; where a future torch lacks it, such failures are
-  simply restarted until the restarts run out);
+  failing checkpoint saves (5) would fail the same way again, so the agent's remaining restarts are
+  dropped (a private hook, on the agent's worker monitoring; where a future torch lacks it, such
+  failures are simply restarted until the restarts run out);
 * one line per restart, naming the failed ranks and their exit statuses;
 * clean exits: when every failed worker already explained itself (config error, guard abort, failing
-  checkpoint saves) the
-  launcher exits with that status and no traceback of its own (torchrun would add its
-  ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
+  checkpoint saves) the launcher exits with that status and no traceback of its own (torchrun would
+  add its ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
   see them;
