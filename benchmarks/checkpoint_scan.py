@@ -1,13 +1,16 @@
-"""Cost of the pickle scan (components/checkpoint/safety.py) on a ~1 GB DCP checkpoint.
+"""Cost of the pickle scan (components/checkpoint/safety.py) and of the file hashes
+(components/checkpoint/integrity.py) on a ~1 GB DCP checkpoint.
 
     python benchmarks/checkpoint_scan.py [--gb 1.0] [--params 400] [--folder /tmp/torchtrain-bench-scan]
 
 Writes (once; reused afterwards) a one-process DCP checkpoint shaped like a training state: `--params`
 float32 weights totalling `--gb` GB with an Adam-like optimizer state (two moments, a step, and the
 per-parameter hyper-parameters DCP stores as byte entries), the schedule's counter, and the loader, RNG
-and train states as torchtrain writes them. Then it times, best of 5: the scan alone; DCP's own
-metadata read (what any load does first); and one full `dcp.load` of the checkpoint, for scale. The
-page cache is warm after the first pass, as on a resume shortly after the save.
+and train states as torchtrain writes them. Then it times, best of 5: the scan alone; hashing every
+file (what a save adds, in one process: the ranks of a job share it) and checking them against those
+hashes (what a load adds); DCP's own metadata read (what any load does first); and one full `dcp.load`
+of the checkpoint, for scale. The page cache is warm after the first pass, as on a resume shortly
+after the save.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchtrain.components.checkpoint import integrity
 from torchtrain.components.checkpoint.safety import scan
 from torchtrain.components.checkpoint.state import encode_json
 
@@ -70,11 +74,17 @@ def main() -> None:
     md = FileSystemReader(args.folder).read_metadata()
     template = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
                 for k, v in md.state_dict_metadata.items()}
+    names = integrity.checkpoint_files(args.folder, "complete.json")
+    files = integrity.digests(args.folder, names)
+    t_hash = best(lambda: integrity.digests(args.folder, names))
+    t_verify = best(lambda: integrity.verify(args.folder, files, names))
     t_load = best(lambda: dcp.load(template, checkpoint_id=args.folder, no_dist=True), repeat=2)
     print(f"checkpoint: {size / 1e9:.2f} GB, {len(md.state_dict_metadata)} keys, {report.byte_entries} byte entries, "
           f"{os.path.getsize(os.path.join(args.folder, '.metadata')) / 1e6:.2f} MB of metadata")
     print(f"scan: {t_scan * 1000:.0f} ms ({report.pickles} pickles); DCP metadata read: {t_meta * 1000:.0f} ms; "
           f"full dcp.load: {t_load:.2f} s; the scan adds {100 * t_scan / t_load:.1f}% to the load")
+    print(f"{integrity.HASH} of {len(names)} files: {t_hash:.2f} s ({size / t_hash / 1e9:.2f} GB/s) when saved; "
+          f"checked: {t_verify:.2f} s, {100 * t_verify / t_load:.1f}% of the load")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from conftest import (
     FAULT_INJECTION,
     REPO,
     TINY_JOB,
+    assert_no_traceback,
     assert_no_trainer_traceback,
     read_metrics,
     run_together,
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 pytestmark = pytest.mark.dist
 RTOL = 1e-4
+sys.path.insert(0, os.path.join(REPO, "scripts"))  # verify_checkpoint
 
 
 def job(dump, *extra: str) -> list[str]:
@@ -93,28 +96,50 @@ def fsdp2_ref(tmp_path_factory):
     return dump
 
 
-def _popen_train(args: list[str], nproc: int, env: dict) -> subprocess.Popen:
-    cmd, full_env = train_command(args, nproc, env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=full_env)
-
-
-def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(fsdp2_ref, tmp_path):
-    """Also the FSDP 2 exact-resume test: 3 steps + preemption save + resume + 5 steps == 8 steps."""
-    # Rank 1 parks after step 3 until a signal arrives (test hook), so the signal lands at a known step.
-    # It goes straight to that worker (torchrun is not signalled), so rank 0 learns of it only through
-    # the step-boundary agreement. A second SIGTERM arrives during the save (test hook) and is ignored.
-    args = job(tmp_path, "--checkpoint.interval", "100", *FAULT_INJECTION)
-    env = {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": "3:1", "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": "1:SIGTERM"}
-    proc = _popen_train(args, 2, env)
-    pid = wait_for_pid_file(proc, tmp_path / "test_waiting_rank1.pid", "rank 1 never reached step 3")
-    os.kill(pid, signal.SIGTERM)
+def _preempt(args: list[str], step: int, signal_in_save: str, launcher_args=(), group: bool = True):
+    """Run the job until rank 1 has finished `step` (a test hook parks it there until a preemption signal
+    arrives, so the signal lands at a known step), then send SIGTERM to the launch's whole process group, or
+    to that worker only; during the save the hook sends `signal_in_save` once more. Returns (exit status,
+    output)."""
+    cmd, env = train_command(args, 2, {"TORCHTRAIN_TEST_WAIT_FOR_SIGNAL": f"{step}:1",
+                                       "TORCHTRAIN_TEST_SIGNAL_IN_SAVE": signal_in_save})
+    cmd[3:3] = launcher_args  # after `python -m torchtrain.launcher`
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            start_new_session=True)  # its own process group, as under a scheduler
+    pid_file = os.path.join(args[args.index("--job.dump_folder") + 1], "test_waiting_rank1.pid")
+    pid = wait_for_pid_file(proc, pid_file, f"rank 1 never reached step {step}")
+    os.killpg(proc.pid, signal.SIGTERM) if group else os.kill(pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output[-4000:]
-    assert "rank 1 received SIGTERM" in output and "checkpoint step-3 saved, exiting" in output
-    assert sorted(losses(tmp_path)) == [1, 2, 3]
-    assert marker(ckpt(tmp_path, 3))["contents"][:2] == ["model", "optimizer"]
+    os.remove(pid_file)
+    return proc.returncode, output
+
+
+def test_preemption_saves_whoever_gets_the_signal_and_resumes_exactly(fsdp2_ref, tmp_path):
+    """Also the FSDP 2 exact-resume test. One job preempted three times, then finished:
+
+    * after step 2, SIGTERM to rank 1 only (the agent is not signalled: rank 0 learns of it through the
+      step-boundary agreement), and again to rank 1 during the save: every rank saves and exits 0;
+    * after step 4, what `scancel` or a preempting scheduler does: SIGTERM to every process of the launch
+      (agent, forkserver, workers) on the forkserver path (the default on CPU), and again to all of them
+      during the save: the save completes, the launcher exits 128 + 15 with one line. (Before the
+      forkserver ignored the workers' signals it died of the first SIGTERM, and its workers got a
+      KeyboardInterrupt in the middle of the save);
+    * after step 6, the same on torchrun's spawn path;
+    * the same command again trains steps 7 and 8: the losses equal the uninterrupted run's bitwise."""
+    args = job(tmp_path, "--checkpoint.interval", "100", *FAULT_INJECTION)
+    code, out = _preempt(args, 2, "1:SIGTERM", group=False)
+    assert code == 0, out[-4000:]
+    assert "rank 1 received SIGTERM" in out and "checkpoint step-2 saved, exiting" in out
+    assert marker(ckpt(tmp_path, 2))["contents"][:2] == ["model", "optimizer"]
+    for step, launcher_args in ((4, ()), (6, ("--start-method", "spawn"))):
+        code, out = _preempt(args, step, "1:SIGTERM:group", launcher_args)
+        assert code == 128 + signal.SIGTERM, out[-4000:]
+        assert f"training continues at step {step - 1}" in out and f"checkpoint step-{step} saved, exiting" in out
+        assert "torchtrain: stopped by SIGTERM" in out
+        assert_no_traceback(out)
+        assert marker(ckpt(tmp_path, step))["step"] == step and max(losses(tmp_path)) == step
     out = ok(run_train(args, nproc=2))  # the requeued job
-    assert f"resumed from {ckpt(tmp_path, 3)}" in out.stdout and "training continues at step 4" in out.stdout
+    assert f"resumed from {ckpt(tmp_path, 6)}" in out.stdout and "training continues at step 7" in out.stdout
     ref, got = losses(fsdp2_ref), losses(tmp_path)
     assert sorted(got) == list(range(1, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
 
@@ -205,8 +230,9 @@ def test_fresh_checkpoint_holds_no_pickled_state(fsdp2_ref):
 
 
 def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
-    """A checkpoint written before the loader and RNG states were JSON tensors (pickled bytes) and the
-    train state int64 tensors (plain ints) passes the scan and resumes bitwise."""
+    """A checkpoint written before the loader and RNG states were JSON tensors (pickled bytes), the
+    train state int64 tensors (plain ints) and the marker held file hashes passes the scan and resumes
+    bitwise."""
     import base64
     import pickle
 
@@ -225,7 +251,7 @@ def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
         elif key.startswith("train_state."):
             state[key] = int(value)
     dcp.save(state, checkpoint_id=ckpt(tmp_path, 4), no_dist=True)
-    shutil.copy(os.path.join(src, "complete.json"), ckpt(tmp_path, 4))
+    legacy_marker(src, ckpt(tmp_path, 4))  # these checkpoints predate the file hashes too
     assert scan(ckpt(tmp_path, 4)).pickles > 1  # the legacy blobs are read, with builtins only
     out = ok(run_train(job(tmp_path), nproc=2))
     assert f"resumed from {ckpt(tmp_path, 4)}" in out.stdout and "training continues at step 5" in out.stdout
@@ -233,15 +259,65 @@ def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == ref[s] for s in got), (ref, got)
 
 
-def test_truncated_checkpoint_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):
+def legacy_marker(src: str, dst: str) -> None:
+    """dst's completion marker: src's as torchtrain wrote it before it hashed the files (no "files")."""
+    meta = {k: v for k, v in marker(src).items() if k not in ("files", "hash")}
+    with open(os.path.join(dst, "complete.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_truncated_checkpoint_without_hashes_is_a_clear_error_on_every_rank(fsdp2_ref, tmp_path):
+    """A checkpoint written before the file hashes loads unverified (said so); its truncated data file is
+    found by the metadata check instead, before any data is read."""
     copy_step(fsdp2_ref, 4, tmp_path)
+    legacy_marker(ckpt(fsdp2_ref, 4), ckpt(tmp_path, 4))
     data = os.path.join(ckpt(tmp_path, 4), "__1_0.distcp")
     os.truncate(data, os.path.getsize(data) // 2)
     out = run_train(job(tmp_path), nproc=2, timeout=300)
     assert out.returncode != 0
+    assert "has no file hashes (written before torchtrain hashed its files): loaded without verifying" in out.stdout
     assert "config error: [checkpoint] step-4" in out.stderr and "__1_0.distcp is truncated" in out.stderr
     assert "key '" in out.stderr
     assert_no_trainer_traceback(out.stderr)  # a message, not a traceback
+
+
+def test_corrupt_checkpoints_are_skipped_and_a_failed_save_does_not_end_the_run(fsdp2_ref, tmp_path):
+    """Storage in trouble. The newest checkpoint has a truncated shard, the one before a flipped byte: each is
+    named in one line with its file, and the run resumes from the one before them. Its save of step 4 then
+    fails mid-write on rank 1 (no space left: the file is cut short, the write raises ENOSPC): the run goes on,
+    the failure is in the log and the metrics, the partial folder is gone, the next checkpoint is good and
+    nothing older was deleted. The losses equal the uninterrupted run's bitwise. scripts/verify_checkpoint.py
+    fails on the corrupt checkpoints offline, and passes on the folder afterwards."""
+    import verify_checkpoint
+
+    for step in (2, 4, 6):
+        copy_step(fsdp2_ref, step, tmp_path)
+    saved = marker(ckpt(fsdp2_ref, 6))
+    assert saved["hash"] == "crc32" and sorted(saved["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    flipped = os.path.join(ckpt(tmp_path, 4), "__0_0.distcp")
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+    os.truncate(os.path.join(ckpt(tmp_path, 6), "__1_0.distcp"), 1000)
+    folder = os.path.join(str(tmp_path), "checkpoint")
+    assert verify_checkpoint.main([folder]) == 1 and verify_checkpoint.main([ckpt(tmp_path, 2)]) == 0
+    out = ok(run_train(job(tmp_path, *FAULT_INJECTION), nproc=2, env={"TORCHTRAIN_TEST_FAIL_SAVE": "4:1"}))
+    named = [line for line in out.stdout.splitlines() if " is corrupt: " in line]
+    assert len(named) == 2, out.stdout[-3000:]
+    assert f"{ckpt(tmp_path, 6)} is corrupt: __1_0.distcp has 1000 bytes" in named[0] and "(truncated)" in named[0]
+    assert f"{ckpt(tmp_path, 4)} is corrupt: __0_0.distcp has crc32 " in named[1]
+    assert f"resumed from {ckpt(tmp_path, 2)}" in out.stdout and "replacing the corrupt checkpoint" in out.stdout
+    failed = [line for line in out.stdout.splitlines() if "checkpoint step-4 failed" in line]
+    assert len(failed) == 1 and "rank 1: OSError: [Errno 28] No space left on device" in failed[0], out.stdout[-3000:]
+    assert "partial folder was removed; training goes on" in failed[0]
+    assert sorted(os.listdir(folder)) == ["step-2", "step-6", "step-8"]
+    assert verify_checkpoint.main([folder]) == 0
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    assert records[5]["checkpoint_failures"] == 1 and records[5]["checkpoint_failure"].startswith("step-4: rank 1")
+    ref, got = losses(fsdp2_ref), losses(tmp_path)
+    assert sorted(got) == list(range(3, 9)) and all(got[s] == ref[s] for s in got), (ref, got)
 
 
 def test_checkpoint_of_another_model_shape_is_a_clear_error(fsdp2_ref, tmp_path):

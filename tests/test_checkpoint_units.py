@@ -65,6 +65,133 @@ def test_remove_is_rename_first(tmp_path, monkeypatch):
     assert not os.path.exists(path) and os.path.basename(seen[0]).startswith(".deleting-step-5")
 
 
+def test_file_hashes_find_a_flipped_byte_a_truncated_and_a_missing_file(tmp_path):
+    from torchtrain.components.checkpoint import integrity
+
+    path = str(tmp_path / "step-3")
+    dcp.save({"model": {"w": torch.arange(4000.0)}, "train_state": {"step": torch.tensor(3)}}, checkpoint_id=path,
+             no_dist=True)
+    open(os.path.join(path, "__1_0.distcp"), "wb").write(os.urandom(5000))  # a second rank's file
+    names = integrity.checkpoint_files(path, fs.MARKER)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # spread over the ranks: a rank's own files to it, the others by position
+    assert integrity.share(names, 0, 2) == [".metadata", "__0_0.distcp"] and integrity.share(names, 1, 2) == [
+        "__1_0.distcp"]
+    assert integrity.share(names, 0, 1) == names
+    files = integrity.digests(path, names)
+    assert files["__0_0.distcp"]["bytes"] == os.path.getsize(os.path.join(path, "__0_0.distcp"))
+    assert integrity.verify(path, files, names) is None
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:  # one flipped bit
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 4]))
+    assert "__0_0.distcp has crc32 " in integrity.verify(path, files, names) and "changed since the save" in (
+        integrity.verify(path, files, names))
+    os.truncate(data, 64)
+    assert integrity.verify(path, files, names) == (
+        f"__0_0.distcp has 64 bytes, {files['__0_0.distcp']['bytes']} were written (truncated)")
+    os.remove(data)
+    assert integrity.verify(path, files, names) == "__0_0.distcp is missing"
+    assert integrity.verify(path, files, ["__1_0.distcp"]) is None  # another rank's share
+
+
+def test_purge_never_counts_corrupt_or_incomplete_checkpoints(tmp_path):
+    """keep_latest_k keeps k GOOD checkpoints: newer corrupt or incomplete ones never cost the newest good one."""
+    for step in (2, 4, 6, 10):
+        make(tmp_path, step)
+    make(tmp_path, 8, complete=False)
+    corrupt = {fs.step_dir(str(tmp_path), 6)}
+    removed = fs.purge(str(tmp_path), keep_latest_k=2, newest_complete=10, corrupt=corrupt)
+    assert sorted(os.path.basename(p) for p in removed) == ["step-2", "step-8"]
+    assert sorted(os.listdir(tmp_path)) == ["step-10", "step-4", "step-6"]  # the corrupt one stays for inspection
+
+
+def test_start_plan_skips_corrupt_checkpoints_and_refuses_to_start_over_them(tmp_path, caplog):
+    from torchtrain.utils.logging import logger
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        make(folder, step)
+    cfg = ck(tmp_path).checkpoint
+    bad = {4: "__1_0.distcp has 10 bytes, 20 were written (truncated)", 6: "__0_0.distcp has crc32 1, 2 was written"}
+    verify = lambda c: bad.get(c.step)  # noqa: E731
+    logger.addHandler(caplog.handler)
+    try:
+        plan = plan_start(cfg, str(folder), 8, verify)
+        assert (plan.kind, plan.step) == ("resume", 2)
+        lines = list(dict.fromkeys(r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()))
+        assert len(lines) == 2 and "step-6 is corrupt: __0_0.distcp has crc32" in lines[0], lines
+        bad[2] = ".metadata is missing"
+        with pytest.raises(ConfigError, match="holds no good checkpoint to resume: every one is corrupt"):
+            plan_start(cfg, str(folder), 8, verify)
+        cfg.load_step = 4
+        with pytest.raises(ConfigError, match=r"\[checkpoint.load_step\] .*step-4 is corrupt: __1_0.distcp has 10"):
+            plan_start(cfg, str(folder), 8, verify)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_a_failed_save_lets_training_go_on_and_the_limit_stops_it(tmp_path):
+    """The saver in one process (a one-rank gloo group): a save whose write fails mid-way (no space left) is
+    reported, its partial folder removed, the metrics say so, the next save works and older checkpoints stay;
+    `max_consecutive_save_failures` failures in a row raise SaveFailed with the reason."""
+    import errno
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from torchtrain.components.checkpoint.saver import CheckpointSaver, SaveFailed
+    from torchtrain.utils import extensions
+
+    class FullDisk(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    @dataclass
+    class Args:
+        dim: int = 4
+
+    class State(dict):
+        def state_dict(self, *args):
+            return dict(self)
+
+        saved_state_dict = state_dict
+
+    failing = {2, 6, 8}
+    writer = lambda path, step, rank: FullDisk(path) if step in failing else None  # noqa: E731
+    states = {"model": State(w=torch.ones(3)), "train_state": State(step=torch.tensor(1), tokens_seen=torch.tensor(0))}
+    states.update({k: State(x=torch.zeros(1)) for k in ("optimizer", "lr_scheduler", "dataloader", "rng")})
+    dims = SimpleNamespace(describe=lambda: "one process", dp=1)
+    cfg = ck(tmp_path, "--checkpoint.max_consecutive_save_failures", "2").checkpoint
+    folder = str(tmp_path / "checkpoint")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    extensions.register("storage_writer", writer)
+    try:
+        saver = CheckpointSaver(cfg, folder, states, dims, SimpleNamespace(name="m", flavor="f", args=Args()), None,
+                                None, None)
+        assert saver.save(2) is False and not os.path.exists(fs.step_dir(folder, 2))  # removed, not left half-written
+        record = saver.record()
+        assert record["checkpoint_failures"] == 1 and record["checkpoint_failures_in_a_row"] == 1
+        assert record["checkpoint_failure"].startswith("step-2: rank 0: OSError: [Errno 28] No space left on device")
+        assert "checkpoint_failure" not in saver.record()  # the reason is logged once
+        assert saver.save(4) is True and saver.failures_in_a_row == 0
+        assert fs.scan(folder)[0].meta["files"]  # complete, with its hashes
+        assert saver.save(6) is False
+        with pytest.raises(SaveFailed, match=r"2 saves in a row failed \(checkpoint.max_consecutive_save_failures = 2\), "
+                                             r"the last: step-8: rank 0: OSError: \[Errno 28\].*newest good checkpoint: step-4"):
+            saver.save(8)
+        assert [(c.step, c.complete) for c in fs.scan(folder)] == [(4, True)]  # nothing older was deleted
+    finally:
+        extensions.unregister("storage_writer", writer)
+        dist.destroy_process_group()
+
+
 def ck(tmp_path, *extra: str):
     return parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", *extra])
 
@@ -146,13 +273,33 @@ def test_metadata_checks_name_step_and_key(tmp_path):
 def test_preemption_handler_only_sets_a_flag():
     watcher = PreemptionWatcher(["SIGUSR2"])
     try:
-        assert not watcher.agreed(None)
+        assert not watcher.requested
         os.kill(os.getpid(), signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGUSR2)  # a second signal: still just the flag
-        assert watcher.requested and watcher.received == ["SIGUSR2", "SIGUSR2"] and watcher.agreed(None)
+        assert watcher.requested and watcher.received == ["SIGUSR2", "SIGUSR2"]
     finally:
         watcher.restore()
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+def test_no_signal_interrupts_a_save_and_one_that_arrived_is_honoured_after_it():
+    """SIGINT (Ctrl-C, or the parent-death signal of a forked worker) during a save only records its arrival;
+    it raises KeyboardInterrupt once the save is done. The preemption flag's own handler stays in place."""
+    from torchtrain.components.checkpoint.preemption import DeferredSignals
+
+    watcher = PreemptionWatcher(["SIGUSR2"])
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with DeferredSignals("a test save") as deferred:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGUSR2)
+                finished.append(list(deferred.arrived))  # the "save" ran to its end
+        assert finished == [[signal.SIGINT, signal.SIGINT]] and watcher.received == ["SIGUSR2"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        watcher.restore()
 
 
 def test_several_model_parts_round_trip():

@@ -132,7 +132,8 @@ def test_launcher_exit_statuses():
     failure = lambda code: SimpleNamespace(exitcode=code)  # noqa: E731
     assert describe_exit(-9) == "signal SIGKILL" and describe_exit(4) == "exit 4 (hang detected)"
     assert final_status({0: failure(2), 1: failure(-15)}) == 2  # the others were stopped by the agent
-    assert final_status({0: failure(3)}) == 3
+    assert final_status({0: failure(3)}) == 3 and final_status({0: failure(5), 1: failure(-15)}) == 5
+    assert describe_exit(5) == "exit 5 (checkpoint saves failed)"
     assert final_status({0: failure(2), 1: failure(1)}) is None  # a crash too: not a clean, final error
     assert final_status({0: failure(-9)}) is None and final_status({0: failure(4)}) is None
 
@@ -180,7 +181,7 @@ def test_fault_injection_lives_in_the_tests_plugin_not_in_the_package():
             if name.endswith(".py"):
                 assert "TORCHTRAIN_TEST_" not in open(os.path.join(folder, name)).read(), name
     plugin = open(os.path.join(REPO, "tests", "plugins", "fault_injection.py")).read()
-    for point in ("phase", "quorum", "storage_writer", "preemption_check"):
+    for point in ("phase", "quorum", "storage_writer", "preemption_check", "gradients"):
         assert f'extensions.register("{point}",' in plugin
 
 
@@ -229,3 +230,34 @@ def test_a_stall_that_resolves_before_the_declaration_is_logged_not_declared(cap
         assert store.check([DONE_KEY]) and monitor._declare([1]) is False and not store.check([HANG_KEY])
     finally:
         logger.removeHandler(caplog.handler)
+
+
+def test_a_crash_without_a_declared_hang_is_not_held_back():
+    """A rank's error with no hang declared in the store (a peer killed: gloo's "connection closed") ends the
+    rank at once, so torchrun restarts the job without waiting; with a declaration it waits for its monitor."""
+    import threading
+
+    import torch.distributed as dist
+
+    from torchtrain.components.fault.monitor import HANG_KEY, HangMonitor
+
+    release = threading.Event()
+
+    def store_never_ready():  # keeps the monitor thread alive and away from the store
+        release.wait(30)
+        raise ConnectionError("test over")
+
+    monitor = HangMonitor(store_never_ready, 0, range(2), 2, "/nonexistent", timeout_s=60.0, slow_timeout_s=240.0)
+    try:
+        monitor.store = dist.HashStore()
+        t0 = time.monotonic()
+        monitor.hold_for_hang_exit(2 * monitor.interval)  # 15 s at the default hang_timeout_s
+        assert time.monotonic() - t0 < 1.0
+        monitor.store.set(HANG_KEY, "{}")
+        t0 = time.monotonic()
+        monitor.hold_for_hang_exit(0.3)  # declared: waits for this rank's monitor to take it up
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        monitor._stop.set()
+        release.set()
+        monitor._thread.join(5)

@@ -126,6 +126,19 @@ def test_rollback_needs_checkpoints():
         parse_args(["--guard.policy", "rollback"])
 
 
+def test_rollback_replay_replays_a_step_once_then_skips_its_data():
+    """guard.rollback_replay: the first rollback from a bad step trains the same data again (a transient fault);
+    the same step bad again is rolled back with its data skipped. (End to end, with the run bitwise equal to an
+    undisturbed one, in tests/test_chaos.py.)"""
+    from torchtrain.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=r"\[guard.rollback_replay\] applies to guard.policy = \"rollback\""):
+        parse_args(["--guard.policy", "skip", "--guard.rollback_replay"])
+    guard = TrainingGuard(Guard(policy="rollback", rollback_replay=True), [], True, torch.device("cpu"))
+    assert guard.replay(7) and not guard.replay(7) and guard.replay(9)
+    assert not TrainingGuard(Guard(policy="rollback"), [], True, torch.device("cpu")).replay(7)
+
+
 # ------------------------------------------------------------------------------------- unit tests
 def test_spike_rule_uses_the_window_of_good_steps():
     guard = TrainingGuard(Guard(policy="skip", spike_zscore=3.0, spike_window=4), [], True, torch.device("cpu"))

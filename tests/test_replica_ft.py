@@ -4,13 +4,14 @@ HSDP 2 x 2 as two replica groups of 2 processes each (each its own launcher and 
 Group 1's rank 1 is killed (SIGKILL) in step 4. Group 0 must go on alone (the step in which the group was lost
 is skipped, the following ones train on group 0's half of the global batch), group 1's torchrun restarts it
 (fault.max_restarts 1): it resumes from the newest checkpoint group 0 wrote, rejoins, and receives group 0's
-live training state. A test hook makes group 0 wait before step 8 until both groups are in the quorum, so the
-rejoin happens at a known step. From then on both groups must hold BITWISE equal state: the same per-step
+live training state. Two test hooks pin the rejoin to step 8 whatever the restart takes: the restarted group
+waits until group 0 has recorded step 7 (trained without it) before it joins a quorum, and group 0 waits
+before step 8 until both groups are in the quorum. From then on both groups must hold BITWISE equal state: the same per-step
 loss and gradient norm, and the same final `state_digest` (a hash of model, optimizer, schedule, data
 position, counters and RNG of every rank). The NaN guard (a NaN injected at step 10) must skip the step in
 both groups alike; only group 0 (the lowest live group) writes checkpoints.
 
-One launch of 4 processes (+ 2 restarted) and the lighthouse: about 35 s on 2 CPU cores.
+One launch of 4 processes (+ 2 restarted) and the lighthouse: about 20 s on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def job(dump, group: int) -> list[str]:
 def launch(args: list[str], **env: str) -> subprocess.Popen:
     full = dict(os.environ, **ENV, **env)
     full.pop("RANK", None)
-    # torchrun's own start method (fresh interpreters), as on a GPU machine: a restarted group then takes the
-    # seconds of a real start-up, so group 0 trains alone for a few steps before the rejoin at step 8
+    # torchrun's own start method (fresh interpreters), as on a GPU machine
     cmd = [sys.executable, "-m", "torchtrain.launcher", "--start-method", "spawn", "--nproc_per_node=2",
            "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
@@ -66,7 +66,9 @@ def groups(tmp_path_factory):
     env = dict(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", TORCHTRAIN_TEST_REPLICA_WAIT=str(REJOIN_STEP))
     try:
         first = launch(job(dump, 0), **env)
-        second = launch(job(dump, 1), TORCHTRAIN_TEST_PARK_IN_STEP=f"{KILL_STEP}:1", **env)
+        record = os.path.join(str(dump), "replica_0", "metrics.jsonl")  # group 0's steps, 5-7 without group 1
+        second = launch(job(dump, 1), TORCHTRAIN_TEST_PARK_IN_STEP=f"{KILL_STEP}:1",
+                        TORCHTRAIN_TEST_REJOIN_AFTER=f"{record}:{REJOIN_STEP - 1}", **env)
         pid = wait_for_pid_file(second, dump / "replica_1" / "test_parked_rank1.pid", "group 1 never reached step 4")
         os.kill(pid, signal.SIGKILL)
         outs = [p.communicate(timeout=300)[0] for p in (first, second)]

@@ -8,14 +8,14 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
 * the job's `fault.max_restarts` as `--max-restarts` (unless the command line sets it): a crashed,
   killed or hung worker group is restarted by torchrun's elastic agent and resumes from the newest
   complete checkpoint (docs/resilience.md);
-* no restart after a final failure: a worker that exits with a config error (2) or a guard abort (3)
-  would fail the same way again, so the agent's remaining restarts are dropped (the one private hook
-  used here, on the agent's worker monitoring; where a future torch lacks it, such failures are
-  simply restarted until the restarts run out);
+* no restart after a final failure: a worker that exits with a config error (2), a guard abort (3) or
+  failing checkpoint saves (5) would fail the same way again, so the agent's remaining restarts are
+  dropped (a private hook, on the agent's worker monitoring; where a future torch lacks it, such
+  failures are simply restarted until the restarts run out);
 * one line per restart, naming the failed ranks and their exit statuses;
-* clean exits: when every failed worker already explained itself (config error, guard abort) the
-  launcher exits with that status and no traceback of its own (torchrun would add its
-  ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
+* clean exits: when every failed worker already explained itself (config error, guard abort, failing
+  checkpoint saves) the launcher exits with that status and no traceback of its own (torchrun would
+  add its ChildFailedError traceback); after a detected hang it prints the hang summary and exits 4; any
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
   see them;
@@ -26,7 +26,15 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   starting a fresh interpreter that imports them again (2-3 s of CPU per worker: most of a small job's
   start-up when the workers outnumber the cores). A file runs as `python FILE ARGS` would run it:
   as `__main__`, with its folder first on `sys.path` and `sys.argv` set. The agent itself is never
-  forked (it runs threads). An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way.
+  forked (it runs threads). An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way;
+* signals that let a preemption save finish (docs/checkpointing.md, Preemption): torchrun answers the
+  first SIGTERM (SIGINT, SIGHUP, SIGQUIT) by passing it to the workers and waiting for them; a repeat
+  of it while they save and stop is ignored instead of ending the agent (whose death would interrupt
+  the workers' save). SIGUSR1 and SIGUSR2, which torchrun does not handle and which would otherwise kill
+  it, are passed on to the workers (unless they are ignored, as the SLURM script does). The forkserver,
+  the parent of the workers it forks, and multiprocessing's resource tracker start with all of these
+  ignored, so a signal to the whole process group cannot end them under the workers. The launcher
+  then exits with 128 + the signal's number and one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import sys
 from torchtrain.utils import exit_codes
 
 EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
-             exit_codes.HANG: "hang detected"}
+             exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed"}
 
 
 def describe_exit(code: int) -> str:
@@ -114,6 +122,85 @@ def hang_report(job) -> str:
 # What the forkserver imports once, before it forks any worker: its quick exit (utils/forkserver_exit.py),
 # the trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
 FORKSERVER_PRELOAD = ["torchtrain.utils.forkserver_exit", "torchtrain.train", "torch._dynamo"]
+# Signals meant for the workers: the forkserver and the resource tracker start with them ignored.
+WORKER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ensure_forkserver() -> None:
+    """Start the forkserver (and the resource tracker it starts first), unless running, with the workers'
+    signals ignored: a process inherits ignored signals, so neither dies of a signal sent to the whole
+    process group. The forkserver is the parent of every worker, and torch.multiprocessing gives each
+    worker a parent-death signal of SIGINT: the server's death would interrupt every worker wherever it is,
+    in a checkpoint save too. Both still end when the launcher has gone (their pipes close)."""
+    import multiprocessing.forkserver
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in WORKER_SIGNALS}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux /proc; empty where it cannot be read)."""
+    found: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(task) as f:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _forward_to_workers(signum: int, frame) -> None:
+    """SIGUSR1 / SIGUSR2 at the launcher: pass it on to the workers -- its children, and the children of
+    its forkserver (which ignores the signal itself)."""
+    for child in _children(os.getpid()):
+        for pid in [child, *_children(child)]:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+
+
+def install_signal_policy() -> None:
+    """A repeated stop signal leaves the agent waiting for its workers; SIGUSR1/2 are passed on (module
+    docstring). Two private hooks: torchrun's handler, looked up by name when torchrun installs it at
+    every start of the workers (where a future torch lacks it, a repeat ends the agent as before); and the
+    shutdown of function workers (the forkserver's): a worker that returned waits until the agent has read
+    its result, which an agent that is shutting down never does, so the shutdown releases them first
+    (else a worker that finished its preemption save would wait for the agent's SIGKILL, 30 s later)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = getattr(api.MultiprocessContext, "_close", None)
+    if close is not None and not getattr(close, "torchtrain_release", False):
+        def close_releasing(self, *args, **kwargs):
+            finished = getattr(self, "_worker_finished_event", None)
+            if finished is not None:
+                finished.set()
+            return close(self, *args, **kwargs)
+
+        close_releasing.torchtrain_release = True
+        api.MultiprocessContext._close = close_releasing
+
+    original = getattr(api, "_terminate_process_handler", None)
+    if original is not None and not getattr(original, "torchtrain_once", False):
+        received: list[int] = []
+
+        def terminate_once(signum: int, frame) -> None:
+            if received:  # the workers are stopping (saving) already: let them finish
+                return
+            received.append(signum)
+            original(signum, frame)
+
+        terminate_once.torchtrain_once = True
+        api._terminate_process_handler = terminate_once
+    for signum in FORWARDED_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _forward_to_workers)
 
 
 def _explicit_start_method(argv: list[str]) -> bool:
@@ -125,12 +212,12 @@ def prestart_forkserver(argv: list[str]) -> None:
     (`-m torchtrain.train` or a Python file, no start method named, no NVIDIA device file): the server's
     imports then run beside the agent's own instead of after them. A server the command ends up not
     using just exits with this process."""
-    import multiprocessing.forkserver
+    import multiprocessing
 
     likely = "torchtrain.train" in argv or any(a.endswith(".py") for a in argv)
     if likely and not _explicit_start_method(argv) and not glob.glob("/dev/nvidia[0-9]*"):
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        ensure_forkserver()
 
 
 def _runs_python_file(args) -> bool:
@@ -165,7 +252,7 @@ def _as_fresh_worker() -> None:
     """A forked worker's signals and thread count, as a fresh interpreter of its own would have them."""
     import torch
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    for sig in WORKER_SIGNALS:  # the forkserver ignores them
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the worker's thread count from its own
@@ -213,7 +300,7 @@ def _end_worker(code) -> None:
 def start_forkserver(args):
     """torchrun's launch config; the forkserver starts now (unless it did already), importing the
     trainer while the agent meets the other nodes."""
-    import multiprocessing.forkserver
+    import multiprocessing
     import uuid
 
     from torch.distributed.run import config_from_args
@@ -222,7 +309,7 @@ def start_forkserver(args):
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS: each worker applies its own (_worker)
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    ensure_forkserver()
     return config
 
 
@@ -242,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     prestart_forkserver(argv)
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -257,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     choose_start_method(args, argv)
     config = start_forkserver(args) if uses_forkserver(args) else None
     install_restart_policy()
+    install_signal_policy()
     try:
         run_forkserver(config, args) if config is not None else run(args)
+    except SignalException as e:
+        print(f"torchtrain: stopped by {e.sigval.name}: the workers were passed the signal and have ended (with "
+              f"checkpoint.preemption_signals they saved a checkpoint first; the same command resumes)",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         if any(f.exitcode == exit_codes.HANG for f in e.failures.values()):
             print(f"torchtrain: {hang_report(job)}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """The trainer's command: `torchrun ... -m torchtrain.train --job.config_file JOB.toml [--section.key value ...]`.
 
 Parses the job, runs `trainer.Trainer`, and turns the ways a run ends into exit statuses
-(utils/exit_codes.py): a config error or a guard abort is one line on the log rank, no traceback.
+(utils/exit_codes.py): a config error, a guard abort or failing checkpoint saves are one line on the
+log rank, no traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import torch.distributed as dist
 
+from torchtrain.components.checkpoint import SaveFailed
 from torchtrain.config import ConfigError, format_help, parse_args
 from torchtrain.models.registry import model_arguments
 from torchtrain.trainer.guard import GuardAbort
@@ -46,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         if is_log_rank():
             print(f"torchtrain: guard: {e}", file=sys.stderr)
         return exit_codes.GUARD_ABORT
+    except SaveFailed as e:  # every rank raises it after the same failed save (docs/checkpointing.md)
+        finished = True
+        if is_log_rank():
+            print(f"torchtrain: checkpoint: {e}", file=sys.stderr)
+        return exit_codes.SAVE_FAILED
     except BaseException as e:
         if trainer is not None:
             trainer.fault.on_error(e)  # a hang under way ends this rank as a hang, not as a crash

@@ -13,12 +13,29 @@ by an environment variable; unset, the hook does nothing.
 * ``TORCHTRAIN_TEST_REPLICA_WAIT=STEP``: with fault.replica_ft, before step STEP every replica group
   waits until all replica groups take part in the quorum, so a test knows the step by which a
   restarted group has rejoined.
+* ``TORCHTRAIN_TEST_REJOIN_AFTER=PATH:STEP``: with fault.replica_ft, a restarted job (torchrun's restart
+  count > 0) waits before its first quorum until the metrics file PATH (a surviving group's
+  metrics.jsonl) holds the record of step STEP, which that group trained without it; so the survivors'
+  loss of the group is on record and the rejoin happens at step STEP + 1, however fast the restart.
 * ``TORCHTRAIN_TEST_CRASH_IN_SAVE=STEP:RANK``: while saving step STEP, global rank RANK kills itself
   with SIGKILL (kill -9 semantics: no cleanup, no exception) right after writing its own data files,
   i.e. in the middle of the save: the other ranks' files may exist, the metadata and the completion
   marker do not.
-* ``TORCHTRAIN_TEST_SIGNAL_IN_SAVE=RANK:SIGNAL``: during every save, rank RANK sends itself SIGNAL
-  (e.g. a second SIGTERM arriving while the preemption checkpoint is written).
+* ``TORCHTRAIN_TEST_SIGNAL_IN_SAVE=RANK:SIGNAL[:group]``: during every save, rank RANK sends itself SIGNAL
+  (e.g. a second SIGTERM arriving while the preemption checkpoint is written); with ``:group``, to the
+  launcher's whole process group instead (its parent's group: the launcher's agent or forkserver), as a
+  scheduler that signals every process again would.
+* ``TORCHTRAIN_TEST_FAIL_SAVE=STEP[,STEP...]:RANK[:ERRNO]``: while saving each listed step, global rank
+  RANK's write fails as a full disk makes it fail (ERRNO default ENOSPC; EROFS: a read-only folder, EIO:
+  an I/O error): its data file is cut to half its size, then the write raises OSError. The other ranks'
+  files are written.
+* ``TORCHTRAIN_TEST_CONTROL=DIR``: faults requested from outside while the job runs (benchmarks/chaos.py),
+  by files dropped into DIR: ``slow-RANK`` (holding seconds): while it exists, rank RANK works that many
+  more CPU seconds in every forward_backward phase (a slow rank); ``nonfinite-grad-RANK``: at its next
+  step rank RANK puts +inf into one of its gradients; ``fail-save-RANK``: rank RANK's next checkpoint
+  write fails as a full disk makes it fail (as FAIL_SAVE). The one-shot ones are renamed to
+  ``<name>.done`` holding the step at which they happened. Every rank writes its pid to ``pid-RANK``
+  when it starts training, for signals sent from outside.
 * ``TORCHTRAIN_TEST_WAIT_FOR_SIGNAL=STEP:RANK``: after step STEP, rank RANK writes its pid to
   ``{dump_folder}/test_waiting_rank{RANK}.pid`` and waits (at most 300 s) until a preemption signal
   has arrived, so a test can signal that exact process at a known step without any timing race.
@@ -26,6 +43,8 @@ by an environment variable; unset, the hook does nothing.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import time
@@ -38,9 +57,12 @@ from torchtrain.utils import extensions
 PARK_IN_STEP = "TORCHTRAIN_TEST_PARK_IN_STEP"
 STOP_IN_STEP = "TORCHTRAIN_TEST_STOP_IN_STEP"
 REPLICA_WAIT = "TORCHTRAIN_TEST_REPLICA_WAIT"
+REJOIN_AFTER = "TORCHTRAIN_TEST_REJOIN_AFTER"
 CRASH_IN_SAVE = "TORCHTRAIN_TEST_CRASH_IN_SAVE"
 SIGNAL_IN_SAVE = "TORCHTRAIN_TEST_SIGNAL_IN_SAVE"
 WAIT_FOR_SIGNAL = "TORCHTRAIN_TEST_WAIT_FOR_SIGNAL"
+FAIL_SAVE = "TORCHTRAIN_TEST_FAIL_SAVE"
+CONTROL = "TORCHTRAIN_TEST_CONTROL"
 WAIT_S = 300
 
 
@@ -78,20 +100,103 @@ def stop_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _requested(name: str, step: int) -> bool:
+    """A one-shot request file of the control folder: True (once) if present; it becomes <name>.done."""
+    folder = os.environ.get(CONTROL)
+    if not folder:
+        return False
+    path = os.path.join(folder, name)
+    try:
+        os.rename(path, path + ".done")
+    except OSError:
+        return False
+    with open(path + ".done", "w") as f:
+        f.write(str(step))
+    return True
+
+
+_pid_reported: list[bool] = []
+
+
+def report_pid(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    folder = os.environ.get(CONTROL)
+    if folder and not _pid_reported:
+        _write_pid(os.path.join(folder, f"pid-{rank}"))
+        _pid_reported.append(True)
+
+
+def slow_rank(rank: int, step: int, phase: str, dump_folder: str) -> None:
+    folder = os.environ.get(CONTROL)
+    if not folder or phase != "forward_backward":
+        return
+    try:
+        seconds = float(open(os.path.join(folder, f"slow-{rank}")).read())
+    except (OSError, ValueError):
+        return
+    end = time.thread_time() + seconds  # work, not sleep: the straggler detection measures CPU time
+    while time.thread_time() < end:
+        pass
+
+
+def nonfinite_gradient(step: int, model_parts: list) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if not _requested(f"nonfinite-grad-{rank}", step):
+        return
+    grad = next(p.grad for part in model_parts for p in part.parameters() if p.grad is not None)
+    (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
+
+
 def replica_wait(step: int) -> bool:
     value = os.environ.get(REPLICA_WAIT)
     return bool(value) and step == int(value)
 
 
+_rejoined: list[bool] = []
+
+
+def _recorded(path: str, step: int) -> bool:
+    if not os.path.exists(path):
+        return False
+    for line in open(path):
+        try:
+            if json.loads(line).get("step") == step:
+                return True
+        except ValueError:  # a line being written
+            pass
+    return False
+
+
+def rejoin_after(step: int) -> bool:
+    spec = os.environ.get(REJOIN_AFTER)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or _rejoined:
+        return False
+    path, _, after = spec.rpartition(":")
+    deadline = time.monotonic() + WAIT_S
+    while not _recorded(path, int(after)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{REJOIN_AFTER}: {path} has no record of step {after} after {WAIT_S} s")
+        time.sleep(0.05)
+    _rejoined.append(True)
+    return False
+
+
 class _FaultyWriter(FileSystemWriter):
-    def __init__(self, path: str, crash: bool, signum: int | None):
+    def __init__(self, path: str, crash: bool, signum: int | None, group: bool = False, fail: int | None = None):
         super().__init__(path)
-        self._crash, self._signum = crash, signum
+        self._crash, self._signum, self._group, self._fail = crash, signum, group, fail
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
         future.wait()  # this rank's files are written
-        if self._signum is not None:
+        if self._fail is not None:
+            for result in future.value():
+                name = os.path.join(self.path, result.storage_data.relative_path)
+                if os.path.exists(name):
+                    os.truncate(name, os.path.getsize(name) // 2)
+            raise OSError(self._fail, os.strerror(self._fail), str(self.path))
+        if self._signum is not None and self._group:
+            os.killpg(os.getpgid(os.getppid()), self._signum)
+        elif self._signum is not None:
             os.kill(os.getpid(), self._signum)
         if self._crash:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -102,10 +207,20 @@ def storage_writer(path: str, step: int, rank: int) -> FileSystemWriter | None:
     crash = _pair(CRASH_IN_SAVE)
     do_crash = crash is not None and (int(crash[0]), int(crash[1])) == (step, rank)
     sig = _pair(SIGNAL_IN_SAVE)
-    signum = getattr(signal, sig[1]) if sig is not None and int(sig[0]) == rank else None
-    if not do_crash and signum is None:
+    signum, group = None, False
+    if sig is not None and int(sig[0]) == rank:
+        name, _, target = sig[1].partition(":")
+        signum, group = getattr(signal, name), target == "group"
+    fail = _pair(FAIL_SAVE)
+    fail_errno = errno.ENOSPC if _requested(f"fail-save-{rank}", step) else None
+    if fail is not None:
+        steps = {int(s) for s in fail[0].split(",")}
+        fail_rank, _, name = fail[1].partition(":")
+        if step in steps and int(fail_rank) == rank:
+            fail_errno = getattr(errno, name or "ENOSPC")
+    if not do_crash and signum is None and fail_errno is None:
         return None
-    return _FaultyWriter(path, do_crash, signum)
+    return _FaultyWriter(path, do_crash, signum, group, fail_errno)
 
 
 def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:
@@ -122,6 +237,10 @@ def wait_for_signal(step: int, rank: int, dump_folder: str, requested) -> None:
 
 extensions.register("phase", park_in_step)
 extensions.register("phase", stop_in_step)
+extensions.register("phase", report_pid)
+extensions.register("phase", slow_rank)
+extensions.register("gradients", nonfinite_gradient)
 extensions.register("quorum", replica_wait)
+extensions.register("quorum", rejoin_after)
 extensions.register("storage_writer", storage_writer)
 extensions.register("preemption_check", wait_for_signal)

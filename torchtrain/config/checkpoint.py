@@ -37,6 +37,13 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints (0 keeps all). Older ones are deleted only after a
     newer checkpoint is complete, so the newest good checkpoint always survives."""
 
+    max_consecutive_save_failures: Annotated[int, Ge(1)] = 3
+    """A save that fails (no space left, a read-only folder, an I/O error on one rank) does not end the
+    run: every rank agrees it failed, its partial folder is removed, the failure is logged and in the
+    metrics (`checkpoint_failures`), and training goes on; the next due save tries again (a final or
+    preemption save at once). After this many failed saves in a row the run stops with the reason
+    (exit status 5)."""
+
     load_step: int = -1
     """Resume from this step's checkpoint instead of the newest complete one (-1: the newest). It
     must exist and be complete."""
@@ -75,6 +82,14 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """`initial_load_path` is a Hugging Face model folder (safetensors, HF parameter names), converted
     by the model's state-dict adapter while loading."""
+
+    verify_on_load: bool = True
+    """Before a checkpoint is loaded (resume, guard rollback, a torchtrain checkpoint as
+    `initial_load_path`), check its files against the CRC-32 hashes written into its `complete.json`,
+    every rank reading its share. A checkpoint whose files changed (a flipped byte, a truncated, missing
+    or replaced file) is named in one line with the file and skipped for the newest good one (an error
+    when it was asked for by `load_step` or `initial_load_path`). Costs one read of the checkpoint
+    (docs/checkpointing.md, Integrity). Checkpoints written without hashes load unverified (logged)."""
 
     trust_initial_load: bool = False
     """Load the DCP folder of `initial_load_path` without the pickle scan. By default every DCP folder

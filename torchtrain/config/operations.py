@@ -184,10 +184,19 @@ class Guard:
     max_consecutive_bad_steps: Annotated[int, Ge(1)] = 1
     """For policy "abort": abort at this many bad steps in a row (1: at the first one)."""
 
+    rollback_replay: bool = False
+    """For policy "rollback": the first time a step is bad, restore the newest checkpoint together with its
+    data position and train the same batches again, so a transient fault (a hardware glitch, silent data
+    corruption) costs only the recomputed steps and the run stays bitwise the uninterrupted one. A step
+    that is bad again on the replayed data is rolled back once more with its data skipped."""
+
 
 def check_operations(job) -> None:
     """Checks of these sections against the rest of the job (JobConfig.validate calls it). Dataset names
     are checked in preflight, where the registered datasets are known."""
+    if job.guard.rollback_replay and job.guard.policy != "rollback":
+        raise ConfigError(f"[guard.rollback_replay] applies to guard.policy = \"rollback\" (got \"{job.guard.policy}\"); "
+                          f"set --guard.policy rollback, or unset guard.rollback_replay")
     if job.guard.policy == "rollback" and not job.checkpoint.enable:
         raise ConfigError("[guard.policy] rollback restores the newest checkpoint, so it needs --checkpoint.enable "
                           "true (with a checkpoint.interval short enough that little work is lost)")

@@ -50,6 +50,7 @@ class TrainingGuard:
         self.bad_steps = 0
         self.last: tuple[str, str] | None = None  # (action, reason) of the latest step, None if good
         self._inject = set(inject_nan_steps)
+        self._replayed: set[int] = set()  # steps rolled back with their data replayed (rollback_replay)
 
     # ------------------------------------------------------------------ fault injection (tests)
     def inject_nan(self, step: int) -> bool:
@@ -113,6 +114,14 @@ class TrainingGuard:
             logger.warning("guard: step %d is bad: %s; %s (%d bad steps so far, %d in a row)", step, reason, verb,
                            self.bad_steps, len(self.consecutive))
         return action
+
+    def replay(self, step: int) -> bool:
+        """For a rollback from bad step `step`: whether to train the same data again (rollback_replay, the
+        first time this step is bad) rather than skip it."""
+        if not self.cfg.rollback_replay or step in self._replayed:
+            return False
+        self._replayed.add(step)
+        return True
 
     def abort_message(self) -> str:
         steps = "; ".join(f"step {s}: {r}" for s, r in self.consecutive)

@@ -14,6 +14,7 @@ from torchtrain.components.observability.phases import PhaseTimer
 from torchtrain.trainer.guard import TrainingGuard
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepHooks
+from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
 
@@ -34,7 +35,9 @@ class OperationsHooks(StepHooks):
         return float("nan") if self.guard.inject_nan(self.state.step) else None
 
     def after_backward(self, model_parts: list[nn.Module]) -> None:
-        """debug.inject_nonfinite_grad_step: poison one gradient with +inf (fault injection)."""
+        """The "gradients" extension point (utils/extensions.py); then debug.inject_nonfinite_grad_step:
+        poison one gradient with +inf (fault injection)."""
+        extensions.call("gradients", step=self.state.step, model_parts=model_parts)
         if self.state.step != self.inject_grad_step:
             return
         from torch.distributed.tensor import DTensor

@@ -83,6 +83,7 @@ class Trainer:
         self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
                                   cfg.profiling.enable_profiling)
         self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)
+        self._replay = False  # the guard's latest rollback restored the data position (guard.rollback_replay)
         dims.build_mesh(device.type)
         set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self._write_config()
@@ -216,7 +217,9 @@ class Trainer:
             self.phases.end_step()
             self.state.add_tokens(out.tokens)
             logged = out.verdict in ("rollback", "abort")  # [ops] _guard_act logs the step first
-            if logged and self._guard_act(out):  # True: rolled back
+            if logged and self._guard_act(out):  # rolled back
+                if self._replay:  # guard.rollback_replay: the restored data position, read again
+                    data_iter = iter(self.dataloader)
                 continue
             if out.verdict == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
@@ -224,7 +227,8 @@ class Trainer:
             evaluation = None
             if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
                 evaluation = self.evaluation.run(self.state.step, self.phases)
-            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None):
+            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None
+                               or self.checkpointer.unreported_failure):
                 self._log(out, evaluation)
                 logged = True
             if self.state.step == first_step:
@@ -250,19 +254,26 @@ class Trainer:
 
     def _guard_act(self, out: StepResult) -> bool:
         """A bad step to abort on or roll back from (docs/guard.md), logged first. Abort raises on every
-        rank; rollback restores the newest checkpoint but keeps the data position (True: the loop
-        continues after the restored step)."""
+        rank; rollback restores the newest checkpoint but keeps the data position, or with
+        guard.rollback_replay the first time restores it too (True: the loop continues after the restored
+        step)."""
         self._log(out)
         if out.verdict == "abort":
             raise GuardAbort(self.guard.abort_message())
         bad = self.state.step
         self.fault.mark("checkpoint")
-        restored = self.checkpointer.restore_latest(exclude=("dataloader",))
+        self._replay = self.guard.replay(bad)
+        restored = self.checkpointer.restore_latest(exclude=() if self._replay else ("dataloader",))
         if restored is None:
             logger.info("guard: no checkpoint to roll back to yet; step %d is skipped instead", bad)
             return False
-        logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d runs "
-                    "again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
+        if self._replay:
+            logger.info("guard: rolled back from step %d to step-%d with its data position: steps %d-%d run again on "
+                        "the same data (guard.rollback_replay; if step %d is bad again, its data is skipped)", bad,
+                        restored, restored + 1, bad, bad)
+        else:
+            logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d "
+                        "runs again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
         self.throughput.reset()
         self.phases.reset()
         return True
@@ -289,7 +300,7 @@ class Trainer:
                           step_skipped=not out.stepped)
         record.update(step_metrics)  # z_loss, MoE metrics, extra losses
         record.update(**self.phases.summary(record["step_time_s"]), **(evaluation or {}),
-                      **self.guard.record(), **self.fault.record())  # [ops]
+                      **self.guard.record(), **self.fault.record(), **self.checkpointer.record())  # [ops]
         if self.replicas is not None:
             record.update(self.replicas.record())
             if self.state.step == self.job_config.training.steps:

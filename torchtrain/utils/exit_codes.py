@@ -13,5 +13,9 @@ HANG = 4
 """The hang monitor found a rank without progress; its stacks are in `{dump_folder}/hangs/<time>/`.
 A restart may help (torchrun restarts the workers when fault.max_restarts allows)."""
 
-FINAL = (CONFIG_ERROR, GUARD_ABORT)
+SAVE_FAILED = 5
+"""Checkpoint saves failed `checkpoint.max_consecutive_save_failures` times in a row
+(`torchtrain: checkpoint: ...`, printed once); final: the storage needs attention first."""
+
+FINAL = (CONFIG_ERROR, GUARD_ABORT, SAVE_FAILED)
 """Statuses the launcher never restarts."""

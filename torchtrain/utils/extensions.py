@@ -13,14 +13,16 @@ Uses: a storage writer for another file system, fault injection in the tests
 * "storage_writer": `path`, `step`, `rank` -> a DCP `StorageWriter` or None -- the writer of a
   checkpoint save (the first one returned wins; default `FileSystemWriter(path)`);
 * "preemption_check": `step`, `rank`, `dump_folder`, `requested` -- after a step, before the ranks
-  agree on a preemption signal (`requested()`: whether this rank has received one).
+  agree on a preemption signal (`requested()`: whether this rank has received one);
+* "gradients": `step`, `model_parts` -- after backward, before the gradients are clipped and checked
+  (the [guard]) and the optimizer steps.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-POINTS = ("phase", "quorum", "storage_writer", "preemption_check")
+POINTS = ("phase", "quorum", "storage_writer", "preemption_check", "gradients")
 _registered: dict[str, list[Callable[..., Any]]] = {point: [] for point in POINTS}
 
 

@@ -122,14 +122,17 @@ def remove_checkpoint(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def purge(folder: str, keep_latest_k: int, newest_complete: int) -> list[str]:
-    """After step `newest_complete` completed: delete complete checkpoints beyond the newest k (k = 0
-    keeps all) and interrupted saves older than it. Returns the deleted paths."""
+def purge(folder: str, keep_latest_k: int, newest_complete: int, corrupt: set[str] | frozenset = frozenset()
+          ) -> list[str]:
+    """After step `newest_complete` completed: delete good checkpoints beyond the newest k (k = 0 keeps all)
+    and interrupted saves older than it. `corrupt` checkpoints (found so by their file hashes) are neither
+    counted nor deleted, so bad or incomplete newer checkpoints never cost the newest good one. Returns the
+    deleted paths."""
     removed = []
     found = scan(folder)
-    complete = [c for c in found if c.complete]
+    good = [c for c in found if c.complete and c.path not in corrupt]
     if keep_latest_k > 0:
-        for c in complete[:-keep_latest_k]:
+        for c in good[:-keep_latest_k]:
             remove_checkpoint(c.path)
             removed.append(c.path)
     for c in found:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtrain.components.checkpoint import torchtitan
+from torchtrain.components.checkpoint import integrity, torchtitan
 from torchtrain.components.checkpoint.hf import load_hf_into_model
 from torchtrain.components.checkpoint.state import Stateful, decode_state
 from torchtrain.components.checkpoint.validate import (
@@ -77,6 +77,18 @@ class CheckpointLoader:
             problem = f"[checkpoint] {context}: {type(e).__name__}: {str(e).strip()[:2000]}"
         self.agree(problem, error)
         return result
+
+    def verify_files(self, path: str, files: dict[str, dict[str, Any]]) -> str | None:
+        """Every rank: check its share of the checkpoint's files against the hashes written with it
+        (`integrity.py`); the first problem any rank found, in one line naming the file, or None."""
+        mine = integrity.share(sorted(files), self.rank, self.world_size)
+        try:
+            problem = integrity.verify(path, files, mine)
+        except OSError as e:
+            problem = f"cannot be read: {e}"
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._pg)
+        return next((p for p in problems if p), None)
 
     def _template(self, keys: tuple[str, ...], metadata, meta: dict[str, Any]) -> dict[str, Any]:
         """The state dicts DCP loads into: live tensors; for the loader and RNG states a uint8 tensor of

@@ -3,34 +3,31 @@
 Start-up (`load`): rank 0 decides with `startup.plan_start` (resume > initial load > nothing, each
 logged), broadcasts the plan, and every rank loads accordingly (`loading.py`: every load first checks
 the checkpoint against what it loads into, and all ranks agree on an error before raising it, so a
-bad checkpoint stops every rank with one message instead of leaving some waiting).
+bad checkpoint stops every rank with one message instead of leaving some waiting). Before a checkpoint
+is chosen its files are checked against the hashes written with it, by all ranks together while rank 0
+decides (`_decide`, `integrity.py`): a corrupt one is named in one line and the next older one is taken.
 
 Saving (`after_step`): every `interval` steps, at the last step, and when ranks agree on a preemption
-signal. Each save goes to `step-N` and is marked complete last (`folder.py`); older checkpoints are
-purged only after that. With `async_mode`, the state is staged to CPU and written by a background
-thread over a dedicated gloo group, at most one save in flight; the marker of an async save is
-written at the first step boundary after it finished.
+signal; the save itself is `saver.py` (hashes, the completion marker, the purge). No signal interrupts
+a save (`preemption.DeferredSignals`). With `async_mode`, the state is staged to CPU and written by a
+background thread over a dedicated gloo group, at most one save in flight; it is completed (hashes,
+marker) at the first step boundary at which every rank's write has finished.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtrain.components.checkpoint import folder as fs
-from torchtrain.components.checkpoint.hf import export_dcp_to_hf
 from torchtrain.components.checkpoint.loading import CheckpointLoader, ModelInfo
-from torchtrain.components.checkpoint.preemption import PreemptionWatcher
+from torchtrain.components.checkpoint.preemption import DeferredSignals, PreemptionWatcher
+from torchtrain.components.checkpoint.saver import CheckpointSaver
 from torchtrain.components.checkpoint.startup import StartPlan, plan_start
 from torchtrain.components.checkpoint.state import Stateful
 from torchtrain.components.checkpoint.validate import CheckpointError
@@ -41,14 +38,7 @@ from torchtrain.distributed.layout import DTYPES
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
-
-@dataclass
-class _Pending:
-    step: int
-    path: str
-    future: Future
-    meta: dict[str, Any]
-    t0: float
+RETRY_PAUSE_S = 2.0  # between the attempts of a save that cannot wait for the next interval
 
 
 class CheckpointManager:
@@ -59,7 +49,6 @@ class CheckpointManager:
                  dims, states: dict[str, Stateful], model: ModelInfo):
         self.cfg = cfg
         self.enabled = cfg.enable
-        self._pending: _Pending | None = None
         self.preemption: PreemptionWatcher | None = None
         self.loader: CheckpointLoader | None = None
         if not self.enabled:
@@ -87,8 +76,52 @@ class CheckpointManager:
         if cfg.preemption_signals:
             self.preemption = PreemptionWatcher(cfg.preemption_signals)
         self.loader = CheckpointLoader(self.states, dims, model, self._pg)
+        self.saver = CheckpointSaver(cfg, self.folder, self.states, dims, model, self._pg, self._async_pg,
+                                     self._stager)
 
     # ------------------------------------------------------------------ start-up
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def _decide(self, decide: Callable[[Callable[[fs.CheckpointInfo], str | None]], Any]) -> Any:
+        """Every rank: rank 0 runs `decide(verify)` and its result is returned everywhere (a ConfigError
+        becomes its message). `verify(checkpoint)` checks the checkpoint's files against their hashes with
+        every rank's help: the others serve those checks until rank 0's decision arrives."""
+        if self.rank != 0:
+            while True:
+                kind, payload = self._broadcast(None)
+                if kind == "decided":
+                    return payload
+                self.loader.verify_files(*payload)
+        try:
+            result = decide(self._verify)
+        except ConfigError as e:
+            result = str(e)
+        return self._broadcast(("decided", result))[1]
+
+    def _verify(self, c: fs.CheckpointInfo) -> str | None:
+        """Rank 0 (inside `_decide`): whether checkpoint `c` still holds the files written with it; the
+        problem in one line, or None. A checkpoint without hashes (an older torchtrain's) passes, logged."""
+        files = c.meta.get("files")
+        if not self.cfg.verify_on_load:
+            return None
+        if not files:
+            logger.info("checkpoint %s has no file hashes (written before torchtrain hashed its files): loaded "
+                        "without verifying them", c.path)
+            return None
+        t0 = time.perf_counter()
+        self._broadcast(("verify", (c.path, files)))
+        problem = self.loader.verify_files(c.path, files)
+        if problem is None:
+            logger.info("checkpoint %s: %d files (%.1f MB) match their %s hashes (verified in %.2fs)", c.path,
+                        len(files), sum(f["bytes"] for f in files.values()) / 1e6, c.meta.get("hash", "?"),
+                        time.perf_counter() - t0)
+        elif os.path.dirname(c.path) == self.folder:
+            self.saver.bad_paths.add(c.path)
+        return problem
+
     def load(self) -> None:
         """Resume, or initial load, or nothing (see the module docstring); every rank calls it."""
         if not self.enabled:
@@ -97,14 +130,8 @@ class CheckpointManager:
                 dist.destroy_process_group(self._pg)
                 self._pg = self.loader = None
             return
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = plan_start(self.cfg, self.folder, self.total_steps, self.model.weights)
-            except ConfigError as e:
-                box[0] = str(e)
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        plan: StartPlan | str = box[0]
+        plan: StartPlan | str = self._decide(lambda verify: plan_start(self.cfg, self.folder, self.total_steps,
+                                                                        verify, self.model.weights))
         if isinstance(plan, str):
             raise CheckpointError(plan)
         t0 = time.perf_counter()
@@ -123,6 +150,7 @@ class CheckpointManager:
                 logger.info("initial load done in %.1fs: %s from %s", time.perf_counter() - t0,
                             ", ".join(plan.keys), plan.path)
             else:
+                self.saver.newest_good = plan.step
                 skipped = [k for k in CHECKPOINT_KEYS if k not in plan.keys]
                 logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
                             time.perf_counter() - t0, ", ".join(plan.keys),
@@ -137,83 +165,46 @@ class CheckpointManager:
         logger.info("base weights of the adapter-only checkpoint loaded from %s", base.path)
 
     # ------------------------------------------------------------------ saving
-    def _meta(self, step: int, contents: list[str], dtype: torch.dtype, **extra: Any) -> dict[str, Any]:
-        train = self.states["train_state"].state_dict()
-        return {
-            "step": step, "contents": contents, "tokens_seen": int(train.get("tokens_seen", 0)),
-            "world_size": self.world_size, "layout": self.parallel_dims.describe(), "dp_degree": self.parallel_dims.dp,
-            "model": {"name": self.model.name, "flavor": self.model.flavor,
-                      "args": dataclasses.asdict(self.model.args)},
-            "dtype": str(dtype).replace("torch.", ""), "torch_version": torch.__version__,
-            "saved_at": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
-        }
-
     def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None, sync: bool = False,
-             final: bool = False, hf: bool = False) -> None:
-        self._wait_pending()
-        path = fs.step_dir(self.folder, step)
-        if self.rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            if os.path.exists(path):
-                old, _ = fs.read_marker(path)
-                logger.warning("replacing the %s checkpoint %s", "earlier" if old else "incomplete", path)
-                fs.remove_checkpoint(path)
-        dist.barrier(group=self._pg)
-        t0 = time.perf_counter()
-        keys = ["model"] if model_only else list(CHECKPOINT_KEYS)
-        model = self.states["model"]
-        state: dict[str, Any] = {"model": model.saved_state_dict(dtype)}
-        for key in keys[1:]:
-            state[key] = self.states[key].state_dict()
-        meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only,
-                          adapter_only=bool(getattr(model, "adapter_only", False)))
-        writer = self._writer(path, step)
-        if self.cfg.async_mode != "disabled" and not sync:
-            kwargs = {"async_stager": self._stager} if self._stager is not None else {}
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg, **kwargs)
-            self._pending = _Pending(step, path, future, meta, t0)
-            logger.info("checkpoint step-%d staged in %.2fs; writing in the background", step, time.perf_counter() - t0)
-            return
-        self.loader.collective_try(lambda: dcp.save(state, storage_writer=writer, process_group=self._pg),
-                             f"saving step-{step} to {path} failed", RuntimeError)
-        if hf:
-            self.loader.collective_try(lambda: self._export_hf(path, dtype), f"HF export of step-{step} failed",
-                                 RuntimeError)
-        self._complete(path, meta, t0)
+             final: bool = False, hf: bool = False) -> bool:
+        """Save step `step` (every rank); no signal interrupts it (one that arrives is honoured after it).
+        False: it failed (saver.py); training may go on."""
+        with DeferredSignals(f"the checkpoint save of step-{step}"):
+            return self.saver.save(step, model_only=model_only, dtype=dtype, sync=sync, final=final, hf=hf)
 
-    def _writer(self, path: str, step: int) -> FileSystemWriter:
-        """The save's DCP writer: a plugin's (utils/extensions.py "storage_writer"), else the file system's."""
-        writers = [w for w in extensions.call("storage_writer", path=path, step=step, rank=self.rank) if w is not None]
-        return writers[0] if writers else FileSystemWriter(path)
+    def _save_at_once(self, step: int, **kwargs: Any) -> None:
+        """A save with no later interval to retry at (the last step's, a preemption's): retried after a
+        pause until it succeeds or the failures reach checkpoint.max_consecutive_save_failures (SaveFailed)."""
+        while not self.save(step, sync=True, **kwargs):
+            time.sleep(RETRY_PAUSE_S)
 
-    def _export_hf(self, path: str, dtype: torch.dtype | None) -> None:
-        if self.rank != 0:
-            return
-        adapter = self.model.adapter(self.model.args)
-        out = os.path.join(path, "hf")
-        summary = export_dcp_to_hf(path, out, adapter, dtype, self.cfg.hf_max_shard_bytes, os.path.basename(path))
-        logger.info("Hugging Face export: %s (%d safetensors files, %.1f MB)", out, summary["files"],
-                    summary["bytes"] / 1e6)
+    def record(self) -> dict[str, Any]:
+        """Metrics fields of a logged step (failed saves, once there was one)."""
+        return self.saver.record() if self.enabled else {}
 
-    def _complete(self, path: str, meta: dict[str, Any], t0: float) -> None:
-        """Every rank's files are written: rank 0 marks the checkpoint complete, then purges."""
-        if self.rank != 0:
-            return
-        fs.write_marker(path, meta)
-        logger.info("checkpoint saved: %s (%s) in %.2fs", path, ", ".join(meta["contents"]), time.perf_counter() - t0)
-        for removed in fs.purge(self.folder, self.cfg.keep_latest_k, meta["step"]):
-            logger.info("purged old checkpoint %s (keep_latest_k = %d)", removed, self.cfg.keep_latest_k)
+    @property
+    def unreported_failure(self) -> bool:
+        """A failed save whose reason is not in the metrics yet (the trainer logs the next step for it)."""
+        return self.enabled and self.saver.last_failure is not None
 
-    def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.future.result()
-        except Exception as e:
-            raise RuntimeError(f"[checkpoint] background save of step-{pending.step} to {pending.path} failed: "
-                               f"{type(e).__name__}: {e}") from e
-        self._complete(pending.path, pending.meta, pending.t0)
+    def _agree(self, step: int) -> tuple[bool, bool]:
+        """(preempt, background save written) -- the same on every rank: one all-reduce when a preemption
+        signal can arrive or a save is written in the background, else none."""
+        preempt = None
+        if self.preemption is not None:
+            extensions.call("preemption_check", step=step, rank=self.rank, dump_folder=self.dump_folder,
+                            requested=lambda: self.preemption.requested)  # plugins (utils/extensions.py)
+            if self.preemption.received:
+                logger.warning("rank %d received %s: a checkpoint will be saved and training stopped", self.rank,
+                               ", ".join(self.preemption.received))
+                self.preemption.received.clear()
+            preempt = self.preemption.requested
+        pending = self.saver.pending is not None
+        if preempt is None and not pending:
+            return False, False
+        flags = torch.tensor([int(bool(preempt)), int(pending and not self.saver.pending_done())], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
+        return bool(flags[0]), pending and not flags[1]
 
     # ------------------------------------------------------------------ the training loop's hooks
     def after_step(self, step: int, may_save: bool = True) -> bool:
@@ -222,17 +213,10 @@ class CheckpointManager:
         fault.replica_ft); preemption still stops it."""
         if not self.enabled:
             return False
-        if self._pending is not None and self._pending.future.done():
-            self._wait_pending()
-        preempt = False
-        if self.preemption is not None:
-            extensions.call("preemption_check", step=step, rank=self.rank, dump_folder=self.dump_folder,
-                            requested=lambda: self.preemption.requested)  # plugins (utils/extensions.py)
-            if self.preemption.received:
-                logger.warning("rank %d received %s: a checkpoint will be saved and training stopped", self.rank,
-                               ", ".join(self.preemption.received))
-                self.preemption.received.clear()
-            preempt = self.preemption.agreed(self._pg)
+        preempt, written = self._agree(step)
+        if written:
+            with DeferredSignals(f"the completion of the background save of step-{self.saver.pending.step}"):
+                self.saver.finish_pending()
         cfg = self.cfg
         if not may_save:
             if preempt:
@@ -240,11 +224,11 @@ class CheckpointManager:
             return preempt
         if step >= self.total_steps:
             model_only = cfg.last_save_model_only
-            self.save(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,
-                      sync=True, final=True, hf=cfg.last_save_in_hf)
+            self._save_at_once(step, model_only=model_only, dtype=DTYPES[cfg.export_dtype] if model_only else None,
+                               final=True, hf=cfg.last_save_in_hf)
         elif preempt:
             logger.info("preemption: all ranks stop after step %d; saving a checkpoint first", step)
-            self.save(step, sync=True)
+            self._save_at_once(step)
         elif step % cfg.interval == 0:
             self.save(step)
         if preempt:
@@ -252,20 +236,25 @@ class CheckpointManager:
         return preempt
 
     def restore_latest(self, exclude: tuple[str, ...] = ()) -> int | None:
-        """Load the newest complete full-state checkpoint of the folder into the live training state,
-        leaving the `exclude`d parts as they are (the guard's rollback keeps the data position). Every
-        rank calls it; returns the checkpoint's step, or None when the folder holds none yet."""
+        """Load the newest good full-state checkpoint of the folder into the live training state, leaving
+        the `exclude`d parts as they are (the guard's rollback keeps the data position). Every rank calls
+        it; returns the checkpoint's step, or None when the folder holds none yet."""
         if not self.enabled:
             return None
-        self._wait_pending()
-        box: list[Any] = [None]
-        if self.rank == 0:
-            found = [c for c in fs.scan(self.folder) if c.complete and c.full_state]
-            box[0] = (found[-1].path, found[-1].step, found[-1].meta) if found else None
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        if box[0] is None:
+        self.saver.finish_pending()
+
+        def newest_good(verify) -> tuple[str, int, dict] | None:
+            for c in reversed([c for c in fs.scan(self.folder) if c.complete and c.full_state]):
+                problem = verify(c)
+                if problem is None:
+                    return c.path, c.step, c.meta
+                logger.warning("checkpoint %s is corrupt: %s; skipped", c.path, problem)
             return None
-        path, step, meta = box[0]
+
+        found = self._decide(newest_good)
+        if found is None:
+            return None
+        path, step, meta = found
         keys = tuple(k for k in CHECKPOINT_KEYS if k in meta.get("contents", ()) and k not in exclude)
         t0 = time.perf_counter()
         self.loader.load_dcp(path, keys, f"step-{step}", meta)
@@ -276,17 +265,14 @@ class CheckpointManager:
         """With create_seed_checkpoint: write the current weights as step-0 and return True (no training)."""
         if not (self.enabled and self.cfg.create_seed_checkpoint):
             return False
-        self.save(0, model_only=True, sync=True)
+        self._save_at_once(0, model_only=True)
         logger.info("seed checkpoint written to %s; exiting without training", fs.step_dir(self.folder, 0))
         return True
 
     def close(self) -> None:
         if not self.enabled:
             return
-        try:
-            self._wait_pending()
-        except RuntimeError as e:  # only reachable when training stopped early on another error
-            logger.error("%s", e)
+        self.saver.drop_pending()  # only when training stopped early: a finished run has none in flight
         if self._stager is not None:
             self._stager.close()
             self._stager = None

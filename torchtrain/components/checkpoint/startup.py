@@ -5,7 +5,9 @@
 CPU...) into ConfigErrors. `plan_start` runs on rank 0 once the group exists and picks, in this
 order: a resume point in the checkpoint folder (the newest full-state checkpoint, a `step-0` seed,
 or `load_step`), else the initial load, else nothing; every choice is logged, including an initial
-load that is skipped because a resume point exists.
+load that is skipped because a resume point exists. A checkpoint whose files no longer match their
+hashes (`verify`) is skipped for the next older one, in one warning line naming the file; one that
+was asked for by name (`load_step`, `initial_load_path`) is an error instead.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.components.checkpoint import torchtitan
@@ -96,7 +98,16 @@ def preflight(cfg, dump_folder: str, device_type: str, model_name: str, has_hf_a
 
 
 
-def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = None) -> StartPlan:
+Verify = Callable[[fs.CheckpointInfo], "str | None"]
+"""Checks a complete checkpoint's files against their hashes: the problem in one line, or None."""
+
+
+def _unverified(c: fs.CheckpointInfo) -> str | None:
+    return None
+
+
+def plan_start(cfg, folder: str, total_steps: int, verify: Verify = _unverified,
+               model_weights: str | None = None) -> StartPlan:
     """Decide what start-up loads, and say so in the log (rank 0 runs it; the others follow).
     `model_weights`: a Hugging Face folder of the model's own weights, the initial load unless
     `checkpoint.initial_load_path` names another."""
@@ -107,7 +118,7 @@ def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = N
         if not c.complete:
             logger.warning("checkpoint %s is incomplete (%s): skipped", c.path, c.problem)
     complete = [c for c in found if c.complete]
-    chosen = None
+    chosen, corrupt = None, []
     if cfg.create_seed_checkpoint:
         pass
     elif cfg.load_step >= 0:
@@ -115,9 +126,17 @@ def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = N
         if chosen is None:
             raise ConfigError(f"[checkpoint.load_step] step-{cfg.load_step} is not a complete checkpoint in "
                               f"{folder}")
+        problem = verify(chosen)
+        if problem:
+            raise ConfigError(f"[checkpoint.load_step] {chosen.path} is corrupt: {problem}")
     else:
         for c in reversed(complete):
             if c.full_state or c.step == 0:
+                problem = verify(c)
+                if problem:
+                    logger.warning("checkpoint %s is corrupt: %s; skipped for the newest good one", c.path, problem)
+                    corrupt.append(f"step-{c.step}: {problem}")
+                    continue
                 chosen = c
                 break
             if c.meta.get("final") and c.step >= total_steps:
@@ -126,10 +145,14 @@ def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = N
                 return StartPlan("finished", c.path, c.step, (), c.meta)
             logger.info("checkpoint %s holds the model only (an export), not a resume point; looking further "
                         "back", c.path)
+    if chosen is None and corrupt:
+        raise ConfigError(f"[checkpoint] {folder} holds no good checkpoint to resume: every one is corrupt "
+                          f"({'; '.join(corrupt)}). Not starting over them: move them out of the folder to start "
+                          f"afresh, or set checkpoint.verify_on_load = false to load one as it is")
     if chosen is not None:
         keys = tuple(k for k in CHECKPOINT_KEYS if k in chosen.contents and k not in cfg.exclude_from_loading)
         if chosen.meta.get("adapter_only"):
-            base = _initial_plan(cfg, "the adapter-only checkpoint " + chosen.path) if cfg.initial_load_path else None
+            base = _initial_plan(cfg, "the adapter-only checkpoint " + chosen.path, verify) if cfg.initial_load_path else None
             if base is None:
                 logger.info("%s holds LoRA adapters only and there is no checkpoint.initial_load_path: the base "
                             "weights are the seed's initial ones", chosen.path)
@@ -139,18 +162,22 @@ def plan_start(cfg, folder: str, total_steps: int, model_weights: str | None = N
                         "always wins over an initial load", cfg.initial_load_path)
         return StartPlan("resume", chosen.path, chosen.step, keys, chosen.meta)
     if cfg.initial_load_path:
-        return _initial_plan(cfg, f"no checkpoint to resume in {folder}")
+        return _initial_plan(cfg, f"no checkpoint to resume in {folder}", verify)
     logger.info("no checkpoint to resume in %s and no checkpoint.initial_load_path: training starts from the "
                 "initial weights", folder)
     return StartPlan("none")
 
 
-def _initial_plan(cfg, where: str) -> StartPlan:
+def _initial_plan(cfg, where: str, verify: Verify = _unverified) -> StartPlan:
     """The initial load of `checkpoint.initial_load_path` (set)."""
     if cfg.initial_load_in_hf:
         logger.info("%s: initial load of Hugging Face weights from %s", where, cfg.initial_load_path)
         return StartPlan("initial_hf", cfg.initial_load_path, 0, ("model",))
     path, meta = resolve_dcp_path(cfg.initial_load_path)
+    if meta:  # written by torchtrain: its files have hashes (unless it is older)
+        problem = verify(fs.CheckpointInfo(int(meta.get("step", 0)), path, True, meta))
+        if problem:
+            raise ConfigError(f"[checkpoint.initial_load_path] {path} is corrupt: {problem}")
     contents = meta.get("contents", ["model"])
     if not meta:  # not written by torchtrain: torchtitan's? (components/checkpoint/torchtitan.py)
         metadata = read_metadata(path, "checkpoint.initial_load_path", cfg.trust_initial_load)

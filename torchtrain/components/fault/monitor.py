@@ -151,17 +151,31 @@ class HangMonitor:
         return self.finished.is_set() or bool(self.store.check([DONE_KEY]))
 
     def hold_for_hang_exit(self, wait_s: float) -> None:
-        """Training thread, on an exception: when a hang is being handled (or is noticed within `wait_s`),
-        block until the monitor ends the process with the hang status.
+        """Training thread, on an exception: when a hang is being handled (or has been declared and this
+        rank's monitor takes it up within `wait_s`), block until the monitor ends the process with the hang
+        status.
 
         The first ranks to finish their dumps exit; a peer still inside a collective then sees gloo's
         "connection closed by peer" (NCCL: a communicator error) before its own monitor exits. Left to
         propagate, that error ends the peer as a crash (SIGABRT), and the job's report would blame the
-        wrong thing. Returns only when no hang is under way."""
-        if not self._thread.is_alive() or not self.handling.wait(wait_s):
+        wrong thing. A hang is always declared in the store before any rank exits for it, so when the
+        store holds no declaration the error is a crash (a peer killed, a rank's own exception) and this
+        returns at once: torchrun restarts the job without waiting. Returns only when no hang is under way."""
+        if not self._thread.is_alive():
+            return
+        if not self.handling.is_set() and not self._declared():
+            return
+        if not self.handling.wait(wait_s):
             return
         self._thread.join(timeout=self._grace() + 30.0)
         _exit_as_hang()  # the monitor thread died before it could
+
+    def _declared(self) -> bool:
+        """Whether the job's store holds a hang declaration (False when it cannot be read)."""
+        try:
+            return self.store is not None and bool(self.store.check([HANG_KEY]))
+        except Exception:  # the store is gone: the launcher is stopping the job
+            return False
 
     def _grace(self) -> float:
         """How long a rank waits for the others to write their stacks."""

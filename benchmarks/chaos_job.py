@@ -1,0 +1,143 @@
+"""The job of the chaos benchmark (benchmarks/chaos.py), launched and followed from outside: its command, its
+launches (each in a process group of its own, as under a scheduler), its metrics as they are written, its
+checkpoints, its training processes' pids (written by the test plugin into the control folder).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
+         "--model.vocab_size", "512", "--training.dataset", "synthetic", "--training.seq_len", "64",
+         "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+         "--job.print_config", "false"]
+STRAGGLER_FREQ, HANG_S = 10, 4.0
+
+
+def job(dump: str, steps: int, interval: int) -> list[str]:
+    return [*MODEL, "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--debug.deterministic", "--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.interval",
+            str(interval), "--checkpoint.keep_latest_k", "3", "--fault.max_restarts", "10", "--fault.hang_timeout_s",
+            str(HANG_S), "--fault.straggler_freq", str(STRAGGLER_FREQ), "--fault.straggler_threshold", "0.5",
+            "--guard.policy", "rollback", "--guard.rollback_replay", "--guard.spike_zscore", "none",
+            "--job.custom_imports", "fault_injection"]
+
+
+@dataclass
+class Record:
+    step: int
+    loss: float | None
+    seen: float  # wall time when the driver first read it
+    launch: int  # which launch of the job wrote it
+
+
+@dataclass
+class Run:
+    """One job, launched (and relaunched) by the driver, its metrics followed as they are written."""
+
+    folder: str
+    nproc: int
+    args: list[str]
+    records: list[Record] = field(default_factory=list)
+    launches: int = 0
+    proc: subprocess.Popen | None = None
+    _offset: int = 0
+
+    @property
+    def dump(self) -> str:
+        return os.path.join(self.folder, "job")
+
+    @property
+    def control(self) -> str:
+        return os.path.join(self.folder, "control")
+
+    def launch(self) -> None:
+        self.launches += 1
+        os.makedirs(self.control, exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", LOG_RANK="0", PYTHONUNBUFFERED="1",
+                   TORCHTRAIN_TEST_CONTROL=self.control)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.path.join(REPO, "tests", "plugins"),
+                                                        env.get("PYTHONPATH")) if p)
+        env.pop("RANK", None)
+        cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={self.nproc}", "--rdzv_backend=c10d",
+               "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+               "-m", "torchtrain.train", *self.args]
+        log = open(os.path.join(self.folder, f"launch-{self.launches}.log"), "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # its own process group, as under a scheduler
+
+    def poll(self) -> None:
+        path = os.path.join(self.dump, "metrics.jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            f.seek(self._offset)
+            text = f.read()
+        complete = text[:text.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        now = time.time()
+        for line in complete.splitlines():
+            r = json.loads(line)
+            self.records.append(Record(r["step"], r.get("loss"), now, self.launches))
+
+    @property
+    def last(self) -> int:
+        return self.records[-1].step if self.records else 0
+
+    def wait(self, until, timeout: float = 300, what: str = "") -> None:
+        deadline = time.time() + timeout
+        while not until():
+            if self.proc is not None and self.proc.poll() not in (None, 0, 128 + signal.SIGTERM, -signal.SIGKILL):
+                raise RuntimeError(f"the job failed (exit {self.proc.returncode}) while waiting for {what}; see "
+                                   f"{self.folder}/launch-{self.launches}.log")
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {timeout} s for {what}")
+            time.sleep(0.02)
+            self.poll()
+
+    def wait_step(self, step: int, timeout: float = 600) -> None:
+        self.wait(lambda: self.last >= step, timeout, f"step {step}")
+
+    def finish(self, timeout: float = 900) -> None:
+        self.proc.wait(timeout=timeout)
+        self.poll()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"the job exited {self.proc.returncode}; see {self.folder}/launch-{self.launches}.log")
+
+    def stop(self) -> None:
+        """End whatever is left of the launch (after a failure of the benchmark itself)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+
+    def log(self) -> str:
+        return "".join(open(p, errors="replace").read() for p in
+                       sorted(glob.glob(os.path.join(self.folder, "launch-*.log")), key=os.path.getmtime))
+
+    def worker_pid(self, rank: int) -> int:
+        """The training process of `rank` (the test plugin writes it into the control folder)."""
+        return int(open(os.path.join(self.control, f"pid-{rank}")).read())
+
+    def attempts_after(self, t0: float) -> int | None:
+        """The index of the first record of a new attempt (a torchrun restart, a relaunch or a guard rollback:
+        the step goes back, or the launch changes) read after `t0`; None if there is none yet."""
+        for i in range(1, len(self.records)):
+            a, b = self.records[i - 1], self.records[i]
+            if b.seen >= t0 and (b.launch != a.launch or b.step <= a.step):
+                return i
+        return None
+
+    def complete_checkpoints(self) -> list[int]:
+        steps = []
+        for path in glob.glob(os.path.join(self.dump, "checkpoint", "step-*")):
+            if os.path.exists(os.path.join(path, "complete.json")):
+                steps.append(int(path.rsplit("-", 1)[1]))
+        return sorted(steps)
