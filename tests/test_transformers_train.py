@@ -6,6 +6,7 @@ shared by the module (tests/scripts/parity_runs.py runs its jobs one after anoth
   with sequence parallelism) and FSDP2 x TP2 equal one process step by step; an FSDP2 run resumed from
   its step-2 checkpoint repeats its last steps bitwise; the FSDP2 x TP2 run's checkpoint exports to a
   folder that transformers loads with the logits of the torchtrain model;
+* Qwen2, Phi-3, Gemma 3 and OLMo 2 from their own weights: FSDP2, TP 2 and FSDP2 x TP2 equal one process;
 * Granite, a model type no torchtrain code names (embedding, residual and logit multipliers of its own):
   FSDP2 and TP2 equal one process from its declared plan alone;
 * Mixtral loaded from its folder (stored one tensor per expert): FSDP2 with its MoE blocks as they are, and
@@ -37,6 +38,8 @@ BASE = ["--model.name", "transformers", "--training.dataset", "synthetic", "--tr
         "--optimizer.lr", "3e-3", "--metrics.log_freq", "1", "--debug.deterministic", "true",
         "--metrics.enable_tensorboard", "false", "--job.print_config", "false"]
 P = "--parallelism."
+ARCHITECTURES = ("qwen2", "phi3", "gemma3", "olmo2")
+"""Trained under every sharding layout besides Mistral (Gemma 3 untied: TP does not take tied embeddings)."""
 
 
 def _jobs(root) -> list[tuple[str, int, list[str]]]:
@@ -73,6 +76,13 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
             ("mistral_fsdp2_tp2", 4, 2, ["--model.hf_path", mistral, P + "tensor_parallel_degree", "2",
                                          "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]),
             ("mixtral_ep2_fsdp2", 4, 1, ["--model.hf_path", mixtral, P + "expert_parallel_degree", "2"])]
+    for kind in ARCHITECTURES:  # each architecture from its own weights: one process, FSDP2, TP2, FSDP2 x TP2
+        folder = hf_folder(root / kind, kind, **({"tie_word_embeddings": False} if kind == "gemma3" else {}))
+        tp = [P + "tensor_parallel_degree", "2"]
+        runs += [(f"{kind}_single", 1, 4, ["--model.hf_path", folder]),
+                 (f"{kind}_fsdp2", 2, 2, ["--model.hf_path", folder]),
+                 (f"{kind}_tp2", 2, 4, ["--model.hf_path", folder, *tp]),
+                 (f"{kind}_fsdp2_tp2", 4, 2, ["--model.hf_path", folder, *tp])]
     return [(name, n, [*BASE, "--training.local_batch_size", str(local), "--job.dump_folder", str(root / name), *extra])
             for name, n, local, extra in runs]
 
@@ -106,6 +116,12 @@ def test_every_layout_of_a_dense_model_equals_one_process(runs):
     check(runs, "mistral_single", ["mistral_fsdp2", "mistral_ddp2", "mistral_zero1", "mistral_zero2", "mistral_tp2",
                                    "mistral_fsdp2_tp2"])
     assert "with sequence parallelism" in runs["mistral_tp2"].log
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_equals_one_process_under_fsdp2_tp2_and_both(runs, kind):
+    check(runs, f"{kind}_single", [f"{kind}_fsdp2", f"{kind}_tp2", f"{kind}_fsdp2_tp2"])
+    assert "initial load: model weights loaded from the Hugging Face folder" in runs[f"{kind}_single"].log
 
 
 def test_a_resumed_run_repeats_the_steps_bitwise(runs):
