@@ -138,7 +138,6 @@ class TransformersArgs(BaseModelArgs):
     def model_type(self) -> str:
         return self.full_config().model_type
 
-
     @property
     def dim(self) -> int:
         return self.full_config().hidden_size
