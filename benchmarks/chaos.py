@@ -88,13 +88,19 @@ class Chaos:
         lost = run.records[i - 1].step - (run.records[i].step - 1)
         return max(record.seen - t0 - (record.step - at) * self.step_s, 0.0), max(lost, 0)
 
-    def _grep(self, pattern: str, since: int = 0) -> str:
-        """The first log line after line `since` that matches, without its prefixes and the job's folder."""
-        for line in self.run.log().splitlines()[since:]:
-            if re.search(pattern, line):
-                line = re.sub(r"^(\[rank\d+\]:)?(\d\d:\d\d:\d\d )?(INFO |WARNING |ERROR )?", "", line).strip()
-                return line.replace(self.run.dump + os.sep, "")
-        return "(not found in the log)"
+    def _grep(self, pattern: str, since: int = 0, wait_s: float = 30.0) -> str:
+        """The first log line after line `since` that matches, without its prefixes and the job's folder. The
+        launcher copies its workers' output into the log from a tailing thread, behind their metrics: a line
+        not there yet is waited for (up to `wait_s`)."""
+        deadline = time.time() + wait_s
+        while True:
+            for line in self.run.log().splitlines()[since:]:
+                if re.search(pattern, line):
+                    line = re.sub(r"^(\[rank\d+\]:)?(\d\d:\d\d:\d\d )?(INFO |WARNING |ERROR )?", "", line).strip()
+                    return line.replace(self.run.dump + os.sep, "")
+            if time.time() > deadline:
+                return "(not found in the log)"
+            time.sleep(0.1)
 
     def _resumed(self, since: int) -> str:
         line = self._grep(r"resumed from", since)

@@ -119,8 +119,8 @@ class Run:
             self.proc.wait(timeout=60)
 
     def log(self) -> str:
-        return "".join(open(p, errors="replace").read() for p in
-                       sorted(glob.glob(os.path.join(self.folder, "launch-*.log")), key=os.path.getmtime))
+        paths = (os.path.join(self.folder, f"launch-{n}.log") for n in range(1, self.launches + 1))
+        return "".join(open(p, errors="replace").read() for p in paths if os.path.exists(p))
 
     def worker_pid(self, rank: int) -> int:
         """The training process of `rank` (the test plugin writes it into the control folder)."""
