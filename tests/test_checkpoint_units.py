@@ -374,3 +374,32 @@ def test_start_plan_initial_load_and_nothing(tmp_path):
     assert plan_start(cfg, str(tmp_path / "checkpoint"), 8).keys == tuple(FULL)
     cfg.initial_load_path = None
     assert plan_start(cfg, str(tmp_path / "checkpoint"), 8).kind == "none"
+
+
+def test_a_dcp_failure_gathered_from_every_rank_becomes_one_clean_loading_error():
+    """DCP gathers every rank's read failure into a `CheckpointException`, which is a BaseException: the
+    loader must still turn it into the one-line CheckpointError (exit 2) naming the checkpoint and the
+    rank, not a traceback."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torchtrain.components.checkpoint.loading import CheckpointLoader
+    from torchtrain.components.checkpoint.safety import CheckpointError, failure_line
+
+    gathered = CheckpointException("read_data", {1: (PermissionError(13, "Permission denied"), None),
+                                                 0: (OSError(5, "Input/output error"), None)})
+    assert failure_line(gathered, 0) == ("rank 0: OSError: [Errno 5] Input/output error; "
+                                         "rank 1: PermissionError: [Errno 13] Permission denied")
+    assert failure_line(ValueError("bad\n  shape"), 3) == "rank 3: ValueError: bad shape"
+
+    def load():
+        raise gathered
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        loader = CheckpointLoader({}, None, None, None)
+        with pytest.raises(CheckpointError, match=r"^\[checkpoint\] loading step-4 \(ck/step-4\) failed: rank 0: "
+                                                  r"OSError: \[Errno 5\] Input/output error; rank 1: Permission"):
+            loader.collective_try(load, "loading step-4 (ck/step-4) failed")
+    finally:
+        dist.destroy_process_group()

@@ -169,15 +169,18 @@ def _count(node: dict, inside: bool, handled: bool, out: Dispatched) -> bool:
 
 def host_costs(summary: dict, step_s: float) -> dict[str, float]:
     """Per-operator host costs (us) from one profiled program's summary (`summarize`) and its unprofiled
-    step time `step_s` (host-bound: the GPU was idle part of every step). The profile gives each class's
-    mean duration -- operators with their nested calls and launches; for handled operators the
-    handlers' own Python time per operator they issued -- and these explain part of the profiled host
-    time; the rest (the Python between operators, autograd's per-node work) and the profiler's own
-    slowdown are spread over them in proportion: each mean is scaled so that the counted operators of
-    one step add up to `step_s`."""
+    step time `step_s`. The profile gives each class's mean duration -- operators with their nested calls
+    and launches; for handled operators the handlers' own Python time per operator they issued. The
+    host's share of the unprofiled step is what the planner's step model (`host_time.step_seconds`) needs
+    beside the profile's GPU busy time to give `step_s` (`host_time.host_share`); each mean is scaled so
+    that the counted operators of one step add up to it (`profile_scale`: ~1 when the profile's own
+    durations explain the step)."""
+    from torchtrain.tools.planner.host_time import host_share
+
     n, mean = summary["dispatched_by_class_per_step"], summary["mean_us_by_class"]
     handler_us = summary["handler_self_s_per_step"] * 1e6
-    scale = step_s * 1e6 / (n["kernel"] * mean["kernel"] + n["alias"] * mean["alias"] + handler_us)
+    host_s = host_share(step_s, summary["gpu_busy_s_per_step"])
+    scale = host_s * 1e6 / (n["kernel"] * mean["kernel"] + n["alias"] * mean["alias"] + handler_us)
     return {"host_op_us": round(mean["kernel"] * scale, 1), "host_alias_us": round(mean["alias"] * scale, 1),
             "host_handler_us": round(handler_us / n["handled"] * scale, 1),
             "host_launch_us": round(summary["launch_host_us_mean"], 1), "profile_scale": round(scale, 3)}

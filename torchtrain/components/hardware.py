@@ -104,13 +104,13 @@ class GPUSpec:
     """Host-to-device bandwidth per GPU and direction, GB/s (PCIe Gen5 x16: 64 GB/s; Gen4: 32)."""
     pcie_efficiency: float = 0.8
     """Achievable share of the PCIe peak for large pinned copies (assumed: ~50 of 64 GB/s on Gen5 x16)."""
-    host_op_us: float | None = 52.7
+    host_op_us: float | None = 39.9
     """Host time per dispatched operator that runs a kernel, microseconds: Python, dispatcher, autograd's
     bookkeeping and the launch (`tools/planner/host_time.py`; derivation in `_HOST_SRC`). None: no host
     term (a CPU target, whose host is the device)."""
-    host_alias_us: float = 4.1
+    host_alias_us: float = 3.1
     """The same for an operator that only makes a view or an allocation (view, t, detach, empty)."""
-    host_handler_us: float = 23.7
+    host_handler_us: float = 17.9
     """Extra host time per operator issued from a Python `__torch_dispatch__` (selective activation
     checkpointing's policy, a tensor subclass's dispatch)."""
     host_launch_us: float = 8.0
@@ -129,8 +129,11 @@ class GPUSpec:
 _HOST_SRC = ("host costs (host_*_us): measured on the GPU kit's H100 machine (16 CPU cores, torch 2.11, CUDA 13) from "
              "a profile of one eager step of torchtitan 0.2.2 training the kit's 1B Llama 3 at seq 2048 x 2 (a "
              "host-bound step: 0.116 s of GPU work in 0.177 s): each operator class's mean duration in the profile, "
-             "scaled so that one step's operators add up to torchtitan's unprofiled step in the same kit run "
-             "(4,096 tokens / 23,085 tokens/s = 0.1774 s; x1.318); the launch cost is the mean host duration of a "
+             "scaled so that one step's operators add up to the host's share of torchtitan's unprofiled step "
+             "in the same kit run (4,096 tokens / 23,085 tokens/s = 0.1774 s; with the GPU's 0.116 s, "
+             "sqrt(0.1774^2 - 0.116^2) = 0.134 s, tools/planner/host_time.py; x0.997: the profiled durations "
+             "explain the step as they are, and torchtrain's own profile of the same model gives x1.025); "
+             "the launch cost is the mean host duration of a "
              "kernel launch call in that profile. `python benchmarks/gpu/trace_stats.py TRACE --step-s 0.17743`; "
              "the summary is benchmarks/gpu/results/traces.json. Other machine kinds: assumed the same (hosts of "
              "the same class)")

@@ -17,10 +17,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtrain.components.checkpoint import integrity, torchtitan
 from torchtrain.components.checkpoint.hf import load_hf_into_model
+from torchtrain.components.checkpoint.safety import failure_line
 from torchtrain.components.checkpoint.state import Stateful, decode_state
 from torchtrain.components.checkpoint.validate import (
     CheckpointError,
@@ -73,8 +75,8 @@ class CheckpointLoader:
             result = fn()
         except CheckpointError as e:
             problem = str(e)
-        except Exception as e:  # DCP/torch errors: wrap them with the checkpoint's name
-            problem = f"[checkpoint] {context}: {type(e).__name__}: {str(e).strip()[:2000]}"
+        except (CheckpointException, Exception) as e:  # DCP/torch errors: wrapped with the checkpoint's name
+            problem = f"[checkpoint] {context}: {failure_line(e, self.rank)}"
         self.agree(problem, error)
         return result
 

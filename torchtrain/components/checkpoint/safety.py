@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtrain.config.fields import ConfigError
 
@@ -55,6 +56,17 @@ LEGACY_BLOB_PREFIXES = ("dataloader.", "rng.")
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used as asked: missing, incomplete, corrupt, incompatible or unsafe."""
+
+
+def failure_line(error: BaseException, rank: int) -> str:
+    """One line for a failed DCP call: every rank's failure where DCP gathered them (its
+    `CheckpointException`, a BaseException that every rank raises alike), else this rank's own error."""
+    def one(e: BaseException) -> str:
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {r}: {one(e)}" for r, (e, _) in sorted(error.failures.items()))
+    return f"rank {rank}: {one(error)}"
 
 
 class RefusedPickle(pickle.UnpicklingError):

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtrain.components.checkpoint import folder as fs
 from torchtrain.components.checkpoint import integrity
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf
+from torchtrain.components.checkpoint.safety import failure_line
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
@@ -58,18 +59,14 @@ class SaveFailed(RuntimeError):
     a row; the trainer exits with status 5 (utils/exit_codes.py)."""
 
 
-def _one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
-
-
 def _outcome(fn: Callable[[], Any], rank: int) -> tuple[Any, str | None]:
-    """(fn's result, None), or (None, the error in one line naming the rank(s) where it happened)."""
+    """(fn's result, None), or (None, the error in one line naming the rank(s) where it happened: DCP's own
+    agreement gives every rank every rank's failure; a torch/OS error of this rank is reported by every
+    rank through `_complete`)."""
     try:
         return fn(), None
-    except CheckpointException as e:  # DCP's own agreement: every rank gets every rank's failure
-        return None, "; ".join(f"rank {r}: {_one_line(error)}" for r, (error, _) in sorted(e.failures.items()))
-    except Exception as e:  # torch/OS errors of this rank: reported by every rank (`_complete`)
-        return None, f"rank {rank}: {_one_line(e)}"
+    except (CheckpointException, Exception) as e:
+        return None, failure_line(e, rank)
 
 
 class CheckpointSaver:

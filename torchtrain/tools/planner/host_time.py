@@ -3,11 +3,21 @@
 A GPU only runs what the host has enqueued. In eager mode the host dispatches every operator of the
 step one by one -- Python, the dispatcher, autograd's bookkeeping, the kernel launch -- and a step
 whose operators are small (a 1B model at a few thousand tokens a step) waits on the host, not on the
-GPU. So the planner's step time is
+GPU. Neither sets the step alone, and they do not simply add: the host runs ahead of the GPU where
+the step lets it (a stretch of large GEMMs queues up while the host is still issuing them), and the GPU
+waits where it cannot (the step's first operators, a stretch of small element-wise operators that run
+faster than they are issued, a synchronization such as the loss or the gradient norm). A step is a
+sum over such stretches of the slower side's time: the larger of the two totals when one side dominates
+every stretch, up to their sum when they take turns. The planner interpolates between those bounds as
 
-    step = max(GPU time (step_time.py), host time)
+    step = sqrt(GPU time (step_time.py)^2 + host time^2)        (`step_seconds`)
 
-(the host runs ahead of the GPU where it can; the slower of the two sets the pace).
+which is the larger of the two when one is well ahead (G = 3H: 1.05 G) and 1.41 x either when they are
+equal. Its check is the program the per-operator host costs come from: torchtitan's profiled eager
+step, whose operators' own profiled durations (no scaling) add up to 0.135 s of host time against 0.116
+s of GPU work, and whose unprofiled step took 0.1774 s: sqrt(0.116^2 + 0.135^2) = 0.178 s (`host_share`
+inverts it; the larger-of model would need every profiled duration scaled by 1.32 to explain that step,
+and then over-predicts every host-bound step by ~30%).
 
 **What is counted.** The planner's traced step (`trace.py`: the trainer's own step on fake tensors) runs
 under `OpCounter`, a `TorchDispatchMode` that sees every operator as a dispatch-level observer does:
@@ -47,6 +57,7 @@ device table (`cpu`: the host is the device) has no host term.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -139,6 +150,16 @@ class OpCounts:
     def from_dict(cls, d: dict[str, float]) -> "OpCounts":
         ops = Counter({tuple(k.split(" ")): v for k, v in d.items() if k.count(" ") == 2})
         return cls(ops, d.get("graph_calls", 0.0), d.get("extern_inside", 0.0), int(d.get("microbatches", 1)))
+
+
+def step_seconds(gpu_s: float, host_s: float) -> float:
+    """The step time of a step of `gpu_s` GPU work that the host takes `host_s` to issue (module doc)."""
+    return math.hypot(gpu_s, host_s)
+
+
+def host_share(step_s: float, gpu_s: float) -> float:
+    """The host time `step_seconds` needs to give a measured `step_s` with `gpu_s` of GPU work."""
+    return math.sqrt(max(step_s * step_s - gpu_s * gpu_s, 0.0))
 
 
 @dataclass

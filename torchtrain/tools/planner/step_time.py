@@ -25,11 +25,13 @@ replayed), and nothing calls back.
    FSDP2's copy-in/out is memory traffic on the compute stream.
 4. **The optimizer step** over the rank's shard (memory-bound), and ZeRO-1's parameter all-gather.
 5. **The host** (`host_time.py`): the CPU dispatching the step's operators (counted in the traced step)
-   sets the pace when it is slower than the GPU; the step is the larger of the two.
+   and the GPU overlap imperfectly: the step is the larger of the two where one is well ahead, and more
+   where they are close (`host_time.step_seconds`).
 6. **Interruptions** (`interruptions.py`): the run's wall-clock time, GPU-hours and cost with the
    expected failures, each costing a restart and half a checkpoint interval of steps.
 
-    step = max(GPU: schedule + exposed data-parallel communication + optimizer, host dispatch time)
+    GPU = schedule + exposed data-parallel communication + optimizer
+    step = sqrt(GPU^2 + host dispatch time^2)
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes
-from torchtrain.tools.planner.host_time import HostTime
+from torchtrain.tools.planner.host_time import HostTime, step_seconds
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
 from torchtrain.tools.planner.pipeline import pipeline_of
@@ -78,7 +80,7 @@ class StepTime:
     host_ops: float | None = None
     """Operators the host dispatches a step (compiled graphs count as one each)."""
     step_s: float | None = None
-    """Predicted seconds per step: the larger of the GPU's and the host's."""
+    """Predicted seconds per step: the GPU's and the host's combined (`host_time.step_seconds`)."""
     tokens_per_s: float | None = None
     effective_mfu: float | None = None
     expert_all_to_all_bytes: float = 0.0
@@ -198,8 +200,8 @@ def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic
 
 def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     """The step time of layout `p` on its device (see the module docstring); no times without a device.
-    `host`: the host's dispatch time of the step (`host_time.py`, from the traced step's operators); the
-    step is the larger of it and the GPU's time."""
+    `host`: the host's dispatch time of the step (`host_time.py`, from the traced step's operators),
+    combined with the GPU's time by `host_time.step_seconds`."""
     a = p.model
     tokens = p.global_batch_size * p.seq_len
     prof = pipeline_of(p)
@@ -248,7 +250,7 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     out.step_s = out.gpu_s
     if host is not None:
         out.host_s, out.host_breakdown_s, out.host_ops = host.seconds, host.breakdown, host.ops
-        out.step_s = max(out.gpu_s, host.seconds)
+        out.step_s = step_seconds(out.gpu_s, host.seconds)
     out.tokens_per_s = tokens / out.step_s
     out.effective_mfu = tokens * out.flops_per_token / p.world_size / out.step_s / (peak * 1e12)
     out.train_s = out.steps * out.step_s
