@@ -221,7 +221,8 @@ def test_layout_problems_name_the_cause():
 
 def test_config_adapter_reads_keys_and_flags():
     job, p = _inputs(4, job_args=["--parallelism.data_parallel_replicate_degree", "2"])
-    assert (p.dp_replicate, p.dp_shard, p.param_dtype, p.optimizer_impl) == (2, 2, "float32", "foreach")
+    assert (p.dp_replicate, p.dp_shard, p.param_dtype, p.optimizer_impl) == (2, 2, "float32", "fused")
+    assert _inputs(4, job_args=["--optimizer.implementation", "foreach"])[1].optimizer_impl == "foreach"
     _, q = _inputs(4, gpu="h100", dp_replicate=1, ac_mode="full")
     assert (q.dp_replicate, q.dp_shard, q.param_dtype, q.optimizer_impl, q.ac_mode) == \
         (1, 4, "bfloat16", "fused", "full")

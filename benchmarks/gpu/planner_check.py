@@ -42,8 +42,10 @@ _DEBUG = ("the debug model (dim 256, 6 layers, 0.26 GiB of live tensors): max_me
 _FLOAT8_COMPILED = ("compiled float8 at batch 2 ran 1.5x slower than compiled bf16 (0.206 against 0.138 s); "
                     "neither the GPU model (float8 GEMMs at the fp8 rate plus their casts) nor the host model "
                     "(the compiled graphs' launches) has a term for what costs it")
-_OFFLOAD = ("CPU offload: the kit's machine ran AdamW over 1.5B float32 parameters on its 16 cores in ~2.4 s; "
-            "the device table's host memory bandwidth (a DGX node's 614 GB/s) makes it ~0.2 s")
+_OFFLOAD = ("CPU offload: the kit's machine ran AdamW over 1.5B float32 parameters on its 16 cores in ~2.4 s with "
+            "the foreach implementation (a dozen element-wise passes over the state; the CPU's default is the "
+            "fused kernel since, ~7x faster per core: benchmarks/optimizer_cpu.py); the model's one pass at the "
+            "device table's host memory bandwidth (a DGX node's 614 GB/s) makes it ~0.2 s")
 _FSDP_COMPILED = ("FSDP on one rank, compiled: the measured gap to the ddp layout (26-46 ms) is more than FSDP's "
                   "copies (12 ms, modelled) and its operators at the per-operator host cost explain; its per-unit "
                   "hooks spend more Python per operator than the average")

@@ -191,7 +191,7 @@ class Optimizer:
     """Decoupled weight decay coefficient."""
 
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
-    """Kernel implementation: `auto` = fused on CUDA, foreach on CPU (AdamW/Adam; Muon has one)."""
+    """Kernel implementation: `auto` = fused, on CUDA and on the CPU (AdamW/Adam; Muon has one)."""
 
     muon_momentum: Annotated[float, Ge(0), Le(1)] = 0.95
     """Muon: momentum of the matrices' gradient buffer."""
