@@ -75,6 +75,9 @@ def test_low_precision_tracks_fp32(suite):
 
 
 def test_fp16_overflow_skips_exactly_that_step(tmp_path):
+    """FSDP over 2 ranks, float16, the fused AdamW (the default): the overflow reaches both ranks' gradient
+    shards, so the all-reduced found-inf flag is 2 -- which the fused kernel once took for "no overflow",
+    applying the non-finite update and skipping every step after it."""
     runs = {}
     for name, extra in (("clean", []), ("inject", ["--debug.inject_nonfinite_grad_step", "3"])):
         dump = tmp_path / name

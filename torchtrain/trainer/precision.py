@@ -6,9 +6,13 @@ before clipping and the optimizer step. If any gradient is inf/nan, the step is 
 rank (the scaler's found-inf flag is all-reduced across the sharded gradients) and S is halved;
 after `growth_interval` clean steps S doubles. bfloat16 and float32 need none of this.
 
-Sharded gradients (FSDP) use torch's ShardedGradScaler, which all-reduces the found-inf flag. Its flag
-has shape (1,), while the fused Adam/AdamW kernels subtract it from their scalar step counters when a
-step overflows; `_sharded_scaler` hands them the flag as a scalar view of the same storage.
+Sharded gradients (FSDP) use torch's ShardedGradScaler, which all-reduces the found-inf flag. The fused
+Adam/AdamW kernels (the default, on CUDA and on the CPU) take that flag as it is, and two of its forms
+break them: its shape (1,) -- they subtract it from their scalar step counters when a step overflows --
+and its value, the SUM over the ranks: they skip the update only when it is exactly 1, so an overflow
+seen by two ranks' shards (2.0) would apply the non-finite update and ruin every parameter.
+`_sharded_scaler` hands them the flag as a scalar view of the same storage, clamped to 1 after the
+all-reduce.
 """
 
 from __future__ import annotations
@@ -71,13 +75,19 @@ class LossScaler:
 
 
 def _sharded_scaler(device: torch.device):
-    """torch's ShardedGradScaler whose per-device found-inf flags are scalars (the fused optimizers need it;
-    see the module doc). The views share the flags' storage, so its in-place all-reduce still lands."""
+    """torch's ShardedGradScaler whose per-device found-inf flags are scalars of 0 or 1 (the fused
+    optimizers need both; see the module doc). The views share the flags' storage, so its in-place
+    all-reduce still lands."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     class ScalarFlagScaler(ShardedGradScaler):
         def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
             per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
             return {dev: flag.reshape(()) for dev, flag in per_device.items()}
+
+        def unscale_(self, optimizer) -> None:
+            super().unscale_(optimizer)  # the flags are summed over the ranks here
+            for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                flag.clamp_(max=1.0)
 
     return ScalarFlagScaler(device=device.type)
