@@ -6,8 +6,8 @@ block's matmuls, attention and collectives from the same declaration (`PlanInput
 With LoRA ([lora]) each targeted linear layer also holds its adapter, A (r x in) and B (out x r), in
 the unit of its layer; the targets are the declared linear modules whose full names
 (`layers.{i}.attention.wq`, `output`) the job's patterns select (`distributed/lora.py::is_target`, the
-trainer's own rule). Adapters are the only trainable parameters then (`adapter_units`). LoRA runs
-without tensor parallelism, so adapters are whole tensors.
+trainer's own rule). Adapters are the only trainable parameters then (`adapter_units`); under tensor
+parallelism each follows its base weight's split.
 """
 
 from __future__ import annotations
