@@ -12,7 +12,6 @@ micro-batches in float32 in the same order.
 from __future__ import annotations
 
 import os
-import statistics
 
 import pytest
 import torch
@@ -105,17 +104,22 @@ def test_one_rank_keeps_fsdp_where_it_does_more_than_cast():
 
 @pytest.mark.parametrize("wrapper", ["compute_copy", "fsdp"])
 def test_fp16_trains_with_the_fused_adamw(tmp_path, monkeypatch, wrapper):
-    """float16 with dynamic loss scaling and the fused AdamW (the CUDA default), with and without FSDP:
-    ShardedGradScaler's found-inf flag of shape (1,) once crashed the fused kernel's step update."""
+    """float16 with dynamic loss scaling and the fused AdamW (the default), with and without FSDP:
+    ShardedGradScaler's found-inf flag of shape (1,) once crashed the fused kernel's step update. The run
+    must train as float32 with the foreach kernel does: the same losses and gradient norms within 1e-2
+    relative per step (float16's 11-bit mantissa over a few steps; observed ~1e-5 on the CPU), and no
+    skipped step after the first two (the scale settling)."""
     if wrapper == "fsdp":
         without_compute_copy(monkeypatch)
-    argv = TINY_JOB + ["--training.steps", "10", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-                       "--training.mixed_precision_param", "float16", "--optimizer.implementation", "fused"]
-    records, layout = train(tmp_path, argv, monkeypatch)
+    argv = TINY_JOB + ["--training.steps", "10", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+    records, layout = train(tmp_path / "fp16", argv + ["--training.mixed_precision_param", "float16",
+                                                       "--optimizer.implementation", "fused"], monkeypatch)
     assert layout.fsdp == (wrapper == "fsdp") and layout.optimizer_impl == "fused"
-    losses = [r["loss"] for r in records]
-    assert statistics.mean(losses[-3:]) < statistics.mean(losses[:3]), losses
+    reference, _ = train(tmp_path / "fp32", argv + ["--optimizer.implementation", "foreach"], monkeypatch)
     assert records[-1]["skipped_steps"] <= 2 and not any(r["step_skipped"] for r in records[2:]), records
+    first_skip = next((i for i, r in enumerate(records) if r["step_skipped"]), len(records) - 1)
+    assert first_skip >= 2, records  # the steps compared below include applied updates
+    assert_close_steps(records[:first_skip + 1], reference[:first_skip + 1], 1e-2)  # a step's loss precedes its update
 
 
 def test_compute_copy_swaps_casts_and_accumulates_in_float32():
