@@ -92,13 +92,20 @@ class PipelineRunner:
 
 
 def _counting_stage():
-    """torch's PipelineStage whose micro-batch forwards (`forward_one_chunk`) count as training forwards."""
+    """torch's PipelineStage whose micro-batch forwards (`forward_one_chunk`) count as training forwards,
+    and whose start-up handshake leaves out its neighbours on its own rank: a V-shaped schedule puts
+    two adjacent stages on one rank, which hand each other tensors directly, and gloo (before torch
+    2.13) fails a send to the rank itself ("Pair is not connected")."""
     from torch.distributed.pipelining import PipelineStage
 
     class CountingStage(PipelineStage):
         def forward_one_chunk(self, *args, **kwargs):
             with forward_counting(True):
                 return super().forward_one_chunk(*args, **kwargs)
+
+        def _get_init_p2p_neighbors_ops(self):
+            ops = super()._get_init_p2p_neighbors_ops()
+            return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
 
     return CountingStage
 
