@@ -40,7 +40,14 @@ for a in sys.argv[1:] + ["--next"]:
     else:
         current.append(a)
 for argv in jobs:
+    label = argv[1]
+    if argv[0] == "--sequence-first":  # the style torch before 2.13 gets for MLA's latent projections, on any torch
+        import torchtrain.models.deepseek_v3.parallelize as deepseek_plan
+        from torchtrain.distributed.tensor_parallel import SequenceFirstLinear
+
+        deepseek_plan.sequence_sharded_linear = SequenceFirstLinear
+        argv, label = argv[1:], argv[2] + "_sequence_first"
     diff, name = worst_gradient(argv)
     if dist.get_rank() == 0:
-        print(f"{argv[1]}: worst relative gradient difference {diff:.3e} ({name})", flush=True)
+        print(f"{label}: worst relative gradient difference {diff:.3e} ({name})", flush=True)
 exit_process(0)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -37,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.torch_version import TorchVersion
 
 from torchtrain.config.fields import ConfigError
 
@@ -61,6 +63,45 @@ class GatherForLocalHeads(ParallelStyle):
 
         module.register_forward_pre_hook(gather)
         return module
+
+
+class SequenceFirstLinear(SequenceParallel):
+    """A linear layer with replicated weights on each rank's sequence shard, computed sequence-first.
+
+    `SequenceParallel` on a linear layer hands `F.linear` a [batch, seq / tp, in] DTensor, which it flattens
+    to [batch x seq / tp, in]: a DTensor sharded on the second of the flattened dimensions, which torch
+    before 2.13 cannot flatten ("Attempted to flatten multiple dimensions, with dimension 1 being
+    sharded"). Here the input is transposed to [seq / tp, batch, in] (sharded on the first dimension,
+    which every version flattens) and the output back to [batch, seq / tp, out]; the weights are
+    replicated DTensors as under `SequenceParallel` (whose collectives the model contract reads for it:
+    one all-reduce of each weight's gradient), so their gradients are summed over the ranks alike.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(_name, mod, mesh):
+            for name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(DTensor.from_local(param, mesh, (Replicate(),),
+                                                                             run_check=False)))
+
+        def sequence_first(_mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+            elif x.placements != (Shard(1),):
+                x = x.redistribute(mesh, (Shard(1),))
+            return (x.transpose(0, 1), *inputs[1:])
+
+        def batch_first(_mod, outputs, _mesh):
+            return outputs.transpose(0, 1)
+
+        return distribute_module(module, device_mesh, replicate, sequence_first, batch_first)
+
+
+def sequence_sharded_linear() -> ParallelStyle:
+    """The style of a linear layer with replicated weights applied to each rank's sequence shard:
+    `SequenceParallel` where torch flattens a DTensor sharded on an inner dimension (2.13 on),
+    `SequenceFirstLinear` before."""
+    return SequenceParallel() if TorchVersion(torch.__version__) >= "2.13" else SequenceFirstLinear()
 
 
 def check_divisible(tp: int, sizes: dict[str, int], fixes: dict[str, str] | None = None) -> None:

@@ -6,7 +6,7 @@ prediction on the last stage).
 TP with sequence parallelism, MLA's way: the block's input stays sharded over the sequence, and
 the narrow projections into the latents (W_qa, W_kva: 1,536 and 576 wide against h = 7,168) and their
 norms run on each rank's sequence shard with replicated weights (`SequenceParallel`, gradients summed
-over the TP ranks). The projections that expand the latents to heads (W_qb, W_kvb) are column-parallel
+over the TP ranks; the projections sequence-first before torch 2.13, `sequence_sharded_linear`). The projections that expand the latents to heads (W_qb, W_kvb) are column-parallel
 over the heads and gather their *latent* input over the sequence -- r instead of h values per token,
 4-12x less traffic than gathering x. The RoPE key (64 wide, shared by the heads) is gathered alone
 (`rope_key`). Each rank then attends with its heads and W_o is row-parallel back into sequence
@@ -29,7 +29,12 @@ from torch.distributed.tensor.parallel import (
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import GatherForLocalHeads, apply_decoder_top, swiglu_plan
+from torchtrain.distributed.tensor_parallel import (
+    GatherForLocalHeads,
+    apply_decoder_top,
+    sequence_sharded_linear,
+    swiglu_plan,
+)
 from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout, decoder_fsdp_units, decoder_stage_modules
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
@@ -57,7 +62,7 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
     """TP styles of one block's MLA and its norms (module names relative to the block)."""
     plan: dict[str, object] = {
         "attention_norm": SequenceParallel(),
-        "attention.wkv_a": SequenceParallel(),  # replicated weights on this rank's sequence shard
+        "attention.wkv_a": sequence_sharded_linear(),  # replicated weights on this rank's sequence shard
         "attention.kv_norm": SequenceParallel(),
         "attention.wkv_b": ColwiseParallel(input_layouts=Shard(1)),
         "attention.rope_key": GatherForLocalHeads(),  # gathered for the local heads, gradient reduce-scattered
@@ -65,7 +70,7 @@ def attention_plan(args: DeepseekV3Args) -> dict[str, object]:
         "ffn_norm": SequenceParallel(),
     }
     if args.q_lora_rank:
-        plan.update({"attention.wq_a": SequenceParallel(), "attention.q_norm": SequenceParallel(),
+        plan.update({"attention.wq_a": sequence_sharded_linear(), "attention.q_norm": SequenceParallel(),
                      "attention.wq_b": ColwiseParallel(input_layouts=Shard(1))})
     else:
         plan["attention.wq"] = ColwiseParallel(input_layouts=Shard(1))
