@@ -11,7 +11,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchtrain.config.parallelism import Comm
 
@@ -172,8 +172,15 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(_grad_group(p), []).append(p)
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # a pending sum over ranks (a replicated weight used by each TP rank's share of the work): summed
+            # now, which the optimizer would do anyway -- an in-place scaling of a Partial DTensor is lost
+            # on torch before 2.13, so clipping would miss these gradients there
+            g = p.grad
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+        groups.setdefault(_grad_group(p), []).append(p)
     if not groups:
         return torch.zeros(())
     norms = []
