@@ -42,9 +42,7 @@ def _block(args: TransformersArgs, layer: nn.Module, sp: bool) -> contract.Block
     for name, block in blocks.items():
         experts, two_hidden, _ = block.experts.gate_up_proj.shape
         shape = contract.MoEShape(experts, args.num_experts_per_tok, two_hidden // 2, 0)
-        modules.update({key.replace(f"{name}.router", f"{name}.gate"): value
-                        for key, value in contract.moe_modules(args.dim, shape, prefix=name).items()
-                        if key != f"{name}.sequence_sum"})
+        modules.update(moe.as_transformers_names(name, contract.moe_modules(args.dim, shape, prefix=name)))
     for name in plan:  # the modules whose inputs the plan gathers (attention, MLP): the hidden width
         modules.setdefault(name, contract.Module(args.dim, args.dim))
     return contract.Block(plan, modules, moe=shape, dim=args.dim)

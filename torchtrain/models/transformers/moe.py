@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from typing import Callable
 
 import torch
 from torch import nn
@@ -162,18 +163,21 @@ def _semantics(block_cls: type, config_cls: type, config_json: str, kind: str) -
                       f"its MoE blocks cannot be swapped for expert parallelism; set expert_parallel_degree = 1")
 
 
-def semantics(args: TransformersArgs, block: nn.Module) -> tuple[str, bool]:
+def semantics_of(args: TransformersArgs) -> Callable[[nn.Module], tuple[str, bool]]:
+    """block -> its router's (score function, renormalised), the small config built once for all blocks."""
     config = _small(args)
-    return _semantics(type(block), type(config), config.to_json_string(use_diff=False), args.model_type)
+    key = config.to_json_string(use_diff=False)
+    return lambda block: _semantics(type(block), type(config), key, args.model_type)
 
 
 def check_swappable(args: TransformersArgs, model: nn.Module) -> tuple[str, ...]:
     """Names (relative to a layer) of the MoE blocks expert parallelism swaps; ConfigError when a block
     cannot be swapped (module doc)."""
     names: set[str] = set()
+    semantics = semantics_of(args)
     for layer in model.decoder_layers:
         for name, block in blocks(layer).items():
-            semantics(args, block)
+            semantics(block)
             names.add(name)
     if not names:
         raise ConfigError(f"[parallelism.expert_parallel_degree] model type {args.model_type!r}: no MoE block with "
@@ -185,20 +189,27 @@ def swap_blocks(model: nn.Module) -> int:
     """Replace every MoE block of the model by a `TransformersMoE` (on the model's device: meta); returns
     how many."""
     count = 0
+    semantics = semantics_of(model.args)
     for layer in model.decoder_layers:
         for name, block in blocks(layer).items():
             if not isinstance(block, TransformersMoE):
-                setattr(layer, name, TransformersMoE(block, *semantics(model.args, block)))
+                setattr(layer, name, TransformersMoE(block, *semantics(block)))
                 count += 1
     return count
 
 
+def as_transformers_names(name: str, entries: dict[str, object]) -> dict[str, object]:
+    """Entries keyed by the engine's MoE layer names under block `name`, keyed as the swapped layer has them:
+    the router under its transformers name `gate`, no `sequence_sum` (the auxiliary loss's statistics: the
+    layer has none)."""
+    return {key.replace(f"{name}.router", f"{name}.gate"): value for key, value in entries.items()
+            if key != f"{name}.sequence_sum"}
+
+
 def own_styles(layer: nn.Module) -> dict[str, object]:
     """TP styles of the layer's MoE blocks run as the engine's layer (`expert_parallel.py::moe_tp_plan`,
-    with the router under its transformers name `gate`), names relative to the layer."""
+    `as_transformers_names`), names relative to the layer."""
     styles: dict[str, object] = {}
     for name in blocks(layer):
-        for key, value in moe_tp_plan(name, shared_experts=False).items():
-            if key != f"{name}.sequence_sum":  # (the auxiliary loss's statistics: the layer has none)
-                styles[key.replace(f"{name}.router", f"{name}.gate")] = value
+        styles.update(as_transformers_names(name, moe_tp_plan(name, shared_experts=False)))
     return styles
