@@ -48,6 +48,7 @@ from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the L
     resolve_batch,
     resolve_optimizer_impl,
     resolve_param_dtype,
+    uses_compute_copy,
 )
 
 if TYPE_CHECKING:
@@ -117,9 +118,9 @@ class Layout:
         tensor, pipeline or expert parallelism (their parameters are split or staged), CPU or NVMe offload,
         or LoRA (their own paths go through FSDP), nor where `allow_compute_copy` is off."""
         dims = self.dims
-        return (self.allow_compute_copy and self.param_dtype != torch.float32 and self.gradient_ranks == 1
-                and not (dims.tp_enabled or dims.pp_enabled or dims.ep_enabled) and not self.cpu_offload
-                and self.offload_optimizer == "none" and self.offload_params == "none" and self.lora is None)
+        return self.allow_compute_copy and uses_compute_copy(
+            self.param_dtype != torch.float32, self.gradient_ranks, dims.tp_enabled or dims.pp_enabled or dims.ep_enabled,
+            self.cpu_offload or self.offload_optimizer != "none" or self.offload_params != "none", self.lora is not None)
 
     @property
     def data_degree(self) -> int:

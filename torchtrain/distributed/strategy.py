@@ -95,6 +95,14 @@ def applies_fsdp(strategy: DPStrategy, ranks: int, param_dtype: torch.dtype, cpu
     return strategy.sharded and (ranks > 1 or param_dtype != torch.float32 or cpu_offload)
 
 
+def uses_compute_copy(lower_precision: bool, gradient_ranks: int, split: bool, offloaded: bool, lora: bool) -> bool:
+    """One rank of data (and context) parallelism computing in a lower precision than its float32 parameters
+    trains from a compute copy of them (`distributed/compute_copy.py`), unless its parameters are split or
+    staged (`split`: tensor, pipeline or expert parallelism), offloaded (CPU or NVMe) or LoRA-adapted: their
+    own paths go through FSDP."""
+    return lower_precision and gradient_ranks == 1 and not (split or offloaded or lora)
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How a step's global batch is laid out over data-parallel ranks and micro-batches."""

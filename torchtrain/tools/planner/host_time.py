@@ -325,12 +325,13 @@ class _FusedCalls(TorchFunctionMode):
 
 def _nodes_between(output, stop: set, seen) -> list:
     """The autograd nodes from `output`'s back to the inputs' (`stop`), parameters' accumulators left out."""
-    out, todo = [], [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    out, found, todo = [], set(), [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
     while todo:
         node = todo.pop()
-        if node in seen or node in stop or node in out or type(node).__name__ == "AccumulateGrad":
+        if node in seen or node in stop or node in found or type(node).__name__ == "AccumulateGrad":
             continue
         out.append(node)
+        found.add(node)
         todo += [n for n, _ in node.next_functions if n is not None]
     return out
 

@@ -20,7 +20,7 @@ from typing import Any
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, applies_fsdp, effective_reshard
+from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, applies_fsdp, effective_reshard, uses_compute_copy
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
@@ -247,12 +247,12 @@ class PlanInputs:
     def compute_copy(self) -> bool:
         """One data-parallel rank in a lower precision trains from a compute copy of its float32 parameters,
         without FSDP (`distributed/compute_copy.py`): the Layout's decision (a what-if copy without one: the
-        conditions of `Layout.compute_copy`)."""
+        rule of `Layout.compute_copy`, `strategy.uses_compute_copy`)."""
         if self.layout is not None:
             return self.layout.compute_copy
-        return (self.param_dtype != "float32" and self.dp * self.cp == 1 and self.tp == self.pp == self.ep == 1
-                and not self.cpu_offload and self.offload_optimizer == "none" and self.offload_params == "none"
-                and self.lora is None)
+        return uses_compute_copy(self.param_dtype != "float32", self.dp * self.cp, max(self.tp, self.pp, self.ep) > 1,
+                                 self.cpu_offload or self.offload_optimizer != "none" or self.offload_params != "none",
+                                 self.lora is not None)
 
     @property
     def fsdp_wraps(self) -> bool:
