@@ -167,6 +167,11 @@ class TrainStep:
             kwargs["token_ids"] = batch["input_ids"].to(self.device, non_blocking=True)
         return kwargs
 
+    def low_precision_weights(self):
+        """The compute copy's low-precision parameters for a stretch of forwards over unchanged weights (cast
+        once, not at each forward's `context`); nothing to enter without a compute copy."""
+        return self.compute_copy.active() if self.compute_copy is not None else contextlib.nullcontext()
+
     def context(self) -> contextlib.ExitStack:
         """Forward (+ backward) context: loss parallel under TP, autocast for replicated strategies, the
         low-precision parameters of the compute copy (one rank without FSDP)."""
@@ -201,7 +206,7 @@ class TrainStep:
                 return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], value,
                                                         self.model_kwargs(merged))
         model = self.model_parts[0]
-        with self.compute_copy.active() if self.compute_copy is not None else contextlib.nullcontext():
+        with self.low_precision_weights():
             for i, batch in enumerate(batches):  # (one compute copy for all micro-batches)
                 if len(batches) > 1:
                     set_gradient_sync(self.model_parts, i == len(batches) - 1)

@@ -103,7 +103,8 @@ class Trainer:
         #    with values that do not depend on the layout.
         # a model with its own weights (a transformers folder) loads every base weight at start-up (the
         # folder's, or a checkpoint's): its initialisation draws only what is not loaded
-        loaded = bool(spec.hf_weights and spec.hf_weights(args)) and "model" not in cfg.checkpoint.exclude_from_loading
+        hf_weights = spec.hf_weights(args) if spec.hf_weights else None
+        loaded = bool(hf_weights) and "model" not in cfg.checkpoint.exclude_from_loading
         self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed, loaded)
         if layout.lora is not None:  # numel of a sharded parameter is its global size
             trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
@@ -155,7 +156,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter,
-                                                        spec.hf_weights(args) if spec.hf_weights else None))
+                                                        hf_weights))
         self.checkpointer.load()
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)

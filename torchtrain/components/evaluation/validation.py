@@ -146,14 +146,15 @@ def forward_batches(train_step, batches: Iterable[dict[str, torch.Tensor]],
         part.eval()
     n = 0
     try:
-        for batch in batches:
-            local = train_step.shard(batch)  # context parallelism: this rank's chunks
-            with train_step.context():
-                logits = train_step.forward(local)
-                if logits is not None:
-                    score(n, logits, local)
-            del logits
-            n += 1
+        with train_step.low_precision_weights():  # cast once for every batch
+            for batch in batches:
+                local = train_step.shard(batch)  # context parallelism: this rank's chunks
+                with train_step.context():
+                    logits = train_step.forward(local)
+                    if logits is not None:
+                        score(n, logits, local)
+                del logits
+                n += 1
     finally:
         for part in train_step.model_parts:
             part.train()
