@@ -6,7 +6,8 @@ layouts and inputs that cannot apply. (Training under every layout: tests/test_t
 Tolerance of the logit comparisons: 1e-5 absolute in float32 -- the same transformers code on the same
 weights; torchtrain's attention (SDPA with its own masks, explicit scores under soft-capping) differs from
 transformers' kernels in summation order only (0 to ~5e-6 seen), while a wrong mask, window, scale,
-position or weight gives errors of 1e-2 or more (logits are O(1): the weights are drawn with std 0.2)."""
+soft-cap, position or weight gives errors of 1e-3 or more (logits are O(1): the weights are drawn with
+std 0.2). Soft-capped models are compared with transformers' eager attention (`theirs`)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,13 @@ def ours(folder: str, load: bool = True, lora: Lora | None = None, swap: bool = 
 
 
 def theirs(folder: str) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    """transformers' model of `folder` under the attention implementation transformers picks (SDPA where the
+    model allows it, as torchtrain's attention), but eager where the model soft-caps its attention scores:
+    SDPA has no soft-capping, and transformers 5.17 still picks it for Gemma 2, dropping the cap (later
+    versions refuse SDPA there). The eager attention is the model's own definition."""
+    softcap = getattr(transformers.AutoConfig.from_pretrained(folder), "attn_logit_softcapping", None)
+    kwargs = {"attn_implementation": "eager"} if softcap is not None else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).float().eval()
 
 
 @pytest.mark.parametrize("kind", DENSE + ["mixtral"])

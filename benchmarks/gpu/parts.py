@@ -29,8 +29,8 @@ is busy; a dry run uses 2 and 4."""
 def model(ctx: Context, name: str) -> list[str]:
     """The debug model, the ~1B Llama 3 shape (untied output, as torchtitan's llama3 builds it) or the
     3B (Llama 3.2's shape, tied: the largest Llama 3 that trains on one 80 GB GPU with AdamW)."""
-    if ctx.dry:
-        return TINY
+    if ctx.dry:  # a CPU run on any machine (a GPU machine's `auto` device would be CUDA)
+        return TINY + ["--training.device", "cpu"]
     if name == "debug":
         return ["--model.flavor", "debugmodel"]
     if name == "3B":
