@@ -13,6 +13,12 @@ and its value, the SUM over the ranks: they skip the update only when it is exac
 seen by two ranks' shards (2.0) would apply the non-finite update and ruin every parameter.
 `_sharded_scaler` hands them the flag as a scalar view of the same storage, clamped to 1 after the
 all-reduce.
+
+`reads_back = False` (set by the planner's trace, whose fake tensors hold no values) runs the same
+kernels without reading a value back to the host: the fused optimizers still get the scale and the
+found-inf flag as tensors, the others step on the gradients `unscale_` divided, whatever the flag says;
+the scale is updated by `torch._amp_update_scale_` (the kernel CUDA runs; the sharded scaler's CPU path
+reads the flag), every step counts as taken, and `factor` is the initial scale.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ class LossScaler:
         self.enabled = enabled
         self.skipped_steps = 0
         self._scaler = None
+        self.reads_back = True
+        """Whether values may be read back to the host; False in a traced step (see the module doc)."""
         if enabled:
             if sharded:
                 self._scaler = _sharded_scaler(device)
             else:
                 self._scaler = torch.amp.GradScaler(device.type)
+            self._initial = self._scaler.get_scale()  # its init scale: no tensor before the first `scale`
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self._scaler.scale(loss) if self.enabled else loss
@@ -46,6 +55,14 @@ class LossScaler:
         if not self.enabled:
             optimizers.step()
             return True
+        if not self.reads_back:
+            for opt in optimizers:
+                if getattr(opt, "_step_supports_amp_scaling", False):  # fused: flags passed as tensors
+                    self._scaler.step(opt)
+                else:
+                    opt.step()
+            self._update()
+            return True
         before = self._scaler.get_scale()
         for opt in optimizers:
             self._scaler.step(opt)
@@ -58,16 +75,27 @@ class LossScaler:
         """Skip this step's update (a guard decision) but keep the scale's bookkeeping: the scale still
         reacts to this step's gradients (halved on an overflow, grown after enough clean steps).
         Returns False (no step taken)."""
-        if self.enabled:
-            before = self._scaler.get_scale()
-            self._scaler.update()
-            self.skipped_steps += int(self._scaler.get_scale() < before)  # it overflowed as well
+        if not self.enabled:
+            return False
+        if not self.reads_back:
+            self._update()
+            return False
+        before = self._scaler.get_scale()
+        self._scaler.update()
+        self.skipped_steps += int(self._scaler.get_scale() < before)  # it overflowed as well
         return False
 
     @property
     def factor(self) -> float:
         """What `scale` multiplies the loss by now (1 without loss scaling)."""
-        return self._scaler.get_scale() if self.enabled else 1.0
+        if not self.enabled:
+            return 1.0
+        return self._scaler.get_scale() if self.reads_back else self._initial
+
+    def _update(self) -> None:
+        """The scale's update without a read-back: GradScaler's own (`torch._amp_update_scale_` on every
+        device), which the sharded scaler runs on CUDA as well."""
+        torch.amp.GradScaler.update(self._scaler)
 
     @property
     def value(self) -> float | None:

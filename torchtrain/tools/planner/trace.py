@@ -223,6 +223,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
                                  stored=stored)
     step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
                             pipeline=pipeline)
+    step.scaler.reads_back = False  # float16 loss scaling: no scale nor found-inf flag read back (fake values)
     if compiles_loss(p):  # the compiled cross-entropy's memory, counted as a compiled graph (compiled.py)
         step.loss_fn.ce_sum = counter.compiled(fused_cross_entropy_sum)
     phases: dict[str, tuple[int, dict[str, int]]] = {}
