@@ -170,6 +170,32 @@ def test_float8_experts_convert_the_selected_routed_experts_only():
     torch.testing.assert_close(out, swiglu_looped(x, counts, experts.w1, experts.w2, experts.w3))
 
 
+@pytest.mark.parametrize("head", ["output", "lm_head"])
+def test_the_output_head_stays_in_high_precision_unless_asked(head):
+    """The model's output head (`models/heads.py`: `output`, or `lm_head` in transformers models) is not
+    converted by default (its casts would run eagerly over the batch x vocabulary gradient); the blocks'
+    layers are, and `convert_output_head` converts the head too. A block layer that happens to be named
+    like a head (`layers.0.output`) is converted either way: only the top-level head is meant."""
+    from torch import nn
+    from torchao.float8.float8_linear import Float8Linear
+
+    from torchtrain.distributed.float8 import convert_linears, resolve_float8
+
+    def model():
+        m = nn.Module()
+        m.layers = nn.ModuleList([nn.ModuleDict({"w1": nn.Linear(32, 64), "output": nn.Linear(64, 32)})])
+        setattr(m, head, nn.Linear(32, 128, bias=False))
+        return m
+
+    for convert_head in (False, True):
+        job = parse_args(EMULATED + ["--quantize.linear.float8.convert_output_head", str(convert_head).lower()])
+        plan = resolve_float8(job.model.converters, job.quantize, "cpu", fsdp_shards=False)
+        m = model()
+        assert convert_linears(m, plan) == 2 + convert_head
+        assert isinstance(getattr(m, head), Float8Linear) is convert_head
+        assert isinstance(m.layers[0]["output"], Float8Linear) and isinstance(m.layers[0]["w1"], Float8Linear)
+
+
 def test_launch_check_prints_one_line(capsys):
     """float8 on the CPU (chosen explicitly: the check asks the job's device, which on a GPU machine is the
     GPU) is refused in one line."""
@@ -188,7 +214,7 @@ def test_float8_stays_within_a_band_of_fp32():
     25-step window's mean loss within 3% of fp32's. Measured: <= 0.7% (float8's e4m3 rounding,
     2^-4 relative, averages out over a layer's many products); the loss falls from 6.4 to 1.6, so a
     float8 path that broke training, or one that silently stayed in fp32 (checked separately: every
-    Linear is converted), would show."""
+    Linear is converted, the output head included), would show."""
     from torchtrain.distributed.float8 import Float8Plan, convert_linears
     from torchtrain.distributed.param_init import init_model_weights
     from torchtrain.models.registry import build_model_args, get_model_spec
@@ -205,7 +231,7 @@ def test_float8_stays_within_a_band_of_fp32():
                 model = spec.model_cls(args)
             if name == "float8":
                 assert convert_linears(model, Float8Plan("tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                                                         precompute_scale=False)) == 15
+                                                         precompute_scale=False, convert_output_head=True)) == 15
             model.to_empty(device="cpu")
             init_model_weights(model, seed=0)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -231,13 +257,16 @@ def test_float8_stays_within_a_band_of_fp32():
 @pytest.fixture(scope="module")
 def float8_layouts(tmp_path_factory):
     """One process, FSDP 2 (float8 all-gather, precomputed scales, a checkpoint at the last step) and
-    FSDP 2 x TP 2, all float8 (emulated) on the same job: the parity tool's runs."""
+    FSDP 2 x TP 2, all float8 (emulated) on the same job: the parity tool's runs. The output head is
+    converted too (not the default), so every layout runs every Linear in float8, the vocabulary-parallel
+    head under TP included."""
     from torchtrain.tools.parity import ParityCase, parse_layout, run_layout
 
     workdir = str(tmp_path_factory.mktemp("float8"))
     overrides = TINY_JOB + GLOBAL_BATCH + EMULATED + [
         "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
-        "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
+        "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true",
+        "--quantize.linear.float8.convert_output_head", "true"]
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the one-process run too (torchrun sets it for the others)
     try:

@@ -45,6 +45,12 @@ class Float8Linear:
     float8 matmul kernels need it). The entry "auto_filter_small_kn" also skips layers too small to
     gain from float8 (torchao's filter for the recipe)."""
 
+    convert_output_head: bool = False
+    """Also train the model's output head (the LM head, `output` or `lm_head`) in float8. Off by
+    default, as torchtitan's shipped jobs (`filter_fqns = ["output"]`): the head's float8 casts run
+    outside the compiled blocks over the batch x vocabulary logits' gradient, which costs more time and
+    memory than its float8 GEMMs save (docs/float8.md), and the logits keep high precision."""
+
     emulate: bool = False
     """Debug switch: run the float8 casts and scales but do the matmul in high precision, so float8
     numerics run on a CPU or on a GPU without float8 support. For tests and the parity tool, not for

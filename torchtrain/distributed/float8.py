@@ -6,7 +6,7 @@
   recipe; float8 all-gather only where FSDP shards over more than one rank; the precomputed scales
   only with it). Everything that cannot work is a ConfigError naming the key.
 * `convert_linears` swaps the model's nn.Linear modules for torchao's `Float8Linear` on the meta
-  device, after the model is built and before any parallelism (`distributed/parallelize.py`): TP,
+  device (the output head stays an nn.Linear unless `convert_output_head`), after the model is built and before any parallelism (`distributed/parallelize.py`): TP,
   FSDP, AC and compile then see float8 layers. `Float8Linear` keeps `weight` and `bias` as they are,
   so parameter names, initialisation and checkpoints stay exactly as without float8; under float8
   all-gather the checkpoint stores the weights unwrapped (`high_precision`), loadable by a job
@@ -35,6 +35,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR, MX, Quantize
+from torchtrain.models.heads import output_heads
 from torchtrain.utils.logging import logger
 
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer: float8 tensor cores (torch._scaled_mm)
@@ -56,6 +57,8 @@ class Float8Plan:
     """One all-reduce of every weight's scale after the optimizer step (only with float8 all-gather)."""
     filter_fqns: tuple[str, ...] = ()
     """Linear layers left in high precision (by name substring); "auto_filter_small_kn" included."""
+    convert_output_head: bool = False
+    """The model's output head (`models/heads.py`) is converted too; by default it stays in high precision."""
     log_model: bool = False
     """Log the converted model (model.print_after_conversion)."""
 
@@ -122,18 +125,22 @@ def resolve_float8(converters: list[str], quantize: Quantize, device_type: str, 
     all_gather = cfg.enable_fsdp_float8_all_gather and fsdp_shards
     return Float8Plan(recipe=recipe, emulate=cfg.emulate, fsdp_float8_all_gather=all_gather,
                       precompute_scale=all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp,
-                      filter_fqns=tuple(cfg.filter_fqns), log_model=print_after_conversion)
+                      filter_fqns=tuple(cfg.filter_fqns), convert_output_head=cfg.convert_output_head,
+                      log_model=print_after_conversion)
 
 
-def _module_filter(plan: Float8Plan):
-    """Which nn.Linear modules become Float8Linear: not named in filter_fqns, both dimensions
-    multiples of 16 (the float8 matmul kernels' requirement); torchao's size filter on request."""
+def _module_filter(plan: Float8Plan, heads: tuple[str, ...]):
+    """Which nn.Linear modules become Float8Linear: not the output head (named `heads`, unless the plan
+    converts it), not named in filter_fqns, both dimensions multiples of 16 (the float8 matmul kernels'
+    requirement); torchao's size filter on request."""
     skip = [f for f in plan.filter_fqns if f != AUTO_FILTER]
+    kept = () if plan.convert_output_head else heads
     if AUTO_FILTER in plan.filter_fqns:
-        return _import_float8()._auto_filter_for_recipe(plan.recipe, filter_fqns=skip)
+        auto = _import_float8()._auto_filter_for_recipe(plan.recipe, filter_fqns=skip)
+        return lambda module, fqn: fqn not in kept and auto(module, fqn)
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(s in fqn for s in skip):
+        if fqn in kept or not isinstance(module, nn.Linear) or any(s in fqn for s in skip):
             return False
         out_features, in_features = module.weight.shape
         return out_features % 16 == 0 and in_features % 16 == 0
@@ -148,15 +155,17 @@ def convert_linears(model: nn.Module, plan: Float8Plan) -> int:
     config = dataclasses.replace(config, emulate=plan.emulate,
                                  enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather)
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
-    float8.convert_to_float8_training(model, module_filter_fn=_module_filter(plan), config=config)
+    heads = tuple(output_heads(model))
+    float8.convert_to_float8_training(model, module_filter_fn=_module_filter(plan, heads), config=config)
     converted = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
     if converted == 0:
         logger.warning("float8: no Linear layer was converted (%d kept: named in quantize.linear.float8.filter_fqns "
                        "or a dimension not divisible by 16); the job trains in high precision", before)
     else:
-        logger.info("float8 (%s%s%s): %d of %d Linear layers converted", plan.recipe,
+        kept_head = [h for h in heads if not plan.convert_output_head]
+        logger.info("float8 (%s%s%s): %d of %d Linear layers converted%s", plan.recipe,
                     ", emulated" if plan.emulate else "", ", float8 all-gather" if plan.fsdp_float8_all_gather else "",
-                    converted, before)
+                    converted, before, f" (output head {kept_head[0]!r} kept in high precision)" if kept_head else "")
     if plan.log_model:
         logger.info("model after conversion:\n%s", model)
     return converted

@@ -31,21 +31,17 @@ from torch.distributed.tensor import DTensor
 
 from torchtrain.components.optim.muon import Muon
 from torchtrain.config.training import Optimizer as OptimizerConfig
+from torchtrain.models.heads import output_heads
 
 if TYPE_CHECKING:
     from torchtrain.distributed.layout import Layout
 
 
-_OUTPUT_HEADS = ("output", "lm_head")
-
-
 def muon_params(model: nn.Module) -> set[int]:
     """ids of the parameters Muon orthogonalises: >= 2 dims, not an embedding nor the output head."""
     adamw = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    for name in _OUTPUT_HEADS:
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Module):
-            adamw.update(id(p) for p in head.parameters())
+    for head in output_heads(model).values():
+        adamw.update(id(p) for p in head.parameters())
     return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) not in adamw}
 
 

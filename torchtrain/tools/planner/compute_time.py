@@ -11,8 +11,8 @@ ceil(m / 128) ceil(n / 256), and they run in waves = ceil(tiles / S) of one tile
 too few tiles leaves SMs idle (wave quantization). Backward runs the input gradient (m x n @ n x k)
 and the weight gradient (k x m @ m x n) the same way. Under float8 (`model.converters`) the blocks'
 linear layers run all three GEMMs at the fp8 rate, plus the casts (below); the output head stays in
-bf16 (torchtitan's and the shipped jobs' `filter_fqns = ["output"]`). Float8 expert GEMMs
-(`quantize.grouped_mm.float8`) run the routed experts' three GEMMs at the fp8 rate, plus the casts of
+bf16 unless `quantize.linear.float8.convert_output_head` (then its casts run eagerly, outside the
+blocks). Float8 expert GEMMs (`quantize.grouped_mm.float8`) run the routed experts' three GEMMs at the fp8 rate, plus the casts of
 their routed rows.
 
 **Attention** (flash attention, which stores no s x s matrix): forward FLOPs per sequence and head
@@ -62,7 +62,6 @@ from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.distributed.lora import is_target
-from torchtrain.models.contract import Matmul
 from torchtrain.tools.planner.inputs import PlanInputs
 
 LAUNCH_S = 4e-6
@@ -168,10 +167,10 @@ def block_memory_bytes(a, d: int, compiled: bool) -> float:
     return out
 
 
-def float8_cast_bytes(mm: Matmul, d: int, compiled: bool) -> float:
+def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled: bool) -> float:
     """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward."""
     per = (d + 1) if compiled else (2 * d + 1)
-    return (per + 2) * (mm.in_features + mm.out_features)
+    return (per + 2) * (in_features + out_features)
 
 
 # ------------------------------------------------------------------------------ one block
@@ -206,10 +205,10 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
             fwd, dgrad, wgrad = (local * chunks * x for x in linear_seconds(dev, rows / chunks, mm.in_features,
                                                                             mm.out_features, gemm_dtype))
             if p.float8_experts:
-                fp8_bytes += float8_cast_bytes(mm, d, p.compile) * rows * local
+                fp8_bytes += float8_cast_bytes(mm.in_features, mm.out_features, d, p.compile) * rows * local
         bwd = dgrad + (wgrad if p.lora is None else 0.0)  # LoRA: frozen weights, no weight gradient
         if gemm_dtype == "float8" and mm.kind != "expert":
-            fp8_bytes += float8_cast_bytes(mm, d, p.compile) * t / tp
+            fp8_bytes += float8_cast_bytes(mm.in_features, mm.out_features, d, p.compile) * t / tp
         out.gemm_fwd += fwd
         out.gemm_bwd += bwd
         mm_fwd_s += fwd
@@ -276,7 +275,8 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
     """Final norm, output projection (vocabulary-parallel under TP) and the loss, forward and
     backward, for one micro-batch (the last stage)."""
     a, d, t, tp = p.model, p.param_bytes, p.microbatch_tokens, p.tp
-    fwd, dgrad, wgrad = linear_seconds(dev, t, a.dim, a.vocab_size / tp, p.param_dtype)
+    fp8 = p.float8 and p.float8_head and a.dim % 16 == 0 and a.vocab_size % (16 * tp) == 0
+    fwd, dgrad, wgrad = linear_seconds(dev, t, a.dim, a.vocab_size / tp, "float8" if fp8 else p.param_dtype)
     bwd = dgrad + (wgrad if p.lora is None else 0.0)  # LoRA: the output weight is frozen (an adapter on it:
     if p.lora is not None:                             # its own GEMMs, as on the blocks)
         if is_target("output", p.lora) and not a.tie_word_embeddings:
@@ -285,7 +285,8 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
                 fwd, bwd = fwd + f, bwd + dg + wg
     loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t
     norm_bytes = (6 * d if p.compile else 3 * (4 * d + 24)) * a.dim * t / tp
-    return fwd + bwd + memory_seconds(dev, loss_bytes + norm_bytes)
+    cast_bytes = float8_cast_bytes(a.dim, a.vocab_size / tp, d, False) * t if fp8 else 0.0  # outside the blocks: eager
+    return fwd + bwd + memory_seconds(dev, loss_bytes + norm_bytes + cast_bytes)
 
 
 def optimizer_seconds(p: PlanInputs, dev: GPUSpec, local_params: float) -> float:

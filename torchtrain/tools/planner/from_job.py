@@ -176,7 +176,7 @@ def _from_layout(layout: Layout) -> dict[str, Any]:
                 param_dtype=DTYPE_NAMES[layout.param_dtype], reduce_dtype=DTYPE_NAMES[layout.reduce_dtype],
                 optimizer_impl=layout.optimizer_impl, compile=layout.compile_model or layout.compile_loss,
                 async_tp=layout.async_tp, float8=f8 is not None, float8_all_gather=f8 is not None and
-                f8.fsdp_float8_all_gather, lora=layout.lora)
+                f8.fsdp_float8_all_gather, float8_head=f8 is not None and f8.convert_output_head, lora=layout.lora)
 
 
 def _as_asked(job: JobConfig, world_size: int, device_type: str, split: tuple, n_layers: int) -> dict[str, Any]:
@@ -203,6 +203,7 @@ def _as_asked(job: JobConfig, world_size: int, device_type: str, split: tuple, n
                                                       "cpu" if tr.enable_cpu_offload else device_type),
                 compile=job.compile.enable, async_tp=par.enable_async_tensor_parallel, float8=f8,
                 float8_all_gather=f8 and job.quantize.linear.float8.enable_fsdp_float8_all_gather,
+                float8_head=f8 and job.quantize.linear.float8.convert_output_head,
                 lora=job.lora if job.lora.enable else None)
 
 

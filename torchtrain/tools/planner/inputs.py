@@ -140,6 +140,9 @@ class PlanInputs:
     """torch.compile of the blocks and the loss (`compile.enable`): fused memory-bound kernels."""
     float8: bool = False
     """Float8 linear layers (`model.converters` includes float8): the blocks' GEMMs at the fp8 rate."""
+    float8_head: bool = False
+    """The output head in float8 too (`quantize.linear.float8.convert_output_head`): its GEMMs at the fp8
+    rate, plus its casts outside the compiled blocks."""
     float8_experts: bool = False
     """The routed experts' grouped GEMMs in float8 (`model.converters` names quantize.grouped_mm.float8
     and its fqns cover the experts): at the fp8 rate, plus their casts."""
