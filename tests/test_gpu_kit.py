@@ -200,3 +200,28 @@ def test_sigterm_stops_the_kit_and_keeps_what_finished(tmp_path):
         summary = tar.extractfile("kit/summary.md").read().decode()
     assert "## (c) 1B throughput and MFU, local batch 2 and 8: NOT STARTED" in summary
     assert "## (d) torchtrain vs torchtitan" in summary
+
+
+def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
+    """The committed runs: the headline's compiled batch-8 run (a healthy H100, steps within ~4%) passes; the
+    same job on a throttling H100 (steps 0.27-0.54 s within one run) is named, and why."""
+    gpu = os.path.join(REPO, "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_kit_kit", os.path.join(gpu, "kit.py"))
+        kit = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = kit  # (its dataclasses look their module up)
+        spec.loader.exec_module(kit)
+    finally:
+        sys.path.remove(gpu)
+
+    def run(results: str, folder: str):
+        with open(os.path.join(gpu, "results", results, folder, "metrics.jsonl")) as f:
+            return kit.Run(folder, [json.loads(line) for line in f], None, 1.0, folder=folder)
+
+    healthy = run("2026-11-27-h100-f2ccc36", "c/b8_compile")
+    throttled = run("2026-11-27-h100-throttled", "g/1B_b8_compile")
+    assert healthy.spread() < 0.05 < kit.UNSTEADY < throttled.spread()
+    notes = kit.unsteady_notes([healthy, throttled])
+    assert len(notes) == 1 and notes[0].startswith("UNSTEADY g/1B_b8_compile:") and "not evidence" in notes[0]
+    assert kit.Run("short", [{"step": 1, "step_time_s": 9.0}], None, 1.0).spread() is None

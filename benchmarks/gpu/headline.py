@@ -11,7 +11,7 @@ import os
 import shutil
 import statistics
 
-from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, train
+from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, train, unsteady_notes
 from parts import HEADLINE_SEQ, batches, compiled, float8, headline_job, slug
 
 PROFILE = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "5", "--profiling.profiler_warmup",
@@ -64,6 +64,7 @@ def part_c(ctx: Context) -> PartResult:
     res = PartResult("c", TITLES["c"], ["seq", "batch", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
                                         "MFU vs table peak", "peak GiB", "error"])
     res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how}); steady state = median over steps 4..N")
+    runs = []
     for batch, mode, extra in c_runs(ctx):
         if extra is None:
             res.notes.append(f"batch {batch} {mode}: not run in a dry run (compiling is ~20 s a run on a CPU)")
@@ -72,11 +73,13 @@ def part_c(ctx: Context) -> PartResult:
         run = train(ctx, "c", f"b{batch}_{slug(mode)}", c_job(ctx, batch, extra), reuse=True)
         if run.skipped:
             continue
+        runs.append(run)
         tflops, mfu = run.steady("tflops_per_device"), run.steady("mfu_pct")
         res.rows.append([HEADLINE_SEQ, batch, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
                          None if tflops is None else f"{100 * tflops / peak:.1f}%",
                          None if mfu is None else f"{mfu:.1f}%", run.peak_gib(), run.error])
         res.ok &= run.ok
+    res.notes += unsteady_notes(runs)
     return res
 
 
@@ -92,6 +95,7 @@ def part_g(ctx: Context) -> PartResult:
         res.notes.append("dry run: eager bf16 against emulated float8 (compiling is ~20 s a run on a CPU), the "
                          "tiny model only (no 3B)")
     plain, fp8 = _bf16_and_float8(ctx)
+    runs = []
     for name, batch in g_runs(ctx):
         log(f"(g) {name} batch {batch}: bf16, float8")
         pair = [train(ctx, "g", f"{name}_b{batch}_{slug(label)}", g_job(ctx, name, batch, extra), reuse=True)
@@ -99,6 +103,7 @@ def part_g(ctx: Context) -> PartResult:
                                      ("compile + float8" if not ctx.dry else "float8 emulated", fp8))]
         if any(r.skipped for r in pair):
             continue
+        runs += pair
         tps = [r.steady("tokens_per_s_per_device") for r in pair]
         mfu = [r.steady("tflops_per_device") for r in pair]
         res.rows.append([name, batch, _round(tps[0]), _round(tps[1]),
@@ -106,6 +111,7 @@ def part_g(ctx: Context) -> PartResult:
                          *[None if m is None else f"{100 * m / peak:.1f}%" for m in mfu],
                          pair[0].peak_gib(), pair[1].peak_gib(), pair[0].error or pair[1].error])
         res.ok &= all(r.ok for r in pair)
+    res.notes += unsteady_notes(runs)
     return res
 
 

@@ -120,9 +120,35 @@ class Run:
                  [r[key] for r in self.records[1:] if r.get(key) is not None]
         return statistics.median(values) if values else None
 
+    def spread(self, key: str = "step_time_s") -> float | None:
+        """How far `key` moved over the steady steps: (max - min) / median (None with fewer than 3)."""
+        values = [r[key] for r in self.records[3:] if r.get(key) is not None]
+        if len(values) < 3:
+            return None
+        return (max(values) - min(values)) / statistics.median(values)
+
     def peak_gib(self) -> float | None:
         values = [r["memory_peak_gib"] for r in self.records if r.get("memory_peak_gib") is not None]
         return max(values) if values else None
+
+
+UNSTEADY = 0.2
+"""A run whose steady steps spread by more than this (max - min over the median) ran on a device whose
+speed moved (a throttling GPU, a neighbour): on a healthy H100 the kit's steps spread by 1-5%."""
+
+
+def unsteady_notes(runs: list[Run]) -> list[str]:
+    """A note for each run whose steady step times spread more than UNSTEADY: its figures (and ratios
+    taken with it) measure the device's moving speed, not the code."""
+    notes = []
+    for run in runs:
+        spread = run.spread()
+        if spread is not None and spread > UNSTEADY:
+            times = [r["step_time_s"] for r in run.records[3:] if r.get("step_time_s") is not None]
+            notes.append(f"UNSTEADY {run.folder or run.name}: its steady steps spread {100 * spread:.0f}% "
+                         f"({min(times):.3f}-{max(times):.3f} s): the device's speed moved during the run, so "
+                         f"its figures and the ratios taken with it are not evidence")
+    return notes
 
 
 def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "") -> Run:
