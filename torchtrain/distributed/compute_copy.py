@@ -39,6 +39,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from torchtrain.utils.parameters import parameter_places
+
 
 class ComputeCopy:
     """The low-precision compute copies of `model_parts`' parameters (see the module doc)."""
@@ -48,17 +50,10 @@ class ComputeCopy:
         self._slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into the lists below)
         self.masters: list[nn.Parameter] = []
         self.copies: list[nn.Parameter] = []
-        index_of: dict[int, int] = {}  # a parameter shared by modules (tied embeddings) has one copy
-        for part in model_parts:
-            for module in part.modules():
-                for name, param in module._parameters.items():
-                    if param is None:
-                        continue
-                    if id(param) not in index_of:
-                        index_of[id(param)] = len(self.masters)
-                        self.masters.append(param)
-                        self.copies.append(self._new_copy(param))
-                    self._slots.append((module, name, index_of[id(param)]))
+        for param, places in parameter_places(model_parts):  # a tied parameter: one copy, all its places
+            self._slots += [(module, name, len(self.masters)) for module, name in places]
+            self.masters.append(param)
+            self.copies.append(self._new_copy(param))
         self._nbytes = [c.numel() * c.element_size() for c in self.copies]
         self._depth = 0
 

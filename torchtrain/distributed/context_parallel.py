@@ -102,9 +102,7 @@ class ContextParallelAttention(AttentionCore):
             q_doc, k_doc = docs[:, q_seq], docs[:, k_seq]
         ctx.mask = self.build_mask(batch, q_seq, k_seq, q_doc, k_doc)
         ctx.extra["cp"] = True  # every attention of this forward must be sharded alike
-        for window in sorted(set(windows)):
-            ctx.windowed[window] = (self.build_mask(batch, q_seq, k_seq, q_doc, k_doc, window) if window < seq_len
-                                    else ctx.mask)
+        self.prepare_windows(ctx, windows, seq_len, batch, q_seq, k_seq, q_doc, k_doc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 scale: float | None = None, window: int | None = None, softcap: float | None = None,

@@ -55,6 +55,7 @@ from torchtrain.distributed.token_dispatch import install_dispatchers
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.registry import ModelSpec
+from torchtrain.utils.parameters import parameter_places
 
 
 def _beside(model: nn.Module, blocks: nn.Module) -> list[nn.Module]:
@@ -111,8 +112,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
                        fullgraph=spec.compile_fullgraph and not experts)
-        if not dims.tp_enabled:  # (under TP these carry the plan's redistribution hooks: they stay eager)
-            compile_modules([m for m in (getattr(model, name, None) for name in spec.compile_also) if m is not None])
+        compile_modules(compiled_beside_blocks(model, spec, dims.tp_enabled))
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for module in _beside(model, blocks):
                 module.register_forward_hook(materialize_async_output)
@@ -127,14 +127,13 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
     return model
 
 
-def _shared_parameters(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """(module, name) places of every parameter several modules hold (tied embeddings)."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in part.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((module, name))
-    return [p for p in places.values() if len(p) > 1]
+def compiled_beside_blocks(model: nn.Module, spec: ModelSpec, tp_enabled: bool) -> list[nn.Module]:
+    """The modules a compiling job compiles besides its blocks (each block is compiled): those the model
+    names in `spec.compile_also` (its final norm), not under TP, where they carry the plan's
+    redistribution hooks and stay eager. Read by the planner too (`tools/planner/compiled.py`)."""
+    if tp_enabled:
+        return []
+    return [m for m in (getattr(model, name, None) for name in spec.compile_also) if isinstance(m, nn.Module)]
 
 
 def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int,
@@ -143,7 +142,7 @@ def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: 
     Under CPU offload the sharded state lives in host memory and the buffers (RoPE tables) on the GPU.
     A parameter several modules hold (tied embeddings) stays one parameter. `loaded`: every base weight
     is loaded right after (`init_model_weights`)."""
-    shared = _shared_parameters(part)
+    shared = [places for _, places in parameter_places([part]) if len(places) > 1]
     part.to_empty(device="cpu" if cpu_offload else device)
     for (first, first_name), *others in shared:
         for module, name in others:

@@ -130,8 +130,16 @@ class AttentionCore(nn.Module):
         doc = document_ids(ctx.positions.to(device)) if documents else None
         if documents:
             ctx.mask = self.build_mask(batch, seq, seq, doc, doc)
+        self.prepare_windows(ctx, windows, length, batch, seq, seq, doc, doc)
+
+    def prepare_windows(self, ctx: AttentionContext, windows: tuple[int, ...], length: int, batch: int,
+                        q_seq: torch.Tensor, k_seq: torch.Tensor, q_doc: torch.Tensor | None,
+                        k_doc: torch.Tensor | None) -> None:
+        """One mask per distinct sliding window shorter than the `length`-token sequence into `ctx` (a
+        window as long as the sequence masks nothing more: it is `ctx.mask`)."""
         for window in sorted(set(windows)):
-            ctx.windowed[window] = self.build_mask(batch, seq, seq, doc, doc, window) if window < length else ctx.mask
+            ctx.windowed[window] = (self.build_mask(batch, q_seq, k_seq, q_doc, k_doc, window) if window < length
+                                    else ctx.mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None = None,
                softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:

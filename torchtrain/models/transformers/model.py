@@ -48,6 +48,13 @@ class TorchtrainCausalLM(nn.Module):
         """The base model's decoder layers."""
         return self.base_model.layers
 
+    def top_modules(self) -> list[tuple[str, nn.Module]]:
+        """The base model's children with parameters besides the embedding and the decoder layers (its final
+        norms), by name: what tensor parallelism keeps whole (sequence-parallel) and FSDP groups with the head."""
+        embed, layers = self.get_input_embeddings(), self.decoder_layers
+        return [(name, m) for name, m in self.base_model.named_children()
+                if m is not embed and m is not layers and any(True for _ in m.parameters())]
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
         batch, length = tokens.shape

@@ -116,8 +116,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     layers = model.decoder_layers
     units: list[nn.Module | list[nn.Module]] = [] if tied else [embed]
     units += list(layers)
-    tail = [m for m in model.base_model.children()
-            if m is not embed and m is not layers and any(True for _ in m.parameters())]
+    tail = [m for _, m in model.top_modules()]
     if not tied and head is not None:
         tail.append(head)
     if tail and not tied:

@@ -180,9 +180,8 @@ def top_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> tuple[dict[str,
     base_plan: dict[str, object] = {_name_of(base, embed): RowwiseParallel(input_layouts=Replicate(),
                                                                            output_layouts=Shard(1) if sp else Replicate())}
     if sp:
-        for name, child in base.named_children():
-            if child is not embed and child is not model.decoder_layers and any(True for _ in child.parameters()):
-                base_plan[name] = SequenceParallel(use_local_output=True)
+        for name, _ in model.top_modules():
+            base_plan[name] = SequenceParallel(use_local_output=True)
     head = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
     return base_plan, {_name_of(model, model.get_output_embeddings()): head}
@@ -200,9 +199,8 @@ def model_sp_problem(model: nn.Module, own: OwnStyles | None = None) -> str | No
         problem = sequence_parallel_problem(layer, layer_entries(layer, model.config, owned), owned)
         if problem is not None:
             return problem
-    base, embed = model.base_model, model.get_input_embeddings()
-    for name, child in base.named_children():
-        if child is not embed and child is not model.decoder_layers and any(p.dim() != 1 for p in child.parameters()):
+    for name, child in model.top_modules():
+        if any(p.dim() != 1 for p in child.parameters()):
             return f"the base model's {name} holds weights outside the plan"
     return None
 

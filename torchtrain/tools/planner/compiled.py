@@ -35,7 +35,9 @@ CHUNKS = 64
 
 
 def compiled_modules(p: PlanInputs, parts: list[nn.Module]) -> list[nn.Module]:
-    """The modules a compiling job compiles (`distributed/parallelize.py`)."""
+    """The modules a compiling job compiles: every block and what `distributed/parallelize.py` compiles
+    beside them."""
+    from torchtrain.distributed.parallelize import compiled_beside_blocks
     from torchtrain.models.registry import get_model_spec
 
     if p.layout is not None and not p.layout.compile_model:
@@ -43,9 +45,7 @@ def compiled_modules(p: PlanInputs, parts: list[nn.Module]) -> list[nn.Module]:
     spec = get_model_spec(p.model_name)
     out: list[nn.Module] = []
     for part in parts:
-        out += list(spec.blocks_of(part).children())
-        if p.tp == 1:
-            out += [m for m in (getattr(part, name, None) for name in spec.compile_also) if isinstance(m, nn.Module)]
+        out += list(spec.blocks_of(part).children()) + compiled_beside_blocks(part, spec, p.tp > 1)
     return out
 
 
