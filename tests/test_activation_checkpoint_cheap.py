@@ -18,7 +18,7 @@ from torchtrain.models.deepseek_v3.model import CHEAP_TO_RECOMPUTE
 from torchtrain.models.llama3 import Llama3Args
 from torchtrain.models.llama3 import Transformer as Llama3
 from torchtrain.models.registry import get_model_spec
-from torchtrain.tools.planner.analytic import ac_block_bytes_per_token
+from torchtrain.tools.planner.activations import ac_block_bytes_per_token
 
 ARGS = DeepseekV3Args(dim=64, n_layers=2, n_heads=4, vocab_size=512, hidden_dim=128, q_lora_rank=32, kv_lora_rank=32,
                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,

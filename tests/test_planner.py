@@ -19,7 +19,7 @@ from conftest import TINY_JOB
 
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.models.contract import declare
-from torchtrain.tools.planner import analytic, pipeline, shapes, step_time, trace
+from torchtrain.tools.planner import activations, analytic, pipeline, shapes, step_time, trace
 from torchtrain.tools.planner.core import load_job, make_plan, plan_from_flags, trace_job
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config, job_with_knobs
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES
@@ -108,7 +108,7 @@ def test_activation_formula_matches_the_real_block(dtype):
                 stored.append(tracker.current - base)
                 del h, x
     per_block = stored[1] - stored[0]
-    assert per_block == analytic.act_per_token_per_block(declare(args), dt.itemsize, 1) * 2 * 64
+    assert per_block == activations.act_per_token_per_block(declare(args), dt.itemsize, 1) * 2 * 64
 
 
 KNOBS = dict(strategy=["zero3", "zero2", "zero1", "ddp"], tp=[1, 2], pp=[1, 2], ac_mode=["none", "full", "selective"],
@@ -138,7 +138,7 @@ def test_every_knob_combination_has_a_consistent_estimate(strategy, tp, pp, ac_m
     base = p.replace(ac_mode="none", cpu_offload=False)
     if ac_mode != "none":  # checkpointing stores less than storing everything
         stage = pipeline.pipeline_of(p).stages[0][0]
-        assert analytic.stage_activation_bytes(p, stage)[0] < analytic.stage_activation_bytes(base, stage)[0]
+        assert activations.stage_activation_bytes(p, stage)[0] < activations.stage_activation_bytes(base, stage)[0]
     if cpu_offload:
         assert analytic.estimate_memory(p).peak < analytic.estimate_memory(base.replace(ac_mode=ac_mode)).peak
 
@@ -159,7 +159,7 @@ def test_sharding_strategies_order_memory_as_the_zero_stages_do():
 def test_tensor_parallel_divides_the_sharded_terms():
     a = _inputs(4, gpu="h100", tp=1)[1].model
     for d in (2, 4):
-        one, two = analytic.act_per_token_per_block(a, d, 1), analytic.act_per_token_per_block(a, d, 2)
+        one, two = activations.act_per_token_per_block(a, d, 1), activations.act_per_token_per_block(a, d, 2)
         assert two < one and _close(two, one / 2 + d * a.dim)  # only the gathered projection inputs stay whole
 
 
