@@ -87,6 +87,37 @@ def environment() -> dict:
     return env
 
 
+GPU_QUERY = ("clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw")
+
+
+def gpu_state() -> str | None:
+    """The GPU's SM clock, its maximum, temperature and power now (nvidia-smi; None without it): a
+    throttling GPU shows a clock below its maximum at a high temperature under load."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_gpu_state(out)
+
+
+def parse_gpu_state(csv_line: str) -> str | None:
+    """'1980 MHz, 1980 MHz, 86, 212.33 W' -> 'SM 1980 of 1980 MHz, 86 C, 212 W' (the first GPU's line)."""
+    fields = [f.strip() for f in csv_line.strip().splitlines()[0].split(",")] if csv_line.strip() else []
+    if len(fields) != len(GPU_QUERY):
+        return None
+    clock, top, temp, power = fields
+    try:
+        watts = f"{float(power.split()[0]):.0f} W"
+    except ValueError:
+        watts = power
+    return f"SM {clock.split()[0]} of {top.split()[0]} MHz, {temp} C, {watts}"
+
+
 # ----------------------------------------------------------------------------- training runs
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -44,7 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from budget import Budget  # noqa: E402
-from kit import REPO, TITLES, Context, PartResult, environment, log  # noqa: E402
+from kit import REPO, TITLES, Context, PartResult, environment, gpu_state, log  # noqa: E402
 
 PARTS = "abcdefgh"
 
@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {**environment(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"),
                "first_cuda_context_s": cuda_s,
                "start_up_s": round(budget.clock() - budget.start, 1)}  # to the first part: imports, CUDA
+        state = gpu_state()
+        if state is not None:  # the GPU's clock and temperature, here and after each part (throttling shows)
+            env["gpu_at_start"] = state
         env["commands"] = [command]
         env_path = os.path.join(ctx.out, "environment.json")
         if os.path.exists(env_path):
@@ -214,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(env, open(env_path, "w"), indent=1)
         for part in parts:
             results.append(run_part(ctx, part))
+            if state is not None:
+                env["gpu_at_end"] = f"{gpu_state()} (after part {part})"
+                json.dump(env, open(env_path, "w"), indent=1)
             write_summary(ctx.out, command)
             if args.pack:
                 pack(ctx.out, args.pack)
