@@ -91,7 +91,7 @@ def test_invalid_strategy_keys(argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
      r"selective_ac_option\] must be \"op\" or a positive integer"),
-    (["--compile.components", "model,optimizer"], r"\[compile.components\[1\]\] must be one of"),
+    (["--compile.components", "model,optimiser"], r"\[compile.components\[1\]\] must be one of"),
     (["--parallelism.data_parallel_strategy", "zero4"], r"must be one of 'zero3', 'zero2', 'zero1', 'ddp'"),
 ])
 def test_invalid_parallel_keys(argv, message):

@@ -37,7 +37,12 @@ class Compile:
     enable: bool = False
     """Compile with torch.compile (Inductor: C++ kernels on CPU, Triton on CUDA)."""
 
-    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    components: list[Literal["model", "loss", "optimizer"]] = field(
+        default_factory=lambda: ["model", "loss", "optimizer"])
     """What to compile: `model` compiles each transformer block separately (identical blocks share
-    one compiled graph) and the model's final norm (not under TP), `loss` compiles the cross-entropy.
-    The first step's compile time is logged, and a recompilation after step 2 is a warning."""
+    one compiled graph) and the model's final norm (not under TP), `loss` compiles the cross-entropy,
+    `optimizer` makes an AdamW or Adam step one compiled pass per parameter that also applies the
+    gradient clipping and writes the bf16/fp16 compute copy (where the job trains from one: a single
+    data-parallel rank, no tensor, pipeline or expert parallelism, offload or LoRA, and no float16 loss
+    scaling; elsewhere torch's kernel of optimizer.implementation runs). The first step's compile time
+    is logged, and a recompilation after step 2 is a warning."""

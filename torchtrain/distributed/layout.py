@@ -44,7 +44,9 @@ from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the L
     DPStrategy,
     Reshard,
     applies_fsdp,
+    compiles_optimizer_step,
     effective_reshard,
+    keeps_compute_grads,
     resolve_batch,
     resolve_optimizer_impl,
     resolve_param_dtype,
@@ -93,6 +95,9 @@ class Layout:
     """Where the optimizer state lives between steps ([offload].optimizer: none / cpu / nvme)."""
     offload_params: str = "none"
     """Where the sharded parameters live outside their use ([offload].params: none / cpu / nvme)."""
+    compile_optimizer: bool = False
+    """Compiling with "optimizer" in compile.components and an AdamW or Adam optimizer (applied where
+    `compiled_optimizer_step`)."""
     allow_compute_copy: bool = True
     """Whether a job whose FSDP would only cast may train from a compute copy instead (`compute_copy`).
     The trainer's step manages the copy; the Accelerate API, whose loop is the user's, keeps FSDP."""
@@ -121,6 +126,18 @@ class Layout:
         return self.allow_compute_copy and uses_compute_copy(
             self.param_dtype != torch.float32, self.gradient_ranks, dims.tp_enabled or dims.pp_enabled or dims.ep_enabled,
             self.cpu_offload or self.offload_optimizer != "none" or self.offload_params != "none", self.lora is not None)
+
+    @property
+    def compiled_optimizer_step(self) -> bool:
+        """The optimizer step is compiled with the clip and the compute copy's refresh
+        (`strategy.compiles_optimizer_step`); torch's optimizer kernel (`optimizer_impl`) otherwise."""
+        return compiles_optimizer_step(self.compile_optimizer, self.compute_copy, self.loss_scaling)
+
+    @property
+    def grads_in_compute_dtype(self) -> bool:
+        """The step's gradients stay bf16/fp16 on the compute copy for the compiled optimizer step to read
+        (`strategy.keeps_compute_grads`: one micro-batch a step); float32 on the parameters otherwise."""
+        return keeps_compute_grads(self.compiled_optimizer_step, self.batch.grad_accum_steps)
 
     @property
     def data_degree(self) -> int:
@@ -184,6 +201,8 @@ class Layout:
         if self.compute_copy:
             dtype = str(self.param_dtype).removeprefix("torch.")
             text += f", no FSDP wrapping ({dtype} compute copy of float32 parameters)"
+            if self.compiled_optimizer_step:
+                text += ", compiled optimizer step (clip, update and copy in one pass)"
         return text
 
 
@@ -307,6 +326,8 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
         compile_model=cfg.compile.enable and "model" in cfg.compile.components,
         compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,
+        compile_optimizer=cfg.compile.enable and "optimizer" in cfg.compile.components
+        and cfg.optimizer.name in ("AdamW", "Adam"),
         async_tp=par.enable_async_tensor_parallel, batch=batch,
         replica_groups=replicas, replica_id=cfg.fault.replica_id or 0,
     )

@@ -103,6 +103,21 @@ def uses_compute_copy(lower_precision: bool, gradient_ranks: int, split: bool, o
     return lower_precision and gradient_ranks == 1 and not (split or offloaded or lora)
 
 
+def compiles_optimizer_step(requested: bool, compute_copy: bool, loss_scaling: bool) -> bool:
+    """The optimizer's step is one compiled kernel per parameter that also applies the clip factor and
+    writes the compute copy (`components/optim/compiled_adamw.py`): where it is `requested` (compile on,
+    "optimizer" in compile.components, AdamW or Adam) and the job trains from a compute copy (its only
+    writer is then this step) without loss scaling (float16's unscale and overflow skip stay torch's)."""
+    return requested and compute_copy and not loss_scaling
+
+
+def keeps_compute_grads(compiled_optimizer_step: bool, micro_batches: int) -> bool:
+    """The gradients stay in the compute dtype on the compute copy (`distributed/compute_copy.py`
+    `keep_grads`): the compiled optimizer step upcasts them as it reads them, and with one micro-batch a
+    step nothing is summed in float32 first."""
+    return compiled_optimizer_step and micro_batches == 1
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How a step's global batch is laid out over data-parallel ranks and micro-batches."""

@@ -159,9 +159,20 @@ def _grad_group(p: torch.Tensor) -> object:
     return (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else "plain"
 
 
+def clip_factor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies the gradients by: min(1, max_norm / (norm + 1e-6)), as torch's
+    `clip_grads_with_norm_` computes it (1 without clipping, max_norm <= 0)."""
+    if max_norm <= 0:
+        return torch.ones((), device=total_norm.device)
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: set[int] | None = None) -> torch.Tensor:
-    """Clip to the global L2 norm over all gradients of the job, and return that norm.
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: set[int] | None = None,
+                    apply: bool = True) -> torch.Tensor:
+    """Clip to the global L2 norm over all gradients of the job, and return that norm (`apply` False:
+    only return it; the caller applies `clip_factor` itself). Low-precision gradients (kept in the compute
+    dtype: `distributed/compute_copy.py`) have their norms computed and summed in float32.
 
     norm = sqrt(sum over gradient groups of norm_g^2). Gradients are grouped by kind: plain tensors
     (identical on the ranks that hold them), and DTensors per (mesh, placements) (FSDP/TP shards,
@@ -188,7 +199,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
         counted = [p.grad for p in params if not norm_excluded or id(p) not in norm_excluded]
         if not counted:
             continue
-        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
+        if all(isinstance(g, torch.Tensor) and not isinstance(g, DTensor) and g.dtype != torch.float32
+               for g in counted):  # gradients in the compute dtype: each norm summed and kept in float32
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)))
+        else:
+            norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     if not norms:
         norms.append(torch.zeros((), device=next(iter(groups.values()))[0].grad.device))
@@ -197,7 +212,7 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
         total = total**2
         dist.all_reduce(total, group=pp_mesh.get_group())
         total = total.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and apply:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -34,6 +34,10 @@ class OperationsHooks(StepHooks):
         """debug.inject_nonfinite_loss_steps: NaN on the listed steps (each once)."""
         return float("nan") if self.guard.inject_nan(self.state.step) else None
 
+    def reads_gradients(self) -> bool:
+        """A "gradients" extension is registered, or a gradient is poisoned this step."""
+        return extensions.registered("gradients") or self.state.step == self.inject_grad_step
+
     def after_backward(self, model_parts: list[nn.Module]) -> None:
         """The "gradients" extension point (utils/extensions.py); then debug.inject_nonfinite_grad_step:
         poison one gradient with +inf (fault injection)."""

@@ -14,7 +14,8 @@ holding different tokens (data-parallel ranks, each sequence split over context-
             (data-parallel gradient sync only on the last micro-batch; under PP the schedule runs
             the micro-batches)
     unscale (float16) -> clip to the global gradient norm -> the hooks' verdict (skip?) ->
-    optimizer step (or skip) -> float8 scales (float8 all-gather with precomputed scales) ->
+    optimizer step (or skip; a compiled step applies the clip factor itself and writes the compute
+    copy: `components/optim/compiled_adamw.py`) -> float8 scales (float8 all-gather with precomputed scales) ->
     LR step -> zero grads
     reported loss = sum over ranks and micro-batches of the scaled losses / R = the global token mean
 
@@ -53,7 +54,7 @@ from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.tied_stages import TiedStages
-from torchtrain.distributed.utils import all_reduce, clip_grad_norm_, set_gradient_sync
+from torchtrain.distributed.utils import all_reduce, clip_factor, clip_grad_norm_, set_gradient_sync
 from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
@@ -71,6 +72,11 @@ class StepHooks:
     def loss_multiplier(self) -> float | None:
         """A factor applied to every micro-batch's loss before backward (fault injection), or None."""
         return None
+
+    def reads_gradients(self) -> bool:
+        """Whether `after_backward` reads the parameters' `.grad` this step (they are then put there even
+        where the compute copy holds the step's gradients: `ComputeCopy.grads_to_masters`)."""
+        return False
 
     def after_backward(self, model_parts: list[nn.Module]) -> None:
         """Gradients are complete and not yet unscaled or clipped."""
@@ -140,7 +146,12 @@ class TrainStep:
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.fsdp, device=device)
-        self.compute_copy = ComputeCopy(model_parts, layout.param_dtype) if layout.compute_copy else None
+        self.compute_copy = None
+        if layout.compute_copy:
+            self.compute_copy = ComputeCopy(model_parts, layout.param_dtype, kept=layout.compiled_optimizer_step,
+                                            keep_grads=layout.grads_in_compute_dtype)
+            if layout.compiled_optimizer_step:  # the optimizer's step writes the copy: kept between steps
+                optimizers.write_copies(self.compute_copy.by_master())
         self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, self.loss_fn) \
             if layout.pipeline else None
         self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
@@ -241,13 +252,17 @@ class TrainStep:
             self.extra_losses.begin_step(self.loss_fn.scale * self.scaler.factor)
         accumulated = self._forward_backward(batches)
         hooks.phase("optimizer")
+        copy = self.compute_copy
+        if copy is not None and copy.keep_grads and hooks.reads_gradients():
+            copy.grads_to_masters()
         hooks.after_backward(self.model_parts)
         self.scaler.unscale_(self.optimizers)
         if self.tied is not None:
             self.tied.sync_()
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params = copy.grad_holders() if copy is not None else [p for part in self.model_parts for p in part.parameters()]
+        in_step = self.layout.compiled_optimizer_step  # the compiled optimizer step applies the clip factor
         grad_norm = clip_grad_norm_(params, self.max_norm, dims.pp_mesh,
-                                    self.tied.norm_excluded() if self.tied is not None else None)
+                                    self.tied.norm_excluded() if self.tied is not None else None, apply=not in_step)
         lr = self.optimizers.lr
         if self.loss_fn.z_weight:  # the z-loss is logged on its own: `loss` stays the cross-entropy
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
@@ -264,11 +279,17 @@ class TrainStep:
             verdict = "replica_lost"
         else:
             verdict = hooks.verdict(global_loss, grad_norm)  # agreed by all ranks, before the step
+        if in_step and verdict is None:
+            self.optimizers.scale_next_step(clip_factor(grad_norm, self.max_norm))
         stepped = self.scaler.step(self.optimizers) if verdict is None else self.scaler.skip(self.optimizers)
+        if stepped and in_step:
+            copy.written(self.optimizers.written())
         if stepped and self.layout.float8 is not None and self.layout.float8.precompute_scale:
             precompute_scales(self.model_parts)  # float8 all-gather: next forward's scales, one all-reduce
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
+        if copy is not None and copy.keep_grads:
+            copy.release_grads()
         moe_stats = self.moe.end_step(stepped) if self.moe is not None else None
         extra = self.extra_losses.end_step() if self.extra_losses is not None else None
         hooks.phase(None)

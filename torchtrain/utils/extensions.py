@@ -36,6 +36,11 @@ def unregister(point: str, fn: Callable[..., Any]) -> None:
     _registered[point].remove(fn)
 
 
+def registered(point: str) -> bool:
+    """Whether any function is registered for `point`."""
+    return bool(_registered[point])
+
+
 def call(point: str, **info: Any) -> list[Any]:
     """Every registered function's result for this moment (an empty list when none is registered)."""
     return [fn(**info) for fn in _registered[point]]

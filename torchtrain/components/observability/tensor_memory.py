@@ -24,7 +24,8 @@ created as an anonymous op output is still labelled if it later turns out to be 
 * `params`          registered parameters (FSDP: this rank's shards) and buffers
 * `gathered_params` parameters an op received that are not registered ones: FSDP2's unsharded
                     copies, alive between all-gather and reshard
-* `grads`           `.grad` of registered parameters when the optimizer steps
+* `grads`           `.grad` of registered parameters when the optimizer steps (or of their compute
+                    copies, where those keep the step's gradients)
 * `optimizer`       optimizer state tensors (Adam's exp_avg, exp_avg_sq, step)
 * `activations`     everything else: saved activations, gradients of activations, all-gather and
                     reduce-scatter buffers, loss buffers, temporaries of the optimizer step
@@ -105,8 +106,9 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _label_optimizer(self, opt: torch.optim.Optimizer, grads: bool = False) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                if grads and p.grad is not None:
-                    self._track(p.grad, "grads", force_label=True)
+                grad = p.grad if p.grad is not None else getattr(getattr(opt, "copies", {}).get(id(p)), "grad", None)
+                if grads and grad is not None:  # (or the compute copy's, where it keeps the step's gradients)
+                    self._track(grad, "grads", force_label=True)
                 for value in opt.state.get(p, {}).values():
                     if isinstance(value, torch.Tensor):
                         self._track(value, "optimizer", force_label=True)

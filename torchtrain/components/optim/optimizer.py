@@ -14,6 +14,11 @@ ZeRO-1 (the layout's `zero1`): parameters and gradients stay replicated, but eac
 keeps Adam state for, and updates, only its 1/dp share of the parameters, then broadcasts the
 updated share (ZeroRedundancyOptimizer): optimizer memory 8 P -> 8 P / dp.
 
+Where the Layout compiles the optimizer step (`Layout.compiled_optimizer_step`), AdamW and Adam are
+`components/optim/compiled_adamw.py`'s subclasses: the same state, one compiled pass per parameter that
+also applies the clip factor the train step hands over (`scale_next_step`) and writes the compute copy
+(`write_copies`).
+
 Under [offload] the container's `streamed` optimizers (`components/offload/optimizer.py`) step each
 optimizer bucket by bucket over offloaded state, and put the whole state back around checkpoints.
 """
@@ -29,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from torchtrain.components.optim.compiled_adamw import CompiledAdam, CompiledAdamW
 from torchtrain.components.optim.muon import Muon
 from torchtrain.config.training import Optimizer as OptimizerConfig
 from torchtrain.models.heads import output_heads
@@ -61,18 +67,22 @@ def _param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> 
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, impl: str,
-                    zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
+                    zero1_group: "dist.ProcessGroup | None" = None, compiled: bool = False) -> torch.optim.Optimizer:
     """`impl`: the resolved kernel ("fused", "foreach" or "for-loop"; see `layout.resolve_optimizer_impl`),
-    for AdamW and Adam (Muon has one implementation)."""
+    for AdamW and Adam (Muon has one implementation); `compiled`: AdamW / Adam with the compiled step
+    (`compiled_adamw.py`), whose state is laid out as the fused kernel's."""
     groups = _param_groups(model, cfg.weight_decay, muon=cfg.name == "Muon")
     if cfg.name == "Muon":
         cls = Muon
         kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.muon_momentum,
                       nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps)
     else:
-        cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        if compiled:
+            cls = CompiledAdamW if cfg.name == "AdamW" else CompiledAdam
+        else:
+            cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
         kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                      foreach=impl == "foreach", fused=impl == "fused")
+                      foreach=impl == "foreach" and not compiled, fused=impl == "fused" or compiled)
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -84,9 +94,9 @@ class OptimizersContainer:
     """One optimizer per model part, stepped together. `zero1_group`: shard the state over it."""
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig, impl: str,
-                 zero1_group: "dist.ProcessGroup | None" = None):
+                 zero1_group: "dist.ProcessGroup | None" = None, compiled: bool = False):
         self.model_parts = model_parts
-        self.optimizers = [build_optimizer(part, cfg, impl, zero1_group) for part in model_parts]
+        self.optimizers = [build_optimizer(part, cfg, impl, zero1_group, compiled) for part in model_parts]
         self.streamed: list | None = None
         """The optimizers' offloaded steps, one per optimizer ([offload]; set by `OffloadRuntime`)."""
 
@@ -94,7 +104,7 @@ class OptimizersContainer:
     def for_layout(cls, model_parts: list[nn.Module], cfg: OptimizerConfig, layout: "Layout") -> "OptimizersContainer":
         """The optimizers the layout asks for: its kernel, and ZeRO-1 sharding over the dp ranks."""
         group = layout.dims.dp_mesh.get_group() if layout.zero1 else None
-        return cls(model_parts, cfg, layout.optimizer_impl, zero1_group=group)
+        return cls(model_parts, cfg, layout.optimizer_impl, zero1_group=group, compiled=layout.compiled_optimizer_step)
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)
@@ -102,6 +112,25 @@ class OptimizersContainer:
     def step(self) -> None:
         for opt in self.streamed or self.optimizers:
             opt.step()
+
+    @property
+    def compiled(self) -> list[CompiledAdamW | CompiledAdam]:
+        """The optimizers whose step is compiled (`compiled_adamw.py`): all or none."""
+        return [opt for opt in self.optimizers if isinstance(opt, (CompiledAdamW, CompiledAdam))]
+
+    def scale_next_step(self, factor: torch.Tensor) -> None:
+        """The compiled step multiplies every gradient by `factor` (the clip factor) as it reads it."""
+        for opt in self.compiled:
+            opt.grad_scale = factor
+
+    def write_copies(self, copies: dict[int, torch.Tensor]) -> None:
+        """The compiled step writes each parameter's new value into `copies[id(parameter)]`."""
+        for opt in self.compiled:
+            opt.copies = copies
+
+    def written(self) -> list[torch.Tensor]:
+        """The parameters whose copy the last compiled step wrote."""
+        return [p for opt in self.compiled for p in opt.written]
 
     def _resident(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

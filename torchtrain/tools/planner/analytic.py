@@ -16,7 +16,8 @@ bf16 casts in FSDP2's mixed-precision policy):
 
 One data-parallel rank computing in bf16/fp16 has no FSDP (the Layout's `compute_copy`): 4 + 8 bytes as
 above, float32 gradients (4) from their first arrival to the step, and the compute copy of every
-weight (d) from the first forward to the last backward, in the "gathered params" row.
+weight (d) from the first forward to the last backward, in the "gathered params" row -- and through
+the optimizer step when the compiled step writes it (`Layout.compiled_optimizer_step`).
 
 plus 4 bytes per parameter tensor for Adam's step counter. With LoRA ([lora]) the gradients, the
 optimizer state, its step counters and the accumulators count the adapters only (r x (in + out) per
@@ -144,7 +145,9 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     emb_extra = emb_full - math.ceil(a.vocab_size / p.tp) * a.dim if emb_full else 0
 
     params = 4 * (sharded if fsdp else full_numel)
-    grads = 4 * (train_sharded if fsdp else train_numel + emb_extra)
+    g_bytes = d if p.grads_in_compute_dtype else 4  # (kept in the compute dtype for the compiled step)
+    grads = g_bytes * (train_sharded if fsdp else train_numel + emb_extra)
+    g_row = f"gradients ({'fp32' if g_bytes == 4 else 'compute dtype, on the compute copy'})"
     state_bytes, state_name = 8.0, "Adam m, v"
     if p.optimizer == "Muon":  # one momentum buffer (4 B) per hidden matrix; Adam's m, v for the rest
         matrices = numel([s for name, shapes in trainable if name.startswith(("block", "experts")) for s in shapes
@@ -219,18 +222,21 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     rows_bwd.append(Row(f"gathered params: {how}", gathered, "d x unsharded unit params"))
 
     opt_temp = 4 * (train_sharded if opt_sharded else train_numel) if p.optimizer_impl == "foreach" else 0.0
-    if p.cpu_offload:
+    if p.cpu_offload or p.compiled_optimizer_step:
         opt_temp = 0.0
-    rows_opt = list(rows_state) + [Row("gradients (fp32)", grads, f"4 B x {trained} (/ N when sharded)"),
+    rows_opt = list(rows_state) + [Row(g_row, grads, f"{g_bytes} B x {trained} (/ N when sharded)"),
                                    Row(f"optimizer step temporaries ({p.optimizer_impl})", opt_temp,
                                        f"4 B x {trained} / N (foreach sqrt buffer)")]
+    if p.compiled_optimizer_step:  # the step writes the copy: it stays allocated through the step
+        rows_opt.append(Row("the compute copy (written by the compiled optimizer step)", d * full_numel,
+                            "d x params"))
     phases = [("start of backward", rows_bwd), ("optimizer step", rows_opt)]
     if recompute:
         # With AC little is stored, so gradients may outgrow it: the last block's backward holds every
         # gradient, the recomputed block and the gathered units (and the in-flight micro-batches).
         # (Accumulating micro-batches, the gradients are the accumulator until the last one is reduced.)
         grad_rows = [accum_row] if accum_row is not None else [
-            Row("gradients (fp32)", grads, f"4 B x {trained} (/ N when sharded)")]
+            Row(g_row, grads, f"{g_bytes} B x {trained} (/ N when sharded)")]
         rows_end = list(rows_state) + grad_rows + [
             Row("recomputed block (AC, during its backward)", recompute, "A x t"),
             Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]

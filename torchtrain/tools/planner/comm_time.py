@@ -327,9 +327,14 @@ def data_parallel(p: PlanInputs, dev: GPUSpec, units: list[tuple[str, list[tuple
     elif p.fsdp_wraps and not p.cpu_offload:  # FSDP2 on one rank (it casts): its copies, no collective
         for name, unit in units:
             out.copy_bytes += shapes.numel(unit) * (3 * d + 4) + grads(name, unit) * 3 * r
-    elif p.compute_copy:  # the compute copy refreshed (read 4, write d), each gradient added into float32
+    elif p.compute_copy:  # a micro-batch's share of: the compute copy refreshed once a step (read 4, write d)
+        # unless the compiled optimizer step writes it; each gradient upcast (read d, write 4), from the
+        # second micro-batch on added into float32 (read d, read and write 4), unless kept in the compute dtype
+        m = p.grad_accum_steps
+        refresh = 0 if p.compiled_optimizer_step else (4 + d) / m
+        upcast = 0 if p.grads_in_compute_dtype else d + 4 + 4 * (m - 1) / m
         for name, unit in units:
-            out.copy_bytes += shapes.numel(unit) * (4 + d) + grads(name, unit) * (d + 8)
+            out.copy_bytes += shapes.numel(unit) * refresh + grads(name, unit) * upcast
     elif p.dp > 1:
         ln = link(dev, p.dp * p.tp)
         out.reduces = [2 * ring(p.dp, grads(name, unit) * r, ln) for name, unit in units]

@@ -8,6 +8,8 @@ the job eagerly, and this module supplies what differs:
   every block, and without tensor parallelism the modules the model names in `compile_also`): the
   operator counter charges their insides as graph launches, not as dispatched operators
   (`host_time.py`);
+* **the compiled optimizer step** (`components/optim/compiled_adamw.py`): one graph launch per parameter,
+  whose element-wise work keeps no temporaries (`compiled_adamw_update`);
 * **the compiled cross-entropy's memory** (`FusedCrossEntropySum`; `loss_saved_bytes` and
   `loss_backward_bytes` for the analytic rows): eagerly, the loss upcasts the
   logits to float32, saves the float32 log-softmax (4 V bytes a token) and starts its backward with two
@@ -107,3 +109,14 @@ def fused_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
 def _slices(n: int) -> list[slice]:
     size = max(1, -(-n // CHUNKS))
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def compiled_adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor | None,
+                          *_scalars) -> None:
+    """Stand-in for the compiled optimizer update (`compiled_adamw.adamw_update`): the same tensors
+    written in place, no temporaries (Inductor's one pass keeps every intermediate in registers)."""
+    m.add_(g)
+    v.add_(g)
+    p.add_(m)
+    if copy is not None:
+        copy.copy_(p)

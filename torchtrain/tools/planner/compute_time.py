@@ -292,6 +292,11 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
 def optimizer_seconds(p: PlanInputs, dev: GPUSpec, local_params: float) -> float:
     """The optimizer step over this rank's parameters: AdamW reads param, grad, m, v and writes
     param, m, v (28 bytes per fp32 parameter; the foreach kernels make about twice the passes), plus
-    the gradient-norm pass and the clipping scale (12 bytes)."""
+    the gradient-norm pass and the clipping scale (12 bytes). The compiled step applies the clip as it
+    reads the gradient and also writes the compute copy (d bytes; its refresh pass is then gone):
+    28 + d, plus the norm's read (4); with the gradients kept in the compute dtype both read d instead of 4."""
+    if p.compiled_optimizer_step:
+        g = p.param_bytes if p.grads_in_compute_dtype else 4
+        return memory_seconds(dev, (24 + g + p.param_bytes + g) * local_params)
     per_param = 28 if p.optimizer_impl == "fused" else 56
     return memory_seconds(dev, (per_param + 12) * local_params)

@@ -247,8 +247,20 @@ class OpCounter(TorchDispatchMode):
             h.remove()
         self._hooks = []
 
-    def compiled(self, fn):
-        """`fn` (a compiled function, such as the loss) counted as a compiled region."""
+    def compiled(self, fn, backward: bool = True):
+        """`fn` (a compiled function, such as the loss) counted as a compiled region; `backward` False:
+        a graph with no backward (the optimizer's update), whose call counts as one operator of its phase
+        (it is not scaled with the micro-batches)."""
+        if not backward:
+            def launch(*args):
+                self._count("kernel", False)
+                self._depth += 1  # its insides run as one graph
+                try:
+                    return fn(*args)
+                finally:
+                    self._depth -= 1
+            return launch
+
         def call(*args):
             self.enter_region(args)
             out = fn(*args)

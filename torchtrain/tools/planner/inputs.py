@@ -20,7 +20,16 @@ from typing import Any
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.layout import DTYPES, DPStrategy, Layout, applies_fsdp, effective_reshard, uses_compute_copy
+from torchtrain.distributed.layout import (
+    DTYPES,
+    DPStrategy,
+    Layout,
+    applies_fsdp,
+    compiles_optimizer_step,
+    effective_reshard,
+    keeps_compute_grads,
+    uses_compute_copy,
+)
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
@@ -258,6 +267,31 @@ class PlanInputs:
                                  self.lora is not None)
 
     @property
+    def compiled_optimizer_step(self) -> bool:
+        """The optimizer step is compiled with the clip and the compute copy's write
+        (`components/optim/compiled_adamw.py`): the Layout's decision (a what-if copy without one: its
+        rule, `strategy.compiles_optimizer_step`, with compile.components at its default)."""
+        if self.layout is not None:
+            return self.layout.compiled_optimizer_step
+        return compiles_optimizer_step(self.compile_optimizer, self.compute_copy, self.param_dtype == "float16")
+
+    @property
+    def compile_optimizer(self) -> bool:
+        """The job asks for the compiled optimizer step (`Layout.compile_optimizer`; a what-if copy without a
+        Layout: compiling an AdamW or Adam job, compile.components at its default)."""
+        if self.layout is not None:
+            return self.layout.compile_optimizer
+        return self.compile and self.optimizer in ("AdamW", "Adam")
+
+    @property
+    def grads_in_compute_dtype(self) -> bool:
+        """The gradients stay in the compute dtype for the compiled optimizer step (the Layout's decision, or
+        its rule, `strategy.keeps_compute_grads`)."""
+        if self.layout is not None:
+            return self.layout.grads_in_compute_dtype
+        return keeps_compute_grads(self.compiled_optimizer_step, self.grad_accum_steps)
+
+    @property
     def fsdp_wraps(self) -> bool:
         """Whether FSDP2 wraps the model (gathers, or only casts on one rank): the Layout's decision (a
         what-if copy without one: the same rule, `applies_fsdp`, unless a compute copy replaces it)."""
@@ -310,7 +344,7 @@ class PlanInputs:
         if self.cpu_offload:
             text += ", CPU offload"
         if self.compute_copy:
-            text += ", compute copy (no FSDP)"
+            text += ", compute copy (no FSDP)" + (", compiled optimizer step" if self.compiled_optimizer_step else "")
         if self.offload_optimizer != "none" or self.offload_params == "nvme":
             text += f", offload optimizer {self.offload_optimizer} params {self.offload_params}"
         return text

@@ -54,7 +54,12 @@ from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.simulation.fake_world import fake_backend_available, fake_world
 from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
 from torchtrain.simulation.stage_step import StagePipeline
-from torchtrain.tools.planner.compiled import compiled_modules, compiles_loss, fused_cross_entropy_sum
+from torchtrain.tools.planner.compiled import (
+    compiled_adamw_update,
+    compiled_modules,
+    compiles_loss,
+    fused_cross_entropy_sum,
+)
 from torchtrain.tools.planner.host_time import OpCounter, OpCounts
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage, pipeline_of
@@ -192,7 +197,8 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
     dims = ParallelDims(dp_replicate=rep, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world_size=world,
                         loss_parallel_requested=layout.dims.loss_parallel_requested, cp=p.cp, ep=p.ep)
     allow = p.layout.allow_compute_copy if p.layout is not None else layout.allow_compute_copy
-    return dataclasses.replace(layout, dims=dims, allow_compute_copy=allow)  # the planned Layout's choice
+    # the planned Layout's choices (the traced job runs eagerly: its optimizer step as compiled, compiled.py)
+    return dataclasses.replace(layout, dims=dims, allow_compute_copy=allow, compile_optimizer=p.compile_optimizer)
 
 
 def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list[nn.Module],
@@ -226,6 +232,8 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
     step.scaler.reads_back = False  # float16 loss scaling: no scale nor found-inf flag read back (fake values)
     if compiles_loss(p):  # the compiled cross-entropy's memory, counted as a compiled graph (compiled.py)
         step.loss_fn.ce_sum = counter.compiled(fused_cross_entropy_sum)
+    for opt in optimizers.compiled:  # the compiled optimizer update: the same, one graph per parameter
+        opt.kernel = counter.compiled(compiled_adamw_update, backward=False)
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def end_of_backward(*_):
