@@ -46,6 +46,18 @@ def measure(impl: str, params_m: int, steps: int, seed: int = 0) -> tuple[float,
     return statistics.median(times), [p.detach() for p in params]
 
 
+def rate_row(n_params: int, seconds: float, max_diff: float, **labels) -> dict:
+    """A table row: seconds a step, parameters a second, a 1.5B-parameter model's step at that rate."""
+    return dict(**labels, step_s=seconds, mparams_per_s=n_params / seconds / 1e6, step_s_at_1_5b=1.5e9 * seconds / n_params,
+                max_diff=max_diff)
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params-m", type=int, default=100, help="million parameters stepped")
@@ -65,14 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             n = sum(p.numel() for p in params)
             reference = params if reference is None else reference
             diff = max((a - b).abs().max().item() for a, b in zip(params, reference))
-            row = dict(threads=threads, implementation=impl, step_s=seconds, mparams_per_s=n / seconds / 1e6,
-                       step_s_at_1_5b=1.5e9 / (n / seconds), max_diff=diff)
+            row = rate_row(n, seconds, diff, threads=threads, implementation=impl)
             rows.append(row)
             print(f"| {threads} | {impl} | {seconds:.3f} | {row['mparams_per_s']:,.0f} | {row['step_s_at_1_5b']:.2f} | "
                   f"{diff:.1e} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

@@ -22,22 +22,22 @@ corrections).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from optimizer_cpu import rate_row, write_rows
 
 from torchtrain.components.optim.compiled_adamw import CompiledAdamW
 from torchtrain.distributed.utils import clip_factor
 
 
 def _tensors(params_m: int, device: str, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # (made on the device: 1.5B values take the CPU seconds)
     n = max(1, round(params_m * 1e6 / (4096**2 + 4096)))
     shapes = [s for _ in range(n) for s in ((4096, 4096), (4096,))]
-    params = [torch.randn(s, generator=gen).to(device) for s in shapes]
-    grads = [(torch.randn(s, generator=gen) * 1e-3).to(device, torch.bfloat16) for s in shapes]
+    params = [torch.randn(s, generator=gen, device=device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen, device=device) * 1e-3).to(torch.bfloat16) for s in shapes]
     return params, grads
 
 
@@ -106,13 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(p.numel() for p in params)
         reference = params if reference is None else reference
         diff = max((a - b).abs().max().item() for a, b in zip(params, reference))
-        row = dict(path=name, device=args.device, step_s=seconds, mparams_per_s=n / seconds / 1e6,
-                   step_s_at_1_5b=1.5e9 * seconds / n, max_diff=diff)
+        row = rate_row(n, seconds, diff, path=name, device=args.device)
         rows.append(row)
         print(f"| {name} | {seconds:.4f} | {row['mparams_per_s']:,.0f} | {row['step_s_at_1_5b']:.4f} | {diff:.1e} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

@@ -10,12 +10,10 @@ compute copy is rounded from the same float32 value, so it equals the cast of th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import TINY_JOB
-from test_compute_copy import train
+from test_compute_copy import assert_close_steps, resume, train
 from torch import nn
 
 from torchtrain.components.optim.compiled_adamw import CompiledAdam, CompiledAdamW, adamw_update
@@ -31,15 +29,23 @@ def _params(seed: int = 0) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_step_is_torchs_with_the_clip_factor_and_writes_the_copy(name, compiled):
+    """Two sets of betas one after the other in this process: a kernel that baked them into its graph
+    was served the other set's graph by Inductor's caches. The copies are parameters, as the compute
+    copy's are."""
+    for beta2 in (0.95, 0.999):
+        _step_as_torch(name, compiled, (0.9, beta2))
+
+
+def _step_as_torch(name: str, compiled: bool, betas: tuple[float, float]) -> None:
     ours, ref = _params(), _params()
     ours = [nn.Parameter(p) for p in ours]
     ref = [nn.Parameter(p) for p in ref]
-    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    kwargs = dict(lr=1e-2, betas=betas, eps=1e-8, weight_decay=0.1)
     opt = (CompiledAdamW if name == "AdamW" else CompiledAdam)([{"params": ours}], fused=True, **kwargs)
     torch_opt = (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam)([{"params": ref}], foreach=True, **kwargs)
     if not compiled:
         opt.kernel = adamw_update
-    copies = {id(p): torch.empty_like(p, dtype=torch.bfloat16) for p in ours}
+    copies = {id(p): nn.Parameter(torch.empty_like(p, dtype=torch.bfloat16)) for p in ours}
     opt.copies = copies
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -53,14 +59,14 @@ def test_the_step_is_torchs_with_the_clip_factor_and_writes_the_copy(name, compi
         torch_opt.step()
         assert opt.grad_scale is None  # a factor applies to one step only
         assert opt.written == ours
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    for p, q in zip(ours, ref):  # (bias corrections in float32 here, in float64 in torch's: ~1e-7 apart)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert torch.equal(copies[id(p)], p.detach().to(torch.bfloat16))
     # torch's own state, as its fused kernel keeps it: interchangeable checkpoints
     state = opt.state[ours[0]]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].dtype == torch.float32
     assert state["step"].item() == 4
-    torch.testing.assert_close(state["exp_avg_sq"], torch_opt.state[ref[0]]["exp_avg_sq"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(state["exp_avg_sq"], torch_opt.state[ref[0]]["exp_avg_sq"], rtol=1e-5, atol=0)
 
 
 def test_the_kept_copy_is_cast_again_only_where_its_master_changed():
@@ -132,12 +138,6 @@ JOB = TINY_JOB + ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--
                   "--training.max_norm", "0.5"]
 
 
-def _assert_close(a: list[dict], b: list[dict], rtol: float) -> None:
-    for key in ("loss", "grad_norm"):
-        for x, y in zip(a, b, strict=True):
-            assert abs(x[key] - y[key]) <= rtol * abs(y[key]), (key, [r[key] for r in a], [r[key] for r in b])
-
-
 def test_a_compiled_bf16_run_trains_as_with_torchs_optimizer_and_resumes_bitwise(tmp_path, monkeypatch):
     """The same job with and without "optimizer" in compile.components: losses and gradient norms within
     1e-3 relative (the update differs by float32 rounding, and a parameter that lands on another side of
@@ -150,13 +150,9 @@ def test_a_compiled_bf16_run_trains_as_with_torchs_optimizer_and_resumes_bitwise
     assert layout.compiled_optimizer_step and layout.grads_in_compute_dtype
     plain, plain_layout = train(tmp_path / "plain", JOB + ["--compile.components", "model,loss"], monkeypatch)
     assert not plain_layout.compiled_optimizer_step
-    _assert_close(fused, plain, 1e-3)
+    assert_close_steps(fused, plain, 1e-3)
     assert fused[0]["grad_norm"] > 0.5  # the clip applies
-    resumed_folder = tmp_path / "resumed"
-    resumed_folder.mkdir()
-    os.symlink(tmp_path / "fused" / "checkpoint", resumed_folder / "checkpoint")
-    resumed, _ = train(resumed_folder, JOB + ["--checkpoint.enable", "true", "--checkpoint.interval", "100",
-                                              "--checkpoint.load_step", "2"], monkeypatch)
+    resumed, _ = resume(tmp_path / "resumed", tmp_path / "fused", JOB, monkeypatch)
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(resumed, fused[2:], strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
@@ -170,7 +166,7 @@ def test_accumulating_micro_batches_sum_float32_gradients_and_injection_reaches_
     fused, layout = train(tmp_path / "fused", two, monkeypatch)
     assert layout.compiled_optimizer_step and not layout.grads_in_compute_dtype
     plain, _ = train(tmp_path / "plain", two + ["--compile.components", "model,loss"], monkeypatch)
-    _assert_close(fused, plain, 1e-3)
+    assert_close_steps(fused, plain, 1e-3)
     poisoned, _ = train(tmp_path / "poisoned", JOB + ["--training.steps", "2", "--debug.inject_nonfinite_grad_step",
                                                       "2"], monkeypatch)
     assert poisoned[0]["grad_norm"] < float("inf") and poisoned[1]["grad_norm"] == float("inf")

@@ -51,6 +51,14 @@ def train(folder, argv: list[str], monkeypatch) -> "tuple[list[dict], object]":
     return read_metrics(str(folder)), trainer.layout
 
 
+def resume(folder, saved, argv: list[str], monkeypatch, step: int = 2) -> "tuple[list[dict], object]":
+    """Train in `folder` from `saved`'s checkpoint of `step` (linked, not copied)."""
+    folder.mkdir()
+    os.symlink(saved / "checkpoint", folder / "checkpoint")
+    return train(folder, argv + ["--checkpoint.enable", "true", "--checkpoint.interval", "100",
+                                 "--checkpoint.load_step", str(step)], monkeypatch)
+
+
 def without_compute_copy(monkeypatch) -> None:
     """Today's FSDP layout for the same job: FSDP2 on a one-rank mesh does the casting."""
     monkeypatch.setattr(Layout, "compute_copy", property(lambda self: False))
@@ -75,11 +83,7 @@ def test_one_rank_bf16_trains_without_fsdp_as_fsdp_does(tmp_path, monkeypatch):
         assert fsdp_layout.fsdp
         assert_close_steps(copy, fsdp, rtol=0)
         # the compute copy's checkpoint resumes under FSDP: same names, float32 weights and optimizer state
-        resumed_folder = tmp_path / "resumed"
-        resumed_folder.mkdir()
-        os.symlink(tmp_path / "copy" / "checkpoint", resumed_folder / "checkpoint")
-        resumed, _ = train(resumed_folder, bf16 + ["--checkpoint.enable", "true", "--checkpoint.interval", "100",
-                                                  "--checkpoint.load_step", "2"], m)
+        resumed, _ = resume(tmp_path / "resumed", tmp_path / "copy", bf16, m)
     assert [r["step"] for r in resumed] == [3, 4]
     assert_close_steps(resumed, fsdp[2:], rtol=0)
 

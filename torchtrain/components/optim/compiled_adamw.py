@@ -20,13 +20,15 @@ Here the three are one element-wise pass, compiled by Inductor (Triton on CUDA, 
 reading p g m v and writing p m v p16: 30 bytes a parameter instead of 42 -- at memory bandwidth, the
 step's optimizer time falls by that ratio. The arithmetic is torch's AdamW's (`torch.optim.AdamW`,
 decoupled weight decay, no amsgrad), evaluated in float32 from the step count on the device (as its
-fused kernel does), so it differs from the eager optimizer only by float32 rounding.
+fused kernel does; the bias corrections for all parameters in a few launches before the pass), so it differs from the eager optimizer only by float32 rounding.
 
-One graph serves every parameter: tensors are passed flattened with a dynamic length, and the learning
-rate, weight decay, clip factor and step count are 0-d tensors, so a changing learning rate never
-recompiles. The optimizer's state is torch's (`step`, `exp_avg`, `exp_avg_sq` per parameter, `step` a
-float32 tensor on the parameter's device, as for the fused kernel), so checkpoints are interchangeable
-with runs using torch's optimizers.
+One graph serves every parameter: tensors are passed flattened with a dynamic length, and every
+hyperparameter, the clip factor and the step count are 0-d tensors, so a changing learning rate never
+recompiles -- and no value is baked into the graph (with the betas as Python float constants, a run
+was served a graph compiled for other betas from Inductor's on-disk caches, seen with torch 2.11 and
+2.13: tests/test_compiled_optimizer.py steps two sets of betas in one process). The optimizer's state is
+torch's (`step`, `exp_avg`, `exp_avg_sq` per parameter, `step` a float32 tensor on the parameter's
+device, as for the fused kernel), so checkpoints are interchangeable with runs using torch's optimizers.
 
 The Layout decides where this applies (`Layout.compiled_optimizer_step`); the train step hands over
 the clip factor (`grad_scale`) and the compute copy to refresh (`copies`). With one micro-batch a step the
@@ -44,22 +46,40 @@ Kernel = Callable[..., None]
 
 
 def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor | None,
-                 step: torch.Tensor, lr: torch.Tensor, weight_decay: torch.Tensor, scale: torch.Tensor,
-                 beta1: float, beta2: float, eps: float, decoupled: bool) -> None:
+                 bias1: torch.Tensor, bias2_sqrt: torch.Tensor, lr: torch.Tensor, weight_decay: torch.Tensor,
+                 scale: torch.Tensor, betas: torch.Tensor, decoupled: bool) -> None:
     """One parameter's update (the module doc's formulas), in place; `copy`, when given, receives p's new
-    value in its dtype. `step` is the step count after this step."""
+    value in its dtype. `bias1` = 1 - b1^t and `bias2_sqrt` = sqrt(1 - b2^t) at this step's count t
+    (`bias_corrections`); `betas` holds b1, 1 - b1, b2, 1 - b2 and eps (`constants`); every
+    hyperparameter is a tensor."""
+    _, one_minus_beta1, beta2, one_minus_beta2, eps = betas.unbind()
     g = g.float() * scale
     if decoupled:
         p.mul_(1 - lr * weight_decay)
     else:
         g = g + weight_decay * p
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias1 = 1 - torch.pow(beta1, step)
-    bias2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    m.lerp_(g, one_minus_beta1)
+    v.mul_(beta2).add_(one_minus_beta2 * g * g)
     p.sub_((lr / bias1) * (m / (v.sqrt() / bias2_sqrt + eps)))
     if copy is not None:
         copy.copy_(p)
+
+
+def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> tuple[list, list]:
+    """1 - b1^t and sqrt(1 - b2^t) for each step count t (0-d tensors): a few launches for all parameters,
+    outside the element-wise pass."""
+    bias1, bias2 = torch._foreach_pow(beta1, steps), torch._foreach_pow(beta2, steps)
+    for values in (bias1, bias2):
+        torch._foreach_neg_(values)
+        torch._foreach_add_(values, 1.0)
+    torch._foreach_sqrt_(bias2)
+    return bias1, bias2
+
+
+def constants(beta1: float, beta2: float, eps: float, device: torch.device) -> torch.Tensor:
+    """`adamw_update`'s `betas`: the complements computed in float64, then rounded (as torch's optimizers
+    take them: 1 - 0.999 in float32 arithmetic would be 1.3e-5 off)."""
+    return torch.tensor([beta1, 1 - beta1, beta2, 1 - beta2, eps], dtype=torch.float32, device=device)
 
 
 _compiled: Kernel | None = None
@@ -67,6 +87,7 @@ _compiled: Kernel | None = None
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor as one dimension (every parameter then shares the graph); others as they are."""
+    t = t.detach()
     return t.view(-1) if t.is_contiguous() else t
 
 
@@ -93,6 +114,7 @@ class _CompiledStep:
         """The per-parameter update; None: `compiled_update()`. The planner's trace sets a stand-in."""
         self.written: list[torch.Tensor] = []
         """The parameters whose copy the last step wrote (the compute copy marks them fresh)."""
+        self._constants: dict[tuple, torch.Tensor] = {}
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """p's gradient: its `.grad`, or, where the compute copy keeps the gradients in its dtype
@@ -127,22 +149,25 @@ class _CompiledStep:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("the compiled AdamW step has no amsgrad or maximize")
             device = params[0].device
-            lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
-            wd = torch.full((), float(group["weight_decay"]), dtype=torch.float32, device=device)
+            lr, wd = (torch.full((), float(x), dtype=torch.float32, device=device)
+                      for x in (group["lr"], group["weight_decay"]))
+            key = (*(float(b) for b in group["betas"]), float(group["eps"]), device)
+            if key not in self._constants:  # (made once: a host-to-device copy)
+                self._constants[key] = constants(*key)
             scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
-            beta1, beta2 = (float(b) for b in group["betas"])
             states = [self._state(p) for p in params]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1.0)
-            for p, state in zip(params, states):
+            bias1, bias2_sqrt = bias_corrections(steps, key[0], key[1])
+            for p, state, b1, b2 in zip(params, states, bias1, bias2_sqrt):
                 copy, update = self.copies.get(id(p)), kernel
                 if copy is not None and copy.untyped_storage().nbytes() == 0:
                     # not allocated before the first forward (the state's set-up step when a checkpoint
                     # loads): eagerly, without the copy, which is cast afresh when first used
                     copy, update = None, adamw_update
                 update(_flat(p), _flat(self._grad(p)), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-                       _flat(copy) if copy is not None else None, state["step"], lr, wd, scale,
-                       beta1, beta2, float(group["eps"]), self._decoupled)
+                       _flat(copy) if copy is not None else None, b1, b2, lr, wd, scale, self._constants[key],
+                       self._decoupled)
                 if copy is not None:
                     self.written.append(p)
         self.grad_scale = None
