@@ -69,6 +69,26 @@ def _step_as_torch(name: str, compiled: bool, betas: tuple[float, float]) -> Non
     torch.testing.assert_close(state["exp_avg_sq"], torch_opt.state[ref[0]]["exp_avg_sq"], rtol=1e-5, atol=0)
 
 
+def test_a_failing_compile_names_the_key_that_turns_the_step_off():
+    from torch._dynamo.exc import TorchDynamoException  # (what Dynamo's and Inductor's failures derive from)
+
+    from torchtrain.config.fields import ConfigError
+
+    def broken(*_):
+        raise TorchDynamoException("triton: no kernel for this device")
+
+    p = nn.Parameter(torch.randn(4))
+    p.grad = torch.randn(4)
+    opt = CompiledAdamW([p], lr=1e-3)
+    opt.kernel = broken
+    with pytest.raises(ConfigError, match=r"\[compile.components\] compiling the optimizer step failed .*"
+                                          r"compile.components = \["):
+        opt.step()
+    opt.kernel = lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory"))
+    with pytest.raises(torch.OutOfMemoryError):  # anything else is not blamed on the compiler
+        opt.step()
+
+
 def test_the_kept_copy_is_cast_again_only_where_its_master_changed():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     copy = ComputeCopy([model], torch.bfloat16, kept=True)

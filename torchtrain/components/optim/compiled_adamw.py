@@ -99,6 +99,20 @@ def compiled_update() -> Kernel:
     return _compiled
 
 
+def _raise_if_compile_error(e: Exception) -> None:
+    """A failure of torch.compile itself (Dynamo or Inductor: no compiler, a Triton error) ends the run with
+    one line naming the key that turns the compiled step off."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    if isinstance(e, TorchDynamoException):
+        from torchtrain.config.fields import ConfigError
+
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"[compile.components] compiling the optimizer step failed ({type(e).__name__}: "
+                          f"{reason}); set compile.components = [\"model\", \"loss\"] to step with torch's "
+                          f"optimizer kernel") from e
+
+
 class _CompiledStep:
     """The step shared by `CompiledAdamW` and `CompiledAdam` (mixed in before the torch class)."""
 
@@ -165,9 +179,13 @@ class _CompiledStep:
                     # not allocated before the first forward (the state's set-up step when a checkpoint
                     # loads): eagerly, without the copy, which is cast afresh when first used
                     copy, update = None, adamw_update
-                update(_flat(p), _flat(self._grad(p)), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-                       _flat(copy) if copy is not None else None, b1, b2, lr, wd, scale, self._constants[key],
-                       self._decoupled)
+                try:
+                    update(_flat(p), _flat(self._grad(p)), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
+                           _flat(copy) if copy is not None else None, b1, b2, lr, wd, scale, self._constants[key],
+                           self._decoupled)
+                except Exception as e:
+                    _raise_if_compile_error(e)
+                    raise
                 if copy is not None:
                     self.written.append(p)
         self.grad_scale = None
