@@ -205,7 +205,7 @@ def test_sigterm_stops_the_kit_and_keeps_what_finished(tmp_path):
 def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
     """The committed runs: the headline's compiled batch-8 run (a healthy H100, steps within ~4%) passes; the
     same job on a throttling H100 (steps 0.27-0.54 s within one run) is named, and why. And the GPU's state
-    (nvidia-smi's clock, temperature and power) reads into one line."""
+    (nvidia-smi's clock, temperature and power) reads into one line. Ratios taken with a named run are marked."""
     gpu = os.path.join(REPO, "benchmarks", "gpu")
     sys.path.insert(0, gpu)
     try:
@@ -226,6 +226,10 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
     notes = kit.unsteady_notes([healthy, throttled])
     assert len(notes) == 1 and notes[0].startswith("UNSTEADY g/1B_b8_compile:") and "not evidence" in notes[0]
     assert kit.Run("short", [{"step": 1, "step_time_s": 9.0}], None, 1.0).spread() is None
+    # a ratio taken with an unsteady run says so in its table cell
+    assert kit.ratio(60.0, 50.0, [healthy]) == "1.20"
+    assert kit.ratio(60.0, 50.0, [healthy, throttled]) == "1.20 (unsteady)"
+    assert kit.ratio(None, 50.0, [healthy]) is None
     # environment.json records the GPU's clock and temperature at the start and after each part
     assert kit.parse_gpu_state("345 MHz, 1980 MHz, 68, 91.62 W\n") == "SM 345 of 1980 MHz, 68 C, 92 W"
     assert kit.parse_gpu_state("") is None and kit.parse_gpu_state("[N/A], 1980 MHz") is None

@@ -11,7 +11,7 @@ import os
 import shutil
 import statistics
 
-from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, train, unsteady_notes
+from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, ratio, train, unsteady_notes
 from parts import HEADLINE_SEQ, batches, compiled, float8, headline_job, slug
 
 PROFILE = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "5", "--profiling.profiler_warmup",
@@ -107,7 +107,7 @@ def part_g(ctx: Context) -> PartResult:
         tps = [r.steady("tokens_per_s_per_device") for r in pair]
         mfu = [r.steady("tflops_per_device") for r in pair]
         res.rows.append([name, batch, _round(tps[0]), _round(tps[1]),
-                         None if not all(tps) else f"{tps[1] / tps[0]:.2f}",
+                         ratio(tps[1], tps[0], pair),
                          *[None if m is None else f"{100 * m / peak:.1f}%" for m in mfu],
                          pair[0].peak_gib(), pair[1].peak_gib(), pair[0].error or pair[1].error])
         res.ok &= all(r.ok for r in pair)

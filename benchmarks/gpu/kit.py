@@ -173,13 +173,26 @@ def unsteady_notes(runs: list[Run]) -> list[str]:
     taken with it) measure the device's moving speed, not the code."""
     notes = []
     for run in runs:
-        spread = run.spread()
-        if spread is not None and spread > UNSTEADY:
+        if unsteady(run):
+            spread = run.spread()
             times = [r["step_time_s"] for r in run.records[3:] if r.get("step_time_s") is not None]
             notes.append(f"UNSTEADY {run.folder or run.name}: its steady steps spread {100 * spread:.0f}% "
                          f"({min(times):.3f}-{max(times):.3f} s): the device's speed moved during the run, so "
                          f"its figures and the ratios taken with it are not evidence")
     return notes
+
+
+def unsteady(run: Run) -> bool:
+    spread = run.spread()
+    return spread is not None and spread > UNSTEADY
+
+
+def ratio(numerator: float | None, denominator: float | None, runs: list[Run]) -> str | None:
+    """numerator / denominator for a table, marked "(unsteady)" when a run it was taken from is (its
+    `unsteady_notes` entry says why): such a ratio measures the device's moving speed, not the code."""
+    if not (numerator and denominator):
+        return None
+    return f"{numerator / denominator:.2f}" + (" (unsteady)" if any(unsteady(r) for r in runs) else "")
 
 
 def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "") -> Run:

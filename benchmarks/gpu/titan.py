@@ -21,7 +21,7 @@ import statistics
 import sys
 
 from budget import RunSpec
-from kit import TITLES, Context, PartResult, admit_process, log, run_process, train
+from kit import TITLES, Context, PartResult, admit_process, log, ratio, run_process, train
 from parts import HEADLINE_SEQ, HEADLINE_STEPS, batches, compiled, headline_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,7 +171,7 @@ def part_d(ctx: Context) -> PartResult:
             if theirs_tps:
                 ctx.titan[(batch, mode)] = theirs_tps
         res.rows.append([batch, mode, None if ours_tps is None else round(ours_tps), None if theirs_tps is None
-                         else round(theirs_tps), None if not (ours_tps and theirs_tps) else f"{ours_tps / theirs_tps:.2f}",
+                         else round(theirs_tps), ratio(ours_tps, theirs_tps, [ours]),
                          ours.folder, ours.error or error])
         res.ok &= ours.ok and (error is None or skipped == "skipped")
     return res
