@@ -20,13 +20,14 @@ Here the three are one element-wise pass, compiled by Inductor (Triton on CUDA, 
 reading p g m v and writing p m v p16: 30 bytes a parameter instead of 42 -- at memory bandwidth, the
 step's optimizer time falls by that ratio. The arithmetic is torch's AdamW's (`torch.optim.AdamW`,
 decoupled weight decay, no amsgrad), evaluated in float32 from the step count on the device (as its
-fused kernel does; the bias corrections for all parameters in a few launches before the pass), so it differs from the eager optimizer only by float32 rounding.
+fused kernel does; the bias corrections of all parameters in a few launches before the pass), so it
+differs from the eager optimizer only by float32 rounding.
 
 One graph serves every parameter: tensors are passed flattened with a dynamic length, and every
-hyperparameter, the clip factor and the step count are 0-d tensors, so a changing learning rate never
+hyperparameter, the clip factor and the bias corrections are tensors, so a changing learning rate never
 recompiles -- and no value is baked into the graph (with the betas as Python float constants, a run
-was served a graph compiled for other betas from Inductor's on-disk caches, seen with torch 2.11 and
-2.13: tests/test_compiled_optimizer.py steps two sets of betas in one process). The optimizer's state is
+was served a graph compiled for other betas by Inductor's caches, seen with torch 2.11 and 2.13:
+tests/test_compiled_optimizer.py steps two sets of betas in one process). The optimizer's state is
 torch's (`step`, `exp_avg`, `exp_avg_sq` per parameter, `step` a float32 tensor on the parameter's
 device, as for the fused kernel), so checkpoints are interchangeable with runs using torch's optimizers.
 
