@@ -103,7 +103,7 @@ class ComputeCopy:
 
     def _new_copy(self, master: nn.Parameter) -> nn.Parameter:
         copy = nn.Parameter(torch.empty_like(master, dtype=self.dtype), requires_grad=master.requires_grad)
-        copy.untyped_storage().resize_(0)  # allocated only while a step runs
+        copy.untyped_storage().resize_(0)  # allocated only while a step runs (from the first one on: `kept`)
         if master.requires_grad and not self.keep_grads:
             copy.register_post_accumulate_grad_hook(self._hook(master))
         return copy

@@ -39,6 +39,7 @@ from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.offload import check_offload
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the Layout's vocabulary)
+    COMPILED_STEP_OPTIMIZERS,
     DTYPES,
     BatchPlan,
     DPStrategy,
@@ -327,7 +328,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         compile_model=cfg.compile.enable and "model" in cfg.compile.components,
         compile_loss=cfg.compile.enable and "loss" in cfg.compile.components,
         compile_optimizer=cfg.compile.enable and "optimizer" in cfg.compile.components
-        and cfg.optimizer.name in ("AdamW", "Adam"),
+        and cfg.optimizer.name in COMPILED_STEP_OPTIMIZERS,
         async_tp=par.enable_async_tensor_parallel, batch=batch,
         replica_groups=replicas, replica_id=cfg.fault.replica_id or 0,
     )

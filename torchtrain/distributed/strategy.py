@@ -103,6 +103,10 @@ def uses_compute_copy(lower_precision: bool, gradient_ranks: int, split: bool, o
     return lower_precision and gradient_ranks == 1 and not (split or offloaded or lora)
 
 
+COMPILED_STEP_OPTIMIZERS = ("AdamW", "Adam")
+"""The optimizers `components/optim/compiled_adamw.py` steps (`optimizer.name`)."""
+
+
 def compiles_optimizer_step(requested: bool, compute_copy: bool, loss_scaling: bool) -> bool:
     """The optimizer's step is one compiled kernel per parameter that also applies the clip factor and
     writes the compute copy (`components/optim/compiled_adamw.py`): where it is `requested` (compile on,

@@ -199,8 +199,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
         counted = [p.grad for p in params if not norm_excluded or id(p) not in norm_excluded]
         if not counted:
             continue
-        if all(isinstance(g, torch.Tensor) and not isinstance(g, DTensor) and g.dtype != torch.float32
-               for g in counted):  # gradients in the compute dtype: each norm summed and kept in float32
+        if not isinstance(counted[0], DTensor) and all(g.dtype != torch.float32 for g in counted):
+            # gradients in the compute dtype: each norm summed and kept in float32
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(counted, 2.0, dtype=torch.float32)))
         else:
             norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)

@@ -106,8 +106,8 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _label_optimizer(self, opt: torch.optim.Optimizer, grads: bool = False) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                grad = p.grad if p.grad is not None else getattr(getattr(opt, "copies", {}).get(id(p)), "grad", None)
-                if grads and grad is not None:  # (or the compute copy's, where it keeps the step's gradients)
+                grad = opt.grad_of(p) if hasattr(opt, "grad_of") else p.grad  # (the compiled step's: maybe its copy's)
+                if grads and grad is not None:
                     self._track(grad, "grads", force_label=True)
                 for value in opt.state.get(p, {}).values():
                     if isinstance(value, torch.Tensor):

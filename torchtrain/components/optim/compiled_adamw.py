@@ -131,7 +131,7 @@ class _CompiledStep:
         """The parameters whose copy the last step wrote (the compute copy marks them fresh)."""
         self._constants: dict[tuple, torch.Tensor] = {}
 
-    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """p's gradient: its `.grad`, or, where the compute copy keeps the gradients in its dtype
         (`ComputeCopy.keep_grads`), its copy's, upcast by the update as it reads it."""
         if p.grad is not None:
@@ -158,7 +158,8 @@ class _CompiledStep:
         kernel = self.kernel or compiled_update()
         self.written = []
         for group in self.param_groups:
-            params = [p for p in group["params"] if self._grad(p) is not None]
+            grads = {id(p): g for p in group["params"] if (g := self.grad_of(p)) is not None}
+            params = [p for p in group["params"] if id(p) in grads]
             if not params:
                 continue
             if group.get("amsgrad") or group.get("maximize"):
@@ -181,7 +182,7 @@ class _CompiledStep:
                     # loads): eagerly, without the copy, which is cast afresh when first used
                     copy, update = None, adamw_update
                 try:
-                    update(_flat(p), _flat(self._grad(p)), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
+                    update(_flat(p), _flat(grads[id(p)]), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
                            _flat(copy) if copy is not None else None, b1, b2, lr, wd, scale, self._constants[key],
                            self._decoupled)
                 except Exception as e:

@@ -21,6 +21,7 @@ from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.layout import (
+    COMPILED_STEP_OPTIMIZERS,
     DTYPES,
     DPStrategy,
     Layout,
@@ -281,7 +282,7 @@ class PlanInputs:
         Layout: compiling an AdamW or Adam job, compile.components at its default)."""
         if self.layout is not None:
             return self.layout.compile_optimizer
-        return self.compile and self.optimizer in ("AdamW", "Adam")
+        return self.compile and self.optimizer in COMPILED_STEP_OPTIMIZERS
 
     @property
     def grads_in_compute_dtype(self) -> bool:
