@@ -28,8 +28,8 @@ KIT = os.path.join(REPO, "benchmarks", "gpu", "run_all.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _budget_module():
-    spec = importlib.util.spec_from_file_location("gpu_kit_budget", os.path.join(REPO, "benchmarks", "gpu", "budget.py"))
+def _budget_module(name: str = "budget"):
+    spec = importlib.util.spec_from_file_location(f"gpu_kit_{name}", os.path.join(REPO, "benchmarks", "gpu", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -65,10 +65,11 @@ def test_dry_run_runs_every_part(dry_run):
     assert [row[9] for row in e] == ["c/b2_eager", "c/b4_eager"] and all(row[6] for row in e)  # host time planned
     assert not os.path.exists(out / "kit" / "e" / "b2_eager")
     g = results["g"]["rows"]  # [model, batch, bf16 tokens/s, float8 tokens/s, float8 / bf16, ...]
-    assert [(row[0], row[1]) for row in g] == [("1B", 4), ("1B", 2)] and all(float(row[4].split()[0]) > 0 for row in g)
-    assert [run[0] for run in results["g"]["runs"]] == ["g/1B_b4_float8_emulated", "g/1B_b2_float8_emulated"]
+    assert [(row[0], row[1]) for row in g] == [("1B", 4)] and float(g[0][4].split()[0]) > 0
+    assert [run[0] for run in results["g"]["runs"]] == ["g/1B_b4_float8_emulated"]
     h = results["h"]["rows"]  # one profiled window: the trace's per-step figures (a CPU has no kernels)
     assert len(h) == 1 and h[0][0] == "torchtrain" and h[0][6] == 0 and h[0][7] > h[0][8] > 0
+    assert h[0][9:13] == [0.0, 0.0, 0.0, 0.0]  # kernel seconds by kind: none on a CPU
     assert (out / "kit" / "h" / "torchtrain_eager_trace.json.gz").exists()
     # without a budget nothing is skipped, and every run's estimate and duration are recorded
     assert all(not r["skipped"] for r in results.values())
@@ -80,8 +81,9 @@ def test_dry_run_runs_every_part(dry_run):
     job = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_eager_b2.toml", "rb"))
     assert job["experimental"]["custom_import"] == "titan_flavor" and job["training"]["dataset"] == "c4_test"
     assert job["training"]["local_batch_size"] == 2
-    profile = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_eager_b2_profile.toml", "rb"))
+    profile = tomllib.load(open(out / "kit" / "d" / "torchtitan" / "job_compiled_b4_profile.toml", "rb"))
     assert profile["profiling"]["enable_profiling"] and profile["training"]["steps"] == 6
+    assert profile["compile"]["enable"] and profile["training"]["local_batch_size"] == 4
     summary = (out / "kit" / "summary.md").read_text()
     assert "Dry run on a CPU at tiny size: these are not CUDA figures" in summary
     assert all(f"## ({p})" in summary for p in "abcdefgh")
@@ -116,6 +118,8 @@ def test_budget_estimates_from_the_table_then_from_what_ran():
     assert (eager.engine, eager.model, eager.mode, eager.tokens, eager.steps) == ("torchtrain", "1B", "eager", 4096, 15)
     assert (compiled8.mode, compiled8.tokens, float8.mode) == ("compile", 16384, "compile+float8")
     assert budget.spec_of(job + ["--profiling.enable_profiling", "true"], dry=False).mode == "profile"
+    assert budget.spec_of(job + ["--profiling.enable_profiling", "true", "--compile.enable", "true"],
+                          dry=False).mode == "compile+profile"
     # the table: the larger of the host's and the GPU's step (x tokens / 4,096); the first run adds imports
     host, gpu = step[("torchtrain", "1B", "compile")]
     assert b.estimate(compiled) == pytest.approx(first + overhead[("torchtrain", "1B", "compile")] + 15 * host)
@@ -233,3 +237,32 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
     # environment.json records the GPU's clock and temperature at the start and after each part
     assert kit.parse_gpu_state("345 MHz, 1980 MHz, 68, 91.62 W\n") == "SM 345 of 1980 MHz, 68 C, 92 W"
     assert kit.parse_gpu_state("") is None and kit.parse_gpu_state("[N/A], 1980 MHz") is None
+
+
+def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_path):
+    """A kernel launched inside `Optimizer.step#...` on the host thread that ran it is the optimizer's
+    whatever its name (a compiled step's Triton kernels); Inductor's other kernels go by their prefix."""
+    stats = _budget_module("trace_stats")
+    host = {"pid": 1, "tid": 1}
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 1000, **host},
+              {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#CompiledAdamW.step", "ts": 500,
+               "dur": 300, **host}]
+    launches = [("cudaLaunchKernel", "cuda_runtime", 100, 1), ("cuLaunchKernel", "cuda_driver", 200, 2),
+                ("cuLaunchKernelEx", "cuda_driver", 600, 3), ("cudaLaunchKernel", "cuda_runtime", 700, 4),
+                ("cuLaunchKernel", "cuda_driver", 900, 5)]
+    kernels = [("triton_tem_fused_mm_0", 1, 40_000), ("triton_red_fused_sum_1", 2, 5_000),  # us
+               ("triton_poi_fused_add_2", 3, 7_000), ("void at::native::elementwise_kernel<...>", 4, 3_000),
+               ("triton_poi_fused_mul_3", 5, 2_000)]
+    for name, cat, ts, corr in launches:
+        events.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 2, "args": {"correlation": corr}, **host})
+    start = 1000
+    for name, corr, dur in kernels:
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur, "pid": 0, "tid": 7,
+                       "args": {"correlation": corr}})
+        start += 100_000
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = stats.summarize(str(path))
+    assert s["kernel_s_per_step_by_kind"] == {"gemm": 0.04, "optimizer": 0.01, "reduction": 0.005,
+                                              "element-wise": 0.002}
+    assert s["kernels_per_step"] == 5 and s["launches_per_step"] == 5

@@ -33,9 +33,10 @@ OVERHEAD_S = {
     ("torchtrain", "debug", "offload"): 1.5, ("torchtrain", "debug", "compile"): 11.0,
     ("torchtrain", "1B", "eager"): 1.5, ("torchtrain", "1B", "float8"): 2.0, ("torchtrain", "1B", "profile"): 4.5,
     ("torchtrain", "1B", "offload"): 21.0, ("torchtrain", "1B", "compile"): 12.0,
-    ("torchtrain", "1B", "compile+float8"): 14.0,
+    ("torchtrain", "1B", "compile+float8"): 14.0, ("torchtrain", "1B", "compile+profile"): 15.0,
     ("torchtrain", "3B", "compile"): 15.0, ("torchtrain", "3B", "compile+float8"): 17.0,
     ("torchtitan", "1B", "eager"): 22.0, ("torchtitan", "1B", "compile"): 32.0, ("torchtitan", "1B", "profile"): 25.0,
+    ("torchtitan", "1B", "compile+profile"): 35.0,
 }
 UNKNOWN_OVERHEAD_S = 60.0
 FIRST_RUN_S = 5.0
@@ -47,7 +48,8 @@ FIRST_RUN_S = 5.0
 # profile); compiled 0.138 s at 4,096 and 0.273 s at 16,384 tokens; compiled float8 0.206 s at 4,096; the
 # feature runs' float8 (eager) 0.395 s and CPU offload 2.5 s; torchtitan eager 0.177 s (0.116 s of GPU
 # work), compiled 0.105 s at 4,096 and 0.312 s at 16,384 tokens. Estimated: the 3B (28 blocks of 3072:
-# 2.2x the 1B's FLOPs a token, 1.75x its blocks' host work), float8's GPU share, profiled steps (1.5x).
+# 2.2x the 1B's FLOPs a token, 1.75x its blocks' host work), float8's GPU share, profiled steps (1.5x the
+# host part, compiled 1.2x the GPU part; writing the trace ~3 s).
 # The debug model and the dry run's tiny one are host-bound.
 STEP_S = {
     ("torchtrain", "tiny", "eager"): (0.05, 0.0), ("torchtrain", "tiny", "float8"): (0.1, 0.0),
@@ -60,6 +62,7 @@ STEP_S = {
     ("torchtrain", "3B", "compile"): (0.24, 0.19), ("torchtrain", "3B", "compile+float8"): (0.36, 0.23),
     ("torchtitan", "1B", "eager"): (0.177, 0.116), ("torchtitan", "1B", "compile"): (0.105, 0.078),
     ("torchtitan", "1B", "profile"): (0.27, 0.116),
+    ("torchtrain", "1B", "compile+profile"): (0.21, 0.082), ("torchtitan", "1B", "compile+profile"): (0.16, 0.094),
 }
 REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096}
 UNKNOWN_STEP_S = 0.5
@@ -80,7 +83,8 @@ class RunSpec:
     model: str
     """tiny | debug | 1B"""
     mode: str
-    """eager | compile | compile+float8 | float8 | offload | profile (eager, with a profiler window)"""
+    """eager | compile | compile+float8 | compile+profile | float8 | offload | profile (eager, with a
+    profiler window)"""
     steps: int
     tokens: int
     """tokens per step"""
@@ -95,8 +99,9 @@ def spec_of(argv: list[str], dry: bool, engine: str = "torchtrain") -> RunSpec:
     float8 = "float8" in flags.get("--model.converters", "")
     offload = flags.get("--training.enable_cpu_offload") == "true"
     profiled = flags.get("--profiling.enable_profiling") == "true"
-    mode = ("compile+float8" if compiled and float8 else "compile" if compiled else "float8" if float8
-            else "offload" if offload else "profile" if profiled else "eager")
+    mode = ("compile+float8" if compiled and float8 else "compile+profile" if compiled and profiled
+            else "compile" if compiled else "float8" if float8 else "offload" if offload
+            else "profile" if profiled else "eager")
     tokens = int(flags.get("--training.seq_len", 2048)) * int(flags.get("--training.local_batch_size", 1))
     return RunSpec(engine, model, mode, int(flags.get("--training.steps", 10)), tokens)
 

@@ -1,6 +1,6 @@
 """The headline parts of the GPU evidence kit: (c) torchtrain's throughput at local batch 2 and 8, eager and
-compiled; (g) float8 against bf16, compiled, at the 1B (batch 8 and 2) and at the 3B; (h) a short
-profiler window of one eager step on each side, torchtrain's and torchtitan's (benchmarks/gpu/README.md).
+compiled; (g) float8 against bf16, compiled, at the 1B (batch 8) and at the 3B; (h) a short profiler
+window of the compiled batch-8 step on each side, torchtrain's and torchtitan's (benchmarks/gpu/README.md).
 Each returns a PartResult; (d) (titan.py) and (e) (parts.py) reuse the runs made here."""
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def c_runs(ctx: Context) -> list[tuple[int, str, list[str] | None]]:
 
 
 def g_runs(ctx: Context) -> list[tuple[str, int]]:
-    """(model, batch) of (g): the 1B at batch 8, the 3B at batch 4 (its largest on 80 GB), the 1B at batch 2
-    (a dry run has one model)."""
-    small, large = batches(ctx)
-    return [("1B", large), ("1B", small)] if ctx.dry else [("1B", large), ("3B", 4), ("1B", small)]
+    """(model, batch) of (g): the 1B at batch 8 and the 3B at batch 4 (its largest on 80 GB; a dry run has
+    one model)."""
+    large = batches(ctx)[1]
+    return [("1B", large)] if ctx.dry else [("1B", large), ("3B", 4)]
 
 
 def _bf16_and_float8(ctx: Context) -> tuple[list[str] | None, list[str]]:
@@ -116,34 +116,44 @@ def part_g(ctx: Context) -> PartResult:
 
 
 # ----------------------------------------------------------------------------- (h)
+KINDS = ("gemm", "attention", "optimizer")
+"""The kernel kinds (trace_stats.kind) given a column of their own in (h); the rest add up in one."""
+
+
 def part_h(ctx: Context) -> PartResult:
-    """One profiled eager step window on each side (torchtrain, torchtitan) at batch 2: what the host and
-    the GPU do a step (benchmarks/gpu/trace_stats.py)."""
+    """One profiled window of the compiled batch-8 step on each side (torchtrain, torchtitan): what the
+    GPU's time a step goes to -- GEMMs (the MFU), attention, the optimizer, the rest (element-wise,
+    reductions, copies) -- and what the host does (benchmarks/gpu/trace_stats.py). A dry run profiles
+    torchtrain eager (compiling is not run there)."""
     import titan
 
     res = PartResult("h", TITLES["h"], ["side", "job", "profiled step s", "unprofiled step s", "GPU busy s a step",
                                         "GPU busy share", "kernels a step", "profiler ops a step",
-                                        "dispatched ops a step", "trace", "error"])
-    res.notes.append("eager, 1B, seq 2048 x 2, AC selective; profiler window steps 4-5 (step 3 warms it up); the "
-                     "unprofiled step is (c)'s / (d)'s steady one when they ran in this command, else the median of "
-                     "steps 2 and 6 of the profiled run; dispatched ops: what a dispatch-level observer sees "
-                     "(trace_stats.py)")
-    small = batches(ctx)[0]
-    log("(h) torchtrain eager, profiled")
-    run = train(ctx, "h", "torchtrain_eager", headline_job(ctx, PROFILE, small, steps=PROFILE_STEPS))
+                                        "dispatched ops a step", "GEMM s", "attention s", "optimizer s",
+                                        "other kernels s", "trace", "error"])
+    large = batches(ctx)[1]
+    extra = compiled(ctx)
+    mode = "eager" if extra is None else "compiled"
+    res.notes.append(f"{mode}, 1B, seq 2048 x {large}, AC selective; profiler window steps 4-5 (step 3 warms it "
+                     "up); the unprofiled step is (c)'s / (d)'s steady one when they ran in this command, else "
+                     "the median of steps 2 and 6 of the profiled run; dispatched ops: what a dispatch-level "
+                     "observer sees; kernel seconds a step by kind: trace_stats.py (optimizer: the kernels "
+                     "launched inside the optimizer's step)")
+    log(f"(h) torchtrain {mode} batch {large}, profiled")
+    name = f"torchtrain_{mode}"
+    run = train(ctx, "h", name, headline_job(ctx, (extra or []) + PROFILE, large, steps=PROFILE_STEPS))
     if not run.skipped:
-        plain = ctx.runs.get(tuple(c_job(ctx, small, [])))
+        plain = ctx.runs.get(tuple(c_job(ctx, large, extra or [])))
         unprofiled = plain.steady("step_time_s") if plain is not None and plain.ok else _median_of(run, UNPROFILED)
-        trace = keep_trace(os.path.join(ctx.out, "h", "torchtrain_eager"), os.path.join(ctx.out, "h"),
-                           "torchtrain_eager")
-        res.rows.append(profile_row("torchtrain", "h/torchtrain_eager", trace, unprofiled, run.error))
+        trace = keep_trace(os.path.join(ctx.out, "h", name), os.path.join(ctx.out, "h"), name)
+        res.rows.append(profile_row("torchtrain", f"h/{name}", trace, unprofiled, run.error))
         res.ok &= run.ok and trace is not None
     if ctx.dry:
         res.notes.append("dry run: torchtitan's profile needs the GPU (its job file is written, not run)")
-        titan.titan_job(ctx, False, small, profile=True)
+        titan.titan_job(ctx, True, large, profile=True)
         return res
-    log("(h) torchtitan eager, profiled")
-    row, skipped = titan.profile(ctx, small)
+    log(f"(h) torchtitan {mode} batch {large}, profiled")
+    row, skipped = titan.profile(ctx, large, compiled=True)
     if not skipped:
         res.rows.append(row)
         res.ok &= row[-1] is None
@@ -164,15 +174,17 @@ def keep_trace(folder: str, dest: str, name: str) -> str | None:
 
 def profile_row(side: str, job: str, trace: str | None, unprofiled: float | None, error: str | None) -> list:
     if trace is None:
-        return [side, job, None, unprofiled, None, None, None, None, None, None, error or "no trace written"]
+        return [side, job, None, unprofiled] + [None] * 10 + [error or "no trace written"]
     from trace_stats import summarize
 
     s = summarize(trace)
     profiled = statistics.mean(s["step_s"]) if s["step_s"] else None
     busy = s["gpu_busy_s_per_step"]
+    by_kind = s["kernel_s_per_step_by_kind"]
     return [side, job, profiled, unprofiled, busy, None if not unprofiled else f"{busy / unprofiled:.0%}",
             s["kernels_per_step"], s["profiler_ops_per_step"], s["dispatched_ops_per_step"],
-            os.path.basename(trace), error]
+            *[by_kind.get(k, 0.0) for k in KINDS],
+            round(sum(v for k, v in by_kind.items() if k not in KINDS), 4), os.path.basename(trace), error]
 
 
 def _median_of(run, steps: tuple[int, ...]) -> float | None:

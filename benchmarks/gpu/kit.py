@@ -50,7 +50,7 @@ class Context:
 TITLES = {"a": "Single-process test cases on the device", "b": "Short runs per feature: the loss falls",
           "c": "1B throughput and MFU, local batch 2 and 8", "d": "torchtrain vs torchtitan, same model/batch/sequence",
           "e": "Planner vs measured", "f": "Checkpoint save/resume exactness",
-          "g": "float8 vs bf16, compiled", "h": "One profiled eager step window per side"}
+          "g": "float8 vs bf16, compiled", "h": "One profiled compiled step window per side"}
 
 
 @dataclass

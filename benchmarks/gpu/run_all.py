@@ -17,8 +17,9 @@ summary format), run in the order given:
   e  the planner's peak memory and step time against torch.cuda.max_memory_allocated and the measured
      step, for the (c) and (g) runs of the same command
   f  DCP save/resume exactness (bitwise losses after a resume)
-  g  float8 against bf16, compiled: the 1B at batch 8 and 2, the 3B at batch 4
-  h  one profiled eager step window per side (torchtrain, torchtitan): kernels, GPU busy time, operators
+  g  float8 against bf16, compiled: the 1B at batch 8, the 3B at batch 4
+  h  one profiled compiled batch-8 step window per side (torchtrain, torchtitan): kernels, GPU busy time and
+     kernel seconds by kind (GEMM, attention, optimizer, the rest), operators
 
 `--budget-s S`: before each run starts its duration is estimated (budget.py: a table refined with the
 runs already measured) and a run that would not finish within S seconds of the start is skipped;

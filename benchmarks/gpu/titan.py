@@ -1,6 +1,6 @@
 """Part (d): torchtrain against torchtitan (carried as a wheel) on the same model, batch and sequence, at
 local batch 2 and 8, compiled and eager (compiled first: its ratio is a goal, and the budget may not hold
-every run); and torchtitan's profiled eager step for part (h).
+every run); and torchtitan's profiled compiled step for part (h).
 
 torchtitan 0.2.2 has no ~1B Llama 3 flavor, so `titan_flavor.py` (imported by torchtitan through
 `experimental.custom_import`) registers the kit's 1B shape under the name "torchtrain_1B". Its data is
@@ -100,12 +100,14 @@ def _write_tokenizer(folder: str) -> None:
         json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True}, f)
 
 
-def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", steps: int = STEPS
-              ) -> tuple[float | None, str | None, str, list[float]]:
+def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", steps: int = STEPS,
+              profiled: bool = False) -> tuple[float | None, str | None, str, list[float]]:
     """(steady tokens/s, error or why it did not run, "skipped" or "", every step's tokens/s) of one
     torchtitan run, started only if the budget's estimate fits; its log goes to DIR/d/torchtitan_<label>.log."""
     label = label or f"b{batch}_{mode}"
-    spec = RunSpec("torchtitan", "1B", "compile" if mode == "compiled" else "eager", steps, SEQ * batch)
+    budget_mode = ("compile" if mode == "compiled" else "eager") if not profiled else \
+        ("compile+profile" if mode == "compiled" else "profile")
+    spec = RunSpec("torchtitan", "1B", budget_mode, steps, SEQ * batch)
     entry, allowed = admit_process(ctx, "d", f"torchtitan_{label}", ctx.budget.estimate(spec), 900.0)
     if entry is None:
         return None, f"torchtitan skipped: {ctx.budget.entries[-1].reason}", "skipped", []
@@ -127,20 +129,24 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
     return steady, None, "", tps
 
 
-def profile(ctx: Context, batch: int) -> tuple[list, bool]:
-    """Part (h)'s torchtitan row: its eager job at `batch` with the profiler window; (row, skipped)."""
+def profile(ctx: Context, batch: int, compiled: bool) -> tuple[list, bool]:
+    """Part (h)'s torchtitan row: its job at `batch` (compiled or eager) with the profiler window;
+    (row, skipped)."""
     from headline import keep_trace, profile_row
 
-    job = titan_job(ctx, False, batch, profile=True)
-    _, error, skipped, tps = run_titan(ctx, job, "eager", batch, label=f"b{batch}_eager_profile", steps=PROFILE_STEPS)
+    mode = "compiled" if compiled else "eager"
+    job = titan_job(ctx, compiled, batch, profile=True)
+    _, error, skipped, tps = run_titan(ctx, job, mode, batch, label=f"b{batch}_{mode}_profile",
+                                       steps=PROFILE_STEPS, profiled=True)
     if skipped:
         return [], True
-    measured = ctx.titan.get((batch, "eager"))
+    measured = ctx.titan.get((batch, mode))
     unprofiled = SEQ * batch / measured if measured else (
         SEQ * batch / statistics.median([tps[i - 1] for i in (2, 6) if i <= len(tps)]) if len(tps) >= 2 else None)
-    trace = keep_trace(os.path.join(ctx.out, "d", "torchtitan", f"out_eager_b{batch}_profile"), ctx.folder("h"),
-                       "torchtitan_eager")
-    return profile_row("torchtitan", f"d/torchtitan/job_eager_b{batch}_profile.toml", trace, unprofiled, error), False
+    trace = keep_trace(os.path.join(ctx.out, "d", "torchtitan", f"out_{mode}_b{batch}_profile"), ctx.folder("h"),
+                       f"torchtitan_{mode}")
+    return profile_row("torchtitan", f"d/torchtitan/job_{mode}_b{batch}_profile.toml", trace, unprofiled,
+                       error), False
 
 
 def part_d(ctx: Context) -> PartResult:

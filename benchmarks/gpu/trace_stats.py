@@ -9,7 +9,12 @@ those annotations are not steps), and per step
                     with the unprofiled steps of the same run);
 * kernels           GPU kernels, memcpys and memsets;
 * GPU busy s        the union of their intervals (the time the GPU had work);
-* kernel s by kind  GEMM, attention, element-wise, reduction, copy, optimizer (multi-tensor), other;
+* kernel s by kind  GEMM, attention, element-wise, reduction, copy, optimizer, other: a kernel launched
+                    inside an optimizer's step (torch's `Optimizer.step#...` annotation, linked to the
+                    kernel by the launch's correlation id) is the optimizer's whatever its name (a
+                    compiled step's Triton kernels), the others go by name (Inductor's `triton_tem_`
+                    templates are GEMMs, `triton_red_`/`triton_per_` reductions, `triton_poi_`
+                    element-wise);
 * host launches     cudaLaunchKernel / cuLaunchKernelEx calls and their mean host duration;
 * profiler ops      every `aten::` (and `c10d::`, `fsdp::`) operator event, nested calls included;
 * dispatched ops    the operators a dispatch-level observer (a `TorchDispatchMode`, which is what the
@@ -48,6 +53,9 @@ def kind(name: str) -> str:
     n = name.lower()
     if "multi_tensor_apply" in n or "fused_adam" in n:
         return "optimizer"
+    if n.startswith("triton_"):  # Inductor's kernels: template (a GEMM), reduction, persistent reduction, pointwise
+        return "gemm" if n.startswith("triton_tem_") else "reduction" if n.startswith(("triton_red_", "triton_per_")) \
+            else "element-wise"
     if any(k in n for k in ("flash", "fmha", "sdpa", "cudnn", "attention")):
         return "attention"
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "wgmma")):
@@ -186,6 +194,26 @@ def host_costs(summary: dict, step_s: float) -> dict[str, float]:
             "host_launch_us": round(summary["launch_host_us_mean"], 1), "profile_scale": round(scale, 3)}
 
 
+LAUNCHES_DRIVER = ("cuLaunchKernelEx", "cuLaunchKernel")
+"""Driver-API launches (Triton's kernels, compiled graphs' templates)."""
+
+
+def optimizer_correlations(events: list[dict]) -> set:
+    """Correlation ids of the CUDA API calls made inside an optimizer's step (torch annotates every
+    `Optimizer.step` with `Optimizer.step#<class>.step`) on the thread that ran it."""
+    ranges = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("Optimizer.step#") \
+                and e.get("cat") in ("user_annotation", "cpu_op"):
+            ranges[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
+    found = set()
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            if any(s <= e["ts"] <= t for s, t in ranges.get((e.get("pid"), e.get("tid")), ())):
+                found.add(e["args"]["correlation"])
+    return found
+
+
 def summarize(path: str) -> dict:
     events = load(path)
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
@@ -202,10 +230,11 @@ def summarize(path: str) -> dict:
             end = max(end, t)
     busy += 0.0 if start is None else end - start
     by_kind: collections.Counter = collections.Counter()
+    in_optimizer = optimizer_correlations(events)
     for e in kernels:
-        by_kind[kind(e["name"])] += e["dur"]
+        by_kind["optimizer" if e.get("args", {}).get("correlation") in in_optimizer else kind(e["name"])] += e["dur"]
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaLaunchKernel",)]
-    launches += [e for e in events if e.get("cat") == "cuda_driver" and e.get("name") == "cuLaunchKernelEx"]
+    launches += [e for e in events if e.get("cat") == "cuda_driver" and e.get("name") in LAUNCHES_DRIVER]
     d = dispatched_ops(events)
     return {
         "trace": path.rsplit("/", 1)[-1], "steps": [e["name"] for e in steps],
