@@ -206,10 +206,7 @@ def test_sigterm_stops_the_kit_and_keeps_what_finished(tmp_path):
     assert "## (d) torchtrain vs torchtitan" in summary
 
 
-def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
-    """The committed runs: the headline's compiled batch-8 run (a healthy H100, steps within ~4%) passes; the
-    same job on a throttling H100 (steps 0.27-0.54 s within one run) is named, and why. And the GPU's state
-    (nvidia-smi's clock, temperature and power) reads into one line. Ratios taken with a named run are marked."""
+def _kit_module():
     gpu = os.path.join(REPO, "benchmarks", "gpu")
     sys.path.insert(0, gpu)
     try:
@@ -219,6 +216,15 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
         spec.loader.exec_module(kit)
     finally:
         sys.path.remove(gpu)
+    return kit
+
+
+def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
+    """The committed runs: the headline's compiled batch-8 run (a healthy H100, steps within ~4%) passes; the
+    same job on a throttling H100 (steps 0.27-0.54 s within one run) is named, and why. And the GPU's state
+    (nvidia-smi's clock, temperature and power) reads into one line. Ratios taken with a named run are marked."""
+    gpu = os.path.join(REPO, "benchmarks", "gpu")
+    kit = _kit_module()
 
     def run(results: str, folder: str):
         with open(os.path.join(gpu, "results", results, folder, "metrics.jsonl")) as f:
@@ -266,3 +272,30 @@ def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_p
     assert s["kernel_s_per_step_by_kind"] == {"gemm": 0.04, "optimizer": 0.01, "reduction": 0.005,
                                               "element-wise": 0.002}
     assert s["kernels_per_step"] == 5 and s["launches_per_step"] == 5
+
+
+def test_a_compiled_step_that_fails_to_compile_costs_one_rerun_not_the_evidence(tmp_path, monkeypatch):
+    """The kit runs a compiled job whose optimizer step fails to compile again with the model and loss
+    compiled only, and every later compiled run that way from the start; eager runs are untouched, and the
+    part's summary says so."""
+    kit = _kit_module()
+    calls = []
+
+    def fake_train(dump, argv, name, budget):
+        calls.append(list(argv))
+        compiled = "--compile.enable" in argv
+        failed = compiled and kit.WITHOUT_COMPILED_STEP[0] not in argv
+        error = f"ConfigError: {kit.COMPILED_STEP_FAILED} (InductorError: no compiler)" if failed else None
+        return kit.Run(name, [{"step": i, "step_time_s": 0.1} for i in range(1, 6)], error, 1.0)
+
+    monkeypatch.setattr(kit, "_train", fake_train)
+    ctx = kit.Context(str(tmp_path), dry=False)
+    job = ["--model.flavor", "1B", "--training.steps", "5"]
+    first = kit.train(ctx, "c", "b2_compile", job + ["--compile.enable", "true"], reuse=True)
+    assert first.ok and calls == [job + ["--compile.enable", "true"],
+                                  job + ["--compile.enable", "true"] + kit.WITHOUT_COMPILED_STEP]
+    assert len(ctx.notes) == 1 and "c/b2_compile failed to compile the optimizer step" in ctx.notes[0]
+    kit.train(ctx, "c", "b8_compile", job + ["--compile.enable", "true"])  # later compiled runs: one run each
+    kit.train(ctx, "c", "b2_eager", job)
+    assert calls[2:] == [job + ["--compile.enable", "true"] + kit.WITHOUT_COMPILED_STEP, job]
+    assert [e.name for e in ctx.budget.entries] == ["c/b2_compile", "c/b2_compile", "c/b8_compile", "c/b2_eager"]

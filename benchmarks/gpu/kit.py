@@ -36,6 +36,10 @@ class Context:
     """torchtitan's steady tokens/s measured in this process, by (batch, mode)."""
     peak: tuple[float, str] | None = None
     """The measured GEMM peak (TFLOP/s, how), once measured."""
+    without_compiled_step: str = ""
+    """Why compiled runs step with torch's optimizer kernel from now on (`train`); empty: they do not."""
+    notes: list[str] = field(default_factory=list)
+    """What changed how this part's runs ran, for its summary (taken by run_all after each part)."""
 
     @property
     def device(self) -> str:
@@ -195,22 +199,43 @@ def ratio(numerator: float | None, denominator: float | None, runs: list[Run]) -
     return f"{numerator / denominator:.2f}" + (" (unsteady)" if any(unsteady(r) for r in runs) else "")
 
 
+COMPILED_STEP_FAILED = "[compile.components] compiling the optimizer step failed"
+"""The start of the trainer's error when torch.compile fails on the compiled optimizer step."""
+WITHOUT_COMPILED_STEP = ["--compile.components", "model,loss"]
+
+
 def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "") -> Run:
     """One in-process run of the trainer (a world of one; metrics every step into DIR/part/name), started
     only if the budget's estimate fits in the time left. `reuse`: a run of the same command line made
     earlier in this process with `reuse` is returned instead (the headline runs of (c), (d) and (e)).
-    A failure is recorded, not raised: one broken variant must not cost the others their evidence."""
+    A failure is recorded, not raised: one broken variant must not cost the others their evidence. A
+    compiled run whose optimizer step fails to compile is run again once without it, and so is every
+    compiled run after it (noted in the part's summary): the other compiled figures still come back."""
     if reuse and tuple(argv) in ctx.runs:
         return ctx.runs[tuple(argv)]
+    run = _admitted(ctx, part, name, argv, label)
+    if run.error and COMPILED_STEP_FAILED in run.error and not ctx.without_compiled_step:
+        ctx.without_compiled_step = run.error
+        ctx.notes.append(f"{part}/{name} failed to compile the optimizer step ({run.error[:300]}); it and every "
+                         f"compiled run after it ran with {' '.join(WITHOUT_COMPILED_STEP)} (torch's kernel)")
+        log(f"{part}/{name}: the optimizer step did not compile; again with {' '.join(WITHOUT_COMPILED_STEP)}")
+        run = _admitted(ctx, part, name, argv, label)
+    if reuse and not run.skipped:
+        ctx.runs[tuple(argv)] = run
+    return run
+
+
+def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str) -> Run:
+    """One run of `train`, if the budget admits it (compiled: without the compiled step once it failed)."""
     spec = spec_of(argv, ctx.dry)
     entry = ctx.budget.admit(part, f"{part}/{label or name}", ctx.budget.estimate(spec))
     if entry is None:
         return Run(name, [], None, 0.0, skipped=ctx.budget.entries[-1].reason)
-    run = _train(ctx.folder(part, name), argv, name, ctx.budget)
+    compiled = ctx.without_compiled_step and "--compile.enable" in argv and \
+        argv[argv.index("--compile.enable") + 1] == "true"
+    run = _train(ctx.folder(part, name), argv + (WITHOUT_COMPILED_STEP if compiled else []), name, ctx.budget)
     run.folder = f"{part}/{name}"
     ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if run.ok else None, run.skipped)
-    if reuse and not run.skipped:
-        ctx.runs[tuple(argv)] = run
     return run
 
 

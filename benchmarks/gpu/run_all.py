@@ -70,6 +70,8 @@ def run_part(ctx: Context, part: str) -> PartResult:
 
             result = PartResult(part, TITLES[part], ["error"], [[f"{type(e).__name__}: {e}"[:400]]], ok=False)
             result.notes.append(traceback.format_exc()[-1500:])
+    result.notes += ctx.notes
+    ctx.notes.clear()
     result.runs, result.skipped = ctx.budget.of_part(part)
     result.seconds = round(time.perf_counter() - t0, 1)
     result.save(ctx)
