@@ -67,10 +67,12 @@ def test_dry_run_runs_every_part(dry_run):
     g = results["g"]["rows"]  # [model, batch, bf16 tokens/s, float8 tokens/s, float8 / bf16, ...]
     assert [(row[0], row[1]) for row in g] == [("1B", 4)] and float(g[0][4].split()[0]) > 0
     assert [run[0] for run in results["g"]["runs"]] == ["g/1B_b4_float8_emulated"]
-    h = results["h"]["rows"]  # one profiled window: the trace's per-step figures (a CPU has no kernels)
-    assert len(h) == 1 and h[0][0] == "torchtrain" and h[0][6] == 0 and h[0][7] > h[0][8] > 0
-    assert h[0][9:13] == [0.0, 0.0, 0.0, 0.0]  # kernel seconds by kind: none on a CPU
-    assert (out / "kit" / "h" / "torchtrain_eager_trace.json.gz").exists()
+    h = results["h"]["rows"]  # profiled windows (bf16, float8): the traces' per-step figures (a CPU has no kernels)
+    assert [row[1] for row in h] == ["h/torchtrain_eager", "h/torchtrain_eager_float8"]
+    assert all(row[0] == "torchtrain" and row[6] == 0 and row[7] > row[8] > 0 for row in h)
+    assert all(row[9:13] == [0.0, 0.0, 0.0, 0.0] for row in h)  # kernel seconds by kind: none on a CPU
+    assert h[1][8] > h[0][8]  # float8's casts and scales: more operators a step
+    assert all((out / "kit" / "h" / f"{n}_trace.json.gz").exists() for n in ("torchtrain_eager", "torchtrain_eager_float8"))
     # without a budget nothing is skipped, and every run's estimate and duration are recorded
     assert all(not r["skipped"] for r in results.values())
     assert [run[0] for run in results["f"]["runs"]] == ["f/straight", "f/resumed (steps 1-4, saved)",
@@ -120,6 +122,9 @@ def test_budget_estimates_from_the_table_then_from_what_ran():
     assert budget.spec_of(job + ["--profiling.enable_profiling", "true"], dry=False).mode == "profile"
     assert budget.spec_of(job + ["--profiling.enable_profiling", "true", "--compile.enable", "true"],
                           dry=False).mode == "compile+profile"
+    assert budget.spec_of(job + ["--profiling.enable_profiling", "true", "--compile.enable", "true",
+                                 "--model.converters", "float8"], dry=False).mode == "compile+float8+profile"
+    assert budget.spec_of(job + ["--training.enable_cpu_offload", "true"], dry=False).mode == "offload"
     # the table: the larger of the host's and the GPU's step (x tokens / 4,096); the first run adds imports
     host, gpu = step[("torchtrain", "1B", "compile")]
     assert b.estimate(compiled) == pytest.approx(first + overhead[("torchtrain", "1B", "compile")] + 15 * host)

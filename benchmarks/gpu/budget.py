@@ -34,6 +34,7 @@ OVERHEAD_S = {
     ("torchtrain", "1B", "eager"): 1.5, ("torchtrain", "1B", "float8"): 2.0, ("torchtrain", "1B", "profile"): 4.5,
     ("torchtrain", "1B", "offload"): 21.0, ("torchtrain", "1B", "compile"): 12.0,
     ("torchtrain", "1B", "compile+float8"): 14.0, ("torchtrain", "1B", "compile+profile"): 15.0,
+    ("torchtrain", "1B", "compile+float8+profile"): 17.0, ("torchtrain", "tiny", "float8+profile"): 3.0,
     ("torchtrain", "3B", "compile"): 15.0, ("torchtrain", "3B", "compile+float8"): 17.0,
     ("torchtitan", "1B", "eager"): 22.0, ("torchtitan", "1B", "compile"): 32.0, ("torchtitan", "1B", "profile"): 25.0,
     ("torchtitan", "1B", "compile+profile"): 35.0,
@@ -63,6 +64,7 @@ STEP_S = {
     ("torchtitan", "1B", "eager"): (0.177, 0.116), ("torchtitan", "1B", "compile"): (0.105, 0.078),
     ("torchtitan", "1B", "profile"): (0.27, 0.116),
     ("torchtrain", "1B", "compile+profile"): (0.21, 0.082), ("torchtitan", "1B", "compile+profile"): (0.16, 0.094),
+    ("torchtrain", "1B", "compile+float8+profile"): (0.31, 0.1), ("torchtrain", "tiny", "float8+profile"): (0.15, 0.0),
 }
 REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096}
 UNKNOWN_STEP_S = 0.5
@@ -83,8 +85,8 @@ class RunSpec:
     model: str
     """tiny | debug | 1B"""
     mode: str
-    """eager | compile | compile+float8 | compile+profile | float8 | offload | profile (eager, with a
-    profiler window)"""
+    """eager | offload | otherwise "+"-joined: compile, float8, profile (a profiler window), e.g.
+    compile+float8+profile"""
     steps: int
     tokens: int
     """tokens per step"""
@@ -99,9 +101,8 @@ def spec_of(argv: list[str], dry: bool, engine: str = "torchtrain") -> RunSpec:
     float8 = "float8" in flags.get("--model.converters", "")
     offload = flags.get("--training.enable_cpu_offload") == "true"
     profiled = flags.get("--profiling.enable_profiling") == "true"
-    mode = ("compile+float8" if compiled and float8 else "compile+profile" if compiled and profiled
-            else "compile" if compiled else "float8" if float8 else "offload" if offload
-            else "profile" if profiled else "eager")
+    mode = ("compile" if compiled else "") + ("+float8" if float8 else "") + ("+profile" if profiled else "")
+    mode = mode.lstrip("+") or ("offload" if offload else "eager")
     tokens = int(flags.get("--training.seq_len", 2048)) * int(flags.get("--training.local_batch_size", 1))
     return RunSpec(engine, model, mode, int(flags.get("--training.steps", 10)), tokens)
 

@@ -121,10 +121,11 @@ KINDS = ("gemm", "attention", "optimizer")
 
 
 def part_h(ctx: Context) -> PartResult:
-    """One profiled window of the compiled batch-8 step on each side (torchtrain, torchtitan): what the
-    GPU's time a step goes to -- GEMMs (the MFU), attention, the optimizer, the rest (element-wise,
-    reductions, copies) -- and what the host does (benchmarks/gpu/trace_stats.py). A dry run profiles
-    torchtrain eager (compiling is not run there)."""
+    """One profiled window of the compiled batch-8 step on each side (torchtrain in bf16 and in float8,
+    torchtitan in bf16): what the GPU's time a step goes to -- GEMMs (the MFU), attention, the
+    optimizer, the rest (element-wise, reductions, copies: float8's casts) -- and what the host does
+    (benchmarks/gpu/trace_stats.py). A dry run profiles torchtrain eager and emulated float8 (compiling
+    is not run there)."""
     import titan
 
     res = PartResult("h", TITLES["h"], ["side", "job", "profiled step s", "unprofiled step s", "GPU busy s a step",
@@ -139,12 +140,16 @@ def part_h(ctx: Context) -> PartResult:
                      "the median of steps 2 and 6 of the profiled run; dispatched ops: what a dispatch-level "
                      "observer sees; kernel seconds a step by kind: trace_stats.py (optimizer: the kernels "
                      "launched inside the optimizer's step)")
-    log(f"(h) torchtrain {mode} batch {large}, profiled")
-    name = f"torchtrain_{mode}"
-    run = train(ctx, "h", name, headline_job(ctx, (extra or []) + PROFILE, large, steps=PROFILE_STEPS))
-    if not run.skipped:
-        plain = ctx.runs.get(tuple(c_job(ctx, large, extra or [])))
-        unprofiled = plain.steady("step_time_s") if plain is not None and plain.ok else _median_of(run, UNPROFILED)
+    fp8 = _bf16_and_float8(ctx)[1]
+    for label, flags, unprofiled_job in ((mode, extra or [], c_job(ctx, large, extra or [])),
+                                         (f"{mode} float8", fp8, g_job(ctx, "1B", large, fp8))):
+        log(f"(h) torchtrain {label} batch {large}, profiled")
+        name = f"torchtrain_{slug(label)}"
+        run = train(ctx, "h", name, headline_job(ctx, flags + PROFILE, large, steps=PROFILE_STEPS))
+        if run.skipped:
+            continue
+        same = ctx.runs.get(tuple(unprofiled_job))
+        unprofiled = same.steady("step_time_s") if same is not None and same.ok else _median_of(run, UNPROFILED)
         trace = keep_trace(os.path.join(ctx.out, "h", name), os.path.join(ctx.out, "h"), name)
         res.rows.append(profile_row("torchtrain", f"h/{name}", trace, unprofiled, run.error))
         res.ok &= run.ok and trace is not None
