@@ -252,7 +252,8 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
 
 def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_path):
     """A kernel launched inside `Optimizer.step#...` on the host thread that ran it is the optimizer's
-    whatever its name (a compiled step's Triton kernels); Inductor's other kernels go by their prefix."""
+    whatever its name (a compiled step's Triton kernels); Inductor's other kernels go by their prefix; a
+    GEMM's time goes to the shape of the operator that launched it."""
     stats = _budget_module("trace_stats")
     host = {"pid": 1, "tid": 1}
     events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 1000, **host},
@@ -271,12 +272,23 @@ def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_p
         events.append({"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur, "pid": 0, "tid": 7,
                        "args": {"correlation": corr}})
         start += 100_000
+    # two cuBLAS GEMMs, linked to the operators that launched them (and their shapes) by External id
+    for name, ext, dims, dur in (("aten::mm", 11, [[16384, 2048], [2048, 512]], 1_000),
+                                 ("aten::addmm", 12, [[2048], [16384, 2048], [2048, 2048]], 4_000)):
+        events.append({"ph": "X", "cat": "cpu_op", "name": name, "ts": 10 + ext, "dur": 1, **host,
+                       "args": {"External id": ext, "Input Dims": dims, "Input type": ["c10::BFloat16"] * len(dims)}})
+        events.append({"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4", "ts": start, "dur": dur,
+                       "pid": 0, "tid": 7, "args": {"External id": ext}})
+        start += 100_000
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = stats.summarize(str(path))
-    assert s["kernel_s_per_step_by_kind"] == {"gemm": 0.04, "optimizer": 0.01, "reduction": 0.005,
+    assert s["kernel_s_per_step_by_kind"] == {"gemm": 0.045, "optimizer": 0.01, "reduction": 0.005,
                                               "element-wise": 0.002}
-    assert s["kernels_per_step"] == 5 and s["launches_per_step"] == 5
+    assert s["kernels_per_step"] == 7 and s["launches_per_step"] == 5
+    assert s["gemm_by_shape"] == [  # the larger time first; 2 M K N / seconds
+        {"shape": "16384x2048x2048", "dtype": "BFloat16", "calls_per_step": 1, "ms_per_step": 4.0, "tflops": 34},
+        {"shape": "16384x2048x512", "dtype": "BFloat16", "calls_per_step": 1, "ms_per_step": 1.0, "tflops": 34}]
 
 
 def test_a_compiled_step_that_fails_to_compile_costs_one_rerun_not_the_evidence(tmp_path, monkeypatch):

@@ -151,14 +151,14 @@ def part_h(ctx: Context) -> PartResult:
         same = ctx.runs.get(tuple(unprofiled_job))
         unprofiled = same.steady("step_time_s") if same is not None and same.ok else _median_of(run, UNPROFILED)
         trace = keep_trace(os.path.join(ctx.out, "h", name), os.path.join(ctx.out, "h"), name)
-        res.rows.append(profile_row("torchtrain", f"h/{name}", trace, unprofiled, run.error))
+        res.rows.append(profile_row("torchtrain", f"h/{name}", trace, unprofiled, run.error, res.notes))
         res.ok &= run.ok and trace is not None
     if ctx.dry:
         res.notes.append("dry run: torchtitan's profile needs the GPU (its job file is written, not run)")
         titan.titan_job(ctx, True, large, profile=True)
         return res
     log(f"(h) torchtitan {mode} batch {large}, profiled")
-    row, skipped = titan.profile(ctx, large, compiled=True)
+    row, skipped = titan.profile(ctx, large, compiled=True, notes=res.notes)
     if not skipped:
         res.rows.append(row)
         res.ok &= row[-1] is None
@@ -177,7 +177,9 @@ def keep_trace(folder: str, dest: str, name: str) -> str | None:
     return out
 
 
-def profile_row(side: str, job: str, trace: str | None, unprofiled: float | None, error: str | None) -> list:
+def profile_row(side: str, job: str, trace: str | None, unprofiled: float | None, error: str | None,
+                notes: list[str] | None = None) -> list:
+    """(h)'s row of one profiled run; `notes` receives the run's GEMM time by shape (top 8)."""
     if trace is None:
         return [side, job, None, unprofiled] + [None] * 10 + [error or "no trace written"]
     from trace_stats import summarize
@@ -186,6 +188,10 @@ def profile_row(side: str, job: str, trace: str | None, unprofiled: float | None
     profiled = statistics.mean(s["step_s"]) if s["step_s"] else None
     busy = s["gpu_busy_s_per_step"]
     by_kind = s["kernel_s_per_step_by_kind"]
+    if notes is not None and s["gemm_by_shape"]:
+        notes.append(f"{job} GEMMs by M x K x N (calls, ms a step, TFLOP/s): " + "; ".join(
+            f"{g['shape']} {g['dtype']} ({g['calls_per_step']:g}, {g['ms_per_step']:.2f}, {g['tflops']})"
+            for g in s["gemm_by_shape"][:8]))
     return [side, job, profiled, unprofiled, busy, None if not unprofiled else f"{busy / unprofiled:.0%}",
             s["kernels_per_step"], s["profiler_ops_per_step"], s["dispatched_ops_per_step"],
             *[by_kind.get(k, 0.0) for k in KINDS],

@@ -129,9 +129,9 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
     return steady, None, "", tps
 
 
-def profile(ctx: Context, batch: int, compiled: bool) -> tuple[list, bool]:
+def profile(ctx: Context, batch: int, compiled: bool, notes: list[str] | None = None) -> tuple[list, bool]:
     """Part (h)'s torchtitan row: its job at `batch` (compiled or eager) with the profiler window;
-    (row, skipped)."""
+    (row, skipped). `notes` receives its GEMM time by shape (`headline.profile_row`)."""
     from headline import keep_trace, profile_row
 
     mode = "compiled" if compiled else "eager"
@@ -146,7 +146,7 @@ def profile(ctx: Context, batch: int, compiled: bool) -> tuple[list, bool]:
     trace = keep_trace(os.path.join(ctx.out, "d", "torchtitan", f"out_{mode}_b{batch}_profile"), ctx.folder("h"),
                        f"torchtitan_{mode}")
     return profile_row("torchtitan", f"d/torchtitan/job_{mode}_b{batch}_profile.toml", trace, unprofiled,
-                       error), False
+                       error, notes), False
 
 
 def part_d(ctx: Context) -> PartResult:

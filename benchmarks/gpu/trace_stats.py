@@ -24,6 +24,9 @@ those annotations are not steps), and per step
                     counted operator; the operator that enters a Python dispatch mode
                     (activation checkpointing's policy: a `PythonDispatchMode` event) hands its count
                     to the call the mode re-dispatches. `detach` events count as `aten::detach`;
+* GEMMs by shape    the GEMM kernels' time by the M x K x N of the operator that launched them (its
+                    recorded input shapes; the kernel's External id links them) and the TFLOP/s each
+                    shape reached;
 * mode calls        Python dispatch-mode calls (`PythonDispatchMode` events): selective activation
                     checkpointing's policy sees every forward and recomputed operator of a block.
 
@@ -214,6 +217,37 @@ def optimizer_correlations(events: list[dict]) -> set:
     return found
 
 
+GEMM_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::_scaled_mm": 0, "aten::bmm": 0}
+"""Operators whose kernels are GEMMs -> the index of their first matrix in `Input Dims` (addmm: the bias first)."""
+
+
+def gemm_by_shape(events: list[dict], n_steps: int) -> list[dict]:
+    """The GEMM kernels' time a step by the shape of the operator that launched them (M x K x N, from the
+    profile's recorded input shapes, linked by the kernel's External id), largest first, with the
+    TFLOP/s each shape reached: where a step's matmul time goes, and which shapes run below the rest."""
+    ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("name") in GEMM_OPS:
+            dims = e.get("args", {}).get("Input Dims") or []
+            first = GEMM_OPS[e["name"]]
+            if len(dims) >= first + 2 and len(dims[first]) >= 2 and len(dims[first + 1]) >= 2:
+                a, b = dims[first], dims[first + 1]
+                batch = a[0] if len(a) == 3 else 1
+                types = e["args"].get("Input type") or [""]
+                ops[e["args"].get("External id")] = (batch * a[-2], a[-1], b[-1], str(types[first]).split("::")[-1])
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            key = ops.get(e.get("args", {}).get("External id"))
+            if key is not None:
+                by[key][0] += 1
+                by[key][1] += e["dur"]
+    n = max(1, n_steps)
+    return [{"shape": f"{m}x{k}x{nn}", "dtype": dt, "calls_per_step": round(c / n, 1),
+             "ms_per_step": round(us / 1e3 / n, 3), "tflops": round(2 * m * k * nn * c / (us * 1e-6) / 1e12)}
+            for (m, k, nn, dt), (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1]) if us > 0]
+
+
 def summarize(path: str) -> dict:
     events = load(path)
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
@@ -251,6 +285,7 @@ def summarize(path: str) -> dict:
         "handler_calls_per_step": round(d.handler_calls / n, 1),
         "handler_self_s_per_step": round(d.handler_self_us / 1e6 / n, 6),
         "top_dispatched_ops_per_step": {k: round(v / n, 1) for k, v in d.names.most_common(12)},
+        "gemm_by_shape": gemm_by_shape(events, len(steps)),
     }
 
 
@@ -277,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in out:
         print(f"{s['trace']}: {len(s['steps'])} steps, profiled step s {s['step_s']}")
         for key, value in s.items():
-            if key not in ("trace", "steps", "step_s"):
+            if key == "gemm_by_shape":
+                for g in value:
+                    print(f"  GEMM {g['shape']:>22s} {g['dtype']:9s} {g['calls_per_step']:6g}/step "
+                          f"{g['ms_per_step']:8.3f} ms/step {g['tflops']:5d} TFLOP/s")
+            elif key not in ("trace", "steps", "step_s"):
                 text = ", ".join(f"{k} {v:g}" for k, v in value.items()) if isinstance(value, dict) else value
                 print(f"  {key:30s} {text}")
     return 0
