@@ -153,15 +153,19 @@ def _measured_rows(results: str) -> list[Row]:
 
 def _as_run(job: str) -> list[str]:
     """Overrides that plan a job file as its code ran it: a float8 job written before the output head had a
-    rule of its own (`quantize.linear.float8.convert_output_head`, off by default since) converted it."""
+    rule of its own (`quantize.linear.float8.convert_output_head`, off by default since) converted it; a job
+    written before attention's q/k/v projections could run as one GEMM (`model.fuse_qkv`) ran three."""
     import tomllib
 
     with open(job, "rb") as f:
         cfg = tomllib.load(f)
+    out = []
     float8 = cfg.get("quantize", {}).get("linear", {}).get("float8", {})
     if "float8" in cfg.get("model", {}).get("converters", []) and "convert_output_head" not in float8:
-        return ["--quantize.linear.float8.convert_output_head", "true"]
-    return []
+        out += ["--quantize.linear.float8.convert_output_head", "true"]
+    if "fuse_qkv" not in cfg.get("model", {}):
+        out += ["--model.fuse_qkv", "false"]
+    return out
 
 
 def _row(name: str, job: str, records: list[dict], profiled: list[int]) -> Row:

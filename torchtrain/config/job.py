@@ -60,6 +60,12 @@ class Model:
     print_after_conversion: bool = False
     """Log the model (rank 0) after the converters have been applied."""
 
+    fuse_qkv: bool = True
+    """Run attention's query, key and value projections as one GEMM over their three weights concatenated
+    (the parameters and checkpoints stay three) wherever each rank holds the three whole: not under tensor
+    parallelism, float8 or LoRA (`Layout.fused_qkv`; models built on `models/common`'s grouped-query
+    attention). The same values up to the GEMM's rounding; false: three GEMMs."""
+
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
     """Model arguments set in this section that override the flavor preset (filled by the parser with
     the raw values; the model registry checks and converts them with the model's argument types)."""

@@ -47,6 +47,7 @@ from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the L
     applies_fsdp,
     compiles_optimizer_step,
     effective_reshard,
+    fuses_qkv,
     keeps_compute_grads,
     resolve_batch,
     resolve_optimizer_impl,
@@ -102,6 +103,8 @@ class Layout:
     allow_compute_copy: bool = True
     """Whether a job whose FSDP would only cast may train from a compute copy instead (`compute_copy`).
     The trainer's step manages the copy; the Accelerate API, whose loop is the user's, keeps FSDP."""
+    fuse_qkv: bool = True
+    """model.fuse_qkv: attention's q/k/v projections may run as one GEMM (applied where `fused_qkv`)."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -139,6 +142,12 @@ class Layout:
         """The step's gradients stay bf16/fp16 on the compute copy for the compiled optimizer step to read
         (`strategy.keeps_compute_grads`: one micro-batch a step); float32 on the parameters otherwise."""
         return keeps_compute_grads(self.compiled_optimizer_step, self.batch.grad_accum_steps)
+
+    @property
+    def fused_qkv(self) -> bool:
+        """Attention's q/k/v projections run as one GEMM: asked (`fuse_qkv`) and each rank holds the three
+        whole (`strategy.fuses_qkv`: no TP, float8 or LoRA)."""
+        return self.fuse_qkv and fuses_qkv(self.dims.tp_enabled, self.float8 is not None, self.lora is not None)
 
     @property
     def data_degree(self) -> int:
@@ -330,7 +339,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         compile_optimizer=cfg.compile.enable and "optimizer" in cfg.compile.components
         and cfg.optimizer.name in COMPILED_STEP_OPTIMIZERS,
         async_tp=par.enable_async_tensor_parallel, batch=batch,
-        replica_groups=replicas, replica_id=cfg.fault.replica_id or 0,
+        replica_groups=replicas, replica_id=cfg.fault.replica_id or 0, fuse_qkv=cfg.model.fuse_qkv,
     )
     float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
                             fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,

@@ -6,6 +6,8 @@ model. It applies, in this fixed order:
 0. **model converters**: float8 training swaps nn.Linear for torchao's Float8Linear
    (`float8.py`, when `layout.float8` says so) and wraps the selected MoE experts' weights for float8
    grouped GEMMs (when `layout.float8_experts` says so), so that every wrapper below sees the float8 layers;
+   attention modules that can fuse their q/k/v projections (a `fuse_qkv` attribute) do so where
+   `layout.fused_qkv` says;
 1. **tensor parallelism**: the model's own plan (`spec.tp_plan`) over the "tp" mesh dimension, plus
    async TP when the layout asks for it;
 2. **context parallelism**: the model's attention modules become their sequence-sharded version over
@@ -93,6 +95,9 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         convert_linears(model, layout.float8)
     if layout.float8_experts is not None:
         convert_experts(model, layout.float8_experts)
+    for module in model.modules():
+        if hasattr(module, "fuse_qkv"):
+            module.fuse_qkv = layout.fused_qkv
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
         tp_mesh = dims.world_mesh["tp"]

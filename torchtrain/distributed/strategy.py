@@ -115,6 +115,16 @@ def compiles_optimizer_step(requested: bool, compute_copy: bool, loss_scaling: b
     return requested and compute_copy and not loss_scaling
 
 
+def fuses_qkv(tensor_parallel: bool, float8: bool, lora: bool) -> bool:
+    """Attention's query, key and value projections run as one GEMM over their three weights concatenated
+    at each forward (`models/common/transformer.py::GQAttention.fuse_qkv`; the parameters stay three):
+    one input read, one input gradient instead of three summed, and no narrow key/value GEMMs, which run
+    well below the others' rate (docs/performance.md, GEMMs by shape). Wherever each rank holds the three
+    whole and plain: not under tensor parallelism (their column shards do not concatenate locally), float8
+    (each layer casts its own weight) or LoRA (adapters on some of the three)."""
+    return not (tensor_parallel or float8 or lora)
+
+
 def keeps_compute_grads(compiled_optimizer_step: bool, micro_batches: int) -> bool:
     """The gradients stay in the compute dtype on the compute copy (`distributed/compute_copy.py`
     `keep_grads`): the compiled optimizer step upcasts them as it reads them, and with one micro-batch a

@@ -157,13 +157,22 @@ class Block:
     """Every module the plan names, and every other parameter-holding module of the block."""
     moe: MoEShape | None = None
     dim: int = 0
+    fused: tuple[tuple[str, ...], ...] = ()
+    """Groups of the block's matmuls (one input, weights concatenated) that its modules run as one GEMM
+    where the layout says so (`Layout.fused_qkv`): `matmuls(fused=True)` gives each group as one."""
 
-    def matmuls(self) -> list[Matmul]:
-        return list(_memo(self, "matmuls", (), self._matmuls))
+    def matmuls(self, fused: bool = False) -> list[Matmul]:
+        return list(_memo(self, "matmuls", (fused,), lambda: self._matmuls(fused)))
 
-    def _matmuls(self) -> list[Matmul]:
+    def _matmuls(self, fused: bool) -> list[Matmul]:
         out = [Matmul(name, m.in_features, m.out_features, matmul_kind(self.plan.get(name)))
                for name, m in self.modules.items() if m.linear]
+        for group in self.fused if fused else ():
+            members = [m for m in out if m.name in group]
+            first = out.index(members[0])
+            out = [m for m in out if m.name not in group]
+            out.insert(first, Matmul("+".join(group), members[0].in_features, sum(m.out_features for m in members),
+                                     members[0].kind))
         if self.moe is not None:
             h, H = self.dim, self.moe.hidden
             out += [Matmul("experts.w1", h, H, "expert"), Matmul("experts.w3", h, H, "expert"),
@@ -258,8 +267,9 @@ class ModelContract:
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_layers[i]
 
-    def matmuls(self) -> list[Matmul]:
-        return self.block.matmuls()
+    def matmuls(self, fused: bool = False) -> list[Matmul]:
+        """The block's matmuls; `fused`: its fused groups as one each (`Block.fused`)."""
+        return self.block.matmuls(fused)
 
     def flops(self, seq_len: int) -> int:
         """`flops_per_token(seq_len)`, computed once per sequence length."""
@@ -287,6 +297,10 @@ def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward") -> dict[s
 def swiglu_modules(dim: int, hidden: int, prefix: str = "feed_forward") -> dict[str, Module]:
     return {prefix: Module(dim, dim), f"{prefix}.w1": linear(dim, hidden), f"{prefix}.w3": linear(dim, hidden),
             f"{prefix}.w2": linear(hidden, dim)}
+
+
+GQA_FUSED = (("attention.wq", "attention.wk", "attention.wv"),)
+"""The fused group of `models/common/transformer.py::GQAttention` (its `fuse_qkv`), for `Block.fused`."""
 
 
 def gqa_modules(dim: int, n_heads: int, kv_heads: int, head_dim: int) -> dict[str, Module]:

@@ -1,4 +1,5 @@
-"""Layers common to decoder-only transformers: RMSNorm and the SwiGLU feed-forward."""
+"""Layers common to decoder-only transformers: RMSNorm, the SwiGLU feed-forward, and one linear map over
+several weights concatenated (`concat_linear`)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,30 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _ConcatLinear(torch.autograd.Function):
+    """y = x @ cat(weights)^T as one GEMM; backward rebuilds the concatenation instead of keeping it, so
+    it holds what separate layers would (x and the weights themselves): grad_x = grad @ cat(weights), and
+    each weight's gradient is its rows of grad^T @ x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad.matmul(torch.cat(weights)) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_x, *[None] * len(weights)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_x, *grad_w.split([w.shape[0] for w in weights])
+
+
+def concat_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x (..., in) -> (..., sum of the weights' rows): the linear layers (no bias) of `weights`, which share
+    their input, as one GEMM -- the same values up to that GEMM's rounding, each weight's gradient its own
+    slice of one weight-gradient GEMM, and one input-gradient GEMM instead of several summed."""
+    return _ConcatLinear.apply(x, *weights)

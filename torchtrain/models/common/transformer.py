@@ -30,13 +30,18 @@ from torch import nn
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType, attention_inputs
 from torchtrain.models.common.decoder import decoder_init_spec
-from torchtrain.models.common.layers import RMSNorm
+from torchtrain.models.common.layers import RMSNorm, concat_linear
 from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table
 
 
 class GQAttention(nn.Module):
     """Grouped-query attention with RoPE on queries and keys (`rope_layout`), and optionally an RMSNorm
-    over head_dim on every query and key head before RoPE (`qk_norm_eps`, Qwen3)."""
+    over head_dim on every query and key head before RoPE (`qk_norm_eps`, Qwen3).
+
+    `fuse_qkv`: the three input projections run as one GEMM over their weights concatenated at each
+    forward (`layers.concat_linear`; the parameters, their names and checkpoints stay three, each weight's
+    gradient is its slice of one GEMM's). The same values up to the GEMM's rounding. Set from outside
+    where each rank holds the three whole (`Layout.fused_qkv`)."""
 
     def __init__(self, dim: int, n_heads: int, kv_heads: int, head_dim: int, mask: MaskType,
                  rope_layout: PairLayout, qk_norm_eps: float | None = None):
@@ -51,12 +56,22 @@ class GQAttention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
         self.core = AttentionCore(mask)
+        self.fuse_qkv = False
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (bsz, seq, dim) -> queries, keys, values (bsz, seq, heads, head_dim)."""
+        bsz, seqlen, _ = x.shape
+        if self.fuse_qkv:
+            weights = [layer.weight for layer in (self.wq, self.wk, self.wv)]
+            q, k, v = concat_linear(x, weights).split([w.shape[0] for w in weights], dim=-1)
+            v = v.contiguous()  # what attention keeps for backward: not a view holding q and k's columns too
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k, v = self.projections(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)

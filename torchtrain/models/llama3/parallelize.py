@@ -47,5 +47,5 @@ def declare(args: Llama3Args) -> contract.ModelContract:
     """The planner's view: every block is `block_plan` over grouped-query attention and a SwiGLU."""
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                **contract.swiglu_modules(args.dim, args.ffn_hidden_dim)}
-    dense = contract.Block(block_plan(), modules, dim=args.dim)
+    dense = contract.Block(block_plan(), modules, dim=args.dim, fused=contract.GQA_FUSED)
     return contract.gqa_decoder(args, dense, None, args.num_params(), args.ffn_hidden_dim)

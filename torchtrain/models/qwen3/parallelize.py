@@ -41,5 +41,5 @@ def declare(args: Qwen3Args) -> contract.ModelContract:
     """The planner's view: every block is `block_plan`."""
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                **contract.qk_norm_modules(args.head_dim), **contract.swiglu_modules(args.dim, args.hidden_dim)}
-    dense = contract.Block(block_plan(), modules, dim=args.dim)
+    dense = contract.Block(block_plan(), modules, dim=args.dim, fused=contract.GQA_FUSED)
     return contract.gqa_decoder(args, dense, None, args.num_params(), args.hidden_dim, qk_norm=True)

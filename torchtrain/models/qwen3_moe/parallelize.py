@@ -43,5 +43,5 @@ def declare(args: Qwen3MoeArgs) -> contract.ModelContract:
                             args.num_shared_experts, args.n_group, args.topk_group)
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                **contract.qk_norm_modules(args.head_dim), **contract.moe_modules(args.dim, moe)}
-    block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim)
+    block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim, fused=contract.GQA_FUSED)
     return contract.gqa_decoder(args, block, block, args.num_active_params(), args.hidden_dim, qk_norm=True)

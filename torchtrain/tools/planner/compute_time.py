@@ -186,7 +186,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     fp8_bytes = 0.0
     lora_s = lora_block_seconds(p, dev)
     out.gemm_fwd, out.gemm_bwd = lora_s
-    for mm in a.matmuls():
+    for mm in a.matmuls(fused=p.fused_qkv):
         gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
             mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
         if mm.kind in ("column", "row"):

@@ -28,6 +28,7 @@ from torchtrain.distributed.layout import (
     applies_fsdp,
     compiles_optimizer_step,
     effective_reshard,
+    fuses_qkv,
     keeps_compute_grads,
     uses_compute_copy,
 )
@@ -283,6 +284,14 @@ class PlanInputs:
         if self.layout is not None:
             return self.layout.compile_optimizer
         return self.compile and self.optimizer in COMPILED_STEP_OPTIMIZERS
+
+    @property
+    def fused_qkv(self) -> bool:
+        """Attention's q/k/v projections run as one GEMM (the Layout's decision, or its rule,
+        `strategy.fuses_qkv`)."""
+        if self.layout is not None:
+            return self.layout.fused_qkv
+        return fuses_qkv(self.tp > 1, self.float8, self.lora is not None)
 
     @property
     def grads_in_compute_dtype(self) -> bool:
