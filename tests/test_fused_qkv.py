@@ -66,8 +66,8 @@ def _layout(argv: list[str], world: int = 1):
 def test_the_layout_fuses_where_a_rank_holds_the_three_whole(argv, world, fused):
     layout = _layout(argv, world)
     assert layout.fused_qkv is fused
-    assert layout.fuse_qkv and fuses_qkv(layout.dims.tp_enabled, layout.float8 is not None,
-                                         layout.lora is not None) is fused or not layout.fuse_qkv and not fused
+    whole = fuses_qkv(layout.dims.tp_enabled, layout.float8 is not None, layout.lora is not None)
+    assert (layout.fuse_qkv and whole) is fused  # the Layout reads the one rule
 
 
 def test_the_applier_sets_the_attention_modules_from_the_layout():
