@@ -231,8 +231,7 @@ def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str) -
     entry = ctx.budget.admit(part, f"{part}/{label or name}", ctx.budget.estimate(spec))
     if entry is None:
         return Run(name, [], None, 0.0, skipped=ctx.budget.entries[-1].reason)
-    compiled = ctx.without_compiled_step and "--compile.enable" in argv and \
-        argv[argv.index("--compile.enable") + 1] == "true"
+    compiled = ctx.without_compiled_step and spec.mode.startswith("compile")
     run = _train(ctx.folder(part, name), argv + (WITHOUT_COMPILED_STEP if compiled else []), name, ctx.budget)
     run.folder = f"{part}/{name}"
     ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if run.ok else None, run.skipped)
