@@ -16,11 +16,26 @@ Checkpointing a block keeps only its input and re-runs its forward during backwa
   latents before the up-projections are stored, not the much wider queries, keys and values.
   Which module an operator runs in is tracked by forward hooks on the declared modules (they run
   again during the recomputation, so both passes take the same decisions).
+
+**Compiled blocks, option "op": stand-ins.** A compiled block's forward and backward are one joint graph
+that Inductor's partitioner splits, saving only what backward reads. The queries and keys attention
+receives are the projections' outputs rotated (RoPE) and cast back to the compute dtype; under "op"
+backward rebuilds them from the saved projection outputs (read q, k; write them rotated) before attention's
+backward. Where nothing else in backward reads those projection outputs -- plain grouped-query attention:
+RoPE's backward needs only the angles, the projections' weight gradients need their input --, saving the
+rotated queries and keys instead costs no memory (the same bytes: the partitioner then drops the
+projection outputs) and skips that rebuild; likewise the contiguous copy of the values that the fused
+q/k/v projection makes (otherwise the fused output, queries and keys included, stays saved for it). A
+block declares it is such attention by holding a module with `checkpoint_stand_ins` true
+(`models/common/transformer.py::GQAttention` without query/key norms, whose backward reads the projection
+outputs); the rule applies only while compiling (an eager block would keep both). Values are unchanged:
+what backward reads is the forward's own tensor instead of a recomputation of it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._guards
 import torch.utils.checkpoint as _checkpoint_module
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -75,6 +90,42 @@ def _op_selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _tracing() -> bool:
+    """Inside torch.compile's tracing of a graph (`torch.compiler.is_compiling` is not set during
+    AOTAutograd's trace on every supported torch; the tracing context is)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def _is_stand_in(op, args, kwargs) -> bool:
+    """The rotated queries/keys cast back to the compute dtype (a 4-d float32 tensor cast to 16 bits), or
+    the values' contiguous copy out of the fused projection (a copy of a 3-d tensor): see the module doc."""
+    if op is torch.ops.aten._to_copy.default:
+        x = args[0]
+        return x.dim() >= 4 and x.dtype == torch.float32 and kwargs.get("dtype") in _LOW_PRECISION
+    return op is torch.ops.aten.clone.default and args[0].dim() == 3
+
+
+def _save_matmuls_and_stand_ins_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in _SAVE_OPS or _is_stand_in(op, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_stand_ins_context():
+    """The policy for this checkpointed call: with stand-ins while compiling, the plain one eagerly."""
+    return create_selective_checkpoint_contexts(_save_matmuls_and_stand_ins_policy if _tracing()
+                                                else _save_matmuls_policy)
+
+
+def has_stand_ins(block: nn.Module) -> bool:
+    """The block holds attention declaring that its rotated inputs may be saved for its projections'
+    outputs (`checkpoint_stand_ins`; module doc)."""
+    return any(getattr(m, "checkpoint_stand_ins", False) for m in block.modules())
+
+
 class _CheapScope:
     """Counts how deep the running forward is inside the block's declared cheap modules (hooks)."""
 
@@ -122,7 +173,8 @@ def wrap_block(block: nn.Module, mode: str, option: str, layer_id: int, cheap: t
     if mode == "full" or (mode == "selective" and option not in OP_LEVEL_OPTIONS and layer_id % int(option) == 0):
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective" and option == "op":
-        return checkpoint_wrapper(block, context_fn=_op_selective_context, preserve_rng_state=False)
+        context = _op_stand_ins_context if has_stand_ins(block) else _op_selective_context
+        return checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
     if mode == "selective" and option == "cheap":
         scope = _CheapScope(cheap_modules(block, cheap))
         return checkpoint_wrapper(block, context_fn=scope.context, preserve_rng_state=False)
@@ -140,4 +192,4 @@ def apply_activation_checkpointing(blocks: nn.Module, mode: str, option: str, ch
         setattr(blocks, key, wrap_block(block, mode, option, int(key), cheap))
 
 
-__all__ = ["OP_LEVEL_OPTIONS", "apply_activation_checkpointing", "cheap_modules", "wrap_block"]
+__all__ = ["OP_LEVEL_OPTIONS", "apply_activation_checkpointing", "cheap_modules", "has_stand_ins", "wrap_block"]

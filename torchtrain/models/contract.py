@@ -234,6 +234,10 @@ class ModelContract:
     block_causal: bool = False
     qk_norm: bool = False
     """Per-head query/key RMSNorm (Qwen3)."""
+    checkpoint_stand_ins: bool = False
+    """A compiled selective "op" checkpoint saves the rotated queries and keys in place of the projections'
+    outputs, so backward does not rotate them again (the blocks' attention declares it:
+    `GQAttention.checkpoint_stand_ins`, grouped-query attention without query/key norms)."""
     cheap_to_recompute: tuple[str, ...] = ()
     """Block modules that selective checkpointing "cheap" recomputes (the family's `ModelSpec` field of
     the same name, from one constant of the family)."""
@@ -358,4 +362,4 @@ def gqa_decoder(args, dense: Block, moe_block: Block | None, num_active_params: 
         dense=dense, moe_block=moe_block, moe_layers=(moe_block is not None,) * args.n_layers,
         num_params=args.num_params(), num_active_params=num_active_params, flops_per_token=args.flops_per_token,
         ffn_hidden=ffn_hidden, tie_word_embeddings=args.tie_word_embeddings, max_seq_len=args.max_seq_len,
-        block_causal=args.attention_mask == "block_causal", qk_norm=qk_norm)
+        block_causal=args.attention_mask == "block_causal", qk_norm=qk_norm, checkpoint_stand_ins=not qk_norm)

@@ -41,7 +41,11 @@ class GQAttention(nn.Module):
     `fuse_qkv`: the three input projections run as one GEMM over their weights concatenated at each
     forward (`layers.concat_linear`; the parameters, their names and checkpoints stay three, each weight's
     gradient is its slice of one GEMM's). The same values up to the GEMM's rounding. Set from outside
-    where each rank holds the three whole (`Layout.fused_qkv`)."""
+    where each rank holds the three whole (`Layout.fused_qkv`).
+
+    `checkpoint_stand_ins`: without query/key norms, backward reads the projections' outputs only to
+    rebuild attention's inputs (the rotated queries and keys, the values), so a compiled selective
+    checkpoint may save those inputs in their place (`distributed/activation_checkpoint.py`)."""
 
     def __init__(self, dim: int, n_heads: int, kv_heads: int, head_dim: int, mask: MaskType,
                  rope_layout: PairLayout, qk_norm_eps: float | None = None):
@@ -57,6 +61,7 @@ class GQAttention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
         self.core = AttentionCore(mask)
         self.fuse_qkv = False
+        self.checkpoint_stand_ins = self.q_norm is None
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (bsz, seq, dim) -> queries, keys, values (bsz, seq, heads, head_dim)."""

@@ -49,7 +49,9 @@ a share of the blocks (patterns naming block indices) count by that share.
 **Recomputation** (activation checkpointing) repeats forward work in backward: `full` the whole
 block, selective every-N-th the N-th blocks, selective `op` the memory-bound kernels only
 (torchtrain's policy saves every matmul and attention output) plus `sac_matmul_share` of the
-matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5);
+matmuls for policies that recompute some (torchtitan's recomputes every second matmul: 0.5), less
+RoPE in compiled blocks whose attention declares checkpoint stand-ins (the rotated queries and keys
+are saved instead of the projections' outputs: `ModelContract.checkpoint_stand_ins`);
 selective `cheap` the memory-bound kernels and the forward GEMMs of the modules the model declares
 cheap to recompute (DeepSeek-V3: MLA's up-projections).
 """
@@ -151,11 +153,12 @@ def block_memory_bytes(a, d: int, compiled: bool) -> float:
     att = a.attention
     h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
     hq_qk = att.heads * att.qk_head_dim
+    out = rope_bytes(a, d, compiled) + 2 * d * hq
     if compiled:
-        out = 8 * d * h + 2 * d * (hq_qk + hkv) + 2 * d * hq
+        out += 8 * d * h
         per_ffn, qk_norm = 3 * d, 2 * d * (hq_qk + hkv)
     else:
-        out = 2 * (4 * d + 24) * h + (2 * d + 16) * (hq_qk + hkv) + 2 * d * hq + 6 * d * h
+        out += 2 * (4 * d + 24) * h + 6 * d * h
         per_ffn, qk_norm = 5 * d, (4 * d + 24) * (hq_qk + hkv)
     if a.qk_norm:
         out += qk_norm
@@ -165,6 +168,12 @@ def block_memory_bytes(a, d: int, compiled: bool) -> float:
     else:
         out += per_ffn * a.ffn_hidden
     return out
+
+
+def rope_bytes(a, d: int, compiled: bool) -> float:
+    """Forward bytes per token of RoPE on the queries and keys (part of `block_memory_bytes`)."""
+    width = a.attention.heads * a.attention.qk_head_dim + a.attention.kv_heads * a.attention.qk_head_dim
+    return (2 * d if compiled else 2 * d + 16) * width
 
 
 def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled: bool) -> float:
@@ -229,6 +238,8 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     out.recompute = _recompute_share(p) * (out.gemm_fwd + out.attn_fwd + out.mem_fwd)
     if p.ac_mode == "selective" and p.ac_option == "op":
         out.recompute = out.mem_fwd + p.sac_matmul_share * mm_fwd_s
+        if p.compile and a.checkpoint_stand_ins:  # the rotated queries and keys are saved, not rebuilt
+            out.recompute -= memory_seconds(dev, rope_bytes(a, d, compiled=True) * t / tp)
     if p.ac_mode == "selective" and p.ac_option == "cheap":
         out.recompute = out.mem_fwd + cheap_fwd_s
     return out
