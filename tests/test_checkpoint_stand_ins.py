@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing, has_stand_ins
+from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing, stand_ins
 from torchtrain.models.contract import declare
 from torchtrain.models.llama3 import Llama3Args
 from torchtrain.models.llama3 import Transformer as Llama3
@@ -99,8 +99,11 @@ def test_attention_with_query_key_norms_declares_no_stand_ins():
     reads."""
     qwen = Qwen3Args(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, hidden_dim=128,
                      max_seq_len=32)
-    assert not has_stand_ins(Qwen3(qwen).layers["0"]) and not declare(qwen).checkpoint_stand_ins
-    assert has_stand_ins(Llama3(ARGS).layers["0"]) and declare(ARGS).checkpoint_stand_ins
+    assert stand_ins(Qwen3(qwen).layers["0"]) == () and not declare(qwen).checkpoint_stand_ins
+    llama = Llama3(ARGS).layers["0"]
+    assert stand_ins(llama) == ("rotated",) and declare(ARGS).checkpoint_stand_ins
+    llama.attention.fuse_qkv = True  # (as the applier sets it where the layout fuses)
+    assert stand_ins(llama) == ("rotated", "values")
 
 
 def test_the_planner_costs_no_rotation_in_the_recomputation():

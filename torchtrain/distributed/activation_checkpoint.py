@@ -15,7 +15,9 @@ Checkpointing a block keeps only its input and re-runs its forward during backwa
   whole, matmuls included, and the expert all-to-all outputs are saved (never re-sent): only the
   latents before the up-projections are stored, not the much wider queries, keys and values.
   Which module an operator runs in is tracked by forward hooks on the declared modules (they run
-  again during the recomputation, so both passes take the same decisions).
+  again during the recomputation, so both passes take the same decisions); in a compiled block, where
+  the hooks run while Dynamo traces rather than when the policy is asked, by the module stack Dynamo
+  records for each traced operator.
 
 **Compiled blocks, option "op": stand-ins.** A compiled block's forward and backward are one joint graph
 that Inductor's partitioner splits, saving only what backward reads. The queries and keys attention
@@ -24,18 +26,19 @@ backward rebuilds them from the saved projection outputs (read q, k; write them 
 backward. Where nothing else in backward reads those projection outputs -- plain grouped-query attention:
 RoPE's backward needs only the angles, the projections' weight gradients need their input --, saving the
 rotated queries and keys instead costs no memory (the same bytes: the partitioner then drops the
-projection outputs) and skips that rebuild; likewise the contiguous copy of the values that the fused
-q/k/v projection makes (otherwise the fused output, queries and keys included, stays saved for it). A
-block declares it is such attention by holding a module with `checkpoint_stand_ins` true
-(`models/common/transformer.py::GQAttention` without query/key norms, whose backward reads the projection
-outputs); the rule applies only while compiling (an eager block would keep both). Values are unchanged:
-what backward reads is the forward's own tensor instead of a recomputation of it.
+projection outputs) and skips that rebuild; likewise, when the q/k/v projections run fused (`fuse_qkv`),
+the contiguous copy of the values (otherwise the fused output, queries and keys included, stays saved for
+it). A block's attention declares it with `checkpoint_stand_ins` (`models/common/transformer.py::
+GQAttention`, unless it has query/key norms, whose backward reads the projection outputs); the rule applies
+only while compiling (an eager block would keep both). Values are unchanged: what backward reads is the
+forward's own tensor instead of a recomputation of it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch._guards
+import torch.fx.traceback
 import torch.utils.checkpoint as _checkpoint_module
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -99,56 +102,83 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
-def _is_stand_in(op, args, kwargs) -> bool:
-    """The rotated queries/keys cast back to the compute dtype (a 4-d float32 tensor cast to 16 bits), or
-    the values' contiguous copy out of the fused projection (a copy of a 3-d tensor): see the module doc."""
-    if op is torch.ops.aten._to_copy.default:
-        x = args[0]
-        return x.dim() >= 4 and x.dtype == torch.float32 and kwargs.get("dtype") in _LOW_PRECISION
+def _rotated(op, args, kwargs) -> bool:
+    """The rotated queries or keys cast back to the compute dtype: a 4-d float32 tensor cast to 16 bits."""
+    if op is not torch.ops.aten._to_copy.default:
+        return False
+    x = args[0]
+    return x.dim() >= 4 and x.dtype == torch.float32 and kwargs.get("dtype") in _LOW_PRECISION
+
+
+def _values_copy(op, args, kwargs) -> bool:
+    """The values' contiguous copy out of the fused projection's output: a copy of a 3-d tensor."""
     return op is torch.ops.aten.clone.default and args[0].dim() == 3
 
 
-def _save_matmuls_and_stand_ins_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _SAVE_OPS or _is_stand_in(op, args, kwargs):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _stand_ins_context(kinds: tuple[str, ...]):
+    """The context function of selective "op" with the stand-ins `kinds` ("rotated", "values") also saved
+    (module doc): with them while compiling, the plain policy eagerly. (A plain function: Dynamo takes no
+    other callable as a checkpoint's `context_fn`.)"""
+    rules = [{"rotated": _rotated, "values": _values_copy}[k] for k in kinds]
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _SAVE_OPS or any(rule(op, args, kwargs) for rule in rules):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context():
+        return create_selective_checkpoint_contexts(policy if _tracing() else _save_matmuls_policy)
+
+    return context
 
 
-def _op_stand_ins_context():
-    """The policy for this checkpointed call: with stand-ins while compiling, the plain one eagerly."""
-    return create_selective_checkpoint_contexts(_save_matmuls_and_stand_ins_policy if _tracing()
-                                                else _save_matmuls_policy)
-
-
-def has_stand_ins(block: nn.Module) -> bool:
-    """The block holds attention declaring that its rotated inputs may be saved for its projections'
-    outputs (`checkpoint_stand_ins`; module doc)."""
-    return any(getattr(m, "checkpoint_stand_ins", False) for m in block.modules())
+def stand_ins(block: nn.Module) -> tuple[str, ...]:
+    """What the block's attention lets a compiled "op" checkpoint save for its projections' outputs
+    (`checkpoint_stand_ins`): the rotated queries and keys, and the values' copy when its projections
+    are fused; () when it declares none."""
+    for m in block.modules():
+        if getattr(m, "checkpoint_stand_ins", False):
+            return ("rotated", "values") if getattr(m, "fuse_qkv", False) else ("rotated",)
+    return ()
 
 
 class _CheapScope:
-    """Counts how deep the running forward is inside the block's declared cheap modules (hooks)."""
+    """Whether the running operator is inside one of the block's declared cheap modules: eagerly, how deep
+    the forward is inside them (forward hooks); while compiling, the module stack Dynamo recorded for the
+    traced operator (hooks run when Dynamo traces, not when the policy is asked)."""
 
-    def __init__(self, modules: list[nn.Module]):
+    def __init__(self, block: nn.Module, names: tuple[str, ...]):
         self.depth = 0
-        for m in modules:
+        self.suffixes = tuple("." + name for name in names)
+        for m in cheap_modules(block, names):
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(self._leave)
 
     def _enter(self, module, args) -> None:
-        self.depth += 1
+        if not torch.compiler.is_compiling():  # (traced, the count would be a side effect Dynamo refuses
+            self.depth += 1                     # inside a checkpoint; the policy reads the module stack)
 
     def _leave(self, module, args, output) -> None:
-        self.depth -= 1
+        if not torch.compiler.is_compiling():
+            self.depth -= 1
+
+    def inside(self) -> bool:
+        if _tracing():
+            stack = (torch.fx.traceback.get_current_meta() or {}).get("nn_module_stack") or {}
+            return any(path.endswith(self.suffixes) for path, *_ in stack.values())
+        return self.depth > 0
 
     def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if self.depth > 0:
+        if self.inside():
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS or op in _SAVE_COMM_OPS else \
             CheckpointPolicy.PREFER_RECOMPUTE
 
-    def context(self):
-        return create_selective_checkpoint_contexts(self.policy)
+    def context_fn(self):
+        """The checkpoint's context function (a plain function: Dynamo takes no other callable)."""
+        def context():
+            return create_selective_checkpoint_contexts(self.policy)
+        return context
 
 
 def cheap_modules(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -173,11 +203,11 @@ def wrap_block(block: nn.Module, mode: str, option: str, layer_id: int, cheap: t
     if mode == "full" or (mode == "selective" and option not in OP_LEVEL_OPTIONS and layer_id % int(option) == 0):
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective" and option == "op":
-        context = _op_stand_ins_context if has_stand_ins(block) else _op_selective_context
+        kinds = stand_ins(block)
+        context = _stand_ins_context(kinds) if kinds else _op_selective_context
         return checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
     if mode == "selective" and option == "cheap":
-        scope = _CheapScope(cheap_modules(block, cheap))
-        return checkpoint_wrapper(block, context_fn=scope.context, preserve_rng_state=False)
+        return checkpoint_wrapper(block, context_fn=_CheapScope(block, cheap).context_fn(), preserve_rng_state=False)
     return block
 
 
@@ -192,4 +222,4 @@ def apply_activation_checkpointing(blocks: nn.Module, mode: str, option: str, ch
         setattr(blocks, key, wrap_block(block, mode, option, int(key), cheap))
 
 
-__all__ = ["OP_LEVEL_OPTIONS", "apply_activation_checkpointing", "cheap_modules", "has_stand_ins", "wrap_block"]
+__all__ = ["OP_LEVEL_OPTIONS", "apply_activation_checkpointing", "cheap_modules", "stand_ins", "wrap_block"]
