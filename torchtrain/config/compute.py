@@ -17,7 +17,9 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """For mode = "selective": an integer N checkpoints every N-th block fully (1 = all blocks);
     "op" keeps every block but saves the outputs of matmuls and attention and recomputes only the
-    cheap element-wise operations (norms, activations, RoPE); "cheap" is "op" that also recomputes the
+    cheap element-wise operations (norms, activations, RoPE; a compiled block whose attention has no
+    query/key norms saves the rotated queries and keys in place of their projections' outputs, the same
+    bytes, and does not rerun RoPE); "cheap" is "op" that also recomputes the
     modules the model declares cheap to recompute, matmuls included (DeepSeek-V3: its RMSNorms and
     MLA's up-projections, so only their narrow latents are stored), and saves the expert all-to-all
     outputs instead of sending them again."""
