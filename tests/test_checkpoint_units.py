@@ -287,6 +287,9 @@ def test_no_signal_interrupts_a_save_and_one_that_arrived_is_honoured_after_it()
     it raises KeyboardInterrupt once the save is done. The preemption flag's own handler stays in place."""
     from torchtrain.components.checkpoint.preemption import DeferredSignals
 
+    # Python's own SIGINT handler, as a training process has it (a test process may hold another one, left by
+    # code that ran earlier in it: the test states its starting point)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = PreemptionWatcher(["SIGUSR2"])
     finished = []
     try:
@@ -300,6 +303,7 @@ def test_no_signal_interrupts_a_save_and_one_that_arrived_is_honoured_after_it()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         watcher.restore()
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_several_model_parts_round_trip():
