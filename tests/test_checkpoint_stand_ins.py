@@ -83,14 +83,31 @@ def test_compiled_blocks_save_the_rotated_inputs_for_the_same_bytes_and_numbers(
         torch.testing.assert_close(g, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
 
 
-def test_eager_blocks_save_as_the_plain_policy():
+def _stored_eagerly(stand_ins: bool) -> int:
+    """Bytes a bf16 llama3 model under selective "op" leaves stored after an eager forward (the checkpoint's
+    own storage included, which saved-tensor hooks do not see)."""
+    from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
+
+    torch.manual_seed(0)
+    model = Llama3(ARGS).to(torch.bfloat16)
+    for block in model.layers.values():
+        block.attention.fuse_qkv = True
+        block.attention.checkpoint_stand_ins = stand_ins
+    apply_activation_checkpointing(model.layers, "selective", "op")
+    tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with TensorMemoryTracker() as tracker:
+        before = tracker.current
+        out = model(tokens)
+        stored = tracker.current - before
+    out.float().sum().backward()
+    return stored
+
+
+def test_eager_blocks_store_as_the_plain_policy():
     """Eagerly nothing is dropped after the fact, so a saved stand-in would be kept beside the output it
-    comes from: the rule applies only while compiling."""
-    saved, grads = _run(True, compiled=False, stand_ins=True)
-    plain, plain_grads = _run(True, compiled=False, stand_ins=False)
-    assert _changed(saved, plain) == ([], [])
-    for g, ref in zip(grads, plain_grads):
-        assert torch.equal(g, ref)
+    comes from: the rule applies only while compiling, and an eager forward stores what the plain policy
+    stores."""
+    assert _stored_eagerly(True) == _stored_eagerly(False)
 
 
 def test_attention_with_query_key_norms_declares_no_stand_ins():
