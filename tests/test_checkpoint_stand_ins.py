@@ -20,19 +20,24 @@ BATCH, SEQ = 2, 64
 HQ, HKV = 256, 64  # query and key/value widths: 8 and 2 heads of 32
 
 
-def _run(fused: bool, compiled: bool, stand_ins: bool) -> tuple[list, list[torch.Tensor]]:
-    """(shape and dtype of every tensor saved for backward in the second step's forward, the parameters'
-    gradients of that step) for a bf16 llama3 block under selective "op" checkpointing."""
+def _model(fused: bool, stand_ins: bool) -> tuple[Llama3, torch.Tensor]:
+    """A bf16 llama3 model under selective "op" checkpointing, and a batch of tokens."""
     torch.manual_seed(0)
     model = Llama3(ARGS).to(torch.bfloat16)
     for block in model.layers.values():
         block.attention.fuse_qkv = fused
         block.attention.checkpoint_stand_ins = stand_ins
     apply_activation_checkpointing(model.layers, "selective", "op")
+    return model, torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _run(fused: bool, compiled: bool, stand_ins: bool) -> tuple[list, list[torch.Tensor]]:
+    """(shape and dtype of every tensor saved for backward in the second step's forward, the parameters'
+    gradients of that step) for a bf16 llama3 block under selective "op" checkpointing."""
+    model, tokens = _model(fused, stand_ins)
     if compiled:
         for block in model.layers.values():
             block.compile(fullgraph=True)
-    tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     model(tokens).float().square().mean().backward()  # (compiles)
     model.zero_grad()
     saved = []
@@ -88,13 +93,7 @@ def _stored_eagerly(stand_ins: bool) -> int:
     own storage included, which saved-tensor hooks do not see)."""
     from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
 
-    torch.manual_seed(0)
-    model = Llama3(ARGS).to(torch.bfloat16)
-    for block in model.layers.values():
-        block.attention.fuse_qkv = True
-        block.attention.checkpoint_stand_ins = stand_ins
-    apply_activation_checkpointing(model.layers, "selective", "op")
-    tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    model, tokens = _model(True, stand_ins)
     with TensorMemoryTracker() as tracker:
         before = tracker.current
         out = model(tokens)
