@@ -115,10 +115,16 @@ def _values_copy(op, args, kwargs) -> bool:
     return op is torch.ops.aten.clone.default and args[0].dim() == 3
 
 
-def _stand_ins_context(kinds: tuple[str, ...]):
-    """The context function of selective "op" with the stand-ins `kinds` ("rotated", "values") also saved
-    (module doc): with them while compiling, the plain policy eagerly. (A plain function: Dynamo takes no
-    other callable as a checkpoint's `context_fn`.)"""
+def _context_fn(traced_policy, eager_policy):
+    """A checkpoint's context function choosing, once per checkpointed call, the policy for a compiled graph's
+    trace or for an eager run. (A plain function: Dynamo takes no other callable as `context_fn`.)"""
+    def context():
+        return create_selective_checkpoint_contexts(traced_policy if _tracing() else eager_policy)
+    return context
+
+
+def _stand_ins_policy(kinds: tuple[str, ...]):
+    """Selective "op" with the stand-ins `kinds` ("rotated", "values") also saved (module doc)."""
     rules = [{"rotated": _rotated, "values": _values_copy}[k] for k in kinds]
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -126,10 +132,7 @@ def _stand_ins_context(kinds: tuple[str, ...]):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def context():
-        return create_selective_checkpoint_contexts(policy if _tracing() else _save_matmuls_policy)
-
-    return context
+    return policy
 
 
 def stand_ins(block: nn.Module) -> tuple[str, ...]:
@@ -162,23 +165,21 @@ class _CheapScope:
         if not torch.compiler.is_compiling():
             self.depth -= 1
 
-    def inside(self) -> bool:
-        if _tracing():
-            stack = (torch.fx.traceback.get_current_meta() or {}).get("nn_module_stack") or {}
-            return any(path.endswith(self.suffixes) for path, *_ in stack.values())
-        return self.depth > 0
+    def _traced_inside(self) -> bool:
+        stack = (torch.fx.traceback.get_current_meta() or {}).get("nn_module_stack") or {}
+        return any(path.endswith(self.suffixes) for path, *_ in stack.values())
 
-    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if self.inside():
+    @staticmethod
+    def _policy(inside: bool, op) -> CheckpointPolicy:
+        if inside:
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS or op in _SAVE_COMM_OPS else \
             CheckpointPolicy.PREFER_RECOMPUTE
 
     def context_fn(self):
-        """The checkpoint's context function (a plain function: Dynamo takes no other callable)."""
-        def context():
-            return create_selective_checkpoint_contexts(self.policy)
-        return context
+        """The checkpoint's context function: the module stack while tracing, the hooks' depth eagerly."""
+        return _context_fn(lambda ctx, op, *args, **kwargs: self._policy(self._traced_inside(), op),
+                           lambda ctx, op, *args, **kwargs: self._policy(self.depth > 0, op))
 
 
 def cheap_modules(block: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -204,7 +205,7 @@ def wrap_block(block: nn.Module, mode: str, option: str, layer_id: int, cheap: t
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective" and option == "op":
         kinds = stand_ins(block)
-        context = _stand_ins_context(kinds) if kinds else _op_selective_context
+        context = _context_fn(_stand_ins_policy(kinds), _save_matmuls_policy) if kinds else _op_selective_context
         return checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
     if mode == "selective" and option == "cheap":
         return checkpoint_wrapper(block, context_fn=_CheapScope(block, cheap).context_fn(), preserve_rng_state=False)
