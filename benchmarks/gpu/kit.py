@@ -4,6 +4,7 @@ and the part results that `summary.md` is written from (benchmarks/gpu/README.md
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -273,6 +274,8 @@ def _train(dump: str, argv: list[str], name: str, budget: Budget) -> Run:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            trainer = None  # the model and optimizer state go before the cache is emptied: a torchtitan run
+            gc.collect()  # started after this one (its own process) gets the memory back
             torch._dynamo.reset()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -119,7 +119,7 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
     code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
     text = ANSI.sub("", open(log_path, errors="replace").read())
     tps = [float(t.replace(",", "")) for _, t in sorted(STEP.findall(text), key=lambda st: int(st[0]))]
-    steady = statistics.median(tps[3:] or tps[1:]) if tps else None
+    steady = statistics.median(tps[3:] or tps[1:] or tps) if tps else None  # one step: an early stop
     ctx.budget.done(entry, ctx.budget.clock() - t0, spec, SEQ * batch / steady if steady else None,
                     cut if cut.startswith("stopped") else "")
     if cut.startswith("stopped"):

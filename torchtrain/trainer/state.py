@@ -17,6 +17,11 @@ class TrainState:
     def tokens_seen(self) -> int:
         return int(self._tokens.item())
 
+    @property
+    def tokens_on_device(self) -> torch.Tensor:
+        """`tokens_seen` as the device tensor (read without waiting for the device)."""
+        return self._tokens
+
     def add_tokens(self, count: torch.Tensor) -> None:
         self._tokens += count
 

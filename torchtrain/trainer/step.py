@@ -236,8 +236,10 @@ class TrainStep:
         hooks = hooks or StepHooks()
         dims = self.layout.dims
         hooks.phase("forward_backward")
-        batches = [self.shard(b) for b in batches]
-        local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches).to(self.device)
+        # on the device first (pinned by the loader, copied without waiting): the target count is then taken
+        # there, so the step never waits for the previous one to finish before it queues its own work
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in self.shard(b).items()} for b in batches]
+        local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches)
         global_tokens = all_reduce(local_tokens, dims.loss_mesh)
         degree = dims.loss_degree
         if self.replicas is not None:

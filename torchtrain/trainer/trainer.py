@@ -9,6 +9,7 @@ pipeline) -> data -> metrics -> checkpoints; `Trainer.train` runs the loop and `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -51,6 +52,7 @@ from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
 from torchtrain.trainer.step_factory import build_train_step
+from torchtrain.trainer.step_record import StepValues, defers_log
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -130,6 +132,7 @@ class Trainer:
         self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
+        self._pending: tuple | None = None  # a logged step's record, written once the next step is queued
         # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
         self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
@@ -213,6 +216,7 @@ class Trainer:
             self.compile_monitor.start()
             with self.tensor_memory.track():
                 out = self.train_step(batches, self.hooks)
+            self._flush_log()  # the previous logged step's record: this step is queued behind it
             self.compile_monitor.stop(self.state.step)
             self.throughput.add_step(tokens_per_step, data_time)
             self.phases.end_step()
@@ -230,7 +234,7 @@ class Trainer:
                 evaluation = self.evaluation.run(self.state.step, self.phases)
             if not logged and (self._should_log() or evaluation is not None or out.verdict is not None
                                or self.checkpointer.unreported_failure):
-                self._log(out, evaluation)
+                self._log(out, evaluation, may_defer=True)
                 logged = True
             if self.state.step == first_step:
                 set_train_timeout(cfg.comm.train_timeout_seconds)
@@ -244,6 +248,7 @@ class Trainer:
                 if not logged:
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
+        self._flush_log()
         self.fault.finish()  # the loop has ended: a finished run is never declared hung (restarted)
         logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
@@ -279,35 +284,55 @@ class Trainer:
         self.phases.reset()
         return True
 
-    def _log(self, out: StepResult, evaluation: dict | None = None) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_metrics = out.metrics()
-        record = {
-            "loss": step_metrics.pop("loss"),
-            "grad_norm": step_metrics.pop("grad_norm"),
-            "lr": step_metrics.pop("lr"),
-            "tokens_seen": self.state.tokens_seen,
-            **({"answer_tokens": int(out.tokens.item())} if self.job_config.training.dataset == CHAT else {}),
-            **self.throughput.summary(),
+    def _log(self, out: StepResult, evaluation: dict | None = None, may_defer: bool = False) -> None:
+        """Log a step. Its device values are copied to the host behind its work (`trainer/step_record.py`)
+        and its host-side fields taken now; with `may_defer`, where `defers_log` allows, the record is
+        written once the next step is queued (`_flush_log`), else at once."""
+        self._flush_log()
+        scaler = self.train_step.scaler
+        immediate = [why for why, present in (
+            ("verdict", out.verdict is not None), ("evaluation", evaluation is not None),
+            ("loss scaling", scaler.enabled), ("phase timing", self.phases.enabled),
+            ("replica groups", self.replicas is not None), ("checkpoint failure", self.checkpointer.unreported_failure),
+        ) if present]
+        at_end = {
             "memory_peak_gib": self.memory.peak_gib(),
             "memory_kind": self.memory.kind,
             **self.tensor_memory.record(),
             **self.compile_monitor.record(),
         }
-        scaler = self.train_step.scaler
         if scaler.enabled:
-            record.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps,
-                          step_skipped=not out.stepped)
+            at_end.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps, step_skipped=not out.stepped)
+        after = {**(evaluation or {}), **self.guard.record(), **self.fault.record(), **self.checkpointer.record()}
+        self.memory.reset_peak()
+        self._pending = (self.state.step, StepValues(out, self.state.tokens_on_device), at_end, after)
+        if not (may_defer and defers_log(self.device, immediate)):
+            self._flush_log()
+
+    def _flush_log(self) -> None:
+        """Write the record `_log` left pending, if any (waits for its step's values only)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, values, at_end, after = pending
+        out = values.ready().out
+        step_metrics = out.metrics()
+        record = {
+            "loss": step_metrics.pop("loss"),
+            "grad_norm": step_metrics.pop("grad_norm"),
+            "lr": step_metrics.pop("lr"),
+            "tokens_seen": values.tokens_seen,
+            **({"answer_tokens": int(out.tokens)} if self.job_config.training.dataset == CHAT else {}),
+            **self.throughput.summary(),
+            **at_end,
+        }
         record.update(step_metrics)  # z_loss, MoE metrics, extra losses
-        record.update(**self.phases.summary(record["step_time_s"]), **(evaluation or {}),
-                      **self.guard.record(), **self.fault.record(), **self.checkpointer.record())  # [ops]
+        record.update(**self.phases.summary(record["step_time_s"]), **after)  # [ops]
         if self.replicas is not None:
             record.update(self.replicas.record())
-            if self.state.step == self.job_config.training.steps:
+            if step == self.job_config.training.steps:
                 record["state_digest"] = state_digest(self.replicas.states)
-        self.metrics.log(self.state.step, record)
-        self.memory.reset_peak()
+        self.metrics.log(step, record)
 
     def close(self, finished: bool = False) -> None:
         """Flush and release everything. `finished`: every rank completed normally, so they meet at a
@@ -317,6 +342,8 @@ class Trainer:
         self.profiler.stop()
         self.gc.close()
         self.checkpointer.close()
+        with contextlib.suppress(Exception):  # a run that failed after a logged step: its record still
+            self._flush_log()  # (a device that failed cannot give it: the run's error says why)
         if self.offload is not None:
             self.offload.close()
         self.metrics.close()

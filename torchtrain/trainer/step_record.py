@@ -1,0 +1,62 @@
+"""A logged step's device values, on their way to the host without holding the host up.
+
+On CUDA the host queues a step's kernels well ahead of the GPU running them. Reading a logged step's loss
+at once (`.item()`) makes the host wait until the GPU has finished the step; the GPU then waits in turn
+while the host writes the record, fetches the next batch and queues the next step's first kernels: a few
+milliseconds a logged step in which the GPU runs nothing (about 2 % of a 1B model's step on an H100 when
+every step is logged). `StepValues` instead queues copies of the step's values into pinned host memory
+behind the step's own work and marks the point with an event; the trainer writes the record after it has
+queued the next step (`Trainer._flush_log`), waiting only for that event, while the GPU runs on.
+
+The record says the same thing either way: its host-side fields are taken when the step ends, its step
+time is measured when the step's values are ready. On a CPU the step has finished when it returns, so the
+record is written at once (`defers_log`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torchtrain.trainer.step import StepResult
+
+DEVICE_FIELDS = ("loss", "grad_norm", "tokens", "z_loss", "moe", "extra_losses")
+"""The `StepResult` fields that are device tensors."""
+
+
+def defers_log(device: torch.device, immediate_reasons: list[str]) -> bool:
+    """A logged step's record is written after the next step is queued: on CUDA, unless something makes the
+    step's end a point where the host waits anyway or reads state the next step changes
+    (`immediate_reasons`: non-empty for a verdict, an evaluation, loss scaling, phase timing, replica
+    groups or a checkpoint failure to report)."""
+    return device.type == "cuda" and not immediate_reasons
+
+
+def _to_host(value):
+    if isinstance(value, torch.Tensor) and value.device.type == "cuda":  # pinned: the copy is queued, not waited for
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value.detach(), non_blocking=True)
+    return value
+
+
+class StepValues:
+    """`out`'s tensors and the tokens seen so far, copied to the host behind the step's work; `ready()`
+    waits for the copies alone (the device's later work goes on)."""
+
+    def __init__(self, out: StepResult, tokens_seen: torch.Tensor):
+        self.out = dataclasses.replace(out, **{f: _to_host(getattr(out, f)) for f in DEVICE_FIELDS})
+        self._tokens_seen = _to_host(tokens_seen)
+        self._event = None
+        if tokens_seen.device.type == "cuda":  # after the copies, on the same stream
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> StepValues:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self._tokens_seen)
