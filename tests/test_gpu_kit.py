@@ -253,7 +253,8 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
 def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_path):
     """A kernel launched inside `Optimizer.step#...` on the host thread that ran it is the optimizer's
     whatever its name (a compiled step's Triton kernels); Inductor's other kernels go by their prefix; a
-    GEMM's time goes to the shape of the operator that launched it."""
+    GEMM's time goes to the shape of the operator that launched it; a kernel launched outside the
+    recorded steps is not theirs."""
     stats = _budget_module("trace_stats")
     host = {"pid": 1, "tid": 1}
     events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 1000, **host},
@@ -277,15 +278,22 @@ def test_trace_kernels_go_to_the_optimizer_that_launched_them_else_by_name(tmp_p
                                  ("aten::addmm", 12, [[2048], [16384, 2048], [2048, 2048]], 4_000)):
         events.append({"ph": "X", "cat": "cpu_op", "name": name, "ts": 10 + ext, "dur": 1, **host,
                        "args": {"External id": ext, "Input Dims": dims, "Input type": ["c10::BFloat16"] * len(dims)}})
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10 + ext, "dur": 2,
+                       "args": {"correlation": ext}, **host})
         events.append({"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4", "ts": start, "dur": dur,
-                       "pid": 0, "tid": 7, "args": {"External id": ext}})
+                       "pid": 0, "tid": 7, "args": {"External id": ext, "correlation": ext}})
         start += 100_000
+    # a kernel the GPU ran while the profiler recorded but launched after the step (the host queues ahead)
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1500, "dur": 2,
+                   "args": {"correlation": 99}, **host})
+    events.append({"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_9", "ts": start, "dur": 50_000,
+                   "pid": 0, "tid": 7, "args": {"correlation": 99}})
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = stats.summarize(str(path))
     assert s["kernel_s_per_step_by_kind"] == {"gemm": 0.045, "optimizer": 0.01, "reduction": 0.005,
                                               "element-wise": 0.002}
-    assert s["kernels_per_step"] == 7 and s["launches_per_step"] == 5
+    assert s["kernels_per_step"] == 7 and s["launches_per_step"] == 7
     assert s["gemm_by_shape"] == [  # the larger time first; 2 M K N / seconds
         {"shape": "16384x2048x2048", "dtype": "BFloat16", "calls_per_step": 1, "ms_per_step": 4.0, "tflops": 34},
         {"shape": "16384x2048x512", "dtype": "BFloat16", "calls_per_step": 1, "ms_per_step": 1.0, "tflops": 34}]

@@ -101,3 +101,15 @@ def test_host_values_pass_through_on_the_cpu():
     values = StepValues(StepResult(loss, norm, 1e-3, tokens, True), torch.tensor(1024)).ready()
     assert values.out.loss is loss and values.out.tokens is tokens and values.tokens_seen == 1024
     assert values.out.metrics() == {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3}
+
+
+def test_step_time_is_the_devices_where_it_was_measured():
+    from torchtrain.components.observability.metrics import ThroughputMeter
+
+    meter = ThroughputMeter(flops_per_token=6, peak_tflops=None, world_size=1)
+    meter.add_step(1000, 0.0)
+    meter.add_step(1000, 0.0)
+    summary = meter.summary(elapsed=0.5)  # two steps in half a second of device time
+    assert summary["step_time_s"] == 0.25 and summary["tokens_per_s_per_device"] == 4000
+    cpu = StepValues(StepResult(torch.tensor(1.0), torch.tensor(1.0), 0.0, torch.tensor(1), True), torch.tensor(1))
+    assert cpu.seconds_after(cpu) is None  # no device clock on a CPU: the wall clock measures the step

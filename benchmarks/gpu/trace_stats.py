@@ -7,7 +7,9 @@ those annotations are not steps), and per step
 
 * step s            the host-side duration of a profiled step (the profiler slows the host: compare
                     with the unprofiled steps of the same run);
-* kernels           GPU kernels, memcpys and memsets;
+* kernels           GPU kernels, memcpys and memsets launched inside the recorded steps (a kernel goes with
+                    the step whose host range holds its launch, by the launch's correlation id: the host
+                    may queue a step while the GPU still runs the one before);
 * GPU busy s        the union of their intervals (the time the GPU had work);
 * kernel s by kind  GEMM, attention, element-wise, reduction, copy, optimizer, other: a kernel launched
                     inside an optimizer's step (torch's `Optimizer.step#...` annotation, linked to the
@@ -15,7 +17,7 @@ those annotations are not steps), and per step
                     compiled step's Triton kernels), the others go by name (Inductor's `triton_tem_`
                     templates are GEMMs, `triton_red_`/`triton_per_` reductions, `triton_poi_`
                     element-wise);
-* host launches     cudaLaunchKernel / cuLaunchKernelEx calls and their mean host duration;
+* host launches     cudaLaunchKernel / cuLaunchKernelEx calls inside the steps and their mean host duration;
 * profiler ops      every `aten::` (and `c10d::`, `fsdp::`) operator event, nested calls included;
 * dispatched ops    the operators a dispatch-level observer (a `TorchDispatchMode`, which is what the
                     planner's traced step counts) sees: an operator event counts unless it is
@@ -221,7 +223,18 @@ GEMM_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::_scaled_mm": 0, "aten::bmm":
 """Operators whose kernels are GEMMs -> the index of their first matrix in `Input Dims` (addmm: the bias first)."""
 
 
-def gemm_by_shape(events: list[dict], n_steps: int) -> list[dict]:
+def launched_in(steps: list[dict], kernels: list[dict], events: list[dict]) -> list[dict]:
+    """The `kernels` whose launch (a runtime or driver call, linked by correlation id) lies inside one of the
+    host-side `steps` (all of them when the trace has no steps)."""
+    if not steps:
+        return kernels
+    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+    inside = {e.get("args", {}).get("correlation") for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(a <= e["ts"] <= b for a, b in ranges)}
+    return [e for e in kernels if e.get("args", {}).get("correlation") in inside]
+
+
+def gemm_by_shape(events: list[dict], kernels: list[dict], n_steps: int) -> list[dict]:
     """The GEMM kernels' time a step by the shape of the operator that launched them (M x K x N, from the
     profile's recorded input shapes, linked by the kernel's External id), largest first, with the
     TFLOP/s each shape reached: where a step's matmul time goes, and which shapes run below the rest."""
@@ -236,8 +249,8 @@ def gemm_by_shape(events: list[dict], n_steps: int) -> list[dict]:
                 types = e["args"].get("Input type") or [""]
                 ops[e["args"].get("External id")] = (batch * a[-2], a[-1], b[-1], str(types[first]).split("::")[-1])
     by = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
+    for e in kernels:
+        if e.get("cat") == "kernel":
             key = ops.get(e.get("args", {}).get("External id"))
             if key is not None:
                 by[key][0] += 1
@@ -253,7 +266,7 @@ def summarize(path: str) -> dict:
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     n = max(1, len(steps))
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS]
+    kernels = launched_in(steps, [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS], events)
     intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, start, end = 0.0, None, None
     for s, t in intervals:
@@ -269,6 +282,7 @@ def summarize(path: str) -> dict:
         by_kind["optimizer" if e.get("args", {}).get("correlation") in in_optimizer else kind(e["name"])] += e["dur"]
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaLaunchKernel",)]
     launches += [e for e in events if e.get("cat") == "cuda_driver" and e.get("name") in LAUNCHES_DRIVER]
+    launches = [e for e in launches if not steps or any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
     d = dispatched_ops(events)
     return {
         "trace": path.rsplit("/", 1)[-1], "steps": [e["name"] for e in steps],
@@ -285,7 +299,7 @@ def summarize(path: str) -> dict:
         "handler_calls_per_step": round(d.handler_calls / n, 1),
         "handler_self_s_per_step": round(d.handler_self_us / 1e6 / n, 6),
         "top_dispatched_ops_per_step": {k: round(v / n, 1) for k, v in d.names.most_common(12)},
-        "gemm_by_shape": gemm_by_shape(events, len(steps)),
+        "gemm_by_shape": gemm_by_shape(events, kernels, len(steps)),
     }
 
 

@@ -8,9 +8,9 @@ every step is logged). `StepValues` instead queues copies of the step's values i
 behind the step's own work and marks the point with an event; the trainer writes the record after it has
 queued the next step (`Trainer._flush_log`), waiting only for that event, while the GPU runs on.
 
-The record says the same thing either way: its host-side fields are taken when the step ends, its step
-time is measured when the step's values are ready. On a CPU the step has finished when it returns, so the
-record is written at once (`defers_log`).
+The record says the same thing either way: its host-side fields are taken when the step ends, and on CUDA
+its step time is the device's, from one logged step's end to the next (`StepValues.seconds_after`). On a
+CPU the step has finished when it returns, so the record is written at once (`defers_log`).
 """
 
 from __future__ import annotations
@@ -48,14 +48,21 @@ class StepValues:
         self._tokens_seen = _to_host(tokens_seen)
         self._event = None
         if tokens_seen.device.type == "cuda":  # after the copies, on the same stream
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
 
     def ready(self) -> StepValues:
         if self._event is not None:
             self._event.synchronize()
-            self._event = None
         return self
+
+    def seconds_after(self, earlier: StepValues | None) -> float | None:
+        """Device seconds between the end of `earlier`'s step and this one's (both `ready`); None on a CPU
+        or without an earlier one. A deferred record's step time: the host's own clock would measure
+        where it happened to be when it waited, which is not where the step ended."""
+        if self._event is None or earlier is None or earlier._event is None:
+            return None
+        return earlier._event.elapsed_time(self._event) / 1e3
 
     @property
     def tokens_seen(self) -> int:

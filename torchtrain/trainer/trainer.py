@@ -133,6 +133,7 @@ class Trainer:
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         self._pending: tuple | None = None  # a logged step's record, written once the next step is queued
+        self._timed: StepValues | None = None  # the last written record's values: its step's end on the device
         # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
         self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
@@ -198,6 +199,7 @@ class Trainer:
         tokens_per_step = self.batch.global_batch_size * cfg.training.seq_len
         logger.info("training for %d steps", cfg.training.steps)
         self.throughput.reset()
+        self._timed = None
         self.phases.reset()
         self.memory.reset_peak()
         self.profiler.start(self.state.step)
@@ -281,6 +283,7 @@ class Trainer:
             logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d "
                         "runs again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
         self.throughput.reset()
+        self._timed = None
         self.phases.reset()
         return True
 
@@ -316,6 +319,7 @@ class Trainer:
             return
         step, values, at_end, after = pending
         out = values.ready().out
+        elapsed, self._timed = values.seconds_after(self._timed), values
         step_metrics = out.metrics()
         record = {
             "loss": step_metrics.pop("loss"),
@@ -323,7 +327,7 @@ class Trainer:
             "lr": step_metrics.pop("lr"),
             "tokens_seen": values.tokens_seen,
             **({"answer_tokens": int(out.tokens)} if self.job_config.training.dataset == CHAT else {}),
-            **self.throughput.summary(),
+            **self.throughput.summary(elapsed),
             **at_end,
         }
         record.update(step_metrics)  # z_loss, MoE metrics, extra losses

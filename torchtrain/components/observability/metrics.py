@@ -40,8 +40,10 @@ class ThroughputMeter:
         self.steps += 1
         self.data_time += data_time
 
-    def summary(self) -> dict[str, float | None]:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+    def summary(self, elapsed: float | None = None) -> dict[str, float | None]:
+        """The steps added since the last summary (or reset); `elapsed`: their seconds where the caller
+        measured them (on the device), else the wall time since then."""
+        elapsed = max(time.perf_counter() - self.t0 if elapsed is None else elapsed, 1e-9)
         tps = self.tokens / elapsed / self.world_size
         tflops = tps * self.flops_per_token / 1e12
         out = {
