@@ -223,14 +223,16 @@ GEMM_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::_scaled_mm": 0, "aten::bmm":
 """Operators whose kernels are GEMMs -> the index of their first matrix in `Input Dims` (addmm: the bias first)."""
 
 
-def launched_in(steps: list[dict], kernels: list[dict], events: list[dict]) -> list[dict]:
-    """The `kernels` whose launch (a runtime or driver call, linked by correlation id) lies inside one of the
-    host-side `steps` (all of them when the trace has no steps)."""
-    if not steps:
-        return kernels
-    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
-    inside = {e.get("args", {}).get("correlation") for e in events
-              if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(a <= e["ts"] <= b for a, b in ranges)}
+def host_calls_in(steps: list[dict], events: list[dict]) -> list[dict]:
+    """The CUDA runtime and driver calls made inside one of the host-side `steps` (all of them when the trace
+    has no steps)."""
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    return [e for e in calls if not steps or any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
+
+
+def launched_in(calls: list[dict], kernels: list[dict]) -> list[dict]:
+    """The `kernels` launched by one of the host `calls` (linked by correlation id)."""
+    inside = {e.get("args", {}).get("correlation") for e in calls}
     return [e for e in kernels if e.get("args", {}).get("correlation") in inside]
 
 
@@ -266,7 +268,8 @@ def summarize(path: str) -> dict:
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     n = max(1, len(steps))
-    kernels = launched_in(steps, [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS], events)
+    calls = host_calls_in(steps, events)
+    kernels = launched_in(calls, [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATS])
     intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, start, end = 0.0, None, None
     for s, t in intervals:
@@ -280,9 +283,8 @@ def summarize(path: str) -> dict:
     in_optimizer = optimizer_correlations(events)
     for e in kernels:
         by_kind["optimizer" if e.get("args", {}).get("correlation") in in_optimizer else kind(e["name"])] += e["dur"]
-    launches = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaLaunchKernel",)]
-    launches += [e for e in events if e.get("cat") == "cuda_driver" and e.get("name") in LAUNCHES_DRIVER]
-    launches = [e for e in launches if not steps or any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
+    launches = [e for e in calls if e.get("name") in (("cudaLaunchKernel",) if e["cat"] == "cuda_runtime"
+                                                     else LAUNCHES_DRIVER)]
     d = dispatched_ops(events)
     return {
         "trace": path.rsplit("/", 1)[-1], "steps": [e["name"] for e in steps],

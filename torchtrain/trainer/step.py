@@ -203,7 +203,7 @@ class TrainStep:
         return self.model_parts[0](batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
 
     def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Backward over the step's (`shard`ed) micro-batches; returns this rank's summed scaled loss."""
+        """Backward over the step's (`shard`ed, on-device) micro-batches; returns this rank's summed scaled loss."""
         accumulated = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
             merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
@@ -222,8 +222,8 @@ class TrainStep:
                 if len(batches) > 1:
                     set_gradient_sync(self.model_parts, i == len(batches) - 1)
                 with self.context():
-                    logits = model(batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
-                    loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
+                    logits = model(batch["input_ids"], **self.model_kwargs(batch))  # (`__call__` moved them)
+                    loss = self.loss_fn(logits, batch["labels"])
                     del logits
                     self.scaler.scale(loss).backward()
                 accumulated += local_value(loss.detach()).float()
