@@ -101,17 +101,22 @@ def stop_in_step(rank: int, step: int, phase: str, dump_folder: str) -> None:
 
 
 def _requested(name: str, step: int) -> bool:
-    """A one-shot request file of the control folder: True (once) if present; it becomes <name>.done."""
+    """A one-shot request file of the control folder: True (once) if present.
+
+    The rename claims it (one rank, one step); it then becomes <name>.done holding the step, and appears
+    under that name only once the step is written, so a reader never sees it empty.
+    """
     folder = os.environ.get(CONTROL)
     if not folder:
         return False
     path = os.path.join(folder, name)
     try:
-        os.rename(path, path + ".done")
+        os.rename(path, path + ".claimed")
     except OSError:
         return False
-    with open(path + ".done", "w") as f:
+    with open(path + ".claimed", "w") as f:
         f.write(str(step))
+    os.rename(path + ".claimed", path + ".done")
     return True
 
 
