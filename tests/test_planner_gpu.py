@@ -94,6 +94,31 @@ def test_known_misses_miss_on_their_side(rows):
                 assert error * side > 0, (name, error, reason)
 
 
+PROFILED_GPU_BAND = 0.15
+"""The plan's GPU time against the GPU busy time of a profiled step (the same kernels, summed by the profiler on
+the measuring machine: no host, no step-to-step jitter): 15%, the float8 casts' byte model being the coarsest
+part (+13% on the compiled float8 step)."""
+
+
+@pytest.mark.slow  # three traced 1B plans: ~10 s of CPU
+def test_the_planned_gpu_time_matches_each_profiled_step():
+    """The GPU side of the plan on its own, against the profiles of part (h): the eager step (second set), where
+    the plan counts RMSNorm as CUDA runs it (one fused kernel each way), and the compiled bf16 and float8 steps
+    (third set)."""
+    rows = []
+    for subset in check.RESULT_SETS:
+        folder = os.path.join(RESULTS, subset)
+        these = check.profiled_rows(folder)
+        with open(os.path.join(folder, check.COUNTS)) as f:
+            check.plan_rows(these, json.load(f))
+        rows += these
+    names = {r.name for r in rows}
+    assert {f"{check.SECOND}/h/torchtrain_eager", f"{check.THIRD}/h/torchtrain_compiled",
+            f"{check.THIRD}/h/torchtrain_compiled_float8"} <= names, names
+    bad = [r.name for r in rows if abs(r.gpu_error) > PROFILED_GPU_BAND]
+    assert not bad, check.gpu_table(rows)
+
+
 def test_host_costs_derive_from_torchtitans_profile():
     from torchtrain.components.hardware import KNOWN_GPUS
 

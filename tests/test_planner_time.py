@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from torchtrain.components.hardware import KNOWN_GPUS
+from torchtrain.components.hardware import CPU, KNOWN_GPUS
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner import published_runs
 from torchtrain.tools.planner.core import load_job, resolve_gpu
@@ -83,6 +83,28 @@ def test_mfu_is_no_longer_an_input_and_device_figures_can_be_overridden():
     job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml"])
     fast = inputs_from_config(job.cfg, job.args, 128, "cuda", KNOWN_GPUS["h100"], {})
     assert estimate_step(fast.replace(gpu=slow_net)).step_s > estimate_step(fast).step_s
+
+
+def test_an_eager_rms_norm_moves_its_activations_once_where_the_device_fuses_it():
+    """On a GPU `F.rms_norm` is one kernel each way (read, write: 2 d bytes an element); where autograd decomposes
+    it (the CPU target, `--device fused_rms_norm=false`) each step is a pass (4 d + 24). A compiled block fuses
+    it either way. Nothing else in the block changes."""
+    from torchtrain.tools.planner.compute_time import block_memory_bytes
+
+    job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--compile.enable", "false"])
+    eager = inputs_from_config(job.cfg, job.args, 8, "cuda", KNOWN_GPUS["h100"], {})
+    a = eager.model
+    for d in (2, 4):
+        fused, chain = block_memory_bytes(a, d, False, True), block_memory_bytes(a, d, False, False)
+        assert chain - fused == 2 * (4 * d + 24 - 2 * d) * a.dim  # the block's two norms
+        assert block_memory_bytes(a, d, True, True) == block_memory_bytes(a, d, True, False)
+    assert KNOWN_GPUS["h100"].fused_rms_norm and not CPU.fused_rms_norm
+    _, decomposed = resolve_gpu("h100", ["fused_rms_norm=false"])
+    assert not decomposed.fused_rms_norm and resolve_gpu("cpu", ["fused_rms_norm=true"])[1].fused_rms_norm
+    with pytest.raises(ConfigError, match="write true or false"):
+        resolve_gpu("h100", ["fused_rms_norm=maybe"])
+    assert not eager.compile
+    assert estimate_step(eager.replace(gpu=decomposed)).step_s > estimate_step(eager).step_s
 
 
 def test_every_device_states_its_sources():

@@ -76,6 +76,10 @@ class GPUSpec:
     """The same for its backward."""
     memory_efficiency: float = 0.8
     """Achievable share of the HBM bandwidth in streaming (element-wise) kernels."""
+    fused_rms_norm: bool = True
+    """`F.rms_norm` runs as one kernel forward and one backward (torch's CUDA/ROCm kernel): it reads its
+    input and writes its output once. False where autograd decomposes it (the CPU: a float32 cast, square,
+    mean, scale and cast back, each a pass over the activations)."""
     intra_node_efficiency: float = 0.8
     """NCCL bus bandwidth / link peak inside a node."""
     inter_node_efficiency: float = 0.86
@@ -199,7 +203,7 @@ CPU = GPUSpec("cpu", "CPU", 0, None, None, r"$^", gpus_per_node=1, matmul_effici
               host_op_us=None,
               host_memory_gbps=None, nvme_gib=None, nvme_read_gbps=None, nvme_write_gbps=None, pcie_gbps=None,
               attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, memory_efficiency=1.0,
-              sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "
+              fused_rms_norm=False, sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "
                       "--device fp32_tflops=0.2 --device hbm_tbps=0.01")
 """A CPU target: its rates are the user's measurements (`--device key=value`), applied as achieved."""
 
@@ -221,6 +225,11 @@ def with_overrides(spec: GPUSpec, overrides: dict[str, str] | list[str]) -> GPUS
         if key not in fields or key in ("key", "pattern", "sources"):
             numeric = [n for n in fields if n not in ("key", "name", "pattern", "sources")]
             raise ConfigError(f"--device {key}: not a device field; one of {', '.join(numeric)}")
+        if fields[key].type in (bool, "bool"):
+            if str(value).lower() not in ("true", "false"):
+                raise ConfigError(f"--device {key}={value}: write true or false")
+            changes[key] = str(value).lower() == "true"
+            continue
         try:
             changes[key] = (int if key in ("gpus_per_node", "sm_count") else
                             str if key == "name" else float)(value)

@@ -24,15 +24,17 @@ them by s_k / (s_k + 250) (FlashAttention-3 paper, Fig. 5, FA2 on H100: the back
 its long-sequence rate at 512 tokens, 0.81 at 1k, 0.90 at 2k, 0.96 at 4k).
 
 **Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
-HBM e_mem. Per token and block, with d-byte activations and fp32 norms, eager PyTorch moves in forward
+HBM e_mem. Per token and block, with d-byte activations, eager PyTorch moves in forward
 
-    2 (4d + 24) h       two RMSNorms: cast to fp32, square, mean, scale, cast back, weight
+    4 d h               two RMSNorms, each one fused kernel (`GPUSpec.fused_rms_norm`: read, write);
+                        2 (4d + 24) h where autograd decomposes them (fp32 cast, square, mean, scale,
+                        cast back, weight: a CPU)
     (2d + 16)(h_q+h_kv) RoPE on q and k (through complex fp32)
     2 d h_q             the attention output's transpose back to tokens x features
     6 d h               two residual adds
     5 d F               SwiGLU: silu(w1 x) and its product with w3 x
     (MoE: 4 d h k for dispatch and combine, 5 d H per route and shared expert; Qwen3's q/k norms
-     (4d + 24)(h_q + h_kv))
+     2 d (h_q + h_kv), decomposed (4d + 24)(h_q + h_kv))
 
 and a compiled block (`compile.enable`: Inductor fuses each chain into one kernel that reads its
 inputs and writes its outputs once) 4 d h + 2 d (h_q + h_kv) + 2 d h_q + 4 d h + 3 d F. Backward moves
@@ -147,21 +149,28 @@ def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int
 
 
 # ------------------------------------------------------------------------------ memory-bound bytes
-def block_memory_bytes(a, d: int, compiled: bool) -> float:
+def norm_bytes(d: int, compiled: bool, fused: bool) -> float:
+    """Forward bytes per normalized element of an RMSNorm (one fused kernel or a compiled one: read and
+    write; decomposed by autograd: each step a pass)."""
+    return 2 * d if compiled or fused else 4 * d + 24
+
+
+def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True) -> float:
     """Forward bytes per token of a block's memory-bound kernels, before tensor-parallel sharding
     (see the module docstring)."""
     att = a.attention
     h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
     hq_qk = att.heads * att.qk_head_dim
-    out = rope_bytes(a, d, compiled) + 2 * d * hq
+    norm = norm_bytes(d, compiled, fused_norm)
+    out = rope_bytes(a, d, compiled) + 2 * d * hq + 2 * norm * h
     if compiled:
-        out += 8 * d * h
-        per_ffn, qk_norm = 3 * d, 2 * d * (hq_qk + hkv)
+        out += 4 * d * h
+        per_ffn = 3 * d
     else:
-        out += 2 * (4 * d + 24) * h + 6 * d * h
-        per_ffn, qk_norm = 5 * d, (4 * d + 24) * (hq_qk + hkv)
+        out += 6 * d * h
+        per_ffn = 5 * d
     if a.qk_norm:
-        out += qk_norm
+        out += norm * (hq_qk + hkv)
     if a.moe is not None:
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
@@ -231,7 +240,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
             out.tp_gemm[key] = (out.tp_gemm[key][0] + fwd, out.tp_gemm[key][1] + dgrad)
     att = a.attention
     out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim)
-    mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile) * t / tp)
+    mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile, dev.fused_rms_norm) * t / tp)
     fp8_s = memory_seconds(dev, fp8_bytes)
     out.mem_fwd = mem_fwd + fp8_s / 3
     out.mem_bwd = 2 * mem_fwd + 2 * fp8_s / 3
@@ -295,9 +304,9 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
                 f, dg, wg = linear_seconds(dev, t, k, m, p.param_dtype)
                 fwd, bwd = fwd + f, bwd + dg + wg
     loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t
-    norm_bytes = (6 * d if p.compile else 3 * (4 * d + 24)) * a.dim * t / tp
+    final_norm = 3 * norm_bytes(d, p.compile, dev.fused_rms_norm) * a.dim * t / tp
     cast_bytes = float8_cast_bytes(a.dim, a.vocab_size / tp, d, False) * t if fp8 else 0.0  # outside the blocks: eager
-    return fwd + bwd + memory_seconds(dev, loss_bytes + norm_bytes + cast_bytes)
+    return fwd + bwd + memory_seconds(dev, loss_bytes + final_norm + cast_bytes)
 
 
 def optimizer_seconds(p: PlanInputs, dev: GPUSpec, local_params: float) -> float:

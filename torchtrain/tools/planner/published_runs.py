@@ -8,12 +8,14 @@ prints predicted against measured; `tests/test_planner_time.py` holds every row 
 
 What a row may state besides the job keys is only what the source says about the run: the device
 variant it ran on and, for torchtitan's runs, its selective-checkpointing policy (it recomputes every
-second matmul: `sac_matmul_share = 0.5`).
+second matmul: `sac_matmul_share = 0.5`) and how its RMSNorm ran (December 2024: written out in element-wise
+operations, not torch's fused kernel: `fused_rms_norm`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -66,6 +68,9 @@ class Run:
     """+1: the model predicts more than was measured; -1: less."""
     extra: tuple[str, ...] = field(default_factory=tuple)
     """Further job overrides the source states."""
+    fused_rms_norm: bool = True
+    """Whether its RMSNorm ran as one kernel forward and one backward (`GPUSpec.fused_rms_norm`); torchtitan's
+    of December 2024 computed it in element-wise operations (a float32 cast, pow, mean, rsqrt, mul, cast back)."""
 
     def job_args(self) -> list[str]:
         args = ["--model.name", self.model, "--model.flavor", self.flavor,
@@ -89,6 +94,7 @@ class Run:
 def _tt(name, model_flavor, world, seq, local, glob, tps, **kw) -> Run:
     """A torchtitan run: its AdamW was the foreach implementation (`optimizer.fused` defaulted to false)."""
     kw["extra"] = ("--optimizer.implementation", "foreach", *kw.get("extra", ()))
+    kw.setdefault("fused_rms_norm", kw.get("source", TORCHTITAN_2412) != TORCHTITAN_2412)
     return Run(name, kw.pop("source", TORCHTITAN_2412), "llama3", model_flavor, kw.pop("gpu", "h100_hbm2e"), world,
                seq, local, glob, measured_tokens_per_s=tps, **kw)
 
@@ -201,6 +207,7 @@ def check(run: Run) -> Check:
 
     job = load_job(["--job.print_config", "false", *run.job_args()])
     device_type, gpu = resolve_gpu(run.gpu)
+    gpu = dataclasses.replace(gpu, fused_rms_norm=run.fused_rms_norm)
     p = inputs_from_config(job.cfg, job.args, run.world_size, device_type, gpu, {})
     p = p.replace(sac_matmul_share=run.sac_matmul_share)
     t = estimate_step(p)
