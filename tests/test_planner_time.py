@@ -17,7 +17,7 @@ from conftest import REPO
 from torchtrain.components.hardware import CPU, KNOWN_GPUS
 from torchtrain.config import ConfigError
 from torchtrain.tools.planner import published_runs
-from torchtrain.tools.planner.core import load_job, resolve_gpu
+from torchtrain.tools.planner.core import host_of, load_job, make_plan, resolve_gpu
 from torchtrain.tools.planner.from_job import inputs_from_config
 from torchtrain.tools.planner.step_time import estimate_step
 
@@ -88,7 +88,7 @@ def test_mfu_is_no_longer_an_input_and_device_figures_can_be_overridden():
 def test_an_eager_rms_norm_moves_its_activations_once_where_the_device_fuses_it():
     """On a GPU `F.rms_norm` is one kernel each way (read, write: 2 d bytes an element); where autograd decomposes
     it (the CPU target, `--device fused_rms_norm=false`) each step is a pass (4 d + 24). A compiled block fuses
-    it either way. Nothing else in the block changes."""
+    it either way. Nothing else in the block changes; the traced step's host operators follow the same flag."""
     from torchtrain.tools.planner.compute_time import block_memory_bytes
 
     job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--compile.enable", "false"])
@@ -105,6 +105,13 @@ def test_an_eager_rms_norm_moves_its_activations_once_where_the_device_fuses_it(
         resolve_gpu("h100", ["fused_rms_norm=maybe"])
     assert not eager.compile
     assert estimate_step(eager.replace(gpu=decomposed)).step_s > estimate_step(eager).step_s
+    # the traced step's host operators read the same decision: a decomposed norm dispatches its chain
+    debug = load_job(["--job.config_file", f"{REPO}/train_configs/debug_model.toml"])
+    ops = {}
+    for spec in (KNOWN_GPUS["h100"], decomposed):
+        plan = make_plan(debug, inputs_from_config(debug.cfg, debug.args, 1, "cuda", spec, {}))
+        ops[spec.fused_rms_norm] = host_of(plan.inputs, plan.ranks).ops
+    assert ops[False] > ops[True]
 
 
 def test_every_device_states_its_sources():

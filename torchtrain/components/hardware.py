@@ -202,8 +202,8 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
 CPU = GPUSpec("cpu", "CPU", 0, None, None, r"$^", gpus_per_node=1, matmul_efficiency=1.0, host_memory_gib=None,
               host_op_us=None,
               host_memory_gbps=None, nvme_gib=None, nvme_read_gbps=None, nvme_write_gbps=None, pcie_gbps=None,
-              attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, memory_efficiency=1.0,
-              fused_rms_norm=False, sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "
+              attention_fwd_efficiency=1.0, attention_bwd_efficiency=1.0, memory_efficiency=1.0, fused_rms_norm=False,
+              sources="no figures: give the measured rates (benchmarks/planner_cpu.py measures them), e.g. "
                       "--device fp32_tflops=0.2 --device hbm_tbps=0.01")
 """A CPU target: its rates are the user's measurements (`--device key=value`), applied as achieved."""
 

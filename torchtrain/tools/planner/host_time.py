@@ -198,7 +198,8 @@ class OpCounter(TorchDispatchMode):
         self.counts = OpCounts()
         self.phase = "forward/backward"
         self.cuda = cuda
-        """The target is a GPU: `FUSED_ON_CUDA` calls count as their CUDA kernels (see `functions`)."""
+        """The target runs `FUSED_ON_CUDA` calls fused (a GPU: `GPUSpec.fused_rms_norm`): they count as their
+        CUDA kernels (see `functions`)."""
         self._fused_depth = 0
         self._fused_handled = False
         self._fused_inputs: list[set] = []

@@ -221,7 +221,8 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
         schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
     track_modules(tracker, parts, optimizers)
-    counter = OpCounter(compiled_modules(p, parts) if p.compile else None, cuda=p.device_type == "cuda")
+    fused = p.gpu.fused_rms_norm if p.gpu is not None else p.device_type == "cuda"  # the device decides
+    counter = OpCounter(compiled_modules(p, parts) if p.compile else None, cuda=fused)
     stored: list[float] = []
     # The trainer's own step (z-loss, MoE balancer, extra losses as the job sets them); a pipeline rank
     # runs up to two micro-batches through its stages (simulation/stage_step.py).
