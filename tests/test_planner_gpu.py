@@ -45,16 +45,22 @@ def _debug_model(name: str) -> bool:
     return any(name.startswith(s + "/" + d if s else d) for s in check.RESULT_SETS for d in DEBUG_MODEL)
 
 
+def _planned(rows_of) -> list:
+    """`rows_of(folder)`'s rows (but the debug model's) of every committed measurement the planner is held to,
+    planned with that set's recorded counts."""
+    out = []
+    for subset in check.RESULT_SETS:
+        folder = os.path.join(RESULTS, subset)
+        these = [r for r in rows_of(folder) if not _debug_model(r.name)]
+        with open(os.path.join(folder, check.COUNTS)) as f:
+            check.plan_rows(these, json.load(f))
+        out += these
+    return out
+
+
 @pytest.fixture(scope="module")
 def rows():
-    out = []
-    for subset in check.RESULT_SETS:  # every committed measurement the planner is held to
-        folder = os.path.join(RESULTS, subset)
-        these = [r for r in check.measured_rows(folder) if not _debug_model(r.name)]
-        with open(os.path.join(folder, check.COUNTS)) as f:
-            recorded = json.load(f)
-        check.plan_rows(these, recorded)
-        out += these
+    out = _planned(check.measured_rows)
     print("\n" + check.table(out))
     return out
 
@@ -105,13 +111,7 @@ def test_the_planned_gpu_time_matches_each_profiled_step():
     """The GPU side of the plan on its own, against the profiles of part (h): the eager step (second set), where
     the plan counts RMSNorm as CUDA runs it (one fused kernel each way), and the compiled bf16 and float8 steps
     (third set)."""
-    rows = []
-    for subset in check.RESULT_SETS:
-        folder = os.path.join(RESULTS, subset)
-        these = check.profiled_rows(folder)
-        with open(os.path.join(folder, check.COUNTS)) as f:
-            check.plan_rows(these, json.load(f))
-        rows += these
+    rows = _planned(check.profiled_rows)
     names = {r.name for r in rows}
     assert {f"{check.SECOND}/h/torchtrain_eager", f"{check.THIRD}/h/torchtrain_compiled",
             f"{check.THIRD}/h/torchtrain_compiled_float8"} <= names, names

@@ -137,8 +137,7 @@ def _metrics(folder: str) -> list[dict]:
 def measured_rows(results: str = RESULTS) -> list[Row]:
     """The runs with metrics in `results`: kit parts (b), (c), (f), (g) and the diagnosis. A row's name is
     its folder (`b/1B_compile`), under the set's folder for a set inside results/ (`SECOND/b/...`)."""
-    inside = os.path.relpath(os.path.abspath(results), RESULTS)
-    prefix = "" if inside == "." or inside.startswith("..") else inside + "/"
+    prefix = _set_prefix(results)
     return [dataclasses.replace(r, name=prefix + r.name) for r in _measured_rows(results)]
 
 
@@ -166,6 +165,12 @@ def _measured_rows(results: str) -> list[Row]:
     return rows
 
 
+def _set_prefix(results: str) -> str:
+    """How the rows of `results` are named: under the set's folder for a set inside results/, else as they are."""
+    inside = os.path.relpath(os.path.abspath(results), RESULTS)
+    return "" if inside == "." or inside.startswith("..") else inside + "/"
+
+
 def profiled_rows(results: str = RESULTS) -> list[Row]:
     """torchtrain's profiled runs of part (h), with the GPU busy time a step their profile measured (named as
     `measured_rows` names its rows); the time the plan gives the GPU is held against it."""
@@ -175,8 +180,7 @@ def profiled_rows(results: str = RESULTS) -> list[Row]:
     with open(path) as f:
         part = json.load(f)
     col = {name: i for i, name in enumerate(part["columns"])}
-    inside = os.path.relpath(os.path.abspath(results), RESULTS)
-    prefix = "" if inside == "." or inside.startswith("..") else inside + "/"
+    prefix = _set_prefix(results)
     rows = []
     for r in part["rows"]:
         job = os.path.join(results, r[col["job"]], "job_config.toml")
@@ -311,11 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = measured_rows(args.results)
     path = os.path.join(args.results, COUNTS)
     recorded = None if args.record or not os.path.exists(path) else json.load(open(path))
-    plan_rows(rows, recorded)
-    print(table(rows))
     profiled = profiled_rows(args.results)
+    plan_rows(rows + profiled, recorded)  # one call: a profiled run shares its job's plan
+    print(table(rows))
     if profiled:
-        plan_rows(profiled, recorded)
         print("\n" + gpu_table(profiled) + "\n")
     for name, (_, _, reason) in KNOWN_MISSES.items():
         print(f"- {name}: {reason}")
