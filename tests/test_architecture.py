@@ -168,7 +168,7 @@ NEVER = {
     "simulation": COMMANDS | {"tools", "trainer"},
     "components": COMMANDS | {"tools", "trainer", "simulation"},
     "data": COMMANDS | {"tools", "trainer", "simulation", "components"},
-    "models": COMMANDS | {"tools", "trainer", "simulation", "components"},
+    "models": COMMANDS | {"tools", "trainer", "simulation", "components", "distributed"},
     "distributed": COMMANDS | {"tools", "trainer", "simulation", "components"},
     "utils": COMMANDS | {"tools", "trainer", "simulation", "components", "data", "models", "distributed", "config"},
 }

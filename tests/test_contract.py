@@ -41,7 +41,7 @@ def _logged(model: str, tp: int, ep: int, layers: int) -> tuple[Counter, Counter
 
 
 @pytest.mark.parametrize("model,ep,layers", [("llama3", 1, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 1),
-                                             ("deepseek_v3", 2, 2)])
+                                             ("deepseek_v3", 2, 2), ("gpt_oss", 2, 1)])
 def test_declared_block_collectives_match_the_dry_run(model, ep, layers):
     # the step's own collectives (the MoE statistics' reductions, clipping) are per step, not per block:
     # the difference between n and n + 1 blocks removes everything that is not a block's

@@ -71,6 +71,32 @@ def test_flex_attention_masks_equal_dense_masks():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_attention_sinks_join_the_denominator_on_every_kernel():
+    """Sinks under SDPA-side explicit scores and FlexAttention's log-sum-exp agree (forward: flex has no CPU
+    backward), with block-causal and sliding-window masks; and they equal a softmax over the scores with one
+    more column holding the sink logit (the definition), whose weight is dropped."""
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 24, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    sinks = torch.randn(h, generator=g)
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(b, -1)
+    for mask, window in (("causal", None), ("block_causal", None), ("causal", 5)):
+        outs = []
+        for backend in ("sdpa", "flex"):
+            core = AttentionCore(mask, backend, sinks=True)
+            ctx = AttentionContext(positions=positions)
+            core.prepare(ctx, b, s, q.device, (window,) if window else ())  # flex: a causal BlockMask too
+            outs.append(core(q, k, v, ctx, window=window, sinks=sinks))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    seq = torch.arange(s)
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+    scores = scores.masked_fill(seq[None, :] > seq[:, None], float("-inf"))
+    column = sinks.view(1, h, 1, 1).expand(b, h, s, 1)
+    weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    core = AttentionCore("causal", "sdpa", sinks=True)
+    torch.testing.assert_close(core(q, k, v, AttentionContext(), sinks=sinks), weights @ v, rtol=1e-5, atol=1e-6)
+
+
 def test_cp_split_is_load_balanced_and_covers_the_sequence():
     for cp in (1, 2, 4):
         held = [cp_indices(64, cp, r) for r in range(cp)]

@@ -31,6 +31,10 @@ FAMILIES = {
                     "--model.q_lora_rank", "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
                     "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16", "--model.moe_intermediate_size", "32",
                     "--parallelism.expert_parallel_degree", "2"],
+    "gpt_oss": ["--model.dim", "64", "--model.n_heads", "8", "--model.n_kv_heads", "4", "--model.head_dim", "16",
+                "--model.vocab_size", "512", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
+                "--model.moe_intermediate_size", "32", "--model.sliding_window", "8",
+                "--parallelism.expert_parallel_degree", "2"],
 }
 
 

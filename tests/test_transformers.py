@@ -70,7 +70,7 @@ def theirs(folder: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).float().eval()
 
 
-@pytest.mark.parametrize("kind", DENSE + ["mixtral"])
+@pytest.mark.parametrize("kind", DENSE + ["mixtral", "gpt_oss"])
 def test_logits_equal_transformers_forward(kind, tmp_path):
     folder = hf_folder(tmp_path, kind)
     with torch.no_grad():

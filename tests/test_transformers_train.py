@@ -11,6 +11,8 @@ shared by the module (tests/scripts/parity_runs.py runs its jobs one after anoth
   FSDP2 and TP2 equal one process from its declared plan alone;
 * Mixtral loaded from its folder (stored one tensor per expert): FSDP2 with its MoE blocks as they are, and
   expert parallelism (EP 2 x FSDP 2, its MoE blocks run as torchtrain's MoE layer) equal one process;
+* gpt-oss from its own weights (attention sinks, sliding windows, biased clamped-SwiGLU experts): FSDP2
+  equals one process;
 * LoRA fine-tuning of Mistral's own weights on chat data with the folder's tokenizer (its default), the
   attention mask block-causal by default, an adapter-only checkpoint that `peft` loads.
 
@@ -48,6 +50,7 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
     mistral = hf_folder(root / "mistral", "mistral", weights=False)
     granite = hf_folder(root / "granite", "granite", weights=False)
     mixtral = hf_folder(root / "mixtral", "mixtral")
+    gpt_oss = hf_folder(root / "gpt_oss", "gpt_oss")
     chat_model = hf_folder(root / "mistral_tok", "mistral", tokenizer=True)
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     from synthetic_chat import write_task
@@ -62,6 +65,8 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
             ("granite_single", 1, 4, ["--model.hf_path", granite]),
             ("mixtral_single", 1, 4, ["--model.hf_path", mixtral]),
             ("lora_chat", 1, 4, lora),
+            ("gpt_oss_single", 1, 4, ["--model.hf_path", gpt_oss]),
+            ("gpt_oss_fsdp2", 2, 2, ["--model.hf_path", gpt_oss]),
             ("mistral_fsdp2", 2, 2, ["--model.hf_path", mistral, *ckpt]),
             ("mistral_resumed", 2, 2, ["--model.hf_path", mistral, "--checkpoint.enable", "true",
                                        "--checkpoint.initial_load_path", fsdp2_step2,
@@ -139,6 +144,11 @@ def test_a_model_type_no_code_names_trains_from_its_declared_plan(runs):
 def test_moe_blocks_train_as_they_are_under_fsdp_and_swapped_under_expert_parallelism(runs):
     check(runs, "mixtral_single", ["mixtral_fsdp2", "mixtral_ep2_fsdp2"])
     assert "initial load: model weights loaded from the Hugging Face folder" in runs["mixtral_single"].log
+
+
+def test_attention_sinks_and_sliding_windows_train_under_fsdp(runs):
+    """gpt-oss: its sinks (`s_aux`) and sliding windows go through the engine's attention."""
+    check(runs, "gpt_oss_single", ["gpt_oss_fsdp2"])
 
 
 def test_the_checkpoint_of_a_2d_layout_exports_to_a_folder_transformers_loads(runs, tmp_path):

@@ -34,6 +34,8 @@ CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**{**COMMON, **MOE}, num_local_experts=4),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32,
                                                      head_dim=16, norm_topk_prob=False),
+    "gpt_oss": lambda: transformers.GptOssConfig(**{**COMMON, **MOE}, num_local_experts=4, head_dim=16,
+                                                 sliding_window=8),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=32),
 }

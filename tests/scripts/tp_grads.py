@@ -43,7 +43,7 @@ for argv in jobs:
     label = argv[1]
     if argv[0] == "--sequence-first":  # the style torch before 2.13 gets for MLA's latent projections, on any torch
         import torchtrain.models.deepseek_v3.parallelize as deepseek_plan
-        from torchtrain.distributed.tensor_parallel import SequenceFirstLinear
+        from torchtrain.models.common.tp import SequenceFirstLinear
 
         deepseek_plan.sequence_sharded_linear = SequenceFirstLinear
         argv, label = argv[1:], argv[2] + "_sequence_first"

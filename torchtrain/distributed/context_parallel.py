@@ -81,7 +81,7 @@ class ContextParallelAttention(AttentionCore):
     docstring); the mask is built from the gathered tokens' sequence indices and documents."""
 
     def __init__(self, core: AttentionCore, cp_mesh: DeviceMesh):
-        super().__init__(core.mask_type, core.backend)
+        super().__init__(core.mask_type, core.backend, core.sinks)
         self.cp_mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
 
     def extra_repr(self) -> str:
@@ -106,10 +106,10 @@ class ContextParallelAttention(AttentionCore):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                dropout: float = 0.0) -> torch.Tensor:
+                dropout: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k = _all_gather_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
         v = _all_gather_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
-        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout)
+        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout, sinks)
 
 
 def _sum_over_cp(cp_mesh: DeviceMesh):

@@ -39,7 +39,7 @@ the rows leaving carry dp_shard_in_ep (`_ScaleGrad`), which scales exactly the e
 gradients (exact in floating point for powers of two).
 
 The pieces of an MoE layer that every rank holds (router, shared experts) run on the rank's own
-tokens; with tensor parallelism those are sequence shards, and `moe_tp_plan` makes the router and
+tokens; with tensor parallelism those are sequence shards, and `models/common/tp.py::moe_tp_plan` makes the router and
 shared experts replicated DTensors (their gradients summed over the TP ranks) and the per-sequence
 statistics of the auxiliary loss whole-sequence sums.
 """
@@ -48,10 +48,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
-
-from torchtrain.config.fields import ConfigError
+from torch.distributed.tensor import DTensor, Shard
 
 
 def apply_expert_parallel(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
@@ -72,31 +69,3 @@ def expert_fsdp_placement(mesh_size: int):
     def placement(param: nn.Parameter) -> Shard:
         return Shard(1) if param.dim() > 1 and param.shape[1] % mesh_size == 0 else Shard(0)
     return placement
-
-
-def check_tp_has_ep(dims) -> None:
-    """Tensor parallelism of an MoE model needs expert parallelism over the TP ranks (ConfigError)."""
-    if dims.tp_enabled and not dims.ep_enabled:
-        raise ConfigError(
-            f"[parallelism.expert_parallel_degree] tensor parallelism (tensor_parallel_degree {dims.tp}) of an MoE "
-            f"model needs expert parallelism over the TP ranks: experts are not tensor-parallel, and each TP rank "
-            f"routes its own sequence shard; set expert_parallel_degree to a multiple of {dims.tp}")
-
-
-def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:
-    """TP styles of an MoE layer at `prefix` (relative to its block) with sequence parallelism: the
-    layer works on this rank's sequence shard (no gather), the router and shared experts are
-    replicated with their gradients summed over the TP ranks (their inputs are the rank's tokens, a
-    shard of dim 0), and the per-sequence counts of the auxiliary loss are summed over the shards.
-    The routed experts are not tensor-parallel (the EP group contains the TP group)."""
-    plan: dict[str, object] = {
-        prefix: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                   use_local_output=True),
-        f"{prefix}.router": SequenceParallel(sequence_dim=0, use_local_output=True),
-        f"{prefix}.sequence_sum": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(Replicate(),),
-                                                     use_local_output=True),
-    }
-    if shared_experts:  # per Linear: SequenceParallel replicates a module's own parameters only
-        for name in ("w1", "w2", "w3"):
-            plan[f"{prefix}.shared_experts.{name}"] = SequenceParallel(sequence_dim=0, use_local_output=True)
-    return plan

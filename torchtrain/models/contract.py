@@ -34,7 +34,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import GatherForLocalHeads
 from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the contract's vocabulary)
     AttentionShape,
     BlockCollective,
@@ -44,6 +43,7 @@ from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the con
     ep_collectives,
     expected_nodes,
 )
+from torchtrain.models.common.tp import GatherForLocalHeads
 
 
 @dataclass(frozen=True)

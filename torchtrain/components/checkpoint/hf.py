@@ -193,7 +193,11 @@ def _hf_tensor(ckpt: HFCheckpoint, adapter: StateDictAdapter, key: str, shape: t
     for hf_key in hf_keys:
         if hf_key not in ckpt.weight_map:
             raise CheckpointError(f"[checkpoint.initial_load_path] {ckpt.folder} lacks {hf_key!r} (parameter {key})")
-    tensor = adapter.from_hf_tensors(key, [ckpt.get(k) for k in hf_keys])
+    try:
+        tensor = adapter.from_hf_tensors(key, [ckpt.get(k) for k in hf_keys])
+    except ValueError as e:  # the stored tensors do not have the layout the adapter converts (e.g. quantized ones)
+        raise CheckpointError(f"[checkpoint.initial_load_path] {ckpt.folder}/{ckpt.weight_map[hf_keys[0]]}: {e}; "
+                              f"parameter {key} cannot be loaded from it") from None
     if tuple(tensor.shape) != tuple(shape):
         shown = hf_keys[0] if len(hf_keys) == 1 else f"{hf_keys[0]} ... ({len(hf_keys)} tensors)"
         raise CheckpointError(

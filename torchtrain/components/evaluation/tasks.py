@@ -9,7 +9,7 @@ from torchtrain.components.evaluation.builtin import BUILTIN_TASKS, builtin_item
 from torchtrain.components.evaluation.format import Item, read_task_file
 from torchtrain.config.evaluation import Eval, task_name
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import check_divisible
+from torchtrain.models.common.tp import check_divisible
 
 
 @dataclass

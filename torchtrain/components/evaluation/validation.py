@@ -45,8 +45,8 @@ from torchtrain.data.dataset import Source, WindowDataset
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sources import HF_DATASETS, TOKENS, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer
-from torchtrain.distributed.tensor_parallel import check_divisible
 from torchtrain.distributed.utils import all_reduce
+from torchtrain.models.common.tp import check_divisible
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 

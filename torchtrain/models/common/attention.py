@@ -20,12 +20,22 @@ kernels); any other mask uses FlexAttention on CUDA (compiled, with a block mask
 boolean mask elsewhere (FlexAttention has no CPU backward). Both give the same result (tested on the
 forward, where both run on CPU).
 
-Options a model's attention may pass per call (the families above use none; the Hugging Face models,
+Options a model's attention may pass per call (gpt-oss uses windows and sinks; the Hugging Face models,
 `models/transformers/`, pass what their code asks for): the score `scale` (default 1/sqrt(d)), a
 sliding `window` (key j is visible to query i only when seq(i) - seq(j) < window: one more mask per
 distinct window, prepared with the others), logit soft-capping `softcap` (scores s become
 softcap * tanh(s / softcap) before the mask: FlexAttention's score modifier on CUDA, explicit scores
-elsewhere) and attention `dropout`.
+elsewhere), attention `dropout`, and attention **sinks**: one learned logit z_h per head that joins
+the softmax's denominator and attends to nothing,
+
+    out_i = sum_j e^(s_ij) v_j / (e^(z_h) + sum_j e^(s_ij)) = softmax(s_i) V x sigmoid(lse_i - z_h),
+
+lse_i = log sum_j e^(s_ij) over the visible keys: a query may put weight on "no token". With
+FlexAttention (CUDA) the kernel returns lse and the output is rescaled by sigmoid(lse - z); elsewhere
+the scores are explicit and z joins their log-sum-exp. Under context parallelism each rank's queries
+see all keys (gathered), so the sink enters each query's denominator once, as on one rank. A model
+with sinks builds its cores with `sinks=True`, so that the plain causal mask is prepared as a flex
+BlockMask on CUDA too (SDPA's causal kernel returns no lse).
 """
 
 from __future__ import annotations
@@ -83,9 +93,9 @@ class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d) + M) v for q (B, H, Lq, D) and k, v (B, Hkv, Lk, D), M as the module
     docstring says (grouped-query attention when Hkv < H)."""
 
-    def __init__(self, mask: MaskType = "causal", backend: Backend = "auto"):
+    def __init__(self, mask: MaskType = "causal", backend: Backend = "auto", sinks: bool = False):
         super().__init__()
-        self.mask_type, self.backend = mask, backend
+        self.mask_type, self.backend, self.sinks = mask, backend, sinks
 
     def extra_repr(self) -> str:
         return f"mask={self.mask_type}"
@@ -128,7 +138,7 @@ class AttentionCore(nn.Module):
         documents = self.mask_type == "block_causal" and ctx.positions is not None
         seq = torch.arange(length, device=device)
         doc = document_ids(ctx.positions.to(device)) if documents else None
-        if documents:
+        if documents or (self.sinks and self._use_flex(device)):  # sinks need flex's lse: no is_causal kernel
             ctx.mask = self.build_mask(batch, seq, seq, doc, doc)
         self.prepare_windows(ctx, windows, length, batch, seq, seq, doc, doc)
 
@@ -142,10 +152,10 @@ class AttentionCore(nn.Module):
                                     else ctx.mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None = None,
-               softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+               softcap: float | None = None, dropout: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         gqa, block_mask = q.shape[1] != k.shape[1], mask is not None and not isinstance(mask, torch.Tensor)
-        if softcap is not None and not block_mask:
-            return softcapped_attention(q, k, v, mask, scale, softcap, dropout)
+        if (softcap is not None or sinks is not None) and not block_mask:
+            return explicit_attention(q, k, v, mask, scale, softcap, dropout, sinks)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale,
                                                   dropout_p=dropout)
@@ -157,32 +167,55 @@ class AttentionCore(nn.Module):
         if softcap is not None:
             def score_mod(score, b, h, i, j):
                 return softcap * torch.tanh(score / softcap)
-        return flex(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale, score_mod=score_mod)
+        if sinks is None:
+            return flex(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale, score_mod=score_mod)
+        out, lse = flex(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale, score_mod=score_mod,
+                        **_lse_request())
+        lse = getattr(lse, "lse", lse)
+        return out * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                dropout: float = 0.0) -> torch.Tensor:
-        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout)
+                dropout: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attend(q, k, v, ctx.mask_for(window), scale, softcap, dropout, sinks)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float | None, softcap: float, dropout: float = 0.0) -> torch.Tensor:
-    """Attention with soft-capped scores, computed explicitly: softmax(softcap tanh(q k^T scale / softcap)
-    + M) v, M the additive `mask` (None: causal over equal query and key lengths)."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float | None, softcap: float | None = None, dropout: float = 0.0,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with its scores computed explicitly, in float32: softmax(c(q k^T scale) + M) v, where c
+    soft-caps the scores (c(s) = softcap tanh(s / softcap)) when `softcap` is given, M is the additive
+    `mask` (None: causal over equal query and key lengths), and per-head `sinks` (H,) join the softmax's
+    denominator (module doc)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None:
         hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
     else:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # the sink's e^z joins the denominator: log of it is logaddexp(lse, z)
+        total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sinks.float().view(1, -1, 1, 1))
+        weights = torch.exp(scores - total)
+    weights = weights.to(v.dtype)
     if dropout:
         weights = F.dropout(weights, dropout)
     return weights @ v
+
+
+def _lse_request() -> dict[str, Any]:
+    """FlexAttention's keyword asking for the log-sum-exp beside the output (`return_aux` where torch has it)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # older torch
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 def _eager_flex():
@@ -203,18 +236,19 @@ def prepare_attention(model: nn.Module, ctx: AttentionContext, batch: int, lengt
 
 
 def attention_inputs(model: nn.Module, mask: MaskType, rope_table: torch.Tensor, tokens: torch.Tensor,
-                     positions: torch.Tensor | None, seq_index: torch.Tensor | None
+                     positions: torch.Tensor | None, seq_index: torch.Tensor | None, windows: tuple[int, ...] = ()
                      ) -> tuple[torch.Tensor, AttentionContext]:
     """(RoPE (cos, sin) pairs (`rope.py::rotations`), attention context) of one forward of a decoder whose forward takes `positions` and
     `seq_index` (see `models/common/transformer.py::Decoder`). Block-causal attention uses the document
     positions (mask and RoPE restart per document); causal uses each token's index in its sequence
-    (None: 0..seq-1, the table's first rows). `tokens` may be a pipeline stage's sequence-sharded hidden
-    states, so lengths come from the positions when there are any."""
+    (None: 0..seq-1, the table's first rows). `windows`: the sliding windows the model's layers use.
+    `tokens` may be a pipeline stage's sequence-sharded hidden states, so lengths come from the positions
+    when there are any."""
     documents = mask == "block_causal" and positions is not None
     token_positions = positions if documents else seq_index
     seqlen = token_positions.shape[1] if token_positions is not None else tokens.shape[1]
     ctx = prepare_attention(model, AttentionContext(positions=positions if documents else None), tokens.shape[0],
-                            seqlen, rope_table.device)
+                            seqlen, rope_table.device, windows)
     if token_positions is None:  # all rows: a block may see more tokens than `tokens` (sequence parallel)
         return rotations(rope_table, rope_table.shape[0]), ctx
     return rotations(rope_table[token_positions.to(rope_table.device)], seqlen), ctx

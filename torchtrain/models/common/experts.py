@@ -22,17 +22,24 @@ Two implementations, equal within fp32 rounding (tests/test_moe.py):
 Float8 experts (`quantize.grouped_mm.float8`) always take the grouped path: torchao's weight tensors
 intercept `torch._grouped_mm` only (`GroupedExperts.float8`).
 
+Experts may have biases (b1, b3 on the inputs' matmuls, b2 on the output's: gpt-oss) and another
+activation than SwiGLU's silu(gate) * up (`expert_swiglu(activation=...)`), given by the model's own
+experts module (a subclass of `GroupedExperts` overriding `compute`).
+
 Every expert's weights take part in the computation even when it receives no rows (its gradient is
 then zero, not None), so data-parallel gradient reduction sees the same parameters on every rank.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtrain.models.common.dispatch import LocalDispatcher, TokenDispatcher
+from torchtrain.models.common.layers import local_tensor
 from torchtrain.utils.sizes import host_split_sizes
 
 GROUP_ALIGN = 16
@@ -51,19 +58,39 @@ def _compute_dtype(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.
     return weights[0].dtype
 
 
-def swiglu_looped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor) -> torch.Tensor:
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(gate pre-activations x w1^T, up pre-activations x w3^T) -> the hidden units fed to w2."""
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's hidden units: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+class ExpertBiases(NamedTuple):
+    """Per-expert biases of the three matmuls (b1, b3: (E, H); b2: (E, D)), for experts that have them."""
+
+    b1: torch.Tensor
+    b2: torch.Tensor
+    b3: torch.Tensor
+
+
+def swiglu_looped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                  biases: ExpertBiases | None = None, activation: Activation = swiglu) -> torch.Tensor:
     """The portable path: one SwiGLU per expert over its (possibly empty) group of rows."""
     outs = []
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
     for e, xe in enumerate(torch.split(x, host_split_sizes(counts, x.shape[0]))):
-        h = F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e])
-        outs.append(F.linear(h, w2[e]))
+        pick = (lambda b: None) if biases is None else (lambda b: b[e])  # noqa: E731
+        h = activation(F.linear(xe, w1[e], pick(b1)), F.linear(xe, w3[e], pick(b3)))
+        outs.append(F.linear(h, w2[e], pick(b2)))
     return torch.cat(outs)
 
 
-def swiglu_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
-    """The grouped-GEMM path: rows scattered into groups padded to GROUP_ALIGN, three `_grouped_mm`s."""
+def swiglu_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   biases: ExpertBiases | None = None, activation: Activation = swiglu) -> torch.Tensor:
+    """The grouped-GEMM path: rows scattered into groups padded to GROUP_ALIGN, three `_grouped_mm`s (biases
+    added to each real row, by its expert)."""
     dtype = _compute_dtype(x, (w1,))
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     rows, experts = x.shape[0], counts.numel()
@@ -74,24 +101,23 @@ def swiglu_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     dest = (ends - padded)[group] + within  # row of each token in the padded buffer
     buf = x.new_zeros(rows + experts * (GROUP_ALIGN - 1), x.shape[1]).index_put((dest,), x)
     offs = ends.to(torch.int32)
-    h = F.silu(torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)) * \
-        torch._grouped_mm(buf, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
+    gate = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(buf, w3.transpose(-2, -1), offs=offs)
+    if biases is not None:
+        gate = gate.index_add(0, dest, biases.b1[group].to(dtype))
+        up = up.index_add(0, dest, biases.b3[group].to(dtype))
+    out = torch._grouped_mm(activation(gate, up), w2.transpose(-2, -1), offs=offs)[dest]
+    return out if biases is None else out + biases.b2[group].to(dtype)
 
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                  use_grouped_mm: bool = True) -> torch.Tensor:
-    """y for rows `x` sorted by expert with `counts` rows per expert (grouped GEMM where supported)."""
+                  use_grouped_mm: bool = True, biases: ExpertBiases | None = None,
+                  activation: Activation = swiglu) -> torch.Tensor:
+    """y for rows `x` sorted by expert with `counts` rows per expert (grouped GEMM where supported):
+    w2 (activation(x w1^T + b1, x w3^T + b3)) + b2, the biases only where given."""
     if use_grouped_mm and grouped_mm_supported(x.device, _compute_dtype(x, (w1,))):
-        return swiglu_grouped(x, counts, w1, w2, w3)
-    return swiglu_looped(x, counts, w1, w2, w3)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a weight that expert parallelism split into a DTensor; `t` otherwise."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+        return swiglu_grouped(x, counts, w1, w2, w3, biases, activation)
+    return swiglu_looped(x, counts, w1, w2, w3, biases, activation)
 
 
 class GroupedExperts(nn.Module):

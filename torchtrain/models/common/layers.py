@@ -8,6 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a parameter that expert or tensor parallelism split into a DTensor (stacked
+    experts, per-head vectors: `models/common/tp.py::LocalShards`); `t` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back: torch's fused
     `rms_norm` (one kernel forward and one backward on CUDA)."""

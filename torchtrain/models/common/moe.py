@@ -152,14 +152,17 @@ _histogram = histogram
 class MoE(nn.Module):
     """x (B, S, D) -> (B, S, D). See the module doc."""
 
-    def __init__(self, dim: int, args: MoEModelArgs):
+    def __init__(self, dim: int, args: MoEModelArgs, experts: GroupedExperts | None = None, router_bias: bool = False):
+        """`experts`: the routed experts (a model's own `GroupedExperts` subclass; default SwiGLU experts);
+        `router_bias`: the router's logits have a learned bias (gpt-oss)."""
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
         self.score_func, self.norm_topk_prob, self.route_scale = args.score_func, args.norm_topk_prob, args.route_scale
         self.n_group, self.topk_group = args.n_group, args.topk_group
         self.aux_loss_coeff, self.load_balance_coeff = args.moe_aux_loss_coeff, args.moe_load_balance_coeff
-        self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = GroupedExperts(dim, args.moe_intermediate_size, args.num_experts, args.use_grouped_mm)
+        self.router = nn.Linear(dim, args.num_experts, bias=router_bias)
+        self.experts = experts if experts is not None else GroupedExperts(dim, args.moe_intermediate_size,
+                                                                          args.num_experts, args.use_grouped_mm)
         self.shared_experts = (FeedForward(dim, args.moe_intermediate_size * args.num_shared_experts)
                                if args.num_shared_experts else None)
         self.sequence_sum = SequenceSum()

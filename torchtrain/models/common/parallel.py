@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.tensor_parallel import check_divisible
+from torchtrain.models.common.tp import check_divisible
 
 if TYPE_CHECKING:
     from torchtrain.distributed.layout import Layout

@@ -54,8 +54,9 @@ def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, hi
 
 
 def yarn_scaled(freqs: torch.Tensor, theta: float, factor: float, original_max_seq_len: int, beta_fast: float,
-                beta_slow: float) -> torch.Tensor:
-    """YaRN's blend of `freqs` (see the module doc); unchanged when `factor` <= 1."""
+                beta_slow: float, truncate: bool = True) -> torch.Tensor:
+    """YaRN's blend of `freqs` (see the module doc); unchanged when `factor` <= 1. `truncate`: the ramp's
+    ends are rounded to whole dimensions (DeepSeek-V3; gpt-oss keeps them fractional)."""
     if factor <= 1:
         return freqs
     d = 2 * freqs.shape[0]
@@ -63,8 +64,10 @@ def yarn_scaled(freqs: torch.Tensor, theta: float, factor: float, original_max_s
     def dim_of(rotations: float) -> float:
         return d * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dim_of(beta_fast)), 0)
-    high = min(math.ceil(dim_of(beta_slow)), d - 1)
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float64, device=freqs.device) - low) / max(high - low, 1e-3)).clamp(0, 1)
     return freqs / factor * ramp + freqs * (1 - ramp)
 

@@ -30,7 +30,7 @@ from torch import nn
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType, attention_inputs
 from torchtrain.models.common.decoder import decoder_init_spec
-from torchtrain.models.common.layers import RMSNorm, concat_linear
+from torchtrain.models.common.layers import RMSNorm, concat_linear, local_tensor
 from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table
 
 
@@ -45,28 +45,34 @@ class GQAttention(nn.Module):
 
     `checkpoint_stand_ins`: without query/key norms, backward reads the projections' outputs only to
     rebuild attention's inputs (the rotated queries and keys, the values), so a compiled selective
-    checkpoint may save those inputs in their place (`distributed/activation_checkpoint.py`)."""
+    checkpoint may save those inputs in their place (`distributed/activation_checkpoint.py`).
+
+    Options of other decoders (gpt-oss): `bias` on the four projections, a sliding `window` (this
+    layer's keys: the last `window` tokens), and attention `sinks` (one learned logit per query head,
+    `models/common/attention.py`; the module `sinks` holds them, split over the heads with TP)."""
 
     def __init__(self, dim: int, n_heads: int, kv_heads: int, head_dim: int, mask: MaskType,
-                 rope_layout: PairLayout, qk_norm_eps: float | None = None):
+                 rope_layout: PairLayout, qk_norm_eps: float | None = None, bias: bool = False,
+                 window: int | None = None, sinks: bool = False):
         super().__init__()
-        self.head_dim, self.rope_layout = head_dim, rope_layout
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.head_dim, self.rope_layout, self.window = head_dim, rope_layout, window
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:
             self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
-        self.core = AttentionCore(mask)
+        self.sinks: AttentionSinks | None = AttentionSinks(n_heads) if sinks else None
+        self.core = AttentionCore(mask, sinks=sinks)
         self.fuse_qkv = False
-        self.checkpoint_stand_ins = self.q_norm is None
+        self.checkpoint_stand_ins = self.q_norm is None and not bias
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (bsz, seq, dim) -> queries, keys, values (bsz, seq, heads, head_dim)."""
         bsz, seqlen, _ = x.shape
-        if self.fuse_qkv:
+        if self.fuse_qkv and self.wq.bias is None:
             weights = [layer.weight for layer in (self.wq, self.wk, self.wv)]
             q, k, v = concat_linear(x, weights).split([w.shape[0] for w in weights], dim=-1)
             v = v.contiguous()  # what attention keeps for backward: not a view holding q and k's columns too
@@ -81,8 +87,20 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
-        out = self.core(q, k, v, ctx)
+        out = self.core(q, k, v, ctx, window=self.window, sinks=self.sinks() if self.sinks is not None else None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class AttentionSinks(nn.Module):
+    """One learned logit per query head joining attention's softmax denominator (`attention.py`);
+    forward returns this rank's heads' logits (all of them, or the TP shard: `models/common/tp.py::LocalShards`)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return local_tensor(self.weight)
 
 
 class DecoderBlock(nn.Module):
@@ -122,6 +140,8 @@ class Decoder(nn.Module, abc.ABC):
             None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
         self.register_buffer("rope_cache", self.rope(), persistent=False)
+        # the sliding windows the blocks' attention uses (their masks are prepared once per forward)
+        self.windows = tuple(sorted({m.window for m in self.modules() if isinstance(m, GQAttention) and m.window}))
 
     @abc.abstractmethod
     def block(self, layer_id: int) -> nn.Module:
@@ -148,7 +168,8 @@ class Decoder(nn.Module, abc.ABC):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index)
+        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index,
+                                     self.windows)
         h = self.run_blocks(self.embed(tokens), rope, ctx)
         if self.norm is None:
             return h  # a pipeline stage that ends before the head passes hidden states on

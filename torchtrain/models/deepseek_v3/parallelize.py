@@ -28,15 +28,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import (
+from torchtrain.models import contract
+from torchtrain.models.common.parallel import check_decoder_layout, decoder_fsdp_units, decoder_stage_modules
+from torchtrain.models.common.tp import (
     GatherForLocalHeads,
     apply_decoder_top,
+    check_tp_has_ep,
+    moe_tp_plan,
     sequence_sharded_linear,
     swiglu_plan,
 )
-from torchtrain.models import contract
-from torchtrain.models.common.parallel import check_decoder_layout, decoder_fsdp_units, decoder_stage_modules
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
 from torchtrain.models.deepseek_v3.model import CHEAP_TO_RECOMPUTE
 

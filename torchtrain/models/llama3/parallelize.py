@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtrain.distributed.tensor_parallel import apply_decoder_top, gqa_attention_plan, swiglu_plan
 from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout
+from torchtrain.models.common.tp import apply_decoder_top, gqa_attention_plan, swiglu_plan
 from torchtrain.models.llama3.args import Llama3Args
 
 

@@ -11,10 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtrain.distributed.expert_parallel import check_tp_has_ep, moe_tp_plan
-from torchtrain.distributed.tensor_parallel import apply_decoder_top, gqa_attention_plan
 from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout, qk_norm_plan
+from torchtrain.models.common.tp import apply_decoder_top, check_tp_has_ep, gqa_attention_plan, moe_tp_plan
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 

@@ -7,14 +7,14 @@ asks for (score `scaling`, `sliding_window`, soft-capping `softcap`, `dropout`).
 `torchtrain_attention` under the name "torchtrain" and builds the model with it: each attention module
 gets an `AttentionCore` (`models/common/attention.py`) as its child `tt_attention`, and the function
 runs that core with the forward's `AttentionContext` (passed down as a keyword argument the model
-hands on to its attention). So causal and block-causal masks, sliding windows, soft-capping and
-context parallelism (which replaces every `AttentionCore` by its sequence-sharded version) are the
+hands on to its attention). So causal and block-causal masks, sliding windows, soft-capping, attention
+sinks (`s_aux`: gpt-oss) and context parallelism (which replaces every `AttentionCore` by its sequence-sharded version) are the
 engine's own, for any model whose attention goes through the registry
 (`PreTrainedModel._supports_attention_backend`).
 
 transformers builds no mask for a registered function it does not know (its mask interface has no
 entry for "torchtrain"); the function refuses what it does not implement -- an explicit attention
-mask, non-causal attention, attention sinks, position biases, or any other option with a value -- with
+mask, non-causal attention, position biases, or any other option with a value -- with
 a ConfigError naming the model type, rather than computing something else.
 """
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType
+from torchtrain.models.common.layers import local_tensor
 
 IMPLEMENTATION = "torchtrain"
 CONTEXT_KEY = "torchtrain_attention_context"
@@ -38,7 +39,8 @@ _IGNORED = {"position_ids", "use_cache", "cache", "past_key_values", "output_att
 def torchtrain_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, sliding_window: int | None = None,
-                         softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                         softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                         **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (output (batch, seq, heads, head_dim), no weights)."""
     ctx = kwargs.pop(CONTEXT_KEY, None)
     kind = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -64,7 +66,9 @@ def torchtrain_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     elif sliding_window is not None and sliding_window not in ctx.windowed:
         raise ConfigError(f"[model.hf_path] model type {kind!r}: a layer asks for a sliding window of {sliding_window} "
                           f"tokens that its config does not declare (sliding_window, use_sliding_window, layer_types)")
-    out = core(query, key, value, ctx, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout)
+    sinks = local_tensor(s_aux) if s_aux is not None else None  # attention sinks (gpt-oss): this rank's heads'
+    out = core(query, key, value, ctx, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout,
+               sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -96,7 +100,7 @@ def attach_cores(layers: nn.Module, mask: MaskType) -> int:
     count = 0
     for layer in layers.children():
         for module in attention_modules(layer):
-            setattr(module, CORE, AttentionCore(mask))
+            setattr(module, CORE, AttentionCore(mask, sinks=isinstance(getattr(module, "sinks", None), torch.Tensor)))
             count += 1
     return count
 

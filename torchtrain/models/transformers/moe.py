@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.expert_parallel import moe_tp_plan
 from torchtrain.models.common.dispatch import LocalDispatcher
-from torchtrain.models.common.experts import GroupedExperts, expert_swiglu, local_tensor
+from torchtrain.models.common.experts import GroupedExperts, expert_swiglu
+from torchtrain.models.common.layers import local_tensor
 from torchtrain.models.common.moe import MoE, MoEModelArgs
+from torchtrain.models.common.tp import moe_tp_plan
 from torchtrain.models.transformers.args import TransformersArgs, with_layers
 
 TOLERANCE = 1e-5
@@ -207,7 +208,7 @@ def as_transformers_names(name: str, entries: dict[str, object]) -> dict[str, ob
 
 
 def own_styles(layer: nn.Module) -> dict[str, object]:
-    """TP styles of the layer's MoE blocks run as the engine's layer (`expert_parallel.py::moe_tp_plan`,
+    """TP styles of the layer's MoE blocks run as the engine's layer (`models/common/tp.py::moe_tp_plan`,
     `as_transformers_names`), names relative to the layer."""
     styles: dict[str, object] = {}
     for name in blocks(layer):

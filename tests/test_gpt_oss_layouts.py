@@ -1,0 +1,54 @@
+"""gpt-oss under every layout matches one process step for step (real torchrun + gloo, fp32): FSDP 2,
+TP 2 (with sequence parallelism; the experts over the same two ranks by EP, as an MoE model's TP needs),
+EP 2, PP 2 (one block per stage: a sliding-window stage and a full-attention one), CP 2 (each rank a
+head and a tail chunk; the 24-token sliding window reaches across chunks, and each query's sink joins
+its softmax once), and EP 2 x TP 2 x FSDP 2 on 4 ranks... then the FSDP run resumes bitwise.
+
+Tolerance: relative difference <= 1e-4 per step for 10 steps, loss and gradient norm (the acceptance
+bound of tests/test_distributed.py): every layout starts from identical weights and reads the same
+global batch; only summation order differs (~1e-7 on the loss here), while a sink counted once per CP
+shard, a window cut at a shard edge or a sink taken from another rank's heads moves the loss by 1e-3 or
+more. Exact resume: the FSDP 2 run saves step 5; a second run resumes from it and its steps 6-10 are
+bitwise the first run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ParitySuite
+
+pytestmark = pytest.mark.dist
+RTOL = 1e-4
+P = "--parallelism."
+TINY_GPT_OSS = ["--model.name", "gpt_oss", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8",
+                "--model.n_kv_heads", "4", "--model.head_dim", "16", "--model.vocab_size", "512",
+                "--model.num_experts", "4", "--model.num_experts_per_tok", "2", "--model.moe_intermediate_size", "32",
+                "--model.sliding_window", "24", "--training.dataset", "synthetic", "--training.seq_len", "64",
+                "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+                "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3"]
+TP2 = f"2 {P}tensor_parallel_degree 2 {P}expert_parallel_degree 2"
+EP2_TP2 = f"4 {P}tensor_parallel_degree 2 {P}expert_parallel_degree 2"
+LAYOUTS = [TP2, "ep2", "pp2_1f1b", "cp2", EP2_TP2]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """One process and every layout (the FSDP run saving step 5): one launch per process count."""
+    return ParitySuite(str(tmp_path_factory.mktemp("gpt_oss_layouts")), TINY_GPT_OSS,
+                       layouts=[("fsdp2", CKPT), *LAYOUTS])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_process(suite, layout):
+    run, = suite.check([layout], rtol=RTOL)
+    assert len(run.records) == 10
+
+
+def test_fsdp_matches_one_process_and_resumes_bitwise(suite):
+    first, = suite.check(["fsdp2"], rtol=RTOL, extra=CKPT)
+    resumed = suite.resume("fsdp2", 5, CKPT)
+    ref = {r["step"]: r["loss"] for r in first.records}
+    got = {r["step"]: r["loss"] for r in resumed.records}
+    assert "resumed from" in resumed.log
+    assert sorted(got) == [6, 7, 8, 9, 10] and all(got[s] == ref[s] for s in got), (ref, got)
