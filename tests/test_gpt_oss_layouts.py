@@ -1,8 +1,8 @@
 """gpt-oss under every layout matches one process step for step (real torchrun + gloo, fp32): FSDP 2,
 TP 2 (with sequence parallelism; the experts over the same two ranks by EP, as an MoE model's TP needs),
 EP 2, PP 2 (one block per stage: a sliding-window stage and a full-attention one), CP 2 (each rank a
-head and a tail chunk; the 24-token sliding window reaches across chunks, and each query's sink joins
-its softmax once), and EP 2 x TP 2 x FSDP 2 on 4 ranks... then the FSDP run resumes bitwise.
+head and a tail chunk, or one contiguous half: the 24-token sliding window reaches across chunks, and each
+query's sink joins its softmax once), and EP 2 x TP 2 on 4 ranks; then the FSDP run resumes bitwise.
 
 Tolerance: relative difference <= 1e-4 per step for 10 steps, loss and gradient norm (the acceptance
 bound of tests/test_distributed.py): every layout starts from identical weights and reads the same
@@ -28,7 +28,8 @@ TINY_GPT_OSS = ["--model.name", "gpt_oss", "--model.dim", "64", "--model.n_layer
                 "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3"]
 TP2 = f"2 {P}tensor_parallel_degree 2 {P}expert_parallel_degree 2"
 EP2_TP2 = f"4 {P}tensor_parallel_degree 2 {P}expert_parallel_degree 2"
-LAYOUTS = [TP2, "ep2", "pp2_1f1b", "cp2", EP2_TP2]
+CP_CONTIGUOUS = f"2 {P}context_parallel_degree 2 {P}context_parallel_load_balancer none"
+LAYOUTS = [TP2, "ep2", "pp2_1f1b", "cp2", CP_CONTIGUOUS, EP2_TP2]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 

@@ -97,6 +97,13 @@ def test_attention_sinks_join_the_denominator_on_every_kernel():
     torch.testing.assert_close(core(q, k, v, AttentionContext(), sinks=sinks), weights @ v, rtol=1e-5, atol=1e-6)
 
 
+def test_cp_split_without_load_balancing_is_contiguous():
+    assert [cp_indices(64, 4, r, balanced=False).tolist() for r in range(4)] == \
+        [list(range(16 * r, 16 * (r + 1))) for r in range(4)]
+    with pytest.raises(ValueError, match="not divisible by context_parallel_degree = 4"):
+        cp_indices(62, 4, 0, balanced=False)
+
+
 def test_cp_split_is_load_balanced_and_covers_the_sequence():
     for cp in (1, 2, 4):
         held = [cp_indices(64, cp, r) for r in range(cp)]

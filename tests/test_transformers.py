@@ -203,6 +203,12 @@ def test_layouts_the_model_cannot_take_are_one_config_error(tmp_path, monkeypatc
         job(folder, 2, "--parallelism.context_parallel_degree", "2")
     with pytest.raises(ConfigError, match=r"^\[model.attention_mask\] model type 'mistral' computes"):
         job(folder, 1, "--model.attention_mask", "block_causal")
+    hybrid = hf_folder(tmp_path / "hybrid", "qwen3_5", weights=False)  # linear attention outside the registry
+    for extra, key in ((["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+                       (["--model.attention_mask", "block_causal"], "model.attention_mask")):
+        with pytest.raises(ConfigError, match=rf"^\[{key}\] model type 'qwen3_5_text': its linear-attention layers "
+                                              r"\(Qwen3_5GatedDeltaNet\) carry a state .*--model.name qwen3_5"):
+            job(hybrid, 2, *extra)
 
 
 def test_inputs_that_cannot_work_are_one_config_error(tmp_path):

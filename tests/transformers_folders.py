@@ -36,6 +36,9 @@ CONFIGS = {
                                                      head_dim=16, norm_topk_prob=False),
     "gpt_oss": lambda: transformers.GptOssConfig(**{**COMMON, **MOE}, num_local_experts=4, head_dim=16,
                                                  sliding_window=8),
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**COMMON, head_dim=16, linear_num_key_heads=2,
+                                                    linear_num_value_heads=4, linear_key_head_dim=16,
+                                                    linear_value_head_dim=16, full_attention_interval=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=32),
 }

@@ -38,8 +38,14 @@ class Parallelism:
     context_parallel_degree: Annotated[int, Ge(1)] = 1
     """Context parallel degree: the sequence of every sample is split over this many ranks (each
     holds a head and a tail chunk, balancing causal attention work), attention gathers keys and
-    values across them, and FSDP shards parameters over data_parallel_shard_degree x this
-    (docs/long_context.md). training.seq_len must be divisible by 2 x this. 1 disables it."""
+    values across them, linear attention passes its recurrent state on, and FSDP shards parameters over
+    data_parallel_shard_degree x this (docs/long_context.md). training.seq_len must be divisible by
+    2 x this. 1 disables it."""
+
+    context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
+    """How context parallelism splits a sequence: "headtail" (rank r holds chunks r and 2 cp - 1 - r of
+    2 cp, so causal attention costs every rank the same), or "none" (rank r holds the r-th contiguous
+    1/cp of the sequence; seq_len need only be divisible by the CP degree)."""
     expert_parallel_degree: Annotated[int, Ge(1)] = 1
     """Expert parallelism (MoE models): the experts of every MoE layer are split over this many ranks,
     and each token is sent to the ranks of its experts and back with all-to-all. The EP group is

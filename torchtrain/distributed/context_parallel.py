@@ -4,14 +4,18 @@ keys and values (the all-gather-KV algorithm of the Llama 3 paper).
 **Load-balanced split.** A sequence of S tokens is cut into 2 cp chunks of S / (2 cp); CP rank r
 holds chunks r and 2 cp - 1 - r (a head and a tail), S / cp tokens. Under a causal mask a query at
 index i attends to i + 1 keys, so head-and-tail pairs give every rank the same attention work
-(chunk r costs ~r, chunk 2cp-1-r ~2cp-1-r: together 2cp-1 for every r).
+(chunk r costs ~r, chunk 2cp-1-r ~2cp-1-r: together 2cp-1 for every r). With
+`parallelism.context_parallel_load_balancer = "none"` rank r holds the r-th contiguous 1/cp of the
+sequence instead (linear attention's work is even either way).
 
 **Attention.** Each rank computes q, k, v for its own tokens; k and v are all-gathered over the CP
 group (rank-major order: rank 0's chunks, then rank 1's, ...), and the rank's queries attend to all
 S keys under the mask  seq(k) <= seq(q)  [and doc(k) == doc(q) for block-causal masks], where seq is
 a token's index in the full sequence and doc its document (from the data's positions, gathered too).
 That is exactly the rows of full attention that this rank's queries own, so CP equals one rank up to
-summation order. Backward of the all-gather is a reduce-scatter: each rank receives the sum of all
+summation order; a query's attention sink (`models/common/attention.py`) joins its softmax once, on the
+rank that owns the query. Linear attention (Gated DeltaNet) is sharded by passing recurrent states
+instead (`context_parallel_linear.py`). Backward of the all-gather is a reduce-scatter: each rank receives the sum of all
 ranks' gradients for its own keys and values.
 
 **Cost per layer and rank** (B samples, Hkv key/value heads of dimension d, b bytes per element):
@@ -41,7 +45,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtrain.distributed.context_parallel_linear import ContextParallelLinearAttention
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, document_ids
+from torchtrain.models.common.linear_attention import LinearAttentionCore
 from torchtrain.models.common.moe import SequenceSum
 
 # (torch 2.13 renamed these; 2.11 has only the older names)
@@ -49,11 +55,18 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or fu
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def cp_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The full-sequence indices of the tokens CP rank `rank` holds, in its local order.
+def cp_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu",
+               balanced: bool = True) -> torch.Tensor:
+    """The full-sequence indices of the tokens CP rank `rank` holds, in its local order: the head and tail
+    chunks (`balanced`), or the rank's contiguous 1/cp of the sequence
+    (`parallelism.context_parallel_load_balancer = "none"`).
 
     Built on each call (two ranges, no cache): a cached tensor made while a planner trace or dry run
     holds fake tensors would be handed to later real steps."""
+    if not balanced:
+        if seq_len % cp:
+            raise ValueError(f"sequence length {seq_len} is not divisible by context_parallel_degree = {cp}")
+        return torch.arange(rank * seq_len // cp, (rank + 1) * seq_len // cp, device=device)
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
     chunk = seq_len // (2 * cp)
@@ -62,17 +75,17 @@ def cp_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "c
     return torch.cat([head, tail])
 
 
-def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This CP rank's tokens of `t` along `dim` (the load-balanced head and tail chunks)."""
-    return t.index_select(dim, cp_indices(t.shape[dim], cp, rank, t.device))
+def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
+    """This CP rank's tokens of `t` along `dim` (`cp_indices`)."""
+    return t.index_select(dim, cp_indices(t.shape[dim], cp, rank, t.device, balanced))
 
 
-def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:
+def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int, balanced: bool = True) -> dict[str, torch.Tensor]:
     """This CP rank's part of a batch of (batch, seq) tensors, plus `seq_index`: the full-sequence
     index of each kept token (for RoPE and the attention mask)."""
-    out = {k: shard_sequence(v, cp, rank) for k, v in batch.items()}
+    out = {k: shard_sequence(v, cp, rank, balanced=balanced) for k, v in batch.items()}
     tokens = batch["input_ids"]
-    out["seq_index"] = cp_indices(tokens.shape[1], cp, rank, tokens.device).expand(tokens.shape[0], -1)
+    out["seq_index"] = cp_indices(tokens.shape[1], cp, rank, tokens.device, balanced).expand(tokens.shape[0], -1)
     return out
 
 
@@ -80,9 +93,9 @@ class ContextParallelAttention(AttentionCore):
     """`AttentionCore` over a sequence sharded on a CP group: keys and values are gathered (module
     docstring); the mask is built from the gathered tokens' sequence indices and documents."""
 
-    def __init__(self, core: AttentionCore, cp_mesh: DeviceMesh):
+    def __init__(self, core: AttentionCore, cp_mesh: DeviceMesh, balanced: bool = True):
         super().__init__(core.mask_type, core.backend, core.sinks)
-        self.cp_mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
+        self.cp_mesh, self.cp, self.rank, self.balanced = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank(), balanced
 
     def extra_repr(self) -> str:
         return f"mask={self.mask_type}, cp={self.cp}"
@@ -90,8 +103,8 @@ class ContextParallelAttention(AttentionCore):
     def prepare(self, ctx: AttentionContext, batch: int, length: int, device: torch.device,
                 windows: tuple[int, ...] = ()) -> None:
         seq_len = length * self.cp
-        q_seq = cp_indices(seq_len, self.cp, self.rank, device)
-        k_seq = torch.cat([cp_indices(seq_len, self.cp, r, device) for r in range(self.cp)])
+        q_seq = cp_indices(seq_len, self.cp, self.rank, device, self.balanced)
+        k_seq = torch.cat([cp_indices(seq_len, self.cp, r, device, self.balanced) for r in range(self.cp)])
         q_doc = k_doc = None
         if self.mask_type == "block_causal" and ctx.positions is not None:
             gathered = _all_gather(ctx.positions.to(device).contiguous(), gather_dim=1, group=self.cp_mesh)
@@ -119,17 +132,22 @@ def _sum_over_cp(cp_mesh: DeviceMesh):
     return hook
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, balanced: bool = True) -> int:
     """Shard the model's attention over `cp_mesh`: every `AttentionCore` becomes a
-    `ContextParallelAttention`, and per-sequence statistics (`SequenceSum`, e.g. the MoE auxiliary
-    loss's expert counts) are summed over the CP ranks, which each hold part of every sequence. (The
-    trainer hands the model its chunks' `seq_index`: `TrainStep.shard`.) Returns how many attention
-    modules were replaced."""
+    `ContextParallelAttention`, every linear-attention core a `ContextParallelLinearAttention`
+    (`context_parallel_linear.py`: the recurrent state and convolution context passed on exactly), and
+    per-sequence statistics (`SequenceSum`, e.g. the MoE auxiliary loss's expert counts) are summed over
+    the CP ranks, which each hold part of every sequence. (The trainer hands the model its chunks'
+    `seq_index`: `TrainStep.shard`.) `balanced`: the ranks hold head-and-tail chunk pairs (else one
+    contiguous chunk each). Returns how many attention modules were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is AttentionCore:
-                setattr(parent, name, ContextParallelAttention(child, cp_mesh))
+                setattr(parent, name, ContextParallelAttention(child, cp_mesh, balanced))
+                replaced += 1
+            elif type(child) is LinearAttentionCore:
+                setattr(parent, name, ContextParallelLinearAttention(child, cp_mesh, balanced))
                 replaced += 1
             elif isinstance(child, SequenceSum):
                 child.register_forward_hook(_sum_over_cp(cp_mesh))

@@ -105,6 +105,9 @@ class Layout:
     The trainer's step manages the copy; the Accelerate API, whose loop is the user's, keeps FSDP."""
     fuse_qkv: bool = True
     """model.fuse_qkv: attention's q/k/v projections may run as one GEMM (applied where `fused_qkv`)."""
+    cp_balanced: bool = True
+    """Context parallelism's split: head-and-tail chunk pairs per rank, or one contiguous chunk
+    (parallelism.context_parallel_load_balancer)."""
 
     # ------------------------------------------------------------------ what gets applied
     @property
@@ -163,6 +166,12 @@ class Layout:
     def local_seq_len(self) -> int:
         """Tokens of each sequence one rank holds (seq_len / context parallel degree)."""
         return self.batch.seq_len // self.dims.cp
+
+    @property
+    def cp_chunk_len(self) -> int:
+        """Tokens of one contiguous piece of a sequence on a context-parallel rank (a head or tail chunk,
+        or the rank's whole share without load balancing)."""
+        return self.local_seq_len // (2 if self.cp_balanced else 1)
 
     @property
     def ddp(self) -> bool:
@@ -234,10 +243,13 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with context "
                           f"parallelism, which folds into the FSDP sharding dimension (dp_shard x cp); use zero3 or "
                           f"zero2")
-    if dims.cp_enabled and training.seq_len % (2 * dims.cp):
-        raise ConfigError(f"[training.seq_len] {training.seq_len} is not divisible by 2 x context_parallel_degree = "
-                          f"{2 * dims.cp}: each CP rank holds a head and a tail chunk of seq_len / (2 x cp) tokens; "
-                          f"use a multiple of {2 * dims.cp}")
+    balanced = cfg.parallelism.context_parallel_load_balancer == "headtail"
+    pieces = dims.cp * (2 if balanced else 1)
+    if dims.cp_enabled and training.seq_len % pieces:
+        what = (f"2 x context_parallel_degree = {pieces}: each CP rank holds a head and a tail chunk of seq_len / "
+                f"(2 x cp) tokens" if balanced else f"context_parallel_degree = {pieces}: each CP rank holds seq_len / "
+                f"cp tokens (context_parallel_load_balancer \"none\")")
+        raise ConfigError(f"[training.seq_len] {training.seq_len} is not divisible by {what}; use a multiple of {pieces}")
     if strategy.replicated and dims.ep_enabled:
         raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with expert "
                           f"parallelism (expert_parallel_degree {dims.ep}): replicated gradients would be averaged "
@@ -340,6 +352,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
         and cfg.optimizer.name in COMPILED_STEP_OPTIMIZERS,
         async_tp=par.enable_async_tensor_parallel, batch=batch,
         replica_groups=replicas, replica_id=cfg.fault.replica_id or 0, fuse_qkv=cfg.model.fuse_qkv,
+        cp_balanced=par.context_parallel_load_balancer == "headtail",
     )
     float8 = resolve_float8(cfg.model.converters, cfg.quantize, device_type,
                             fsdp_shards=layout.fsdp and dims.fsdp_shard_degree > 1,

@@ -250,6 +250,9 @@ class LoRAStateDictAdapter(StateDictAdapter):
     def from_hf_tensors(self, key, tensors):
         return self.base.from_hf_tensors(key, tensors)
 
+    def hf_part(self, key):
+        return self.base.hf_part(key)
+
     def torchtitan_key(self, key, version):
         return self.base.torchtitan_key(key, version)
 

@@ -108,7 +108,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         if layout.async_tp:
             enable_async_tp(tp_mesh)
     if dims.cp_enabled:
-        apply_context_parallel(model, dims.cp_mesh)
+        apply_context_parallel(model, dims.cp_mesh, layout.cp_balanced)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if dims.ep_enabled:
         apply_expert_parallel(experts, dims.ep_mesh)

@@ -58,6 +58,8 @@ def _draw(spec: InitSpec, numel: int, seed: int, device: torch.device) -> torch.
     if spec.kind == "trunc_normal":
         lo, hi = spec.mean - spec.truncate * spec.std, spec.mean + spec.truncate * spec.std
         return torch.nn.init.trunc_normal_(out, spec.mean, spec.std, lo, hi, generator=gen)
+    if spec.kind == "log_uniform":
+        return out.uniform_(spec.low, spec.high, generator=gen).log_()
     raise ValueError(f"unknown init kind {spec.kind!r}")
 
 

@@ -5,6 +5,7 @@ from torchtrain.models import (
     gpt_oss,  # noqa: F401,E402  (registers "gpt_oss")
     llama3,  # noqa: F401  (registers "llama3")
     qwen3,  # noqa: F401,E402  (registers "qwen3")
+    qwen3_5,  # noqa: F401,E402  (registers "qwen3_5", dense and MoE flavors)
     qwen3_moe,  # noqa: F401,E402  (registers "qwen3_moe")
     transformers,  # noqa: F401,E402  (registers "transformers": any causal LM of the transformers package)
 )

@@ -35,12 +35,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class InitSpec:
-    """How to initialise one parameter. ``truncate`` cuts a normal at mean +- truncate * std."""
+    """How to initialise one parameter. ``truncate`` cuts a normal at mean +- truncate * std;
+    ``log_uniform``: the log of a uniform draw from [low, high) (a positive rate kept in log space)."""
 
-    kind: Literal["normal", "trunc_normal", "ones", "zeros"]
+    kind: Literal["normal", "trunc_normal", "ones", "zeros", "log_uniform"]
     std: float = 1.0
     mean: float = 0.0
     truncate: float = 3.0
+    low: float = 0.0
+    high: float = 1.0
 
 
 @dataclass

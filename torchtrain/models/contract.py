@@ -287,14 +287,18 @@ class ModelContract:
         return self.block.collectives(tp, cp, ep, self.attention, dispatch)
 
 
-def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward") -> dict[str, Module]:
-    """The modules of the shared MoE layer (`models/common/moe.py`) that its TP plan names."""
+def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward", shared_gate: bool = False
+                ) -> dict[str, Module]:
+    """The modules of the shared MoE layer (`models/common/moe.py`) that its TP plan names (`shared_gate`:
+    the sigmoid gate of its shared experts)."""
     out = {prefix: Module(dim, dim), f"{prefix}.router": linear(dim, moe.num_experts),
            f"{prefix}.sequence_sum": Module(moe.num_experts, per_sequence=True, dtype="float32")}
     if moe.shared:
         s = moe.hidden * moe.shared
         out.update({f"{prefix}.shared_experts.w1": linear(dim, s), f"{prefix}.shared_experts.w3": linear(dim, s),
                     f"{prefix}.shared_experts.w2": linear(s, dim)})
+        if shared_gate:
+            out[f"{prefix}.shared_gate"] = linear(dim, 1)
     return out
 
 

@@ -42,8 +42,9 @@ class ModelSpec:
     """Builds the model from its arguments (a class, or a factory returning a module)."""
     args_cls: type[BaseModelArgs]
     flavors: dict[str, BaseModelArgs]
-    """Named presets of the arguments. Empty: the model has no presets -- its `[model]` keys alone
-    describe it (e.g. a Hugging Face folder), and `model.flavor` keeps its default."""
+    """Named presets of the arguments (instances of `args_cls` or of its base classes: a family's dense and
+    MoE flavors; a flavor takes the `[model]` keys of its own class). Empty: the model has no presets -- its
+    `[model]` keys alone describe it (e.g. a Hugging Face folder), and `model.flavor` keeps its default."""
     blocks: str = "layers"
     """Attribute (or dotted path, e.g. "model.layers") of the model holding its repeated blocks, an
     nn.ModuleDict keyed by global block index (an nn.ModuleList works when the model has no pipeline
@@ -61,8 +62,9 @@ class ModelSpec:
     """Pipeline split: (args, num_stages, first_less, last_less) -> module names per stage, in model
     order. Stages are cut with `distributed.pipeline.keep_modules`, so the model's top-level modules
     must tolerate being None and its blocks must live in an nn.ModuleDict."""
-    state_dict_adapter: type["StateDictAdapter"] | None = None
-    """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`)."""
+    state_dict_adapter: Callable[[BaseModelArgs], "StateDictAdapter"] | None = None
+    """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`): the adapter class, or a
+    function of the model's arguments returning the adapter (a family whose flavors differ in kind)."""
     compile_also: tuple[str, ...] = ()
     """Top-level modules compiled beside the blocks when the model is compiled (element-wise work
     outside the blocks, e.g. the final norm before the output projection). A module that is None on
@@ -121,11 +123,12 @@ def model_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def coerce_overrides(spec: ModelSpec, overrides: dict[str, Any], sources: dict[str, str] | None = None
-                     ) -> dict[str, Any]:
-    """The `[model]` section's model arguments, checked against the model's argument names and
-    converted to their types (ConfigError naming an unknown key, with the closest valid one)."""
-    types_ = field_types(spec.args_cls)
+def coerce_overrides(spec: ModelSpec, overrides: dict[str, Any], sources: dict[str, str] | None = None,
+                     args_cls: type | None = None) -> dict[str, Any]:
+    """The `[model]` section's model arguments, checked against the model's argument names (those of
+    `args_cls`: a flavor's own class, e.g. a family's MoE flavors, default `spec.args_cls`) and converted
+    to their types (ConfigError naming an unknown key, with the closest valid one)."""
+    types_ = field_types(args_cls or spec.args_cls)
     out = {}
     for key, value in overrides.items():
         if key not in types_:
@@ -157,7 +160,8 @@ def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any],
         raise ConfigError(
             f"[model.flavor] {spec.name} has no flavor {flavor!r}{hint} Flavors: {', '.join(spec.flavors)}"
         )
-    args = spec.flavors[flavor].replace(**coerce_overrides(spec, overrides, sources))
+    base = spec.flavors[flavor]
+    args = base.replace(**coerce_overrides(spec, overrides, sources, type(base)))
     args.validate()
     return args
 

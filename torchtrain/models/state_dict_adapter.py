@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -80,6 +80,33 @@ class StateDictAdapter(abc.ABC):
     def from_hf_tensors(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """`key`'s tensor from its HF tensors (in `hf_keys` order)."""
         return self.from_hf(key, tensors[0] if len(tensors) == 1 else torch.stack(tensors))
+
+    def hf_part(self, key: str) -> int | None:
+        """When HF stores several parameters as one tensor -- their HF-layout tensors concatenated on dim 0,
+        in part order: a fused projection torchtrain keeps as separate parameters so that tensor parallelism
+        can split each by heads -- this parameter's index among them; None otherwise. Its `from_hf` then
+        receives the whole HF tensor and takes its own rows."""
+        return None
+
+    def to_hf_state(self, items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """HF tensors of the parameters `items` ((key, tensor) pairs; those HF does not store are left out) by
+        HF name, the parts of one HF tensor (`hf_part`) concatenated in part order."""
+        out: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for key, tensor in items:
+            if not self.hf_keys(key):
+                continue
+            part = self.hf_part(key)
+            for name, t in self.to_hf_tensors(key, tensor).items():
+                if part is None:
+                    out[name] = t
+                else:
+                    parts.setdefault(name, {})[part] = t
+        for name, pieces in parts.items():
+            if sorted(pieces) != list(range(len(pieces))):
+                raise ValueError(f"{name}: parts {sorted(pieces)} of a fused tensor are missing some")
+            out[name] = torch.cat([pieces[i] for i in range(len(pieces))])
+        return out
 
     def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The torchtrain tensor of `key` in HF's layout (e.g. a row permutation)."""

@@ -84,10 +84,7 @@ def write_peft(folder: str, state: dict[str, torch.Tensor], cfg: Lora, adapter: 
 
 def write_merged(folder: str, state: dict[str, torch.Tensor], cfg: Lora, adapter: StateDictAdapter) -> None:
     merged = merged_state(state, cfg)
-    tensors = {}
-    for key, value in merged.items():
-        if adapter.hf_keys(key):
-            tensors.update({k: v.contiguous() for k, v in adapter.to_hf_tensors(key, value).items()})
+    tensors = {k: v.contiguous() for k, v in adapter.to_hf_state(merged.items()).items()}
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     write_config(folder, adapter, next(iter(tensors.values())).dtype)

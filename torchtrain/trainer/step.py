@@ -168,7 +168,7 @@ class TrainStep:
         """This rank's part of a batch: under context parallelism its chunks of every sequence (and
         their `seq_index`)."""
         dims = self.layout.dims
-        return shard_batch(batch, dims.cp, dims.cp_rank) if dims.cp_enabled else batch
+        return shard_batch(batch, dims.cp, dims.cp_rank, self.layout.cp_balanced) if dims.cp_enabled else batch
 
     def model_kwargs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Keyword inputs of the model besides the tokens that it takes: document positions, and the

@@ -90,11 +90,16 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
     if not entries:
         raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}) holds no model weights to export")
     entries = [e for e in entries if adapter.hf_keys(e[0])]  # buffers HF does not store are left out
-    entries.sort(key=lambda e: _natural(adapter.hf_keys(e[0])[0]))
+    entries.sort(key=lambda e: (_natural(adapter.hf_keys(e[0])[0]), adapter.hf_part(e[0]) or 0))
     out_dtype = {e[0]: dtype or e[2] for e in entries}
     by_key = {e[0]: e for e in entries}
-    sizes = [(e[0], torch.Size(e[1]).numel() * out_dtype[e[0]].itemsize) for e in entries]
-    shards = plan_shards(sizes, max_shard_bytes)
+    # the parameters written as one HF tensor (`StateDictAdapter.hf_part`) go into one shard together
+    groups: dict[str, list[str]] = {}
+    for key, *_ in entries:
+        groups.setdefault(adapter.hf_keys(key)[0], []).append(key)
+    nbytes = {e[0]: torch.Size(e[1]).numel() * out_dtype[e[0]].itemsize for e in entries}
+    sizes = [(name, sum(nbytes[k] for k in keys)) for name, keys in groups.items()]
+    shards = [[k for name in names for k in groups[name]] for names in plan_shards(sizes, max_shard_bytes)]
     os.makedirs(out_dir, exist_ok=True)
     weight_map: dict[str, str] = {}
     bar = Progress("export to HF", sum(n for _, n in sizes), "bytes", enabled=show_progress)
@@ -107,14 +112,14 @@ def export_dcp_to_hf(ckpt_path: str, out_dir: str, adapter: StateDictAdapter, dt
         except Exception as e:  # DCP wraps read errors of any kind
             raise CheckpointError(f"[checkpoint] {label} ({ckpt_path}): reading weights for the HF export "
                                   f"failed: {e}") from None
-        tensors = {hf: t.to(out_dtype[k]).contiguous()
-                   for k in keys for hf, t in adapter.to_hf_tensors(k, placeholders[k]).items()}
+        tensors = {hf: t.contiguous()
+                   for hf, t in adapter.to_hf_state((k, placeholders[k].to(out_dtype[k])) for k in keys).items()}
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update({hf: name for hf in tensors})
         bar.update(sum(t.numel() * t.element_size() for t in tensors.values()))
         del placeholders, tensors
     bar.close()
-    total = sum(n for _, n in sizes)
+    total = sum(nbytes.values())
     if len(shards) > 1:
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,

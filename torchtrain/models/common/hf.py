@@ -101,8 +101,7 @@ class GQAStateDictAdapter(StateDictAdapter):
             "head_dim": a.head_dim,
             "vocab_size": a.vocab_size,
             "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None,
+            **self.rope_config(),
             "max_position_embeddings": a.max_seq_len,
             "tie_word_embeddings": a.tie_word_embeddings,
             "hidden_act": "silu",
@@ -111,6 +110,11 @@ class GQAStateDictAdapter(StateDictAdapter):
             "initializer_range": 0.02,
             "torch_dtype": torch_dtype_name(dtype),
         }
+
+    def rope_config(self) -> dict[str, Any]:
+        """config.json's RoPE settings (plain RoPE; a family with scaled or partial RoPE states its
+        `rope_parameters`)."""
+        return {"rope_theta": self.model_args.rope_theta, "rope_scaling": None}
 
     def extra_config(self) -> dict[str, Any]:
         """The architecture's own config.json switches (Qwen3's: no attention dropout or sliding window)."""

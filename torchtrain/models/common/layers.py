@@ -18,15 +18,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back: torch's fused
-    `rms_norm` (one kernel forward and one backward on CUDA)."""
+    `rms_norm` (one kernel forward and one backward on CUDA). `zero_centered`: the scale is 1 + weight
+    (the weight starts at zero: Qwen3.5, Qwen3-Next)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight + 1.0 if self.zero_centered else self.weight
+        return F.rms_norm(x, self.weight.shape, weight, self.eps)
 
 
 class FeedForward(nn.Module):

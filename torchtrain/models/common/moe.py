@@ -14,7 +14,8 @@ For the T tokens of one forward (x reshaped to (T, D)), with E routed experts an
    (`experts.py`) run over their groups of rows -- every pair is computed: no capacity limit, no
    token dropped;
 3. **combine**: each token's output is the gate-weighted sum of its k experts' outputs (summed in
-   the order of its top-k), plus the shared experts' output when the layer has any.
+   the order of its top-k), plus the shared experts' output when the layer has any (scaled by a
+   sigmoid gate of the token, sigmoid(x w_g), with `shared_expert_gate`).
 
 Expert parallelism replaces the dispatcher of step 2 (`distributed/token_dispatch.py`); the layer
 itself has no parallel code.
@@ -52,6 +53,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec
+from torchtrain.models.common.decoder import output_std
 from torchtrain.models.common.dispatch import histogram
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.common.extra_loss import add_loss_gradient, counts_statistics
@@ -77,6 +79,9 @@ class MoEModelArgs:
     num_shared_experts: int = 0
     """Experts every token goes through besides its routed ones (one SwiGLU of this many times
     moe_intermediate_size)."""
+
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by a learned sigmoid gate per token, sigmoid(x w_g) (Qwen3.5)."""
 
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over the experts, or an independent sigmoid per expert (DeepSeek-V3)."""
@@ -136,13 +141,15 @@ class MoEModelArgs:
         or top-k), shared experts and the router."""
         expert = 3 * dim * self.moe_intermediate_size
         fixed = self.num_shared_experts * expert + dim * self.num_experts
+        if self.num_shared_experts and self.shared_expert_gate:
+            fixed += dim
         return self.num_experts * expert + fixed, self.num_experts_per_tok * expert + fixed
 
 
 class SequenceSum(nn.Identity):
     """Sums per-sequence statistics over the ranks that hold parts of one sequence: the identity on one
     rank; tensor parallelism's plan makes it an all-reduce over the sequence-parallel shards
-    (`distributed/expert_parallel.py::moe_tp_plan`), context parallelism one over the CP ranks
+    (`models/common/tp.py::moe_tp_plan`), context parallelism one over the CP ranks
     (`distributed/context_parallel.py`)."""
 
 
@@ -165,6 +172,8 @@ class MoE(nn.Module):
                                                                           args.num_experts, args.use_grouped_mm)
         self.shared_experts = (FeedForward(dim, args.moe_intermediate_size * args.num_shared_experts)
                                if args.num_shared_experts else None)
+        self.shared_gate = (nn.Linear(dim, 1, bias=False)
+                            if args.num_shared_experts and args.shared_expert_gate else None)
         self.sequence_sum = SequenceSum()
         if self.load_balance_coeff > 0:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts))
@@ -223,7 +232,10 @@ class MoE(nn.Module):
 
         out = self.experts(tokens, idx, weights)  # the token dispatcher: dispatch, experts, combine
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(tokens))
+            out = out + shared
         out = out.view_as(x)
         if aux is not None:
             out = add_loss_gradient(out, aux, self.aux_loss_scale * self.aux_loss_coeff)
@@ -259,3 +271,20 @@ def moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
                 name = name.replace(prefix, "")
             out.append((name, m))
     return out
+
+
+class MoEDecoder:
+    """Mixin of a decoder (`models/common/transformer.py::Decoder`) whose blocks' feed-forward is an `MoE` at
+    `feed_forward`: the layer's initialisation (`MoE.init_spec`, depth-scaled output projections) and its
+    buffers. Listed before the decoder class it mixes into."""
+
+    def init_spec(self, fqn: str) -> InitSpec:
+        head, sep, rest = fqn.partition(".feed_forward.")
+        if sep:  # router, experts, shared experts and their gate
+            return MoE.init_spec(rest, std=0.02, out_std=output_std(fqn, self.args.n_layers, self.args.depth_init))
+        return super().init_spec(fqn)
+
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        for _, layer in moe_layers(self):
+            layer.init_buffers()

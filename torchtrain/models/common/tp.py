@@ -9,7 +9,7 @@ family's `tp_plan` with the TP mesh.
   the TP ranks on one dimension, read as plain local tensors by its forward: per-head vectors such as
   attention sinks, a linear-attention layer's gates and its depthwise convolution);
 * plans by module name: `apply_decoder_top` (embedding, final norm, output head), `gqa_attention_plan`,
-  `swiglu_plan`, `moe_tp_plan` (an MoE layer on sequence shards);
+  `gated_deltanet_plan` (linear attention), `swiglu_plan`, `moe_tp_plan` (an MoE layer on sequence shards);
 * checks: `check_divisible` (a size every TP rank must hold an equal share of), `check_tp_has_ep`.
 """
 
@@ -157,6 +157,28 @@ def gqa_attention_plan() -> dict[str, object]:
     }
 
 
+def gated_deltanet_plan() -> dict[str, object]:
+    """A block's norms and Gated DeltaNet linear attention at `attention` (`models/common/linear_attention.py`,
+    names relative to the block): the input gathered over the sequence; the q/k/v/z/beta/decay projections
+    column-parallel, so a rank holds whole heads (H_k / tp key heads and the H_v / tp value heads they
+    serve); the convolutions' channels and the per-head decay parameters split alike (`LocalShards`); the
+    gated norm over each head with its shared weight replicated (its gradient summed over the ranks); the
+    output projection row-parallel into sequence shards. The delta rule runs on the rank's heads alone: no
+    communication inside the layer."""
+    plan: dict[str, object] = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        **{f"attention.in_proj_{p}": ColwiseParallel() for p in "qkvzba"},
+        **{f"attention.conv_{p}": LocalShards(0) for p in "qkv"},
+        "attention.decay": LocalShards(0),
+        "attention.norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    return plan
+
+
 def swiglu_plan(prefix: str = "feed_forward") -> dict[str, object]:
     """A dense SwiGLU at `prefix`: input gathered over the sequence, W_1/W_3 column-, W_2 row-parallel."""
     return {
@@ -176,7 +198,7 @@ def check_tp_has_ep(dims) -> None:
             f"routes its own sequence shard; set expert_parallel_degree to a multiple of {dims.tp}")
 
 
-def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:
+def moe_tp_plan(prefix: str, shared_experts: bool, shared_gate: bool = False) -> dict[str, object]:
     """TP styles of an MoE layer at `prefix` (relative to its block) with sequence parallelism: the
     layer works on this rank's sequence shard (no gather), the router and shared experts are
     replicated with their gradients summed over the TP ranks (their inputs are the rank's tokens, a
@@ -192,4 +214,6 @@ def moe_tp_plan(prefix: str, shared_experts: bool) -> dict[str, object]:
     if shared_experts:  # per Linear: SequenceParallel replicates a module's own parameters only
         for name in ("w1", "w2", "w3"):
             plan[f"{prefix}.shared_experts.{name}"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    if shared_gate:
+        plan[f"{prefix}.shared_gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
     return plan

@@ -47,30 +47,39 @@ class GQAttention(nn.Module):
     rebuild attention's inputs (the rotated queries and keys, the values), so a compiled selective
     checkpoint may save those inputs in their place (`distributed/activation_checkpoint.py`).
 
-    Options of other decoders (gpt-oss): `bias` on the four projections, a sliding `window` (this
-    layer's keys: the last `window` tokens), and attention `sinks` (one learned logit per query head,
-    `models/common/attention.py`; the module `sinks` holds them, split over the heads with TP)."""
+    Options of other decoders: `bias` on the four projections, a sliding `window` (this layer's keys:
+    the last `window` tokens) and attention `sinks` (one learned logit per query head,
+    `models/common/attention.py`; the module `sinks` holds them, split over the heads with TP) for
+    gpt-oss; for Qwen3.5's gated attention an `output_gate` -- W_q also gives each head a gate g, and the
+    head's output is multiplied by sigmoid(g) before W_o (W_q's rows per head: head_dim query rows, then
+    head_dim gate rows, so TP's column split keeps each head with its gate) --, query/key norms centred on
+    zero (`zero_centered_norms`: weight 1 + w), and RoPE on the first `rope_dim` dimensions of each head
+    only (partial RoPE; the rest pass through)."""
 
     def __init__(self, dim: int, n_heads: int, kv_heads: int, head_dim: int, mask: MaskType,
                  rope_layout: PairLayout, qk_norm_eps: float | None = None, bias: bool = False,
-                 window: int | None = None, sinks: bool = False):
+                 window: int | None = None, sinks: bool = False, output_gate: bool = False,
+                 rope_dim: int | None = None, zero_centered_norms: bool = False):
         super().__init__()
         self.head_dim, self.rope_layout, self.window = head_dim, rope_layout, window
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.output_gate, self.rope_dim = output_gate, rope_dim if rope_dim is not None else head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.wk = nn.Linear(dim, kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:
-            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered_norms)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered_norms)
         self.sinks: AttentionSinks | None = AttentionSinks(n_heads) if sinks else None
         self.core = AttentionCore(mask, sinks=sinks)
         self.fuse_qkv = False
-        self.checkpoint_stand_ins = self.q_norm is None and not bias
+        self.checkpoint_stand_ins = self.q_norm is None and not output_gate
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (bsz, seq, dim) -> queries, keys, values (bsz, seq, heads, head_dim)."""
+        """x (bsz, seq, dim) -> queries (with their gates: 2 x head_dim a head, `output_gate`), keys, values
+        (bsz, seq, heads, head_dim)."""
         bsz, seqlen, _ = x.shape
         if self.fuse_qkv and self.wq.bias is None:
             weights = [layer.weight for layer in (self.wq, self.wk, self.wv)]
@@ -78,17 +87,31 @@ class GQAttention(nn.Module):
             v = v.contiguous()  # what attention keeps for backward: not a view holding q and k's columns too
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
+        q_width = self.head_dim * (2 if self.output_gate else 1)
+        return q.view(bsz, seqlen, -1, q_width), *(t.view(bsz, seqlen, -1, self.head_dim) for t in (k, v))
+
+    def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """RoPE on x (bsz, seq, heads, head_dim): on its first `rope_dim` dimensions (partial RoPE)."""
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x, rope, self.rope_layout)
+        turned, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(turned, rope, self.rope_layout), rest], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.projections(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
         out = self.core(q, k, v, ctx, window=self.window, sinks=self.sinks() if self.sinks is not None else None)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out = out.transpose(1, 2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class AttentionSinks(nn.Module):
@@ -106,11 +129,12 @@ class AttentionSinks(nn.Module):
 class DecoderBlock(nn.Module):
     """h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
 
-    def __init__(self, dim: int, eps: float, attention: nn.Module, feed_forward: nn.Module):
+    def __init__(self, dim: int, eps: float, attention: nn.Module, feed_forward: nn.Module,
+                 zero_centered_norms: bool = False):
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps)
+        self.attention_norm = RMSNorm(dim, eps, zero_centered_norms)
         self.attention = attention
-        self.ffn_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps, zero_centered_norms)
         self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -128,14 +152,16 @@ class Decoder(nn.Module, abc.ABC):
     so a pipeline schedule cuts them into micro-batches like the tokens.
 
     `args` has `vocab_size`, `dim`, `n_layers`, `norm_eps`, `attention_mask`, `tie_word_embeddings`
-    and what `decoder_init_spec` reads."""
+    and what `decoder_init_spec` reads. `zero_centered_norms`: the final norm scales by 1 + weight."""
+
+    zero_centered_norms = False
 
     def __init__(self, args):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.block(i) for i in range(args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps, self.zero_centered_norms)
         self.output: nn.Linear | None = (
             None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )

@@ -11,7 +11,7 @@ over the heads and gather their *latent* input over the sequence -- r instead of
 4-12x less traffic than gathering x. The RoPE key (64 wide, shared by the heads) is gathered alone
 (`rope_key`). Each rank then attends with its heads and W_o is row-parallel back into sequence
 shards. The embedding, final norm and output are the decoder family's; dense feed-forwards are
-Megatron's column/row pair; MoE layers use `distributed/expert_parallel.py::moe_tp_plan`. FSDP units
+Megatron's column/row pair; MoE layers use `models/common/tp.py::moe_tp_plan`. FSDP units
 are the decoder family's (`models/common/parallel.py`) plus one per multi-token-prediction depth.
 """
 

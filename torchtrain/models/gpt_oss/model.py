@@ -25,11 +25,10 @@ from torch import nn
 
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common import rope
-from torchtrain.models.common.decoder import output_std
 from torchtrain.models.common.dispatch import LocalDispatcher
 from torchtrain.models.common.experts import ExpertBiases, GroupedExperts, expert_swiglu, swiglu_grouped
 from torchtrain.models.common.layers import local_tensor
-from torchtrain.models.common.moe import MoE, moe_layers
+from torchtrain.models.common.moe import MoE, MoEDecoder
 from torchtrain.models.common.transformer import Decoder, DecoderBlock, GQAttention
 from torchtrain.models.gpt_oss.args import GptOssArgs
 
@@ -72,7 +71,7 @@ def gpt_oss_rope(args: GptOssArgs, device: torch.device | None = None) -> torch.
     return rope.rope_table(freqs, args.max_seq_len, rope.yarn_mscale(args.rope_factor, 1.0))
 
 
-class GptOssTransformer(Decoder):
+class GptOssTransformer(MoEDecoder, Decoder):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); see `Decoder` and the module doc."""
 
     args: GptOssArgs
@@ -91,12 +90,4 @@ class GptOssTransformer(Decoder):
     def init_spec(self, fqn: str) -> InitSpec:
         if fqn.endswith(("bias", ".b13", ".b2")):
             return InitSpec("zeros")
-        head, sep, rest = fqn.partition(".feed_forward.")
-        if sep:  # router and experts
-            return MoE.init_spec(rest, std=0.02, out_std=output_std(fqn, self.args.n_layers, self.args.depth_init))
         return super().init_spec(fqn)
-
-    def init_buffers(self) -> None:
-        super().init_buffers()
-        for _, layer in moe_layers(self):
-            layer.init_buffers()

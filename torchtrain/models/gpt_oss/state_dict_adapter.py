@@ -121,23 +121,24 @@ class GptOssStateDictAdapter(GQAStateDictAdapter):
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         a = self.model_args
         config = super().hf_config(dtype)
-        for key in ("rope_theta", "rope_scaling"):
-            config.pop(key)
         config.update({
             "attention_bias": True,
             "num_local_experts": a.num_experts,
             "num_experts_per_tok": a.num_experts_per_tok,
             "sliding_window": a.sliding_window,
             "layer_types": ["sliding_attention" if a.is_sliding(i) else "full_attention" for i in range(a.n_layers)],
-            "rope_parameters": {"rope_type": "yarn", "rope_theta": a.rope_theta, "factor": a.rope_factor,
-                                "original_max_position_embeddings": a.rope_original_max_seq_len,
-                                "beta_fast": a.rope_beta_fast, "beta_slow": a.rope_beta_slow, "truncate": False},
             "swiglu_limit": a.swiglu_limit,
             "swiglu_alpha": a.swiglu_alpha,
             "router_aux_loss_coef": a.moe_aux_loss_coeff,
             "output_router_logits": False,
         })
         return config
+
+    def rope_config(self) -> dict[str, Any]:
+        a = self.model_args
+        return {"rope_parameters": {"rope_type": "yarn", "rope_theta": a.rope_theta, "factor": a.rope_factor,
+                                    "original_max_position_embeddings": a.rope_original_max_seq_len,
+                                    "beta_fast": a.rope_beta_fast, "beta_slow": a.rope_beta_slow, "truncate": False}}
 
     def extra_config(self) -> dict[str, Any]:
         return {"attention_dropout": 0.0}

@@ -8,14 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtrain.models.base import InitSpec
-from torchtrain.models.common.decoder import output_std
-from torchtrain.models.common.moe import MoE, moe_layers
+from torchtrain.models.common.moe import MoE, MoEDecoder
 from torchtrain.models.common.transformer import Decoder, qk_norm_block, qk_norm_rope
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 
 
-class MoETransformer(Decoder):
+class MoETransformer(MoEDecoder, Decoder):
     args: Qwen3MoeArgs
 
     def block(self, layer_id: int) -> nn.Module:
@@ -23,14 +21,3 @@ class MoETransformer(Decoder):
 
     def rope(self, device: torch.device | None = None) -> torch.Tensor:
         return qk_norm_rope(self.args, device)
-
-    def init_spec(self, fqn: str) -> InitSpec:
-        head, sep, rest = fqn.partition(".feed_forward.")
-        if sep:  # router, experts, shared experts
-            return MoE.init_spec(rest, std=0.02, out_std=output_std(fqn, self.args.n_layers, self.args.depth_init))
-        return super().init_spec(fqn)
-
-    def init_buffers(self) -> None:
-        super().init_buffers()
-        for _, layer in moe_layers(self):
-            layer.init_buffers()

@@ -1,6 +1,6 @@
 """The Qwen3-MoE parallel plan: Qwen3's attention TP plan (the decoder family's with per-head query/key
 norms, `models/common/parallel.py::qk_norm_plan`) with the MoE layer's
-(`distributed/expert_parallel.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and its
+(`models/common/tp.py::moe_tp_plan`: sequence-sharded tokens, replicated router), and its
 checks against the layout. Expert parallelism itself is generic (the applier splits every
 `GroupedExperts`); FSDP units and the pipeline split are the decoder family's.
 """

@@ -37,8 +37,30 @@ def meta_model(args: TransformersArgs) -> nn.Module:
     return _META[key]
 
 
+def recurrent_mixers(model: nn.Module) -> list[str]:
+    """Class names of the decoder layers' token mixers that carry a recurrent state over the sequence instead of
+    attending through the registry (linear attention: Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba-style
+    layers): they see neither context parallelism's shards nor block-causal documents."""
+    names = set()
+    for layer in model.decoder_layers:
+        for module in layer.modules():
+            kind = type(module).__name__
+            if any(tag in kind for tag in ("GatedDeltaNet", "LinearAttention", "Mamba", "Mixer")):
+                names.add(kind)
+    return sorted(names)
+
+
 def check_attention(args: TransformersArgs, layout: Layout) -> None:
     kind, dims = args.model_type, layout.dims
+    if dims.cp_enabled or args.attention_mask == "block_causal":
+        mixers = recurrent_mixers(meta_model(args))
+        if mixers:
+            key = ("[parallelism.context_parallel_degree]" if dims.cp_enabled else "[model.attention_mask]")
+            raise ConfigError(f"{key} model type {kind!r}: its linear-attention layers ({', '.join(mixers)}) carry a "
+                              f"state along the sequence in transformers' own code, which neither context parallelism "
+                              f"nor block-causal documents reach; train it with torchtrain's native family where there "
+                              f"is one (--model.name qwen3_5 for Qwen3.5), or set context_parallel_degree = 1 and "
+                              f"attention_mask = \"causal\"")
     if uses_registry(model_class(args.config)):
         return
     if dims.cp_enabled:
