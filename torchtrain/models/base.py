@@ -48,7 +48,13 @@ class InitSpec:
 
 @dataclass
 class BaseModelArgs(abc.ABC):
-    """Base of every model's arguments dataclass."""
+    """Base of every model's arguments dataclass. What callers may ask of any model's arguments has a default
+    here (a dense model's active parameters are all of them; no description; causal attention), so no caller
+    probes for it."""
+
+    attention_mask = "causal"
+    """The attention mask the model applies ("causal" or "block_causal"); a decoder's arguments make it a
+    `[model]` key (a class attribute here, not a field)."""
 
     def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
         """Adapt to the job's sequence length and tokenizer (e.g. size the RoPE table); raise ConfigError
@@ -61,9 +67,17 @@ class BaseModelArgs(abc.ABC):
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count, computed from the arguments alone (no model is built)."""
 
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token's forward uses (all of them, unless the model routes tokens to experts)."""
+        return self.num_params(exclude_embedding)
+
     @abc.abstractmethod
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at this sequence length, for MFU."""
+
+    def describe(self) -> str:
+        """A short description for the start-up line beside the model's name ("" for none)."""
+        return ""
 
     def replace(self, **changes) -> "BaseModelArgs":
         return dataclasses.replace(self, **changes)

@@ -71,7 +71,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
             targets = lora_targets(spec.model_cls(args), layout.lora)
         if layout.pipeline is not None:
             check_stages_have_adapters(targets, layout.pipeline.modules_per_stage)
-    if cfg.training.dataset == CHAT and getattr(args, "attention_mask", "block_causal") != "block_causal":
+    if cfg.training.dataset == CHAT and args.attention_mask != "block_causal":
         raise ConfigError("[model.attention_mask] chat data packs several conversations into each row: set "
                           "model.attention_mask = \"block_causal\" so that they do not attend to each other")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)

@@ -91,8 +91,8 @@ class Trainer:
         self._write_config()
         checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         check_cluster(checkpoint_folder if cfg.checkpoint.enable else None)  # a multi-node folder must be shared
-        active = getattr(args, "num_active_params", args.num_params)()
-        model_name = f"{cfg.model.name} ({args.describe()})" if hasattr(args, "describe") else \
+        active = args.num_active_params()
+        model_name = f"{cfg.model.name} ({args.describe()})" if args.describe() else \
             f"{cfg.model.name}/{cfg.model.flavor}"
         logger.info("%s | %d processes: %s | device %s | model %s, %.2fM parameters%s", cfg.job.description,
                     world_size, layout.describe(), device, model_name, args.num_params() / 1e6,

@@ -24,9 +24,28 @@ LAYER_ID = re.compile(r"^layers\.(\d+)\.")
 OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
-class DecoderArgsMixin:
-    """`update_from_job` for arguments with `max_seq_len` (0: the job's seq_len) and `vocab_size`, and the
-    checks the families' `validate` share."""
+class DecoderFlops:
+    """FLOPs per token of a decoder, the convention of Llama 3 (and torchtitan) for every family that does not
+    state its own:
+
+        flops/token = 6 x active matmul parameters + `mixer_flops(seq_len)`
+
+    the matmul parameters being what one token's forward uses (`num_active_params`), the embedding table left
+    out unless it is tied (then it is the output projection's matmul), and the token mixer's own work
+    (attention: 12 x n_layers x n_heads x head_dim x seq_len, its scores and weighted sum forward and
+    backward; a family with other mixers -- sliding windows, linear attention -- overrides it)."""
+
+    def flops_per_token(self, seq_len: int) -> int:
+        n_matmul = self.num_active_params(exclude_embedding=not self.tie_word_embeddings)
+        return 6 * n_matmul + self.mixer_flops(seq_len)
+
+    def mixer_flops(self, seq_len: int) -> int:
+        return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+class DecoderArgsMixin(DecoderFlops):
+    """`update_from_job` for arguments with `max_seq_len` (0: the job's seq_len) and `vocab_size`, the checks
+    the families' `validate` share, and the decoder FLOPs convention (`DecoderFlops`)."""
 
     max_seq_len: int
     vocab_size: int

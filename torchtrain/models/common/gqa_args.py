@@ -3,8 +3,8 @@ by the dense Qwen3 and Qwen3-MoE families), and their parameter / FLOP formulas.
 
 A Llama-style decoder (RMSNorm, SwiGLU, grouped-query attention, RoPE) with an explicit `head_dim`
 (n_heads x head_dim need not equal dim) and an RMSNorm over head_dim on every query and key head before
-RoPE. Defaults are Qwen3-8B's (RoPE base 1e6). FLOPs per token follow the Llama 3 convention
-(`models/llama3/args.py`): 6 x matmul parameters + 12 x n_layers x n_heads x head_dim x seq_len.
+RoPE. Defaults are Qwen3-8B's (RoPE base 1e6). FLOPs per token follow the decoder convention
+(`models/common/decoder.py::DecoderFlops`): 6 x matmul parameters + 12 x n_layers x n_heads x head_dim x seq_len.
 `ffn_params` is the hook a mixture-of-experts variant overrides.
 """
 
@@ -96,8 +96,3 @@ class GQADecoderArgs(DecoderArgsMixin, BaseModelArgs):
     def num_active_params(self, exclude_embedding: bool = False) -> int:
         """Parameters one token's forward uses (all of them for a dense model)."""
         return self._count(True, exclude_embedding)
-
-    def flops_per_token(self, seq_len: int) -> int:
-        # With tied embeddings the single table is the output matmul, so exclude nothing.
-        n_matmul = self.num_active_params(exclude_embedding=not self.tie_word_embeddings)
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len

@@ -80,7 +80,6 @@ class GptOssArgs(MoEModelArgs, GQADecoderArgs):
         expert = 3 * d * f + 2 * f + d
         return e * (d + 1) + (self.num_experts_per_tok if active else e) * expert
 
-    def flops_per_token(self, seq_len: int) -> int:
-        n_matmul = self.num_active_params(exclude_embedding=True)
+    def mixer_flops(self, seq_len: int) -> int:
         spans = sum(min(self.sliding_window, seq_len) if self.is_sliding(i) else seq_len for i in range(self.n_layers))
-        return 6 * n_matmul + 12 * self.n_heads * self.head_dim * spans
+        return 12 * self.n_heads * self.head_dim * spans

@@ -119,8 +119,3 @@ class Llama3Args(DecoderArgsMixin, BaseModelArgs):
         if exclude_embedding:
             total -= table
         return total
-
-    def flops_per_token(self, seq_len: int) -> int:
-        # With tied embeddings the single table is the output matmul, so exclude nothing.
-        n_matmul = self.num_params(exclude_embedding=not self.tie_word_embeddings)
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len

@@ -129,11 +129,10 @@ class Qwen3_5Args(GQADecoderArgs):
             total += table
         return total - table if exclude_embedding else total
 
-    def flops_per_token(self, seq_len: int) -> int:
-        n_matmul = self.num_active_params(exclude_embedding=not self.tie_word_embeddings)
+    def mixer_flops(self, seq_len: int) -> int:
         linear = (self.n_layers - self.n_full) * self.linear_num_value_heads * self.linear_key_head_dim * \
             self.linear_value_head_dim
-        return 6 * n_matmul + 12 * self.n_full * self.n_heads * self.head_dim * seq_len + 18 * linear
+        return 12 * self.n_full * self.n_heads * self.head_dim * seq_len + 18 * linear
 
 
 @dataclass

@@ -4,8 +4,8 @@ what the trainer reads off it (sizes, parameter and FLOP counts, the vocabulary 
 The folder's `config.json` is read by transformers' own `AutoConfig` (never code from the folder:
 remote code is refused), so the model type must be one the installed transformers knows. Parameter
 counts come from the model built on the meta device (no memory); FLOPs per token follow the convention
-of the native families (`models/llama3/args.py`): 6 x the parameters of the matmuls a token takes
-part in (routed experts counted top-k of E) + 12 x layers x heads x head_dim x seq_len.
+of the native families (`models/common/decoder.py::DecoderFlops`): 6 x the parameters of the matmuls a token
+takes part in (routed experts counted top-k of E) + 12 x layers x heads x head_dim x seq_len.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.common.decoder import DecoderFlops
 
 if TYPE_CHECKING:
     from torchtrain.data.tokenizer import Tokenizer
@@ -89,7 +90,7 @@ def _parameter_shapes(path: str, mtime: float, n_layers: int) -> tuple[tuple[str
 
 
 @dataclass
-class TransformersArgs(BaseModelArgs):
+class TransformersArgs(DecoderFlops, BaseModelArgs):
     """A transformers causal LM described by a local folder (docs/transformers.md)."""
 
     hf_path: str = ""
@@ -219,7 +220,3 @@ class TransformersArgs(BaseModelArgs):
         if c["experts"]:
             inactive = c["experts"] - c["experts"] * self.num_experts_per_tok // self.num_experts
         return self.num_params(exclude_embedding) - inactive
-
-    def flops_per_token(self, seq_len: int) -> int:
-        n_matmul = self.num_active_params(exclude_embedding=not self.tie_word_embeddings)
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len

@@ -151,7 +151,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
 def flavor_label(job: JobConfig, args: Any) -> str:
     """How the report names the model after its name: the flavor (with overrides), or what arguments
     without presets describe themselves as (a transformers folder)."""
-    if hasattr(args, "describe"):
+    if args.describe():
         return f"({args.describe()})"
     return job.model.flavor + (" (with overrides)" if job.model.overrides else "")
 
