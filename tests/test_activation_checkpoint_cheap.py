@@ -144,7 +144,7 @@ def test_planner_offers_cheap_where_declared_and_saves_the_all_to_alls():
 
 
 def test_shared_stage_cut_holds_the_same_blocks_without_copying():
-    from torchtrain.distributed.pipeline import keep_modules
+    from torchtrain.models.common.parallel import keep_modules
 
     model = _model(None)
     part = keep_modules(model, ["tok_embeddings", "layers.0"], share=True)

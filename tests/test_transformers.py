@@ -180,7 +180,11 @@ def job(folder: str, nproc: int, *extra: str) -> int:
 def test_layouts_the_model_cannot_take_are_one_config_error(tmp_path, monkeypatch):
     folder = hf_folder(tmp_path / "m", "mistral", weights=False)
     cases = [
-        (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree", "'mistral'"),
+        (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree",
+         "'gemma2': its forward transforms the embeddings or the logits beyond its layers",
+         hf_folder(tmp_path / "gemma2", "gemma2", weights=False)),
+        (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree", "ties its input",
+         hf_folder(tmp_path / "tied_pp", "mistral", weights=False, tie_word_embeddings=True)),
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree", "ties its input",
          hf_folder(tmp_path / "tied", "mistral", weights=False, tie_word_embeddings=True)),
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.expert_parallel_degree", "packed expert",
@@ -209,6 +213,25 @@ def test_layouts_the_model_cannot_take_are_one_config_error(tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=rf"^\[{key}\] model type 'qwen3_5_text': its linear-attention layers "
                                               r"\(Qwen3_5GatedDeltaNet\) carry a state .*--model.name qwen3_5"):
             job(hybrid, 2, *extra)
+
+
+def test_pipeline_stages_compute_the_whole_model(tmp_path):
+    """Two stages cut by decoder layers (the first with the embedding, the last with the final norm and head),
+    run one after the other, give the whole model's logits; their parameter names are the whole model's."""
+    from torchtrain.models.common.parallel import keep_modules
+    from torchtrain.models.transformers.pipeline import stage_modules
+    from torchtrain.models.transformers.stages import fill_stage
+
+    folder = hf_folder(tmp_path, "qwen2")
+    model = ours(folder)
+    stages = [keep_modules(model, names) for names in stage_modules(model, 2)]
+    for stage in stages:
+        fill_stage(stage)
+    assert {n for s in stages for n in s.state_dict()} == set(model.state_dict())
+    assert "model.layers.1.mlp.up_proj.weight" in stages[1].state_dict()
+    with torch.no_grad():
+        assert (stages[1](stages[0](tokens())) - model(tokens())).abs().max().item() <= TOL
+    job(folder, 2, "--parallelism.pipeline_parallel_degree", "2")  # the launch check accepts it
 
 
 def test_inputs_that_cannot_work_are_one_config_error(tmp_path):

@@ -7,6 +7,7 @@ shared by the module (tests/scripts/parity_runs.py runs its jobs one after anoth
   its step-2 checkpoint repeats its last steps bitwise; the FSDP2 x TP2 run's checkpoint exports to a
   folder that transformers loads with the logits of the torchtrain model;
 * Qwen2, Phi-3, Gemma 3 and OLMo 2 from their own weights: FSDP2, TP 2 and FSDP2 x TP2 equal one process;
+  Qwen2 also under PP 2 (stages cut by decoder layers) and PP 2 x FSDP 2;
 * Granite, a model type no torchtrain code names (embedding, residual and logit multipliers of its own):
   FSDP2 and TP2 equal one process from its declared plan alone;
 * Mixtral loaded from its folder (stored one tensor per expert): FSDP2 with its MoE blocks as they are, and
@@ -88,6 +89,10 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
                  (f"{kind}_fsdp2", 2, 2, ["--model.hf_path", folder]),
                  (f"{kind}_tp2", 2, 4, ["--model.hf_path", folder, *tp]),
                  (f"{kind}_fsdp2_tp2", 4, 2, ["--model.hf_path", folder, *tp])]
+        if kind == "qwen2":  # pipeline stages cut by decoder layers, alone and with FSDP
+            pp = [P + "pipeline_parallel_degree", "2"]
+            runs += [("qwen2_pp2", 2, 4, ["--model.hf_path", folder, *pp]),
+                     ("qwen2_pp2_fsdp2", 4, 2, ["--model.hf_path", folder, *pp])]
     return [(name, n, [*BASE, "--training.local_batch_size", str(local), "--job.dump_folder", str(root / name), *extra])
             for name, n, local, extra in runs]
 
@@ -127,6 +132,10 @@ def test_every_layout_of_a_dense_model_equals_one_process(runs):
 def test_each_architecture_equals_one_process_under_fsdp2_tp2_and_both(runs, kind):
     check(runs, f"{kind}_single", [f"{kind}_fsdp2", f"{kind}_tp2", f"{kind}_fsdp2_tp2"])
     assert "initial load: model weights loaded from the Hugging Face folder" in runs[f"{kind}_single"].log
+
+
+def test_pipeline_stages_alone_and_with_fsdp_equal_one_process(runs):
+    check(runs, "qwen2_single", ["qwen2_pp2", "qwen2_pp2_fsdp2"])
 
 
 def test_a_resumed_run_repeats_the_steps_bitwise(runs):

@@ -51,11 +51,11 @@ from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.lora import apply_lora, tp_plan_with_adapters
 from torchtrain.distributed.param_init import init_model_weights
-from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.distributed.tensor_parallel import enable_async_tp
 from torchtrain.distributed.token_dispatch import install_dispatchers
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.experts import GroupedExperts
+from torchtrain.models.common.parallel import keep_modules
 from torchtrain.models.registry import ModelSpec
 from torchtrain.utils.parameters import parameter_places
 

@@ -17,13 +17,11 @@ combination fails before start-up with a message naming the key.
 
 from __future__ import annotations
 
-import copy
 import csv
 import os
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from torchtrain.config.fields import ConfigError, did_you_mean
 from torchtrain.config.parallelism import Parallelism
@@ -174,32 +172,6 @@ def _check_explicit_split(modules: list[list[str]], all_names: list[str]) -> Non
     if flat != all_names or any(not stage for stage in modules):
         raise ConfigError("[parallelism.module_fqns_per_model_part] must list every module exactly once, in model "
                           f"order, with no empty stage: {', '.join(all_names)}")
-
-
-def keep_modules(model: nn.Module, names: list[str], share: bool = False) -> nn.Module:
-    """A copy of `model` holding only the named modules: top-level modules not named become None,
-    and a ModuleDict (like `layers`) keeps only its named entries ("layers.3"). `share`: copy only the
-    containers (the model object and its ModuleDicts) and share the kept modules with `model` -- for
-    callers that only read the cut's structure (the planner's schedule objects)."""
-    part = copy.copy(model) if share else copy.deepcopy(model)
-    if share:
-        part._modules = {attr: (nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict) else child)
-                         for attr, child in model._modules.items()}
-    wanted = set(names)
-    for attr, child in list(part.named_children()):
-        if isinstance(child, nn.ModuleDict):
-            for key in list(child.keys()):
-                if f"{attr}.{key}" not in wanted:
-                    del child[key]
-                else:
-                    wanted.discard(f"{attr}.{key}")
-        elif attr in wanted:
-            wanted.discard(attr)
-        else:
-            setattr(part, attr, None)
-    if wanted:
-        raise ConfigError(f"[parallelism.module_fqns_per_model_part] unknown module names {sorted(wanted)}")
-    return part
 
 
 def build_schedule(split: PipelineSplit, stages: list, loss_fn):

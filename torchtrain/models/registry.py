@@ -60,7 +60,7 @@ class ModelSpec:
     raise ConfigError naming the key."""
     stage_modules: Callable[[BaseModelArgs, int, int, int], list[list[str]]] | None = None
     """Pipeline split: (args, num_stages, first_less, last_less) -> module names per stage, in model
-    order. Stages are cut with `distributed.pipeline.keep_modules`, so the model's top-level modules
+    order. Stages are cut with `models.common.parallel.keep_modules`, so the model's top-level modules
     must tolerate being None and its blocks must live in an nn.ModuleDict."""
     state_dict_adapter: Callable[[BaseModelArgs], "StateDictAdapter"] | None = None
     """Converts weights to/from Hugging Face format (HF export/import of `[checkpoint]`): the adapter class, or a

@@ -18,8 +18,8 @@ from torch import nn
 
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.parallelize import apply_parallelism
-from torchtrain.distributed.pipeline import keep_modules
 from torchtrain.models.common.attention import AttentionCore
+from torchtrain.models.common.parallel import keep_modules
 from torchtrain.simulation.fake_world import local_allreduce_hook
 
 

@@ -10,6 +10,7 @@ order from the resolved Layout.
   divide -- with the heads, the feed-forward width and the vocabulary, which TP shards too.
 * `decoder_fsdp_units`: the token embedding, each block, and (norm, output) together; the root takes
   whatever is left (the RoPE buffer; with tied embeddings the shared table, which both ends use).
+* `keep_modules`: the cut itself -- a copy of the model holding only a stage's modules, by name;
 * `decoder_stage_modules`: stages in model order -- the first holds `tok_embeddings`, the last `norm`
   and `output`, the blocks split evenly in between; `first_less` / `last_less` take blocks away from the
   first / last stage to balance the embedding and the output head (which, with a large vocabulary,
@@ -18,6 +19,7 @@ order from the resolved Layout.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -106,3 +108,46 @@ def decoder_stage_modules(args, num_stages: int, first_less: int = 0, last_less:
             names += ["norm", "output"]
         stages.append(names)
     return stages
+
+
+def keep_modules(model: nn.Module, names: list[str], share: bool = False) -> nn.Module:
+    """A copy of `model` holding only the named modules: top-level modules not named become None,
+    and a ModuleDict (like `layers`) keeps only its named entries ("layers.3"). A dotted name reaching
+    deeper ("model.layers.3", "model.norm": a model whose blocks sit inside another module) cuts that
+    module the same way; a module without parameters (a RoPE table) stays on every stage. `share`: copy
+    only the containers (the model object, the modules the names reach into, their ModuleDicts) and share
+    the kept modules with `model` -- for callers that only read the cut's structure (the planner's
+    schedule objects)."""
+    part = copy.copy(model) if share else copy.deepcopy(model)
+    wanted = set(names)
+    _cut(part, "", wanted, share)
+    if wanted:
+        raise ConfigError(f"[parallelism.module_fqns_per_model_part] unknown module names {sorted(wanted)}")
+    return part
+
+
+def _cut(part: nn.Module, prefix: str, wanted: set[str], share: bool) -> None:
+    """Keep in `part` (named `prefix`) the modules of `wanted` (removing those found), see `keep_modules`."""
+    if share:
+        part._modules = {attr: (nn.ModuleDict(dict(child.items())) if type(child) is nn.ModuleDict else
+                                copy.copy(child) if child is not None and isinstance(child, nn.ModuleDict) else child)
+                         for attr, child in part._modules.items()}
+    for attr, child in list(part.named_children()):
+        path = f"{prefix}{attr}"
+        if isinstance(child, nn.ModuleDict):
+            if share:
+                child._modules = dict(child._modules)
+            for key in list(child.keys()):
+                if f"{path}.{key}" not in wanted:
+                    del child[key]
+                else:
+                    wanted.discard(f"{path}.{key}")
+        elif path in wanted:
+            wanted.discard(path)
+        elif any(w.startswith(path + ".") for w in wanted):
+            if share:
+                child = copy.copy(child)
+                setattr(part, attr, child)
+            _cut(child, path + ".", wanted, share)
+        elif next(child.parameters(), None) is not None:
+            setattr(part, attr, None)

@@ -12,7 +12,7 @@ from torchtrain.models.registry import ModelSpec, register_model_spec
 from torchtrain.models.transformers import declare  # noqa: F401  (registers the planner's contract)
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.model import build_model
-from torchtrain.models.transformers.parallelize import adapt, apply_tp, fsdp_units, validate
+from torchtrain.models.transformers.parallelize import adapt, apply_tp, fsdp_units, stage_modules, validate
 from torchtrain.models.transformers.state_dict_adapter import TransformersStateDictAdapter
 
 
@@ -23,6 +23,7 @@ def weights_folder(args: TransformersArgs) -> str | None:
 
 SPEC = ModelSpec(name="transformers", model_cls=build_model, args_cls=TransformersArgs, flavors={},
                  blocks="decoder_layers", tp_plan=apply_tp, fsdp_units=fsdp_units, validate=validate,
+                 stage_modules=stage_modules,
                  state_dict_adapter=TransformersStateDictAdapter, context_parallel=True, compile_fullgraph=False,
                  adapt=adapt, hf_weights=weights_folder)
 register_model_spec(SPEC)

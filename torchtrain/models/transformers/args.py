@@ -77,6 +77,17 @@ def with_layers(config, n_layers: int):
     return out
 
 
+def small_config(args: "TransformersArgs", layers: int = 1):
+    """A copy of the model's config with `layers` decoder layers and tiny widths, for checks that run the model's
+    own code on a small copy (its semantics do not depend on the sizes)."""
+    config = with_layers(args.full_config(), layers)
+    for key, value in (("hidden_size", 16), ("intermediate_size", 8), ("moe_intermediate_size", 8),
+                       ("head_dim", 4), ("num_attention_heads", 4), ("num_key_value_heads", 4)):
+        if hasattr(config, key):
+            setattr(config, key, value)
+    return config
+
+
 @functools.lru_cache(maxsize=8)
 def _parameter_shapes(path: str, mtime: float, n_layers: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every parameter of the model built on the meta device (tied ones once)."""

@@ -14,7 +14,9 @@ transformers' own; the mixin adds only:
 * `init_module(module)`: transformers' `_init_weights`, which `distributed/param_init.py` runs
   module by module on whole host tensors under seeds keyed by module name (identical weights under
   every layout); a module torchtrain swapped in (`moe.py`) is initialised as the module it replaced;
-* `decoder_layers`: the base model's `layers` (the blocks the engine checkpoints, compiles and shards).
+* `decoder_layers`: the base model's `layers` (the blocks the engine checkpoints, compiles and shards), held
+  by global index (`stages.py::IndexedLayers`) so that a pipeline stage keeps their names;
+* pipeline stages: a stage after the first takes hidden states (`pipeline.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import TransformersArgs, import_transformers
+from torchtrain.models.transformers.stages import index_layers, is_first_stage
 
 
 class TorchtrainCausalLM(nn.Module):
@@ -57,7 +60,9 @@ class TorchtrainCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        batch, length = tokens.shape
+        """Token ids -> logits; on a pipeline stage after the first, the previous stage's hidden states in
+        (transformers' `inputs_embeds`), and before the last, this stage's hidden states out (`pipeline.py`)."""
+        batch, length = tokens.shape[:2]
         documents = self.tt_mask == "block_causal" and positions is not None
         position_ids = positions if documents else seq_index
         if position_ids is None:
@@ -67,8 +72,8 @@ class TorchtrainCausalLM(nn.Module):
             ctx = AttentionContext(positions=positions if documents else None)
             kwargs[attention.CONTEXT_KEY] = prepare_attention(self, ctx, batch, length, tokens.device,
                                                               self.tt_windows)
-        out = super().forward(input_ids=tokens, position_ids=position_ids.to(tokens.device), use_cache=False,
-                              **kwargs)
+        inputs = {"input_ids": tokens} if is_first_stage(self) else {"inputs_embeds": tokens}
+        out = super().forward(**inputs, position_ids=position_ids.to(tokens.device), use_cache=False, **kwargs)
         return out.logits
 
     def init_module(self, module: nn.Module) -> None:
@@ -111,5 +116,6 @@ def build_model(args: TransformersArgs) -> nn.Module:
         raise ConfigError(f"[model.hf_path] model type {config.model_type!r}: its decoder layers are not the base "
                           f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
     model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
+    index_layers(model)  # layers keyed by their global index: names that survive a pipeline cut
     model.tt_setup(args, registry)
     return model

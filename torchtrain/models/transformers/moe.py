@@ -33,7 +33,7 @@ from torchtrain.models.common.experts import GroupedExperts, expert_swiglu
 from torchtrain.models.common.layers import local_tensor
 from torchtrain.models.common.moe import MoE, MoEModelArgs
 from torchtrain.models.common.tp import moe_tp_plan
-from torchtrain.models.transformers.args import TransformersArgs, with_layers
+from torchtrain.models.transformers.args import TransformersArgs, small_config
 
 TOLERANCE = 1e-5
 
@@ -112,16 +112,6 @@ class TransformersMoE(MoE):
         self.init_buffers()
 
 
-def _small(args: TransformersArgs):
-    """A copy of the config with one layer and tiny widths (the router's semantics do not depend on them)."""
-    config = with_layers(args.full_config(), 1)
-    for key, value in (("hidden_size", 16), ("intermediate_size", 8), ("moe_intermediate_size", 8),
-                       ("head_dim", 4), ("num_attention_heads", 4), ("num_key_value_heads", 4)):
-        if hasattr(config, key):
-            setattr(config, key, value)
-    return config
-
-
 @functools.lru_cache(maxsize=8)
 def _semantics(block_cls: type, config_cls: type, config_json: str, kind: str) -> tuple[str, bool]:
     """(score_func, norm_topk_prob) with which the MoE layer reproduces `block_cls` (ConfigError if none)."""
@@ -166,7 +156,7 @@ def _semantics(block_cls: type, config_cls: type, config_json: str, kind: str) -
 
 def semantics_of(args: TransformersArgs) -> Callable[[nn.Module], tuple[str, bool]]:
     """block -> its router's (score function, renormalised), the small config built once for all blocks."""
-    config = _small(args)
+    config = small_config(args)
     key = config.to_json_string(use_diff=False)
     return lambda block: _semantics(type(block), type(config), key, args.model_type)
 

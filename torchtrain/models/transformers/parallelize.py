@@ -3,8 +3,9 @@ what the model declares: its checks against the layout, its tensor-parallel plan
 FSDP units (the embedding, each decoder layer, the final norm with the output head) and, under expert
 parallelism, its MoE blocks swapped for the engine's MoE layer (`moe.py`).
 
-Layouts refused, each with one ConfigError naming the model type and the layout: pipeline parallelism
-(transformers' forward runs the whole model), context parallelism and block-causal masks for a model
+Pipeline parallelism cuts the model by decoder layers (`pipeline.py`). Layouts refused, each with one
+ConfigError naming the model type and the layout: pipeline parallelism of a model whose forward does more
+than its layers to the embeddings or logits (`pipeline.py::check_pipelinable`), context parallelism and block-causal masks for a model
 whose attention does not go through transformers' attention-function registry, tensor parallelism for
 a model without a plan or with an entry that has no DTensor translation, tied embeddings under tensor
 parallelism, and an MoE model under tensor parallelism without expert parallelism.
@@ -17,7 +18,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.registry import Layout
-from torchtrain.models.transformers import moe, tp_plan
+from torchtrain.models.transformers import moe, pipeline, stages, tp_plan
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.attention import uses_registry
 from torchtrain.models.transformers.model import build_model, model_class
@@ -108,9 +109,7 @@ def validate(args: TransformersArgs, layout: Layout) -> None:
     """The model's checks against the layout (module doc)."""
     dims, kind = layout.dims, args.model_type
     if dims.pp_enabled:
-        raise ConfigError(f"[parallelism.pipeline_parallel_degree] model type {kind!r} (model.name = "
-                          f"\"transformers\") runs transformers' own forward over the whole model, which torchtrain "
-                          f"does not cut into pipeline stages; set pipeline_parallel_degree = 1")
+        pipeline.check_pipelinable(args)
     check_attention(args, layout)
     swapped: tuple[str, ...] = ()
     if args.num_experts:
@@ -132,14 +131,17 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The embedding, each decoder layer, then the base model's other weights (the final norm) with the
-    output head; with tied embeddings the shared table stays with the root."""
+    output head; with tied embeddings the shared table stays with the root. A pipeline stage has the
+    units of the modules it holds."""
+    def has_weights(m: nn.Module | None) -> bool:
+        return m is not None and next(m.parameters(), None) is not None
+
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is embed.weight
-    layers = model.decoder_layers
-    units: list[nn.Module | list[nn.Module]] = [] if tied else [embed]
-    units += list(layers)
+    tied = has_weights(head) and has_weights(embed) and head.weight is embed.weight
+    units: list[nn.Module | list[nn.Module]] = [] if tied or not has_weights(embed) else [embed]
+    units += list(model.decoder_layers)
     tail = [m for _, m in model.top_modules()]
-    if not tied and head is not None:
+    if not tied and has_weights(head):
         tail.append(head)
     if tail and not tied:
         units.append(tail)
@@ -147,7 +149,15 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
 
 
 def adapt(model: nn.Module, layout: Layout) -> None:
-    """Before anything else of the layout: under expert parallelism the MoE blocks become torchtrain's
-    MoE layer (`moe.py`)."""
+    """Before anything else of the layout: a pipeline stage's missing modules become the identity
+    (`pipeline.py`); under expert parallelism the MoE blocks become torchtrain's MoE layer (`moe.py`)."""
+    if layout.dims.pp_enabled:
+        stages.fill_stage(model)
     if layout.dims.ep_enabled:
         moe.swap_blocks(model)
+
+
+def stage_modules(args: TransformersArgs, num_stages: int, first_less: int = 0, last_less: int = 0
+                  ) -> list[list[str]]:
+    """The pipeline split (`pipeline.py::stage_modules`) of the model of `args`."""
+    return pipeline.stage_modules(meta_model(args), num_stages, first_less, last_less)

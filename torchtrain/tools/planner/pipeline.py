@@ -133,8 +133,9 @@ def _schedule_facts(model_name: str, args, pp: int, pipe) -> tuple:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtrain.distributed.parallel_dims import ParallelDims
-    from torchtrain.distributed.pipeline import build_schedule, keep_modules, schedule_timeline
+    from torchtrain.distributed.pipeline import build_schedule, schedule_timeline
     from torchtrain.distributed.pipeline_timeline import peak_in_flight
+    from torchtrain.models.common.parallel import keep_modules
 
     pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=pp, world_size=pp)
     if dist.is_initialized():

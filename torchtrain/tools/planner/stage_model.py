@@ -1,7 +1,7 @@
 """Preparing a traced model part: the planner's `Stage` as the simulation's `PartCut`, and checks of
 what the plan applied.
 
-The cut itself is the trainer's (`distributed.pipeline.keep_modules`, by module name, through
+The cut itself is the trainer's (`models.common.parallel.keep_modules`, by module name, through
 `simulation/parts.py`); a `Stage` (block indices, ends, extra modules) also describes the shortened
 stages of depth extrapolation, whose model is built with fewer blocks.
 """

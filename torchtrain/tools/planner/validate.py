@@ -28,9 +28,14 @@ def resolve(job: JobConfig, world_size: int, device_type: str, args: Any) -> tup
 
     try:
         job.validate()
-        return resolve_layout(job, world_size, device_type, args, get_model_spec(job.model.name)), []
+        layout = resolve_layout(job, world_size, device_type, args, get_model_spec(job.model.name))
     except ConfigError as e:
         return None, [str(e)]
+    if layout.pipeline is not None and job.model.name == "transformers":
+        # the planner's traced stages are cut by the native decoders' module names (`stage_model.py`)
+        return None, ["[parallelism.pipeline_parallel_degree] the planner does not model the pipeline stages of a "
+                      "transformers model (the trainer runs them); plan it without pipeline parallelism"]
+    return layout, []
 
 
 def runnable_problems(p: PlanInputs, tokenizer: Any) -> list[str]:
