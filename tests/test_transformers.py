@@ -70,7 +70,7 @@ def theirs(folder: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).float().eval()
 
 
-@pytest.mark.parametrize("kind", DENSE + ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("kind", DENSE + ["mixtral", "gpt_oss", "qwen3_5"])
 def test_logits_equal_transformers_forward(kind, tmp_path):
     folder = hf_folder(tmp_path, kind)
     with torch.no_grad():
@@ -86,6 +86,25 @@ def test_block_causal_attention_equals_each_document_alone(tmp_path):
     with torch.no_grad():
         alone = torch.cat([hf(tokens()[:, :10]).logits, hf(tokens()[:, 10:]).logits], dim=1)
         assert (model(tokens(), positions=positions) - alone).abs().max().item() <= TOL
+
+
+def test_linear_attention_runs_as_the_engines_layer(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers become the engine's (TP, CP and documents reach them): packed documents
+    equal each document alone, and the parameters kept apart write back into transformers' fused tensors
+    exactly (an export transformers loads)."""
+    from torchtrain.models.transformers.linear_attention import TransformersGatedDeltaNet
+
+    folder = hf_folder(tmp_path, "qwen3_5")
+    model, hf = ours(folder, attention_mask="block_causal"), theirs(folder)
+    assert sum(isinstance(m, TransformersGatedDeltaNet) for m in model.modules()) == 1
+    positions = torch.cat([torch.arange(10), torch.arange(22)]).expand(2, -1)
+    with torch.no_grad():
+        alone = torch.cat([hf(tokens()[:, :10]).logits, hf(tokens()[:, 10:]).logits], dim=1)
+        assert (model(tokens(), positions=positions) - alone).abs().max().item() <= TOL
+    adapter = SPEC.state_dict_adapter(model.args)
+    exported = adapter.to_hf_state(model.state_dict().items())
+    assert exported.keys() == hf.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in hf.state_dict().items())
 
 
 def test_the_initialisation_is_the_models_own(tmp_path):
@@ -197,22 +216,27 @@ def test_layouts_the_model_cannot_take_are_one_config_error(tmp_path, monkeypatc
             job(where[0] if where else folder, 4, *extra)
         assert str(e.value).startswith(f"[{key}]") and says in str(e.value)
         assert "\n" not in str(e.value)
+    hybrid = hf_folder(tmp_path / "hybrid", "qwen3_next", weights=False)  # linear attention not swapped
+    for extra, key in ((["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+                       (["--model.attention_mask", "block_causal"], "model.attention_mask")):
+        with pytest.raises(ConfigError, match=rf"^\[{key}\] model type 'qwen3_next': its linear-attention layers "
+                                              r"\(Qwen3NextGatedDeltaNet\) carry a state"):
+            job(hybrid, 2, *extra)
+    job(hf_folder(tmp_path / "q35", "qwen3_5", weights=False), 2, "--parallelism.context_parallel_degree", "2")
     plan = {**transformers.MistralConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_params"}
     monkeypatch.setattr(transformers.MistralConfig, "base_model_tp_plan", plan)
     with pytest.raises(ConfigError, match=r"^\[parallelism.tensor_parallel_degree\] model type 'mistral': its "
                                           r"tensor-parallel plan entry 'layers.\*.mlp.down_proj': 'local_params'"):
         job(folder, 2, "--parallelism.tensor_parallel_degree", "2")
-    monkeypatch.setattr(transformers.MistralForCausalLM, "_supports_attention_backend", False)
+    from torchtrain.models.transformers import attention as tt_attention
+    from torchtrain.models.transformers import parallelize as tt_parallelize
+
+    for where in (tt_attention, tt_parallelize):  # a model whose attention does not go through the registry
+        monkeypatch.setattr(where, "uses_registry", lambda cls: False)
     with pytest.raises(ConfigError, match=r"^\[parallelism.context_parallel_degree\] model type 'mistral' computes"):
         job(folder, 2, "--parallelism.context_parallel_degree", "2")
     with pytest.raises(ConfigError, match=r"^\[model.attention_mask\] model type 'mistral' computes"):
         job(folder, 1, "--model.attention_mask", "block_causal")
-    hybrid = hf_folder(tmp_path / "hybrid", "qwen3_5", weights=False)  # linear attention outside the registry
-    for extra, key in ((["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
-                       (["--model.attention_mask", "block_causal"], "model.attention_mask")):
-        with pytest.raises(ConfigError, match=rf"^\[{key}\] model type 'qwen3_5_text': its linear-attention layers "
-                                              r"\(Qwen3_5GatedDeltaNet\) carry a state .*--model.name qwen3_5"):
-            job(hybrid, 2, *extra)
 
 
 def test_pipeline_stages_compute_the_whole_model(tmp_path):

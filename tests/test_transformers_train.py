@@ -14,6 +14,8 @@ shared by the module (tests/scripts/parity_runs.py runs its jobs one after anoth
   expert parallelism (EP 2 x FSDP 2, its MoE blocks run as torchtrain's MoE layer) equal one process;
 * gpt-oss from its own weights (attention sinks, sliding windows, biased clamped-SwiGLU experts): FSDP2
   equals one process;
+* Qwen3.5 from its own weights, its Gated DeltaNet layers run as the engine's: TP 2 (heads split, sequence
+  parallelism) and CP 2 (the recurrent state passed between ranks) equal one process;
 * LoRA fine-tuning of Mistral's own weights on chat data with the folder's tokenizer (its default), the
   attention mask block-causal by default, an adapter-only checkpoint that `peft` loads.
 
@@ -52,6 +54,7 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
     granite = hf_folder(root / "granite", "granite", weights=False)
     mixtral = hf_folder(root / "mixtral", "mixtral")
     gpt_oss = hf_folder(root / "gpt_oss", "gpt_oss")
+    qwen3_5 = hf_folder(root / "qwen3_5", "qwen3_5")
     chat_model = hf_folder(root / "mistral_tok", "mistral", tokenizer=True)
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     from synthetic_chat import write_task
@@ -68,6 +71,9 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
             ("lora_chat", 1, 4, lora),
             ("gpt_oss_single", 1, 4, ["--model.hf_path", gpt_oss]),
             ("gpt_oss_fsdp2", 2, 2, ["--model.hf_path", gpt_oss]),
+            ("qwen3_5_single", 1, 4, ["--model.hf_path", qwen3_5]),
+            ("qwen3_5_tp2", 2, 4, ["--model.hf_path", qwen3_5, P + "tensor_parallel_degree", "2"]),
+            ("qwen3_5_cp2", 2, 4, ["--model.hf_path", qwen3_5, P + "context_parallel_degree", "2"]),
             ("mistral_fsdp2", 2, 2, ["--model.hf_path", mistral, *ckpt]),
             ("mistral_resumed", 2, 2, ["--model.hf_path", mistral, "--checkpoint.enable", "true",
                                        "--checkpoint.initial_load_path", fsdp2_step2,
@@ -158,6 +164,12 @@ def test_moe_blocks_train_as_they_are_under_fsdp_and_swapped_under_expert_parall
 def test_attention_sinks_and_sliding_windows_train_under_fsdp(runs):
     """gpt-oss: its sinks (`s_aux`) and sliding windows go through the engine's attention."""
     check(runs, "gpt_oss_single", ["gpt_oss_fsdp2"])
+
+
+def test_linear_attention_layers_split_under_tensor_and_context_parallelism(runs):
+    """Qwen3.5's Gated DeltaNet layers, run as the engine's: heads split by TP, the state passed on by CP."""
+    check(runs, "qwen3_5_single", ["qwen3_5_tp2", "qwen3_5_cp2"])
+    assert "with sequence parallelism" in runs["qwen3_5_tp2"].log
 
 
 def test_the_checkpoint_of_a_2d_layout_exports_to_a_folder_transformers_loads(runs, tmp_path):

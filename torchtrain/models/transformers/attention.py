@@ -20,6 +20,10 @@ a ConfigError naming the model type, rather than computing something else.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 import torch
 from torch import nn
 
@@ -79,9 +83,21 @@ def register() -> None:
     AttentionInterface.register(IMPLEMENTATION, torchtrain_attention)
 
 
+@functools.cache
 def uses_registry(model_cls: type) -> bool:
-    """Whether the model class's attention goes through the attention-function registry."""
-    return bool(getattr(model_cls, "_supports_attention_backend", False))
+    """Whether the model class's attention goes through the attention-function registry: it says so
+    (`_supports_attention_backend`), or every attention module class of its modeling file looks its function
+    up there (Qwen3.5 does, without the flag: read off the code, `ALL_ATTENTION_FUNCTIONS.get_interface`)."""
+    if getattr(model_cls, "_supports_attention_backend", False):
+        return True
+    module = sys.modules.get(model_cls.__module__)
+    kinds = [obj for name, obj in vars(module or {}).items()
+             if name.endswith("Attention") and isinstance(obj, type) and issubclass(obj, nn.Module)]
+    try:
+        return bool(kinds) and all("ALL_ATTENTION_FUNCTIONS.get_interface" in inspect.getsource(k.forward)
+                                   for k in kinds)
+    except (OSError, TypeError):  # no source to read: trust the flag
+        return False
 
 
 def attention_modules(layer: nn.Module) -> list[nn.Module]:

@@ -12,7 +12,7 @@ from torch import nn
 from torchtrain.models import contract
 from torchtrain.models.transformers import moe, tp_plan
 from torchtrain.models.transformers.args import TransformersArgs
-from torchtrain.models.transformers.parallelize import meta_model
+from torchtrain.models.transformers.parallelize import meta_model, own_styles
 
 
 def _modules(layer: nn.Module, skip: tuple[str, ...]) -> dict[str, contract.Module]:
@@ -34,7 +34,7 @@ def _modules(layer: nn.Module, skip: tuple[str, ...]) -> dict[str, contract.Modu
 def _block(args: TransformersArgs, layer: nn.Module, sp: bool) -> contract.Block:
     """One decoder layer as the planner reads it (module doc)."""
     blocks = moe.blocks(layer)
-    own = moe.own_styles(layer)
+    own = own_styles(layer)
     entries = tp_plan.layer_entries(layer, args.config, set(blocks))
     plan = tp_plan.layer_plan(layer, entries, sp, own)
     modules = _modules(layer, tuple(blocks))
@@ -53,7 +53,7 @@ def declare(args: TransformersArgs) -> contract.ModelContract:
     """The contract of a transformers model (module doc)."""
     model = meta_model(args)
     layers = list(model.decoder_layers)
-    sp = tp_plan.model_sp_problem(model, moe.own_styles) is None
+    sp = tp_plan.model_sp_problem(model, own_styles) is None
     is_moe = tuple(bool(moe.blocks(layer)) for layer in layers)
     dense = next((layer for layer, m in zip(layers, is_moe) if not m), layers[0])
     moe_layer = next((layer for layer, m in zip(layers, is_moe) if m), None)

@@ -26,7 +26,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
-from torchtrain.models.transformers import attention
+from torchtrain.models.transformers import attention, linear_attention
 from torchtrain.models.transformers.args import TransformersArgs, import_transformers
 from torchtrain.models.transformers.stages import index_layers, is_first_stage
 
@@ -117,5 +117,6 @@ def build_model(args: TransformersArgs) -> nn.Module:
                           f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
     model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
     index_layers(model)  # layers keyed by their global index: names that survive a pipeline cut
+    linear_attention.swap_layers(model)  # Gated DeltaNet layers as the engine's (TP, CP and documents reach them)
     model.tt_setup(args, registry)
     return model

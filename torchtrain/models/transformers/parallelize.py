@@ -18,7 +18,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.registry import Layout
-from torchtrain.models.transformers import moe, pipeline, stages, tp_plan
+from torchtrain.models.transformers import linear_attention, moe, pipeline, stages, tp_plan
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.attention import uses_registry
 from torchtrain.models.transformers.model import build_model, model_class
@@ -38,14 +38,23 @@ def meta_model(args: TransformersArgs) -> nn.Module:
     return _META[key]
 
 
+def own_styles(layer: nn.Module) -> dict[str, object]:
+    """TP styles of the modules the engine swapped into a layer: MoE blocks (`moe.py`), linear attention
+    (`linear_attention.py`)."""
+    return {**moe.own_styles(layer), **linear_attention.own_styles(layer)}
+
+
 def recurrent_mixers(model: nn.Module) -> list[str]:
     """Class names of the decoder layers' token mixers that carry a recurrent state over the sequence instead of
     attending through the registry (linear attention: Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba-style
     layers): they see neither context parallelism's shards nor block-causal documents."""
     names = set()
     for layer in model.decoder_layers:
+        engines = [m for m in layer.modules() if isinstance(m, linear_attention.TransformersGatedDeltaNet)]
         for module in layer.modules():
             kind = type(module).__name__
+            if any(module is e or any(module is m for m in e.modules()) for e in engines):
+                continue  # the engine's layer: documents and context parallelism reach it
             if any(tag in kind for tag in ("GatedDeltaNet", "LinearAttention", "Mamba", "Mixer")):
                 names.add(kind)
     return sorted(names)
@@ -83,7 +92,7 @@ def check_tp(args: TransformersArgs, layout: Layout, swapped: tuple[str, ...]) -
                           f"embeddings ({args.hf_path}/config.json tie_word_embeddings), which tensor parallelism "
                           f"does not split here; set tensor_parallel_degree = 1")
     model = meta_model(args)
-    problem = tp_plan.model_sp_problem(model, moe.own_styles)
+    problem = tp_plan.model_sp_problem(model, own_styles)
     if swapped and problem is not None:
         raise ConfigError(f"[parallelism.tensor_parallel_degree] model type {kind!r}: its MoE layers run under "
                           f"tensor parallelism with sequence parallelism, which its plan does not allow ({problem})")
@@ -126,7 +135,7 @@ def validate(args: TransformersArgs, layout: Layout) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """The declared plan (`tp_plan.apply_tp`), the swapped MoE layers' own styles included."""
-    tp_plan.apply_tp(model, tp_mesh, loss_parallel, moe.own_styles)
+    tp_plan.apply_tp(model, tp_mesh, loss_parallel, own_styles)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:

@@ -1,5 +1,6 @@
 """A transformers model's Hugging Face names are its own: every parameter is stored under its name,
-as is. The export writes the folder's config (with the layers built and the stored dtype) and copies
+as is -- but the parts of a linear-attention layer the engine keeps apart (`linear_attention.py`: q/k/v
+projections and convolutions, written back into transformers' fused `in_proj_qkv` and `conv1d`). The export writes the folder's config (with the layers built and the stored dtype) and copies
 its tokenizer and generation files, so `AutoModelForCausalLM.from_pretrained` loads the result (the
 `save_pretrained` layout). A folder stored in another layout (transformers' conversion mapping, e.g.
 one tensor per expert) is read through transformers' own conversion (`checkpoint_layout.py`)."""
@@ -15,6 +16,7 @@ import torch
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.state_dict_adapter import StateDictAdapter
 from torchtrain.models.transformers.args import TransformersArgs
+from torchtrain.models.transformers.linear_attention import DECAY_NAME, PART_NAME
 
 # Files of a model folder that belong with its weights (tokenizer, chat template, generation defaults).
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -30,12 +32,38 @@ class TransformersStateDictAdapter(StateDictAdapter):
     model_args: TransformersArgs
 
     def hf_key(self, key: str) -> str:
-        return key
+        part = PART_NAME.match(key)
+        if part:  # a swapped linear-attention layer's q/k/v part (`linear_attention.py`): transformers' fused tensor
+            return f"{part.group(1)}{'in_proj_qkv' if part.group(2).startswith('in_proj') else 'conv1d'}.weight"
+        decay = DECAY_NAME.match(key)
+        return f"{decay.group(1)}{decay.group(2)}" if decay else key
 
     def hf_keys(self, key: str) -> list[str]:
         if key == "lm_head.weight" and self.model_args.tie_word_embeddings:
             return []  # transformers stores the tied table once, as the embedding
-        return [key]
+        return [self.hf_key(key)]
+
+    def hf_part(self, key: str) -> int | None:
+        part = PART_NAME.match(key)
+        return "qkv".index(part.group(2)[-1]) if part else None
+
+    def _rows(self, key: str) -> tuple[int, int]:
+        c = self.model_args.config
+        widths = [c.linear_num_key_heads * c.linear_key_head_dim] * 2 + [c.linear_num_value_heads *
+                                                                        c.linear_value_head_dim]
+        part = self.hf_part(key)
+        return sum(widths[:part]), sum(widths[:part + 1])
+
+    def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        part = PART_NAME.match(key)
+        return tensor.unsqueeze(1) if part and part.group(2).startswith("conv") else tensor
+
+    def from_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        part = PART_NAME.match(key)
+        if part is None:
+            return tensor
+        start, end = self._rows(key)
+        return tensor[start:end].squeeze(1) if part.group(2).startswith("conv") else tensor[start:end]
 
     def ignored_hf_keys(self) -> set[str]:
         return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()
