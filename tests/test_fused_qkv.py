@@ -47,6 +47,27 @@ def test_fused_projections_give_the_three_layers_values_and_gradients():
         torch.testing.assert_close(param.grad, grads[0][name].grad, rtol=1e-4, atol=1e-6)
 
 
+def test_biased_projections_fuse_with_their_biases():
+    """gpt-oss's biased q/k/v: one GEMM, then the three biases concatenated alike (float32 tolerances)."""
+    torch.manual_seed(0)
+    three = GQAttention(32, 4, 2, 8, "causal", "half", bias=True)
+    fused = copy.deepcopy(three)
+    fused.fuse_qkv = True
+    with torch.no_grad():
+        for layer in (three.wq, three.wk, three.wv):
+            layer.bias.normal_()
+    fused.load_state_dict(three.state_dict())
+    x = torch.randn(2, 6, 32)
+    outputs = [m.projections(x) for m in (three, fused)]
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    sum(t.square().sum() for t in outputs[1]).backward()
+    sum(t.square().sum() for t in outputs[0]).backward()
+    for (name, p), q in zip(fused.named_parameters(), three.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _layout(argv: list[str], world: int = 1):
     from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.trainer.preflight import preflight

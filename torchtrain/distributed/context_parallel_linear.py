@@ -75,9 +75,10 @@ class ContextParallelLinearAttention(LinearAttentionCore):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, cp={self.cp}"
 
-    def _order(self) -> list[int]:
-        """For each gathered segment (rank-major, `per_rank` a rank), its index in sequence order."""
-        return [s for r in range(self.cp) for s in segments_of(self.cp, r, self.balanced)]
+    def _gathered(self) -> dict[int, int]:
+        """Sequence-order index of a segment -> its place among the gathered ones (rank-major, `per_rank` a rank)."""
+        order = [s for r in range(self.cp) for s in segments_of(self.cp, r, self.balanced)]
+        return {seq: i for i, seq in enumerate(order)}
 
     def _split(self, t: torch.Tensor) -> list[torch.Tensor]:
         return list(t.chunk(self.per_rank, dim=1))
@@ -86,7 +87,7 @@ class ContextParallelLinearAttention(LinearAttentionCore):
         taps = weight.shape[1] - 1
         parts = self._split(x)
         tails = _gather(torch.stack([p[:, -taps:] for p in parts]), self.cp_mesh)  # (segments, B, K-1, C)
-        by_order = {seq: i for i, seq in enumerate(self._order())}
+        by_order = self._gathered()
         positions = self._split(ctx.positions) if ctx.positions is not None else [None] * len(parts)
         out = []
         for seq, part, pos in zip(segments_of(self.cp, self.rank, self.balanced), parts, positions):
@@ -96,26 +97,25 @@ class ContextParallelLinearAttention(LinearAttentionCore):
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ctx: AttentionContext) -> torch.Tensor:
-        batch, _, heads, dk = q.shape[0], q.shape[1], v.shape[2], q.shape[-1]
+        batch, heads, dk = q.shape[0], v.shape[2], q.shape[-1]
         resets = document_starts(ctx)
         identity = torch.eye(dk, device=q.device, dtype=torch.float32).expand(batch, heads, dk, dk)
         start = torch.cat([identity, identity.new_zeros(batch, heads, dk, v.shape[-1])], dim=-1)
         outs, transforms = [], []
-        for i, (qs, ks, vs, gs, bs) in enumerate(zip(*(self._split(t) for t in (q, k, v, g, beta)))):
-            rs = None if resets is None else self._split(resets)[i]
+        starts = self._split(resets) if resets is not None else [None] * self.per_rank
+        for qs, ks, vs, gs, bs, rs in zip(*(self._split(t) for t in (q, k, v, g, beta)), starts):
             values = torch.cat([vs.new_zeros(*vs.shape[:-1], dk), vs], dim=-1)
             out, final = delta_rule.gated_delta_rule(qs, ks, values, gs, bs, initial_state=start, resets=rs,
                                                      kernel=self.kernel, chunk_size=self.chunk_size)
             outs.append(out)
             transforms.append(final)
         gathered = _gather(torch.stack(transforms), self.cp_mesh)  # (segments, B, H, dk, dk + dv): [M | N]
-        order = self._order()
-        by_seq = {seq: gathered[i] for i, seq in enumerate(order)}
+        by_order = self._gathered()
         state = gathered.new_zeros(batch, heads, dk, v.shape[-1])
         incoming = {}
-        for seq in range(len(order)):
+        for seq in range(len(by_order)):
             incoming[seq] = state
-            m, n = by_seq[seq].split([dk, v.shape[-1]], dim=-1)
+            m, n = gathered[by_order[seq]].split([dk, v.shape[-1]], dim=-1)
             state = m @ state + n
         result = []
         for seq, out in zip(segments_of(self.cp, self.rank, self.balanced), outs):

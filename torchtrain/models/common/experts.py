@@ -79,11 +79,10 @@ def swiglu_looped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
                   biases: ExpertBiases | None = None, activation: Activation = swiglu) -> torch.Tensor:
     """The portable path: one SwiGLU per expert over its (possibly empty) group of rows."""
     outs = []
-    b1, b2, b3 = biases if biases is not None else (None, None, None)
     for e, xe in enumerate(torch.split(x, host_split_sizes(counts, x.shape[0]))):
-        pick = (lambda b: None) if biases is None else (lambda b: b[e])  # noqa: E731
-        h = activation(F.linear(xe, w1[e], pick(b1)), F.linear(xe, w3[e], pick(b3)))
-        outs.append(F.linear(h, w2[e], pick(b2)))
+        b1, b2, b3 = (None, None, None) if biases is None else (b[e] for b in biases)
+        h = activation(F.linear(xe, w1[e], b1), F.linear(xe, w3[e], b3))
+        outs.append(F.linear(h, w2[e], b2))
     return torch.cat(outs)
 
 

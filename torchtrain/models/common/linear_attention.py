@@ -27,6 +27,8 @@ convolution context of the tokens before it.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +59,32 @@ def causal_conv(x: torch.Tensor, left: torch.Tensor, weight: torch.Tensor,
 def document_starts(ctx: AttentionContext) -> torch.Tensor | None:
     """(B, L) True at each document's first token (block-causal forwards), else None."""
     return None if ctx.positions is None else ctx.positions == 0
+
+
+FUSED_PART = re.compile(r"^(.*\.)(in_proj|conv)_([qkv])\.weight$")
+"""A Gated DeltaNet parameter Hugging Face stores fused with two others: (prefix, "in_proj" or "conv", part)."""
+
+
+def fused_part(key: str) -> tuple[str, str, int] | None:
+    """(prefix, kind, index) when `key` is the q (0), k (1) or v (2) part of the layer's q/k/v projection
+    ("in_proj") or convolution ("conv"), which Hugging Face stores as one tensor each (`in_proj_qkv`,
+    `conv1d`, rows [q | k | v]); None otherwise."""
+    match = FUSED_PART.match(key)
+    return (match.group(1), match.group(2), "qkv".index(match.group(3))) if match else None
+
+
+def to_fused(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Part `key` (`fused_part`) in Hugging Face's layout: a convolution's (channels, taps) as (channels, 1, taps)."""
+    return tensor.unsqueeze(1) if fused_part(key)[1] == "conv" else tensor
+
+
+def from_fused(key: str, tensor: torch.Tensor, key_width: int, value_width: int) -> torch.Tensor:
+    """Part `key`'s rows of Hugging Face's fused tensor (q and k `key_width` rows each, v `value_width`), in
+    torchtrain's layout."""
+    _, kind, part = fused_part(key)
+    start = key_width * min(part, 2)
+    rows = tensor[start:start + (value_width if part == 2 else key_width)]
+    return rows.squeeze(1) if kind == "conv" else rows
 
 
 class LinearAttentionCore(nn.Module):

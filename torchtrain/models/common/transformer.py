@@ -81,9 +81,13 @@ class GQAttention(nn.Module):
         """x (bsz, seq, dim) -> queries (with their gates: 2 x head_dim a head, `output_gate`), keys, values
         (bsz, seq, heads, head_dim)."""
         bsz, seqlen, _ = x.shape
-        if self.fuse_qkv and self.wq.bias is None:
-            weights = [layer.weight for layer in (self.wq, self.wk, self.wv)]
-            q, k, v = concat_linear(x, weights).split([w.shape[0] for w in weights], dim=-1)
+        if self.fuse_qkv:
+            layers = (self.wq, self.wk, self.wv)
+            weights = [layer.weight for layer in layers]
+            out = concat_linear(x, weights)
+            if self.wq.bias is not None:  # biased projections: their biases concatenated alike
+                out = out + torch.cat([layer.bias for layer in layers])
+            q, k, v = out.split([w.shape[0] for w in weights], dim=-1)
             v = v.contiguous()  # what attention keeps for backward: not a view holding q and k's columns too
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)

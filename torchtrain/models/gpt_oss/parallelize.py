@@ -45,5 +45,5 @@ def declare(args: GptOssArgs) -> contract.ModelContract:
                **contract.moe_modules(args.dim, moe),
                "feed_forward.router": contract.Module(args.dim, args.num_experts,
                                                       ((args.num_experts, args.dim), (args.num_experts, 1)), linear=True)}
-    block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim)
+    block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim, fused=contract.GQA_FUSED)
     return contract.gqa_decoder(args, block, block, args.num_active_params(), args.moe_intermediate_size)

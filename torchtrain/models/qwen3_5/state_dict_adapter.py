@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from torchtrain.models.common.hf import ATTENTION_NAMES, DENSE_FFN_NAMES, LAYER, GQAStateDictAdapter
+from torchtrain.models.common.linear_attention import from_fused, fused_part, to_fused
 from torchtrain.models.qwen3_5.args import Qwen3_5Args, Qwen3_5MoeArgs
 from torchtrain.models.state_dict_adapter import moe_torchtitan_key
 
@@ -39,7 +40,6 @@ _LINEAR_NAMES = {
     "attention.decay.A_log": "linear_attn.A_log",
     "attention.decay.dt_bias": "linear_attn.dt_bias",
 }
-_PARTS = {"q": 0, "k": 1, "v": 2}
 _MOE_NAMES = {
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
@@ -57,19 +57,9 @@ class Qwen3_5StateDictAdapter(GQAStateDictAdapter):
     architecture, model_type = "Qwen3_5ForCausalLM", "qwen3_5_text"
     layer_names = {**ATTENTION_NAMES, **DENSE_FFN_NAMES, **_LINEAR_NAMES, **_MOE_NAMES}
 
-    def _part_of(self, key: str) -> tuple[str, int] | None:
-        match = LAYER.match(key)
-        if not match:
-            return None
-        name = match.group(2)
-        for stem in ("attention.in_proj_", "attention.conv_"):
-            if name.startswith(stem) and name[len(stem)] in _PARTS and name.endswith(".weight"):
-                return stem, _PARTS[name[len(stem)]]
-        return None
-
     def hf_part(self, key: str) -> int | None:
-        part = self._part_of(key)
-        return part[1] if part is not None else None
+        part = fused_part(key)
+        return part[2] if part is not None else None
 
     def hf_keys(self, key: str) -> list[str]:
         match = LAYER.match(key)
@@ -82,25 +72,15 @@ class Qwen3_5StateDictAdapter(GQAStateDictAdapter):
                 return []
         return [self.hf_key(key)]
 
-    def _rows(self, key: str) -> tuple[int, int]:
-        """The rows of the fused HF tensor that part `key` holds."""
-        a, part = self.model_args, self.hf_part(key)
-        widths = [a.linear_num_key_heads * a.linear_key_head_dim] * 2 + [a.linear_num_value_heads *
-                                                                         a.linear_value_head_dim]
-        start = sum(widths[:part])
-        return start, start + widths[part]
-
     def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        part = self._part_of(key)
-        return tensor.unsqueeze(1) if part is not None and part[0] == "attention.conv_" else tensor
+        return to_fused(key, tensor) if fused_part(key) else tensor
 
     def from_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        part = self._part_of(key)
-        if part is None:
+        if fused_part(key) is None:
             return tensor
-        start, end = self._rows(key)
-        tensor = tensor[start:end]
-        return tensor.squeeze(1) if part[0] == "attention.conv_" else tensor
+        a = self.model_args
+        return from_fused(key, tensor, a.linear_num_key_heads * a.linear_key_head_dim,
+                          a.linear_num_value_heads * a.linear_value_head_dim)
 
     def reading(self, available: set[str]) -> GQAStateDictAdapter:
         if any(k.startswith(VLM_PREFIX) for k in available):

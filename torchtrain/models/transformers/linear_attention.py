@@ -33,7 +33,6 @@ from torchtrain.models.transformers.attention import CONTEXT_KEY
 from torchtrain.models.transformers.tp_plan import GatherSequence
 
 _NEEDS = ("in_proj_qkv", "conv1d", "in_proj_z", "in_proj_b", "in_proj_a", "A_log", "dt_bias", "norm", "out_proj")
-PART_NAME = re.compile(r"^(.*\.)(in_proj_[qkv]|conv_[qkv])\.weight$")
 DECAY_NAME = re.compile(r"^(.*\.)decay\.(A_log|dt_bias)$")
 
 

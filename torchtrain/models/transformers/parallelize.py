@@ -50,12 +50,13 @@ def recurrent_mixers(model: nn.Module) -> list[str]:
     layers): they see neither context parallelism's shards nor block-causal documents."""
     names = set()
     for layer in model.decoder_layers:
-        engines = [m for m in layer.modules() if isinstance(m, linear_attention.TransformersGatedDeltaNet)]
+        # the engine's layers (and what they hold): documents and context parallelism reach them
+        engines = {id(m) for e in layer.modules() if isinstance(e, linear_attention.TransformersGatedDeltaNet)
+                   for m in e.modules()}
         for module in layer.modules():
             kind = type(module).__name__
-            if any(module is e or any(module is m for m in e.modules()) for e in engines):
-                continue  # the engine's layer: documents and context parallelism reach it
-            if any(tag in kind for tag in ("GatedDeltaNet", "LinearAttention", "Mamba", "Mixer")):
+            if id(module) not in engines and any(t in kind for t in ("GatedDeltaNet", "LinearAttention", "Mamba",
+                                                                      "Mixer")):
                 names.add(kind)
     return sorted(names)
 
@@ -68,9 +69,8 @@ def check_attention(args: TransformersArgs, layout: Layout) -> None:
             key = ("[parallelism.context_parallel_degree]" if dims.cp_enabled else "[model.attention_mask]")
             raise ConfigError(f"{key} model type {kind!r}: its linear-attention layers ({', '.join(mixers)}) carry a "
                               f"state along the sequence in transformers' own code, which neither context parallelism "
-                              f"nor block-causal documents reach; train it with torchtrain's native family where there "
-                              f"is one (--model.name qwen3_5 for Qwen3.5), or set context_parallel_degree = 1 and "
-                              f"attention_mask = \"causal\"")
+                              f"nor block-causal documents reach (torchtrain maps Qwen3.5's layout to its own layer, "
+                              f"not this one); set context_parallel_degree = 1 and attention_mask = \"causal\"")
     if uses_registry(model_class(args.config)):
         return
     if dims.cp_enabled:

@@ -35,12 +35,9 @@ from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import small_config
 from torchtrain.models.transformers.model import model_class
 from torchtrain.models.transformers.stages import fill_stage, index_layers
+from torchtrain.models.transformers.tp_plan import name_of
 
 TOLERANCE = 1e-5
-
-
-def _name_of(root: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in root.named_modules() if m is module)
 
 
 def stage_modules(model: nn.Module, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
@@ -48,23 +45,17 @@ def stage_modules(model: nn.Module, num_stages: int, first_less: int = 0, last_l
     base = model.base_model_prefix
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     top = [f"{base}.{name}" for name, _ in model.top_modules()]
-    per_layer = decoder_stage_modules(_Layers(len(model.decoder_layers)), num_stages, first_less, last_less)
+    per_layer = decoder_stage_modules(SimpleNamespace(n_layers=len(model.decoder_layers)), num_stages, first_less,
+                                      last_less)
     stages = []
     for i, names in enumerate(per_layer):
         own = [f"{base}.{n}" for n in names if n.startswith("layers.")]
         if i == 0:
-            own.insert(0, f"{base}.{_name_of(model.base_model, embed)}")
+            own.insert(0, f"{base}.{name_of(model.base_model, embed)}")
         if i == num_stages - 1:
-            own += top + [_name_of(model, head)]
+            own += top + [name_of(model, head)]
         stages.append(own)
     return stages
-
-
-class _Layers:
-    """What `decoder_stage_modules` reads of a model's arguments: its layer count."""
-
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers
 
 
 @functools.lru_cache(maxsize=8)

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.linear_attention import from_fused, fused_part, to_fused
 from torchtrain.models.state_dict_adapter import StateDictAdapter
 from torchtrain.models.transformers.args import TransformersArgs
-from torchtrain.models.transformers.linear_attention import DECAY_NAME, PART_NAME
+from torchtrain.models.transformers.linear_attention import DECAY_NAME
 
 # Files of a model folder that belong with its weights (tokenizer, chat template, generation defaults).
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -32,9 +33,9 @@ class TransformersStateDictAdapter(StateDictAdapter):
     model_args: TransformersArgs
 
     def hf_key(self, key: str) -> str:
-        part = PART_NAME.match(key)
+        part = fused_part(key)
         if part:  # a swapped linear-attention layer's q/k/v part (`linear_attention.py`): transformers' fused tensor
-            return f"{part.group(1)}{'in_proj_qkv' if part.group(2).startswith('in_proj') else 'conv1d'}.weight"
+            return f"{part[0]}{'in_proj_qkv' if part[1] == 'in_proj' else 'conv1d'}.weight"
         decay = DECAY_NAME.match(key)
         return f"{decay.group(1)}{decay.group(2)}" if decay else key
 
@@ -44,26 +45,18 @@ class TransformersStateDictAdapter(StateDictAdapter):
         return [self.hf_key(key)]
 
     def hf_part(self, key: str) -> int | None:
-        part = PART_NAME.match(key)
-        return "qkv".index(part.group(2)[-1]) if part else None
-
-    def _rows(self, key: str) -> tuple[int, int]:
-        c = self.model_args.config
-        widths = [c.linear_num_key_heads * c.linear_key_head_dim] * 2 + [c.linear_num_value_heads *
-                                                                        c.linear_value_head_dim]
-        part = self.hf_part(key)
-        return sum(widths[:part]), sum(widths[:part + 1])
+        part = fused_part(key)
+        return part[2] if part else None
 
     def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        part = PART_NAME.match(key)
-        return tensor.unsqueeze(1) if part and part.group(2).startswith("conv") else tensor
+        return to_fused(key, tensor) if fused_part(key) else tensor
 
     def from_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        part = PART_NAME.match(key)
-        if part is None:
+        if fused_part(key) is None:
             return tensor
-        start, end = self._rows(key)
-        return tensor[start:end].squeeze(1) if part.group(2).startswith("conv") else tensor[start:end]
+        c = self.model_args.config
+        return from_fused(key, tensor, c.linear_num_key_heads * c.linear_key_head_dim,
+                          c.linear_num_value_heads * c.linear_value_head_dim)
 
     def ignored_hf_keys(self) -> set[str]:
         return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()

@@ -169,7 +169,8 @@ def layer_plan(layer: nn.Module, entries: dict[str, str], sp: bool, own: dict[st
     return {**plan, **own}
 
 
-def _name_of(root: nn.Module, module: nn.Module) -> str:
+def name_of(root: nn.Module, module: nn.Module) -> str:
+    """The name of `module` within `root`."""
     return next(name for name, m in root.named_modules() if m is module)
 
 
@@ -177,14 +178,14 @@ def top_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> tuple[dict[str,
     """(styles relative to the base model: embedding and final norms; styles relative to the model: head)."""
     base = model.base_model
     embed = model.get_input_embeddings()
-    base_plan: dict[str, object] = {_name_of(base, embed): RowwiseParallel(input_layouts=Replicate(),
+    base_plan: dict[str, object] = {name_of(base, embed): RowwiseParallel(input_layouts=Replicate(),
                                                                            output_layouts=Shard(1) if sp else Replicate())}
     if sp:
         for name, _ in model.top_modules():
             base_plan[name] = SequenceParallel(use_local_output=True)
     head = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
-    return base_plan, {_name_of(model, model.get_output_embeddings()): head}
+    return base_plan, {name_of(model, model.get_output_embeddings()): head}
 
 
 OwnStyles = Callable[[nn.Module], dict[str, object]]
