@@ -166,12 +166,15 @@ def test_peft_loads_the_lora_adapter_with_equal_logits(tmp_path):
         assert (theirs(str(tmp_path / "merged"))(tokens()).logits - logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("kind, semantics", [("mixtral", ("softmax", True)), ("qwen3_moe", ("softmax", False))])
+@pytest.mark.parametrize("kind, semantics", [("mixtral", ("softmax", True, "halves")),
+                                             ("qwen3_moe", ("softmax", False, "halves")),
+                                             ("gpt_oss", ("softmax", True, "interleaved"))])  # biased, clamped
 def test_moe_blocks_swap_for_the_engines_layer_with_equal_logits(kind, semantics, tmp_path):
     folder = hf_folder(tmp_path, kind)  # stored one tensor per expert: read through transformers' conversion
     model, swapped = ours(folder), ours(folder, swap=True)
     block = swapped.model.layers[0].mlp
-    assert isinstance(block, moe.TransformersMoE) and (block.score_func, block.norm_topk_prob) == semantics
+    assert isinstance(block, moe.TransformersMoE)
+    assert (block.score_func, block.norm_topk_prob, block.experts.layout) == semantics
     assert set(dict(model.named_parameters())) == set(dict(swapped.named_parameters()))  # the same names
     with torch.no_grad():
         assert (swapped(tokens()) - model(tokens())).abs().max().item() <= TOL

@@ -13,7 +13,8 @@ shared by the module (tests/scripts/parity_runs.py runs its jobs one after anoth
 * Mixtral loaded from its folder (stored one tensor per expert): FSDP2 with its MoE blocks as they are, and
   expert parallelism (EP 2 x FSDP 2, its MoE blocks run as torchtrain's MoE layer) equal one process;
 * gpt-oss from its own weights (attention sinks, sliding windows, biased clamped-SwiGLU experts): FSDP2
-  equals one process;
+  and TP 2 (attention heads with their sinks split, the MoE blocks swapped for the engine's layer with
+  expert parallelism over the TP ranks) equal one process;
 * Qwen3.5 from its own weights, its Gated DeltaNet layers run as the engine's: TP 2 (heads split, sequence
   parallelism) and CP 2 (the recurrent state passed between ranks) equal one process;
 * LoRA fine-tuning of Mistral's own weights on chat data with the folder's tokenizer (its default), the
@@ -71,6 +72,8 @@ def _jobs(root) -> list[tuple[str, int, list[str]]]:
             ("lora_chat", 1, 4, lora),
             ("gpt_oss_single", 1, 4, ["--model.hf_path", gpt_oss]),
             ("gpt_oss_fsdp2", 2, 2, ["--model.hf_path", gpt_oss]),
+            ("gpt_oss_tp2", 2, 4, ["--model.hf_path", gpt_oss, P + "tensor_parallel_degree", "2",
+                                   P + "expert_parallel_degree", "2"]),
             ("qwen3_5_single", 1, 4, ["--model.hf_path", qwen3_5]),
             ("qwen3_5_tp2", 2, 4, ["--model.hf_path", qwen3_5, P + "tensor_parallel_degree", "2"]),
             ("qwen3_5_cp2", 2, 4, ["--model.hf_path", qwen3_5, P + "context_parallel_degree", "2"]),
@@ -161,9 +164,12 @@ def test_moe_blocks_train_as_they_are_under_fsdp_and_swapped_under_expert_parall
     assert "initial load: model weights loaded from the Hugging Face folder" in runs["mixtral_single"].log
 
 
-def test_attention_sinks_and_sliding_windows_train_under_fsdp(runs):
-    """gpt-oss: its sinks (`s_aux`) and sliding windows go through the engine's attention."""
-    check(runs, "gpt_oss_single", ["gpt_oss_fsdp2"])
+def test_attention_sinks_and_sliding_windows_train_under_fsdp_and_tp(runs):
+    """gpt-oss: its sinks (`s_aux`) and sliding windows go through the engine's attention; under TP its
+    heads and sinks split (the plan transformers no longer declares completed) and its MoE blocks run as
+    the engine's layer."""
+    check(runs, "gpt_oss_single", ["gpt_oss_fsdp2", "gpt_oss_tp2"])
+    assert "model type gpt_oss from its declared plan, with sequence parallelism" in runs["gpt_oss_tp2"].log
 
 
 def test_linear_attention_layers_split_under_tensor_and_context_parallelism(runs):

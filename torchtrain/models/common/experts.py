@@ -67,6 +67,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation, in the inputs' dtype: with gate clamped to at most `limit` and up to
+    [-limit, limit], gate sigmoid(alpha gate) (up + 1)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 class ExpertBiases(NamedTuple):
     """Per-expert biases of the three matmuls (b1, b3: (E, H); b2: (E, D)), for experts that have them."""
 

@@ -112,12 +112,15 @@ class LocalShards(ParallelStyle):
     heads; a linear-attention layer's decay and gate parameters and its depthwise convolution). No input or
     output is redistributed; each rank's gradient is that of its own slice."""
 
-    def __init__(self, dim: int = 0):
+    def __init__(self, dim: int = 0, names: tuple[str, ...] | None = None):
+        """`names`: the parameters to split (default: all of the module's own)."""
         super().__init__()
-        self.dim = dim
+        self.dim, self.names = dim, names
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
+            if self.names is not None and name not in self.names:
+                continue
             sharded = DTensor.from_local(param.detach().chunk(device_mesh.size(), self.dim)[device_mesh.get_local_rank()],
                                          device_mesh, [Shard(self.dim)], run_check=False, shape=param.shape,
                                          stride=param.stride())

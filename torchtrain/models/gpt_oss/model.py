@@ -26,18 +26,11 @@ from torch import nn
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common import rope
 from torchtrain.models.common.dispatch import LocalDispatcher
-from torchtrain.models.common.experts import ExpertBiases, GroupedExperts, expert_swiglu, swiglu_grouped
+from torchtrain.models.common.experts import ExpertBiases, GroupedExperts, clamped_swiglu, expert_swiglu, swiglu_grouped
 from torchtrain.models.common.layers import local_tensor
 from torchtrain.models.common.moe import MoE, MoEDecoder
 from torchtrain.models.common.transformer import Decoder, DecoderBlock, GQAttention
 from torchtrain.models.gpt_oss.args import GptOssArgs
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's expert activation (module doc), in the inputs' dtype."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 class GptOssExperts(GroupedExperts):

@@ -40,9 +40,9 @@ def _block(args: TransformersArgs, layer: nn.Module, sp: bool) -> contract.Block
     modules = _modules(layer, tuple(blocks))
     shape = None
     for name, block in blocks.items():
-        experts, two_hidden, _ = block.experts.gate_up_proj.shape
-        shape = contract.MoEShape(experts, args.num_experts_per_tok, two_hidden // 2, 0)
-        modules.update(moe.as_transformers_names(name, contract.moe_modules(args.dim, shape, prefix=name)))
+        shape = contract.MoEShape(block.experts.gate_up_proj.shape[0], args.num_experts_per_tok,
+                                  moe.layout_of(block.experts)[1], 0)
+        modules.update(moe.as_transformers_names(name, block, contract.moe_modules(args.dim, shape, prefix=name)))
     for name in plan:  # the modules whose inputs the plan gathers (attention, MLP): the hidden width
         modules.setdefault(name, contract.Module(args.dim, args.dim))
     return contract.Block(plan, modules, moe=shape, dim=args.dim)

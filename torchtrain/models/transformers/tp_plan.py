@@ -11,6 +11,14 @@ Block entries ("layers.*.<name>") become one decoder layer's plan:
 * "replicated_with_grad_allreduce": weights replicated, gradients summed over the TP ranks (norms on
   head shards: `SequenceParallel` over a non-feature dimension).
 
+* "local_rowwise" on a parameter (not a module): split on its first dimension, read as this rank's
+  slice (`models/common/tp.py::LocalShards`): per-head vectors beside column-parallel heads (gpt-oss's
+  attention sinks).
+
+Where transformers declares less than a model type needs (gpt-oss's plan names only its embedding since
+transformers 5), `COMPLETED` states the rest in the same vocabulary, for model types checked against
+one process; the declared entries win over it.
+
 An "embedding_rowwise" entry for the input embedding agrees with what the engine does to it anyway
 (vocabulary-parallel); every other style (packed expert layouts, MLA's, ...) has no DTensor translation
 here and is refused with a ConfigError naming the model type, the entry and the layout. The model's
@@ -43,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models.common.tp import LocalShards
 from torchtrain.utils.logging import logger
 
 BLOCK = "layers.*."
@@ -50,6 +59,14 @@ ROW = ("rowwise", "rowwise_split_input", "rowwise_rep")
 COL = ("colwise", "colwise_gather_output", "colwise_rep")
 GRAD_SUM = ("replicated_with_grad_allreduce",)
 EMBEDDING = ("embedding_rowwise",)
+PARAM = ("local_rowwise",)
+
+COMPLETED: dict[str, dict[str, str]] = {
+    "gpt_oss": {f"{BLOCK}self_attn.{name}": style for name, style in (
+        ("q_proj", "colwise"), ("k_proj", "colwise"), ("v_proj", "colwise"), ("o_proj", "rowwise"),
+        ("sinks", "local_rowwise"))},
+}
+"""Block entries torchtrain adds to a model type's declared plan (module doc)."""
 
 
 class GatherSequence(PrepareModuleInput):
@@ -78,7 +95,8 @@ class GatherSequence(PrepareModuleInput):
 
 
 def declared(config) -> dict[str, str]:
-    return dict(getattr(config, "base_model_tp_plan", None) or {})
+    """The model's plan: what its config declares, completed by `COMPLETED`."""
+    return {**COMPLETED.get(config.model_type, {}), **(getattr(config, "base_model_tp_plan", None) or {})}
 
 
 def block_entries(config) -> dict[str, str]:
@@ -98,7 +116,7 @@ def check_translatable(config, skip: tuple[str, ...] = ()) -> None:
         inner = name[len(BLOCK):] if name.startswith(BLOCK) else None
         if inner is not None and any(inner == s or inner.startswith(s + ".") for s in skip):
             continue
-        known = ROW + COL + GRAD_SUM if inner is not None else EMBEDDING
+        known = ROW + COL + GRAD_SUM + PARAM if inner is not None else EMBEDDING
         if style not in known:
             raise ConfigError(f"[parallelism.tensor_parallel_degree] model type {kind!r}: its tensor-parallel plan "
                               f"entry {name!r}: {style!r} has no translation in torchtrain (it translates "
@@ -134,9 +152,22 @@ def _has(layer: nn.Module, name: str) -> bool:
 
 
 def layer_entries(layer: nn.Module, config, own: set[str] = frozenset()) -> dict[str, str]:
-    """The declared block entries present in this layer (an MoE model's dense layers lack its expert
-    modules, its MoE layers its dense MLP's), without those under `own` (children the engine plans itself)."""
-    return {n: s for n, s in block_entries(config).items() if n.split(".")[0] not in own and _has(layer, n)}
+    """The declared block entries of modules present in this layer (an MoE model's dense layers lack its
+    expert modules, its MoE layers its dense MLP's), without those under `own` (children the engine plans
+    itself)."""
+    return {n: s for n, s in block_entries(config).items()
+            if n.split(".")[0] not in own and s not in PARAM and _has(layer, n)}
+
+
+def param_entries(layer: nn.Module, config) -> dict[str, str]:
+    """The declared block entries of parameters present in this layer ("local_rowwise")."""
+    entries = {}
+    for name, style in block_entries(config).items():
+        owner, _, param = name.rpartition(".")
+        if style in PARAM and _has(layer, owner) and isinstance(getattr(layer.get_submodule(owner), param, None),
+                                                                   nn.Parameter):
+            entries[name] = style
+    return entries
 
 
 def sequence_parallel_problem(layer: nn.Module, entries: dict[str, str], own: set[str] = frozenset()) -> str | None:
@@ -220,3 +251,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, own: Ow
         styles = own(layer) if own is not None else {}
         entries = layer_entries(layer, model.config, _containers(styles))
         parallelize_module(layer, tp_mesh, layer_plan(layer, entries, sp, styles))
+        for name in param_entries(layer, model.config):
+            owner, _, param = name.rpartition(".")
+            parallelize_module(layer.get_submodule(owner), tp_mesh, LocalShards(0, (param,)))
