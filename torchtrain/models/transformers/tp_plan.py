@@ -1,15 +1,9 @@
 """The tensor-parallel plan a transformers model declares (`config.base_model_tp_plan`: module name ->
 style name, e.g. "layers.*.self_attn.q_proj": "colwise"), translated to DTensor parallel styles.
 
-Block entries ("layers.*.<name>") become one decoder layer's plan:
-
-* "colwise": `ColwiseParallel` -- output features (heads) split, the output a local shard;
-* "colwise_gather_output" / "colwise_rep": column-parallel with the output gathered whole;
-* "rowwise": `RowwiseParallel` -- input features split, partial sums reduced (all-reduced, or
-  reduce-scattered into sequence shards under sequence parallelism);
-* "rowwise_split_input" / "rowwise_rep": row-parallel from a whole (replicated) input, cut locally;
-* "replicated_with_grad_allreduce": weights replicated, gradients summed over the TP ranks (norms on
-  head shards: `SequenceParallel` over a non-feature dimension).
+Block entries ("layers.*.<name>") become one decoder layer's plan, each style name translated by
+`utils/tp_styles.py` (column- and row-parallel projections, "replicated_with_grad_allreduce" for norms on
+head shards), and:
 
 * "local_rowwise" on a parameter (not a module): split on its first dimension, read as this rank's
   slice (`models/common/tp.py::LocalShards`): per-head vectors beside column-parallel heads (gpt-oss's
@@ -52,11 +46,11 @@ from torch.distributed.tensor.parallel import (
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.tp import LocalShards
+from torchtrain.utils import tp_styles
 from torchtrain.utils.logging import logger
 
 BLOCK = "layers.*."
-ROW = ("rowwise", "rowwise_split_input", "rowwise_rep")
-COL = ("colwise", "colwise_gather_output", "colwise_rep")
+ROW, COL = tp_styles.ROW, tp_styles.COLUMN
 GRAD_SUM = ("replicated_with_grad_allreduce",)
 EMBEDDING = ("embedding_rowwise",)
 PARAM = ("local_rowwise",)
@@ -123,22 +117,6 @@ def check_translatable(config, skip: tuple[str, ...] = ()) -> None:
                               f"{', '.join(ROW + COL + GRAD_SUM)}); set tensor_parallel_degree = 1")
 
 
-def style(name: str, sp: bool):
-    """The DTensor style of a declared block style (`check_translatable` refused the others)."""
-    out = Shard(1) if sp else Replicate()
-    if name == "colwise":
-        return ColwiseParallel()
-    if name in ("colwise_gather_output", "colwise_rep"):
-        return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise":
-        return RowwiseParallel(output_layouts=out)
-    if name in ("rowwise_split_input", "rowwise_rep"):
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-    if name in GRAD_SUM:
-        return SequenceParallel(sequence_dim=1, use_local_output=True)
-    raise ValueError(f"untranslated tensor-parallel style {name!r}")
-
-
 def _containers(entries: dict[str, str]) -> set[str]:
     return {name.split(".")[0] for name in entries}
 
@@ -189,7 +167,7 @@ def sequence_parallel_problem(layer: nn.Module, entries: dict[str, str], own: se
 def layer_plan(layer: nn.Module, entries: dict[str, str], sp: bool, own: dict[str, object]) -> dict[str, object]:
     """DTensor styles of one decoder layer (module names relative to it); `own`: the engine's styles of
     the children it plans itself."""
-    plan: dict[str, object] = {name: style(s, sp) for name, s in entries.items()}
+    plan: dict[str, object] = {name: tp_styles.translate(s, sp) for name, s in entries.items()}
     if sp:
         containers, owned = _containers(entries), _containers(own)
         for name, child in layer.named_children():
