@@ -41,7 +41,8 @@ def _logged(model: str, tp: int, ep: int, layers: int) -> tuple[Counter, Counter
 
 
 @pytest.mark.parametrize("model,ep,layers", [("llama3", 1, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 1),
-                                             ("deepseek_v3", 2, 2), ("gpt_oss", 2, 1)])
+                                             ("deepseek_v3", 2, 2), ("gpt_oss", 2, 1),
+                                             ("qwen3_5", 1, 1), ("qwen3_5", 1, 2)])  # a linear, a full layer
 def test_declared_block_collectives_match_the_dry_run(model, ep, layers):
     # the step's own collectives (the MoE statistics' reductions, clipping) are per step, not per block:
     # the difference between n and n + 1 blocks removes everything that is not a block's
@@ -53,9 +54,8 @@ def test_declared_block_collectives_match_the_dry_run(model, ep, layers):
     spec = get_model_spec(model)
     args = spec.flavors["debugmodel"].replace(n_layers=layers + 1, max_seq_len=SEQ)
     contract = declare(args)
-    block = contract.moe_block if contract.is_moe_layer(layers) else contract.dense
     declared_count, declared_size = Counter(), Counter()
-    for c in block.collectives(tp, 1, ep, contract.attention):
+    for c in contract.layer_kind(layers).collectives(tp, 1, ep):
         declared_count[c.kind] += c.count
         declared_size[c.kind] += c.count * c.nbytes(BATCH * SEQ, BATCH, 2)
     assert count == dict(declared_count)

@@ -3,8 +3,8 @@ generic parallelisms, stated from shapes alone (the tensor-parallel ones are der
 plan in `models/contract.py`, which re-exports these names).
 
 Expert parallelism (`distributed/expert_parallel.py`) and context parallelism
-(`distributed/context_parallel.py`) are generic: `ep_collectives` and `cp_collectives` state them from
-the MoE and attention shapes; the expert all-to-alls follow the token dispatcher the job selects
+(`distributed/context_parallel.py`, `distributed/context_parallel_linear.py`) are generic: `ep_collectives`,
+`cp_collectives` and `cp_linear_collectives` state them from the MoE, attention and linear-attention shapes; the expert all-to-alls follow the token dispatcher the job selects
 (`parallelism.expert_parallel_comm_backend`, `Dispatch`), with group-limited routing's expected node
 count (`expected_nodes`) for the node-limited one.
 
@@ -25,6 +25,34 @@ class AttentionShape:
     qk_head_dim: int
     v_head_dim: int
     kv_heads: int
+    window: int | None = None
+    """Keys a query sees, itself included (a sliding window); None: every earlier key."""
+    sinks: bool = False
+    """A learned sink logit per head joins each query's softmax (one more logit per head and query)."""
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A linear-attention token mixer (Gated DeltaNet, `models/common/linear_attention.py`)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    """Taps of the causal depthwise convolutions over q, k and v."""
+    chunk_size: int
+    """Tokens per chunk of the chunked kernel (`models/common/delta_rule.py`)."""
+    flops_per_token: int = 0
+    """The mixer's training FLOPs per token beyond its projections (the family's own count)."""
+    float32: bool = True
+    """The kernel computes in float32 (torchtrain's chunked and recurrent kernels; flash-linear-attention's
+    runs in the compute dtype)."""
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels the convolutions mix: q and k (key heads) and v (value heads)."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -140,3 +168,19 @@ def cp_collectives(att: AttentionShape, tp: int, cp: int) -> list[BlockCollectiv
     kv = 2 * att.kv_heads * att.qk_head_dim * cp / tp
     return [BlockCollective("all_gather", "cp", False, per_token=kv),
             BlockCollective("reduce_scatter", "cp", True, per_token=kv)]
+
+
+def cp_linear_collectives(lin: LinearAttentionShape, tp: int, cp: int) -> list[BlockCollective]:
+    """Context parallelism of a linear-attention layer (`distributed/context_parallel_linear.py`), per
+    sequence of the rank's micro-batch, with the load-balanced split (2 cp segments a sequence): one
+    all-gather of every segment's state transform (this rank's value_heads / tp heads of d_k x (d_k + d_v)
+    float32 values) and one of every segment's convolution context (K - 1 tokens of the channels / tp) in
+    forward; their gradients reduce-scattered in backward."""
+    if cp == 1:
+        return []
+    segments = 2 * cp
+    state = segments * lin.value_heads * lin.key_head_dim * (lin.key_head_dim + lin.value_head_dim) / tp
+    conv = segments * (lin.conv_kernel - 1) * lin.conv_channels / tp
+    return [BlockCollective(kind, "cp", backward, per_sequence=size, dtype=dtype)
+            for backward, kind in ((False, "all_gather"), (True, "reduce_scatter"))
+            for size, dtype in ((state, "float32"), (conv, "compute"))]

@@ -5,45 +5,49 @@ the planner knows about a model comes from here.
 
 The collectives are derived, not restated: a block states its modules' widths (`Module`), and
 `tp_collectives` reads the family's own tensor-parallel plan (the same dict its `apply_tp` applies) to
-find what each style moves per block and micro-batch:
-
-* an input gathered over the sequence (`ColwiseParallel(input_layouts=Shard(1))`, or
-  `PrepareModuleInput` from `Shard(1)` to `Replicate()`): an all-gather of the module's input width per
-  token in forward, and its gradient's reduce-scatter in backward (none when the gathered input is
-  handed on as a plain tensor, `use_local_output`: its gradient is then cut locally);
-* a row-parallel output into sequence shards (`RowwiseParallel(output_layouts=Shard(1))`): a
-  reduce-scatter of the output width in forward, an all-gather of its gradient in backward
-  (`Replicate()` output: one all-reduce in forward);
-* a partial sum made whole (`PrepareModuleInput` from `Partial()`): an all-reduce of the input in forward;
-* a column-parallel output gathered whole (`ColwiseParallel(output_layouts=Replicate())`): an all-gather
-  of the output width in forward; a row-parallel layer cutting a whole input (`RowwiseParallel(
-  input_layouts=Replicate())`): an all-gather of the input width's gradient in backward;
-* replicated weights on sequence shards (`SequenceParallel`): one all-reduce of each parameter's
-  gradient in backward.
+find what each style moves per block and micro-batch (`models/block_modules.py`, re-exported here with
+the module sets of the shared layers).
 
 Expert and context parallelism are generic: their collectives, and the sizes of a collective
 (`BlockCollective`), are in `models/collectives.py` (re-exported here).
+
+Layers differ in kind: a model states per layer whether its feed-forward has experts (`moe_layers`),
+whether its token mixer is linear attention (`linear_layers`, `Block.linear`) and its attention window
+(`windows`); `ModelContract.layer_kind` gives a layer's block and attention together (`LayerKind`), and
+`kinds` counts them over a run of layers: the planner costs each kind once and sums.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models.block_modules import (  # noqa: F401  (re-exported: what families declare blocks with)
+    GQA_FUSED,
+    Module,
+    gqa_modules,
+    linear,
+    linear_attention_modules,
+    matmul_kind,
+    moe_modules,
+    norm,
+    qk_norm_modules,
+    swiglu_modules,
+    tp_collectives,
+)
 from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the contract's vocabulary)
     AttentionShape,
     BlockCollective,
     Dispatch,
+    LinearAttentionShape,
     MoEShape,
     cp_collectives,
+    cp_linear_collectives,
     ep_collectives,
     expected_nodes,
 )
-from torchtrain.models.common.tp import GatherForLocalHeads
+from torchtrain.models.common.tp import LocalShards
 
 
 @dataclass(frozen=True)
@@ -62,80 +66,6 @@ class Matmul:
     @property
     def attention(self) -> bool:
         return self.name.startswith("attention.")
-
-
-@dataclass(frozen=True)
-class Module:
-    """One module a block's TP plan names: its input and output widths per token (or per sequence),
-    and its parameters as (rows, cols) (a vector: (n, 1))."""
-
-    in_features: int
-    out_features: int = 0
-    params: tuple[tuple[int, int], ...] = ()
-    linear: bool = False
-    per_sequence: bool = False
-    """Its input is one row per sequence (e.g. the auxiliary loss's per-sequence expert counts)."""
-    dtype: str = "compute"
-
-
-def linear(in_features: int, out_features: int) -> Module:
-    return Module(in_features, out_features, ((out_features, in_features),), linear=True)
-
-
-def norm(width: int) -> Module:
-    return Module(width, width, ((width, 1),))
-
-
-def _layouts(x) -> tuple:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int) -> list[BlockCollective]:
-    """The tensor-parallel collectives `plan` issues per block and micro-batch (module doc)."""
-    if tp == 1:
-        return []
-    out: list[BlockCollective] = []
-
-    def add(kind: str, backward: bool, m: Module, width: int) -> None:
-        per = width if not m.per_sequence else 0
-        seq = width if m.per_sequence else 0
-        out.append(BlockCollective(kind, "tp", backward, per_token=per, per_sequence=seq, dtype=m.dtype))
-
-    for name, style in plan.items():
-        m = modules[name]
-        if isinstance(style, SequenceParallel):
-            out += [BlockCollective("all_reduce", "tp", True, fixed=r * c) for r, c in m.params]
-        elif isinstance(style, GatherForLocalHeads):
-            add("all_gather", False, m, m.in_features)
-            add("reduce_scatter", True, m, m.in_features)
-        elif isinstance(style, (ColwiseParallel, PrepareModuleInput)):
-            src, dst = _layouts(style.input_layouts)[0], _layouts(style.desired_input_layouts)[0]
-            if isinstance(src, Shard) and isinstance(dst, Replicate):
-                add("all_gather", False, m, m.in_features)
-                if not (isinstance(style, PrepareModuleInput) and style.use_local_output):
-                    add("reduce_scatter", True, m, m.in_features)
-            elif isinstance(src, Partial) and isinstance(dst, Replicate):
-                add("all_reduce", False, m, m.in_features)
-            if isinstance(style, ColwiseParallel) and isinstance(_layouts(style.output_layouts)[0], Replicate):
-                add("all_gather", False, m, m.out_features)  # the output gathered whole (its gradient cut locally)
-        if isinstance(style, RowwiseParallel):
-            if isinstance(_layouts(style.input_layouts)[0], Replicate):
-                add("all_gather", True, m, m.in_features)  # a whole input cut locally: its gradient gathered
-            dst = _layouts(style.output_layouts)[0]
-            if isinstance(dst, Shard):
-                add("reduce_scatter", False, m, m.out_features)
-                add("all_gather", True, m, m.out_features)
-            else:
-                add("all_reduce", False, m, m.out_features)
-    return out
-
-
-def matmul_kind(style) -> str:
-    if isinstance(style, ColwiseParallel):
-        return "column"
-    if isinstance(style, RowwiseParallel):
-        return "row"
-    return "local"
 
 
 def _memo(obj, name: str, key: tuple, compute: Callable[[], list]) -> list:
@@ -160,6 +90,8 @@ class Block:
     fused: tuple[tuple[str, ...], ...] = ()
     """Groups of the block's matmuls (one input, weights concatenated) that its modules run as one GEMM
     where the layout says so (`Layout.fused_qkv`): `matmuls(fused=True)` gives each group as one."""
+    linear: LinearAttentionShape | None = None
+    """The block's token mixer is linear attention of this shape (None: softmax attention)."""
 
     def matmuls(self, fused: bool = False) -> list[Matmul]:
         return list(_memo(self, "matmuls", (fused,), lambda: self._matmuls(fused)))
@@ -182,11 +114,16 @@ class Block:
     def params(self, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(TP-local (rows, cols) of the block's parameters but the routed experts', those of its
         routed experts on one EP rank)."""
+        return _memo(self, "params", (tp, ep), lambda: self._params(tp, ep))
+
+    def _params(self, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         dense = []
         for name, m in self.modules.items():
-            kind = matmul_kind(self.plan.get(name)) if tp > 1 else "local"
+            style = self.plan.get(name)
+            kind = matmul_kind(style) if tp > 1 else "local"
+            rows = kind == "column" or (tp > 1 and isinstance(style, LocalShards))  # LocalShards: split on dim 0
             for r, c in m.params:
-                dense.append((r // tp, c) if kind == "column" else (r, c // tp) if kind == "row" else (r, c))
+                dense.append((r // tp, c) if rows else (r, c // tp) if kind == "row" else (r, c))
         if self.moe is None:
             return dense, []
         local, h, H = self.moe.num_experts // ep, self.dim, self.moe.hidden
@@ -199,8 +136,21 @@ class Block:
 
     def _collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
                      dispatch: Dispatch) -> list[BlockCollective]:
-        out = tp_collectives(self.plan, self.modules, tp) + cp_collectives(att, tp, cp)
+        cp_own = cp_collectives(att, tp, cp) if self.linear is None else cp_linear_collectives(self.linear, tp, cp)
+        out = tp_collectives(self.plan, self.modules, tp) + cp_own
         return out + (ep_collectives(self.moe, self.dim, tp, ep, dispatch) if self.moe is not None else [])
+
+
+@dataclass(frozen=True, eq=False)
+class LayerKind:
+    """What the planner costs a layer by: its block and its attention's shape with the layer's window
+    (unread for a linear-attention block). Layers of one kind cost alike (`ModelContract.kinds`)."""
+
+    block: Block
+    attention: AttentionShape
+
+    def collectives(self, tp: int, cp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
+        return self.block.collectives(tp, cp, ep, self.attention, dispatch)
 
 
 @dataclass(frozen=True)
@@ -242,6 +192,13 @@ class ModelContract:
     """Block modules that selective checkpointing "cheap" recomputes (the family's `ModelSpec` field of
     the same name, from one constant of the family)."""
     notes: tuple[str, ...] = field(default=())
+    linear_block: Block | None = None
+    """The block of a linear-attention layer (`Block.linear`; its feed-forward as `moe_layers` says: one
+    block for all the model's linear layers)."""
+    linear_layers: tuple[bool, ...] = ()
+    """Per block (as `moe_layers`): whether its token mixer is linear attention; () or missing: none."""
+    windows: tuple[int | None, ...] = ()
+    """Per block: its attention's sliding window (None: the whole sequence); () or missing: none."""
 
     @property
     def moe(self) -> MoEShape | None:
@@ -265,11 +222,40 @@ class ModelContract:
 
     @property
     def block(self) -> Block:
-        """The block the time model costs every block as (the MoE block when the model has experts)."""
+        """The model's representative block (the MoE block when the model has experts): what the
+        planner's per-block functions cost when not handed a layer's kind (`layer_kind`)."""
         return self.moe_block or self.dense
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_layers[i]
+
+    def is_linear_layer(self, i: int) -> bool:
+        return i < len(self.linear_layers) and self.linear_layers[i]
+
+    def layer_block(self, i: int) -> Block:
+        """Block i's block (an MTP depth k: i = n_layers + k)."""
+        if self.is_linear_layer(i):
+            return self.linear_block
+        return self.moe_block if self.moe_block is not None and self.is_moe_layer(i) else self.dense
+
+    def layer_attention(self, i: int) -> AttentionShape:
+        """Block i's attention: `attention` with the block's window."""
+        window = self.windows[i] if i < len(self.windows) else None
+        return self.attention if window is None else replace(self.attention, window=window)
+
+    def layer_kind(self, i: int | None = None) -> LayerKind:
+        """Block i's kind, one object per distinct kind; None: `block` under `attention`."""
+        block = self.block if i is None else self.layer_block(i)
+        att = self.attention if i is None else self.layer_attention(i)
+        return _memo(self, "kind", (id(block), att), lambda: LayerKind(block, att))
+
+    def kinds(self, layers: Iterable[int]) -> list[tuple[LayerKind, int]]:
+        """The distinct kinds of these blocks with how many of them each, in first-seen order."""
+        counts: dict[int, list] = {}
+        for i in layers:
+            kind = self.layer_kind(i)
+            counts.setdefault(id(kind), [kind, 0])[1] += 1
+        return [(kind, n) for kind, n in counts.values()]
 
     def matmuls(self, fused: bool = False) -> list[Matmul]:
         """The block's matmuls; `fused`: its fused groups as one each (`Block.fused`)."""
@@ -285,37 +271,6 @@ class ModelContract:
 
     def collectives(self, tp: int, cp: int, ep: int, dispatch: Dispatch = Dispatch()) -> list[BlockCollective]:
         return self.block.collectives(tp, cp, ep, self.attention, dispatch)
-
-
-def moe_modules(dim: int, moe: MoEShape, prefix: str = "feed_forward", shared_gate: bool = False
-                ) -> dict[str, Module]:
-    """The modules of the shared MoE layer (`models/common/moe.py`) that its TP plan names (`shared_gate`:
-    the sigmoid gate of its shared experts)."""
-    out = {prefix: Module(dim, dim), f"{prefix}.router": linear(dim, moe.num_experts),
-           f"{prefix}.sequence_sum": Module(moe.num_experts, per_sequence=True, dtype="float32")}
-    if moe.shared:
-        s = moe.hidden * moe.shared
-        out.update({f"{prefix}.shared_experts.w1": linear(dim, s), f"{prefix}.shared_experts.w3": linear(dim, s),
-                    f"{prefix}.shared_experts.w2": linear(s, dim)})
-        if shared_gate:
-            out[f"{prefix}.shared_gate"] = linear(dim, 1)
-    return out
-
-
-def swiglu_modules(dim: int, hidden: int, prefix: str = "feed_forward") -> dict[str, Module]:
-    return {prefix: Module(dim, dim), f"{prefix}.w1": linear(dim, hidden), f"{prefix}.w3": linear(dim, hidden),
-            f"{prefix}.w2": linear(hidden, dim)}
-
-
-GQA_FUSED = (("attention.wq", "attention.wk", "attention.wv"),)
-"""The fused group of `models/common/transformer.py::GQAttention` (its `fuse_qkv`), for `Block.fused`."""
-
-
-def gqa_modules(dim: int, n_heads: int, kv_heads: int, head_dim: int) -> dict[str, Module]:
-    hq, hkv = n_heads * head_dim, kv_heads * head_dim
-    return {"attention": Module(dim, dim), "attention.wq": linear(dim, hq), "attention.wk": linear(dim, hkv),
-            "attention.wv": linear(dim, hkv), "attention.wo": linear(hq, dim), "attention_norm": norm(dim),
-            "ffn_norm": norm(dim)}
 
 
 # ---------------------------------------------------------------------------------- the registry
@@ -348,11 +303,6 @@ def declare(args) -> ModelContract:
     raise ConfigError(f"[model.name] the planner cannot size this model: its arguments ({type(args).__name__}) "
                       f"declare no contract; register one with `models.contract.register` (docs/architecture.md, "
                       f"'Add a model')")
-
-
-def qk_norm_modules(head_dim: int) -> dict[str, Module]:
-    """Per-head query/key norms (`models/common/parallel.py::qk_norm_plan`)."""
-    return {"attention.q_norm": norm(head_dim), "attention.k_norm": norm(head_dim)}
 
 
 def gqa_decoder(args, dense: Block, moe_block: Block | None, num_active_params: int, ffn_hidden: int,

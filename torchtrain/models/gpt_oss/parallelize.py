@@ -8,6 +8,8 @@ parallelism needs nothing of its own: sliding windows and sinks are the attentio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
@@ -38,7 +40,8 @@ def block_plan(args: GptOssArgs) -> dict[str, object]:
 
 @contract.register(GptOssArgs)
 def declare(args: GptOssArgs) -> contract.ModelContract:
-    """The planner's view: every block is `block_plan` over biased attention with sinks and the MoE layer."""
+    """The planner's view: every block is `block_plan` over biased attention with sinks and the MoE layer;
+    the sliding layers' attention windowed (`windows`)."""
     moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, 0)
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                "attention.sinks": contract.Module(0, 0, ((args.n_heads, 1),)),
@@ -46,4 +49,6 @@ def declare(args: GptOssArgs) -> contract.ModelContract:
                "feed_forward.router": contract.Module(args.dim, args.num_experts,
                                                       ((args.num_experts, args.dim), (args.num_experts, 1)), linear=True)}
     block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim, fused=contract.GQA_FUSED)
-    return contract.gqa_decoder(args, block, block, args.num_active_params(), args.moe_intermediate_size)
+    out = contract.gqa_decoder(args, block, block, args.num_active_params(), args.moe_intermediate_size)
+    return replace(out, attention=replace(out.attention, sinks=True),
+                   windows=tuple(args.sliding_window if args.is_sliding(i) else None for i in range(args.n_layers)))

@@ -129,10 +129,13 @@ class Qwen3_5Args(GQADecoderArgs):
             total += table
         return total - table if exclude_embedding else total
 
+    def linear_mixer_flops(self) -> int:
+        """Training FLOPs per token of one linear layer's delta rule (module doc)."""
+        return 18 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+
     def mixer_flops(self, seq_len: int) -> int:
-        linear = (self.n_layers - self.n_full) * self.linear_num_value_heads * self.linear_key_head_dim * \
-            self.linear_value_head_dim
-        return 12 * self.n_full * self.n_heads * self.head_dim * seq_len + 18 * linear
+        linear = (self.n_layers - self.n_full) * self.linear_mixer_flops()
+        return 12 * self.n_full * self.n_heads * self.head_dim * seq_len + linear
 
 
 @dataclass

@@ -2,18 +2,22 @@
 grouped-query plan with per-head query/key norms: W_q's rows per head hold the query and its gate, so the
 column split keeps them together) or Gated DeltaNet (`models/common/tp.py::gated_deltanet_plan`: heads
 split with their convolution channels and decay parameters) -- and its feed-forward's (a SwiGLU or the MoE
-layer with its gated shared expert); the checks against the layout. FSDP units and the pipeline split
-(hybrid stages: any layers per stage) are the decoder family's; context parallelism shards both mixers
-(`distributed/context_parallel.py`, `distributed/context_parallel_linear.py`).
+layer with its gated shared expert); the checks against the layout; the planner's contract (`declare`:
+each layer's block by its mixer). FSDP units and the pipeline split (hybrid stages: any layers per stage)
+are the decoder family's; context parallelism shards both mixers (`distributed/context_parallel.py`,
+`distributed/context_parallel_linear.py`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout, qk_norm_plan
 from torchtrain.models.common.tp import (
     apply_decoder_top,
@@ -60,3 +64,30 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     apply_decoder_top(model, tp_mesh, loss_parallel)
     for name, block in model.layers.items():
         parallelize_module(block, tp_mesh, block_plan(model.args, model.args.is_full(int(name))))
+
+
+@contract.register(Qwen3_5Args)
+def declare(args: Qwen3_5Args) -> contract.ModelContract:
+    """The planner's view: per layer `block_plan` over gated full attention (W_q gives each head its query
+    and its output gate) or Gated DeltaNet (`linear_layers`, `linear_block`), each with the SwiGLU or the
+    MoE layer with its gated shared expert."""
+    h, hq = args.dim, args.n_heads * args.head_dim
+    if isinstance(args, Qwen3_5MoeArgs):
+        moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+                                args.num_shared_experts)
+        ffn, ffn_hidden = contract.moe_modules(h, moe, shared_gate=args.shared_expert_gate), args.moe_intermediate_size
+    else:
+        moe, ffn, ffn_hidden = None, contract.swiglu_modules(h, args.hidden_dim), args.hidden_dim
+    full = {**contract.gqa_modules(h, args.n_heads, args.kv_heads, args.head_dim),
+            "attention.wq": contract.linear(h, 2 * hq), **contract.qk_norm_modules(args.head_dim)}
+    lin = contract.LinearAttentionShape(args.linear_num_key_heads, args.linear_num_value_heads,
+                                        args.linear_key_head_dim, args.linear_value_head_dim,
+                                        args.linear_conv_kernel_dim, args.linear_attn_chunk_size,
+                                        args.linear_mixer_flops(), float32=args.linear_attn_kernel != "fla")
+    full_block = contract.Block(block_plan(args, True), {**full, **ffn}, moe=moe, dim=h)
+    linear_block = contract.Block(block_plan(args, False), {**contract.linear_attention_modules(h, lin), **ffn},
+                                  moe=moe, dim=h, linear=lin)
+    dense = contract.gqa_decoder(args, full_block, full_block if moe else None, args.num_active_params(), ffn_hidden,
+                                 qk_norm=True)
+    return replace(dense, linear_block=linear_block,
+                   linear_layers=tuple(not args.is_full(i) for i in range(args.n_layers)))

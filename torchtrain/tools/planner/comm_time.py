@@ -25,6 +25,9 @@ tokens on the rank, h the width):
   4 collectives of t h d in forward (attention and feed-forward inputs gathered, outputs
   reduce-scattered) and the mirror image in backward, plus the all-reduce of each replicated norm's
   gradient; DeepSeek-V3's latent attention gathers its narrow latents instead of the block's input.
+  Each layer's own: a linear-attention layer's CP exchange is its state transforms and convolution
+  context (`cp_linear_collectives`) rather than attention's keys and values, a dense layer sends no
+  expert all-to-all.
   Forward collectives run again when activation checkpointing re-runs the forward (full, and
   selective "op", whose policy saves matmul outputs, not collectives). The embedding's output and
   the head's input add one forward and one backward collective of t h d each on their stages.
@@ -58,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.models.contract import BlockCollective
+from torchtrain.models.contract import BlockCollective, LayerKind
 from torchtrain.tools.planner import shapes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import pipeline_of
@@ -169,17 +172,19 @@ def collective_seconds(p: PlanInputs, dev: GPUSpec, c: BlockCollective, share: f
     return c.count * one
 
 
-def block_collectives(p: PlanInputs, mesh: str) -> list[BlockCollective]:
-    """The collectives over `mesh` the model declares for one block (its plans, `models/contract.py`);
-    "ep": all expert-parallel ones (the node-limited dispatcher's "ep_inter" and "ep_intra" included)."""
-    return [c for c in p.model.collectives(p.tp, p.cp, p.ep, p.dispatch)
+def block_collectives(p: PlanInputs, mesh: str, kind: LayerKind | None = None) -> list[BlockCollective]:
+    """The collectives over `mesh` the model declares for one block of `kind` (default: its representative
+    block; its plans, `models/contract.py`); "ep": all expert-parallel ones (the node-limited dispatcher's
+    "ep_inter" and "ep_intra" included)."""
+    kind = kind or p.model.layer_kind()
+    return [c for c in kind.collectives(p.tp, p.cp, p.ep, p.dispatch)
             if c.mesh == mesh or (mesh == "ep" and c.mesh.startswith("ep"))]
 
 
-def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str) -> tuple[float, float]:
+def _per_block(p: PlanInputs, dev: GPUSpec, mesh: str, kind: LayerKind | None = None) -> tuple[float, float]:
     """(forward seconds including recomputation, backward seconds) of one block's `mesh` collectives."""
     fwd = bwd = 0.0
-    for c in block_collectives(p, mesh):
+    for c in block_collectives(p, mesh, kind):
         s = collective_seconds(p, dev, c)
         if c.backward:
             bwd += s
@@ -197,23 +202,23 @@ def tp_edge(p: PlanInputs, dev: GPUSpec) -> float:
     return ring(p.tp, p.microbatch_tokens * p.model.dim * p.param_bytes, link(dev, p.tp))
 
 
-def tp_block(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
+def tp_block(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> tuple[float, float]:
     """(forward collectives' seconds including recomputation, backward collectives' seconds) of one block."""
-    return _per_block(p, dev, "tp")
+    return _per_block(p, dev, "tp", kind)
 
 
-def tp_forward_activations(p: PlanInputs, dev: GPUSpec) -> list[float]:
+def tp_forward_activations(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> list[float]:
     """Seconds of each forward sequence-parallel collective of a block's activations, once (async TP
     overlaps these with the GEMMs they feed)."""
-    return [collective_seconds(p, dev, c) / c.count for c in block_collectives(p, "tp")
+    return [collective_seconds(p, dev, c) / c.count for c in block_collectives(p, "tp", kind)
             if not c.backward and c.per_token for _ in range(c.count)]
 
 
-def tp_unpaired(p: PlanInputs, dev: GPUSpec) -> float:
+def tp_unpaired(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> float:
     """Seconds of a block's TP collectives that no GEMM overlaps under async TP (those not sized by the
     tokens, e.g. the replicated norms' gradients), forward ones including recomputation."""
     return sum(collective_seconds(p, dev, c) * (1.0 if c.backward else forward_repeats(p))
-               for c in block_collectives(p, "tp") if not c.per_token)
+               for c in block_collectives(p, "tp", kind) if not c.per_token)
 
 
 def kv_exchange_bytes(p: PlanInputs) -> float:
@@ -229,14 +234,14 @@ def expert_link_bytes(p: PlanInputs) -> dict[str, float]:
     out = {"inter-node": 0.0, "intra-node": 0.0}
     if p.ep == 1 or p.model.moe is None:
         return out
-    blocks = sum(len(s.layers) for s in pipeline_of(p).stages[0])
     passes = p.n_microbatches if p.pp > 1 else p.grad_accum_steps
-    for c in block_collectives(p, "ep"):
-        if c.per_token:
-            sent = collective_bytes(p, c) * c.count * (1.0 if c.backward else forward_repeats(p, True)) * blocks * passes
-            inter, intra = expert_link_shares(p, c.mesh)
-            out["inter-node"] += sent * inter
-            out["intra-node"] += sent * intra
+    for kind, blocks in p.model.kinds(i for s in pipeline_of(p).stages[0] for i in s.layers):
+        for c in block_collectives(p, "ep", kind):
+            if c.per_token:
+                sent = collective_bytes(p, c) * c.count * (1.0 if c.backward else forward_repeats(p, True)) * blocks * passes
+                inter, intra = expert_link_shares(p, c.mesh)
+                out["inter-node"] += sent * inter
+                out["intra-node"] += sent * intra
     return out
 
 
@@ -245,18 +250,19 @@ def expert_all_to_all_bytes(p: PlanInputs) -> float:
     return sum(expert_link_bytes(p).values())
 
 
-def cp_block(p: PlanInputs, dev: GPUSpec) -> float:
-    """Key/value all-gathers and their gradients' reduce-scatter for one block and micro-batch."""
-    return sum(_per_block(p, dev, "cp"))
+def cp_block(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> float:
+    """Key/value all-gathers (a linear layer: its state exchange) and their gradients' reduce-scatter for
+    one block and micro-batch."""
+    return sum(_per_block(p, dev, "cp", kind))
 
 
-def ep_passes(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
+def ep_passes(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> tuple[float, float]:
     """(one forward pass's, the backward's) seconds of one MoE block's expert all-to-alls for one
     micro-batch: `ep_overlap_chunks` C all-to-alls of 1 / C of the tokens each, plus the injected delay
     of every dispatch and combine that crosses the network (C chunks of delay / C each; module doc)."""
     chunks, delay = p.ep_overlap_chunks, p.ep_comm_delay_ms / 1e3
     fwd = bwd = 0.0
-    for c in block_collectives(p, "ep"):
+    for c in block_collectives(p, "ep", kind):
         s = chunks * collective_seconds(p, dev, c, 1.0 / chunks)
         if c.per_token and c.mesh != "ep_intra" and p.ep > 1:
             s += c.count * delay

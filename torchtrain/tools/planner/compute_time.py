@@ -16,12 +16,23 @@ blocks). Float8 expert GEMMs (`quantize.grouped_mm.float8`) run the routed exper
 their routed rows.
 
 **Attention** (flash attention, which stores no s x s matrix): forward FLOPs per sequence and head
-2 s_q s_k (d_qk + d_v), halved by the causal mask, scaled by L / s for block-causal masks over
-documents of mean length L (FlexAttention skips empty blocks; its kernel runs at 0.9 of flash
-attention's rate: FlexAttention paper, Dong et al. 2024); backward 2.5 x forward (FlashAttention-2's
-five matmuls against two). The device's attention shares apply at long sequences; shorter keys ramp
-them by s_k / (s_k + 250) (FlashAttention-3 paper, Fig. 5, FA2 on H100: the backward runs at 0.66 of
-its long-sequence rate at 512 tokens, 0.81 at 1k, 0.90 at 2k, 0.96 at 4k).
+2 P (d_qk + d_v) over the P (query, key) pairs the mask keeps: s^2 / 2 causal, w s - w^2 / 2 within a
+sliding window of w < s keys (the layer's `AttentionShape.window`), over each document of mean length L
+for block-causal masks (s / L documents); attention sinks add one logit per head and query (counted
+as one key: negligible). Masked attention (documents, windows, sinks) runs FlexAttention, which skips
+empty blocks and runs at 0.9 of flash attention's rate (FlexAttention paper, Dong et al. 2024);
+backward 2.5 x forward (FlashAttention-2's five matmuls against two). The device's attention shares
+apply at long sequences; shorter keys (min(w, s)) ramp them by s_k / (s_k + 250) (FlashAttention-3
+paper, Fig. 5, FA2 on H100: the backward runs at 0.66 of its long-sequence rate at 512 tokens, 0.81 at
+1k, 0.90 at 2k, 0.96 at 4k).
+
+**Linear attention** (a block whose mixer is Gated DeltaNet, `Block.linear`): its projections are the
+block's GEMMs; the chunked delta rule's own work is the family's count (`LinearAttentionShape.
+flops_per_token`, a third forward, two thirds backward), on the rank's value_heads / tp heads, timed
+like attention at the device's attention shares, at the float32 rate where the kernel computes in
+float32 (torchtrain's chunked kernel; flash-linear-attention's at the compute dtype's). Under context
+parallelism the kernel runs on values d_k + d_v wide instead of d_v
+(`distributed/context_parallel_linear.py`). Linear in the sequence: no s^2 term.
 
 **Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
 HBM e_mem. Per token and block, with d-byte activations, eager PyTorch moves in forward
@@ -34,7 +45,8 @@ HBM e_mem. Per token and block, with d-byte activations, eager PyTorch moves in 
     6 d h               two residual adds
     5 d F               SwiGLU: silu(w1 x) and its product with w3 x
     (MoE: 4 d h k for dispatch and combine, 5 d H per route and shared expert; Qwen3's q/k norms
-     2 d (h_q + h_kv), decomposed (4d + 24)(h_q + h_kv))
+     2 d (h_q + h_kv), decomposed (4d + 24)(h_q + h_kv); a linear-attention mixer instead of RoPE and
+     the transpose: `linear_memory_bytes`)
 
 and a compiled block (`compile.enable`: Inductor fuses each chain into one kernel that reads its
 inputs and writes its outputs once) 4 d h + 2 d (h_q + h_kv) + 2 d h_q + 4 d h + 3 d F. Backward moves
@@ -66,6 +78,7 @@ from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.distributed.lora import is_target
+from torchtrain.models.contract import Block, LayerKind, LinearAttentionShape
 from torchtrain.tools.planner.inputs import PlanInputs
 
 LAUNCH_S = 4e-6
@@ -130,22 +143,53 @@ def memory_seconds(dev: GPUSpec, nbytes: float) -> float:
     return nbytes / (dev.hbm_tbps * 1e12 * dev.memory_efficiency)
 
 
-def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int) -> tuple[float, float]:
+def causal_pairs(n: float, window: int | None = None) -> float:
+    """(query, key) pairs causal attention over n tokens computes, each query seeing at most `window` keys."""
+    if window is None or window >= n:
+        return n * n / 2
+    return window * n - window * window / 2
+
+
+def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int, window: int | None = None,
+                      sinks: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block's attention on this rank for one micro-batch: `heads`
-    TP-local heads, each sequence's seq_len / cp queries against all its keys."""
+    TP-local heads, each sequence's seq_len / cp queries against its keys (within `window`; module doc)."""
     s = p.seq_len
     seqs = p.microbatch_tokens * p.cp / s
-    share = 0.5  # causal
-    eff_scale = 1.0
-    if p.model.block_causal:
-        share *= min(1.0, (p.document_tokens or s) / s)
-        eff_scale = FLEX_ATTENTION_SHARE
-    flops = 2 * s * s * (qk + v) * share * heads * seqs / p.cp
-    peak = dev.matmul_tflops(p.param_dtype) * 1e12
-    ramp = s / (s + ATTN_RAMP_TOKENS) * eff_scale
-    fwd = flops / (peak * dev.attention_fwd_efficiency * ramp) + LAUNCH_S
-    bwd = ATTN_BWD_OVER_FWD * flops / (peak * dev.attention_bwd_efficiency * ramp) + LAUNCH_S
-    return fwd, bwd
+    span = min(s, p.document_tokens or s) if p.model.block_causal else s
+    pairs = s / span * causal_pairs(span, window) + (s if sinks else 0)
+    eff_scale = FLEX_ATTENTION_SHARE if p.model.block_causal or window or sinks else 1.0
+    flops = 2 * pairs * (qk + v) * heads * seqs / p.cp
+    keys = min(s, window or s)
+    return _mixer_seconds(dev, flops, ATTN_BWD_OVER_FWD * flops, dev.matmul_tflops(p.param_dtype),
+                          keys / (keys + ATTN_RAMP_TOKENS) * eff_scale)
+
+
+def linear_attention_seconds(dev: GPUSpec, p: PlanInputs, lin: LinearAttentionShape) -> tuple[float, float]:
+    """(forward, backward) seconds of one linear-attention mixer's kernel on this rank for one micro-batch
+    (module doc)."""
+    widen = (lin.key_head_dim + lin.value_head_dim) / lin.value_head_dim if p.cp > 1 else 1.0
+    flops = lin.flops_per_token * p.microbatch_tokens / p.tp * widen
+    peak = dev.matmul_tflops("float32" if lin.float32 else p.param_dtype)
+    return _mixer_seconds(dev, flops / 3, 2 * flops / 3, peak, 1.0)
+
+
+def _mixer_seconds(dev: GPUSpec, fwd_flops: float, bwd_flops: float, peak_tflops: float,
+                   ramp: float) -> tuple[float, float]:
+    peak = peak_tflops * 1e12 * ramp
+    return (fwd_flops / (peak * dev.attention_fwd_efficiency) + LAUNCH_S,
+            bwd_flops / (peak * dev.attention_bwd_efficiency) + LAUNCH_S)
+
+
+def mixer_forward_flops(p: PlanInputs, kind: LayerKind) -> float:
+    """Forward FLOPs per token of a layer's token mixer beyond its projections (what full recomputation
+    repeats): attention's 2 matmuls over each query's keys, without the causal halving as the families'
+    FLOPs count it (4 x causal pairs per query x heads x (d_qk + d_v)), or a third of the linear mixer's
+    count."""
+    lin, att = kind.block.linear, kind.attention
+    if lin is not None:
+        return lin.flops_per_token / 3
+    return 4 * causal_pairs(p.seq_len, att.window) / p.seq_len * att.heads * (att.qk_head_dim + att.v_head_dim)
 
 
 # ------------------------------------------------------------------------------ memory-bound bytes
@@ -155,28 +199,44 @@ def norm_bytes(d: int, compiled: bool, fused: bool) -> float:
     return 2 * d if compiled or fused else 4 * d + 24
 
 
-def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True) -> float:
-    """Forward bytes per token of a block's memory-bound kernels, before tensor-parallel sharding
-    (see the module docstring)."""
+def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True, block: Block | None = None) -> float:
+    """Forward bytes per token of a block's memory-bound kernels (`block`, default the model's
+    representative one), before tensor-parallel sharding (see the module docstring)."""
+    block = block or a.block
     att = a.attention
     h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
     hq_qk = att.heads * att.qk_head_dim
     norm = norm_bytes(d, compiled, fused_norm)
-    out = rope_bytes(a, d, compiled) + 2 * d * hq + 2 * norm * h
+    out = 2 * norm * h
+    if block.linear is not None:
+        out += linear_memory_bytes(block.linear, d, compiled, norm)
+    else:
+        out += rope_bytes(a, d, compiled) + 2 * d * hq + (norm * (hq_qk + hkv) if a.qk_norm else 0)
     if compiled:
         out += 4 * d * h
         per_ffn = 3 * d
     else:
         out += 6 * d * h
         per_ffn = 5 * d
-    if a.qk_norm:
-        out += norm * (hq_qk + hkv)
-    if a.moe is not None:
+    if block.moe is not None:
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
     else:
         out += per_ffn * a.ffn_hidden
     return out
+
+
+def linear_memory_bytes(lin: LinearAttentionShape, d: int, compiled: bool, norm: float) -> float:
+    """Forward bytes per token of a linear-attention mixer's memory-bound kernels, with c its convolved
+    channels, o = value_heads x d_v its output width and C the chunk: eager, the concatenation,
+    convolution and SiLU over c (each read and written, 6 d c), the float32 copies and L2 norms the kernel
+    reads (8 c), the chunked kernel's C-wide float32 rows per value head (decays, A, T and its scaled
+    copies, each written and read: 48 C per head), the gated norm, SiLU(z) and product over o
+    ((norm + 5 d) o); compiled, one read and write of each chain: 2 d c + 4 c + 24 C per head + (norm + 3 d) o."""
+    c, o, heads = lin.conv_channels, lin.value_heads * lin.value_head_dim, lin.value_heads
+    if compiled:
+        return 2 * d * c + 4 * c + 24 * lin.chunk_size * heads + (norm + 3 * d) * o
+    return 6 * d * c + 8 * c + 48 * lin.chunk_size * heads + (norm + 5 * d) * o
 
 
 def rope_bytes(a, d: int, compiled: bool) -> float:
@@ -192,10 +252,13 @@ def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled:
 
 
 # ------------------------------------------------------------------------------ one block
-def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
-    """One block on one rank for one micro-batch: GEMMs by their TP/EP-local shapes, attention,
-    memory-bound kernels, and what activation checkpointing recomputes."""
+def block_time(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> BlockTime:
+    """One block of `kind` (default: the model's representative block) on one rank for one micro-batch:
+    GEMMs by their TP/EP-local shapes, its token mixer, memory-bound kernels, and what activation
+    checkpointing recomputes."""
     a, tp, d = p.model, p.tp, p.param_bytes
+    kind = kind or a.layer_kind()
+    block = kind.block
     t = p.microbatch_tokens  # tokens of this micro-batch on the rank (seq_len / cp per sequence)
     dtype = p.param_dtype
     out = BlockTime(tp_gemm={"attn_in": (0.0, 0.0), "attn_out": (0.0, 0.0), "ffn_in": (0.0, 0.0),
@@ -204,7 +267,7 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
     fp8_bytes = 0.0
     lora_s = lora_block_seconds(p, dev)
     out.gemm_fwd, out.gemm_bwd = lora_s
-    for mm in a.matmuls(fused=p.fused_qkv):
+    for mm in block.matmuls(fused=p.fused_qkv):
         gemm_dtype = "float8" if p.float8 and mm.kind in ("column", "row") and \
             mm.in_features % 16 == 0 and mm.out_features % 16 == 0 else dtype
         if mm.kind in ("column", "row"):
@@ -238,16 +301,20 @@ def block_time(p: PlanInputs, dev: GPUSpec) -> BlockTime:
         if mm.kind in ("column", "row"):
             key = f"{side}_{'in' if mm.kind == 'column' else 'out'}"
             out.tp_gemm[key] = (out.tp_gemm[key][0] + fwd, out.tp_gemm[key][1] + dgrad)
-    att = a.attention
-    out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim)
-    mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile, dev.fused_rms_norm) * t / tp)
+    att = kind.attention
+    if block.linear is not None:
+        out.attn_fwd, out.attn_bwd = linear_attention_seconds(dev, p, block.linear)
+    else:
+        out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim,
+                                                       att.window, att.sinks)
+    mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile, dev.fused_rms_norm, block) * t / tp)
     fp8_s = memory_seconds(dev, fp8_bytes)
     out.mem_fwd = mem_fwd + fp8_s / 3
     out.mem_bwd = 2 * mem_fwd + 2 * fp8_s / 3
     out.recompute = _recompute_share(p) * (out.gemm_fwd + out.attn_fwd + out.mem_fwd)
     if p.ac_mode == "selective" and p.ac_option == "op":
         out.recompute = out.mem_fwd + p.sac_matmul_share * mm_fwd_s
-        if p.compile and a.checkpoint_stand_ins:  # the rotated queries and keys are saved, not rebuilt
+        if p.compile and a.checkpoint_stand_ins and block.linear is None:  # rotated q, k saved, not rebuilt
             out.recompute -= memory_seconds(dev, rope_bytes(a, d, compiled=True) * t / tp)
     if p.ac_mode == "selective" and p.ac_option == "cheap":
         out.recompute = out.mem_fwd + cheap_fwd_s
@@ -271,8 +338,7 @@ def lora_block_seconds(p: PlanInputs, dev: GPUSpec) -> tuple[float, float]:
     a, t, r, n = p.model, p.microbatch_tokens, p.lora.rank, p.model.n_layers
     adapted: Counter = Counter()  # (in, out) of the adapted linear layers over all blocks
     for i in range(n):
-        block = a.moe_block if a.moe_block is not None and a.is_moe_layer(i) else a.dense
-        adapted.update((mm.in_features, mm.out_features) for mm in block.matmuls()
+        adapted.update((mm.in_features, mm.out_features) for mm in a.layer_block(i).matmuls()
                        if mm.kind != "expert" and is_target(f"layers.{i}.{mm.name}", p.lora))
     fwd = bwd = 0.0
     for (k_in, k_out), count in adapted.items():

@@ -30,6 +30,7 @@ What is hidden still costs the computation it runs under the communication kerne
 from __future__ import annotations
 
 from torchtrain.components.hardware import GPUSpec
+from torchtrain.models.contract import LayerKind
 from torchtrain.tools.planner import comm_time
 from torchtrain.tools.planner.compute_time import BlockTime
 from torchtrain.tools.planner.inputs import PlanInputs
@@ -42,11 +43,12 @@ def chunk_exposed(comm: float, compute: float, chunks: int) -> float:
     return max(0.0, comm - compute) + min(comm, compute) / chunks
 
 
-def block_all_to_all(p: PlanInputs, dev: GPUSpec, block: BlockTime, overlapped: float = 0.0) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one MoE block's expert all-to-alls for one micro-batch (forward,
-    recomputed forward, backward), with `overlapped` the share of micro-batches the pipeline schedule
-    pairs forward with backward (module doc)."""
-    fwd, bwd = comm_time.ep_passes(p, dev)
+def block_all_to_all(p: PlanInputs, dev: GPUSpec, block: BlockTime, overlapped: float = 0.0,
+                     kind: LayerKind | None = None) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one MoE block's (of `kind`'s) expert all-to-alls for one micro-batch
+    (forward, recomputed forward, backward), with `overlapped` the share of micro-batches the pipeline
+    schedule pairs forward with backward (module doc)."""
+    fwd, bwd = comm_time.ep_passes(p, dev, kind)
     repeats = comm_time.forward_repeats(p, True)
     total = repeats * fwd + bwd
     chunks = p.ep_overlap_chunks

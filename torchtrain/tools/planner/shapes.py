@@ -1,6 +1,7 @@
 """The model's parameter tensors per FSDP unit as the planner sees them (memory, FSDP traffic), from
 what the model's family declares (`models/contract.py`: each block's modules with their TP split,
-which blocks have experts, multi-token-prediction depths, tied embeddings). The time model reads each
+which blocks have experts or linear attention -- `ModelContract.layer_block` --, multi-token-prediction
+depths, tied embeddings). The time model reads each
 block's matmuls, attention and collectives from the same declaration (`PlanInputs.model`).
 
 With LoRA ([lora]) each targeted linear layer also holds its adapter, A (r x in) and B (out x r), in
@@ -20,11 +21,9 @@ from torchtrain.models.contract import ModelContract, matmul_kind
 
 
 # ------------------------------------------------------------------------------ parameter shapes
-def block_shapes(a: ModelContract, tp: int, ep: int, moe: bool = True) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(TP-local shapes of a block's FSDP unit, shapes of its experts unit on one EP rank); `moe`
-    False: the model's dense block (a family with some dense blocks)."""
-    block = a.moe_block if moe and a.moe_block is not None else a.dense
-    return block.params(tp, ep)
+def block_shapes(a: ModelContract, i: int, tp: int, ep: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(TP-local shapes of block i's FSDP unit, shapes of its experts unit on one EP rank: [] without)."""
+    return a.layer_block(i).params(tp, ep)
 
 
 def unit_shapes(a: ModelContract, stages, tp: int, ep: int = 1,
@@ -48,7 +47,7 @@ def adapter_units(a: ModelContract, stages, lora: Lora, tp: int = 1) -> list[tup
     out = []
     for s in stages:
         for i in s.layers:
-            block = a.moe_block if a.moe_block is not None and a.is_moe_layer(i) else a.dense
+            block = a.layer_block(i)
             shapes = []
             for name, m in block.modules.items():
                 if m.linear and is_target(f"layers.{i}.{name}", lora):
@@ -64,8 +63,6 @@ def adapter_units(a: ModelContract, stages, lora: Lora, tp: int = 1) -> list[tup
 
 
 def _base_units(a: ModelContract, stages, tp: int, ep: int) -> list[tuple[str, list[tuple[int, int]]]]:
-    block, experts = block_shapes(a, tp, ep)
-    dense_block, _ = block_shapes(a, tp, ep, moe=False)
     table = (math.ceil(a.vocab_size / tp), a.dim)
     units: list[tuple[str, list[tuple[int, int]]]] = []
     tied = a.tie_word_embeddings
@@ -73,19 +70,19 @@ def _base_units(a: ModelContract, stages, tp: int, ep: int) -> list[tuple[str, l
         if s.first and not tied:
             units.append(("embedding", [table]))
         for i in s.layers:
-            moe_here = experts and a.is_moe_layer(i)
-            if moe_here:
+            block, experts = block_shapes(a, i, tp, ep)
+            if experts:
                 units.append((f"experts {i}", list(experts)))
-            units.append((f"block {i}", list(block if moe_here else dense_block)))
+            units.append((f"block {i}", list(block)))
         depth = a.mtp_depth if s.last else 0  # multi-token prediction on the last stage
         if depth and not s.first:
             units.append(("embedding (MTP copy)", [table]))
         for k in range(depth):
-            moe_here = experts and a.is_moe_layer(a.n_layers + k)
-            if moe_here:
+            block, experts = block_shapes(a, a.n_layers + k, tp, ep)
+            if experts:
                 units.append((f"experts mtp {k}", list(experts)))
             own = [(a.dim, 2 * a.dim), (a.dim, 1), (a.dim, 1), (a.dim, 1)]  # eh_proj, enorm, hnorm, norm
-            units.append((f"mtp {k}", list(block if moe_here else dense_block) + own))
+            units.append((f"mtp {k}", list(block) + own))
         if s.last:
             units.append(("norm+output", [(a.dim, 1)] + ([] if tied else [table])))
     if tied:

@@ -4,8 +4,9 @@ Read top-down; this module calls `compute_time` (kernels, from shapes and device
 `comm_time` (collectives, from message sizes and links) and `pipeline` (the schedule's bubble,
 replayed), and nothing calls back.
 
-1. **One micro-batch on one rank** (`_rank_microbatch`): every block of the rank's stages
-   (`compute_time.block_time`: GEMMs, attention, memory-bound kernels, recomputation) plus the
+1. **One micro-batch on one rank** (`_rank_microbatch`): every block of the rank's stages, each kind of
+   block (`ModelContract.kinds`: its feed-forward, its token mixer, its attention window) costed once
+   and counted (`compute_time.block_time`: GEMMs, attention, memory-bound kernels, recomputation) plus the
    embedding and the head on the first and last stage, plus the collectives that sit on the critical
    path between kernels: tensor-parallel all-gathers / reduce-scatters (with
    `parallelism.enable_async_tensor_parallel` each is hidden behind the GEMM next to it, and only what
@@ -44,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
+from torchtrain.models.contract import LayerKind
 from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes
 from torchtrain.tools.planner.host_time import HostTime, step_seconds
 from torchtrain.tools.planner.inputs import PlanInputs
@@ -116,19 +118,22 @@ def recompute_flops_per_token(p: PlanInputs) -> float:
     """Matmul and attention FLOPs per token that activation checkpointing repeats (memory-bound work is
     counted in time only)."""
     a = p.model
-    att = a.attention
-    block_matmul = 2 * sum(m.in_features * m.out_features * (a.num_experts_per_tok if m.kind == "expert" else 1)
-                           for m in a.matmuls())
-    attention = 2 * p.seq_len * att.heads * (att.qk_head_dim + att.v_head_dim) * 0.5 * 2
+    if p.ac_mode not in ("full", "selective"):
+        return 0.0
+    matmul = mixer = cheap = 0.0  # per token, summed over the layers
+    for kind, n in a.kinds(range(a.n_layers)):
+        mms = kind.block.matmuls()
+        matmul += n * 2 * sum(m.in_features * m.out_features * (a.num_experts_per_tok if m.kind == "expert" else 1)
+                              for m in mms)
+        mixer += n * compute_time.mixer_forward_flops(p, kind)
+        cheap += n * 2 * sum(m.in_features * m.out_features for m in mms if m.name in a.cheap_to_recompute)
     if p.ac_mode == "full":
-        return a.n_layers * (block_matmul + attention)
-    if p.ac_mode == "selective":
-        if p.ac_option == "op":
-            return a.n_layers * p.sac_matmul_share * block_matmul
-        if p.ac_option == "cheap":
-            return a.n_layers * 2 * sum(m.in_features * m.out_features for m in a.cheap_matmuls())
-        return (a.n_layers // int(p.ac_option)) * (block_matmul + attention)
-    return 0.0
+        return matmul + mixer
+    if p.ac_option == "op":
+        return p.sac_matmul_share * matmul
+    if p.ac_option == "cheap":
+        return cheap
+    return (a.n_layers // int(p.ac_option)) / a.n_layers * (matmul + mixer)
 
 
 @dataclass
@@ -141,43 +146,61 @@ class _Microbatch:
     ep_hidden: float = 0.0
 
 
-def _rank_microbatch(p: PlanInputs, dev: GPUSpec, block: compute_time.BlockTime, stages,
+def stage_blocks(p: PlanInputs, stages) -> list[int]:
+    """The blocks of these stages; the multi-token-prediction depths (blocks n_layers + k) with the last."""
+    a = p.model
+    mtp = range(a.n_layers, a.n_layers + a.mtp_depth) if any(s.last for s in stages) else range(0)
+    return [i for s in stages for i in s.layers] + list(mtp)
+
+
+def _tp_exposed(p: PlanInputs, dev: GPUSpec, kind: LayerKind, block: compute_time.BlockTime) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one block's tensor-parallel collectives for one micro-batch."""
+    tp_fwd, tp_bwd = comm_time.tp_block(p, dev, kind)
+    if not (p.async_tp and p.tp > 1):
+        return tp_fwd + tp_bwd, 0.0
+    # each activation collective is cut into tp chunks pipelined with the GEMM it feeds (forward) or
+    # follows (input gradient): the first chunk waits, the rest hide as far as that GEMM lasts
+    once = comm_time.tp_forward_activations(p, dev, kind)
+    c, repeats = sum(once) / max(1, len(once)), comm_time.forward_repeats(p)
+
+    def exposed(gemm: float) -> float:
+        return c / p.tp + max(0.0, c * (p.tp - 1) / p.tp - gemm)
+
+    pairs = [v for v in block.tp_gemm.values() if v[0]][:len(once)]
+    tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in pairs) + \
+        comm_time.tp_unpaired(p, dev, kind)
+    return tp_exposed, tp_fwd + tp_bwd - tp_exposed
+
+
+def _rank_microbatch(p: PlanInputs, dev: GPUSpec, times: dict[LayerKind, compute_time.BlockTime], stages,
                      overlapped: float = 0.0) -> _Microbatch:
-    """One micro-batch through this rank's stages (step 1 of the module docstring)."""
+    """One micro-batch through this rank's stages (step 1 of the module docstring): `times` the seconds
+    of one block of each kind."""
     mtp = p.model.mtp_depth * sum(s.last for s in stages)  # MTP depths: one block + head each
-    n_blocks = sum(len(s.layers) for s in stages) + mtp
-    tp_fwd, tp_bwd = comm_time.tp_block(p, dev)
-    tp_exposed = tp_fwd + tp_bwd
-    hidden = 0.0
-    if p.async_tp and p.tp > 1:
-        # each activation collective is cut into tp chunks pipelined with the GEMM it feeds (forward) or
-        # follows (input gradient): the first chunk waits, the rest hide as far as that GEMM lasts
-        once = comm_time.tp_forward_activations(p, dev)
-        c, repeats = sum(once) / max(1, len(once)), comm_time.forward_repeats(p)
-
-        def exposed(gemm: float) -> float:
-            return c / p.tp + max(0.0, c * (p.tp - 1) / p.tp - gemm)
-
-        pairs = [v for v in block.tp_gemm.values() if v[0]][:len(once)]
-        tp_exposed = sum(repeats * exposed(fwd) + exposed(dgrad) for fwd, dgrad in pairs) + comm_time.tp_unpaired(p, dev)
-        hidden = n_blocks * (tp_fwd + tp_bwd - tp_exposed)
+    comm = {"tensor parallel": 0.0, "context parallel": 0.0, "expert all-to-all": 0.0}
+    breakdown = {"matmuls": 0.0, "attention": 0.0, "memory-bound": 0.0, "recomputation": 0.0}
+    hidden = ep_hidden_all = forward = 0.0
+    for kind, n in p.model.kinds(stage_blocks(p, stages)):
+        block = times[kind]
+        tp_exposed, tp_hidden = _tp_exposed(p, dev, kind, block)
+        ep_exposed, ep_hidden = expert_overlap.block_all_to_all(p, dev, block, overlapped, kind)
+        hidden += n * (tp_hidden + ep_hidden)
+        ep_hidden_all += n * ep_hidden
+        for key, value in (("tensor parallel", tp_exposed), ("context parallel", comm_time.cp_block(p, dev, kind)),
+                           ("expert all-to-all", ep_exposed)):
+            comm[key] += n * value
+        for key, value in (("matmuls", block.gemm_fwd + block.gemm_bwd), ("attention", block.attn_fwd + block.attn_bwd),
+                           ("memory-bound", block.mem_fwd + block.mem_bwd), ("recomputation", block.recompute)):
+            breakdown[key] += n * value
+        forward += n * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
     edges = sum(s.first for s in stages) + sum(s.last for s in stages)
-    ep_exposed, ep_hidden = expert_overlap.block_all_to_all(p, dev, block, overlapped)
-    hidden += n_blocks * ep_hidden
-    comm = {"tensor parallel": n_blocks * tp_exposed + edges * 2 * comm_time.tp_edge(p, dev),
-            "context parallel": n_blocks * comm_time.cp_block(p, dev),
-            "expert all-to-all": n_blocks * ep_exposed}
-    breakdown = {"matmuls": n_blocks * (block.gemm_fwd + block.gemm_bwd),
-                 "attention": n_blocks * (block.attn_fwd + block.attn_bwd),
-                 "memory-bound": n_blocks * (block.mem_fwd + block.mem_bwd),
-                 "recomputation": n_blocks * block.recompute,
-                 "embedding + head": ((sum(s.first for s in stages) + mtp) * compute_time.embedding_seconds(p, dev)
-                                      + (sum(s.last for s in stages) + mtp) * compute_time.head_seconds(p, dev))}
+    comm["tensor parallel"] += edges * 2 * comm_time.tp_edge(p, dev)
+    breakdown["embedding + head"] = ((sum(s.first for s in stages) + mtp) * compute_time.embedding_seconds(p, dev)
+                                     + (sum(s.last for s in stages) + mtp) * compute_time.head_seconds(p, dev))
     if hidden:
         breakdown["slowdown under overlapped communication"] = hidden * dev.comm_sm_share
     compute = sum(breakdown.values())
-    forward = n_blocks * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
-    return _Microbatch(compute + sum(comm.values()), forward, compute - forward, breakdown, comm, n_blocks * ep_hidden)
+    return _Microbatch(compute + sum(comm.values()), forward, compute - forward, breakdown, comm, ep_hidden_all)
 
 
 def _data_parallel_exposed(p: PlanInputs, traffic: comm_time.DataParallelTraffic, mb: _Microbatch,
@@ -214,8 +237,8 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak or (dev.hbm_tbps is None and dev.key != "cpu"):
         return out
-    block = compute_time.block_time(p, dev)
-    per_rank = {r: _rank_microbatch(p, dev, block, prof.stages[r], prof.overlapped.get(r, 0.0))
+    times = {kind: compute_time.block_time(p, dev, kind) for kind, _ in a.kinds(range(a.n_layers + a.mtp_depth))}
+    per_rank = {r: _rank_microbatch(p, dev, times, prof.stages[r], prof.overlapped.get(r, 0.0))
                 for r in _distinct_ranks(prof)}
     slow_rank = max(per_rank, key=lambda r: per_rank[r].seconds)
     mb = per_rank[slow_rank]
