@@ -47,7 +47,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_part(dry_run):
     out, proc = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdefgh"}
+    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdefghi"}
     assert all(r["ok"] for r in results.values()), {p: r["rows"] for p, r in results.items() if not r["ok"]}
     a = results["a"]["rows"][0]
     assert a[1] > 0 and a[2] == 0  # pytest ran tests on the "device" and none failed
@@ -58,8 +58,24 @@ def test_dry_run_runs_every_part(dry_run):
     assert [(row[0], row[1], row[2]) for row in c] == [(2048, 2, "eager"), (2048, 4, "eager")]  # two batches
     assert all(row[3] > 0 and row[5] is not None for row in c)  # MFU against the measured peak
     # (d), (e) and (g) reuse (c)'s runs of the same command line instead of training again
-    d = results["d"]["rows"]
-    assert [(row[0], row[1], row[5]) for row in d] == [(2, "eager", "c/b2_eager"), (4, "eager", "c/b4_eager")]
+    d = results["d"]["rows"]  # [batch, mode, torchtrain tokens/s (window), torchtitan ..., ratio, ..., run, error]
+    assert [(row[0], row[1], row[8]) for row in d] == [(2, "eager", "c/b2_eager"), (4, "eager", "c/b4_eager")]
+    # one protocol on both sides, stated in the tables: the window, its N, the cadence, how each side is timed
+    protocol = "protocol: steps 4-6 (N = 3 after 3 warm-up) timed on each side between two device synchronisations"
+    assert all(any(n.startswith(protocol) and "both sides log every 1 step" in n for n in results[p]["notes"])
+               for p in "cdgi")
+    for name in ("b2_eager", "b4_eager"):  # the window timed by the protocol, and its tokens/s the table's
+        window = json.load(open(out / "kit" / "c" / name / "window.json"))
+        assert (window["first"], window["last"], window["steps"]) == (4, 6, 3) and window["seconds"] > 0
+    assert c[0][3] == pytest.approx(64 * 2 * 3 / json.load(open(out / "kit" / "c" / "b2_eager" / "window.json"))["seconds"], abs=1)
+    job_text = (out / "kit" / "d" / "torchtitan" / "job_eager_b2.toml").read_text()
+    assert "log_freq = 1" in job_text and "steps = 6" in job_text  # torchtitan: the same window and cadence
+    # the 8B row on one H200: the planner picked its batch, the dry run lists it
+    i = results["i"]
+    assert [(row[0], row[1]) for row in i["rows"]] == [("8B", "h200")] and i["rows"][0][2] in (1, 2, 4)
+    assert any(n.startswith("planner, 8B batch") and "fits" in n for n in i["notes"])
+    titan8 = tomllib.load(open(out / "kit" / "d" / "torchtitan" / f"job_8B_compiled_b{i['rows'][0][2]}.toml", "rb"))
+    assert titan8["model"]["flavor"] == "debugmodel" and titan8["compile"]["enable"]
     e = results["e"]["rows"]
     assert len(e) == 2 and all(row[1] and row[2] and row[4] and row[7] for row in e)  # planned and measured
     assert [row[9] for row in e] == ["c/b2_eager", "c/b4_eager"] and all(row[6] for row in e)  # host time planned
@@ -88,7 +104,8 @@ def test_dry_run_runs_every_part(dry_run):
     assert profile["compile"]["enable"] and profile["training"]["local_batch_size"] == 4
     summary = (out / "kit" / "summary.md").read_text()
     assert "Dry run on a CPU at tiny size: these are not CUDA figures" in summary
-    assert all(f"## ({p})" in summary for p in "abcdefgh")
+    assert all(f"## ({p})" in summary for p in "abcdefghi")
+    assert "- protocol: steps 4-6 (N = 3 after 3 warm-up)" in summary
     assert "runs finished (estimated s / took s): f/straight" in summary
     with tarfile.open(out / "kit.tar.gz") as tar:  # the archive leaves the checkpoints out
         names = tar.getnames()
@@ -224,10 +241,12 @@ def _kit_module():
     return kit
 
 
-def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
-    """The committed runs: the headline's compiled batch-8 run (a healthy H100, steps within ~4%) passes; the
-    same job on a throttling H100 (steps 0.27-0.54 s within one run) is named, and why. And the GPU's state
-    (nvidia-smi's clock, temperature and power) reads into one line. Ratios taken with a named run are marked."""
+def test_steadiness_is_judged_from_the_device_and_the_window():
+    """The committed runs, judged without device readings (their sets predate the sampler): the healthy
+    H100's compiled batch-8 run is steady; the same job on a throttling H100 (steps 0.27-0.54 s) is not, by
+    its window's spread; the newest set's eager batch-8 run, whose only odd step is the last record (timed
+    by the host before its work ended), is steady with that outlier named. Ratios taken with an unsteady
+    run are marked. And the GPU's state (nvidia-smi's clock, temperature and power) reads into one line."""
     gpu = os.path.join(REPO, "benchmarks", "gpu")
     kit = _kit_module()
 
@@ -237,14 +256,18 @@ def test_a_run_on_a_device_whose_speed_moved_is_named_unsteady():
 
     healthy = run("2026-11-27-h100-f2ccc36", "c/b8_compile")
     throttled = run("2026-11-27-h100-throttled", "g/1B_b8_compile")
-    assert healthy.spread() < 0.05 < kit.UNSTEADY < throttled.spread()
-    notes = kit.unsteady_notes([healthy, throttled])
+    late_last = run("2026-11-27-h100-ae5a46e", "c/b8_eager")
+    assert healthy.verdict().steady and not healthy.verdict().device_moved
+    verdict = throttled.verdict()
+    assert not verdict.steady and not verdict.device_moved and "step times spread" in verdict.cause
+    assert "device not read" in verdict.cause
+    assert late_last.verdict().steady and "one outlier step" in late_last.verdict().cause
+    steadiness = sys.modules["steadiness"]
+    notes = steadiness.notes({r.folder: r.verdict() for r in (healthy, throttled)})
     assert len(notes) == 1 and notes[0].startswith("UNSTEADY g/1B_b8_compile:") and "not evidence" in notes[0]
-    assert kit.Run("short", [{"step": 1, "step_time_s": 9.0}], None, 1.0).spread() is None
-    # a ratio taken with an unsteady run says so in its table cell
-    assert kit.ratio(60.0, 50.0, [healthy]) == "1.20"
-    assert kit.ratio(60.0, 50.0, [healthy, throttled]) == "1.20 (unsteady)"
-    assert kit.ratio(None, 50.0, [healthy]) is None
+    assert steadiness.ratio(60.0, 50.0, [healthy.verdict()]) == "1.20"
+    assert steadiness.ratio(60.0, 50.0, [healthy.verdict(), verdict]) == "1.20 (unsteady)"
+    assert steadiness.ratio(None, 50.0, [healthy.verdict()]) is None
     # environment.json records the GPU's clock and temperature at the start and after each part
     assert kit.parse_gpu_state("345 MHz, 1980 MHz, 68, 91.62 W\n") == "SM 345 of 1980 MHz, 68 C, 92 W"
     assert kit.parse_gpu_state("") is None and kit.parse_gpu_state("[N/A], 1980 MHz") is None
@@ -306,7 +329,7 @@ def test_a_compiled_step_that_fails_to_compile_costs_one_rerun_not_the_evidence(
     kit = _kit_module()
     calls = []
 
-    def fake_train(dump, argv, name, budget):
+    def fake_train(dump, argv, name, budget, **_):
         calls.append(list(argv))
         compiled = "--compile.enable" in argv
         failed = compiled and kit.WITHOUT_COMPILED_STEP[0] not in argv

@@ -38,6 +38,7 @@ OVERHEAD_S = {
     ("torchtrain", "3B", "compile"): 15.0, ("torchtrain", "3B", "compile+float8"): 17.0,
     ("torchtitan", "1B", "eager"): 22.0, ("torchtitan", "1B", "compile"): 32.0, ("torchtitan", "1B", "profile"): 25.0,
     ("torchtitan", "1B", "compile+profile"): 35.0,
+    ("torchtrain", "8B", "compile"): 30.0, ("torchtrain", "8B", "eager"): 8.0, ("torchtitan", "8B", "compile"): 50.0,
 }
 UNKNOWN_OVERHEAD_S = 60.0
 FIRST_RUN_S = 5.0
@@ -49,8 +50,9 @@ FIRST_RUN_S = 5.0
 # profile); compiled 0.138 s at 4,096 and 0.273 s at 16,384 tokens; compiled float8 0.206 s at 4,096; the
 # feature runs' float8 (eager) 0.395 s and CPU offload 2.5 s; torchtitan eager 0.177 s (0.116 s of GPU
 # work), compiled 0.105 s at 4,096 and 0.312 s at 16,384 tokens. Estimated: the 3B (28 blocks of 3072:
-# 2.2x the 1B's FLOPs a token, 1.75x its blocks' host work), float8's GPU share, profiled steps (1.5x the
-# host part, compiled 1.2x the GPU part; writing the trace ~3 s).
+# 2.2x the 1B's FLOPs a token, 1.75x its blocks' host work), the 8B (32 blocks of 4096: 5.9x the 1B's FLOPs
+# a token, 2x its blocks' host work; its overhead adds the initialisation of 8B parameters), float8's GPU
+# share, profiled steps (1.5x the host part, compiled 1.2x the GPU part; writing the trace ~3 s).
 # The debug model and the dry run's tiny one are host-bound.
 STEP_S = {
     ("torchtrain", "tiny", "eager"): (0.05, 0.0), ("torchtrain", "tiny", "float8"): (0.1, 0.0),
@@ -65,8 +67,10 @@ STEP_S = {
     ("torchtitan", "1B", "profile"): (0.27, 0.116),
     ("torchtrain", "1B", "compile+profile"): (0.21, 0.082), ("torchtitan", "1B", "compile+profile"): (0.16, 0.094),
     ("torchtrain", "1B", "compile+float8+profile"): (0.31, 0.1), ("torchtrain", "tiny", "float8+profile"): (0.15, 0.0),
+    ("torchtrain", "8B", "compile"): (0.28, 0.40), ("torchtrain", "8B", "eager"): (0.57, 0.45),
+    ("torchtitan", "8B", "compile"): (0.21, 0.45),
 }
-REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096}
+REF_TOKENS = {"tiny": 128, "debug": 2048, "1B": 4096, "3B": 4096, "8B": 4096}
 UNKNOWN_STEP_S = 0.5
 SAFETY = 1.1
 """An estimate is multiplied by this before it is compared with the time left."""

@@ -11,14 +11,14 @@ import os
 import shutil
 import statistics
 
-from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, ratio, train, unsteady_notes
+import steadiness
+from kit import TITLES, Context, PartResult, gemm_peak_tflops, log, train
 from parts import HEADLINE_SEQ, batches, compiled, float8, headline_job, slug
 
 PROFILE = ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "5", "--profiling.profiler_warmup",
            "1", "--profiling.profiler_active", "2"]
 """A profiler window of steps 4-5 (step 3 warms it up) in a run of 6 steps; steps 2 and 6 run unprofiled."""
 PROFILE_STEPS, UNPROFILED = 6, (2, 6)
-STEPS_3B = 10
 
 
 def measured_peak(ctx: Context) -> tuple[float, str]:
@@ -54,16 +54,17 @@ def c_job(ctx: Context, batch: int, extra: list[str]) -> list[str]:
 
 
 def g_job(ctx: Context, name: str, batch: int, extra: list[str]) -> list[str]:
-    return headline_job(ctx, extra, batch, name, steps=STEPS_3B if name == "3B" and not ctx.dry else None)
+    return headline_job(ctx, extra, batch, name)
 
 
 # ----------------------------------------------------------------------------- (c)
 def part_c(ctx: Context) -> PartResult:
     """Tokens/s and MFU of the 1B at local batch 2 and 8, eager and compiled, against the measured peak."""
     peak, how = measured_peak(ctx)
-    res = PartResult("c", TITLES["c"], ["seq", "batch", "mode", "tokens/s", "TFLOP/s", "MFU vs measured peak",
-                                        "MFU vs table peak", "peak GiB", "error"])
-    res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how}); steady state = median over steps 4..N")
+    res = PartResult("c", TITLES["c"], ["seq", "batch", "mode", "tokens/s (window)", "TFLOP/s", "MFU vs measured peak",
+                                        "MFU vs table peak", "median step s", "peak GiB", "steady", "error"])
+    res.notes.append(ctx.protocol.describe())
+    res.notes.append(f"measured peak: {peak:.1f} TFLOP/s ({how})")
     runs = []
     for batch, mode, extra in c_runs(ctx):
         if extra is None:
@@ -74,12 +75,13 @@ def part_c(ctx: Context) -> PartResult:
         if run.skipped:
             continue
         runs.append(run)
-        tflops, mfu = run.steady("tflops_per_device"), run.steady("mfu_pct")
-        res.rows.append([HEADLINE_SEQ, batch, mode, _round(run.steady("tokens_per_s_per_device")), tflops,
+        tflops, mfu = run.tflops(), run.table_mfu_pct()
+        res.rows.append([HEADLINE_SEQ, batch, mode, _round(run.tokens_per_s()), _round(tflops, 1),
                          None if tflops is None else f"{100 * tflops / peak:.1f}%",
-                         None if mfu is None else f"{mfu:.1f}%", run.peak_gib(), run.error])
+                         None if mfu is None else f"{mfu:.1f}%", _round(run.steady("step_time_s"), 4),
+                         run.peak_gib(), run.verdict().steady, run.error])
         res.ok &= run.ok
-    res.notes += unsteady_notes(runs)
+    res.notes += steadiness.notes({r.folder: r.verdict() for r in runs})
     return res
 
 
@@ -90,6 +92,7 @@ def part_g(ctx: Context) -> PartResult:
     res = PartResult("g", TITLES["g"], ["model", "batch", "bf16 tokens/s", "float8 tokens/s", "float8 / bf16",
                                         "bf16 MFU vs measured peak", "float8 MFU vs measured peak",
                                         "bf16 peak GiB", "float8 peak GiB", "error"])
+    res.notes.append(ctx.protocol.describe())
     res.notes.append("both compiled, AC selective, seq 2048; MFU counts the same model FLOPs against the bf16 peak")
     if ctx.dry:
         res.notes.append("dry run: eager bf16 against emulated float8 (compiling is ~20 s a run on a CPU), the "
@@ -104,14 +107,14 @@ def part_g(ctx: Context) -> PartResult:
         if any(r.skipped for r in pair):
             continue
         runs += pair
-        tps = [r.steady("tokens_per_s_per_device") for r in pair]
-        mfu = [r.steady("tflops_per_device") for r in pair]
+        tps = [r.tokens_per_s() for r in pair]
+        mfu = [r.tflops() for r in pair]
         res.rows.append([name, batch, _round(tps[0]), _round(tps[1]),
-                         ratio(tps[1], tps[0], pair),
+                         steadiness.ratio(tps[1], tps[0], [r.verdict() for r in pair]),
                          *[None if m is None else f"{100 * m / peak:.1f}%" for m in mfu],
                          pair[0].peak_gib(), pair[1].peak_gib(), pair[0].error or pair[1].error])
         res.ok &= all(r.ok for r in pair)
-    res.notes += unsteady_notes(runs)
+    res.notes += steadiness.notes({r.folder: r.verdict() for r in runs})
     return res
 
 

@@ -18,6 +18,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from budget import Budget, Stop, spec_of
+from device_watch import DeviceSampler, within
+from protocol import Protocol, StepWindow, WindowedStep, read_window, window_tokens_per_s
+from steadiness import Verdict, judge
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,6 +44,12 @@ class Context:
     """Why compiled runs step with torch's optimizer kernel from now on (`train`); empty: they do not."""
     notes: list[str] = field(default_factory=list)
     """What changed how this part's runs ran, for its summary (taken by run_all after each part)."""
+    protocol: Protocol | None = None
+    """The measurement protocol of the headline runs: 3 warm-up steps and a window of 12 (a dry run: 3)."""
+
+    def __post_init__(self) -> None:
+        if self.protocol is None:
+            self.protocol = Protocol(window=3 if self.dry else 12)
 
     @property
     def device(self) -> str:
@@ -55,7 +64,8 @@ class Context:
 TITLES = {"a": "Single-process test cases on the device", "b": "Short runs per feature: the loss falls",
           "c": "1B throughput and MFU, local batch 2 and 8", "d": "torchtrain vs torchtitan, same model/batch/sequence",
           "e": "Planner vs measured", "f": "Checkpoint save/resume exactness",
-          "g": "float8 vs bf16, compiled", "h": "One profiled compiled step window per side"}
+          "g": "float8 vs bf16, compiled", "h": "One profiled compiled step window per side",
+          "i": "Llama 3 8B on one GPU (H200), compiled, vs torchtitan"}
 
 
 @dataclass
@@ -137,6 +147,13 @@ class Run:
     """Why the run did not start or was cut off (budget, SIGTERM); it is then no verdict on the code."""
     folder: str = ""
     """part/name of the output folder: where a reused run was made."""
+    window: dict | None = None
+    """The protocol's timed window (`protocol.StepWindow`), when the run reached its end."""
+    tokens_per_step: int | None = None
+    samples: list = field(default_factory=list)
+    """The device's readings during the run (`device_watch.Sample`); none on a CPU."""
+    sampled: bool = False
+    """Whether the device could be read (nvidia-smi)."""
 
     @property
     def ok(self) -> bool:
@@ -163,41 +180,35 @@ class Run:
             return None
         return (max(values) - min(values)) / statistics.median(values)
 
+    def window_step_times(self) -> list[float]:
+        """The step times of the protocol's window (without one: the steps after the first three)."""
+        if self.window:
+            steps = range(self.window["first"], self.window["last"] + 1)
+            return [r["step_time_s"] for r in self.records if r["step"] in steps and r.get("step_time_s") is not None]
+        return [r["step_time_s"] for r in self.records[3:] if r.get("step_time_s") is not None]
+
+    def tokens_per_s(self) -> float | None:
+        """The window's tokens over its seconds (the protocol); without a window, the median record."""
+        return window_tokens_per_s(self.window, self.tokens_per_step) or self.steady("tokens_per_s_per_device")
+
+    def tflops(self) -> float | None:
+        """`tokens_per_s` x the model's FLOPs a token (from the records)."""
+        tps, ref = self.tokens_per_s(), next((r for r in self.records if r.get("tokens_per_s_per_device")
+                                              and r.get("tflops_per_device") is not None), None)
+        return None if tps is None or ref is None else tps * ref["tflops_per_device"] / ref["tokens_per_s_per_device"]
+
+    def table_mfu_pct(self) -> float | None:
+        """`tflops` against the trainer's table peak of the device (None where it has none: a CPU)."""
+        tflops, ref = self.tflops(), next((r for r in self.records if r.get("mfu_pct")), None)
+        return None if tflops is None or ref is None else tflops * ref["mfu_pct"] / ref["tflops_per_device"]
+
+    def verdict(self) -> Verdict:
+        """Steady or not, and why (`steadiness.judge`): the device's readings in the window, its step times."""
+        return judge(within(self.samples, self.window), self.window_step_times(), self.sampled)
+
     def peak_gib(self) -> float | None:
         values = [r["memory_peak_gib"] for r in self.records if r.get("memory_peak_gib") is not None]
         return max(values) if values else None
-
-
-UNSTEADY = 0.2
-"""A run whose steady steps spread by more than this (max - min over the median) ran on a device whose
-speed moved (a throttling GPU, a neighbour): on a healthy H100 the kit's steps spread by 1-5%."""
-
-
-def unsteady_notes(runs: list[Run]) -> list[str]:
-    """A note for each run whose steady step times spread more than UNSTEADY: its figures (and ratios
-    taken with it) measure the device's moving speed, not the code."""
-    notes = []
-    for run in runs:
-        if unsteady(run):
-            spread = run.spread()
-            times = [r["step_time_s"] for r in run.records[3:] if r.get("step_time_s") is not None]
-            notes.append(f"UNSTEADY {run.folder or run.name}: its steady steps spread {100 * spread:.0f}% "
-                         f"({min(times):.3f}-{max(times):.3f} s): the device's speed moved during the run, so "
-                         f"its figures and the ratios taken with it are not evidence")
-    return notes
-
-
-def unsteady(run: Run) -> bool:
-    spread = run.spread()
-    return spread is not None and spread > UNSTEADY
-
-
-def ratio(numerator: float | None, denominator: float | None, runs: list[Run]) -> str | None:
-    """numerator / denominator for a table, marked "(unsteady)" when a run it was taken from is (its
-    `unsteady_notes` entry says why): such a ratio measures the device's moving speed, not the code."""
-    if not (numerator and denominator):
-        return None
-    return f"{numerator / denominator:.2f}" + (" (unsteady)" if any(unsteady(r) for r in runs) else "")
 
 
 COMPILED_STEP_FAILED = "[compile.components] compiling the optimizer step failed"
@@ -233,13 +244,23 @@ def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str) -
     if entry is None:
         return Run(name, [], None, 0.0, skipped=ctx.budget.entries[-1].reason)
     compiled = ctx.without_compiled_step and spec.mode.startswith("compile")
-    run = _train(ctx.folder(part, name), argv + (WITHOUT_COMPILED_STEP if compiled else []), name, ctx.budget)
+    dump, protocol = ctx.folder(part, name), ctx.protocol
+    window = StepWindow(protocol.first, min(protocol.last, spec.steps), os.path.join(dump, "window.json")) \
+        if spec.steps >= protocol.first else None
+    with DeviceSampler() as sampler:
+        run = _train(dump, argv + (WITHOUT_COMPILED_STEP if compiled else []), name, ctx.budget,
+                     log_freq=protocol.log_freq, window=window)
     run.folder = f"{part}/{name}"
+    run.window, run.tokens_per_step = read_window(dump) if window is not None else None, spec.tokens
+    run.samples, run.sampled = sampler.samples, sampler.available
     ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if run.ok else None, run.skipped)
     return run
 
 
-def _train(dump: str, argv: list[str], name: str, budget: Budget) -> Run:
+def _train(dump: str, argv: list[str], name: str, budget: Budget, log_freq: int = 1,
+           window: StepWindow | None = None) -> Run:
+    """One in-process trainer run into `dump`, logging every `log_freq` steps, `window` timed around its
+    step (`protocol.WindowedStep`)."""
     import torch
 
     from torchtrain.config import parse_args
@@ -251,9 +272,13 @@ def _train(dump: str, argv: list[str], name: str, budget: Budget) -> Run:
     trainer, error, stopped, finished, t0 = None, None, "", False, time.perf_counter()
     try:
         with budget.interruptible():
-            trainer = Trainer(parse_args(argv + ["--job.dump_folder", dump, "--metrics.log_freq", "1",
+            trainer = Trainer(parse_args(argv + ["--job.dump_folder", dump, "--metrics.log_freq", str(log_freq),
                                                  "--metrics.enable_tensorboard", "false",
                                                  "--job.print_config", "false"]))
+            if window is not None:
+                if os.path.exists(window.path):
+                    os.remove(window.path)  # a rerun's window is its own
+                trainer.train_step = WindowedStep(trainer.train_step, window, lambda: trainer.state.step)
             trainer.train()
             finished = True
     except Stop as e:

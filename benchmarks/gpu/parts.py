@@ -33,8 +33,8 @@ def model(ctx: Context, name: str) -> list[str]:
         return TINY + ["--training.device", "cpu"]
     if name == "debug":
         return ["--model.flavor", "debugmodel"]
-    if name == "3B":
-        return ["--model.flavor", "3B"]
+    if name in ("3B", "8B"):
+        return ["--model.flavor", name]
     return ["--model.flavor", "1B", "--model.tie_word_embeddings", "false"]
 
 
@@ -64,7 +64,7 @@ def compiled(ctx: Context) -> list[str] | None:
 def headline_job(ctx: Context, extra: list[str], batch: int = 2, name: str = "1B", steps: int | None = None) -> list[str]:
     """The one command line of a headline run (bf16, selective AC): (d), (e), (g) and (h) reuse (c)'s
     and (g)'s runs of the same line."""
-    steps = steps if steps is not None else 6 if ctx.dry else HEADLINE_STEPS
+    steps = steps if steps is not None else ctx.protocol.steps
     return (model(ctx, name) + COMMON + shape(ctx, HEADLINE_SEQ, batch, dry_batch=batch) + bf16(ctx)
             + ["--activation_checkpoint.mode", "selective", "--training.steps", str(steps)] + extra)
 

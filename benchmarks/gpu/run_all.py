@@ -20,6 +20,12 @@ summary format), run in the order given:
   g  float8 against bf16, compiled: the 1B at batch 8, the 3B at batch 4
   h  one profiled compiled batch-8 step window per side (torchtrain, torchtitan): kernels, GPU busy time and
      kernel seconds by kind (GEMM, attention, optimizer, the rest), operators
+  i  Llama 3 8B on one GPU (an H200: the planner picks the local batch that fits), compiled, AC selective,
+     side by side with torchtitan's same job
+
+Every throughput figure follows one protocol on both sides (protocol.py): a window of steady steps after
+the warm-up, timed between two device synchronisations, the same logging cadence; each run's device
+readings (device_watch.py) and window step times decide whether it is steady (steadiness.py).
 
 `--budget-s S`: before each run starts its duration is estimated (budget.py: a table refined with the
 runs already measured) and a run that would not finish within S seconds of the start is skipped;
@@ -47,15 +53,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from budget import Budget  # noqa: E402
 from kit import REPO, TITLES, Context, PartResult, environment, gpu_state, log  # noqa: E402
 
-PARTS = "abcdefgh"
+PARTS = "abcdefghi"
 
 
 def run_part(ctx: Context, part: str) -> PartResult:
     import headline
+    import large
     import parts
     import titan
 
-    fn = titan.part_d if part == "d" else getattr(headline if part in "cgh" else parts, f"part_{part}")
+    fn = titan.part_d if part == "d" else large.part_i if part == "i" else \
+        getattr(headline if part in "cgh" else parts, f"part_{part}")
     t0 = time.perf_counter()
     if ctx.budget.stopped:
         result = PartResult(part, TITLES[part], [], ok=True)
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**environment(), "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"),
                "first_cuda_context_s": cuda_s,
                "start_up_s": round(budget.clock() - budget.start, 1)}  # to the first part: imports, CUDA
+        env["protocol"] = ctx.protocol.describe().removeprefix("protocol: ")
         state = gpu_state()
         if state is not None:  # the GPU's clock and temperature, here and after each part (throttling shows)
             env["gpu_at_start"] = state

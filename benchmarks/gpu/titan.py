@@ -6,7 +6,9 @@ torchtitan 0.2.2 has no ~1B Llama 3 flavor, so `titan_flavor.py` (imported by to
 `experimental.custom_import`) registers the kit's 1B shape under the name "torchtrain_1B". Its data is
 a folder of JSON lines read by its `c4_test` loader (Hugging Face `datasets`), its tokenizer a byte-level
 `tokenizer.json` written here with `tokenizers`; the model's vocabulary is 128,256 on both sides, so
-the tokenizer only feeds ids. Each side's throughput is the median tokens/s over steps 4..N.
+the tokenizer only feeds ids. Both sides are held to the kit's measurement protocol (`protocol.py`; in
+torchtitan's process through `titan_window.py`): the same window of steps timed between two device
+synchronisations, the same logging cadence; each side's throughput is its window's tokens over its time.
 torchtrain's side is (c)'s run of the same command line when (c) ran earlier in the same command.
 torchtitan trains one GPU without FSDP, its bf16 through autocast (AMP), as its users run it.
 """
@@ -20,20 +22,27 @@ import re
 import statistics
 import sys
 
+import steadiness
 from budget import RunSpec
-from kit import TITLES, Context, PartResult, admit_process, log, ratio, run_process, train
-from parts import HEADLINE_SEQ, HEADLINE_STEPS, batches, compiled, headline_job
+from device_watch import DeviceSampler
+from kit import TITLES, Context, PartResult, Run, admit_process, log, run_process, train
+from parts import HEADLINE_SEQ, batches, compiled, headline_job
+from protocol import read_window
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")  # torchtitan's per-step log line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-SEQ, STEPS = HEADLINE_SEQ, HEADLINE_STEPS
+SEQ = HEADLINE_SEQ
+FLAVORS = {"1B": "torchtrain_1B", "8B": "8B"}
+"""torchtitan's flavor of each kit model: the 1B registered by titan_flavor.py, its own Llama 3 8B."""
 PROFILE_STEPS = 6
 """torchtitan's profiled run: the same window as torchtrain's (headline.PROFILE): steps 4-5 recorded."""
 
 
-def titan_job(ctx: Context, compiled: bool, batch: int = 2, profile: bool = False) -> str:
-    """Write torchtitan's job file (and its tokenizer and data) for the kit's 1B shape; return its path."""
+def titan_job(ctx: Context, compiled: bool, batch: int = 2, profile: bool = False, model: str = "1B",
+              ac: str = "selective") -> str:
+    """Write torchtitan's job file (and its tokenizer and data) for the kit's 1B shape or Llama 3 8B;
+    return its path. Its steps and logging cadence are the protocol's."""
     folder = ctx.folder("d", "torchtitan")
     assets, data = ctx.folder("d", "torchtitan", "assets"), ctx.folder("d", "torchtitan", "data")
     _write_tokenizer(assets)
@@ -42,13 +51,13 @@ def titan_job(ctx: Context, compiled: bool, batch: int = 2, profile: bool = Fals
             f.write(json.dumps({"text": f"document {i}: " + " ".join(f"w{(i * 7 + j) % 997}" for j in range(2000))})
                     + "\n")
     seq = 64 if ctx.dry else SEQ
-    name = f"{'compiled' if compiled else 'eager'}_b{batch}{'_profile' if profile else ''}"
-    steps = PROFILE_STEPS if profile else 4 if ctx.dry else STEPS
+    name = titan_name(compiled, batch, profile, model)
+    steps = PROFILE_STEPS if profile else ctx.protocol.steps
     text = f"""[job]
 dump_folder = "{folder}/out_{name}"
 [model]
 name = "llama3"
-flavor = "{'debugmodel' if ctx.dry else 'torchtrain_1B'}"
+flavor = "{'debugmodel' if ctx.dry else FLAVORS[model]}"
 hf_assets_path = "{assets}"
 [training]
 dataset = "c4_test"
@@ -64,13 +73,13 @@ warmup_steps = 3
 [parallelism]
 data_parallel_shard_degree = -1
 [activation_checkpoint]
-mode = "selective"
+mode = "{ac}"
 selective_ac_option = "op"
 [compile]
 enable = {'true' if compiled else 'false'}
 components = ["model", "loss"]
 [metrics]
-log_freq = 1
+log_freq = {ctx.protocol.log_freq}
 [experimental]
 custom_import = "titan_flavor"
 """
@@ -80,6 +89,12 @@ custom_import = "titan_flavor"
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def titan_name(compiled: bool, batch: int, profile: bool = False, model: str = "1B") -> str:
+    """The name of a torchtitan job: its file job_<name>.toml, its output folder out_<name>."""
+    return (f"{'' if model == '1B' else model + '_'}{'compiled' if compiled else 'eager'}_b{batch}"
+            f"{'_profile' if profile else ''}")
 
 
 def _write_tokenizer(folder: str) -> None:
@@ -100,33 +115,50 @@ def _write_tokenizer(folder: str) -> None:
         json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True}, f)
 
 
-def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", steps: int = STEPS,
-              profiled: bool = False) -> tuple[float | None, str | None, str, list[float]]:
-    """(steady tokens/s, error or why it did not run, "skipped" or "", every step's tokens/s) of one
-    torchtitan run, started only if the budget's estimate fits; its log goes to DIR/d/torchtitan_<label>.log."""
+def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", steps: int | None = None,
+              profiled: bool = False, model: str = "1B") -> Run:
+    """One torchtitan run, started only if the budget's estimate fits (`skipped` says why not), the
+    device sampled while it runs and the protocol's window timed in its process; its log goes to
+    DIR/d/torchtitan_<label>.log. The Run's records are its log's steps: tokens/s, step time."""
     label = label or f"b{batch}_{mode}"
+    steps = steps or ctx.protocol.steps
     budget_mode = ("compile" if mode == "compiled" else "eager") if not profiled else \
         ("compile+profile" if mode == "compiled" else "profile")
-    spec = RunSpec("torchtitan", "1B", budget_mode, steps, SEQ * batch)
+    spec = RunSpec("torchtitan", model, budget_mode, steps, SEQ * batch)
     entry, allowed = admit_process(ctx, "d", f"torchtitan_{label}", ctx.budget.estimate(spec), 900.0)
     if entry is None:
-        return None, f"torchtitan skipped: {ctx.budget.entries[-1].reason}", "skipped", []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        return Run(f"torchtitan_{label}", [], None, 0.0, skipped=f"torchtitan skipped: {ctx.budget.entries[-1].reason}")
+    out = ctx.folder("d", "torchtitan", "out_" + os.path.splitext(os.path.basename(job))[0][len("job_"):])
+    if os.path.exists(os.path.join(out, "window.json")):
+        os.remove(os.path.join(out, "window.json"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1",
+               **({} if profiled else ctx.protocol.env(out)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", "--job.config_file", job]
     log_path = os.path.join(ctx.out, "d", f"torchtitan_{label}.log")
     t0 = ctx.budget.clock()
-    code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
+    with DeviceSampler() as sampler:
+        code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
     text = ANSI.sub("", open(log_path, errors="replace").read())
-    tps = [float(t.replace(",", "")) for _, t in sorted(STEP.findall(text), key=lambda st: int(st[0]))]
+    records = log_records(text, SEQ * batch)
+    tps = [r["tokens_per_s_per_device"] for r in records]
     steady = statistics.median(tps[3:] or tps[1:] or tps) if tps else None  # one step: an early stop
     ctx.budget.done(entry, ctx.budget.clock() - t0, spec, SEQ * batch / steady if steady else None,
                     cut if cut.startswith("stopped") else "")
+    run = Run(f"torchtitan_{label}", records, None, ctx.budget.clock() - t0, folder=f"d/torchtitan_{label}",
+              window=None if profiled else read_window(out), tokens_per_step=SEQ * batch,
+              samples=sampler.samples, sampled=sampler.available)
     if cut.startswith("stopped"):
-        return None, f"torchtitan {cut}", "skipped", tps
-    if code != 0 or not tps:
-        return None, cut or (text.strip().splitlines() or ["no output"])[-1][:300], "", tps
-    return steady, None, "", tps
+        run.skipped = f"torchtitan {cut}"
+    elif code != 0 or not tps:
+        run.error = cut or (text.strip().splitlines() or ["no output"])[-1][:300]
+    return run
+
+
+def log_records(text: str, tokens_per_step: int) -> list[dict]:
+    """torchtitan's per-step log lines -> records like torchtrain's: step, tokens/s, step time."""
+    steps = sorted(((int(s), float(t.replace(",", ""))) for s, t in STEP.findall(text)), key=lambda st: st[0])
+    return [{"step": s, "tokens_per_s_per_device": t, "step_time_s": tokens_per_step / t} for s, t in steps if t > 0]
 
 
 def profile(ctx: Context, batch: int, compiled: bool, notes: list[str] | None = None) -> tuple[list, bool]:
@@ -136,28 +168,60 @@ def profile(ctx: Context, batch: int, compiled: bool, notes: list[str] | None = 
 
     mode = "compiled" if compiled else "eager"
     job = titan_job(ctx, compiled, batch, profile=True)
-    _, error, skipped, tps = run_titan(ctx, job, mode, batch, label=f"b{batch}_{mode}_profile",
-                                       steps=PROFILE_STEPS, profiled=True)
-    if skipped:
+    run = run_titan(ctx, job, mode, batch, label=f"b{batch}_{mode}_profile", steps=PROFILE_STEPS, profiled=True)
+    if run.skipped:
         return [], True
+    error, tps = run.error, [r["tokens_per_s_per_device"] for r in run.records]
     measured = ctx.titan.get((batch, mode))
     unprofiled = SEQ * batch / measured if measured else (
         SEQ * batch / statistics.median([tps[i - 1] for i in (2, 6) if i <= len(tps)]) if len(tps) >= 2 else None)
     trace = keep_trace(os.path.join(ctx.out, "d", "torchtitan", f"out_{mode}_b{batch}_profile"), ctx.folder("h"),
                        f"torchtitan_{mode}")
-    return profile_row("torchtitan", f"d/torchtitan/job_{mode}_b{batch}_profile.toml", trace, unprofiled,
+    return profile_row("torchtitan", f"d/torchtitan/job_{titan_name(compiled, batch, True)}.toml", trace, unprofiled,
                        error, notes), False
 
 
-def part_d(ctx: Context) -> PartResult:
-    res = PartResult("d", TITLES["d"], ["batch", "mode", "torchtrain tokens/s", "torchtitan tokens/s", "ratio",
-                                        "torchtrain run", "error"])
+COMPARE_COLUMNS = ["torchtrain tokens/s (window)", "torchtitan tokens/s (window)", "ratio", "torchtrain step s",
+                   "torchtitan step s", "steady (torchtrain, torchtitan)", "torchtrain run", "error"]
+
+
+def compare(ctx: Context, res: PartResult, ours: Run, job: str, mode: str, batch: int, model: str = "1B",
+            run_theirs: bool = True) -> list:
+    """One comparison row (COMPARE_COLUMNS) of `ours` against torchtitan's run of `job` (not run in a dry
+    run or without torchtitan); its verdicts' notes go to `res`."""
+    theirs = None
+    if run_theirs:
+        log(f"({res.part}) torchtitan {model} batch {batch} {mode}")
+        theirs = run_titan(ctx, job, mode, batch, label=f"{'' if model == '1B' else model + '_'}b{batch}_{mode}",
+                           model=model)
+    ours_tps = ours.tokens_per_s()
+    theirs_tps = None if theirs is None or theirs.error or theirs.skipped else theirs.tokens_per_s()
+    if theirs_tps and model == "1B":
+        ctx.titan[(batch, mode)] = theirs_tps
+    verdicts = {ours.folder: ours.verdict()} | ({theirs.folder: theirs.verdict()} if theirs_tps else {})
+    res.notes += steadiness.notes(verdicts)
+    error = None if theirs is None else theirs.error or (theirs.skipped or None)
+    res.ok &= ours.ok and (theirs is None or not theirs.error)
+    return [_round(ours_tps), _round(theirs_tps), steadiness.ratio(ours_tps, theirs_tps, list(verdicts.values())),
+            _round(ours.steady("step_time_s"), 4), None if not theirs_tps else _round(theirs.steady("step_time_s"), 4),
+            ", ".join(str(v.steady) for v in verdicts.values()), ours.folder, ours.error or error]
+
+
+def titan_available(ctx: Context, res: PartResult) -> bool:
+    """Whether torchtitan runs here; the notes say why not."""
     available = importlib.util.find_spec("torchtitan") is not None
     if not available:
         res.notes.append("torchtitan is not installed here: its job files are written (d/torchtitan/), not run; "
                          "on the GPU machine it comes from the carried wheels (fetch_wheels.sh)")
     if ctx.dry:
         res.notes.append("dry run: torchtitan has no CPU device path; its runs need the GPU")
+    return available and not ctx.dry
+
+
+def part_d(ctx: Context) -> PartResult:
+    res = PartResult("d", TITLES["d"], ["batch", "mode"] + COMPARE_COLUMNS)
+    res.notes.append(ctx.protocol.describe())
+    available = titan_available(ctx, res)
     small, large = batches(ctx)
     for batch, mode in ((small, "compiled"), (large, "compiled"), (small, "eager"), (large, "eager")):
         job = titan_job(ctx, mode == "compiled", batch)
@@ -169,15 +233,9 @@ def part_d(ctx: Context) -> PartResult:
         ours = train(ctx, "d", f"torchtrain_b{batch}_{mode}", headline_job(ctx, extra, batch), reuse=True)
         if ours.skipped:
             continue
-        ours_tps = ours.steady("tokens_per_s_per_device")
-        theirs_tps, error, skipped = None, None, ""
-        if available and not ctx.dry:
-            log(f"(d) torchtitan batch {batch} {mode}")
-            theirs_tps, error, skipped, _ = run_titan(ctx, job, mode, batch)
-            if theirs_tps:
-                ctx.titan[(batch, mode)] = theirs_tps
-        res.rows.append([batch, mode, None if ours_tps is None else round(ours_tps), None if theirs_tps is None
-                         else round(theirs_tps), ratio(ours_tps, theirs_tps, [ours]),
-                         ours.folder, ours.error or error])
-        res.ok &= ours.ok and (error is None or skipped == "skipped")
+        res.rows.append([batch, mode] + compare(ctx, res, ours, job, mode, batch, run_theirs=available))
     return res
+
+
+def _round(value, digits: int = 0):
+    return None if value is None else round(value, digits)

@@ -52,7 +52,7 @@ from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
 from torchtrain.trainer.step_factory import build_train_step
-from torchtrain.trainer.step_record import StepValues, defers_log
+from torchtrain.trainer.step_record import StepValues, defers_log, step_clock
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -134,6 +134,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, enabled=self.rank == 0, run_config=to_dict(cfg))
         self._pending: tuple | None = None  # a logged step's record, written once the next step is queued
         self._timed: StepValues | None = None  # the last written record's values: its step's end on the device
+        self.step_clock = step_clock(device)  # CUDA: step ends marked by events; None on a CPU
         # [ops] profiling, phase timing, validation, evals, guard, GC (each inert unless its section enables it)
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.rank, device)
         self.phases = PhaseTimer(cfg.profiling.enable_phase_timing, device, cfg.profiling.enable_profiling,
@@ -250,6 +251,8 @@ class Trainer:
                 if not logged:
                     self._log(out)  # the last step of this run is always in metrics.jsonl
                 break
+        if self.step_clock is not None:  # the last record is written once the device has finished its work
+            self.step_clock.synchronize()
         self._flush_log()
         self.fault.finish()  # the loop has ended: a finished run is never declared hung (restarted)
         logger.info("training done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
@@ -308,7 +311,8 @@ class Trainer:
             at_end.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps, step_skipped=not out.stepped)
         after = {**(evaluation or {}), **self.guard.record(), **self.fault.record(), **self.checkpointer.record()}
         self.memory.reset_peak()
-        self._pending = (self.state.step, StepValues(out, self.state.tokens_on_device), at_end, after)
+        self._pending = (self.state.step, StepValues(out, self.state.tokens_on_device, self.step_clock), at_end,
+                         after)
         if not (may_defer and defers_log(self.device, immediate)):
             self._flush_log()
 
