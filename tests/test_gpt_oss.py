@@ -12,16 +12,11 @@ than the sequence (32), so sliding layers mask keys that full layers see.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from hf_roundtrip import export_and_reload, load, max_diff
 
-from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
 from torchtrain.components.checkpoint.safety import CheckpointError
-from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.models.gpt_oss import GptOssArgs, GptOssStateDictAdapter, GptOssTransformer
 from torchtrain.models.gpt_oss.state_dict_adapter import dequantize_mxfp4
@@ -53,21 +48,14 @@ def hf_model():
     return model
 
 
-def max_diff(ours: torch.nn.Module, theirs) -> float:
-    with torch.no_grad():
-        ref = theirs(tokens()).logits
-        assert ref.abs().max() > 0.5  # not a degenerate model
-        return (ours(tokens()) - ref).abs().max().item()
-
-
 def test_hf_model_loads_with_equal_logits(tmp_path):
     hf = hf_model()
     hf.save_pretrained(tmp_path)
     ours = GptOssTransformer(ARGS)
     init_model_weights(ours, 9)
-    warnings, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), GptOssStateDictAdapter(ARGS))
+    warnings, used, available = load(ours, str(tmp_path), GptOssStateDictAdapter(ARGS))
     assert warnings == [] and used == available
-    assert max_diff(ours.eval(), hf) <= TOL
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 def test_export_loads_into_transformers_with_equal_logits(tmp_path):
@@ -76,15 +64,10 @@ def test_export_loads_into_transformers_with_equal_logits(tmp_path):
     with torch.no_grad():  # scale up so that logits, routing and the clamp are far from trivial
         for name, p in ours.named_parameters():
             p.mul_(4.0) if p.dim() > 1 else p.normal_(0.0, 0.5) if not name.endswith("norm.weight") else None
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    out = str(tmp_path / "hf")
-    export_dcp_to_hf(str(tmp_path / "dcp"), out, GptOssStateDictAdapter(ARGS))
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
+    hf, config = export_and_reload(ours, GptOssStateDictAdapter(ARGS), str(tmp_path))
     assert config["architectures"] == ["GptOssForCausalLM"]
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
-    hf = transformers.GptOssForCausalLM.from_pretrained(out).float().eval()
-    assert max_diff(ours.eval(), hf) <= TOL
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +95,7 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     ours = GptOssTransformer(ARGS)
     init_model_weights(ours, 9)
-    _, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), GptOssStateDictAdapter(ARGS))
+    _, used, available = load(ours, str(tmp_path), GptOssStateDictAdapter(ARGS))
     assert used == available
     adapter = GptOssStateDictAdapter(ARGS)
     for layer in range(2):
@@ -137,7 +120,7 @@ def test_mxfp4_that_does_not_fit_is_refused_naming_the_file(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     ours = GptOssTransformer(ARGS)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: .*down_proj_blocks: MXFP4 blocks"):
-        load_hf_into_model(ModelState([ours]), str(tmp_path), GptOssStateDictAdapter(ARGS))
+        load(ours, str(tmp_path), GptOssStateDictAdapter(ARGS))
     with pytest.raises(ValueError, match="uint8"):
         dequantize_mxfp4(blocks.float(), scales, "x")
 

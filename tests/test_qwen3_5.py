@@ -17,14 +17,11 @@ the chunk (16).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from hf_roundtrip import export_and_reload, load, max_diff
 
-from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
-from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.models.qwen3_5 import (
     Qwen3_5Args,
@@ -72,13 +69,6 @@ def hf_model(family: str):
     return model
 
 
-def max_diff(ours: torch.nn.Module, theirs) -> float:
-    with torch.no_grad():
-        ref = theirs(tokens()).logits
-        assert ref.abs().max() > 0.5  # not a degenerate model
-        return (ours(tokens()) - ref).abs().max().item()
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_model_loads_with_equal_logits(family, tmp_path):
     cls, args, adapter, _, _ = FAMILIES[family]
@@ -86,9 +76,9 @@ def test_hf_model_loads_with_equal_logits(family, tmp_path):
     hf.save_pretrained(tmp_path)
     ours = cls(args)
     init_model_weights(ours, 9)
-    warnings, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), adapter(args))
+    warnings, used, available = load(ours, str(tmp_path), adapter(args))
     assert warnings == [] and used == available
-    assert max_diff(ours.eval(), hf) <= TOL
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -99,13 +89,9 @@ def test_export_loads_into_transformers_with_equal_logits(family, tmp_path):
     with torch.no_grad():  # scale up so that logits and routing are far from trivial
         for name, p in ours.named_parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.3)
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    out = str(tmp_path / "hf")
-    export_dcp_to_hf(str(tmp_path / "dcp"), out, adapter(args))
-    with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["architectures"] == [hf_cls]
-    hf = getattr(transformers, hf_cls).from_pretrained(out).float().eval()
-    assert max_diff(ours.eval(), hf) <= TOL
+    hf, config = export_and_reload(ours, adapter(args), str(tmp_path))
+    assert config["architectures"] == [hf_cls]
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 def test_a_vision_language_folder_loads_its_text_decoder(tmp_path):
@@ -127,9 +113,9 @@ def test_a_vision_language_folder_loads_its_text_decoder(tmp_path):
     _, args, adapter, _, _ = FAMILIES["dense"]
     ours = Qwen3_5Transformer(args)
     init_model_weights(ours, 9)
-    warnings, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), adapter(args))
+    warnings, used, available = load(ours, str(tmp_path), adapter(args))
     assert warnings == [] and used == available - {"model.visual.patch_embed.proj.weight", "mtp.fc.weight"}
-    assert max_diff(ours.eval(), hf) <= TOL
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 def test_packed_documents_compute_each_document_alone():

@@ -11,12 +11,10 @@ with std 0.2 (not HF's 0.02), so logits are O(1) and routing is far from uniform
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hf_roundtrip import export_and_reload, load, max_diff
 
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_model
 from torchtrain.components.checkpoint.state import ModelState
@@ -44,13 +42,6 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def max_diff(ours: torch.nn.Module, theirs) -> float:
-    with torch.no_grad():
-        ref = theirs(tokens()).logits
-        assert ref.abs().max() > 0.5  # not a degenerate model
-        return (ours(tokens()) - ref).abs().max().item()
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_model_loads_with_equal_logits(family, tmp_path):
     cls, args, adapter, hf_config, hf_cls = FAMILIES[family]
@@ -59,9 +50,9 @@ def test_hf_model_loads_with_equal_logits(family, tmp_path):
     hf.save_pretrained(tmp_path)
     ours = cls(args)
     init_model_weights(ours, 9)
-    warnings, used, available = load_hf_into_model(ModelState([ours]), str(tmp_path), adapter(args))
+    warnings, used, available = load(ours, str(tmp_path), adapter(args))
     assert warnings == [] and used == available
-    assert max_diff(ours.eval(), hf) <= TOL
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -72,13 +63,9 @@ def test_export_loads_into_transformers_with_equal_logits(family, tmp_path):
     with torch.no_grad():  # scale up so logits and routing are far from trivial
         for p in ours.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
-    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    out = str(tmp_path / "hf")
-    export_dcp_to_hf(str(tmp_path / "dcp"), out, adapter(args))
-    with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["architectures"] == [hf_cls]
-    hf = getattr(transformers, hf_cls).from_pretrained(out).float().eval()
-    assert max_diff(ours.eval(), hf) <= TOL
+    hf, config = export_and_reload(ours, adapter(args), str(tmp_path))
+    assert config["architectures"] == [hf_cls]
+    assert max_diff(ours.eval(), hf, tokens()) <= TOL
 
 
 def test_moe_export_uses_per_expert_tensors_and_skips_the_routing_bias(tmp_path):
