@@ -19,7 +19,7 @@ reading the state with the key and the query, writing it -- and twice that backw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common import delta_rule
@@ -29,7 +29,6 @@ from torchtrain.models.common.moe import MoEModelArgs
 
 @dataclass
 class Qwen3_5Args(GQADecoderArgs):
-    qk_norm: ClassVar[bool] = True
 
     dim: int = 4096
     """Hidden size (HF hidden_size)."""
