@@ -84,6 +84,27 @@ def rope_table(freqs: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> tor
     return (torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(-2) * scale).float()
 
 
+def mrope_axes(pairs: int, sections: tuple[int, ...]) -> torch.Tensor:
+    """(pairs,) the position axis (0 time, 1 height, 2 width) each RoPE pair turns by under multimodal RoPE,
+    interleaved (Qwen3-VL / Qwen3.5): pair i follows height when i % 3 == 1 and i < 3 x sections[1], width
+    when i % 3 == 2 and i < 3 x sections[2], time otherwise."""
+    i = torch.arange(pairs)
+    axis = torch.zeros(pairs, dtype=torch.long)
+    axis[(i % 3 == 1) & (i < 3 * sections[1])] = 1
+    axis[(i % 3 == 2) & (i < 3 * sections[2])] = 2
+    return axis
+
+
+def mrope_rows(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """Per-token rows (batch, seq, d) of a RoPE `table` for three positions per token (batch, seq, 3): pair i
+    is the table's pair i at the position of axis `axes[i]` (`mrope_axes`). Three equal positions give the
+    table's row at that position."""
+    rows = table[positions.to(table.device)]  # (batch, seq, 3, d)
+    column_axis = axes.to(table.device).repeat_interleave(2)  # each pair's (cos, sin) columns
+    index = column_axis.view(1, 1, 1, -1).expand(*rows.shape[:2], 1, -1)
+    return rows.gather(2, index).squeeze(2)
+
+
 def rotations(rope: torch.Tensor, seqlen: int) -> torch.Tensor:
     """The (cos, sin) pairs (batch or 1, seqlen, 1, d/2, 2) of a table's first `seqlen` rows or of per-token
     rows (batch, seq, d); views, no copy. Pairs already in that shape keep their first `seqlen` rows."""

@@ -25,11 +25,11 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.common import delta_rule
 from torchtrain.models.common.gqa_args import GQADecoderArgs
 from torchtrain.models.common.moe import MoEModelArgs
+from torchtrain.models.common.vision import VisionArgs
 
 
 @dataclass
-class Qwen3_5Args(GQADecoderArgs):
-
+class Qwen3_5Args(VisionArgs, GQADecoderArgs):
     dim: int = 4096
     """Hidden size (HF hidden_size)."""
 
@@ -84,6 +84,19 @@ class Qwen3_5Args(GQADecoderArgs):
     linear_attn_chunk_size: int = 64
     """Tokens per chunk of the chunked delta rule."""
 
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    """Multimodal RoPE: how many of the rotated pairs follow the height and width positions (entries 1 and 2,
+    interleaved: `models/common/rope.py::mrope_axes`); the rest follow time. Only matters with images."""
+
+    image_token_id: int = 248056
+    """Id of the image placeholder token (`<|image_pad|>`; set from the tokenizer when the job has one)."""
+
+    vision_start_token_id: int = 248053
+    """Id of the token before an image's placeholders (`<|vision_start|>`)."""
+
+    vision_end_token_id: int = 248054
+    """Id of the token after an image's placeholders (`<|vision_end|>`)."""
+
     def is_full(self, layer_id: int) -> bool:
         """Whether layer `layer_id` is a full-attention layer."""
         return (layer_id + 1) % self.full_attention_interval == 0
@@ -109,6 +122,10 @@ class Qwen3_5Args(GQADecoderArgs):
                               f"model.linear_num_key_heads {self.linear_num_key_heads} (each key head serves "
                               f"value heads in groups)")
         delta_rule.check_kernel(self.linear_attn_kernel)
+        self.validate_vision()
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
+            raise ConfigError(f"[model.mrope_section] must be three non-negative counts (time, height, width), got "
+                              f"{list(self.mrope_section)}")
 
     # ------------------------------------------------------------------ counts
     def attention_params(self) -> int:
@@ -126,7 +143,13 @@ class Qwen3_5Args(GQADecoderArgs):
         total = mixers + self.n_layers * (self.ffn_params(active) + 2 * self.dim) + self.dim + table
         if not self.tie_word_embeddings:
             total += table
+        total += self.vision_params()
         return total - table if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """The decoder's FLOPs per token (the vision encoder runs per image patch, not per token: the planner
+        costs it per image, `tools/planner`)."""
+        return super().flops_per_token(seq_len) - 6 * self.vision_params()
 
     def linear_mixer_flops(self) -> int:
         """Training FLOPs per token of one linear layer's delta rule (module doc)."""

@@ -196,8 +196,3 @@ class Qwen3_5VLMReading(_LanguageModelNames, Qwen3_5StateDictAdapter):
 
 class Qwen3_5MoeVLMReading(_LanguageModelNames, Qwen3_5MoeStateDictAdapter):
     pass
-
-
-def state_dict_adapter(args: Qwen3_5Args) -> Qwen3_5StateDictAdapter:
-    """The adapter of the dense or the MoE model, as `args` say (the family's `ModelSpec.state_dict_adapter`)."""
-    return (Qwen3_5MoeStateDictAdapter if isinstance(args, Qwen3_5MoeArgs) else Qwen3_5StateDictAdapter)(args)
