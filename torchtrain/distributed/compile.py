@@ -25,13 +25,15 @@ def check_compiler(device_type: str) -> None:
                           "install one or set compile.enable = false")
 
 
-def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph: bool = True) -> None:
+def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph: bool = True,
+                   dynamic: bool | None = None) -> None:
     """Compile each block in place. `with_collectives`: the blocks contain process-group collectives
     (tensor parallelism), whose group names Inductor's on-disk caches do not key on: a graph cached by
     a run with another mesh would call a group that does not exist here, so those caches are off.
     `fullgraph=False` lets Dynamo break the graph where it must: MoE blocks read their per-expert
     group sizes on the host (the expert loop, the all-to-all split sizes), so the routing, attention
-    and norms compile and the expert dispatch runs eagerly between the graphs."""
+    and norms compile and the expert dispatch runs eagerly between the graphs. `dynamic`: torch.compile's
+    (True: the token count is symbolic from the first call, for blocks whose length changes every step)."""
     if with_collectives:
         import torch._inductor.config  # (imported here: Inductor is slow to import and only needed now)
 
@@ -39,7 +41,7 @@ def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph:
         if hasattr(torch._functorch.config, "enable_autograd_cache"):
             torch._functorch.config.enable_autograd_cache = False
     for block in blocks.children():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, dynamic=dynamic)
 
 
 def compile_modules(modules: list[nn.Module]) -> None:

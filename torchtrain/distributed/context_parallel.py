@@ -49,6 +49,7 @@ from torchtrain.distributed.context_parallel_linear import ContextParallelLinear
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, document_ids
 from torchtrain.models.common.linear_attention import LinearAttentionCore
 from torchtrain.models.common.moe import SequenceSum
+from torchtrain.utils.batch_keys import ROW_KEYS
 
 # (torch 2.13 renamed these; 2.11 has only the older names)
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -82,8 +83,9 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: 
 
 def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int, balanced: bool = True) -> dict[str, torch.Tensor]:
     """This CP rank's part of a batch of (batch, seq) tensors, plus `seq_index`: the full-sequence
-    index of each kept token (for RoPE and the attention mask)."""
-    out = {k: shard_sequence(v, cp, rank, balanced=balanced) for k, v in batch.items()}
+    index of each kept token (for RoPE and the attention mask). Per-row inputs (`utils/batch_keys.py`: a
+    row's images) stay whole."""
+    out = {k: v if k in ROW_KEYS else shard_sequence(v, cp, rank, balanced=balanced) for k, v in batch.items()}
     tokens = batch["input_ids"]
     out["seq_index"] = cp_indices(tokens.shape[1], cp, rank, tokens.device, balanced).expand(tokens.shape[0], -1)
     return out

@@ -14,9 +14,10 @@ model. It applies, in this fixed order:
    the "cp" mesh dimension (`context_parallel.py`; models whose spec says `context_parallel`);
 3. **expert parallelism** (MoE models): every `GroupedExperts` module's experts split over the "ep"
    mesh, with the all-to-all dispatch and combine around it (`expert_parallel.py`);
-4. **activation checkpointing** per block (`spec.blocks`), as the layout's mode/option say;
-5. **compile** per block (identical blocks share one compiled graph), and the modules the model
-   names in `spec.compile_also` (its final norm) when there is no TP;
+4. **activation checkpointing** per block (`spec.blocks`, and an encoder's `spec.encoder_blocks`), as the
+   layout's mode/option say;
+5. **compile** per block (identical blocks share one compiled graph; an encoder's blocks with dynamic
+   lengths), and the modules the model names in `spec.compile_also` (its final norm) when there is no TP;
 6. **data parallelism**: FSDP2 / HSDP `fully_shard` of the model's units (`spec.fsdp_units`, default
    each block) over dp_shard x cp, with the layout's mixed-precision, reshard and offload policies --
    under EP each experts module first becomes its own unit over the expert-FSDP mesh; or DDP
@@ -114,9 +115,15 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
         apply_expert_parallel(experts, dims.ep_mesh)
         install_dispatchers(experts, dims.ep_mesh, grad_scale=dims.dp_shard_in_ep, comm=layout.expert_comm)
     apply_activation_checkpointing(blocks, layout.ac_mode, layout.ac_option, spec.cheap_to_recompute)
+    encoder = spec.encoder_blocks_of(model)
+    if encoder is not None:  # the encoder declares no cheap modules: its selective option falls back to "op"
+        apply_activation_checkpointing(encoder, layout.ac_mode, "op" if layout.ac_option == "cheap" else
+                                       layout.ac_option)
     if layout.compile_model:
         compile_blocks(blocks, with_collectives=dims.tp_enabled or dims.cp_enabled or dims.ep_enabled,
                        fullgraph=spec.compile_fullgraph and not experts)
+        if encoder is not None:  # packed images of any count and size: one graph for every length
+            compile_blocks(encoder, with_collectives=dims.tp_enabled, fullgraph=False, dynamic=True)
         compile_modules(compiled_beside_blocks(model, spec, dims.tp_enabled))
         if dims.tp_enabled:  # what feeds the blocks (embedding, ...) runs eagerly: see the hook's doc
             for module in _beside(model, blocks):

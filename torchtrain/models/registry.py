@@ -89,6 +89,19 @@ class ModelSpec:
     """A Hugging Face folder holding the model's own initial weights (safetensors), loaded at start-up
     unless a checkpoint is resumed or `checkpoint.initial_load_path` names other weights; None: none."""
 
+    encoder_blocks: str = ""
+    """Dotted path of an encoder's own repeated blocks (a vision tower's `vision_encoder.layers`), which activation
+    checkpointing and compile wrap like the decoder's; empty: none."""
+
+    def encoder_blocks_of(self, model: nn.Module) -> nn.Module | None:
+        """The encoder's blocks (`encoder_blocks`), or None where this model (or pipeline stage) has none."""
+        if not self.encoder_blocks:
+            return None
+        try:
+            return model.get_submodule(self.encoder_blocks)
+        except AttributeError:
+            return None
+
     def blocks_of(self, model: nn.Module) -> nn.Module:
         """The model's container of repeated blocks (`blocks`)."""
         try:

@@ -61,15 +61,23 @@ def sample_next(logits: torch.Tensor, s: Sampling, generator: torch.Generator | 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, s: Sampling, num_samples: int = 1,
              seed: int = 0, eos_id: int | None = None, vocab_limit: int | None = None,
-             max_seq_len: int | None = None, progress=None) -> list[list[int]]:
+             max_seq_len: int | None = None, progress=None, images: dict[str, torch.Tensor] | None = None
+             ) -> list[list[int]]:
     """`num_samples` continuations of `prompt` (token ids), each at most `max_new_tokens` long and
-    ending before the first `eos_id`. Only ids < `vocab_limit` are sampled (the tokenizer's)."""
+    ending before the first `eos_id`. Only ids < `vocab_limit` are sampled (the tokenizer's). `images`: the
+    prompt's images as one batch row (`pixel_values` (1, P, C T p p), `image_grid` (1, I, 3)), given to a
+    vision-language model at every step; the context is then never cut (its placeholders must stay whole)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    kwargs = {k: v.to(device).expand(num_samples, *v.shape[1:]) for k, v in (images or {}).items()}
+    if kwargs and max_seq_len is not None and len(prompt) + max_new_tokens > max_seq_len:
+        raise ConfigError(f"the prompt with its images ({len(prompt)} tokens) and --max-new-tokens {max_new_tokens} "
+                          f"exceed the model's max_seq_len {max_seq_len}; lower --max-new-tokens")
     for _ in range(max_new_tokens):
-        logits = model(tokens if max_seq_len is None else tokens[:, -max_seq_len:])[:, -1, :]
+        context = tokens if max_seq_len is None or kwargs else tokens[:, -max_seq_len:]
+        logits = model(context, **kwargs)[:, -1, :]
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = -float("inf")
         nxt = sample_next(logits, s, generator)

@@ -59,7 +59,11 @@ from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.precision import LossScaler
+from torchtrain.utils.batch_keys import concat_batches
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
+
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
+"""Inputs a vision-language model's forward takes besides the tokens (`models/common/multimodal.py`)."""
 
 
 class StepHooks:
@@ -159,14 +163,18 @@ class TrainStep:
             tied = TiedStages(layout.pipeline, layout.dims, self.pipeline.stage_ids, model_parts)
             self.tied = tied if tied else None
         accepted = inspect.signature(model_parts[0].forward).parameters
-        self.model_inputs = [k for k in ("positions", "seq_index") if k in accepted]
+        self.model_inputs = [k for k in ("positions", "seq_index", *MULTIMODAL_INPUTS) if k in accepted]
+        # a model that derives inputs from whole sequences (a vision-language model's image positions)
+        self.batch_inputs = getattr(model_parts[0], "batch_inputs", None)
         # a model that reads the token ids on every pipeline stage (multi-token prediction on the last)
         self.token_ids = "token_ids" in accepted and self.pipeline is not None
         self._pipeline_losses = 0  # micro-batch losses of the last pipeline step on this rank
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of a batch: under context parallelism its chunks of every sequence (and
-        their `seq_index`)."""
+        """This rank's part of a batch: what the model derives from whole sequences (`batch_inputs`), then under
+        context parallelism its chunks of every sequence (and their `seq_index`)."""
+        if self.batch_inputs is not None:
+            batch = self.batch_inputs(batch)
         dims = self.layout.dims
         return shard_batch(batch, dims.cp, dims.cp_rank, self.layout.cp_balanced) if dims.cp_enabled else batch
 
@@ -206,7 +214,7 @@ class TrainStep:
         """Backward over the step's (`shard`ed, on-device) micro-batches; returns this rank's summed scaled loss."""
         accumulated = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
-            merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+            merged = concat_batches(batches)
             self._pipeline_losses = 0
 
             def value(loss: torch.Tensor) -> torch.Tensor:  # counts the micro-batch losses the schedule returns

@@ -8,10 +8,12 @@ order from the resolved Layout.
   `distributed/context_parallel.py`); sequence parallelism then splits *those* tokens over the TP ranks
   (`distributed/tensor_parallel.py`), so it is the per-rank length seq_len / cp that the TP degree must
   divide -- with the heads, the feed-forward width and the vocabulary, which TP shards too.
-* `decoder_fsdp_units`: the token embedding, each block, and (norm, output) together; the root takes
-  whatever is left (the RoPE buffer; with tied embeddings the shared table, which both ends use).
+* `decoder_fsdp_units`: a vision encoder's blocks and the encoder's rest, the token embedding, each block,
+  and (norm, output) together; the root takes whatever is left (the RoPE buffer; with tied embeddings the
+  shared table, which both ends use).
 * `keep_modules`: the cut itself -- a copy of the model holding only a stage's modules, by name;
-* `decoder_stage_modules`: stages in model order -- the first holds `tok_embeddings`, the last `norm`
+* `decoder_stage_modules`: stages in model order -- the first holds `tok_embeddings` (and a vision encoder:
+  images join the text there), the last `norm`
   and `output`, the blocks split evenly in between; `first_less` / `last_less` take blocks away from the
   first / last stage to balance the embedding and the output head (which, with a large vocabulary,
   cost about as much as a block or two).
@@ -71,6 +73,9 @@ def qk_norm_plan() -> dict[str, object]:
 def decoder_fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The FSDP units in forward order (see the module doc)."""
     units: list[nn.Module | list[nn.Module]] = []
+    encoder = getattr(model, "vision_encoder", None)
+    if encoder is not None:  # each encoder block, then the rest of the encoder (patch embedding, positions, merger)
+        units += [*encoder.layers.values(), encoder]
     if model.tok_embeddings is not None and not model.args.tie_word_embeddings:
         units.append(model.tok_embeddings)
     units += list(model.layers.values())
@@ -102,6 +107,8 @@ def decoder_stage_modules(args, num_stages: int, first_less: int = 0, last_less:
     stages, layer = [], 0
     for i, count in enumerate(counts):
         names = ["tok_embeddings"] if i == 0 else []
+        if i == 0 and getattr(args, "vision", False):
+            names.append("vision_encoder")
         names += [f"layers.{layer + j}" for j in range(count)]
         layer += count
         if i == num_stages - 1:

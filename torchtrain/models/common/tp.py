@@ -8,7 +8,8 @@ family's `tp_plan` with the TP mesh.
   replicated linear layer on sequence shards), `LocalShards` (a module's own parameters split over
   the TP ranks on one dimension, read as plain local tensors by its forward: per-head vectors such as
   attention sinks, a linear-attention layer's gates and its depthwise convolution);
-* plans by module name: `apply_decoder_top` (embedding, final norm, output head), `gqa_attention_plan`,
+* plans by module name: `apply_decoder_top` (embedding, final norm, output head, and with images their scatter
+  and the vision encoder: `vision_encoder_plan`), `gqa_attention_plan`,
   `gated_deltanet_plan` (linear attention), `swiglu_plan`, `moe_tp_plan` (an MoE layer on sequence shards);
 * checks: `check_divisible` (a size every TP rank must hold an equal share of), `check_tp_has_ep`.
 """
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -134,8 +136,14 @@ def apply_decoder_top(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
     decoder whose top-level modules are `tok_embeddings`, `norm` and `output` (None on a pipeline
     stage that lacks them)."""
     top: dict[str, object] = {}
+    scatter = getattr(model, "image_scatter", None) is not None
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        # With images, the embedded text stays whole until their features join it (the scatter's output is
+        # then cut into sequence shards: a local slice, no communication).
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                output_layouts=Replicate() if scatter else Shard(1))
+        if scatter:
+            top["image_scatter"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
@@ -143,6 +151,22 @@ def apply_decoder_top(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                         use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, top)
+    encoder = getattr(model, "vision_encoder", None)
+    if encoder is not None:
+        parallelize_module(encoder, tp_mesh, vision_encoder_plan(list(encoder.layers)))
+
+
+def vision_encoder_plan(block_names: list[str]) -> dict[str, object]:
+    """A vision encoder (`models/common/vision.py`) over replicated packed patches: in each block the q/k/v
+    projections and the MLP's first layer column-parallel (a rank holds whole heads), the output projections
+    row-parallel back to replicated patches (one all-reduce each); the merger's two layers alike. The patch
+    embedding, position table and norms are replicated (their inputs are)."""
+    plan: dict[str, object] = {"merger.w1": ColwiseParallel(), "merger.w2": RowwiseParallel()}
+    for name in block_names:
+        plan.update({f"layers.{name}.attention.w{x}": ColwiseParallel() for x in "qkv"})
+        plan.update({f"layers.{name}.attention.wo": RowwiseParallel(), f"layers.{name}.feed_forward.w1": ColwiseParallel(),
+                     f"layers.{name}.feed_forward.w2": RowwiseParallel()})
+    return plan
 
 
 def gqa_attention_plan() -> dict[str, object]:

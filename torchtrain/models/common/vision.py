@@ -163,6 +163,16 @@ def vision_rope_rows(grid: torch.Tensor, merge: int, head_dim: int, theta: float
 
 
 # --------------------------------------------------------------------------- modules
+@torch.compiler.disable
+def per_frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention of (1, heads, N, d) packed frames, each alone (no N x N mask). Left out of
+    compiled graphs: the frame lengths change with every batch (the projections around it compile)."""
+    if len(lengths) <= 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    return torch.cat([F.scaled_dot_product_attention(*parts)
+                      for parts in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))], dim=2)
+
+
 class VisionAttention(nn.Module):
     """Bidirectional attention within each frame (module doc); heads by `-1`, so a TP shard runs it too."""
 
@@ -175,12 +185,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).unsqueeze(0) for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, rope, "half"), apply_rope(k, rope, "half")
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, heads, N, head_dim)
-        if len(lengths) <= 1:
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:  # per frame: exactly each image alone, no N x N mask
-            out = torch.cat([F.scaled_dot_product_attention(*parts)
-                             for parts in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))], dim=2)
+        out = per_frame_attention(*(t.transpose(1, 2) for t in (q, k, v)), lengths)  # (1, heads, N, head_dim)
         return self.wo(out.transpose(1, 2).flatten(2).squeeze(0))
 
 

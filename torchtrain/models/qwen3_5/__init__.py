@@ -66,7 +66,7 @@ def build(args: Qwen3_5Args):
 
 
 register_decoder("qwen3_5", build, Qwen3_5MoeArgs, {**QWEN3_5_FLAVORS, **QWEN3_5_MOE_FLAVORS, **QWEN3_5_VL_FLAVORS},
-                 tp_plan=apply_tp,
+                 tp_plan=apply_tp, encoder_blocks="vision_encoder.layers",
                  validate=validate_qwen3_5, state_dict_adapter=state_dict_adapter)
 
 __all__ = ["QWEN3_5_FLAVORS", "QWEN3_5_MOE_FLAVORS", "QWEN3_5_VL_FLAVORS", "Qwen3_5Args", "Qwen3_5MoeArgs", "Qwen3_5MoeStateDictAdapter",

@@ -39,6 +39,8 @@ def validate_qwen3_5(args: Qwen3_5Args, layout) -> None:
              "model.linear_num_value_heads": args.linear_num_value_heads}
     if not moe:
         sizes["model.hidden_dim"] = args.hidden_dim
+    if args.vision:
+        sizes.update({"model.vision_heads": args.vision_heads, "model.vision_hidden_dim": args.vision_hidden_dim})
     check_decoder_layout(args, layout, sizes)
     if moe:
         check_tp_has_ep(layout.dims)

@@ -1,0 +1,115 @@
+"""A small, learnable image dataset drawn on the spot: one coloured shape per picture, questions about it.
+
+    python -m torchtrain.tools.shapes OUT [--train 512] [--test 64] [--seed 0] [--tars 2]
+
+writes, under OUT:
+
+* ``images/NNNNN.png``: a red, green, blue or yellow circle, square or triangle at a random place and size
+  on a white background, the picture's own size drawn between 32 and 64 pixels a side;
+* ``train.jsonl`` / ``test.jsonl``: image chat records (`docs/vision_language.md`), one user turn holding the
+  image and a question -- "What shape is this?", "What colour is the shape?" or "Describe the picture." --
+  and the assistant's answer ("circle", "red", "red circle");
+* ``tars/shard-K.tar`` (with ``--tars K``): the training pictures as WebDataset image-text pairs
+  (``KEY.png`` + ``KEY.txt`` caption "a red circle").
+
+The answers depend on the picture alone, so a model answers held-out pictures right only by seeing them:
+the vision-language tests train on it, and the README's fine-tuning example uses it. Needs Pillow
+(``pip install 'torchtrain[vision]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import sys
+import tarfile
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 60, 220), "yellow": (230, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+QUESTIONS = {"shape": "What shape is this?", "colour": "What colour is the shape?",
+             "both": "Describe the picture."}
+
+
+def draw(shape: str, colour: str, rng: random.Random):
+    """One picture (a Pillow image) of `shape` in `colour`."""
+    from PIL import Image, ImageDraw
+
+    w, h = rng.randint(32, 64), rng.randint(32, 64)
+    image = Image.new("RGB", (w, h), (255, 255, 255))
+    side = rng.randint(min(w, h) // 2, min(w, h) - 4)
+    x, y = rng.randint(0, w - side), rng.randint(0, h - side)
+    pen = ImageDraw.Draw(image)
+    box = (x, y, x + side - 1, y + side - 1)
+    if shape == "circle":
+        pen.ellipse(box, fill=COLOURS[colour])
+    elif shape == "square":
+        pen.rectangle(box, fill=COLOURS[colour])
+    else:
+        pen.polygon([(x + side // 2, y), (x, y + side - 1), (x + side - 1, y + side - 1)], fill=COLOURS[colour])
+    return image
+
+
+def answer(kind: str, shape: str, colour: str) -> str:
+    return {"shape": shape, "colour": colour, "both": f"{colour} {shape}"}[kind]
+
+
+def write(out: str, train: int = 512, test: int = 64, seed: int = 0, tars: int = 0) -> None:
+    """The dataset of the module doc under `out`."""
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    pictures = []
+    for i in range(train + test):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        name = f"images/{i:05d}.png"
+        draw(shape, colour, rng).save(os.path.join(out, name))
+        pictures.append((name, shape, colour))
+    for split, chosen in (("train", pictures[:train]), ("test", pictures[train:])):
+        with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
+            for name, shape, colour in chosen:
+                kind = rng.choice(list(QUESTIONS))
+                content = [{"type": "image", "path": name}, {"type": "text", "text": QUESTIONS[kind]}]
+                f.write(json.dumps({"messages": [{"role": "user", "content": content},
+                                                 {"role": "assistant", "content": answer(kind, shape, colour)}]})
+                        + "\n")
+    if tars:
+        os.makedirs(os.path.join(out, "tars"), exist_ok=True)
+        for k in range(tars):
+            with tarfile.open(os.path.join(out, "tars", f"shard-{k}.tar"), "w") as tar:
+                for i, (name, shape, colour) in enumerate(pictures[:train]):
+                    if i % tars != k:
+                        continue
+                    with open(os.path.join(out, name), "rb") as f:
+                        _add(tar, f"{i:05d}.png", f.read())
+                    _add(tar, f"{i:05d}.txt", f"a {colour} {shape}".encode())
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m torchtrain.tools.shapes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="folder to write")
+    ap.add_argument("--train", type=int, default=512, help="training pictures (default 512)")
+    ap.add_argument("--test", type=int, default=64, help="held-out pictures (default 64)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tars", type=int, default=0, help="also write the training pictures as K tar shards")
+    ns = ap.parse_args(argv)
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        print("torchtrain.tools.shapes: error: drawing pictures needs Pillow: pip install 'torchtrain[vision]'",
+              file=sys.stderr)
+        return 2
+    write(ns.out, ns.train, ns.test, ns.seed, ns.tars)
+    print(f"wrote {ns.train} training and {ns.test} held-out pictures under {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

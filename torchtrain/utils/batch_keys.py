@@ -1,0 +1,30 @@
+"""The keys of a training batch that are not per-token, and how batches of them join.
+
+Every batch tensor is batch-first. Most are per token -- (rows, seq_len, ...): `input_ids`, `labels`,
+`positions`, and what a model derives per token (`rope_positions`, `image_index`) -- so context parallelism
+cuts them along the sequence and a pipeline schedule along the rows. The image inputs are per row, not per
+token: `pixel_values` (rows, patches, C T p p) and `image_grid` (rows, images, 3), each row's zero-padded to
+the batch's largest (`data/images.py`). Context parallelism keeps them whole (every rank's placeholders may
+need any of its rows' images), and batches holding them join by padding them to the largest again (zero
+patches and zero grids are padding by definition).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_KEYS = ("pixel_values", "image_grid")
+"""Per-row inputs that are not per token (module doc)."""
+
+
+def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The rows of `batches` as one batch; per-row keys padded with zeros to the largest along dim 1."""
+    out = {}
+    for key in batches[0]:
+        parts = [b[key] for b in batches]
+        if key in ROW_KEYS:
+            most = max(p.shape[1] for p in parts)
+            parts = [F.pad(p, (0, 0, 0, most - p.shape[1])) for p in parts]
+        out[key] = torch.cat(parts)
+    return out
