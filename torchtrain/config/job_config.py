@@ -14,6 +14,7 @@ from torchtrain.config.compute import ActivationCheckpoint, Compile
 from torchtrain.config.evaluation import Eval
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
+from torchtrain.config.images import Images
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.lora import Lora
 from torchtrain.config.offload import Offload
@@ -30,6 +31,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    images: Images = field(default_factory=Images)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -49,8 +49,10 @@ class Training:
     `allenai/c4:en`), torchtitan's `c4` / `c4_validation` / `c4_test`, `synthetic`
     (deterministic generated tokens, for tests), or `chat` (JSON Lines conversations at
     `dataset_path`, or a mixture in `datasets`, rendered with the tokenizer's chat template, the loss
-    on the answers only, packed without attention across conversations; docs/finetuning.md). Every
-    dataset but `tokens` and `chat` is prepared once into `dataset_cache_dir` on first use and then
+    on the answers only, packed without attention across conversations; docs/finetuning.md; a turn may
+    hold images for a vision-language model), or `image_text` (image-text pairs in WebDataset .tar shards at
+    `dataset_path`, the loss on the captions, packed like `chat`; docs/vision_language.md). Every dataset
+    but `tokens`, `chat` and `image_text` is prepared once into `dataset_cache_dir` on first use and then
     read like `tokens` (docs/data.md)."""
 
     dataset_path: str | None = None
@@ -59,11 +61,12 @@ class Training:
     glob. A .txt file is one document; each .jsonl/.json line or .parquet/.arrow row is one (its
     `dataset_text_field`). For `hf`: the dataset (see `dataset`); for `c4` / `c4_test`: a local copy
     replacing torchtitan's default (allenai/c4:en, tests/assets/c4_test). For `chat`: a .jsonl file
-    (or .jsonl.gz), a folder of them, or a glob."""
+    (or .jsonl.gz), a folder of them, or a glob (image paths are relative to each file's folder). For
+    `image_text`: a folder of .tar shards (searched recursively), one .tar file, or a glob."""
 
     datasets: list[DatasetEntry] = field(default_factory=list)
-    """For `tokens` (or `chat`): a mixture of prepared folders (chat files), each with a weight, as TOML tables
-    `[[training.datasets]]` with `path` and `weight` (or on the command line
+    """For `tokens` (or `chat`, `image_text`): a mixture of prepared folders (chat files, shard folders),
+    each with a weight, as TOML tables `[[training.datasets]]` with `path` and `weight` (or on the command line
     `--training.datasets /a:0.7,/b:0.3`). Samples follow the weights deterministically (any 1,000
     consecutive samples within 1% of them); a source that runs out starts its next epoch."""
 
@@ -83,6 +86,12 @@ class Training:
     """For `chat`: a conversation longer than seq_len + 1 tokens keeps its first seq_len + 1 tokens
     (`truncate`; dropped when no answer token is left in them) or is dropped (`drop`). Both are
     counted and logged."""
+
+    bad_images: Literal["error", "skip"] = "error"
+    """For `chat` with images and `image_text`: a conversation whose image is missing or unreadable, or a
+    shard sample that is damaged or incomplete (an image without a caption or the reverse), stops the job
+    before training with its file:line or shard:key (`error`), or is left out and counted in the log once
+    (`skip`). Every image's header is read when the run starts (docs/vision_language.md)."""
 
     chat_pack_buffer: Annotated[int, Ge(1)] = 1000
     """For `chat`: conversations are packed into rows first-fit decreasing within consecutive buffers

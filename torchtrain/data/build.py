@@ -18,9 +18,11 @@ from torchtrain.data.cache import cache_root, cached_dataset
 from torchtrain.data.chat import chat_sources, check_chat
 from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
 from torchtrain.data.dataset import Source, WindowDataset, open_prepared
+from torchtrain.data.image_text import check_image_text, image_text_sources
+from torchtrain.data.images import ImageSpec
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sampling import MIXTURE_PERIOD
-from torchtrain.data.sources import CHAT, FILES, HF_DATASETS, TOKENS, build_source, files_source
+from torchtrain.data.sources import CHAT, FILES, HF_DATASETS, IMAGE_TEXT, TOKENS, build_source, files_source
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -60,6 +62,8 @@ def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], t
                                   f"tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
     elif dataset == CHAT:
         check_chat(path, entries, tokenizer, section)
+    elif dataset == IMAGE_TEXT:
+        check_image_text(path, entries, section)
     elif dataset == FILES:
         files_source(path or "", text_field, f"{section}.dataset_path")
     elif dataset in HF_DATASETS:
@@ -91,11 +95,15 @@ def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry],
 
 
 def training_sources(training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
-                     seed: int) -> list[Source] | list[ChatSource]:
-    """The prepared sources of the training data; for `chat`, its tokenized conversations."""
+                     seed: int, image_spec: ImageSpec | None = None) -> list[Source] | list[ChatSource]:
+    """The prepared sources of the training data; for `chat`, its tokenized conversations, for `image_text` its
+    image-text pairs (images read as `image_spec` says: the job's `images.ImageSpec`, None for a text model)."""
     if training.dataset == CHAT:
         return chat_sources(training.dataset_path, training.datasets, tokenizer, training.seq_len,
-                            training.chat_overlong)
+                            training.chat_overlong, image_spec=image_spec, bad_images=training.bad_images)
+    if training.dataset == IMAGE_TEXT:
+        return image_text_sources(training.dataset_path, training.datasets, tokenizer, training.seq_len,
+                                  training.chat_overlong, image_spec, training.bad_images)
     return resolve_sources(training.dataset, training.dataset_path, training.datasets, training.dataset_text_field,
                            training.dataset_cache_dir, tokenizer_path, tokenizer, "train", seed)
 
@@ -103,7 +111,7 @@ def training_sources(training: Training, tokenizer_path: str | None, tokenizer: 
 def build_dataloader(sources: list[Source] | list[ChatSource], training: Training, local_batch_size: int,
                      dp_rank: int, dp_degree: int, seed: int, device_type: str = "cpu") -> DataLoader:
     """This rank's training loader (infinite; epochs restart each source in a new order): windows of
-    token streams, or packed chat conversations."""
+    token streams, or packed chat conversations / image-text pairs (with their images: `chat_packing.py`)."""
     if sources and isinstance(sources[0], ChatSource):
         dataset = PackedChatDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
                                     buffer=training.chat_pack_buffer)

@@ -6,7 +6,9 @@ one line naming the key, the file and the line. `chat_sources` renders and token
 trainer (`chat_packing.py` packs them). The formats are in `chat_format.py`, the templates in
 `chat_template.py`, the packing in `chat_packing.py`. A path that is a prepared folder (a manifest:
 `python -m torchtrain.data.prepare --chat`) is read by memory map instead (`chat_store.py`), giving
-the same conversations.
+the same conversations (text only: image chat is read from its files). Conversations with images
+(`image_chat.py`) keep their images beside their tokens; the packed batches then carry `pixel_values` and
+`image_grid` (`chat_packing.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from torchtrain.data.chat_format import ChatFormatError, Conversation, read_conv
 from torchtrain.data.chat_packing import ChatSource, build_chat_source
 from torchtrain.data.chat_store import is_prepared, open_chat_corpus, prepared_chat_source
 from torchtrain.data.chat_template import chat_renderer
+from torchtrain.data.image_chat import Skipped, render_with_images
+from torchtrain.data.images import ImageSpec
 from torchtrain.data.tokenizer import Tokenizer
+from torchtrain.utils.logging import logger
 
 CHAT = "chat"
 
@@ -53,9 +58,11 @@ def check_chat(path: str | None, entries: list[DatasetEntry], tokenizer: Tokeniz
 
 
 def chat_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Tokenizer, seq_len: int,
-                 overlong: str, section: str = "training") -> list[ChatSource]:
-    """The tokenized sources of a `chat` setting (the overlong rule applied)."""
-    renderer = chat_renderer(tokenizer)
+                 overlong: str, section: str = "training", image_spec: ImageSpec | None = None,
+                 bad_images: str = "error") -> list[ChatSource]:
+    """The tokenized sources of a `chat` setting (the overlong rule applied); conversations with images
+    through `image_chat.py` (`image_spec`: the job's, None for a model without a vision encoder)."""
+    renderer = chat_renderer(tokenizer, image_spec=image_spec)
     sources: list[ChatSource] = []
     for p, weight, key in _items(path, entries, section):
         name = os.path.basename(os.path.normpath(p)) or p
@@ -64,14 +71,29 @@ def chat_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Token
         if is_prepared(p):
             sources.append(prepared_chat_source(p, tokenizer, key, name, weight, seq_len, overlong))
             continue
-        rendered = []
+        rendered, images, skipped = [], [], Skipped()
         for conversation in _read(p, key):
             try:
-                rendered.append(renderer.render(conversation))
+                if conversation.images:
+                    out = render_with_images(renderer, conversation, image_spec, seq_len, overlong, key, bad_images,
+                                             skipped)
+                    if out is None:
+                        continue
+                    rendered.append(out[:2])
+                    images.append(out[2])
+                else:
+                    rendered.append(renderer.render(conversation))
+                    images.append(())
             except ChatFormatError as e:
                 raise ConfigError(f"[{key}] {e}") from None
+        if skipped.count:
+            logger.warning("data: %s: %d conversation(s) skipped for a missing or unreadable image "
+                           "(training.bad_images = \"skip\"); the first: %s", p, skipped.count, skipped.first)
+        has_images = any(images)
         try:
-            sources.append(build_chat_source(name, weight, rendered, seq_len, overlong))
+            sources.append(build_chat_source(name, weight, rendered, seq_len, overlong,
+                                             images=images if has_images else None,
+                                             image_spec=image_spec if has_images else None))
         except ValueError as e:
             raise ConfigError(f"[{key}] {e}") from None
     return sources

@@ -19,6 +19,10 @@ in one of these shapes:
   ``question`` + ``answer``                     user = question, assistant = answer
   ===========================================  =============================================
 
+A turn's content may also be a list of parts (image chat, `docs/vision_language.md`):
+``{"type": "text", "text": "..."}`` and ``{"type": "image", "path": "pictures/1.png"}``, the path relative
+to the file's folder and inside it (an absolute path, or one that leaves the folder, is refused).
+
 Every conversation needs at least one assistant turn (what the loss trains on). A bad line -- not
 JSON, no known shape, an unknown role, a content that is not a string, no assistant turn -- is a
 `ChatFormatError` naming the file and line: chat sets are small and hand-made, so a bad record is a
@@ -48,12 +52,41 @@ class ChatFormatError(ValueError):
     """A bad chat file or record; the message names the file and line."""
 
 
+Part = tuple[str, str]  # ("text", text) or ("image", absolute path)
+
+
 @dataclass(frozen=True)
 class Conversation:
-    turns: tuple[tuple[str, str], ...]
-    """(role, content) per turn, in order."""
+    turns: tuple[tuple[str, str | tuple[Part, ...]], ...]
+    """(role, content) per turn, in order: a string, or a tuple of parts (module doc)."""
     where: str
     """file:line, for error messages."""
+
+    @property
+    def images(self) -> list[str]:
+        """The paths of the conversation's images, in order."""
+        return [value for _, content in self.turns if not isinstance(content, str)
+                for kind, value in content if kind == "image"]
+
+
+def _parts_of(content: list, i: int, role: str, where: str, folder: str) -> tuple[Part, ...]:
+    """A list content's parts, image paths resolved inside `folder` (ChatFormatError naming the part)."""
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(("text", part["text"]))
+        elif kind == "image" and isinstance(part.get("path"), str):
+            path = part["path"]
+            full = os.path.realpath(os.path.join(folder, path))
+            if os.path.isabs(path) or os.path.commonpath([full, os.path.realpath(folder)]) != os.path.realpath(folder):
+                raise ChatFormatError(f"{where}: turn {i} ({role}) part {j}: image path {path!r} must be relative to "
+                                      f"the file's folder and stay inside it")
+            parts.append(("image", full))
+        else:
+            raise ChatFormatError(f"{where}: turn {i} ({role}) part {j} must be {{\"type\": \"text\", \"text\": ...}} "
+                                  f"or {{\"type\": \"image\", \"path\": ...}}, got {json.dumps(part)[:80]}")
+    return tuple(parts)
 
 
 def chat_files(path: str) -> list[str]:
@@ -80,7 +113,7 @@ def chat_files(path: str) -> list[str]:
     return files
 
 
-def _turns_of(record: object, where: str) -> tuple[tuple[str, str], ...]:
+def _turns_of(record: object, where: str, folder: str = "") -> tuple[tuple[str, str | tuple[Part, ...]], ...]:
     if not isinstance(record, dict):
         raise ChatFormatError(f"{where}: a conversation is a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -110,7 +143,9 @@ def _turns_of(record: object, where: str) -> tuple[tuple[str, str], ...]:
     for i, (role, content) in enumerate(turns):
         if role not in ROLES:
             raise ChatFormatError(f"{where}: unknown role {role!r} in turn {i}; roles are {', '.join(ROLES)}")
-        if not isinstance(content, str):
+        if isinstance(content, list) and folder:
+            turns[i] = (role, _parts_of(content, i, role, where, folder))
+        elif not isinstance(content, str):
             raise ChatFormatError(f"{where}: the content of turn {i} ({role}) must be a string, "
                                   f"got {type(content).__name__}")
     if not any(role == "assistant" for role, _ in turns):
@@ -162,7 +197,7 @@ def read_conversations(path: str) -> list[Conversation]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ChatFormatError(f"{where}: not JSON ({e.msg})") from None
-                out.append(Conversation(_turns_of(record, where), where))
+                out.append(Conversation(_turns_of(record, where, os.path.dirname(os.path.abspath(file))), where))
     if not out:
         raise ChatFormatError(f"{path}: holds no conversations")
     return out

@@ -17,6 +17,13 @@ positions 0 .. n-2. Items are packed whole into rows:
   seq_len + 1 tokens (dropped instead when no trained token is left in them), `drop` drops them.
   Both are counted and logged.
 
+* **Images** (image chat, `image_text.py`): a source with images keeps each conversation's images (where
+  each is, its patch grid) beside its tokens. Its batches add `pixel_values` (rows, P, C T p p) float32 --
+  each row's images' patches (`images.ImageSpec.patches`, decoded when the batch is read) concatenated in
+  the order of their placeholder runs -- and `image_grid` (rows, I, 3) int64, their (t, h, w), both
+  zero-padded to the batch's largest P and I (0 when no row has an image); text-only batches are unchanged.
+  An image's tokens are never trained, and since conversations are packed whole a row never splits one.
+
 Positions restart at 0 at every conversation, which is how document boundaries reach the model:
 block-causal attention and per-document RoPE (`models/common/attention.py`), so a conversation
 never attends to another one in its row.
@@ -35,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from torchtrain.data.sampling import Mixture, Permutation, SampleDataset
 from torchtrain.utils.logging import logger
@@ -70,6 +79,11 @@ class ChatSource:
     dropped: int = 0
     answer_tokens: int = 0
     """Trained tokens of the kept conversations (logged)."""
+    images: list[tuple[tuple[Any, tuple[int, int, int]], ...]] | None = None
+    """Per kept conversation, its images in token order: (where it is -- `images.ImageRef`: a path or a tar
+    member --, (t, h, w) patch grid) each; None: text only."""
+    image_spec: Any = None
+    """How those images become patches (`data/images.py::ImageSpec`), with `images`."""
 
     @property
     def num_conversations(self) -> int:
@@ -101,7 +115,8 @@ def first_trained(mask: np.ndarray) -> int:
 
 def build_chat_source(name: str, weight: float, rendered: list[tuple[list[int], list[bool]]], seq_len: int,
                       overlong: str, store: Any = None, starts: np.ndarray | None = None,
-                      first: np.ndarray | None = None, answers: np.ndarray | None = None) -> ChatSource:
+                      first: np.ndarray | None = None, answers: np.ndarray | None = None,
+                      images: list | None = None, image_spec: Any = None) -> ChatSource:
     """Apply the overlong rule to rendered conversations and lay the kept ones out flat in memory; or,
     given a `store` with the conversations' boundaries `starts` (conversations + 1 values), their
     `first` trained tokens and their trained tokens among the first seq_len + 1 (`answers`), to
@@ -122,8 +137,9 @@ def build_chat_source(name: str, weight: float, rendered: list[tuple[list[int], 
         tokens = np.asarray([t for i in chosen for t in rendered[i][0][:kept_len[i]]], dtype=np.int64)
         trained = np.asarray([m for i in chosen for m in rendered[i][1][:kept_len[i]]], dtype=bool)
         ends = np.cumsum(kept_len[keep])
+        kept_images = [images[i] for i in chosen] if images is not None else None
         return ChatSource(name, weight, ArrayStore(tokens, trained), ends - kept_len[keep], ends, truncated, dropped,
-                          int(trained.sum()))
+                          int(trained.sum()), kept_images, image_spec)
     begin = starts[:-1][keep]
     return ChatSource(name, weight, store, begin, begin + kept_len[keep], truncated, dropped, int(answers[keep].sum()))
 
@@ -227,6 +243,38 @@ class PackedChatDataset(SampleDataset):
             p[at:at + n] = np.arange(n)
             at += n
         return x, y, p
+
+    def row_images(self, g: int) -> list[tuple[Any, tuple[int, int, int]]]:
+        """The images of global sample g's conversations, in token order: (where it is, grid) each."""
+        s, j = self.mixture.locate(g)
+        epoch, r = self._locate_row(s, j)
+        images = self.sources[s].images
+        return [] if images is None else [im for c in self.epoch_rows(s, epoch)[r] for im in images[c]]
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """`SampleDataset`'s batch; with image sources also each row's images (`utils/batch_keys.py`): their
+        patches (rows, P, C T p p) and grids (rows, I, 3), zero-padded to the batch's largest."""
+        batch = super().__getitems__(indices)
+        spec = next((s.image_spec for s in self.sources if s.image_spec is not None), None)
+        if spec is None:
+            return batch
+        from torchtrain.data.images import open_image
+
+        rows = []
+        for g in indices:
+            pixels, grids = [], []
+            for ref, grid in self.row_images(g):
+                patches, got = spec.patches(open_image(ref))
+                if got != grid:
+                    raise ValueError(f"{ref} changed since the data was checked: its grid is {got}, not {grid}")
+                pixels.append(patches)
+                grids.append(grid)
+            rows.append((torch.cat(pixels) if pixels else torch.zeros(0, spec.patch_dim),
+                         torch.tensor(grids, dtype=torch.long).reshape(-1, 3)))
+        most_p, most_i = max(p.shape[0] for p, _ in rows), max(g.shape[0] for _, g in rows)
+        batch["pixel_values"] = torch.stack([F.pad(p, (0, 0, 0, most_p - p.shape[0])) for p, _ in rows])
+        batch["image_grid"] = torch.stack([F.pad(g, (0, 0, 0, most_i - g.shape[0])) for _, g in rows])
+        return batch
 
     def fingerprint(self) -> dict:
         """What decides the sample order: a resumed run with other values reads other data."""

@@ -10,7 +10,8 @@ conversations. The overlong rule needs seq_len, so it is applied when the folder
 as for JSON Lines (`chat_packing.keep_rule`): the packed rows are the same either way.
 
 Preparing reads the chat files in the order `training.dataset_path` reads them; a bad record stops it
-with one line naming the file and line, and the shards it had written are removed. As for token
+with one line naming the file and line, and the shards it had written are removed. Conversations with
+images are refused the same way: image chat is read from its JSON Lines (`image_chat.py`). As for token
 data, the manifest is written last (a folder without one is not a dataset), an identical re-run does
 nothing, and `--overwrite` swaps a new dataset in only once it is complete (`preparation.py`).
 """
@@ -105,6 +106,10 @@ def prepare_chat(inputs: list[str], out: str, tokenizer_path: str | None = None,
     try:
         for file, size, _ in stats:
             for conversation in read_conversations(file):
+                if conversation.images:
+                    raise ChatFormatError(f"{conversation.where}: the conversation holds an image; prepared chat "
+                                          f"folders hold text conversations only: train on image chat files as they "
+                                          f"are (training.dataset = \"chat\", dataset_path the .jsonl)")
                 ids, trained = renderer.render(conversation)
                 if writer is None:
                     writer = _ChatShardWriter(work, len(records), dtype)

@@ -20,6 +20,11 @@ Two renderers, chosen by the tokenizer (`chat_renderer`):
 
   and the generation prompt is ``Assistant: ``.
 
+An image part (image chat, `image_chat.py`) becomes one ``<|vision_start|><|image_pad|><|vision_end|>``: a
+Jinja template gets transformers' content lists (``{"type": "image"}`` / ``{"type": "text", "text": ...}``)
+and renders the image as a Qwen template does; the built-in template writes the three tokens' ids (those of
+the job's `ImageSpec`; without one, their text `IMAGE_TEXT`).
+
 Whatever the template, the loss trains on the assistant turns' tokens only: system and user turns
 and the template's scaffolding (role headers) keep the ignore label.
 """
@@ -50,6 +55,24 @@ class ChatRenderer(Protocol):
         """Raise ChatFormatError when `conversation` cannot be rendered (no tokenization)."""
 
 
+IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+"""How the built-in template writes an image part (a Qwen-style template renders the same)."""
+
+
+def as_text(content) -> str:
+    """A turn's content as text: a string as is; parts joined, each image as `IMAGE_TEXT`."""
+    if isinstance(content, str):
+        return content
+    return "".join(value if kind == "text" else IMAGE_TEXT for kind, value in content)
+
+
+def as_messages(turns) -> list[dict]:
+    """Turns as a chat template's `messages`: a string content as is, parts as transformers' content lists."""
+    return [{"role": role, "content": content if isinstance(content, str) else
+             [{"type": "text", "text": v} if k == "text" else {"type": "image"} for k, v in content]}
+            for role, content in turns]
+
+
 class BuiltinRenderer:
     """The documented built-in template (module docstring), for the byte tokenizer."""
 
@@ -57,8 +80,20 @@ class BuiltinRenderer:
     identity = "built-in"
     """What decides the rendering, stored with prepared chat data (`chat_store.py`)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, image_ids: tuple[int, int, int] | None = None):
         self.tokenizer = tokenizer
+        self.image_ids = image_ids
+        """(vision start, image pad, vision end) ids an image part is written as; None: as `IMAGE_TEXT`."""
+
+    def _encode(self, content, suffix: str, eos: bool) -> list[int]:
+        """A turn's content and `suffix` as ids (module doc: images as `image_ids`)."""
+        tok = self.tokenizer
+        if isinstance(content, str) or self.image_ids is None:
+            return tok.encode(as_text(content) + suffix, bos=False, eos=eos)
+        ids = []
+        for kind, value in content:
+            ids += list(self.image_ids) if kind == "image" else tok.encode(value, bos=False, eos=False)
+        return ids + tok.encode(suffix, bos=False, eos=eos)
 
     def check(self, conversation: Conversation) -> None:
         pass  # any conversation with known roles renders
@@ -72,10 +107,10 @@ class BuiltinRenderer:
             ids += head
             trained += [False] * len(head)
             if role == "assistant":
-                body = tok.encode(content, bos=False, eos=True)
+                body = self._encode(content, "", eos=True)
                 trained += [True] * len(body)
             else:
-                body = tok.encode(content + "\n\n", bos=False, eos=False)
+                body = self._encode(content, "\n\n", eos=False)
                 trained += [False] * len(body)
             ids += body
         return ids, trained
@@ -140,7 +175,7 @@ class JinjaRenderer:
         self.template = compile_template(template, file)
 
     def text(self, turns: tuple[tuple[str, str], ...], add_generation_prompt: bool, where: str) -> str:
-        messages = [{"role": role, "content": content} for role, content in turns]
+        messages = as_messages(turns)
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         tools=None, documents=None, **self.variables)
@@ -177,10 +212,14 @@ class JinjaRenderer:
         return self.tokenizer.encode_with_offsets(self.text(conversation.turns, True, conversation.where))[0]
 
 
-def chat_renderer(tokenizer: Tokenizer, key: str = "model.hf_assets_path") -> BuiltinRenderer | JinjaRenderer:
-    """The renderer for `tokenizer`; ConfigError naming `key` when it has no usable chat template."""
+def chat_renderer(tokenizer: Tokenizer, key: str = "model.hf_assets_path", image_spec=None
+                  ) -> BuiltinRenderer | JinjaRenderer:
+    """The renderer for `tokenizer`; ConfigError naming `key` when it has no usable chat template.
+    `image_spec` (`images.ImageSpec`): the image token ids the built-in template writes."""
     if isinstance(tokenizer, ByteTokenizer):
-        return BuiltinRenderer(tokenizer)
+        ids = None if image_spec is None else (image_spec.vision_start_id, image_spec.image_pad_id,
+                                               image_spec.vision_end_id)
+        return BuiltinRenderer(tokenizer, ids)
     if isinstance(tokenizer, HFTokenizer):
         folder = os.path.dirname(tokenizer.file)
         found = find_chat_template(folder)

@@ -12,7 +12,9 @@
   local HF cache such as ``allenai/c4:en``; `hf.py`), and torchtitan's names for C4: ``c4``,
   ``c4_validation`` (its validation split) and ``c4_test`` (torchtitan's local sample folder).
 * ``chat``: conversations in JSON Lines (`chat.py`), tokenized with the chat template and packed
-  when the run starts (docs/finetuning.md).
+  when the run starts (docs/finetuning.md); a turn may hold images (docs/vision_language.md).
+* ``image_text``: image-text pairs in WebDataset ``.tar`` shards (`image_text.py`), indexed and packed when
+  the run starts, for a vision-language model (docs/vision_language.md).
 * ``synthetic``: deterministic token sequences (a random phrase repeated), learnable in a few steps;
   for tests and benchmarks. Its ``validation`` split is 2,000 documents from another seed.
 
@@ -36,6 +38,7 @@ from torchtrain.data.readers import Piece, discover, pieces_of
 TOKENS = "tokens"
 FILES = "files"
 CHAT = "chat"  # conversations, tokenized and packed at start (data/chat.py), never prepared into the cache
+IMAGE_TEXT = "image_text"  # image-text pairs in tar shards, indexed and packed at start (data/image_text.py)
 
 
 class DocumentSource(Protocol):
@@ -118,7 +121,7 @@ def register_dataset(name: str, factory: SourceFactory) -> None:
 
 
 def dataset_names() -> list[str]:
-    return [TOKENS, CHAT, *_DATASETS]
+    return [TOKENS, CHAT, IMAGE_TEXT, *_DATASETS]
 
 
 def check_dataset_name(name: str, key: str = "training.dataset") -> None:
@@ -130,7 +133,7 @@ def check_dataset_name(name: str, key: str = "training.dataset") -> None:
 def build_source(name: str, path: str | None, split: str = "train", seed: int = 0, text_field: str = "text",
                  key: str = "training.dataset") -> DocumentSource:
     check_dataset_name(name, key)
-    if name in (TOKENS, CHAT):
+    if name in (TOKENS, CHAT, IMAGE_TEXT):
         raise ValueError(f"the {name} dataset is not built from documents")
     return _DATASETS[name](path, split, seed, text_field)
 

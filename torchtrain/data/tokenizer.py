@@ -2,7 +2,8 @@
 tiktoken-style BPE files (`tokenizer.model`: one base64 token and its rank per line).
 
 All expose the same small interface: ``encode(text, bos, eos) -> list[int]``, ``decode(ids)``,
-``vocab_size``, ``bos_id``, ``eos_id``, and ``identity``: what a prepared token dataset records about
+``vocab_size``, ``bos_id``, ``eos_id``, ``token_id(text)`` (a special token's id by its spelling, e.g.
+the image tokens of a vision-language model), and ``identity``: what a prepared token dataset records about
 the tokenizer that made it (kind, file hash, vocabulary size, special ids), so a job whose tokenizer
 differs from its data's is refused before it starts (docs/data.md).
 """
@@ -27,6 +28,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (e.g. `<|image_pad|>`), or None."""
 
     @property
     def identity(self) -> dict[str, Any]: ...
@@ -74,6 +78,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_id(self, text: str) -> int | None:
+        """None: the byte tokenizer has no tokens named by a spelling (so no image tokens)."""
+        return None
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -134,6 +142,10 @@ class HFTokenizer:
             if idx is not None:
                 return idx
         return None
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the (special) token spelled `text`, or None."""
+        return self._tok.token_to_id(text)
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -207,6 +219,11 @@ class TiktokenTokenizer:
         self.vocab_size = len(ranks) + len(special)
         self.bos_id, self.eos_id = special["<|begin_of_text|>"], special["<|end_of_text|>"]
         self._num_base = len(ranks)
+        self._special = special
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, or None."""
+        return self._special.get(text)
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self._enc.encode(text, allowed_special=set(), disallowed_special=())

@@ -1,0 +1,122 @@
+"""Image preprocessing (`data/images.py`): pixel values and grids equal to transformers' processor of
+Qwen2-VL / Qwen3.5 (`Qwen2VLImageProcessorPil`), the image tokens of a tokenizer, and Pillow as an optional
+dependency.
+
+Tolerance of the parity test: 1e-6 absolute. Both sides resize with the same Pillow call and normalise in
+float32; only the order of the float32 operations (x / 255 - mean) / std may differ by an ulp."""
+
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+import pytest
+import torch
+from vlm_assets import write_tokenizer
+
+from torchtrain.config import ConfigError
+from torchtrain.data.images import ImageSpec, image_size, open_image
+from torchtrain.data.tokenizer import ByteTokenizer, build_tokenizer
+
+Image = pytest.importorskip("PIL.Image")
+
+
+def spec(**changes) -> ImageSpec:
+    base = dict(patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32, max_pixels=96 * 96,
+                image_pad_id=260, vision_start_id=259, vision_end_id=261)
+    return ImageSpec(**{**base, **changes})
+
+
+def picture(width: int, height: int, mode: str = "RGB", seed: int = 0):
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    data = rng.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
+    return Image.fromarray(data[..., 0] if channels == 1 else data, mode)
+
+
+def processor(s: ImageSpec):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=s.patch_size, temporal_patch_size=s.temporal_patch_size,
+                                    merge_size=s.merge_size, min_pixels=s.min_pixels, max_pixels=s.max_pixels,
+                                    image_mean=list(s.image_mean), image_std=list(s.image_std))
+
+
+@pytest.mark.parametrize("size, mode", [
+    ((32, 32), "RGB"),      # already a multiple of patch x merge
+    ((45, 61), "RGB"),      # sides that are not
+    ((20, 12), "RGB"),      # below min_pixels: scaled up
+    ((200, 150), "RGB"),    # above max_pixels: scaled down
+    ((50, 37), "RGBA"),     # transparency laid on white
+    ((33, 47), "L"),        # grayscale
+])
+def test_pixel_values_equal_the_processor(size, mode):
+    pytest.importorskip("transformers")
+    s = spec()
+    image = picture(*size, mode)
+    ours, grid = s.patches(image)
+    theirs = processor(s)(images=[image], return_tensors="np")
+    assert tuple(theirs["image_grid_thw"][0]) == grid
+    assert ours.dtype == torch.float32 and ours.shape == (grid[1] * grid[2], s.patch_dim)
+    np.testing.assert_allclose(ours.numpy(), theirs["pixel_values"], rtol=0, atol=1e-6)
+    assert s.grid_of(size[1], size[0]) == grid  # from the header alone, as the data checks it
+
+
+def test_several_images_concatenate_as_the_processor_batches_them():
+    pytest.importorskip("transformers")
+    s = spec(temporal_patch_size=1, merge_size=1, image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
+    images = [picture(40, 24, seed=1), picture(17, 70, seed=2)]
+    parts = [s.patches(im) for im in images]
+    theirs = processor(s)(images=images, return_tensors="np")
+    np.testing.assert_allclose(torch.cat([p for p, _ in parts]).numpy(), theirs["pixel_values"], rtol=0, atol=1e-6)
+    assert [g for _, g in parts] == [tuple(g) for g in theirs["image_grid_thw"]]
+
+
+def test_grid_and_token_count():
+    s = spec(min_pixels=16 * 16, max_pixels=64 * 64)
+    assert s.grid_of(32, 48) == (1, 4, 6)
+    assert s.token_count((1, 4, 6)) == 6
+    assert s.tokens((1, 4, 6)) == [259] + [260] * 6 + [261]
+    h, w = s.resized(1000, 500)
+    assert h * w <= 64 * 64 and h % 16 == 0 and w % 16 == 0
+    with pytest.raises(ValueError, match="aspect ratio"):
+        s.resized(2, 1000)
+
+
+def test_spec_from_tokenizer_finds_the_image_tokens(tmp_path):
+    ids = write_tokenizer(str(tmp_path / "tok"))
+    s = ImageSpec.from_tokenizer(build_tokenizer(str(tmp_path / "tok")), patch_size=8, temporal_patch_size=2,
+                                 merge_size=2, min_pixels=256, max_pixels=4096)
+    assert (s.image_pad_id, s.vision_start_id, s.vision_end_id) == (
+        ids["<|image_pad|>"], ids["<|vision_start|>"], ids["<|vision_end|>"])
+    assert s.image_mean == (0.5, 0.5, 0.5) and s.image_std == (0.5, 0.5, 0.5)
+    with pytest.raises(ConfigError, match=r"no <\|image_pad\|> token.*use the model's own tokenizer"):
+        ImageSpec.from_tokenizer(ByteTokenizer(), patch_size=8, temporal_patch_size=2, merge_size=2,
+                                 min_pixels=256, max_pixels=4096)
+
+
+def test_unreadable_images_are_value_errors_naming_the_file(tmp_path):
+    missing, garbage = str(tmp_path / "missing.png"), tmp_path / "garbage.png"
+    garbage.write_bytes(b"not a picture at all")
+    for reader in (image_size, open_image):
+        with pytest.raises(ValueError, match="no image at .*missing.png"):
+            reader(missing)
+        with pytest.raises(ValueError, match="cannot read image .*garbage.png"):
+            reader(str(garbage))
+    good = tmp_path / "good.png"
+    picture(30, 20).save(good)
+    assert image_size(str(good)) == (20, 30) and open_image(str(good)).size == (30, 20)
+
+
+def test_missing_pillow_is_one_config_error_naming_the_extra(monkeypatch):
+    real = builtins.__import__
+
+    def no_pil(name, *args, **kwargs):
+        if name == "PIL" or name.startswith("PIL."):
+            raise ImportError("No module named 'PIL'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pil)
+    with pytest.raises(ConfigError) as e:
+        open_image("any.png")
+    assert str(e.value) == "reading images needs Pillow: pip install 'torchtrain[vision]'"
