@@ -339,3 +339,42 @@ def test_image_records_refused_without_a_vision_model_outside_the_folder_and_whe
                                                   {"role": "assistant", "content": "yo"}]}) + "\n")
     (source,) = chat_sources(str(text_only), [], tok, 32, "truncate", image_spec=spec)
     assert PackedChatDataset([source], 32).__getitems__([0]).keys() == {"input_ids", "labels", "positions"}
+
+
+def test_the_vision_language_model_reads_the_batches(data):
+    """The batch schema as `qwen3_5` with its vision encoder takes it: a forward and backward on packed rows."""
+    from torchtrain.distributed.param_init import init_model_weights
+    from torchtrain.models.qwen3_5 import Qwen3_5Args, build
+
+    folder, tok, spec = data
+    args = Qwen3_5Args(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=264, hidden_dim=48,
+                       max_seq_len=64, full_attention_interval=2, linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8, linear_attn_chunk_size=16,
+                       partial_rotary_factor=0.5, vision_depth=1, vision_dim=16, vision_heads=2,
+                       vision_hidden_dim=32, vision_patch_size=8, vision_num_position_embeddings=16,
+                       image_token_id=spec.image_pad_id, vision_start_token_id=spec.vision_start_id,
+                       vision_end_token_id=spec.vision_end_id)
+    model = build(args)
+    init_model_weights(model, 0)
+    ds = PackedChatDataset(image_text_sources(str(folder / "tars"), [], tok, 64, "truncate", spec), 64)
+    batch = model.batch_inputs(ds.__getitems__([0, 1]))
+    logits = model(batch["input_ids"], **{k: v for k, v in batch.items() if k not in ("input_ids", "labels")})
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.startswith("vision_encoder.")]
+    assert torch.isfinite(loss) and all(g is not None for g in grads) and any(g.any() for g in grads)
+
+
+def test_missing_pillow_stops_the_build_even_when_skipping(data, monkeypatch):
+    import builtins
+
+    folder, tok, spec = data
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "PIL" or name.startswith("PIL.") else real(name, *a, **k))
+    for build in (lambda: chat_sources(str(folder / "train.jsonl"), [], tok, 128, "truncate", image_spec=spec,
+                                       bad_images="skip"),
+                  lambda: image_text_sources(str(folder / "tars"), [], tok, 64, "truncate", spec, bad_images="skip")):
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert str(e.value) == "reading images needs Pillow: pip install 'torchtrain[vision]'"

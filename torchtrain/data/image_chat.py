@@ -91,6 +91,8 @@ def render_with_images(renderer, conversation: Conversation, spec: ImageSpec | N
     """(ids, trained, images as (path, grid)) of a conversation with images, or None when it is skipped."""
     try:
         grids = image_grids(conversation, spec, key)
+    except ConfigError:  # no vision encoder, no Pillow: not the data's fault, never skipped
+        raise
     except ValueError as e:
         if bad_images == "skip":
             skipped.add(f"{conversation.where}: {e}")

@@ -177,6 +177,8 @@ def image_text_sources(path: str | None, entries: list[DatasetEntry], tokenizer:
             for pair in pairs:
                 try:
                     grid = image_spec.grid_of(*image_size(pair.image))
+                except ConfigError:  # no Pillow: never skipped
+                    raise
                 except ValueError as e:
                     _bad(f"{pair.where}: {e}", key, bad_images, skipped)
                     continue
