@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true",
                     help="treat --prompt as a user turn: render it with the chat template (the tokenizer's own, "
                          "or the built-in one of the byte tokenizer) and its generation prompt, print the answer")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image before the prompt, for a vision-language model (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
@@ -68,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         job = load(ns.checkpoint, ns.config, overrides, device, dtype)
         tok = job.tokenizer
-        if ns.chat:
+        images = None
+        if ns.image:
+            prompt, images = job.prompt_with_images(ns.image, ns.prompt, ns.chat)
+        elif ns.chat:
             from torchtrain.data.chat_format import Conversation
             from torchtrain.data.chat_template import chat_renderer
 
@@ -82,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         with Progress("generate", total=ns.max_new_tokens * ns.num_samples, unit="tokens") as bar:
             outs = generate(job.model, prompt, ns.max_new_tokens, Sampling(ns.temperature, ns.top_k, ns.top_p),
                             ns.num_samples, ns.seed, None if ns.ignore_eos else tok.eos_id, tok.vocab_size,
-                            getattr(job.args, "max_seq_len", None) or None, bar)
+                            getattr(job.args, "max_seq_len", None) or None, bar, images)
     except ConfigError as e:
         print(f"torchtrain.generate: error: {e}", file=sys.stderr)
         return 2
     for i, ids in enumerate(outs):
         if ns.num_samples > 1:
             print(f"--- sample {i + 1} ---")
-        print(tok.decode(ids) if ns.chat else ns.prompt + tok.decode(ids))
+        print(tok.decode(ids) if ns.chat or ns.image else ns.prompt + tok.decode(ids))
     return 0
 
 

@@ -79,6 +79,13 @@ class BaseModelArgs(abc.ABC):
         """A short description for the start-up line beside the model's name ("" for none)."""
         return ""
 
+    def image_geometry(self) -> tuple[int, int, int] | None:
+        """(patch size, temporal patch size, merge size) of a model that sees images; None for a text model."""
+        return None
+
+    def bind_image_tokens(self, image_pad: int, vision_start: int, vision_end: int) -> None:
+        """Record the tokenizer's image token ids (a vision-language model's forward and exports use them)."""
+
     def replace(self, **changes) -> "BaseModelArgs":
         return dataclasses.replace(self, **changes)
 

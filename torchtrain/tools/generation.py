@@ -118,6 +118,39 @@ class Loaded:
     args: object
     source: str
     """What was loaded, for the log line."""
+    image_spec: object = None
+    """How images become patches and tokens (`data/images.py::ImageSpec`) for a model that sees them."""
+
+    def prompt_with_images(self, paths: list[str], text: str, chat: bool) -> tuple[list[int], dict]:
+        """The prompt's ids -- the images first, then `text`; rendered with the chat template when `chat` -- and
+        the images as one batch row (`pixel_values`, `image_grid`)."""
+        from torchtrain.data.chat_format import Conversation
+        from torchtrain.data.image_chat import expand
+        from torchtrain.data.images import open_image
+
+        spec, tok = self.image_spec, self.tokenizer
+        if spec is None:
+            raise ConfigError("--image: this model has no vision encoder")
+        pixels, grids = [], []
+        for path in paths:
+            try:
+                patches, grid = spec.patches(open_image(path))
+            except ValueError as e:
+                raise ConfigError(f"--image {path}: {e}") from None
+            pixels.append(patches)
+            grids.append(grid)
+        if chat:
+            from torchtrain.data.chat_template import chat_renderer
+
+            parts = tuple(("image", p) for p in paths) + ((("text", text),) if text else ())
+            ids = chat_renderer(tok).generation_prompt(Conversation((("user", parts),), "--prompt"))
+            ids, _, _ = expand(ids, [False] * len(ids), grids, spec, "--prompt")
+        else:
+            ids = ([tok.bos_id] if tok.bos_id is not None else []) + [t for g in grids for t in spec.tokens(g)]
+            ids += tok.encode(text, bos=False, eos=False)
+        images = {"pixel_values": torch.cat(pixels).unsqueeze(0),
+                  "image_grid": torch.tensor(grids, dtype=torch.long).unsqueeze(0)}
+        return ids, images
 
 
 def load(checkpoint: str, config: str | None, overrides: list[str], device: torch.device,
@@ -126,7 +159,7 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     from torchtrain.components.checkpoint.startup import resolve_dcp_path
     from torchtrain.config import parse_args
     from torchtrain.data.tokenizer import build_tokenizer
-    from torchtrain.trainer.preflight import resolve_model
+    from torchtrain.trainer.preflight import image_spec_for, resolve_model
 
     if not os.path.exists(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint} does not exist")
@@ -150,6 +183,7 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
         args = spec.args_cls(**meta["model"]["args"])
     else:
         spec, args = resolve_model(cfg, tokenizer)
+    image_spec = image_spec_for(cfg, args, tokenizer) if args.image_geometry() is not None else None
     with torch.device("meta"):
         model = spec.model_cls(args)
     if cfg.lora.enable and not hf:  # a LoRA run's checkpoint holds the adapters beside the base weights
@@ -167,7 +201,7 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     for p in model.parameters():  # parameters only: buffers (the RoPE table) keep their float32
         p.data = p.data.to(dtype)
     where = f"job {config}" if config else ("overrides" if overrides else "the checkpoint's complete.json")
-    return Loaded(model.eval(), tokenizer, args, f"{'HF' if hf else 'DCP'} {path} (model from {where})")
+    return Loaded(model.eval(), tokenizer, args, f"{'HF' if hf else 'DCP'} {path} (model from {where})", image_spec)
 
 
 def _load_base(model: torch.nn.Module, spec, args, cfg, path: str) -> None:

@@ -4,8 +4,8 @@
 
 writes, under OUT:
 
-* ``images/NNNNN.png``: a red, green, blue or yellow circle, square or triangle at a random place and size
-  on a white background, the picture's own size drawn between 32 and 64 pixels a side;
+* ``images/NNNNN.png``: a red, green, blue or yellow circle, square or triangle nearly filling a white
+  picture, centred, the picture's own size drawn between 32 and 64 pixels a side;
 * ``train.jsonl`` / ``test.jsonl``: image chat records (`docs/vision_language.md`), one user turn holding the
   image and a question -- "What shape is this?", "What colour is the shape?" or "Describe the picture." --
   and the assistant's answer ("circle", "red", "red circle");
@@ -33,14 +33,14 @@ QUESTIONS = {"shape": "What shape is this?", "colour": "What colour is the shape
              "both": "Describe the picture."}
 
 
-def draw(shape: str, colour: str, rng: random.Random):
-    """One picture (a Pillow image) of `shape` in `colour`."""
+def draw(shape: str, colour: str, rng: random.Random, sizes: tuple[int, int] = (32, 64)):
+    """One picture (a Pillow image) of `shape` in `colour`, each side drawn from `sizes` (pixels)."""
     from PIL import Image, ImageDraw
 
-    w, h = rng.randint(32, 64), rng.randint(32, 64)
+    w, h = rng.randint(*sizes), rng.randint(*sizes)
     image = Image.new("RGB", (w, h), (255, 255, 255))
-    side = rng.randint(min(w, h) // 2, min(w, h) - 4)
-    x, y = rng.randint(0, w - side), rng.randint(0, h - side)
+    side = min(w, h) - rng.randint(2, 6)
+    x, y = (w - side) // 2, (h - side) // 2
     pen = ImageDraw.Draw(image)
     box = (x, y, x + side - 1, y + side - 1)
     if shape == "circle":
@@ -56,15 +56,16 @@ def answer(kind: str, shape: str, colour: str) -> str:
     return {"shape": shape, "colour": colour, "both": f"{colour} {shape}"}[kind]
 
 
-def write(out: str, train: int = 512, test: int = 64, seed: int = 0, tars: int = 0) -> None:
-    """The dataset of the module doc under `out`."""
+def write(out: str, train: int = 512, test: int = 64, seed: int = 0, tars: int = 0,
+          sizes: tuple[int, int] = (32, 64)) -> None:
+    """The dataset of the module doc under `out` (picture sides drawn from `sizes`)."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     pictures = []
     for i in range(train + test):
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         name = f"images/{i:05d}.png"
-        draw(shape, colour, rng).save(os.path.join(out, name))
+        draw(shape, colour, rng, sizes).save(os.path.join(out, name))
         pictures.append((name, shape, colour))
     for split, chosen in (("train", pictures[:train]), ("test", pictures[train:])):
         with open(os.path.join(out, f"{split}.jsonl"), "w") as f:

@@ -24,13 +24,17 @@ from torchtrain.components.offload.runtime import check_nvme_folder
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
-from torchtrain.data.sources import CHAT, check_dataset_name
+from torchtrain.data.images import ImageSpec
+from torchtrain.data.sources import CHAT, IMAGE_TEXT, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.distributed.lora import check_stages_have_adapters, lora_targets
 from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
+
+PACKED = (CHAT, IMAGE_TEXT)
+"""Datasets that pack several samples per row (block-causal attention), the ones that may hold images."""
 
 
 @dataclass
@@ -39,6 +43,19 @@ class ResolvedJob:
     tokenizer: Tokenizer
     model_spec: ModelSpec
     model_args: BaseModelArgs
+    image_spec: ImageSpec | None = None
+    """How the job's images become patches and tokens (a vision-language model), else None."""
+
+
+def image_spec_for(cfg: JobConfig, args: BaseModelArgs, tokenizer: Tokenizer) -> ImageSpec | None:
+    """The job's `ImageSpec` -- the model's patch geometry, `[images]`, the tokenizer's image tokens -- with the
+    token ids bound to the model's arguments; None for a model that does not see images."""
+    geometry = args.image_geometry()
+    if geometry is None:
+        return None
+    spec = ImageSpec.from_tokenizer(tokenizer, *geometry, cfg.images.min_pixels, cfg.images.max_pixels)
+    args.bind_image_tokens(spec.image_pad_id, spec.vision_start_id, spec.vision_end_id)
+    return spec
 
 
 def resolve_model(cfg: JobConfig, tokenizer) -> tuple[ModelSpec, BaseModelArgs]:
@@ -47,11 +64,11 @@ def resolve_model(cfg: JobConfig, tokenizer) -> tuple[ModelSpec, BaseModelArgs]:
     packs conversations into rows: its attention mask defaults to block-causal (a notice says so)."""
     spec = get_model_spec(cfg.model.name)
     cfg.model.overrides = coerce_overrides(spec, cfg.model.overrides, cfg.model.override_sources)
-    if (cfg.training.dataset == CHAT and "attention_mask" not in cfg.model.overrides
+    if (cfg.training.dataset in PACKED and "attention_mask" not in cfg.model.overrides
             and "attention_mask" in field_types(spec.args_cls)):
         cfg.model.overrides["attention_mask"] = "block_causal"
-        cfg.model.override_sources["attention_mask"] = "by training.dataset = \"chat\""
-        notice = ("info", "training.dataset = \"chat\" packs several conversations into each row: "
+        cfg.model.override_sources["attention_mask"] = f"by training.dataset = \"{cfg.training.dataset}\""
+        notice = ("info", f"training.dataset = \"{cfg.training.dataset}\" packs several samples into each row: "
                           "model.attention_mask defaults to \"block_causal\" so that they do not attend to each other")
         if notice not in cfg.job.notices:
             cfg.job.notices.append(notice)
@@ -64,6 +81,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     """Resolve the model, tokenizer and layout (batch plan and pipeline split included); raise ConfigError."""
     tokenizer = tokenizer or build_tokenizer(cfg.model.hf_assets_path)
     spec, args = resolve_model(cfg, tokenizer)
+    image_spec = image_spec_for(cfg, args, tokenizer) if cfg.training.dataset in PACKED else None
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
     if layout.lora is not None:  # every target pattern must select a linear layer (a meta model: no memory)
@@ -71,12 +89,12 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
             targets = lora_targets(spec.model_cls(args), layout.lora)
         if layout.pipeline is not None:
             check_stages_have_adapters(targets, layout.pipeline.modules_per_stage)
-    if cfg.training.dataset == CHAT and args.attention_mask != "block_causal":
-        raise ConfigError("[model.attention_mask] chat data packs several conversations into each row: set "
+    if cfg.training.dataset in PACKED and args.attention_mask != "block_causal":
+        raise ConfigError(f"[model.attention_mask] {cfg.training.dataset} data packs several samples into each row: set "
                           "model.attention_mask = \"block_causal\" so that they do not attend to each other")
     check_validation(cfg.validation, cfg.training, layout.dims.tp, layout.dims.cp)
     check_eval(cfg.eval, cfg.training.seq_len, layout.dims.tp, layout.dims.cp)
-    return ResolvedJob(layout, tokenizer, spec, args)
+    return ResolvedJob(layout, tokenizer, spec, args, image_spec)
 
 
 def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:

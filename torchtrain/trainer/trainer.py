@@ -73,9 +73,9 @@ class Trainer:
                            cfg.lr_scheduler.warmup_steps, cfg.training.steps)
         # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
         # the cache on first use, by one process while the others wait).
-        sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed)
+        sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed, job.image_spec)
         held_out = build_validation_sources(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
-                                            cfg.debug.seed)  # [] unless enabled
+                                            cfg.debug.seed, job.image_spec)  # [] unless enabled
         eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
 
         # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).

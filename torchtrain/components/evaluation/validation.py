@@ -116,7 +116,7 @@ def check_validation_data(v: Validation, training: Training, tokenizer: Tokenize
 
 
 def build_validation_sources(v: Validation, training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
-                             seed: int) -> list[tuple[HeldOutSet, Source | ChatSource]]:
+                             seed: int, image_spec=None) -> list[tuple[HeldOutSet, Source | ChatSource]]:
     """Every held-out set with its data, prepared (empty when validation is off); ConfigError when
     one cannot be read."""
     out = []
@@ -124,7 +124,8 @@ def build_validation_sources(v: Validation, training: Training, tokenizer_path: 
         if s.dataset in ("files", TOKENS, CHAT) and s.dataset_path == training.dataset_path:
             logger.warning("%s.dataset_path is the training data: the validation loss is not held out", s.key)
         if s.dataset == CHAT:  # conversations: answer-only labels, packed like the training data
-            (chat,) = chat_sources(s.dataset_path, [], tokenizer, s.seq_len, training.chat_overlong, section=s.key)
+            (chat,) = chat_sources(s.dataset_path, [], tokenizer, s.seq_len, training.chat_overlong, section=s.key,
+                                   image_spec=image_spec, bad_images=training.bad_images)
             out.append((s, chat))
             continue
         (source,) = resolve_sources(s.dataset, s.dataset_path, [], training.dataset_text_field,

@@ -81,6 +81,11 @@ class VisionArgs:
     def patch_dim(self) -> int:
         return self.vision_in_channels * self.vision_temporal_patch_size * self.vision_patch_size ** 2
 
+    def image_geometry(self) -> tuple[int, int, int] | None:
+        if not self.vision:
+            return None
+        return self.vision_patch_size, self.vision_temporal_patch_size, self.vision_merge_size
+
     def validate_vision(self) -> None:
         if not self.vision:
             if self.vision_depth < 0:

@@ -97,6 +97,9 @@ class Qwen3_5Args(VisionArgs, GQADecoderArgs):
     vision_end_token_id: int = 248054
     """Id of the token after an image's placeholders (`<|vision_end|>`)."""
 
+    def bind_image_tokens(self, image_pad: int, vision_start: int, vision_end: int) -> None:
+        self.image_token_id, self.vision_start_token_id, self.vision_end_token_id = image_pad, vision_start, vision_end
+
     def is_full(self, layer_id: int) -> bool:
         """Whether layer `layer_id` is a full-attention layer."""
         return (layer_id + 1) % self.full_attention_interval == 0
