@@ -10,7 +10,9 @@ writes, under OUT:
   image and a question -- "What shape is this?", "What colour is the shape?" or "Describe the picture." --
   and the assistant's answer ("circle", "red", "red circle");
 * ``tars/shard-K.tar`` (with ``--tars K``): the training pictures as WebDataset image-text pairs
-  (``KEY.png`` + ``KEY.txt`` caption "a red circle").
+  (``KEY.png`` + ``KEY.txt`` caption "a red circle");
+* ``tokenizer/`` (the command line): a byte-level tokenizer with Qwen's chat and image tokens and a
+  Qwen-style chat template (`write_tokenizer`), so a tiny model trains on the set without a download.
 
 The answers depend on the picture alone, so a model answers held-out pictures right only by seeing them:
 the vision-language tests train on it, and the README's fine-tuning example uses it. Needs Pillow
@@ -31,6 +33,35 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 60, 220), 
 SHAPES = ("circle", "square", "triangle")
 QUESTIONS = {"shape": "What shape is this?", "colour": "What colour is the shape?",
              "both": "Describe the picture."}
+
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(folder: str) -> dict[str, int]:
+    """A byte-level tokenizer.json (256 byte ids, then SPECIAL: Qwen's chat and image tokens) and a
+    tokenizer_config.json with a Qwen-style chat template (`CHAT_TEMPLATE`: list contents, an image as
+    <|vision_start|><|image_pad|><|vision_end|>); returns the special tokens' ids. Needs `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    os.makedirs(folder, exist_ok=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab.update({name: 256 + i for i, name in enumerate(SPECIAL)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}, f)
+    return {name: 256 + i for i, name in enumerate(SPECIAL)}
 
 
 def draw(shape: str, colour: str, rng: random.Random, sizes: tuple[int, int] = (32, 64)):
@@ -100,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test", type=int, default=64, help="held-out pictures (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tars", type=int, default=0, help="also write the training pictures as K tar shards")
+    ap.add_argument("--size", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
+                    help="picture sides drawn between MIN and MAX pixels (default 32 64)")
     ns = ap.parse_args(argv)
     try:
         import PIL  # noqa: F401
@@ -107,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         print("torchtrain.tools.shapes: error: drawing pictures needs Pillow: pip install 'torchtrain[vision]'",
               file=sys.stderr)
         return 2
-    write(ns.out, ns.train, ns.test, ns.seed, ns.tars)
-    print(f"wrote {ns.train} training and {ns.test} held-out pictures under {ns.out}")
+    write(ns.out, ns.train, ns.test, ns.seed, ns.tars, tuple(ns.size))
+    write_tokenizer(os.path.join(ns.out, "tokenizer"))
+    print(f"wrote {ns.train} training and {ns.test} held-out pictures under {ns.out}, and a byte-level tokenizer "
+          f"with Qwen's image tokens and a chat template under {ns.out}/tokenizer")
     return 0
 
 
