@@ -212,6 +212,16 @@ class ParitySuite:
         assert run.returncode == 0, run.log[-3000:]
         return run
 
+    def check_resumes_bitwise(self, spec: str, step: int, extra=(), rtol: float = 1e-4) -> None:
+        """`spec` (with `extra`, which must save a checkpoint at `step`) matches the baseline, and a rerun from its
+        step-`step` checkpoint continues to the last step with bitwise-equal losses."""
+        first, = self.check([spec], rtol=rtol, extra=extra)
+        resumed = self.resume(spec, step, extra)
+        ref = {r["step"]: r["loss"] for r in first.records}
+        got = {r["step"]: r["loss"] for r in resumed.records}
+        assert "resumed from" in resumed.log
+        assert sorted(got) == list(range(step + 1, self.steps + 1)) and all(got[s] == ref[s] for s in got), (ref, got)
+
     def check(self, layouts: list[str], rtol: float = 1e-4, extra=()):
         """Run each layout (unless it ran up front), print the per-step table, assert every layout matches;
         return the runs."""
