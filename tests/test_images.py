@@ -62,6 +62,18 @@ def test_pixel_values_equal_the_processor(size, mode):
     assert s.grid_of(size[1], size[0]) == grid  # from the header alone, as the data checks it
 
 
+@pytest.mark.parametrize("size", [(64, 48), (50, 90), (20, 20), (300, 140)])
+def test_pixel_values_equal_the_processor_with_qwen3_5_patches(size):
+    """Qwen3.5's own geometry (patch 16, temporal 2, merge 2: 32-pixel blocks), small pixel bounds."""
+    pytest.importorskip("transformers")
+    s = spec(patch_size=16, min_pixels=32 * 32, max_pixels=128 * 128)
+    image = picture(*size, seed=3)
+    ours, grid = s.patches(image)
+    theirs = processor(s)(images=[image], return_tensors="np")
+    assert tuple(theirs["image_grid_thw"][0]) == grid and ours.shape[1] == 3 * 2 * 16 * 16
+    np.testing.assert_allclose(ours.numpy(), theirs["pixel_values"], rtol=0, atol=1e-6)
+
+
 def test_several_images_concatenate_as_the_processor_batches_them():
     pytest.importorskip("transformers")
     s = spec(temporal_patch_size=1, merge_size=1, image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
@@ -120,3 +132,25 @@ def test_missing_pillow_is_one_config_error_naming_the_extra(monkeypatch):
     with pytest.raises(ConfigError) as e:
         open_image("any.png")
     assert str(e.value) == "reading images needs Pillow: pip install 'torchtrain[vision]'"
+
+
+def test_image_tokens_are_never_trained_even_in_an_answer(tmp_path):
+    """An image in an assistant turn: its whole run (start, pads, end) and the position predicting its start
+    keep the ignore label; the answer's text around it is trained."""
+    from torchtrain.data.chat import chat_sources
+    from torchtrain.data.chat_packing import PackedChatDataset
+    from torchtrain.utils.token_loss import IGNORE_INDEX
+
+    picture(40, 40).save(tmp_path / "a.png")
+    s = spec(image_pad_id=258, vision_start_id=259, vision_end_id=260)
+    record = {"messages": [{"role": "user", "content": "draw"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "here "}, {"type": "image", "path": "a.png"}, {"type": "text", "text": " done"}]}]}
+    (tmp_path / "c.jsonl").write_text(__import__("json").dumps(record) + "\n")
+    (source,) = chat_sources(str(tmp_path / "c.jsonl"), [], ByteTokenizer(), 64, "truncate", image_spec=s)
+    batch = PackedChatDataset([source], 64, shuffle=False).__getitems__([0])
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0]
+    start, end = ids.index(259), ids.index(260)
+    assert (labels[start - 1:end] == IGNORE_INDEX).all() and labels[end] == ord(" ")
+    trained = labels[labels != IGNORE_INDEX].tolist()
+    assert trained == list(b"here  done") + [ByteTokenizer.eos_id]
+    assert tuple(batch["image_grid"][0, 0].tolist()) == s.grid_of(40, 40)

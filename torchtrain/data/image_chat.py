@@ -5,7 +5,8 @@ every conversation that has an image part).
   error naming the conversation's file:line, or -- with `training.bad_images = "skip"` -- the conversation
   is skipped and counted (logged once, with the first reason).
 * **Expanded.** The template renders each image as one `<|image_pad|>` (`chat_template.py`); the k-th becomes
-  as many as the k-th image has decoder tokens (`ImageSpec.token_count`), never trained. A template that
+  as many as the k-th image has decoder tokens (`ImageSpec.token_count`); an image's tokens (with its
+  `<|vision_start|>` and `<|vision_end|>`, even in an answer) are never trained. A template that
   renders another number of placeholders than the conversation has images is an error.
 * **Never cut inside an image.** A conversation longer than seq_len + 1 tokens that the overlong rule
   truncates is cut before the first image whose tokens would not all be among the row's first seq_len
@@ -50,7 +51,8 @@ def image_grids(conversation: Conversation, spec: ImageSpec | None, key: str) ->
 def expand(ids: list[int], trained: list[bool], grids: list[Grid], spec: ImageSpec, where: str
            ) -> tuple[list[int], list[bool], list[tuple[int, int]]]:
     """The rendering with each image's placeholder expanded; also each image's token span [a, b) (from its
-    `<|vision_start|>` when the template put one right before it)."""
+    `<|vision_start|>` when the template put one right before it, to after its `<|vision_end|>`), none of
+    whose tokens is trained."""
     at = [i for i, t in enumerate(ids) if t == spec.image_pad_id]
     if len(at) != len(grids):
         raise ValueError(f"{where}: the chat template rendered {len(at)} {IMAGE_PAD} tokens for the "
@@ -66,7 +68,10 @@ def expand(ids: list[int], trained: list[bool], grids: list[Grid], spec: ImageSp
         end = len(out_ids) + (1 if i + 1 < len(ids) and ids[i + 1] == spec.vision_end_id else 0)
         spans.append((start, end))
         last = i + 1
-    return out_ids + ids[last:], out_trained + trained[last:], spans
+    out_trained += trained[last:]
+    for a, b in spans:  # an image in an answer: its start and end tokens are not trained either
+        out_trained[a:b] = [False] * (b - a)
+    return out_ids + ids[last:], out_trained, spans
 
 
 def fit(ids: list[int], trained: list[bool], spans: list[tuple[int, int]], seq_len: int, overlong: str,

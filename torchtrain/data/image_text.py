@@ -184,10 +184,10 @@ def image_text_sources(path: str | None, entries: list[DatasetEntry], tokenizer:
                     continue
                 image = image_spec.tokens(grid)
                 text = tokenizer.encode(pair.caption, bos=False, eos=True)
-                ids, trained, _ = fit(head + image + text, [False] * (len(head) + len(image)) + [True] * len(text),
-                                      [(len(head), len(head) + len(image))], seq_len, overlong, pair.where, key)
+                ids, trained, kept = fit(head + image + text, [False] * (len(head) + len(image)) + [True] * len(text),
+                                         [(len(head), len(head) + len(image))], seq_len, overlong, pair.where, key)
                 rendered.append((ids, trained))
-                images.append(((pair.image, grid),))
+                images.append(((pair.image, grid),)[:kept])
         if skipped.count:
             logger.warning("data: %s: %d sample(s) skipped as unreadable or incomplete (training.bad_images = "
                            "\"skip\"); the first: %s", p, skipped.count, skipped.first)
