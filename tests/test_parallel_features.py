@@ -8,7 +8,7 @@ Tolerances:
   missing shard shows up at 1e-2 or worse from the first step.
 * bf16 / fp16 vs fp32: relative difference <= 1e-2. bf16 keeps 8 significant bits (each rounding is
   up to 2^-9 = 2e-3 relative), fp16 11 bits; rounding differences in logits and gradients average out
-  over many elements, and we observe ~2e-4 (bf16) and ~2e-5 (fp16) loss differences over 10 steps,
+  over many elements, and we observe ~2e-4 (bf16) and ~2e-5 (fp16) loss differences over the first 6-10 steps,
   so 1e-2 is loose enough to be robust yet catches a missing cast or a broken loss scale (which is
   off by > 10% at once).
 """
@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO, TINY_JOB, ParitySuite, read_metrics, run_train
 
 pytestmark = pytest.mark.dist
-STEPS = 10
+STEPS = 6
 OVERRIDES = list(TINY_JOB) + ["--training.global_batch_size", "8"]
 
 

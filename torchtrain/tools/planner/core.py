@@ -77,10 +77,14 @@ class Plan:
 
 
 class _VocabOnly:
-    """Stands in for a tokenizer whose files are not on this machine (only its size is checked)."""
+    """Stands in for a tokenizer whose files are not on this machine (only its size is checked; its special
+    tokens, such as a vision-language model's image tokens, are taken to be there)."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+
+    def token_id(self, text: str) -> int:
+        return 0
 
 
 @dataclass
