@@ -1,7 +1,8 @@
 """Any causal language model of the installed transformers, trained by the engine (docs/transformers.md):
 `--model.name transformers --model.hf_path DIR`, DIR a local folder with a Hugging Face config.json
-(optionally safetensors weights and a tokenizer). Registered as "transformers"; it has no flavors --
-the folder describes the model."""
+(optionally safetensors weights and a tokenizer); a composite vision-language config of a type the backend
+trains (`vision_language.py`) sees images. Registered as "transformers"; it has no flavors -- the folder
+describes the model."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SPEC = ModelSpec(name="transformers", model_cls=build_model, args_cls=Transforme
                  blocks="decoder_layers", tp_plan=apply_tp, fsdp_units=fsdp_units, validate=validate,
                  stage_modules=stage_modules,
                  state_dict_adapter=TransformersStateDictAdapter, context_parallel=True, compile_fullgraph=False,
-                 adapt=adapt, hf_weights=weights_folder)
+                 adapt=adapt, hf_weights=weights_folder, encoder_blocks="model.visual.blocks")
 register_model_spec(SPEC)
 
 __all__ = ["SPEC", "TransformersArgs", "TransformersStateDictAdapter", "build_model"]

@@ -1,5 +1,7 @@
 """Arguments of a Hugging Face transformers causal language model: the folder it is described by, and
-what the trainer reads off it (sizes, parameter and FLOP counts, the vocabulary check).
+what the trainer reads off it (sizes, parameter and FLOP counts, the vocabulary check). A composite
+vision-language config of a type in `IMAGE_TEXT` is read too (its text model's sizes, its vision tower's
+patch geometry for the image data: `vision_language.py`); other composite types are refused naming why.
 
 The folder's `config.json` is read by transformers' own `AutoConfig` (never code from the folder:
 remote code is refused), so the model type must be one the installed transformers knows. Parameter
@@ -53,27 +55,69 @@ def _read_config(path: str, mtime: float):
     except (ValueError, KeyError, OSError) as e:
         raise ConfigError(f"[model.hf_path] {path}/config.json is not a config the installed transformers "
                           f"{transformers.__version__} can read: {str(e).splitlines()[0]}") from None
+    if is_composite(config):
+        check_composite(config, path)
+        return config
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if getattr(config, "is_encoder_decoder", False) or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ConfigError(f"[model.hf_path] model type {config.model_type!r} ({path}) is not a decoder-only causal "
                           f"language model of transformers (AutoModelForCausalLM has no class for it)")
-    if config.get_text_config() is not config:
-        raise ConfigError(f"[model.hf_path] model type {config.model_type!r} ({path}) wraps a text model in a "
-                          f"composite (e.g. multimodal) config; give the folder of its text model (its text_config, "
-                          f"e.g. model_type {config.get_text_config().model_type!r})")
     return config
 
 
+def is_composite(config) -> bool:
+    """Whether `config` wraps a text model in a composite (vision-language) config."""
+    return config.get_text_config() is not config
+
+
+IMAGE_TEXT = ("qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen2_vl")
+"""Composite model types trained (`vision_language.py`): the Qwen-VL image layout -- packed patches with their
+`image_grid_thw`, placeholders replaced by the vision tower's merged features, multimodal RoPE positions."""
+NOT_TRAINED = {
+    "gemma3": "its vision tower takes whole fixed-size pictures (not packed patches) and its image tokens attend "
+              "to each other both ways, which torchtrain's attention does not do",
+    "qwen3_vl": "it adds its vision tower's intermediate features to its first decoder layers (deepstack), which "
+                "torchtrain's forward does not do",
+}
+NOT_TRAINED["qwen3_vl_moe"] = NOT_TRAINED["qwen3_vl"]
+
+
+def check_composite(config, path: str) -> None:
+    """ConfigError (one line naming what is missing) unless `config` is a composite type the backend trains."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    kind = config.model_type
+    if kind in IMAGE_TEXT and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return
+    why = NOT_TRAINED.get(kind, f"torchtrain trains the Qwen-VL image layout (packed patches, image_grid_thw, "
+                                f"multimodal RoPE) of {', '.join(IMAGE_TEXT)} only")
+    raise ConfigError(f"[model.hf_path] composite model type {kind!r} ({path}) is not trained: {why}; give the folder "
+                      f"of its text model to train the decoder alone (its text_config, model_type "
+                      f"{config.get_text_config().model_type!r})")
+
+
+def hf_class(config) -> type:
+    """The transformers class the backend builds for `config`: its causal LM, or its image-text-to-text class."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    return (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if is_composite(config) else MODEL_FOR_CAUSAL_LM_MAPPING)[type(config)]
+
+
 def with_layers(config, n_layers: int):
-    """A copy of `config` with its first `n_layers` decoder layers (per-layer lists cut to match)."""
+    """A copy of `config` with its first `n_layers` decoder layers (per-layer lists cut to match; a composite
+    config's text model)."""
     out = copy.deepcopy(config)
-    total = config.num_hidden_layers
+    text = out.get_text_config()
+    total = text.num_hidden_layers
     if n_layers and n_layers != total:
-        for key, value in vars(config).items():
+        for key, value in vars(text).items():
             if isinstance(value, (list, tuple)) and len(value) == total and key != "architectures":
-                setattr(out, key, type(value)(value[:n_layers]))
-        out.num_hidden_layers = n_layers
+                setattr(text, key, type(value)(value[:n_layers]))
+        text.num_hidden_layers = n_layers
     return out
 
 
@@ -93,10 +137,10 @@ def _parameter_shapes(path: str, mtime: float, n_layers: int) -> tuple[tuple[str
     """(name, shape) of every parameter of the model built on the meta device (tied ones once)."""
     import torch
 
-    transformers = import_transformers()
+    import_transformers()
     config = with_layers(_read_config(path, mtime), n_layers)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        model = hf_class(config)(config)
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
@@ -128,7 +172,7 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
                               f"folder is expected)")
         if self.n_layers < 0:
             raise ConfigError(f"[model.n_layers] must be >= 0 (0: the config's), got {self.n_layers}")
-        total = self.full_config().num_hidden_layers
+        total = self.text_config().num_hidden_layers
         if self.n_layers > total:
             raise ConfigError(f"[model.n_layers] {self.n_layers} exceeds the {total} layers of {self.hf_path}")
         self.n_layers = self.n_layers or total
@@ -141,6 +185,20 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
         """The folder's config as transformers reads it (shared: do not modify)."""
         return _read_config(os.path.abspath(self.hf_path), self.config_mtime())
 
+    def text_config(self):
+        """The folder's text model config: the config itself, or a composite config's text_config."""
+        return self.full_config().get_text_config()
+
+    @property
+    def composite(self) -> bool:
+        """A vision-language config (`vision_language.py`)."""
+        return is_composite(self.full_config())
+
+    @property
+    def layers_prefix(self) -> str:
+        """The decoder layers' parameter-name prefix."""
+        return "model.language_model.layers." if self.composite else "model.layers."
+
     @property
     def config(self):
         """A copy of the config with the layers this model builds."""
@@ -152,24 +210,24 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
 
     @property
     def dim(self) -> int:
-        return self.full_config().hidden_size
+        return self.text_config().hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.full_config().vocab_size
+        return self.text_config().vocab_size
 
     @property
     def n_heads(self) -> int:
-        return self.full_config().num_attention_heads
+        return self.text_config().num_attention_heads
 
     @property
     def kv_heads(self) -> int:
-        c = self.full_config()
+        c = self.text_config()
         return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        c = self.full_config()
+        c = self.text_config()
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     @property
@@ -179,7 +237,7 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
     @property
     def num_experts(self) -> int:
         """Routed experts per MoE layer (0: a dense model)."""
-        c = self.full_config()
+        c = self.text_config()
         for key in ("num_local_experts", "num_experts", "n_routed_experts"):
             value = getattr(c, key, None)
             if isinstance(value, int) and value > 0:
@@ -188,11 +246,28 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
 
     @property
     def num_experts_per_tok(self) -> int:
-        return int(getattr(self.full_config(), "num_experts_per_tok", 0) or 0)
+        return int(getattr(self.text_config(), "num_experts_per_tok", 0) or 0)
 
     def describe(self) -> str:
         """How the start-up line and the planner name the model."""
         return f"{self.model_type} from {self.hf_path}"
+
+    def image_geometry(self) -> tuple[int, int, int] | None:
+        """(patch size, temporal patch size, merge size) of a vision-language config's vision tower; None otherwise."""
+        if not self.composite:
+            return None
+        v = self.full_config().vision_config
+        return v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+
+    def bind_image_tokens(self, image_pad: int, vision_start: int, vision_end: int) -> None:
+        """The tokenizer's image tokens must be the config's (the model's forward and its exports use these)."""
+        c = self.full_config()
+        ours = {"image_token_id": image_pad, "vision_start_token_id": vision_start, "vision_end_token_id": vision_end}
+        for key, value in ours.items():
+            if getattr(c, key, value) != value:
+                raise ConfigError(f"[model.hf_assets_path] the tokenizer's image tokens are not the model's: its "
+                                  f"{key.removesuffix('_id')} is id {value}, {self.hf_path}/config.json says "
+                                  f"{getattr(c, key)}; use the model's own tokenizer")
 
     # ------------------------------------------------------------------ the job
     def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:

@@ -39,7 +39,12 @@ class ConversionPlan:
             raise ConfigError(f"[checkpoint.initial_load_path] the installed transformers has no checkpoint conversion "
                               f"mapping ({e}); its stored layout cannot be read") from None
         self.model = model
-        transforms = get_model_conversion_mapping(model)
+        ours = type(model)  # transformers looks its mappings up by class name first: its own class's
+        model.__class__ = ours.__bases__[-1] if ours.__name__.startswith("Torchtrain") else ours
+        try:
+            transforms = get_model_conversion_mapping(model)
+        finally:
+            model.__class__ = ours
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}

@@ -59,7 +59,7 @@ def declare(args: TransformersArgs) -> contract.ModelContract:
     moe_layer = next((layer for layer, m in zip(layers, is_moe) if m), None)
     dense_block = _block(args, dense, sp)
     moe_block = _block(args, moe_layer, sp) if moe_layer is not None else None
-    config = args.config
+    config = args.config.get_text_config()
     return contract.ModelContract(
         dim=args.dim, n_layers=args.n_layers, vocab_size=args.vocab_size, n_heads=args.n_heads,
         head_dim=args.head_dim, kv_heads=args.kv_heads,

@@ -27,7 +27,7 @@ from torch import nn
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
 from torchtrain.models.transformers import attention, linear_attention
-from torchtrain.models.transformers.args import TransformersArgs, import_transformers
+from torchtrain.models.transformers.args import TransformersArgs, hf_class, import_transformers, is_composite
 from torchtrain.models.transformers.stages import index_layers, is_first_stage
 
 
@@ -41,21 +41,30 @@ class TorchtrainCausalLM(nn.Module):
 
     def tt_setup(self, args: TransformersArgs, registry: bool) -> None:
         self.tt_mask, self.tt_registry = args.attention_mask, registry
-        self.tt_windows = attention.sliding_windows(self.config)
+        self.tt_windows = attention.sliding_windows(self.config.get_text_config())
         self.args = args
         if registry:
             attention.attach_cores(self.decoder_layers, args.attention_mask)
 
     @property
+    def text_model(self) -> nn.Module:
+        """The module holding the embedding, the decoder layers and the final norm: the base model."""
+        return self.base_model
+
+    @property
     def decoder_layers(self) -> nn.ModuleList:
-        """The base model's decoder layers."""
-        return self.base_model.layers
+        """The text model's decoder layers."""
+        return self.text_model.layers
+
+    def encoder_units(self) -> list[nn.Module]:
+        """FSDP units before the text model's (a vision tower's: `vision_language.py`); none."""
+        return []
 
     def top_modules(self) -> list[tuple[str, nn.Module]]:
-        """The base model's children with parameters besides the embedding and the decoder layers (its final
+        """The text model's children with parameters besides the embedding and the decoder layers (its final
         norms), by name: what tensor parallelism keeps whole (sequence-parallel) and FSDP groups with the head."""
         embed, layers = self.get_input_embeddings(), self.decoder_layers
-        return [(name, m) for name, m in self.base_model.named_children()
+        return [(name, m) for name, m in self.text_model.named_children()
                 if m is not embed and m is not layers and any(True for _ in m.parameters())]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -92,13 +101,15 @@ _CLASSES: dict[type, type] = {}
 
 
 def model_class(config) -> type:
-    """`Torchtrain<Class>` for the causal-LM class transformers maps `config` to (one per class)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    base = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    """`Torchtrain<Class>` for the class transformers maps `config` to (one per class): its causal LM, or for a
+    composite vision-language config its image-text-to-text class (`vision_language.py`)."""
+    base = hf_class(config)
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Torchtrain{base.__name__}", (TorchtrainCausalLM, base),
-                              {"__module__": base.__module__, "__doc__": TorchtrainCausalLM.__doc__})
+        mixin = TorchtrainCausalLM
+        if is_composite(config):
+            from torchtrain.models.transformers.vision_language import TorchtrainImageTextLM as mixin
+        _CLASSES[base] = type(f"Torchtrain{base.__name__}", (mixin, base),
+                              {"__module__": base.__module__, "__doc__": mixin.__doc__})
     return _CLASSES[base]
 
 
@@ -109,12 +120,16 @@ def build_model(args: TransformersArgs) -> nn.Module:
     config = args.config
     cls = model_class(config)
     registry = attention.uses_registry(cls)
-    if registry:
-        config._attn_implementation = attention.IMPLEMENTATION
+    if registry:  # the text model's attention (a vision tower keeps transformers' own, non-causal)
+        config.get_text_config()._attn_implementation = attention.IMPLEMENTATION
     model = cls(config)
-    if not isinstance(getattr(model.base_model, "layers", None), nn.ModuleList):
+    if not isinstance(getattr(model.text_model, "layers", None), nn.ModuleList):
         raise ConfigError(f"[model.hf_path] model type {config.model_type!r}: its decoder layers are not the base "
                           f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
+    if is_composite(config):
+        from torchtrain.models.transformers.vision_language import attach_scatter
+
+        attach_scatter(model)
     model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
     index_layers(model)  # layers keyed by their global index: names that survive a pipeline cut
     linear_attention.swap_layers(model)  # Gated DeltaNet layers as the engine's (TP, CP and documents reach them)

@@ -117,6 +117,14 @@ def check_tp(args: TransformersArgs, layout: Layout, swapped: tuple[str, ...]) -
 def validate(args: TransformersArgs, layout: Layout) -> None:
     """The model's checks against the layout (module doc)."""
     dims, kind = layout.dims, args.model_type
+    if args.composite:
+        for on, key, what in ((dims.pp_enabled, "pipeline_parallel_degree", "pipeline stages (the vision tower feeds "
+                               "the first stage's embeddings; stages are cut by decoder layers only)"),
+                              (dims.ep_enabled, "expert_parallel_degree", "expert parallelism (its MoE blocks are "
+                               "checked for the swap on a text model only)")):
+            if on:
+                raise ConfigError(f"[parallelism.{key}] vision-language model type {kind!r}: torchtrain does not "
+                                  f"run it with {what}; set {key} = 1")
     if dims.pp_enabled:
         pipeline.check_pipelinable(args)
     check_attention(args, layout)
@@ -139,15 +147,16 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
-    """The embedding, each decoder layer, then the base model's other weights (the final norm) with the
-    output head; with tied embeddings the shared table stays with the root. A pipeline stage has the
-    units of the modules it holds."""
+    """A vision tower's units (its blocks, then the rest of it: `vision_language.py`), the embedding, each decoder
+    layer, then the text model's other weights (the final norm) with the output head; with tied embeddings the
+    shared table stays with the root. A pipeline stage has the units of the modules it holds."""
     def has_weights(m: nn.Module | None) -> bool:
         return m is not None and next(m.parameters(), None) is not None
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = has_weights(head) and has_weights(embed) and head.weight is embed.weight
-    units: list[nn.Module | list[nn.Module]] = [] if tied or not has_weights(embed) else [embed]
+    units: list[nn.Module | list[nn.Module]] = list(model.encoder_units())
+    units += [] if tied or not has_weights(embed) else [embed]
     units += list(model.decoder_layers)
     tail = [m for _, m in model.top_modules()]
     if not tied and has_weights(head):

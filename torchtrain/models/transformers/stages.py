@@ -21,10 +21,10 @@ class IndexedLayers(nn.ModuleDict):
 
 
 def index_layers(model: nn.Module) -> None:
-    """Hold the base model's decoder layers in an `IndexedLayers` (the same parameter names)."""
-    layers = model.base_model.layers
+    """Hold the text model's decoder layers in an `IndexedLayers` (the same parameter names)."""
+    layers = model.text_model.layers
     if not isinstance(layers, IndexedLayers):
-        model.base_model.layers = IndexedLayers({str(i): layer for i, layer in enumerate(layers)})
+        model.text_model.layers = IndexedLayers({str(i): layer for i, layer in enumerate(layers)})
 
 
 def fill_stage(model: nn.Module) -> None:

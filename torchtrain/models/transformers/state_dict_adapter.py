@@ -1,8 +1,9 @@
 """A transformers model's Hugging Face names are its own: every parameter is stored under its name,
 as is -- but the parts of a linear-attention layer the engine keeps apart (`linear_attention.py`: q/k/v
 projections and convolutions, written back into transformers' fused `in_proj_qkv` and `conv1d`). The export writes the folder's config (with the layers built and the stored dtype) and copies
-its tokenizer and generation files, so `AutoModelForCausalLM.from_pretrained` loads the result (the
-`save_pretrained` layout). A folder stored in another layout (transformers' conversion mapping, e.g.
+its tokenizer, generation and processor files, so `AutoModelForCausalLM.from_pretrained` loads the result (the
+`save_pretrained` layout; a composite vision-language folder keeps its names -- `model.visual.*`,
+`model.language_model.*`, `lm_head.weight` -- and its config, which `AutoModelForImageTextToText` loads). A folder stored in another layout (transformers' conversion mapping, e.g.
 one tensor per expert) is read through transformers' own conversion (`checkpoint_layout.py`)."""
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import torch
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.linear_attention import from_fused, fused_part, to_fused
 from torchtrain.models.state_dict_adapter import StateDictAdapter
-from torchtrain.models.transformers.args import TransformersArgs
+from torchtrain.models.transformers.args import TransformersArgs, hf_class
 from torchtrain.models.transformers.linear_attention import DECAY_NAME
 
 # Files of a model folder that belong with its weights (tokenizer, chat template, generation defaults).
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
 # Settings of config.json that decide the tensors' names and shapes.
 STRUCTURAL = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "tie_word_embeddings", "moe_intermediate_size", "num_local_experts",
               "num_experts")
+VISION_STRUCTURAL = ("depth", "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
+                     "num_heads", "num_position_embeddings")
 
 
 class TransformersStateDictAdapter(StateDictAdapter):
@@ -54,7 +58,7 @@ class TransformersStateDictAdapter(StateDictAdapter):
     def from_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if fused_part(key) is None:
             return tensor
-        c = self.model_args.config
+        c = self.model_args.text_config()
         return from_fused(key, tensor, c.linear_num_key_heads * c.linear_key_head_dim,
                           c.linear_num_value_heads * c.linear_value_head_dim)
 
@@ -62,10 +66,8 @@ class TransformersStateDictAdapter(StateDictAdapter):
         return {"lm_head.weight"} if self.model_args.tie_word_embeddings else set()
 
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
         config = self.model_args.config
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+        config.architectures = [hf_class(config).__name__]
         config.dtype = dtype
         return json.loads(config.to_json_string(use_diff=False))
 
@@ -88,15 +90,22 @@ class TransformersStateDictAdapter(StateDictAdapter):
         return super().unused_hf_keys(available, used) - extra
 
     def _layer_prefixes_beyond(self) -> tuple[str, ...]:
-        total = self.model_args.full_config().num_hidden_layers
-        return tuple(f"model.layers.{i}." for i in range(self.model_args.n_layers, total))
+        total = self.model_args.text_config().num_hidden_layers
+        prefix = self.model_args.layers_prefix
+        return tuple(f"{prefix}{i}." for i in range(self.model_args.n_layers, total))
 
     def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
         ours = self.model_args.config.to_dict()
-        for key in STRUCTURAL:
-            if key in config and key in ours and config[key] != ours[key]:
-                raise ConfigError(f"[checkpoint.initial_load_path] {source}: config.json has {key} = {config[key]!r} "
-                                  f"but the model (model.hf_path {self.model_args.hf_path}) has {ours[key]!r}")
+        pairs = [(config, ours)]
+        if "text_config" in ours:  # a composite config: its text model's and its vision tower's settings too
+            pairs += [(config.get(k) or {}, ours[k]) for k in ("text_config", "vision_config") if k in ours]
+        for theirs, own in pairs:
+            for key in STRUCTURAL + VISION_STRUCTURAL:
+                if key in theirs and key in own and theirs[key] != own[key]:
+                    raise ConfigError(f"[checkpoint.initial_load_path] {source}: config.json has {key} = "
+                                      f"{theirs[key]!r} but the model (model.hf_path {self.model_args.hf_path}) has "
+                                      f"{own[key]!r}")
+        config = config.get("text_config") or config
         if config.get("num_hidden_layers", self.model_args.n_layers) < self.model_args.n_layers:
             raise ConfigError(f"[checkpoint.initial_load_path] {source}: config.json has "
                               f"{config['num_hidden_layers']} layers, fewer than the {self.model_args.n_layers} "

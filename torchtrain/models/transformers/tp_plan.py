@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -89,7 +90,8 @@ class GatherSequence(PrepareModuleInput):
 
 
 def declared(config) -> dict[str, str]:
-    """The model's plan: what its config declares, completed by `COMPLETED`."""
+    """The model's plan: what its (text model's) config declares, completed by `COMPLETED`."""
+    config = config.get_text_config()
     return {**COMPLETED.get(config.model_type, {}), **(getattr(config, "base_model_tp_plan", None) or {})}
 
 
@@ -184,17 +186,23 @@ def name_of(root: nn.Module, module: nn.Module) -> str:
 
 
 def top_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> tuple[dict[str, object], dict[str, object]]:
-    """(styles relative to the base model: embedding and final norms; styles relative to the model: head)."""
-    base = model.base_model
+    """(styles relative to the text model: embedding and final norms; styles relative to the model: head, and a
+    vision-language model's `image_scatter`, after which the embeddings are cut into sequence shards)."""
+    base = model.text_model
     embed = model.get_input_embeddings()
+    scatter = getattr(model, "image_scatter", None)
+    cut = sp and scatter is None  # the embedding's output is cut, or left whole for the images to join it
     base_plan: dict[str, object] = {name_of(base, embed): RowwiseParallel(input_layouts=Replicate(),
-                                                                           output_layouts=Shard(1) if sp else Replicate())}
+                                                                           output_layouts=Shard(1) if cut else Replicate())}
     if sp:
         for name, _ in model.top_modules():
             base_plan[name] = SequenceParallel(use_local_output=True)
     head = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
-    return base_plan, {name_of(model, model.get_output_embeddings()): head}
+    model_plan: dict[str, object] = {name_of(model, model.get_output_embeddings()): head}
+    if sp and scatter is not None:
+        model_plan["image_scatter"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    return base_plan, model_plan
 
 
 OwnStyles = Callable[[nn.Module], dict[str, object]]
@@ -220,10 +228,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, own: Ow
     engine swapped in (they need sequence parallelism, which the model's checks made sure of)."""
     problem = model_sp_problem(model, own)
     sp = problem is None
-    logger.info("tensor parallelism of model type %s from its declared plan, %s", model.config.model_type,
-                "with sequence parallelism" if sp else f"without sequence parallelism ({problem})")
+    logger.info("tensor parallelism of model type %s from its declared plan, %s%s", model.config.model_type,
+                "with sequence parallelism" if sp else f"without sequence parallelism ({problem})",
+                "; its vision tower (no plan declared) replicated on every TP rank"
+                if getattr(model, "image_scatter", None) is not None else "")
     base_plan, head_plan = top_plan(model, sp, loss_parallel)
-    parallelize_module(model.base_model, tp_mesh, base_plan)
+    parallelize_module(model.text_model, tp_mesh, base_plan)
     parallelize_module(model, tp_mesh, head_plan)
     for layer in model.decoder_layers:
         styles = own(layer) if own is not None else {}
