@@ -24,6 +24,8 @@ examples:
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100
   python -m torchtrain.plan --config train_configs/llama3_70b.toml --world-size 64 --gpu h100 --search
   python -m torchtrain.plan --config train_configs/llama3_405b.toml --world-size 16384 --gpu h100 --json
+  python -m torchtrain.plan --model.name qwen3_5 --model.flavor 9B-VL --world-size 8 --gpu h100 \
+      --images-per-sample 2 --image-size 896x672
 """
 
 
@@ -45,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "measured rates, e.g. --device fp32_tflops=0.3 --device hbm_tbps=0.02")
     ap.add_argument("--document-tokens", type=float,
                     help="mean document length, for block-causal attention's FLOPs (default: counted as causal)")
+    ap.add_argument("--images-per-sample", type=float,
+                    help="images per sequence (a mean) of a vision-language job, e.g. a qwen3_5 -VL flavor (default 0)")
+    ap.add_argument("--image-size", type=_image_size, metavar="HxW",
+                    help="the images' height x width in pixels before the processor resizes them (default 448x448)")
     ap.add_argument("--price", type=float, help="$ per GPU-hour (default 2.5)")
     ap.add_argument("--tokens", type=float, help="token budget to train (default 20 x parameters)")
     ap.add_argument("--failure-rate", type=float,
@@ -92,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    """"HxW" -> (H, W)."""
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HxW (e.g. 448x448)") from None
+    return h, w
+
+
 def _flags(ns: argparse.Namespace) -> dict:
     flags = {"dp_shard": ns.dp_shard, "dp_replicate": ns.dp_replicate, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep,
              "strategy": ns.strategy, "reshard_after_forward": ns.reshard, "ac_mode": ns.ac, "ac_option": ns.ac_option,
@@ -99,7 +114,7 @@ def _flags(ns: argparse.Namespace) -> dict:
              "pp_stages_per_rank": ns.stages_per_rank, "cpu_offload": ns.cpu_offload,
              "offload_optimizer": ns.offload_optimizer, "offload_params": ns.offload_params, "memory_gib": ns.memory_gib,
              "headroom": ns.headroom, "price": ns.price, "tokens": ns.tokens, "document_tokens": ns.document_tokens,
-             "failure_rate": ns.failure_rate,
+             "failure_rate": ns.failure_rate, "images_per_sample": ns.images_per_sample, "image_size": ns.image_size,
              "restart_s": None if ns.restart_minutes is None else 60 * ns.restart_minutes}
     if ns.microbatches is not None:
         flags["local_batch_size"] = ns.microbatches * (ns.microbatch_size or 1)

@@ -1,6 +1,7 @@
 """A block's modules as the planner sees them (`Module`: widths and parameters), the tensor-parallel
 collectives a family's plan issues over them (`tp_collectives`), and the module sets of the shared layers
-(`gqa_modules`, `swiglu_modules`, `moe_modules`, `linear_attention_modules`). `models/contract.py`
+(`gqa_modules`, `swiglu_modules`, `moe_modules`, `linear_attention_modules`, the vision encoder's
+`vision_block_modules` and `vision_rest_modules`). `models/contract.py`
 re-exports them: families read them as `contract.X`.
 
 The collectives are derived, not restated: a block states its modules' widths (`Module`), and
@@ -19,7 +20,9 @@ find what each style moves per block and micro-batch:
   of the output width in forward; a row-parallel layer cutting a whole input (`RowwiseParallel(
   input_layouts=Replicate())`): an all-gather of the input width's gradient in backward;
 * replicated weights on sequence shards (`SequenceParallel`): one all-reduce of each parameter's
-  gradient in backward.
+  gradient in backward;
+* a column-parallel layer over a plain replicated input (`plain_inputs`: a vision encoder's patches): an
+  all-reduce of the input's gradient in backward.
 """
 
 from __future__ import annotations
@@ -47,20 +50,32 @@ class Module:
     dtype: str = "compute"
 
 
-def linear(in_features: int, out_features: int) -> Module:
-    return Module(in_features, out_features, ((out_features, in_features),), linear=True)
+def linear(in_features: int, out_features: int, bias: bool = False) -> Module:
+    """A linear layer: its weight (out, in), and with `bias` its bias (out, 1) (split with the output features
+    by a column-parallel style, replicated by a row-parallel one)."""
+    return Module(in_features, out_features, ((out_features, in_features),) + (((out_features, 1),) if bias else ()),
+                  linear=True)
 
 
 def norm(width: int) -> Module:
     return Module(width, width, ((width, 1),))
 
 
+def layer_norm(width: int) -> Module:
+    """A LayerNorm: weight and bias."""
+    return Module(width, width, ((width, 1), (width, 1)))
+
+
 def _layouts(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int) -> list[BlockCollective]:
-    """The tensor-parallel collectives `plan` issues per block and micro-batch (module doc)."""
+def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int,
+                   plain_inputs: bool = False) -> list[BlockCollective]:
+    """The tensor-parallel collectives `plan` issues per block and micro-batch (module doc). `plain_inputs`:
+    the modules receive plain replicated tensors (no enclosing `PrepareModuleInput` hands them DTensors, as
+    in a vision encoder over replicated patches): a column-parallel layer then wraps its input itself, and
+    that wrapping's backward (`DTensor.from_local`) all-reduces the input's gradient, one per layer."""
     if tp == 1:
         return []
     out: list[BlockCollective] = []
@@ -85,6 +100,8 @@ def tp_collectives(plan: dict[str, object], modules: dict[str, Module], tp: int)
                     add("reduce_scatter", True, m, m.in_features)
             elif isinstance(src, Partial) and isinstance(dst, Replicate):
                 add("all_reduce", False, m, m.in_features)
+            elif plain_inputs and isinstance(style, ColwiseParallel) and isinstance(src, Replicate):
+                add("all_reduce", True, m, m.in_features)
             if isinstance(style, ColwiseParallel) and isinstance(_layouts(style.output_layouts)[0], Replicate):
                 add("all_gather", False, m, m.out_features)  # the output gathered whole (its gradient cut locally)
         if isinstance(style, RowwiseParallel):
@@ -153,3 +170,20 @@ def linear_attention_modules(dim: int, lin: LinearAttentionShape) -> dict[str, M
 def qk_norm_modules(head_dim: int) -> dict[str, Module]:
     """Per-head query/key norms (`models/common/parallel.py::qk_norm_plan`)."""
     return {"attention.q_norm": norm(head_dim), "attention.k_norm": norm(head_dim)}
+
+
+def vision_block_modules(dim: int, hidden: int) -> dict[str, Module]:
+    """One block of the shared vision encoder (`models/common/vision.py::VisionBlock`): LayerNorms, q/k/v/o
+    projections and a two-layer MLP, every linear layer with a bias."""
+    return {"attention_norm": layer_norm(dim), **{f"attention.w{x}": linear(dim, dim, True) for x in "qkvo"},
+            "ffn_norm": layer_norm(dim), "feed_forward.w1": linear(dim, hidden, True),
+            "feed_forward.w2": linear(hidden, dim, True)}
+
+
+def vision_rest_modules(patch_dim: int, dim: int, positions: int, merge: int, out_dim: int) -> dict[str, Module]:
+    """The shared vision encoder's modules outside its blocks: the patch embedding (per patch), the learned
+    position table, and the patch merger (per decoder token: m^2 patches concatenated)."""
+    merged = dim * merge * merge
+    return {"patch_embed": linear(patch_dim, dim, True), "pos_embed": Module(positions, dim, ((positions, dim),)),
+            "merger.norm": layer_norm(dim), "merger.w1": linear(merged, merged, True),
+            "merger.w2": linear(merged, out_dim, True)}

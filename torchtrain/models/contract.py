@@ -15,18 +15,22 @@ Layers differ in kind: a model states per layer whether its feed-forward has exp
 whether its token mixer is linear attention (`linear_layers`, `Block.linear`) and its attention window
 (`windows`); `ModelContract.layer_kind` gives a layer's block and attention together (`LayerKind`), and
 `kinds` counts them over a run of layers: the planner costs each kind once and sums.
+
+A model that sees images declares its vision encoder (`vision`: `models/vision_contract.py::VisionShape`,
+its sizes and its blocks' and merger's modules with their TP styles): the planner costs it per image.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.block_modules import (  # noqa: F401  (re-exported: what families declare blocks with)
     GQA_FUSED,
     Module,
     gqa_modules,
+    layer_norm,
     linear,
     linear_attention_modules,
     matmul_kind,
@@ -35,6 +39,8 @@ from torchtrain.models.block_modules import (  # noqa: F401  (re-exported: what 
     qk_norm_modules,
     swiglu_modules,
     tp_collectives,
+    vision_block_modules,
+    vision_rest_modules,
 )
 from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the contract's vocabulary)
     AttentionShape,
@@ -48,6 +54,9 @@ from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the con
     expected_nodes,
 )
 from torchtrain.models.common.tp import LocalShards
+
+if TYPE_CHECKING:
+    from torchtrain.models.vision_contract import VisionShape
 
 
 @dataclass(frozen=True)
@@ -122,8 +131,8 @@ class Block:
             style = self.plan.get(name)
             kind = matmul_kind(style) if tp > 1 else "local"
             rows = kind == "column" or (tp > 1 and isinstance(style, LocalShards))  # LocalShards: split on dim 0
-            for r, c in m.params:
-                dense.append((r // tp, c) if rows else (r, c // tp) if kind == "row" else (r, c))
+            for r, c in m.params:  # (a row-parallel layer's bias, (out, 1), is replicated)
+                dense.append((r // tp, c) if rows else (r, c // tp) if kind == "row" and c > 1 else (r, c))
         if self.moe is None:
             return dense, []
         local, h, H = self.moe.num_experts // ep, self.dim, self.moe.hidden
@@ -199,6 +208,9 @@ class ModelContract:
     """Per block (as `moe_layers`): whether its token mixer is linear attention; () or missing: none."""
     windows: tuple[int | None, ...] = ()
     """Per block: its attention's sliding window (None: the whole sequence); () or missing: none."""
+    vision: "VisionShape | None" = None
+    """The model's vision encoder (`models/vision_contract.py`); None: text only. Its parameters are in
+    `num_params`; its FLOPs, which run per image patch, are not in `flops_per_token`."""
 
     @property
     def moe(self) -> MoEShape | None:

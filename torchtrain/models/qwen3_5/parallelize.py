@@ -3,9 +3,9 @@ grouped-query plan with per-head query/key norms: W_q's rows per head hold the q
 column split keeps them together) or Gated DeltaNet (`models/common/tp.py::gated_deltanet_plan`: heads
 split with their convolution channels and decay parameters) -- and its feed-forward's (a SwiGLU or the MoE
 layer with its gated shared expert); the checks against the layout; the planner's contract (`declare`:
-each layer's block by its mixer). FSDP units and the pipeline split (hybrid stages: any layers per stage)
-are the decoder family's; context parallelism shards both mixers (`distributed/context_parallel.py`,
-`distributed/context_parallel_linear.py`).
+each layer's block by its mixer, and the vision encoder). FSDP units and the pipeline split (hybrid stages:
+any layers per stage) are the decoder family's; context parallelism shards both mixers
+(`distributed/context_parallel.py`, `distributed/context_parallel_linear.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torchtrain.models.common.tp import (
     swiglu_plan,
 )
 from torchtrain.models.qwen3_5.args import Qwen3_5Args, Qwen3_5MoeArgs
+from torchtrain.models.vision_contract import declare_vision
 
 
 def validate_qwen3_5(args: Qwen3_5Args, layout) -> None:
@@ -72,7 +73,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
 def declare(args: Qwen3_5Args) -> contract.ModelContract:
     """The planner's view: per layer `block_plan` over gated full attention (W_q gives each head its query
     and its output gate) or Gated DeltaNet (`linear_layers`, `linear_block`), each with the SwiGLU or the
-    MoE layer with its gated shared expert."""
+    MoE layer with its gated shared expert; with `vision_depth` > 0 the vision encoder (`declare_vision`: its
+    modules under `vision_encoder_plan`)."""
     h, hq = args.dim, args.n_heads * args.head_dim
     if isinstance(args, Qwen3_5MoeArgs):
         moe = contract.MoEShape(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
@@ -92,4 +94,5 @@ def declare(args: Qwen3_5Args) -> contract.ModelContract:
     dense = contract.gqa_decoder(args, full_block, full_block if moe else None, args.num_active_params(), ffn_hidden,
                                  qk_norm=True)
     return replace(dense, linear_block=linear_block,
-                   linear_layers=tuple(not args.is_full(i) for i in range(args.n_layers)))
+                   linear_layers=tuple(not args.is_full(i) for i in range(args.n_layers)),
+                   vision=declare_vision(args, h))

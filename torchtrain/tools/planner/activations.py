@@ -38,6 +38,9 @@ of the SwiGLU's 4 d F,
 
 which sequence parallelism divides by tp (each TP rank routes its own sequence shard).
 
+A vision-language model's encoder stores its images' activations on the stage that holds it, per patch:
+`vision.py`.
+
 Linear-attention mixers (Gated DeltaNet, `Block.linear`: H_k key heads of d_k, H_v value heads of d_v,
 c = 2 H_k d_k + H_v d_v convolved channels, o = H_v d_v, chunk C) store per token, instead of attention's
 terms (head-sharded; the gathered input as attention's), op by op from `models/common/linear_attention.py`
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.models.contract import Block, LinearAttentionShape
+from torchtrain.tools.planner import vision
 from torchtrain.tools.planner.compiled import loss_saved_bytes
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.pipeline import Stage
@@ -196,4 +200,7 @@ def stage_activation_bytes(p: PlanInputs, stage: Stage) -> tuple[float, float]:
         stored += d * a.dim * t / tp  # the stage's output, kept by the schedule until its backward
     if d != 4 and p.fsdp_wraps:
         stored += n * a.max_seq_len * a.head_dim * d  # FSDP2 casts each block's RoPE-table input to d; kept for backward
+    if vision.holds_encoder(p, stage):  # the micro-batch's images through the vision encoder
+        images, transient = vision.activation_bytes(p)
+        stored, recompute = stored + images, max(recompute, transient)
     return stored, recompute

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.tools.planner import offload
+from torchtrain.tools.planner import offload, vision
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.tools.planner.host_time import HostTime, host_seconds
@@ -166,6 +166,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
             if result.skipped is None:
                 flight = prof.in_flight[rank.pp_rank]
                 rank.traced_peak, rank.traced_phase, rank.traced_breakdown, rank.traced_in_flight = result.at(flight)
+                _add_images(p, rank, prof, flight)
     if trace and job.cfg.compile.enable:
         p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (tools/planner/compiled.py); "
                        "compiled blocks may keep fewer intermediates, so the traced peak is an upper bound")
@@ -178,6 +179,21 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
             rank.analytic = offload.adjust_memory(rank.analytic, p)
         plan.base_throughput, plan.throughput = step, offload.with_offload_time(step, plan.offload)
     return plan
+
+
+def _add_images(p: PlanInputs, rank: RankPlan, prof, flight: int) -> None:
+    """The traced step runs text-only batches: on a rank that runs the vision encoder, the activations its
+    images store (analytic, `vision.py`) are added to the traced peak, per micro-batch in flight."""
+    if vision.image_grid(p) is None or not any(vision.holds_encoder(p, s) for s in prof.stages[rank.pp_rank]):
+        return
+    images = flight * vision.activation_bytes(p)[0]
+    rank.traced_peak += images
+    rank.traced_breakdown = {**rank.traced_breakdown,
+                             "activations": rank.traced_breakdown.get("activations", 0.0) + images}
+    note = ("the traced step runs text-only batches: the vision encoder's activations for the images "
+            "(analytic) are added to the traced peak")
+    if note not in p.notes:
+        p.notes.append(note)
 
 
 def host_of(p: PlanInputs, ranks: list[RankPlan]) -> HostTime | None:

@@ -80,7 +80,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "pp_layers_per_stage": ("parallelism", "pipeline_parallel_layers_per_stage"),
 }
 PLANNER_KEYS = ("memory_gib", "headroom", "price", "tokens", "document_tokens", "failure_rate", "restart_s",
-                "sac_matmul_share")
+                "sac_matmul_share", "images_per_sample", "image_size")
 """Planner-only flags: facts about the device and the budget, not part of the job."""
 KEEPS_JOB = frozenset(PLANNER_KEYS) | {"gpu", "notes"}
 """Fields a `replace` may change while the PlanInputs still describe their job and Layout."""
@@ -167,6 +167,12 @@ class PlanInputs:
     (`parallelism.enable_async_tensor_parallel`)."""
     document_tokens: float | None = None
     """Mean document length, for block-causal attention's FLOPs (None: as causal, an upper bound)."""
+    images_per_sample: float = 0.0
+    """Images per sequence (a mean) of a vision-language job (`--images-per-sample`; 0: text only)."""
+    image_size: tuple[int, int] = (448, 448)
+    """(height, width) of those images in pixels, before the processor resizes them (`--image-size HxW`)."""
+    image_pixels: tuple[int, int] = (65536, 16777216)
+    """The job's `[images]` min_pixels and max_pixels: bounds of the resized image (`vision.py`)."""
     sac_matmul_share: float = 0.0
     """Share of a block's forward matmul FLOPs that selective "op" checkpointing recomputes: 0 for
     torchtrain's policy (it saves every matmul output); 0.5 for torchtitan's (every second matmul),

@@ -21,6 +21,9 @@ import torch
 from torchtrain.config import ConfigError
 from torchtrain.config.parallelism import Parallelism
 
+ENCODER = "vision_encoder"
+"""A vision-language model's encoder: a top-level module of the first stage (`Stage.holds`)."""
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -35,6 +38,11 @@ class Stage:
     extra: tuple[str, ...] | None = None
     """Other top-level modules it holds (DeepSeek-V3's `mtp`, and the embedding copy the last stage
     keeps for it); None: all of them (the whole model, no pipeline)."""
+
+    def holds(self, module: str) -> bool:
+        """Whether this stage holds the top-level `module` besides its blocks and ends (e.g. the vision
+        encoder, which sits with the embedding: `models/common/parallel.py::decoder_stage_modules`)."""
+        return self.extra is None or module in self.extra
 
 
 @dataclass(frozen=True)

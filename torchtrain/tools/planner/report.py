@@ -6,8 +6,9 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.tools.planner import interruptions
+from torchtrain.tools.planner import interruptions, vision
 from torchtrain.tools.planner.core import Plan, RankPlan
+from torchtrain.tools.planner.pipeline import ENCODER
 
 GIB = 2**30
 
@@ -48,11 +49,13 @@ def _device(plan: Plan) -> str:
     return f"{p.world_size} x {p.gpu.name}"
 
 
-def _stage_text(rank: RankPlan) -> str:
+def _stage_text(rank: RankPlan, encoder: bool = False) -> str:
+    """A rank's stages; `encoder`: the model has a vision encoder (shown on the stage that holds it)."""
     parts = []
     for s in rank.analytic.stages:
         blocks = f"blocks {s.layers[0]}-{s.layers[-1]}" if s.layers else "no blocks"
-        ends = [e for e, on in (("embedding", s.first), ("output", s.last)) if on]
+        ends = [e for e, on in (("vision encoder", encoder and s.holds(ENCODER)), ("embedding", s.first),
+                                ("output", s.last)) if on]
         parts.append(blocks + (" + " + " + ".join(ends) if ends else ""))
     return "; ".join(parts)
 
@@ -100,6 +103,7 @@ def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
     experts = _experts_line(plan)
     if experts:
         lines.append(experts)
+    lines += vision.describe(p)
     lines.append(f"  batch    {p.local_batch_size} sequences x dp {p.dp} x {p.grad_accum_steps} accumulation = "
                  f"{p.global_batch_size} sequences of {p.seq_len} tokens"
                  + (f"; pipeline micro-batch {p.pp_microbatch_size} ({p.n_microbatches} per batch)"
@@ -134,7 +138,7 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
     p, est = plan.inputs, rank.analytic
     u, name = _unit(plan)
     head = f"Memory per GPU ({name}), pipeline rank {rank.pp_rank}" if p.pp > 1 else f"Memory per GPU ({name})"
-    lines = [f"{head}: {_stage_text(rank)}; analytic peak at the {est.phase}",
+    lines = [f"{head}: {_stage_text(rank, p.model.vision is not None)}; analytic peak at the {est.phase}",
              f"  {'component':<58} {name:>9}  formula"]
     for row in est.rows:
         lines.append(f"  {row.name:<58} {_g(row.bytes, u):>9}  {row.formula}")
@@ -176,7 +180,7 @@ def _pipeline_table(plan: Plan) -> str:
              f"  {'rank':>4}  {'stages':<44} {'in flight':>9} {'analytic':>9} {'traced':>9}  ({name})"]
     for r in plan.ranks:
         traced = _g(r.traced_peak, u) if r.traced_peak is not None else "n/a"
-        lines.append(f"  {r.pp_rank:>4}  {_stage_text(r)[:44]:<44} {r.analytic.in_flight:>9} "
+        lines.append(f"  {r.pp_rank:>4}  {_stage_text(r, p.model.vision is not None)[:44]:<44} {r.analytic.in_flight:>9} "
                      f"{_g(r.analytic.peak, u):>9} "
                      f"{traced:>9}")
     return "\n".join(lines)
@@ -187,7 +191,13 @@ def _throughput_lines(plan: Plan) -> list[str]:
     device = (f"{t.device}, {t.peak_tflops:,.1f} TFLOP/s {p.param_dtype} peak; rates from components/hardware.py"
               if t.peak_tflops else "no device rates: give --gpu, or --gpu cpu with --device FIELD=VALUE")
     model = "6N + attention" if p.lora is None else "4N + 6 x adapters + attention (LoRA)"
-    rows = [(f"FLOPs per token (model: {model})", _si(t.flops_per_token, "FLOP")),
+    label = f"FLOPs per token (model: {model})" if not t.encoder_flops_per_token else \
+        "FLOPs per token (6N + attention + encoder)"
+    rows = [(label, _si(t.flops_per_token, "FLOP"))]
+    if t.encoder_flops_per_token:  # counted in the step's FLOPs and MFU
+        rows.append(("  of which the vision encoder (images)", f"{_si(t.encoder_flops_per_token, 'FLOP')} "
+                     f"({t.encoder_flops_per_token / t.flops_per_token:.1%}; counted in the MFU)"))
+    rows += [
             ("+ recomputation (activation checkpointing)", _si(t.recompute_flops_per_token, "FLOP")),
             ("tokens per step", f"{t.tokens_per_step:,}")]
     if t.step_s is not None:
@@ -261,7 +271,7 @@ def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
         "memory": {"ranks": ranks, "worst_rank": plan.worst.pp_rank if ranks else None,
                    "worst_peak_bytes": plan.worst.peak if ranks else None, "usable_bytes": p.usable_bytes,
                    "fits": plan.fits if ranks else None},
-        "throughput": _clean(plan.throughput), "notes": plan.notes,
+        "throughput": _clean(plan.throughput), "notes": plan.notes, "images": _images(p),
         "offload": None if plan.offload is None else {
             **_clean(plan.offload), "host_per_node_bytes": plan.offload.host_per_node,
             "nvme_per_node_bytes": plan.offload.nvme_per_node, "fits_node": plan.offload.fits,
@@ -269,6 +279,16 @@ def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
         "fewest_gpus": None if fewest is None else {
             k: f[0] if f else None for k, f in zip(("without_offload", "with_offload"), fewest)},
     }
+
+
+def _images(p) -> dict[str, Any] | None:
+    """The images of a vision-language plan: each one's patch grid, decoder tokens and training FLOPs."""
+    grid = vision.image_grid(p)
+    if grid is None:
+        return None
+    return {"per_sample": p.images_per_sample, "size": list(p.image_size), "grid": list(grid),
+            "patches": grid[0] * grid[1] * grid[2], "tokens": p.model.vision.tokens(grid),
+            "encoder_flops": p.model.vision.flops(grid)}
 
 
 # ----------------------------------------------------------------------------------------- search

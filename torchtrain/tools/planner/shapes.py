@@ -1,8 +1,8 @@
 """The model's parameter tensors per FSDP unit as the planner sees them (memory, FSDP traffic), from
 what the model's family declares (`models/contract.py`: each block's modules with their TP split,
 which blocks have experts or linear attention -- `ModelContract.layer_block` --, multi-token-prediction
-depths, tied embeddings). The time model reads each
-block's matmuls, attention and collectives from the same declaration (`PlanInputs.model`).
+depths, tied embeddings, a vision encoder's blocks and rest on the stage that holds it). The time
+model reads each block's matmuls, attention and collectives from the same declaration (`PlanInputs.model`).
 
 With LoRA ([lora]) each targeted linear layer also holds its adapter, A (r x in) and B (out x r), in
 the unit of its layer; the targets are the declared linear modules whose full names
@@ -18,6 +18,7 @@ import math
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import ModelContract, matmul_kind
+from torchtrain.tools.planner.pipeline import ENCODER
 
 
 # ------------------------------------------------------------------------------ parameter shapes
@@ -67,6 +68,9 @@ def _base_units(a: ModelContract, stages, tp: int, ep: int) -> list[tuple[str, l
     units: list[tuple[str, list[tuple[int, int]]]] = []
     tied = a.tie_word_embeddings
     for s in stages:
+        if a.vision is not None and s.holds(ENCODER):  # FSDP units: each encoder block, then the encoder's rest
+            units += [(f"vision block {k}", list(a.vision.block.params(tp, 1)[0])) for k in range(a.vision.depth)]
+            units.append(("vision encoder", list(a.vision.rest.params(tp, 1)[0])))
         if s.first and not tied:
             units.append(("embedding", [table]))
         for i in s.layers:

@@ -12,7 +12,9 @@ replayed), and nothing calls back.
    `parallelism.enable_async_tensor_parallel` each is hidden behind the GEMM next to it, and only what
    the GEMM cannot cover is exposed), context parallelism's key/value exchange and expert
    parallelism's all-to-alls, of which chunked overlap and DualPipeV's paired micro-batches hide
-   what their computation covers (`expert_overlap.py`).
+   what their computation covers (`expert_overlap.py`). A vision-language model's encoder runs the
+   micro-batch's images on the stage that holds it (`vision.py`): its compute and TP collectives add to
+   that rank's, which may make it the slowest.
 2. **The schedule.** Without pipelining a step is `accumulation` micro-batches back to back. With
    pipelining, the slowest pipeline rank sets the pace: m micro-batches of it, stretched by the
    schedule's bubble b (replayed from torch's own schedule, `pipeline.py`): m t / (1 - b), plus the
@@ -34,6 +36,7 @@ replayed), and nothing calls back.
     GPU = schedule + exposed data-parallel communication + optimizer
     step = sqrt(GPU^2 + host dispatch time^2)
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
+    (model FLOPs/token: the family's, + the vision encoder's images / seq_len)
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
 with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
@@ -46,7 +49,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.contract import LayerKind
-from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes
+from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes, vision
 from torchtrain.tools.planner.host_time import HostTime, step_seconds
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
@@ -56,7 +59,7 @@ from torchtrain.tools.planner.pipeline import pipeline_of
 @dataclass
 class StepTime:
     flops_per_token: float
-    """Model FLOPs per token (6N + attention: what MFU counts)."""
+    """Model FLOPs per token (6N + attention, + a vision encoder's images: what MFU counts)."""
     recompute_flops_per_token: float
     """Forward FLOPs activation checkpointing repeats, per token."""
     tokens_per_step: int
@@ -91,6 +94,8 @@ class StepTime:
     """The same by link class: "inter-node" (the NIC) and "intra-node" (NVLink)."""
     expert_all_to_all_hidden_s: float = 0.0
     """Expert all-to-all seconds per step hidden behind computation (the exposed ones are in comm_s)."""
+    encoder_flops_per_token: float = 0.0
+    """The vision encoder's share of flops_per_token: its images' training FLOPs / seq_len (`vision.py`)."""
     budget_tokens: float = 0.0
     steps: int = 0
     train_s: float | None = None
@@ -106,7 +111,7 @@ def model_flops_per_token(p: PlanInputs, prof) -> float:
     """The family's model FLOPs per token (6 N + attention); under LoRA the frozen weights get no
     weight gradient (4 N) and every adapter parameter costs 6."""
     a = p.model
-    flops = float(a.flops(p.seq_len))
+    flops = float(a.flops(p.seq_len)) + vision.flops_per_token(p)  # the encoder: per image, not in the family's
     if p.lora is None:
         return flops
     stages = [s for rank in prof.stages.values() for s in rank]
@@ -117,9 +122,13 @@ def model_flops_per_token(p: PlanInputs, prof) -> float:
 def recompute_flops_per_token(p: PlanInputs) -> float:
     """Matmul and attention FLOPs per token that activation checkpointing repeats (memory-bound work is
     counted in time only)."""
-    a = p.model
     if p.ac_mode not in ("full", "selective"):
         return 0.0
+    return _decoder_recompute_flops(p) + vision.recompute_flops_per_token(p)
+
+
+def _decoder_recompute_flops(p: PlanInputs) -> float:
+    a = p.model
     matmul = mixer = cheap = 0.0  # per token, summed over the layers
     for kind, n in a.kinds(range(a.n_layers)):
         mms = kind.block.matmuls()
@@ -193,6 +202,11 @@ def _rank_microbatch(p: PlanInputs, dev: GPUSpec, times: dict[LayerKind, compute
                            ("memory-bound", block.mem_fwd + block.mem_bwd), ("recomputation", block.recompute)):
             breakdown[key] += n * value
         forward += n * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
+    if any(vision.holds_encoder(p, s) for s in stages):  # the micro-batch's images (stage imbalance)
+        enc = vision.encoder_time(p, dev)
+        breakdown["vision encoder"] = enc.compute
+        comm["tensor parallel"] += enc.tp_s
+        forward += enc.forward
     edges = sum(s.first for s in stages) + sum(s.last for s in stages)
     comm["tensor parallel"] += edges * 2 * comm_time.tp_edge(p, dev)
     breakdown["embedding + head"] = ((sum(s.first for s in stages) + mtp) * compute_time.embedding_seconds(p, dev)
@@ -234,6 +248,7 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
                    device=dev.name if dev is not None else "", budget_tokens=p.token_budget,
                    expert_link_bytes=comm_time.expert_link_bytes(p))
     out.expert_all_to_all_bytes = sum(out.expert_link_bytes.values())
+    out.encoder_flops_per_token = vision.flops_per_token(p)
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak or (dev.hbm_tbps is None and dev.key != "cpu"):
         return out
