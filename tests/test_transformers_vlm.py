@@ -1,18 +1,22 @@
 """The transformers backend on composite vision-language configs: tiny random `Qwen3_5ForConditionalGeneration`,
-`Qwen2_5_VLForConditionalGeneration` and `Qwen2VLForConditionalGeneration` folders written with `save_pretrained`
-(with the byte tokenizer holding Qwen's image tokens, `vlm_assets.write_tokenizer`).
+`Qwen3_5MoeForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration` and `Qwen2VLForConditionalGeneration`
+folders written with `save_pretrained` (with the byte tokenizer holding Qwen's image tokens,
+`vlm_assets.write_tokenizer`).
 
 * forward (one process): torchtrain's model of the folder, fed the trainer's batch (patches padded per row,
   `image_grid` rows), equals transformers' own forward fed the processor's inputs (flat patches,
   `image_grid_thw`, `mm_token_type_ids`) -- rows with images of different sizes; a packed row of two
   samples (block-causal, positions restarting) equals transformers on each sample alone (each model type); a
   Qwen3.5 batch carrying image keys without images equals text alone and still runs the vision tower (its
-  parameters get gradients); the export loads back into transformers with the same logits (Qwen2-VL's and
-  Qwen2.5-VL's folders, stored in their legacy names, are read through transformers' conversion mapping);
+  parameters get gradients); the export loads back into transformers with the same logits (folders stored in
+  another layout -- Qwen2-VL's and Qwen2.5-VL's legacy names, Qwen3.5-MoE's experts one tensor each -- are
+  read through transformers' conversion mapping);
 * refusals: a composite type that does not train (Gemma 3, Qwen3-VL), pipeline and expert parallelism of a
   vision-language model: one ConfigError line naming what is missing;
-* layouts (`dist`, real torchrun, gloo): Qwen3.5 on image chat data (`tools/shapes.py`) under FSDP 2, TP 2 (the
-  declared plan with sequence parallelism, the vision tower replicated) and CP 2 equals one process.
+* layouts (`dist`, real torchrun, gloo): Qwen3.5 on image chat data (`tools/shapes.py`, with text-only
+  conversations among them: micro-batches without images on some ranks) under FSDP 2 (also with full
+  activation checkpointing of the vision and decoder blocks), TP 2 (the declared plan with sequence
+  parallelism, the vision tower replicated), CP 2 and FSDP 2 x TP 2 equals one process.
 
 Tolerance: logits within 1e-5 (float32; equal weights, transformers' own modules on both sides, the
 linear-attention layers computed by the engine's kernel: ~3e-6 here); losses and gradient norms within
@@ -51,6 +55,10 @@ QWEN2_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 GEOMETRY = dict(patch_size=8, temporal_patch_size=2, spatial_merge_size=2, initializer_range=0.08)
 KINDS = {  # model type -> (config class, model class, text config, vision config)
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT, VISION),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",  # experts stored one tensor each
+                    {**{k: v for k, v in TEXT.items() if k != "intermediate_size"}, "num_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+                    VISION),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", QWEN2_TEXT,
                    dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64, window_size=32,
                         fullatt_block_indexes=[1], **GEOMETRY)),  # window attention in block 0
@@ -84,9 +92,20 @@ def any_folder(request, tmp_path_factory):
 
 
 def ours(path: str, **overrides) -> torch.nn.Module:
-    from test_transformers import ours as build
+    """torchtrain's model of the folder in one process: built on meta, its weights loaded (as the trainer does)."""
+    from torchtrain.components.checkpoint.hf import load_hf_into_model
+    from torchtrain.components.checkpoint.state import ModelState
+    from torchtrain.distributed.parallelize import materialize
+    from torchtrain.models.registry import build_model_args
+    from torchtrain.models.transformers import SPEC
 
-    return build(path, **overrides)
+    args = build_model_args(SPEC, "debugmodel", {"hf_path": path, **overrides})
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    materialize(model, torch.device("cpu"), cpu_offload=False, seed=0, loaded=True)
+    _, used, available = load_hf_into_model(ModelState([model]), path, SPEC.state_dict_adapter(args))
+    assert used == available
+    return model.eval()
 
 
 def theirs(path: str) -> torch.nn.Module:
@@ -228,6 +247,24 @@ def test_the_args_read_the_text_model_and_the_patch_geometry(folder):
 
 
 # ------------------------------------------------------------------ layouts (torchrun)
+LAYOUTS = ["fsdp2", "tp2", "cp2", f"4 {P}tensor_parallel_degree 2"]
+AC = "2 --activation_checkpoint.mode full"  # FSDP 2, the vision and decoder blocks checkpointed
+
+
+def text_only_chats(path: str, count: int, seed: int = 0) -> None:
+    """Append `count` long text-only conversations to a chat file: each fills a row of its own, so that some
+    micro-batches carry the image keys without any image (on one rank, while another rank has images)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "shape", "colour", "square", "circle", "red", "blue"]
+    with open(path, "a") as f:
+        for _ in range(count):
+            question, answer = (" ".join(rng.choice(words) for _ in range(n)) for n in (14, 4))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     pytest.importorskip("PIL", reason="Pillow not installed (pip install -e .[vision])")
@@ -236,18 +273,25 @@ def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vlm_layouts"))
     path, _ = vl_folder(os.path.join(root, "model"))
     write(root, train=64, test=0, seed=3)
+    text_only_chats(os.path.join(root, "train.jsonl"), 8)
     job = ["--model.name", "transformers", "--model.hf_path", path, "--training.dataset", "chat",
            "--training.dataset_path", os.path.join(root, "train.jsonl"), "--training.seq_len", "128",
-           "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--images.min_pixels", "1024",
+           "--training.local_batch_size", "1", "--training.global_batch_size", "8", "--images.min_pixels", "1024",
            "--images.max_pixels", "4096", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3"]
-    return ParitySuite(root, job, STEPS, layouts=["fsdp2", "tp2", "cp2"])
+    return ParitySuite(root, job, STEPS, layouts=[*LAYOUTS, AC])
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "cp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_image_chat_trains_alike_under_each_layout(suite, layout):
     run, = suite.check([layout], rtol=RTOL)
     assert len(run.records) == STEPS
     assert "initial load: model weights loaded from the Hugging Face folder" in suite.baseline.log
-    if layout == "tp2":
+    if "tensor_parallel" in layout or layout == "tp2":
         assert "with sequence parallelism; its vision tower (no plan declared) replicated" in run.log
+
+
+@pytest.mark.dist
+def test_activation_checkpointing_of_the_vision_and_text_blocks(suite):
+    run, = suite.check([AC], rtol=RTOL)
+    assert len(run.records) == STEPS

@@ -121,9 +121,12 @@ class ConvertedLayout(TransformersStateDictAdapter):
         self.plan = plan
 
     def hf_keys(self, key: str) -> list[str]:
-        if not super().hf_keys(key):
-            return []
+        own = super().hf_keys(key)
+        if own != [key]:  # tied (none), or a part the engine keeps apart (stored under transformers' own name)
+            return own
         return self.plan.keys(key) or [key]  # (a missing parameter is reported under its own name)
 
     def from_hf_tensors(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.hf_key(key) != key:
+            return super().from_hf_tensors(key, tensors)
         return self.plan.build(key, tensors)
