@@ -14,8 +14,9 @@ into what transformers' own forward computes:
   per document), and each placeholder's index among its row's image tokens;
 * the vision tower runs over the batch's real patches packed with their grids (`packed_images`), through the
   model's own `get_image_features`; its merged features replace the placeholders' embeddings (`ImageScatter`).
-  It runs whenever the batch carries images -- on a batch without any, over one blank image whose features are
-  dropped -- so every rank runs the same collectives of a sharded tower and gets its (zero) gradients;
+  It runs at every forward -- on a batch without images (or without image keys: text data), over one blank
+  image whose features are dropped -- so every rank runs the same collectives of a sharded tower and gets its
+  (zero) gradients;
 * transformers' forward then runs from those embeddings with the (3, rows, L) position ids, attention going
   through torchtrain's registry function as for a text model (`attention.py`).
 
@@ -35,15 +36,6 @@ from torchtrain.models.common.attention import AttentionContext, prepare_attenti
 from torchtrain.models.common.multimodal import ImageScatter, feature_index, multimodal_positions, packed_images
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.model import TorchtrainCausalLM
-
-
-class TextScatter(ImageScatter):
-    """`ImageScatter`, or the embeddings as they are on a batch without image inputs: a module the embeddings
-    always pass, so that tensor parallelism cuts them into sequence shards at its output (`tp_plan.py`)."""
-
-    def forward(self, h: torch.Tensor, features: torch.Tensor | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
-        return h if features is None else super().forward(h, features, index)
 
 
 class TorchtrainImageTextLM(TorchtrainCausalLM):
@@ -76,15 +68,20 @@ class TorchtrainImageTextLM(TorchtrainCausalLM):
                                                            self.merge_size)
         return {**batch, "rope_positions": rope_positions, "image_index": image_index}
 
-    def image_features(self, pixel_values: torch.Tensor, image_grid: torch.Tensor) -> torch.Tensor:
+    def image_features(self, pixel_values: torch.Tensor | None, image_grid: torch.Tensor | None,
+                       device: torch.device) -> torch.Tensor:
         """The vision tower's merged features of the batch's images, packed (rows of the placeholders in order);
         zero rows, still computed by the tower, for a batch without images (module doc)."""
-        pixels, grids = packed_images(pixel_values, image_grid)
+        if pixel_values is not None and image_grid is not None:
+            pixels, grids = packed_images(pixel_values, image_grid)
+        else:
+            pixels, grids = None, torch.zeros(0, 3, dtype=torch.long)
         blank = grids.shape[0] == 0
-        if blank:
-            m = self.merge_size
-            pixels = pixel_values.new_zeros(m * m, pixel_values.shape[-1])
-            grids = torch.tensor([[1, m, m]], device=image_grid.device)
+        if blank:  # one merge block of zero patches
+            v, m = self.config.vision_config, self.merge_size
+            width = getattr(v, "in_channels", 3) * v.temporal_patch_size * v.patch_size ** 2
+            pixels = torch.zeros(m * m, width, device=device)
+            grids = torch.tensor([[1, m, m]])
         out = self.base_model.get_image_features(pixels, grids.to(pixels.device), return_dict=True)
         features = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(features, (list, tuple)):
@@ -107,10 +104,9 @@ class TorchtrainImageTextLM(TorchtrainCausalLM):
             position_ids = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, -1)
         if rope_positions is not None:
             position_ids = rope_positions.permute(2, 0, 1)  # (3, rows, L): time, height, width
-        features = index = None
-        if pixel_values is not None and image_grid is not None:
-            features = self.image_features(pixel_values, image_grid)
-            index = feature_index(image_index, image_grid, self.merge_size)
+        features = self.image_features(pixel_values, image_grid, tokens.device)
+        index = (feature_index(image_index, image_grid, self.merge_size) if image_grid is not None
+                 else torch.full_like(tokens, -1))
         h = self.image_scatter(self.get_input_embeddings()(tokens), features, index)
         kwargs = {}
         if self.tt_registry:
@@ -122,5 +118,6 @@ class TorchtrainImageTextLM(TorchtrainCausalLM):
 
 
 def attach_scatter(model: nn.Module) -> None:
-    """Give a vision-language model its `image_scatter` (no parameters: the state dict is transformers')."""
-    model.image_scatter = TextScatter()
+    """Give a vision-language model its `image_scatter` (no parameters: the state dict is transformers'), which the
+    embeddings always pass, so that tensor parallelism cuts them into sequence shards at its output (`tp_plan.py`)."""
+    model.image_scatter = ImageScatter()
