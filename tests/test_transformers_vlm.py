@@ -236,7 +236,7 @@ def test_pipeline_and_expert_parallelism_are_refused(folder, layout, key):
 
 def test_the_args_read_the_text_model_and_the_patch_geometry(folder):
     from torchtrain.config.fields import ConfigError
-    from torchtrain.models.transformers import TransformersArgs
+    from torchtrain.models.transformers import TransformersArgs, TransformersStateDictAdapter
 
     args = TransformersArgs(hf_path=folder[0])
     args.validate()
@@ -247,6 +247,9 @@ def test_the_args_read_the_text_model_and_the_patch_geometry(folder):
         args.bind_image_tokens(7, folder[1]["<|vision_start|>"], folder[1]["<|vision_end|>"])
     with open(os.path.join(folder[0], "config.json")) as f:
         assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    adapter = TransformersStateDictAdapter(args)  # Qwen3.5's multi-token-prediction tensors: ignored as transformers does
+    assert adapter.unused_hf_keys({"mtp.fc.weight", "lm_head.weight", "other.weight"}, {"lm_head.weight"}) == {
+        "other.weight"}
 
 
 # ------------------------------------------------------------------ layouts (torchrun)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -85,8 +86,11 @@ class TransformersStateDictAdapter(StateDictAdapter):
         return [os.path.join(folder, n) for n in COMPANION_FILES if os.path.isfile(os.path.join(folder, n))]
 
     def unused_hf_keys(self, available: set[str], used: set[str]) -> set[str]:
-        # a model built with fewer layers than the folder's (model.n_layers) leaves the others' tensors
-        extra = {k for k in available if k.startswith(self._layer_prefixes_beyond())}
+        # a model built with fewer layers than the folder's (model.n_layers) leaves the others' tensors, and
+        # transformers itself ignores some (Qwen3.5's multi-token-prediction `mtp.*`)
+        ignored = getattr(hf_class(self.model_args.config), "_keys_to_ignore_on_load_unexpected", None) or []
+        extra = {k for k in available if k.startswith(self._layer_prefixes_beyond())
+                 or any(re.search(pattern, k) for pattern in ignored)}
         return super().unused_hf_keys(available, used) - extra
 
     def _layer_prefixes_beyond(self) -> tuple[str, ...]:
