@@ -1,14 +1,16 @@
 """What the engine's one applier (`distributed/parallelize.py`) needs of a transformers model, read from
 what the model declares: its checks against the layout, its tensor-parallel plan (`tp_plan.py`), its
-FSDP units (the embedding, each decoder layer, the final norm with the output head) and, under expert
-parallelism, its MoE blocks swapped for the engine's MoE layer (`moe.py`).
+FSDP units (a vision tower's blocks and the rest of it, the embedding, each decoder layer, the final norm
+with the output head) and, under expert parallelism, its MoE blocks swapped for the engine's MoE layer
+(`moe.py`).
 
 Pipeline parallelism cuts the model by decoder layers (`pipeline.py`). Layouts refused, each with one
 ConfigError naming the model type and the layout: pipeline parallelism of a model whose forward does more
 than its layers to the embeddings or logits (`pipeline.py::check_pipelinable`), context parallelism and block-causal masks for a model
 whose attention does not go through transformers' attention-function registry, tensor parallelism for
 a model without a plan or with an entry that has no DTensor translation, tied embeddings under tensor
-parallelism, and an MoE model under tensor parallelism without expert parallelism.
+parallelism, an MoE model under tensor parallelism without expert parallelism, and pipeline or expert
+parallelism of a vision-language model (`vision_language.py`).
 """
 
 from __future__ import annotations
