@@ -204,7 +204,7 @@ def _rank_microbatch(p: PlanInputs, dev: GPUSpec, times: dict[LayerKind, compute
         forward += n * (block.gemm_fwd + block.attn_fwd + block.mem_fwd)
     if any(vision.holds_encoder(p, s) for s in stages):  # the micro-batch's images (stage imbalance)
         enc = vision.encoder_time(p, dev)
-        breakdown["vision encoder"] = enc.compute
+        breakdown["vision encoder"] = enc.total
         comm["tensor parallel"] += enc.tp_s
         forward += enc.forward
     edges = sum(s.first for s in stages) + sum(s.last for s in stages)

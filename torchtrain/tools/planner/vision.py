@@ -166,26 +166,16 @@ def activation_bytes(p: PlanInputs) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------ time
 @dataclass
-class EncoderTime:
-    """Seconds the encoder takes on one rank for one micro-batch's images."""
+class EncoderTime(compute_time.BlockTime):
+    """Seconds the encoder takes on one rank for one micro-batch's images (a block's terms, `total` the
+    compute), and its tensor-parallel collectives."""
 
-    gemm_fwd: float = 0.0
-    gemm_bwd: float = 0.0
-    attn_fwd: float = 0.0
-    attn_bwd: float = 0.0
-    mem_fwd: float = 0.0
-    mem_bwd: float = 0.0
-    recompute: float = 0.0
     tp_s: float = 0.0
     """Its tensor-parallel collectives (exposed)."""
 
     @property
     def forward(self) -> float:
         return self.gemm_fwd + self.attn_fwd + self.mem_fwd
-
-    @property
-    def compute(self) -> float:
-        return self.forward + self.gemm_bwd + self.attn_bwd + self.mem_bwd + self.recompute
 
 
 def _block_memory_bytes(p: PlanInputs, dev: GPUSpec) -> float:
