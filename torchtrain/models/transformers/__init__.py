@@ -12,7 +12,7 @@ import os
 from torchtrain.models.registry import ModelSpec, register_model_spec
 from torchtrain.models.transformers import declare  # noqa: F401  (registers the planner's contract)
 from torchtrain.models.transformers.args import TransformersArgs
-from torchtrain.models.transformers.model import build_model
+from torchtrain.models.transformers.build import build_model
 from torchtrain.models.transformers.parallelize import adapt, apply_tp, fsdp_units, stage_modules, validate
 from torchtrain.models.transformers.state_dict_adapter import TransformersStateDictAdapter
 

@@ -1,7 +1,7 @@
 """A transformers causal LM as a torchtrain model: transformers' own class, built from the folder's
 config, with torchtrain's forward signature and initialisation mixed in.
 
-`build_model(args)` builds `Torchtrain<Class>`, a subclass of the causal-LM class transformers maps
+`build.py::build_model(args)` builds `Torchtrain<Class>`, a subclass of the causal-LM class transformers maps
 the config to (e.g. `MistralForCausalLM`) with `TorchtrainCausalLM` first in its method order. So the
 modules, parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), the forward
 and every model-specific detail (embedding scales, soft-capped logits, residual multipliers) are
@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
-from torchtrain.models.transformers import attention, linear_attention
-from torchtrain.models.transformers.args import TransformersArgs, hf_class, import_transformers, is_composite
-from torchtrain.models.transformers.stages import index_layers, is_first_stage
+from torchtrain.models.transformers import attention
+from torchtrain.models.transformers.args import TransformersArgs
+from torchtrain.models.transformers.stages import is_first_stage
 
 
 class TorchtrainCausalLM(nn.Module):
@@ -95,43 +94,3 @@ class TorchtrainCausalLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Nothing: the buffers are initialised with their modules (`init_module`)."""
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def model_class(config) -> type:
-    """`Torchtrain<Class>` for the class transformers maps `config` to (one per class): its causal LM, or for a
-    composite vision-language config its image-text-to-text class (`vision_language.py`)."""
-    base = hf_class(config)
-    if base not in _CLASSES:
-        mixin = TorchtrainCausalLM
-        if is_composite(config):
-            from torchtrain.models.transformers.vision_language import TorchtrainImageTextLM as mixin
-        _CLASSES[base] = type(f"Torchtrain{base.__name__}", (mixin, base),
-                              {"__module__": base.__module__, "__doc__": mixin.__doc__})
-    return _CLASSES[base]
-
-
-def build_model(args: TransformersArgs) -> nn.Module:
-    """The model of `args` (on the current default device: the trainer builds it on meta)."""
-    import_transformers()
-    attention.register()
-    config = args.config
-    cls = model_class(config)
-    registry = attention.uses_registry(cls)
-    if registry:  # the text model's attention (a vision tower keeps transformers' own, non-causal)
-        config.get_text_config()._attn_implementation = attention.IMPLEMENTATION
-    model = cls(config)
-    if not isinstance(getattr(model.text_model, "layers", None), nn.ModuleList):
-        raise ConfigError(f"[model.hf_path] model type {config.model_type!r}: its decoder layers are not the base "
-                          f"model's `layers` (transformers' decoder layout, which its tensor-parallel plan names too)")
-    if is_composite(config):
-        from torchtrain.models.transformers.vision_language import attach_scatter
-
-        attach_scatter(model)
-    model.tie_weights()  # tied input and output embeddings share one parameter, as transformers loads them
-    index_layers(model)  # layers keyed by their global index: names that survive a pipeline cut
-    linear_attention.swap_layers(model)  # Gated DeltaNet layers as the engine's (TP, CP and documents reach them)
-    model.tt_setup(args, registry)
-    return model

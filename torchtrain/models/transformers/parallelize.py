@@ -23,7 +23,7 @@ from torchtrain.models.registry import Layout
 from torchtrain.models.transformers import linear_attention, moe, pipeline, stages, tp_plan
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.attention import uses_registry
-from torchtrain.models.transformers.model import build_model, model_class
+from torchtrain.models.transformers.build import build_model, model_class
 
 _META: dict[str, nn.Module] = {}
 

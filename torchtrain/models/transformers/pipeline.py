@@ -33,7 +33,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.models.common.parallel import decoder_stage_modules
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import small_config
-from torchtrain.models.transformers.model import model_class
+from torchtrain.models.transformers.build import model_class
 from torchtrain.models.transformers.stages import fill_stage, index_layers
 from torchtrain.models.transformers.tp_plan import name_of
 
