@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -175,7 +176,9 @@ class ParitySuite:
 
     `layouts` (specs, or (spec, extra overrides) pairs) are run up front together with the baseline: one
     launch per process count (tests/scripts/parity_runs.py trains them one after another in one process
-    group), instead of one launch per layout; `check` then uses their results."""
+    group), instead of one launch per layout; `check` then uses their results. A variant of the job (another
+    flavor, say) shares those launches by listing ("single", extra) with its layouts: `check(..., extra=extra)`
+    compares them against that one-process run."""
 
     def __init__(self, workdir: str, overrides: list[str], steps: int = 10, layouts=()):
         self.workdir, self.overrides, self.steps = workdir, overrides, steps
@@ -192,12 +195,18 @@ class ParitySuite:
             layout = parse_layout(spec)
             groups.setdefault(layout.nproc, []).append((spec, extra, layout))
         for nproc, group in groups.items():
-            dumps = [layout_dump_folder(layout, self.workdir) for _, _, layout in group]
+            dumps = [layout_dump_folder(layout, self.variant_folder(extra)) for _, extra, layout in group]
             argvs = [layout_arguments(layout, None, self.steps, self.overrides + list(extra), dump)
                      for (_, extra, layout), dump in zip(group, dumps)]
             outcomes = run_together(argvs, nproc, self.workdir)
             for (spec, extra, layout), dump, (rc, log) in zip(group, dumps, outcomes):
                 self.results[spec, extra] = read_result(layout, dump, rc, log)
+
+    def variant_folder(self, extra=()) -> str:
+        """Where the runs with `extra` overrides keep their dump folders (the job's own: the suite's folder)."""
+        if not extra:
+            return self.workdir
+        return os.path.join(self.workdir, "variant-" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:10])
 
     def resume(self, spec: str, step: int, extra=()):
         """Run `spec` (with `extra`) again, in a fresh folder holding only the step-`step` checkpoint of its
@@ -206,7 +215,7 @@ class ParitySuite:
 
         layout, resume_dir = parse_layout(spec), os.path.join(self.workdir, "resume")
         saved = os.path.join("checkpoint", f"step-{step}")
-        shutil.copytree(os.path.join(layout_dump_folder(layout, self.workdir), saved),
+        shutil.copytree(os.path.join(layout_dump_folder(layout, self.variant_folder(extra)), saved),
                         os.path.join(layout_dump_folder(layout, resume_dir), saved))
         run = run_layout(layout, None, self.steps, self.overrides + list(extra), resume_dir)
         assert run.returncode == 0, run.log[-3000:]
@@ -228,10 +237,12 @@ class ParitySuite:
         from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
 
         runs = [self.results.get((s, tuple(extra))) or
-                run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.workdir)
+                run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.variant_folder(extra))
                 for s in layouts]
-        comps = [compare(self.baseline, r, self.steps, rtol) for r in runs]
-        table = format_table(self.baseline, comps, rtol)
+        baseline = self.results.get(("single", tuple(extra)), self.baseline)  # a variant's own, when it ran one
+        assert baseline.returncode == 0, baseline.log[-3000:]
+        comps = [compare(baseline, r, self.steps, rtol) for r in runs]
+        table = format_table(baseline, comps, rtol)
         print(table)
         assert all(c.ok for c in comps), table
         return runs

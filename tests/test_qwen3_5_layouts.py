@@ -33,8 +33,8 @@ SHAPE = ["--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4"
          "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
          "--optimizer.lr", "3e-3"]
 DENSE = [*SHAPE, "--model.flavor", "debugmodel", "--model.hidden_dim", "128"]
-MOE = [*SHAPE, "--model.flavor", "debugmodel_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
-       "--model.moe_intermediate_size", "32"]
+MOE = ("--model.flavor", "debugmodel_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
+       "--model.moe_intermediate_size", "32")  # the MoE flavor: a variant of the dense job, in the same launches
 CP_CONTIGUOUS = f"2 {P}context_parallel_degree 2 {P}context_parallel_load_balancer none"
 FSDP_TP_CP = f"8 {P}tensor_parallel_degree 2 {P}context_parallel_degree 2"
 DENSE_LAYOUTS = ["tp2", "pp2_1f1b", "ac_full", "cp2", CP_CONTIGUOUS, FSDP_TP_CP]
@@ -46,7 +46,7 @@ EP_TP = f"4 {P}tensor_parallel_degree 2 {P}expert_parallel_degree 2"
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return ParitySuite(str(tmp_path_factory.mktemp("qwen3_5_dense")), DENSE, STEPS,
-                       layouts=[("fsdp2", CKPT), *DENSE_LAYOUTS])
+                       layouts=[("fsdp2", CKPT), *DENSE_LAYOUTS, ("single", MOE), ("ep2", MOE), (EP_TP, MOE)])
 
 
 @pytest.mark.parametrize("layout", DENSE_LAYOUTS)
@@ -59,5 +59,5 @@ def test_fsdp_matches_one_process_and_resumes_bitwise(dense):
     dense.check_resumes_bitwise("fsdp2", 3, CKPT, rtol=RTOL)
 
 
-def test_moe_under_expert_parallelism(tmp_path):
-    ParitySuite(str(tmp_path), MOE, STEPS, layouts=["ep2", EP_TP]).check(["ep2", EP_TP], rtol=RTOL)
+def test_moe_under_expert_parallelism(dense):
+    dense.check(["ep2", EP_TP], rtol=RTOL, extra=MOE)

@@ -16,11 +16,12 @@ folders written with `save_pretrained` (with the byte tokenizer holding Qwen's i
 * layouts (`dist`, real torchrun, gloo): Qwen3.5 on image chat data (`tools/shapes.py`, with text-only
   conversations among them: micro-batches without images on some ranks) under FSDP 2 (also with full
   activation checkpointing of the vision and decoder blocks), TP 2 (the declared plan with sequence
-  parallelism, the vision tower replicated), CP 2 and FSDP 2 x TP 2 equals one process.
+  parallelism, the vision tower replicated) and CP 2 equals one process. (FSDP composes with TP as for any
+  backend model: tests/test_transformers_train.py.)
 
 Tolerance: logits within 1e-5 (float32; equal weights, transformers' own modules on both sides, the
 linear-attention layers computed by the engine's kernel: ~3e-6 here); losses and gradient norms within
-1e-4 relative per step over 6 steps (layouts differ in float32 summation order only).
+1e-4 relative per step over 4 steps (layouts differ in float32 summation order only).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 from conftest import ParitySuite  # noqa: E402
 from vlm_assets import write_tokenizer  # noqa: E402
 
-TOL, RTOL, STEPS = 1e-5, 1e-4, 6
-P = "--parallelism."
+TOL, RTOL, STEPS = 1e-5, 1e-4, 4
 TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=272, intermediate_size=96, max_position_embeddings=256, initializer_range=0.08,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
@@ -253,7 +253,7 @@ def test_the_args_read_the_text_model_and_the_patch_geometry(folder):
 
 
 # ------------------------------------------------------------------ layouts (torchrun)
-LAYOUTS = ["fsdp2", "tp2", "cp2", f"4 {P}tensor_parallel_degree 2"]
+LAYOUTS = ["fsdp2", "tp2", "cp2"]
 AC = "2 --activation_checkpoint.mode full"  # FSDP 2, the vision and decoder blocks checkpointed
 
 

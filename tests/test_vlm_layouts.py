@@ -28,8 +28,8 @@ STEPS = 6
 P = "--parallelism."
 DENSE_LAYOUTS = ["tp2", "pp2_1f1b", "cp2", f"4 {P}tensor_parallel_degree 2"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
-MOE = ["--model.flavor", "debugmodel_moe_vl", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
-       "--model.moe_intermediate_size", "32"]
+MOE = ("--model.flavor", "debugmodel_moe_vl", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
+       "--model.moe_intermediate_size", "32")  # the MoE flavor: a variant of the dense job, in the same launches
 
 
 def job(root: str) -> list[str]:
@@ -47,7 +47,7 @@ def job(root: str) -> list[str]:
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vlm"))
-    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), *DENSE_LAYOUTS])
+    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), *DENSE_LAYOUTS, ("single", MOE), ("ep2", MOE)])
 
 
 @pytest.mark.parametrize("layout", DENSE_LAYOUTS)
@@ -60,6 +60,5 @@ def test_fsdp_matches_one_process_and_resumes_mid_epoch_bitwise(dense):
     dense.check_resumes_bitwise("fsdp2", 3, CKPT, rtol=RTOL)
 
 
-def test_moe_under_expert_parallelism(tmp_path):
-    root = str(tmp_path)
-    ParitySuite(root, job(root) + MOE, STEPS, layouts=["ep2"]).check(["ep2"], rtol=RTOL)
+def test_moe_under_expert_parallelism(dense):
+    dense.check(["ep2"], rtol=RTOL, extra=MOE)
