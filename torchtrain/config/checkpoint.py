@@ -15,7 +15,7 @@ from typing import Annotated, Literal, get_args
 from torchtrain.config.fields import ConfigError, Ge
 
 # What a checkpoint holds, by top-level key (`exclude_from_loading` picks among these).
-StateKey = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
+StateKey = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "reference"]
 CHECKPOINT_KEYS: tuple[str, ...] = get_args(StateKey)
 SignalName = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.config.compute import ActivationCheckpoint, Compile
+from torchtrain.config.dpo import Dpo, check_dpo
 from torchtrain.config.evaluation import Eval
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
@@ -39,6 +40,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     lora: Lora = field(default_factory=Lora)
+    dpo: Dpo = field(default_factory=Dpo)
     offload: Offload = field(default_factory=Offload)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
@@ -65,6 +67,7 @@ class JobConfig:
                 check()
         check_operations(self)  # [profiling] [validation] [guard] against the other sections
         check_fault(self)  # [fault] and its debug injections
+        check_dpo(self)  # [dpo] and the data and layouts it needs
         if self.lora.enable and self.checkpoint.last_save_in_hf:
             raise ConfigError("[checkpoint.last_save_in_hf] would export the frozen base weights without the LoRA "
                               "adapters: export with python -m torchtrain.tools.lora_export (merged or as a PEFT "

@@ -21,8 +21,19 @@ from torchtrain.data.dataset import Source, WindowDataset, open_prepared
 from torchtrain.data.image_text import check_image_text, image_text_sources
 from torchtrain.data.images import ImageSpec
 from torchtrain.data.loader import DataLoader
+from torchtrain.data.preference import PreferenceFormatError, check_preference, preference_sources
+from torchtrain.data.preference_packing import PreferenceDataset, PreferenceSource
 from torchtrain.data.sampling import MIXTURE_PERIOD
-from torchtrain.data.sources import CHAT, FILES, HF_DATASETS, IMAGE_TEXT, TOKENS, build_source, files_source
+from torchtrain.data.sources import (
+    CHAT,
+    FILES,
+    HF_DATASETS,
+    IMAGE_TEXT,
+    PREFERENCE,
+    TOKENS,
+    build_source,
+    files_source,
+)
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -64,6 +75,12 @@ def check_sources(dataset: str, path: str | None, entries: list[DatasetEntry], t
         check_chat(path, entries, tokenizer, section)
     elif dataset == IMAGE_TEXT:
         check_image_text(path, entries, section)
+    elif dataset == PREFERENCE:
+        for p, key in _preference_items(path, entries, section):
+            try:
+                check_preference(p, tokenizer)
+            except (PreferenceFormatError, OSError) as e:
+                raise ConfigError(f"[{key}] {e}") from None
     elif dataset == FILES:
         files_source(path or "", text_field, f"{section}.dataset_path")
     elif dataset in HF_DATASETS:
@@ -94,6 +111,15 @@ def resolve_sources(dataset: str, path: str | None, entries: list[DatasetEntry],
     return [Source(open_prepared(folder, tokenizer, f"{section}.dataset"), 1.0, dataset)]
 
 
+def _preference_items(path: str | None, entries: list[DatasetEntry], section: str) -> list[tuple[str, str]]:
+    """(path, key) of each preference file of a setting."""
+    if path:
+        return [(path, f"{section}.dataset_path")]
+    if not entries:
+        raise ConfigError(f"[{section}.dataset_path] preference data needs a JSONL file of chosen / rejected pairs")
+    return [(e.path, f"{section}.datasets[{i}]") for i, e in enumerate(entries)]
+
+
 def training_sources(training: Training, tokenizer_path: str | None, tokenizer: Tokenizer,
                      seed: int, image_spec: ImageSpec | None = None) -> list[Source] | list[ChatSource]:
     """The prepared sources of the training data; for `chat`, its tokenized conversations, for `image_text` its
@@ -101,6 +127,12 @@ def training_sources(training: Training, tokenizer_path: str | None, tokenizer: 
     if training.dataset == CHAT:
         return chat_sources(training.dataset_path, training.datasets, tokenizer, training.seq_len,
                             training.chat_overlong, image_spec=image_spec, bad_images=training.bad_images)
+    if training.dataset == PREFERENCE:
+        items = [(training.dataset_path, 1.0)] if training.dataset_path else [(e.path, e.weight) for e in training.datasets]
+        try:
+            return preference_sources(items, tokenizer, training.seq_len)
+        except (PreferenceFormatError, OSError, ValueError) as e:
+            raise ConfigError(f"[training.dataset_path] {e}") from None
     if training.dataset == IMAGE_TEXT:
         return image_text_sources(training.dataset_path, training.datasets, tokenizer, training.seq_len,
                                   training.chat_overlong, image_spec, training.bad_images)
@@ -112,6 +144,13 @@ def build_dataloader(sources: list[Source] | list[ChatSource], training: Trainin
                      dp_rank: int, dp_degree: int, seed: int, device_type: str = "cpu") -> DataLoader:
     """This rank's training loader (infinite; epochs restart each source in a new order): windows of
     token streams, or packed chat conversations / image-text pairs (with their images: `chat_packing.py`)."""
+    if sources and isinstance(sources[0], PreferenceSource):
+        dataset = PreferenceDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
+                                    buffer=training.chat_pack_buffer)
+        if is_log_rank():
+            dataset.log_summary()
+        return DataLoader(dataset, local_batch_size, dp_rank, dp_degree, workers=training.dataloader_workers,
+                          pin_memory=device_type == "cuda")
     if sources and isinstance(sources[0], ChatSource):
         dataset = PackedChatDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
                                     buffer=training.chat_pack_buffer)

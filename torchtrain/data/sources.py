@@ -39,6 +39,7 @@ TOKENS = "tokens"
 FILES = "files"
 CHAT = "chat"  # conversations, tokenized and packed at start (data/chat.py), never prepared into the cache
 IMAGE_TEXT = "image_text"  # image-text pairs in tar shards, indexed and packed at start (data/image_text.py)
+PREFERENCE = "preference"  # chosen / rejected answer pairs for [dpo], packed at start (data/preference.py)
 
 
 class DocumentSource(Protocol):
@@ -121,7 +122,7 @@ def register_dataset(name: str, factory: SourceFactory) -> None:
 
 
 def dataset_names() -> list[str]:
-    return [TOKENS, CHAT, IMAGE_TEXT, *_DATASETS]
+    return [TOKENS, CHAT, IMAGE_TEXT, PREFERENCE, *_DATASETS]
 
 
 def check_dataset_name(name: str, key: str = "training.dataset") -> None:
@@ -133,7 +134,7 @@ def check_dataset_name(name: str, key: str = "training.dataset") -> None:
 def build_source(name: str, path: str | None, split: str = "train", seed: int = 0, text_field: str = "text",
                  key: str = "training.dataset") -> DocumentSource:
     check_dataset_name(name, key)
-    if name in (TOKENS, CHAT, IMAGE_TEXT):
+    if name in (TOKENS, CHAT, IMAGE_TEXT, PREFERENCE):
         raise ValueError(f"the {name} dataset is not built from documents")
     return _DATASETS[name](path, split, seed, text_field)
 

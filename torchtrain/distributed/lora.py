@@ -35,6 +35,7 @@ adapter folder.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 
@@ -62,8 +63,13 @@ class LoRALinear(nn.Linear):
         self.scale = alpha / rank
         self.dropout = dropout
 
+    adapters_on = True
+    """False while `adapters_off` holds: the layer is its base alone (a preference loss's reference)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
+        if not self.adapters_on:
+            return base
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         code = self.lora_a(h)
         if isinstance(code, DTensor):  # tensor parallel (module docstring)
@@ -75,6 +81,20 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scale={self.scale:g}"
+
+
+@contextlib.contextmanager
+def adapters_off(model_parts: list[nn.Module]):
+    """Inside, every `LoRALinear` of the parts computes its base alone: the frozen base model, with no copy of
+    it (the reference of a preference loss). A compiled block compiles this variant once more."""
+    layers = [m for part in model_parts for m in part.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapters_on = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapters_on = True
 
 
 def _replicated_code(code: DTensor) -> DTensor:

@@ -25,7 +25,7 @@ from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
 from torchtrain.data.images import ImageSpec
-from torchtrain.data.sources import CHAT, IMAGE_TEXT, check_dataset_name
+from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.distributed.lora import check_stages_have_adapters, lora_targets
@@ -33,8 +33,8 @@ from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
 
-PACKED = (CHAT, IMAGE_TEXT)
-"""Datasets that pack several samples per row (block-causal attention), the ones that may hold images."""
+PACKED = (CHAT, IMAGE_TEXT, PREFERENCE)
+"""Datasets that pack several samples per row (block-causal attention); chat and image-text may hold images."""
 
 
 @dataclass
@@ -81,7 +81,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     """Resolve the model, tokenizer and layout (batch plan and pipeline split included); raise ConfigError."""
     tokenizer = tokenizer or build_tokenizer(cfg.model.hf_assets_path)
     spec, args = resolve_model(cfg, tokenizer)
-    image_spec = image_spec_for(cfg, args, tokenizer) if cfg.training.dataset in PACKED else None
+    image_spec = image_spec_for(cfg, args, tokenizer) if cfg.training.dataset in (CHAT, IMAGE_TEXT) else None
     layout = resolve_layout(cfg, world_size, device_type, args, spec)
     check_dataset_name(cfg.training.dataset, "training.dataset")
     if layout.lora is not None:  # every target pattern must select a linear layer (a meta model: no memory)

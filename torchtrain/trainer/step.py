@@ -32,6 +32,9 @@ A mixture-of-experts model adds its auxiliary load-balancing loss to each token'
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
 (`trainer/moe_balance.py`); other terms a model adds in its forward (multi-token prediction) get
 the same scale and are summed for logging (`trainer/extra_losses.py`).
+With `[dpo]` the loss is a preference loss over the step's chosen / rejected pairs instead, a mean over the
+global number of pairs in the same way (`trainer/preference_loss.py`); a live reference scores each micro-batch
+first (`trainer/reference.py`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.precision import LossScaler
+from torchtrain.trainer.preference_loss import PreferenceLoss, pair_count
+from torchtrain.trainer.reference import ReferenceModel
 from torchtrain.utils.batch_keys import concat_batches
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 
@@ -117,6 +122,8 @@ class StepResult:
     """Turns `moe` into named metrics (`MoEBalancer.record`)."""
     extra_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
     """Turns `extra_losses` into named metrics (`ExtraLosses.record`)."""
+    preference: torch.Tensor | None = None
+    """A preference loss's summed statistics over all ranks (`preference_loss.STATS`)."""
 
     def metrics(self) -> dict[str, float]:
         """The step's own metrics for the log: loss, grad_norm, lr, then the MoE metrics, z_loss and
@@ -128,6 +135,8 @@ class StepResult:
             out["z_loss"] = self.z_loss.item()
         if self.extra_losses is not None and self.extra_record is not None:
             out.update(self.extra_record(self.extra_losses))
+        if self.preference is not None:
+            out.update(PreferenceLoss.record(self.preference))
         return out
 
 
@@ -142,13 +151,16 @@ class TrainStep:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], optimizers: OptimizersContainer,
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
                  moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None,
-                 extra_losses: ExtraLosses | None = None, pipeline: PipelineFactory | None = None):
+                 extra_losses: ExtraLosses | None = None, pipeline: PipelineFactory | None = None,
+                 preference: PreferenceLoss | None = None, reference: ReferenceModel | None = None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.extra_losses = extra_losses
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
+        # [dpo]: a preference loss over pairs instead of the token mean, and its reference (trainer/reference.py)
+        self.preference, self.reference = preference, reference
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.fsdp, device=device)
         self.compute_copy = None
         if layout.compute_copy:
@@ -229,9 +241,12 @@ class TrainStep:
             for i, batch in enumerate(batches):  # (one compute copy for all micro-batches)
                 if len(batches) > 1:
                     set_gradient_sync(self.model_parts, i == len(batches) - 1)
+                if self.reference is not None:
+                    batch = self.reference.fill(self, batch, self.preference)
                 with self.context():
                     logits = model(batch["input_ids"], **self.model_kwargs(batch))  # (`__call__` moved them)
-                    loss = self.loss_fn(logits, batch["labels"])
+                    loss = self.loss_fn(logits, batch["labels"]) if self.preference is None else \
+                        self.preference(logits, batch)
                     del logits
                     self.scaler.scale(loss).backward()
                 accumulated += local_value(loss.detach()).float()
@@ -252,14 +267,20 @@ class TrainStep:
         degree = dims.loss_degree
         if self.replicas is not None:
             global_tokens, degree = self.replicas.sum_(global_tokens), degree * self.replicas.live
-        self.loss_fn.scale = degree / global_tokens.double()
+        loss_fn = self.loss_fn if self.preference is None else self.preference
+        units = global_tokens  # what the step's loss is a mean over: tokens, or a preference loss's pairs
+        if self.preference is not None:
+            units = all_reduce(sum(pair_count(b) for b in batches), dims.loss_mesh)
+            if self.replicas is not None:
+                units = self.replicas.sum_(units)
+        loss_fn.scale = degree / units.double()
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:
-            self.loss_fn.scale = self.loss_fn.scale * multiplier
+            loss_fn.scale = loss_fn.scale * multiplier
         if self.moe is not None:
-            self.moe.begin_step(self.loss_fn.scale * self.scaler.factor)
+            self.moe.begin_step(loss_fn.scale * self.scaler.factor)
         if self.extra_losses is not None:
-            self.extra_losses.begin_step(self.loss_fn.scale * self.scaler.factor)
+            self.extra_losses.begin_step(loss_fn.scale * self.scaler.factor)
         accumulated = self._forward_backward(batches)
         hooks.phase("optimizer")
         copy = self.compute_copy
@@ -278,6 +299,8 @@ class TrainStep:
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
             accumulated = torch.stack([accumulated - z, z])
         global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
+        preference = all_reduce(self.preference.pop_stats(self.device), dims.loss_mesh) \
+            if self.preference is not None else None
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         if self.replicas is not None:
@@ -305,4 +328,4 @@ class TrainStep:
         hooks.phase(None)
         return StepResult(global_loss, grad_norm, lr, global_tokens, stepped, verdict, z_loss, moe_stats, extra,
                           self.moe.record if self.moe is not None else None,
-                          self.extra_losses.record if self.extra_losses is not None else None)
+                          self.extra_losses.record if self.extra_losses is not None else None, preference)

@@ -14,20 +14,26 @@ from torch import nn
 
 from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
 from torchtrain.components.optim.optimizer import OptimizersContainer
+from torchtrain.config.dpo import Dpo
 from torchtrain.config.training import Training
 from torchtrain.distributed.layout import Layout
 from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.moe_balance import MoEBalancer
+from torchtrain.trainer.preference_loss import PreferenceLoss
+from torchtrain.trainer.reference import ReferenceModel
 from torchtrain.trainer.step import PipelineFactory, TrainStep
 
 
 def build_train_step(layout: Layout, training: Training, model_args, model_parts: list[nn.Module],
                      optimizers: OptimizersContainer, lr_schedulers: LRSchedulersContainer, device: torch.device,
-                     pipeline: PipelineFactory | None = None) -> TrainStep:
+                     pipeline: PipelineFactory | None = None, dpo: Dpo | None = None,
+                     reference: ReferenceModel | None = None) -> TrainStep:
     """The job's train step over `model_parts`: clipping to `training.max_norm`, the z-loss of
     `training.z_loss`, a `MoEBalancer` for a mixture-of-experts model, `ExtraLosses` for a model that
-    adds losses in its forward (multi-token prediction). `pipeline`: see `TrainStep`."""
+    adds losses in its forward (multi-token prediction), the preference loss of an enabled `[dpo]` with
+    its live `reference` (None: precomputed or none; trainer/reference.py). `pipeline`: see `TrainStep`."""
     moe = MoEBalancer.for_model(model_parts, device, model_args)  # None unless the model has experts
     extra = ExtraLosses.for_model(model_parts, device)  # None unless a module adds a logged loss
     return TrainStep(layout, model_parts, optimizers, lr_schedulers, device, training.max_norm, moe,
-                     training.z_loss, extra_losses=extra, pipeline=pipeline)
+                     training.z_loss, extra_losses=extra, pipeline=pipeline,
+                     preference=PreferenceLoss(dpo) if dpo is not None and dpo.enable else None, reference=reference)

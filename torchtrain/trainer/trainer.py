@@ -48,6 +48,7 @@ from torchtrain.distributed.utils import (
 from torchtrain.trainer.gc_control import GarbageCollection
 from torchtrain.trainer.guard import GuardAbort, TrainingGuard
 from torchtrain.trainer.hooks import OperationsHooks
+from torchtrain.trainer.preference import PreferenceRun
 from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
@@ -119,12 +120,16 @@ class Trainer:
         state_device = device if layout.state_device_type == device.type else torch.device("cpu")
         self.offload = OffloadRuntime(cfg.offload, self.model_parts, self.optimizers, state_device, self.rank,
                                       layout.swaps_params) if cfg.offload.enabled else None  # docs/offload.md
-        self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
-                                           self.lr_schedulers, device)
-        if self.train_step.pipeline is not None:
-            self._log_pipeline()
         self.dataloader = build_dataloader(sources, cfg.training, self.batch.local_batch_size, layout.data_rank,
                                            layout.data_degree, cfg.debug.seed, device.type)
+        # [dpo]: the reference of the preference loss (a frozen copy, the base under LoRA, or a precomputed table)
+        self.preference = PreferenceRun(cfg.dpo, spec, args, layout, device, cfg.debug.seed,
+                                        self.dataloader.dataset) if cfg.dpo.enable else None
+        self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
+                                           self.lr_schedulers, device, dpo=cfg.dpo,
+                                           reference=self.preference.live if self.preference is not None else None)
+        if self.train_step.pipeline is not None:
+            self._log_pipeline()
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
                                                                             cfg.metrics.peak_tflops), world_size)
@@ -158,11 +163,15 @@ class Trainer:
                                  adapter_only=layout.lora is not None and layout.lora.save_adapter_only)
         if self.offload is not None and self.offload.params is not None:
             states["model"] = ResidentModelState(states["model"], self.offload)
+        if self.preference is not None and self.preference.checkpoint_state() is not None:
+            states["reference"] = self.preference.checkpoint_state()
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter,
                                                         hf_weights))
         self.checkpointer.load()
+        if self.preference is not None:  # the reference takes the initial weights, unless resumed with them
+            self.preference.start(self.state.step, self.train_step, self.batch.local_batch_size)
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
             self.replicas.install(self.model_parts)

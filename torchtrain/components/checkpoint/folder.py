@@ -26,7 +26,7 @@ from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 MARKER = "complete.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Keys that make a checkpoint a resume point (a model-only one is an export or a seed).
-FULL_STATE = frozenset(CHECKPOINT_KEYS) - {"rng"}
+FULL_STATE = frozenset(CHECKPOINT_KEYS) - {"rng", "reference"}  # (a preference loss's reference: only [dpo] jobs)
 
 
 def step_dir(folder: str, step: int) -> str:

@@ -121,6 +121,7 @@ class CheckpointLoader:
                  trusted: bool = False) -> None:
         """Load `keys` of the DCP folder `path`, after its pickle scan (`safety.py`) unless `trusted`."""
         self._warn_model_args(meta, label)
+        keys = tuple(k for k in keys if k in self.states)  # a [dpo] run's reference, read by a job without one
         metadata = self.collective_try(lambda: read_metadata(path, label, trusted), f"{label} ({path})")
         template = self._template(keys, metadata, meta)
         if "model" in template:

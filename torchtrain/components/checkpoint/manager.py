@@ -151,7 +151,7 @@ class CheckpointManager:
                             ", ".join(plan.keys), plan.path)
             else:
                 self.saver.newest_good = plan.step
-                skipped = [k for k in CHECKPOINT_KEYS if k not in plan.keys]
+                skipped = [k for k in CHECKPOINT_KEYS if k not in plan.keys and k in self.states]
                 logger.info("resumed from %s in %.1fs: restored %s%s; training continues at step %d", plan.path,
                             time.perf_counter() - t0, ", ".join(plan.keys),
                             f"; start fresh: {', '.join(skipped)}" if skipped else "", plan.step + 1)

@@ -97,7 +97,7 @@ class CheckpointSaver:
             self._failed(step, path, problem, remove=False)
             return False
         t0 = time.perf_counter()
-        keys = ["model"] if model_only else list(CHECKPOINT_KEYS)
+        keys = ["model"] if model_only else [k for k in CHECKPOINT_KEYS if k in self.states]  # (reference: [dpo])
         model = self.states["model"]
         state: dict[str, Any] = {"model": model.saved_state_dict(dtype)}
         for key in keys[1:]:

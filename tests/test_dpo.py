@@ -1,0 +1,178 @@
+"""Preference optimisation ([dpo]): the losses' formulas, a learnable toy task, every supported layout against one
+process, the three kinds of reference, resume, and bad input.
+
+* the loss of each `loss_type` equals its formula computed pair by pair from per-answer sums (float64 check);
+* the toy parity task (`tools/preference_toy.py`): the first step's preference accuracy is 0.5 (the model is its
+  reference: every implicit reward 0, a tie counting half), and within 120 steps it is >= 0.95 on pairs the model
+  has not trained on yet (the run stays inside its first epoch, so each step's pairs are new: progressive
+  validation);
+* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2 and TP 2 losses within 1e-4 relative of one process per
+  step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
+  bitwise equal; the precomputed reference gives the live reference's losses within 1e-5 (the same sums, each
+  answer scored in another row: float32 order); LoRA-DPO (reference = adapters off) keeps no second copy of the
+  weights (the reference's bytes, logged by the run, are 0 against the copy's) and matches one process under
+  FSDP 2; IPO and SimPO train under FSDP 2 as in one process;
+* bad input: a pair without its rejected answer, DPO on non-preference data, and pipeline parallelism are one
+  line naming the key (and file:line) and exit 2 before training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+import torch
+from conftest import ParitySuite, assert_no_traceback, read_metrics, run_train
+
+RTOL, STEPS = 1e-4, 4
+P = "--parallelism."
+MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2",
+         "--model.n_heads", "4", "--model.vocab_size", "264"]
+CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2")
+PRECOMPUTED = ("--dpo.reference", "precomputed")
+LORA = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv")
+IPO = ("--dpo.loss_type", "ipo")
+SIMPO = ("--dpo.loss_type", "simpo", "--dpo.beta", "2.0")
+
+
+def job(root: str, pairs: int = 400) -> list[str]:
+    from torchtrain.tools.preference_toy import write
+
+    path = write(root, pairs=pairs, seed=1)
+    return [*MODEL, "--model.hf_assets_path", os.path.join(root, "tokenizer"), "--training.dataset", "preference",
+            "--training.dataset_path", path, "--training.seq_len", "192", "--training.local_batch_size", "2",
+            "--training.global_batch_size", "8", "--dpo.enable", "--dpo.beta", "0.5", "--optimizer.lr", "3e-3",
+            "--lr_scheduler.warmup_steps", "2", "--job.print_config", "false"]
+
+
+# ------------------------------------------------------------------ the formulas
+def _batch(rows: int, seq: int, vocab: int, seed: int = 0):
+    """Random logits and a batch of two pairs in row 0 and one in row 1 (answers of 3 and 2 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, seq, vocab, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    slot = torch.full((rows, seq), -1)
+    spans = {(0, 0): (1, 4), (0, 1): (5, 7), (0, 2): (8, 11), (0, 3): (12, 14), (1, 0): (2, 5), (1, 1): (6, 9)}
+    for (r, j), (a, b) in spans.items():
+        slot[r, a:b] = j
+    labels[slot < 0] = -100
+    pair_id = torch.tensor([[0, 1], [2, -1]])
+    ref = torch.randn(rows, 2, 2, generator=g, dtype=torch.float64)
+    return logits, {"labels": labels, "pair_slot": slot, "pair_id": pair_id, "ref_logps": ref}, spans
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_each_loss_equals_its_formula_pair_by_pair(loss_type):
+    from torchtrain.config.dpo import Dpo
+    from torchtrain.trainer.preference_loss import PreferenceLoss
+
+    dpo = Dpo(enable=True, loss_type=loss_type, beta=0.3, label_smoothing=0.1, simpo_gamma=0.4)
+    logits, batch, spans = _batch(2, 16, 11)
+    got = PreferenceLoss(dpo)(logits, batch).item()
+    logp = torch.log_softmax(logits, -1)
+    want = 0.0
+    for r, k in [(0, 0), (0, 1), (1, 0)]:
+        s, n = [], []
+        for side in (0, 1):
+            a, b = spans[(r, 2 * k + side)]
+            s.append(sum(logp[r, t, batch["labels"][r, t]].item() for t in range(a, b)))
+            n.append(b - a)
+        ref = batch["ref_logps"][r, k].tolist()
+        if loss_type == "ipo":
+            h = (s[0] - ref[0]) / n[0] - (s[1] - ref[1]) / n[1]
+            want += (h - 1 / (2 * 0.3)) ** 2
+            continue
+        h = 0.3 * ((s[0] - ref[0]) - (s[1] - ref[1])) if loss_type == "sigmoid" else 0.3 * (s[0] / n[0] - s[1] / n[1]) - 0.4
+        want += 0.9 * math.log1p(math.exp(-h)) + 0.1 * math.log1p(math.exp(h))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_tie_counts_half_and_the_metrics_read_the_sums():
+    from torchtrain.config.dpo import Dpo
+    from torchtrain.trainer.preference_loss import PreferenceLoss
+
+    loss = PreferenceLoss(Dpo(enable=True))
+    logits, batch, _ = _batch(2, 16, 11)
+    batch["ref_logps"] = loss.reference_sums(logits, batch)  # the model is its own reference: every reward 0
+    assert loss(logits, batch).item() == pytest.approx(3 * math.log(2), rel=1e-6)
+    metrics = PreferenceLoss.record(loss.pop_stats(torch.device("cpu")))
+    assert metrics["dpo/pairs"] == 3 and metrics["dpo/accuracy"] == 0.5 and metrics["dpo/reward_margin"] == 0
+
+
+# ------------------------------------------------------------------ the toy task
+def test_preference_accuracy_rises_from_half_to_95_percent_on_unseen_pairs(tmp_path):
+    root = str(tmp_path)
+    args = job(root, pairs=1200) + ["--training.steps", "120", "--training.local_batch_size", "8",
+                                    "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "10",
+                                    "--metrics.log_freq", "10", "--job.dump_folder", os.path.join(root, "out")]
+    proc = run_train(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {r["step"]: r for r in read_metrics(os.path.join(root, "out"))}
+    assert records[1]["dpo/accuracy"] == 0.5 and records[1]["loss"] == pytest.approx(math.log(2), rel=1e-5)
+    late = [records[s]["dpo/accuracy"] for s in (100, 110, 120)]  # 960 pairs read of 1200: all unseen when scored
+    assert sum(late) / len(late) >= 0.95, late
+    assert records[120]["dpo/reward_margin"] > 1.0 and records[120]["loss"] < 0.1
+
+
+# ------------------------------------------------------------------ layouts (torchrun)
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dpo"))
+    variants = [(layout, extra) for extra in (PRECOMPUTED, LORA, IPO, SIMPO) for layout in ("single", "fsdp2")]
+    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", *variants])
+
+
+@pytest.mark.dist
+def test_fsdp2_and_tp2_match_one_process_and_resume_bitwise(suite):
+    suite.check(["tp2"], rtol=RTOL)
+    suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL)
+    assert "reference" in suite.results["fsdp2", CKPT].log.split("checkpoint saved")[1].split("\n")[0]
+
+
+@pytest.mark.dist
+def test_a_precomputed_reference_gives_the_live_losses(suite):
+    live, pre = suite.baseline, suite.results["single", PRECOMPUTED]
+    assert "reference log-probs of 400 pairs computed" in pre.log
+    assert [r["loss"] for r in pre.records] == pytest.approx([r["loss"] for r in live.records], rel=1e-5)
+    suite.check(["fsdp2"], rtol=RTOL, extra=PRECOMPUTED)
+
+
+@pytest.mark.dist
+def test_lora_dpo_keeps_no_second_copy_and_matches_one_process(suite):
+    copied = re.search(r"sharded like the model \(([\d.]+) MiB", suite.baseline.log)
+    lora = suite.results["single", LORA]
+    assert copied and float(copied.group(1)) > 0.5, suite.baseline.log[-2000:]
+    assert "LoRA adapters off; no copy: 0 MiB" in lora.log
+    suite.check(["fsdp2"], rtol=RTOL, extra=LORA)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", [IPO, SIMPO], ids=["ipo", "simpo"])
+def test_ipo_and_simpo_match_one_process(suite, variant):
+    run, = suite.check(["fsdp2"], rtol=RTOL, extra=variant)
+    assert all(math.isfinite(r["loss"]) for r in run.records)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("case", ["no_rejected", "not_preference", "pipeline"])
+def test_bad_input_is_one_line_before_training(tmp_path, case):
+    root = str(tmp_path)
+    args = job(root, pairs=8) + ["--training.steps", "1", "--job.dump_folder", os.path.join(root, "out")]
+    path = os.path.join(root, "train.jsonl")
+    if case == "no_rejected":
+        with open(path, "a") as f:
+            f.write('{"prompt": "is 3 even or odd?", "chosen": "odd"}\n')
+        expect = f"{path}:9"
+    elif case == "not_preference":
+        args += ["--training.dataset", "synthetic"]
+        expect = "[dpo.enable]"
+    else:
+        args += [f"{P}pipeline_parallel_degree", "2"]
+        expect = "[parallelism.pipeline_parallel_degree]"
+    proc = run_train(args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expect in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert_no_traceback(proc.stderr)
+    assert not os.path.exists(os.path.join(root, "out", "metrics.jsonl"))

@@ -1,0 +1,79 @@
+"""Config section [dpo]: preference optimisation on chosen / rejected answers (docs/post_training.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from torchtrain.config.fields import ConfigError, Ge, Gt
+
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+REFERENCES = ("model", "precomputed")
+
+
+@dataclass
+class Dpo:
+    enable: bool = False
+    """Train on preference pairs (`training.dataset = "preference"`) with a preference loss instead of
+    next-token cross-entropy. Each pair is the prompt with a chosen and a rejected answer; the loss reads
+    the summed log-probability of each answer's tokens under the model being trained (and, except for
+    SimPO, under the reference: the model's initial weights)."""
+
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """`sigmoid`: DPO, -log sigmoid(beta h) with h = (log pi - log ref)(chosen) - (log pi - log ref)(rejected);
+    `ipo`: (h' - 1 / (2 beta))^2 with h' the same difference of per-token mean log-ratios (IPO, length
+    normalised); `simpo`: -log sigmoid(beta (mean log pi(chosen) - mean log pi(rejected)) - simpo_gamma),
+    reference-free (SimPO: no reference pass at all)."""
+
+    beta: Annotated[float, Gt(0)] = 0.1
+    """Strength of the preference: the inverse temperature of the implicit reward beta log(pi / ref)
+    (sigmoid, simpo), or the target margin 1 / (2 beta) of IPO."""
+
+    label_smoothing: Annotated[float, Ge(0)] = 0.0
+    """Assumed share of flipped labels (conservative DPO, sigmoid and simpo): the loss becomes
+    (1 - eps) (-log sigmoid(x)) + eps (-log sigmoid(-x)). 0 is plain DPO."""
+
+    simpo_gamma: Annotated[float, Ge(0)] = 0.5
+    """SimPO's target reward margin gamma (loss_type = "simpo")."""
+
+    reference: Literal["model", "precomputed"] = "model"
+    """Where the reference log-probs come from. `model`: a frozen copy of the initial weights, sharded
+    like the model being trained, runs a forward beside every micro-batch (one more set of weights in
+    memory, ~1/3 more compute per step; with LoRA the reference is the same model with its adapters
+    off: no copy). `precomputed`: one forward pass over every pair before the first step (the initial
+    weights), its two sums per pair kept (16 bytes a pair, in checkpoints too); no second copy and no
+    per-step reference forward. Both give the same losses. Not read for simpo (no reference)."""
+
+    def validate(self) -> None:
+        if self.label_smoothing >= 0.5:
+            raise ConfigError(f"[dpo.label_smoothing] {self.label_smoothing} must be below 0.5 (at 0.5 the loss no "
+                              f"longer prefers either answer)")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads reference log-probs (every loss but SimPO's)."""
+        return self.enable and self.loss_type != "simpo"
+
+
+def check_dpo(job) -> None:
+    """[dpo] against the other sections (JobConfig.validate calls it): preference data and a preference loss go
+    together; the layouts a preference loss does not run under yet are refused in one line each."""
+    dpo, training, par = job.dpo, job.training, job.parallelism
+    if training.dataset == "preference" and not dpo.enable:
+        raise ConfigError("[training.dataset] \"preference\" pairs train with a preference loss: set dpo.enable = true")
+    if not dpo.enable:
+        return
+    if training.dataset != "preference":
+        raise ConfigError(f"[dpo.enable] a preference loss reads chosen / rejected pairs: set training.dataset = "
+                          f"\"preference\" (not {training.dataset!r}) and training.dataset_path to their JSONL file")
+    refused = {"parallelism.pipeline_parallel_degree": (par.pipeline_parallel_degree, "pipeline parallelism"),
+               "parallelism.context_parallel_degree": (par.context_parallel_degree, "context parallelism")}
+    for key, (degree, what) in refused.items():
+        if degree > 1:
+            raise ConfigError(f"[{key}] a preference loss does not run under {what} yet (a pair's log-probs are "
+                              f"summed where its tokens are): use FSDP/HSDP, DDP or tensor parallelism")
+    if job.fault.replica_ft:
+        raise ConfigError("[fault.replica_ft] a preference loss does not run with replica groups yet")
+    if job.validation.enable:
+        raise ConfigError("[validation.enable] held-out validation measures cross-entropy, not a preference loss: "
+                          "turn it off for a [dpo] job (the step logs dpo/accuracy and the reward margin)")

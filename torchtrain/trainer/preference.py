@@ -1,0 +1,71 @@
+"""What a `[dpo]` run adds to the trainer: its reference (trainer/reference.py), built, checkpointed and set up
+before the first step. The loss itself is the train step's (`trainer/preference_loss.py`).
+
+    reference, checkpoint entry, start-up          when
+    ---------------------------------------------  --------------------------------------------------------
+    none                                           loss_type = "simpo" (reference-free)
+    the model itself, adapters off (LoRA)          [lora] enabled, dpo.reference = "model"
+    a frozen copy, `reference` weights             dpo.reference = "model"; copied from the model at step 0
+    a table of sums, `reference` (pairs, 2)        dpo.reference = "precomputed"; one pass at step 0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtrain.config.dpo import Dpo
+from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.parallelize import build_model_parts
+from torchtrain.trainer.reference import ReferenceModel, ReferenceTable, precompute
+from torchtrain.utils.logging import logger
+
+
+class PreferenceRun:
+    """The reference of a preference loss, for the trainer. `live`: the reference the train step runs beside
+    every micro-batch (None when precomputed or reference-free)."""
+
+    def __init__(self, dpo: Dpo, spec, args, layout: Layout, device: torch.device, seed: int, dataset):
+        self.dpo, self.dataset = dpo, dataset
+        self.live: ReferenceModel | None = None
+        self.table: ReferenceTable | None = None
+        if not dpo.needs_reference:
+            logger.info("dpo: %s loss, reference-free", dpo.loss_type)
+            return
+        if dpo.reference == "precomputed":
+            self.table = ReferenceTable(dataset.num_pairs, device)
+            logger.info("dpo: %s loss, reference log-probs precomputed once (the initial weights)", dpo.loss_type)
+        elif layout.lora is not None:
+            self.live = ReferenceModel(None)
+            logger.info("dpo: %s loss, reference = the base model (LoRA adapters off; no copy: 0 MiB)", dpo.loss_type)
+        else:
+            self.live = ReferenceModel(build_model_parts(spec, args, layout, device, seed))
+            logger.info("dpo: %s loss, reference = a frozen copy of the initial weights, sharded like the model "
+                        "(%.2f MiB of weights on this rank)", dpo.loss_type, self.live.local_bytes() / 2**20)
+
+    def checkpoint_state(self) -> Any:
+        """The checkpoint entry `reference` (None: nothing to keep)."""
+        if self.table is not None:
+            return self.table
+        return self.live.checkpoint_state() if self.live is not None else None
+
+    def start(self, step_number: int, step, rows_per_batch: int) -> None:
+        """After the checkpoint load: a resumed run has its reference from its checkpoint; otherwise the copy takes
+        the model's weights now, or the table is computed from them -- the initial weights at step 0 (a
+        checkpoint of another job, resumed at step N without a reference, makes its step-N weights the
+        reference: logged). The dataset then carries the table."""
+        saved = self.checkpoint_state()
+        if saved is None or saved.loaded:  # nothing to set up, or resumed with it
+            if self.table is not None:
+                self.dataset.set_reference(self.table.table.cpu())
+            return
+        if step_number > 0:
+            logger.info("dpo: the checkpoint of step %d holds no reference: its weights become the reference",
+                        step_number)
+        if self.live is not None:
+            self.live.copy_from(step.model_parts)
+        if self.table is not None:
+            batches = list(self.dataset.reference_rows(rows_per_batch))
+            precompute(step, ReferenceModel(None), step.preference, batches, self.table)
+            self.dataset.set_reference(self.table.table.cpu())

@@ -1,0 +1,126 @@
+"""Preference losses (DPO, IPO, SimPO) over packed chosen / rejected pairs, exact under any data-parallel layout.
+
+A row of a preference batch (`data/preference.py`) holds whole pairs: the prompt with the chosen answer, then
+the prompt with the rejected one, as two documents. `pair_slot` marks each trained label position with
+2 k + s (pair slot k of the row, s = 0 chosen / 1 rejected). For pair k and answer s:
+
+    logp(k, s) = sum over the answer's tokens t of log pi(token_t | tokens before it)      (float32)
+    n(k, s)    = the answer's token count
+
+and with the reference's sums ref(k, s) (`ref_logps`: the initial weights; none for SimPO), beta > 0:
+
+    sigmoid (DPO):  h = beta ((logp - ref)(k, 0) - (logp - ref)(k, 1))
+                    loss_k = (1 - eps) softplus(-h) + eps softplus(h)        (eps: label smoothing)
+    ipo:            h = (logp - ref)(k, 0) / n(k, 0) - (logp - ref)(k, 1) / n(k, 1)
+                    loss_k = (h - 1 / (2 beta))^2
+    simpo:          h = beta (logp(k, 0) / n(k, 0) - logp(k, 1) / n(k, 1)) - gamma
+                    loss_k = (1 - eps) softplus(-h) + eps softplus(h)
+
+A step's loss is the mean over the P pairs of the global batch: each micro-batch's backward uses
+sum_k loss_k * scale with scale = R / P (R: the ranks holding different pairs, P all-reduced before the step),
+exactly as the token-mean cross-entropy does with its token count (trainer/loss.py), so data-parallel
+gradient averaging gives the gradient of the global mean under any layout. A pair never spans two rows or
+ranks (packing keeps pairs whole), so every pair's loss is computed where its tokens are.
+
+Logged per step (reduced over all ranks and micro-batches): the preference accuracy (share of pairs whose
+implicit reward is higher for the chosen answer, a tie counting half: 0.5 at the first step, where the
+model is its reference and every reward is 0), the mean rewards of both answers and their margin
+(beta (logp - ref), or beta logp / n for SimPO), and the mean summed log-probs of both answers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchtrain.config.dpo import Dpo
+from torchtrain.utils.token_loss import IGNORE_INDEX, local_value
+
+STATS = ("pairs", "correct", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected")
+"""What a step sums over its pairs for the log (`PreferenceLoss.record` turns them into metrics)."""
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log pi(label) per position in float32, (rows, seq); 0 where the label is ignored. Vocabulary-sharded
+    DTensor logits (loss parallel) are reduced across the shards and returned as a plain tensor."""
+    flat = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none",
+                           ignore_index=IGNORE_INDEX)
+    return -local_value(flat).view(labels.shape)
+
+
+def answer_sums(logps: torch.Tensor, pair_slot: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probs, token counts) per answer, each (rows, slots, 2) from per-position `logps` and `pair_slot`."""
+    trained = pair_slot >= 0
+    index = pair_slot.clamp(min=0)
+    rows = logps.shape[0]
+    sums = logps.new_zeros(rows, 2 * slots).scatter_add(1, index, torch.where(trained, logps, 0.0))
+    counts = logps.new_zeros(rows, 2 * slots).scatter_add(1, index, trained.to(logps.dtype))
+    return sums.view(rows, slots, 2), counts.view(rows, slots, 2)
+
+
+def pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The number of pairs a (micro-)batch holds."""
+    return (batch["pair_id"] >= 0).sum()
+
+
+class PreferenceLoss:
+    """loss(logits, batch) = sum over the batch's pairs of loss_k, times `scale` (module docstring); the
+    trainer sets `scale` every step. Keeps the step's summed statistics (detached) until `pop_stats`."""
+
+    def __init__(self, dpo: Dpo):
+        self.loss_type, self.beta, self.eps, self.gamma = dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma
+        self.uses_reference = dpo.needs_reference
+        self.scale: torch.Tensor | float = 1.0
+        self._stats: list[torch.Tensor] = []
+
+    def rewards(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+        """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n."""
+        if self.loss_type == "simpo":
+            return self.beta * sums / counts.clamp(min=1)
+        return self.beta * (sums - ref)
+
+    def pair_losses(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+        """loss_k of every slot (rows, slots); slots without a pair give garbage the caller masks out."""
+        if self.loss_type == "ipo":
+            ratio = (sums - ref) / counts.clamp(min=1)
+            return (ratio[..., 0] - ratio[..., 1] - 1 / (2 * self.beta)).square()
+        reward = self.rewards(sums, counts, ref)
+        h = reward[..., 0] - reward[..., 1] - (self.gamma if self.loss_type == "simpo" else 0.0)
+        return (1 - self.eps) * F.softplus(-h) + self.eps * F.softplus(h)
+
+    def __call__(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        slots = batch["pair_id"].shape[1]
+        sums, counts = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], slots)
+        ref = batch["ref_logps"].to(sums.dtype) if self.uses_reference else None
+        present = (batch["pair_id"] >= 0).to(sums.dtype)
+        loss = (self.pair_losses(sums, counts, ref) * present).sum()
+        with torch.no_grad():
+            reward = self.rewards(sums, counts, ref)
+            correct = (reward[..., 0] > reward[..., 1]).to(sums.dtype) + 0.5 * (reward[..., 0] == reward[..., 1])
+            self._stats.append(torch.stack([present.sum(), (correct * present).sum(),
+                                            (reward[..., 0] * present).sum(), (reward[..., 1] * present).sum(),
+                                            (sums[..., 0] * present).sum(), (sums[..., 1] * present).sum()]))
+        return loss * self.scale
+
+    def reference_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's summed log-probs of every answer, (rows, slots, 2) float64, from its logits."""
+        sums, _ = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], batch["pair_id"].shape[1])
+        return sums.double()
+
+    def pop_stats(self, device: torch.device, last: int | None = None) -> torch.Tensor:
+        """The summed statistics (`STATS`) since the last call: of the `last` calls only when given."""
+        stats, self._stats = self._stats, []
+        if last is not None:
+            stats = stats[len(stats) - last:] if last else []
+        return torch.stack(stats).sum(0) if stats else torch.zeros(len(STATS), device=device)
+
+    @staticmethod
+    def record(stats: torch.Tensor) -> dict[str, float]:
+        """The step's metrics from its globally reduced `STATS`."""
+        s = dict(zip(STATS, stats.tolist()))
+        pairs = max(s["pairs"], 1.0)
+        return {"dpo/accuracy": s["correct"] / pairs, "dpo/reward_chosen": s["reward_chosen"] / pairs,
+                "dpo/reward_rejected": s["reward_rejected"] / pairs,
+                "dpo/reward_margin": (s["reward_chosen"] - s["reward_rejected"]) / pairs,
+                "dpo/logp_chosen": s["logp_chosen"] / pairs, "dpo/logp_rejected": s["logp_rejected"] / pairs,
+                "dpo/pairs": s["pairs"]}

@@ -1,0 +1,139 @@
+"""The reference of a preference loss (`[dpo]`): the model's initial weights, scoring every pair's answers.
+
+Three ways, one meaning (the summed log-probs of each answer under the weights the run started from):
+
+* **a frozen copy** (`dpo.reference = "model"`): the model built a second time with the same layout (its
+  FSDP units, TP plan, compile and checkpointing), its weights copied from the model being trained before
+  the first step, no gradients and no optimizer state. Every micro-batch runs its forward first, under
+  `no_grad`; its sums go into the batch as `ref_logps`. Saved in checkpoints (top-level key `reference`), so
+  a resumed run scores against the same weights;
+* **LoRA**: the model itself with its adapters off (`distributed/lora.py::adapters_off`) is the base model,
+  and the base is frozen: no second copy at all;
+* **precomputed** (`dpo.reference = "precomputed"`): before the first step, one forward pass over every pair
+  of the data (`PreferenceDataset.reference_rows`, dealt over the data-parallel ranks, all running the same
+  number of forwards so sharded weights gather together), its sums summed into one table (pairs, 2) on every
+  rank and handed to the dataset, which puts them in each batch. The table is saved in checkpoints (key
+  `reference`), so a resumed run needs no second pass.
+
+The losses are the same either way up to float32 summation order (a pair's answers are scored in another
+row of other pairs: block-causal attention keeps them apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from torchtrain.distributed.lora import adapters_off
+from torchtrain.distributed.utils import all_reduce
+from torchtrain.trainer.preference_loss import PreferenceLoss
+from torchtrain.utils.logging import logger
+
+
+class ReferenceModel:
+    """The frozen copy (`parts`), or with `parts` None the model being trained with its adapters off (LoRA)."""
+
+    def __init__(self, parts: list[nn.Module] | None):
+        self.parts = parts
+        self._saved: FrozenWeights | None = None
+        for part in parts or []:
+            part.requires_grad_(False)
+            part.eval()
+
+    def fill(self, step, batch: dict[str, torch.Tensor], loss: PreferenceLoss) -> dict[str, torch.Tensor]:
+        """The (sharded, on-device) micro-batch with the reference's sums of its answers as `ref_logps`, computed
+        without gradients in the step's context (under TP: vocabulary-sharded logits, loss parallel)."""
+        model = self.parts[0] if self.parts is not None else step.model_parts[0]
+        off = adapters_off(step.model_parts) if self.parts is None else contextlib.nullcontext()
+        with torch.no_grad(), off, step.context():
+            logits = model(batch["input_ids"], **step.model_kwargs(batch))
+            return {**batch, "ref_logps": loss.reference_sums(logits, batch)}
+
+    @torch.no_grad()
+    def copy_from(self, model_parts: list[nn.Module]) -> None:
+        """Take the weights of the model being trained (at the start of a run: its initial weights)."""
+        if self.parts is None:
+            return
+        for part, ref in zip(model_parts, self.parts):
+            params = dict(part.named_parameters())
+            for name, p in ref.named_parameters():
+                p.copy_(params[name].detach())
+
+    def local_bytes(self) -> int:
+        """Bytes of the copy's weights on this rank (its shards), 0 for LoRA's adapters-off reference."""
+        total = 0
+        for part in self.parts or []:
+            for p in part.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += local.numel() * local.element_size()
+        return total
+
+    def checkpoint_state(self) -> FrozenWeights | None:
+        """What checkpoints keep of the copy (None for LoRA: the base weights are the model's own)."""
+        if self.parts is not None and self._saved is None:
+            self._saved = FrozenWeights(self.parts)
+        return self._saved
+
+
+class FrozenWeights:
+    """The copy's weights as a checkpoint entry (the model's parameter names)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+        self.loaded = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+        self.loaded = True
+
+
+class ReferenceTable:
+    """Precomputed sums, (pairs, 2) float64, as a checkpoint entry; `loaded` once computed or loaded."""
+
+    def __init__(self, num_pairs: int, device: torch.device):
+        self.table = torch.zeros(num_pairs, 2, dtype=torch.float64, device=device)
+        self.loaded = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"logps": self.table}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.table.copy_(state["logps"])
+        self.loaded = True
+
+
+@torch.no_grad()
+def precompute(step, reference: ReferenceModel, loss: PreferenceLoss, batches: list[dict[str, torch.Tensor]],
+               table: ReferenceTable) -> None:
+    """Fill `table` from the reference's forwards over `batches` (all pairs once), dealt over the data ranks:
+    batch i on data rank i mod data_degree, every rank running the same number of forwards (the last ones
+    repeat a batch and are not counted), then the per-rank tables summed over the data ranks."""
+    dims = step.layout.dims
+    data_rank, data_degree = dims.dp_rank, dims.dp
+    rounds = -(-len(batches) // data_degree)
+    for r in range(rounds):
+        i = r * data_degree + data_rank
+        batch = batches[min(i, len(batches) - 1)]
+        batch = {k: v.to(step.device) for k, v in step.shard(batch).items()}
+        sums = reference.fill(step, batch, loss)["ref_logps"]
+        if i >= len(batches):
+            continue
+        ids = batch["pair_id"]
+        keep = ids >= 0
+        table.table.index_put_((ids[keep],), sums[keep].to(table.table.dtype), accumulate=True)
+    all_reduce(table.table, dims.dp_mesh)
+    table.loaded = True
+    logger.info("dpo: reference log-probs of %d pairs computed (%d forward batches over %d data-parallel ranks)",
+                table.table.shape[0], len(batches), data_degree)
