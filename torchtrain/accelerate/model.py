@@ -111,8 +111,10 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, tp_plan:
             checkpoint(module)  # (composable: parameter names stay as they are)
     if compiled:
         from torchtrain.distributed.compile import check_compiler
+        from torchtrain.utils.not_compiled import exclude_from_graphs
 
         check_compiler(device.type)
+        exclude_from_graphs()
         for module in compiled:
             module.compile()
     if layout.ddp:  # (DDP holds whole tensors: a meta model is materialised before the wrapper sees it)

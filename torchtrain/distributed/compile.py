@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.utils.not_compiled import exclude_from_graphs
 
 
 def check_compiler(device_type: str) -> None:
@@ -40,6 +41,7 @@ def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph:
         torch._inductor.config.fx_graph_cache = False
         if hasattr(torch._functorch.config, "enable_autograd_cache"):
             torch._functorch.config.enable_autograd_cache = False
+    exclude_from_graphs()
     for block in blocks.children():
         block.compile(fullgraph=fullgraph, dynamic=dynamic)
 
@@ -47,9 +49,11 @@ def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph:
 def compile_modules(modules: list[nn.Module]) -> None:
     """Compile whole modules in place (each its own graph): the model's element-wise work outside
     the blocks, such as its final norm, which eager mode would run as several separate kernels."""
+    exclude_from_graphs()
     for module in modules:
         module.compile(fullgraph=True)
 
 
 def compile_loss(loss_fn: Callable) -> Callable:
+    exclude_from_graphs()
     return torch.compile(loss_fn)

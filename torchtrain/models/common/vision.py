@@ -34,6 +34,7 @@ from torch import nn
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.rope import apply_rope, frequencies
+from torchtrain.utils.not_compiled import not_compiled
 
 
 @dataclass
@@ -168,10 +169,11 @@ def vision_rope_rows(grid: torch.Tensor, merge: int, head_dim: int, theta: float
 
 
 # --------------------------------------------------------------------------- modules
-@torch.compiler.disable
+@not_compiled
 def per_frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Bidirectional attention of (1, heads, N, d) packed frames, each alone (no N x N mask). Left out of
-    compiled graphs: the frame lengths change with every batch (the projections around it compile)."""
+    compiled graphs (`utils/not_compiled.py`): the frame lengths change with every batch (the projections around
+    it compile)."""
     if len(lengths) <= 1:
         return F.scaled_dot_product_attention(q, k, v)
     return torch.cat([F.scaled_dot_product_attention(*parts)
