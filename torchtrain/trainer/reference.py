@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
+from torchtrain.models.base import forward_counting
 from torchtrain.trainer.preference_loss import PreferenceLoss
 from torchtrain.utils.logging import logger
 
@@ -48,7 +49,7 @@ class ReferenceModel:
         without gradients in the step's context (under TP: vocabulary-sharded logits, loss parallel)."""
         model = self.parts[0] if self.parts is not None else step.model_parts[0]
         off = adapters_off(step.model_parts) if self.parts is None else contextlib.nullcontext()
-        with torch.no_grad(), off, step.context():
+        with torch.no_grad(), off, forward_counting(False), step.context():  # (adds to no MoE / extra-loss statistics)
             logits = model(batch["input_ids"], **step.model_kwargs(batch))
             return {**batch, "ref_logps": loss.reference_sums(logits, batch)}
 
