@@ -6,8 +6,8 @@ process, the three kinds of reference, resume, and bad input.
   reference: every implicit reward 0, a tie counting half), and within 120 steps it is >= 0.95 on pairs the model
   has not trained on yet (the run stays inside its first epoch, so each step's pairs are new: progressive
   validation);
-* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2 and TP 2 losses within 1e-4 relative of one process per
-  step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
+* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2, TP 2 and CP 2 (each answer's tokens split over the two
+  ranks, its sums all-reduced) losses within 1e-4 relative of one process per step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
   bitwise equal; the precomputed reference gives the live reference's losses within 1e-5 (the same sums, each
   answer scored in another row: float32 order); LoRA-DPO (reference = adapters off) keeps no second copy of the
   weights (the reference's bytes, logged by the run, are 0 against the copy's) and matches one process under
@@ -121,12 +121,12 @@ def test_preference_accuracy_rises_from_half_to_95_percent_on_unseen_pairs(tmp_p
 def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dpo"))
     variants = [(layout, extra) for extra in (PRECOMPUTED, LORA, IPO, SIMPO) for layout in ("single", "fsdp2")]
-    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", *variants])
+    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", "cp2", *variants])
 
 
 @pytest.mark.dist
-def test_fsdp2_and_tp2_match_one_process_and_resume_bitwise(suite):
-    suite.check(["tp2"], rtol=RTOL)
+def test_fsdp2_tp2_and_cp2_match_one_process_and_resume_bitwise(suite):
+    suite.check(["tp2", "cp2"], rtol=RTOL)
     suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL)
     assert "reference" in suite.results["fsdp2", CKPT].log.split("checkpoint saved")[1].split("\n")[0]
 

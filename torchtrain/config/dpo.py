@@ -66,12 +66,10 @@ def check_dpo(job) -> None:
     if training.dataset != "preference":
         raise ConfigError(f"[dpo.enable] a preference loss reads chosen / rejected pairs: set training.dataset = "
                           f"\"preference\" (not {training.dataset!r}) and training.dataset_path to their JSONL file")
-    refused = {"parallelism.pipeline_parallel_degree": (par.pipeline_parallel_degree, "pipeline parallelism"),
-               "parallelism.context_parallel_degree": (par.context_parallel_degree, "context parallelism")}
-    for key, (degree, what) in refused.items():
-        if degree > 1:
-            raise ConfigError(f"[{key}] a preference loss does not run under {what} yet (a pair's log-probs are "
-                              f"summed where its tokens are): use FSDP/HSDP, DDP or tensor parallelism")
+    if par.pipeline_parallel_degree > 1:
+        raise ConfigError("[parallelism.pipeline_parallel_degree] a preference loss does not run under pipeline "
+                          "parallelism yet (its per-pair inputs do not pass through the schedule): use FSDP/HSDP, DDP, "
+                          "tensor or context parallelism")
     if job.fault.replica_ft:
         raise ConfigError("[fault.replica_ft] a preference loss does not run with replica groups yet")
     if job.validation.enable:

@@ -19,8 +19,15 @@ and with the reference's sums ref(k, s) (`ref_logps`: the initial weights; none 
 A step's loss is the mean over the P pairs of the global batch: each micro-batch's backward uses
 sum_k loss_k * scale with scale = R / P (R: the ranks holding different pairs, P all-reduced before the step),
 exactly as the token-mean cross-entropy does with its token count (trainer/loss.py), so data-parallel
-gradient averaging gives the gradient of the global mean under any layout. A pair never spans two rows or
-ranks (packing keeps pairs whole), so every pair's loss is computed where its tokens are.
+gradient averaging gives the gradient of the global mean under any layout. A pair never spans two rows
+(packing keeps pairs whole), so every pair's loss is computed where its row is.
+
+Context parallelism cuts every row's sequence over c ranks: each holds part of every answer's tokens, and
+its per-pair values (`pair_id`, `ref_logps`) whole (`utils/batch_keys.py` ROW_KEYS). The partial sums are
+all-reduced over the c ranks (autograd: the backward all-reduces their gradients), so every rank computes the
+same pair losses. P then counts each pair c times and R = dp x c, so scale = dp / P_pairs; the all-reduce's
+backward sums the c equal losses' gradients (c times one), and the data-parallel average divides by dp x c:
+the gradient is again that of the global pair mean. The logged statistics are divided by c.
 
 Logged per step (reduced over all ranks and micro-batches): the preference accuracy (share of pairs whose
 implicit reward is higher for the chosen answer, a tie counting half: 0.5 at the first step, where the
@@ -31,6 +38,8 @@ model is its reference and every reward is 0), the mean rewards of both answers 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from torchtrain.config.dpo import Dpo
@@ -65,13 +74,25 @@ def pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 class PreferenceLoss:
     """loss(logits, batch) = sum over the batch's pairs of loss_k, times `scale` (module docstring); the
-    trainer sets `scale` every step. Keeps the step's summed statistics (detached) until `pop_stats`."""
+    trainer sets `scale` every step. Keeps the step's summed statistics (detached) until `pop_stats`.
+    `cp_group`: the context-parallel group, whose ranks each hold a part of every answer (module docstring)."""
 
-    def __init__(self, dpo: Dpo):
+    def __init__(self, dpo: Dpo, cp_group=None):
         self.loss_type, self.beta, self.eps, self.gamma = dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma
         self.uses_reference = dpo.needs_reference
+        self.cp_group = cp_group
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.scale: torch.Tensor | float = 1.0
         self._stats: list[torch.Tensor] = []
+
+    def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed log-probs, token counts) of every answer of the batch, (rows, slots, 2); under context parallelism
+        the ranks' partial sums added up (an all-reduce whose backward sums the gradients back)."""
+        sums, counts = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], batch["pair_id"].shape[1])
+        if self.cp_group is not None:
+            sums = dist_nn.all_reduce(sums, group=self.cp_group)
+            counts = dist_nn.all_reduce(counts.detach(), group=self.cp_group)
+        return sums, counts
 
     def rewards(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
         """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n."""
@@ -89,8 +110,7 @@ class PreferenceLoss:
         return (1 - self.eps) * F.softplus(-h) + self.eps * F.softplus(h)
 
     def __call__(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        slots = batch["pair_id"].shape[1]
-        sums, counts = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], slots)
+        sums, counts = self.sums(logits, batch)
         ref = batch["ref_logps"].to(sums.dtype) if self.uses_reference else None
         present = (batch["pair_id"] >= 0).to(sums.dtype)
         loss = (self.pair_losses(sums, counts, ref) * present).sum()
@@ -99,13 +119,12 @@ class PreferenceLoss:
             correct = (reward[..., 0] > reward[..., 1]).to(sums.dtype) + 0.5 * (reward[..., 0] == reward[..., 1])
             self._stats.append(torch.stack([present.sum(), (correct * present).sum(),
                                             (reward[..., 0] * present).sum(), (reward[..., 1] * present).sum(),
-                                            (sums[..., 0] * present).sum(), (sums[..., 1] * present).sum()]))
+                                            (sums[..., 0] * present).sum(), (sums[..., 1] * present).sum()]) / self.cp)
         return loss * self.scale
 
     def reference_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's summed log-probs of every answer, (rows, slots, 2) float64, from its logits."""
-        sums, _ = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], batch["pair_id"].shape[1])
-        return sums.double()
+        return self.sums(logits, batch)[0].double()
 
     def pop_stats(self, device: torch.device, last: int | None = None) -> torch.Tensor:
         """The summed statistics (`STATS`) since the last call: of the `last` calls only when given."""

@@ -24,6 +24,14 @@ from torchtrain.trainer.reference import ReferenceModel
 from torchtrain.trainer.step import PipelineFactory, TrainStep
 
 
+def preference_loss(layout: Layout, dpo: Dpo | None) -> PreferenceLoss | None:
+    """The preference loss of an enabled [dpo] (over the context-parallel group when there is one), else None."""
+    if dpo is None or not dpo.enable:
+        return None
+    dims = layout.dims
+    return PreferenceLoss(dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None)
+
+
 def build_train_step(layout: Layout, training: Training, model_args, model_parts: list[nn.Module],
                      optimizers: OptimizersContainer, lr_schedulers: LRSchedulersContainer, device: torch.device,
                      pipeline: PipelineFactory | None = None, dpo: Dpo | None = None,
@@ -36,4 +44,4 @@ def build_train_step(layout: Layout, training: Training, model_args, model_parts
     extra = ExtraLosses.for_model(model_parts, device)  # None unless a module adds a logged loss
     return TrainStep(layout, model_parts, optimizers, lr_schedulers, device, training.max_norm, moe,
                      training.z_loss, extra_losses=extra, pipeline=pipeline,
-                     preference=PreferenceLoss(dpo) if dpo is not None and dpo.enable else None, reference=reference)
+                     preference=preference_loss(layout, dpo), reference=reference)

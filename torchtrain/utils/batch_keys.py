@@ -4,7 +4,8 @@ Every batch tensor is batch-first. Most are per token -- (rows, seq_len, ...): `
 `positions`, and what a model derives per token (`rope_positions`, `image_index`) -- so context parallelism
 cuts them along the sequence and a pipeline schedule along the rows. The image inputs are per row, not per
 token: `pixel_values` (rows, patches, C T p p) and `image_grid` (rows, images, 3), each row's zero-padded to
-the batch's largest (`data/images.py`). Context parallelism keeps them whole (every rank's placeholders may
+the batch's largest (`data/images.py`); a preference batch's `pair_id` (rows, pairs) and `ref_logps` (rows,
+pairs, 2) likewise (an empty slot's id is -1). Context parallelism keeps them whole (every rank's placeholders may
 need any of its rows' images), and batches holding them join by padding them to the largest again (zero
 patches and zero grids are padding by definition).
 """
@@ -14,8 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_KEYS = ("pixel_values", "image_grid")
-"""Per-row inputs that are not per token (module doc)."""
+ROW_KEYS = ("pixel_values", "image_grid", "pair_id", "ref_logps")
+"""Per-row inputs that are not per token (module doc; a preference batch's per-pair ids and reference sums:
+`data/preference_packing.py`)."""
+PADDING = {"pair_id": -1}
+"""The padding value of a per-row key where it is not 0 (an empty pair slot)."""
 
 
 def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -25,6 +29,7 @@ def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
         parts = [b[key] for b in batches]
         if key in ROW_KEYS:
             most = max(p.shape[1] for p in parts)
-            parts = [F.pad(p, (0, 0, 0, most - p.shape[1])) for p in parts]
+            parts = [F.pad(p, (0, 0) * (p.ndim - 2) + (0, most - p.shape[1]), value=PADDING.get(key, 0))
+                     for p in parts]
         out[key] = torch.cat(parts)
     return out
