@@ -6,13 +6,15 @@ process, the three kinds of reference, resume, and bad input.
   reference: every implicit reward 0, a tie counting half), and within 120 steps it is >= 0.95 on pairs the model
   has not trained on yet (the run stays inside its first epoch, so each step's pairs are new: progressive
   validation);
-* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2, TP 2 and CP 2 (each answer's tokens split over the two
-  ranks, its sums all-reduced) losses within 1e-4 relative of one process per step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
-  bitwise equal; the precomputed reference gives the live reference's losses within 1e-5 (the same sums, each
+* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2, TP 2, CP 2 (each answer's tokens split over the two
+  ranks, its sums all-reduced) and PP 2 (1F1B: labels, pair slots and the reference's per-token shares in one
+  target tensor) losses within 1e-4 relative of one process per step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
+  bitwise equal; the precomputed reference gives the live reference's losses within 1e-5 (also under FSDP 2
+  and PP 2; the same sums, each
   answer scored in another row: float32 order); LoRA-DPO (reference = adapters off) keeps no second copy of the
   weights (the reference's bytes, logged by the run, are 0 against the copy's) and matches one process under
   FSDP 2; IPO and SimPO train under FSDP 2 as in one process;
-* bad input: a pair without its rejected answer, DPO on non-preference data, and pipeline parallelism are one
+* bad input: a pair without its rejected answer, DPO on non-preference data, and held-out validation are one
   line naming the key (and file:line) and exit 2 before training.
 """
 
@@ -27,7 +29,6 @@ import torch
 from conftest import ParitySuite, assert_no_traceback, read_metrics, run_train
 
 RTOL, STEPS = 1e-4, 4
-P = "--parallelism."
 MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2",
          "--model.n_heads", "4", "--model.vocab_size", "264"]
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2")
@@ -121,12 +122,13 @@ def test_preference_accuracy_rises_from_half_to_95_percent_on_unseen_pairs(tmp_p
 def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dpo"))
     variants = [(layout, extra) for extra in (PRECOMPUTED, LORA, IPO, SIMPO) for layout in ("single", "fsdp2")]
-    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", "cp2", *variants])
+    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", "cp2", "pp2_1f1b",
+                                                       ("pp2_1f1b", PRECOMPUTED), *variants])
 
 
 @pytest.mark.dist
-def test_fsdp2_tp2_and_cp2_match_one_process_and_resume_bitwise(suite):
-    suite.check(["tp2", "cp2"], rtol=RTOL)
+def test_fsdp2_tp2_cp2_and_pp2_match_one_process_and_resume_bitwise(suite):
+    suite.check(["tp2", "cp2", "pp2_1f1b"], rtol=RTOL)
     suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL)
     assert "reference" in suite.results["fsdp2", CKPT].log.split("checkpoint saved")[1].split("\n")[0]
 
@@ -136,7 +138,7 @@ def test_a_precomputed_reference_gives_the_live_losses(suite):
     live, pre = suite.baseline, suite.results["single", PRECOMPUTED]
     assert "reference log-probs of 400 pairs computed" in pre.log
     assert [r["loss"] for r in pre.records] == pytest.approx([r["loss"] for r in live.records], rel=1e-5)
-    suite.check(["fsdp2"], rtol=RTOL, extra=PRECOMPUTED)
+    suite.check(["fsdp2", "pp2_1f1b"], rtol=RTOL, extra=PRECOMPUTED)
 
 
 @pytest.mark.dist
@@ -156,7 +158,7 @@ def test_ipo_and_simpo_match_one_process(suite, variant):
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("case", ["no_rejected", "not_preference", "pipeline"])
+@pytest.mark.parametrize("case", ["no_rejected", "not_preference", "validation"])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     root = str(tmp_path)
     args = job(root, pairs=8) + ["--training.steps", "1", "--job.dump_folder", os.path.join(root, "out")]
@@ -169,8 +171,8 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
         args += ["--training.dataset", "synthetic"]
         expect = "[dpo.enable]"
     else:
-        args += [f"{P}pipeline_parallel_degree", "2"]
-        expect = "[parallelism.pipeline_parallel_degree]"
+        args += ["--validation.enable"]
+        expect = "[validation.enable]"
     proc = run_train(args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expect in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

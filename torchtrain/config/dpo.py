@@ -58,7 +58,7 @@ class Dpo:
 def check_dpo(job) -> None:
     """[dpo] against the other sections (JobConfig.validate calls it): preference data and a preference loss go
     together; the layouts a preference loss does not run under yet are refused in one line each."""
-    dpo, training, par = job.dpo, job.training, job.parallelism
+    dpo, training = job.dpo, job.training
     if training.dataset == "preference" and not dpo.enable:
         raise ConfigError("[training.dataset] \"preference\" pairs train with a preference loss: set dpo.enable = true")
     if not dpo.enable:
@@ -66,10 +66,6 @@ def check_dpo(job) -> None:
     if training.dataset != "preference":
         raise ConfigError(f"[dpo.enable] a preference loss reads chosen / rejected pairs: set training.dataset = "
                           f"\"preference\" (not {training.dataset!r}) and training.dataset_path to their JSONL file")
-    if par.pipeline_parallel_degree > 1:
-        raise ConfigError("[parallelism.pipeline_parallel_degree] a preference loss does not run under pipeline "
-                          "parallelism yet (its per-pair inputs do not pass through the schedule): use FSDP/HSDP, DDP, "
-                          "tensor or context parallelism")
     if job.fault.replica_ft:
         raise ConfigError("[fault.replica_ft] a preference loss does not run with replica groups yet")
     if job.validation.enable:

@@ -71,9 +71,11 @@ class PipelineRunner:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float() for loss in losses]).sum()
 
-    def forward(self, inputs: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor | None:
-        """The last stage's output (logits) for `inputs` on the rank that holds it, else None."""
-        mine = dict(zip(self.stage_ids, self.model_parts))
+    def forward(self, inputs: torch.Tensor, kwargs: dict | None = None,
+                parts: list[nn.Module] | None = None) -> torch.Tensor | None:
+        """The last stage's output (logits) for `inputs` on the rank that holds it, else None. `parts`: other
+        modules cut into the same stages (a frozen reference copy), instead of this rank's own."""
+        mine = dict(zip(self.stage_ids, parts if parts is not None else self.model_parts))
         owner = {s: r for r in range(self.pp) for s in self.split.stage_ids(r, self.pp)}
         h = None
         for s in range(self.split.num_stages):

@@ -89,10 +89,11 @@ class PreferenceLoss:
         """(summed log-probs, token counts) of every answer of the batch, (rows, slots, 2); under context parallelism
         the ranks' partial sums added up (an all-reduce whose backward sums the gradients back)."""
         sums, counts = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], batch["pair_id"].shape[1])
-        if self.cp_group is not None:
-            sums = dist_nn.all_reduce(sums, group=self.cp_group)
-            counts = dist_nn.all_reduce(counts.detach(), group=self.cp_group)
-        return sums, counts
+        return self._across_cp(sums), self._across_cp(counts.detach())
+
+    def _across_cp(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the context-parallel ranks (autograd: the backward sums the gradients back)."""
+        return dist_nn.all_reduce(value, group=self.cp_group) if self.cp_group is not None else value
 
     def rewards(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
         """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n."""
@@ -112,7 +113,30 @@ class PreferenceLoss:
     def __call__(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         sums, counts = self.sums(logits, batch)
         ref = batch["ref_logps"].to(sums.dtype) if self.uses_reference else None
-        present = (batch["pair_id"] >= 0).to(sums.dtype)
+        return self._loss(sums, counts, ref, (batch["pair_id"] >= 0).to(sums.dtype))
+
+    def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of a pipeline micro-batch, whose only input beside the logits is one tensor (`pipeline_target`):
+        pair slots up to (seq + 1) // 2 per row (every answer holds at least one position), empty ones masked."""
+        labels, slot = target[..., 0].long(), target[..., 1].long()
+        slots = (slot.shape[1] + 1) // 2
+        sums, counts = answer_sums(token_logps(logits, labels), slot, slots)
+        sums, counts = self._across_cp(sums), self._across_cp(counts.detach())
+        ref = self._across_cp(answer_sums(target[..., 2].to(sums.dtype), slot, slots)[0]) if self.uses_reference else None
+        return self._loss(sums, counts, ref, (counts[..., 0] > 0).to(sums.dtype))
+
+    @staticmethod
+    def pipeline_target(batch: dict[str, torch.Tensor], ref_tokens: torch.Tensor | None) -> torch.Tensor:
+        """(rows, seq, 3) float64: labels, pair slots and each token's share of its answer's reference sum --
+        `ref_tokens`, the reference's per-token log-probs (a live reference), else the batch's `ref_tokens`
+        (`first_token_shares` of precomputed sums), else 0."""
+        if ref_tokens is None:
+            ref_tokens = batch.get("ref_tokens", torch.zeros_like(batch["labels"], dtype=torch.float64))
+        return torch.stack([batch["labels"].double(), batch["pair_slot"].double(), ref_tokens.double()], dim=-1)
+
+    def _loss(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
+              present: torch.Tensor) -> torch.Tensor:
+        """sum over the present pairs of loss_k, times `scale`; the step's statistics kept."""
         loss = (self.pair_losses(sums, counts, ref) * present).sum()
         with torch.no_grad():
             reward = self.rewards(sums, counts, ref)
@@ -121,6 +145,18 @@ class PreferenceLoss:
                                             (reward[..., 0] * present).sum(), (reward[..., 1] * present).sum(),
                                             (sums[..., 0] * present).sum(), (sums[..., 1] * present).sum()]) / self.cp)
         return loss * self.scale
+
+    @staticmethod
+    def first_token_shares(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows, seq) float64: each answer's precomputed reference sum (`ref_logps`) on its first token, 0 elsewhere:
+        per-token values whose sums by answer give the table back, also after context parallelism cuts the rows."""
+        slot, ref = batch["pair_slot"], batch["ref_logps"]
+        rows, seq = slot.shape
+        position = torch.arange(seq, device=slot.device).expand(rows, seq)
+        first = torch.full((rows, ref.shape[1] * 2), seq, device=slot.device).scatter_reduce(
+            1, slot.clamp(min=0), torch.where(slot >= 0, position, seq), "amin")
+        shares = torch.zeros(rows, seq + 1, dtype=torch.float64, device=slot.device)  # column seq: empty slots
+        return shares.scatter(1, first, ref.reshape(rows, -1).double())[:, :seq]
 
     def reference_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's summed log-probs of every answer, (rows, slots, 2) float64, from its logits."""

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
-from torchtrain.trainer.preference_loss import PreferenceLoss
+from torchtrain.trainer.preference_loss import PreferenceLoss, token_logps
 from torchtrain.utils.logging import logger
 
 
@@ -44,14 +44,35 @@ class ReferenceModel:
             part.requires_grad_(False)
             part.eval()
 
-    def fill(self, step, batch: dict[str, torch.Tensor], loss: PreferenceLoss) -> dict[str, torch.Tensor]:
-        """The (sharded, on-device) micro-batch with the reference's sums of its answers as `ref_logps`, computed
-        without gradients in the step's context (under TP: vocabulary-sharded logits, loss parallel)."""
-        model = self.parts[0] if self.parts is not None else step.model_parts[0]
+    @contextlib.contextmanager
+    def _scoring(self, step):
+        """No gradients, adapters off (LoRA), no MoE / extra-loss statistics, the step's context (under TP:
+        vocabulary-sharded logits, loss parallel)."""
         off = adapters_off(step.model_parts) if self.parts is None else contextlib.nullcontext()
-        with torch.no_grad(), off, forward_counting(False), step.context():  # (adds to no MoE / extra-loss statistics)
-            logits = model(batch["input_ids"], **step.model_kwargs(batch))
-            return {**batch, "ref_logps": loss.reference_sums(logits, batch)}
+        with torch.no_grad(), off, forward_counting(False), step.context():
+            yield
+
+    def _logits(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The reference's logits (under PP on the last stage's rank only, else None)."""
+        if step.pipeline is not None:
+            return step.pipeline.forward(batch["input_ids"], step.model_kwargs(batch), parts=self.parts)
+        model = self.parts[0] if self.parts is not None else step.model_parts[0]
+        return model(batch["input_ids"], **step.model_kwargs(batch))
+
+    def fill(self, step, batch: dict[str, torch.Tensor], loss: PreferenceLoss) -> dict[str, torch.Tensor]:
+        """The (sharded, on-device) micro-batch with the reference's sums of its answers as `ref_logps` (zeros off
+        the last pipeline stage)."""
+        with self._scoring(step):
+            logits = self._logits(step, batch)
+            sums = loss.reference_sums(logits, batch) if logits is not None else \
+                torch.zeros(*batch["pair_id"].shape, 2, dtype=torch.float64, device=step.device)
+            return {**batch, "ref_logps": sums}
+
+    def token_logps(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The reference's per-token log-probs of the labels, (rows, seq) (under PP on the last stage only)."""
+        with self._scoring(step):
+            logits = self._logits(step, batch)
+            return token_logps(logits, batch["labels"]) if logits is not None else None
 
     @torch.no_grad()
     def copy_from(self, model_parts: list[nn.Module]) -> None:
@@ -135,6 +156,7 @@ def precompute(step, reference: ReferenceModel, loss: PreferenceLoss, batches: l
         keep = ids >= 0
         table.table.index_put_((ids[keep],), sums[keep].to(table.table.dtype), accumulate=True)
     all_reduce(table.table, dims.dp_mesh)
+    all_reduce(table.table, dims.pp_mesh)  # (under PP the last stage's sums, on every rank: checkpoints save rank 0's)
     table.loaded = True
     logger.info("dpo: reference log-probs of %d pairs computed (%d forward batches over %d data-parallel ranks)",
                 table.table.shape[0], len(batches), data_degree)

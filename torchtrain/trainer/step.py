@@ -168,7 +168,8 @@ class TrainStep:
                                             keep_grads=layout.grads_in_compute_dtype)
             if layout.compiled_optimizer_step:  # the optimizer's step writes the copy: kept between steps
                 optimizers.write_copies(self.compute_copy.by_master())
-        self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, self.loss_fn) \
+        pipeline_loss = self.loss_fn if preference is None else preference.from_target  # (one tensor target)
+        self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, pipeline_loss) \
             if layout.pipeline else None
         self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
         if self.pipeline is not None:
@@ -187,6 +188,8 @@ class TrainStep:
         context parallelism its chunks of every sequence (and their `seq_index`)."""
         if self.batch_inputs is not None:
             batch = self.batch_inputs(batch)
+        if self.pipeline is not None and self.preference is not None and "ref_logps" in batch:  # before CP cuts rows
+            batch = {**batch, "ref_tokens": PreferenceLoss.first_token_shares(batch)}
         dims = self.layout.dims
         return shard_batch(batch, dims.cp, dims.cp_rank, self.layout.cp_balanced) if dims.cp_enabled else batch
 
@@ -233,9 +236,12 @@ class TrainStep:
                 self._pipeline_losses += 1
                 return local_value(loss)
 
+            target = merged["labels"]
+            if self.preference is not None:  # labels, pair slots and the reference's per-token shares in one tensor
+                live = self.reference.token_logps(self, merged) if self.reference is not None else None
+                target = PreferenceLoss.pipeline_target(merged, live)
             with self.context():
-                return accumulated + self.pipeline.step(merged["input_ids"], merged["labels"], value,
-                                                        self.model_kwargs(merged))
+                return accumulated + self.pipeline.step(merged["input_ids"], target, value, self.model_kwargs(merged))
         model = self.model_parts[0]
         with self.low_precision_weights():
             for i, batch in enumerate(batches):  # (one compute copy for all micro-batches)
@@ -299,8 +305,12 @@ class TrainStep:
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
             accumulated = torch.stack([accumulated - z, z])
         global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
-        preference = all_reduce(self.preference.pop_stats(self.device), dims.loss_mesh) \
-            if self.preference is not None else None
+        preference = None
+        if self.preference is not None:  # (under PP the last stage's, summed to every stage as the loss is)
+            preference = all_reduce(self.preference.pop_stats(
+                self.device, self._pipeline_losses if self.pipeline is not None else None), dims.loss_mesh)
+            if dims.pp_enabled:
+                preference = all_reduce(preference, dims.pp_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         if self.replicas is not None:
