@@ -40,6 +40,8 @@ gradient written in their dtype, d V t / tp: `compiled.py`); FSDP2 keeps gathere
 with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
 every unit of the stage. Gradient accumulation without synchronisation (and pipeline micro-batches)
 keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded parameters.
+A `[dpo]` job's frozen reference copy adds its float32 weights (as the parameters) and the units its
+no-grad forward leaves gathered to every moment (`preference.py`).
 
 Mixture-of-experts blocks (`num_experts` E > 0, top-k, expert hidden size H): the feed-forward
 parameters are the router (E x h, replicated over TP) and E experts of 3 h H each; with expert
@@ -58,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from torchtrain.tools.planner import preference
 from torchtrain.tools.planner.activations import stage_activation_bytes
 from torchtrain.tools.planner.compiled import compiles_loss, loss_backward_bytes
 from torchtrain.tools.planner.inputs import PlanInputs
@@ -89,6 +92,8 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     moments: dict[str, list[Row]] = field(default_factory=dict)
     """The rows of every moment considered (start of backward, optimizer step, ...), by name."""
+    reference_host: float = 0.0
+    """Of `host_bytes`: a DPO reference copy offloaded with the parameters (`preference.copy_rows`)."""
 
 
 _COUNTS: dict[tuple, tuple] = {}
@@ -259,6 +264,9 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
             rows_emb.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
                                 "stored activations x (in flight - 1)"))
         phases.append(("embedding backward", rows_emb))
+    # [dpo]: a frozen reference copy lives through every moment of the step (preference.py)
+    ref_rows, ref_host = preference.copy_rows(p, sharded, full_numel, units)
+    phases = [(name, rows + [Row(*r) for r in ref_rows]) for name, rows in phases]
     totals = [(name, rows, sum(row.bytes for row in rows)) for name, rows in phases]
     phase, rows, peak = max(totals, key=lambda x: x[2])
     runner_up = max((x for x in totals if x[0] != phase), key=lambda x: x[2])
@@ -266,8 +274,8 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     notes = []
     if p.pp > 1 and m < p.pp:
         notes.append(f"only {m} micro-batches for {p.pp} stages: most of the pipeline idles")
-    return MemoryEstimate(pp_rank, stages, rows, peak, phase, other, host, params_on_rank=full_numel,
-                          in_flight=flight, notes=notes, moments=dict(phases))
+    return MemoryEstimate(pp_rank, stages, rows, peak, phase, other, host + ref_host, params_on_rank=full_numel,
+                          in_flight=flight, notes=notes, moments=dict(phases), reference_host=ref_host)
 
 
 # ------------------------------------------------------------------------------ the textbook convention

@@ -53,7 +53,10 @@ def compiled_modules(p: PlanInputs, parts: list[nn.Module]) -> list[nn.Module]:
 
 def compiles_loss(p: PlanInputs) -> bool:
     """Whether the job compiles its cross-entropy (not under loss parallelism: vocabulary-sharded DTensor
-    logits, which the stand-in does not take); a what-if copy without a Layout: compiling, without TP."""
+    logits, which the stand-in does not take; nor a preference loss, which runs eagerly); a what-if copy without a
+    Layout: compiling, without TP."""
+    if p.dpo is not None:
+        return False
     layout = p.layout
     if layout is not None:
         return layout.compile_loss and not layout.loss_parallel

@@ -369,7 +369,7 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
             for k, m in ((a.dim, p.lora.rank), (p.lora.rank, a.vocab_size)):
                 f, dg, wg = linear_seconds(dev, t, k, m, p.param_dtype)
                 fwd, bwd = fwd + f, bwd + dg + wg
-    loss_bytes = (12 if p.compile else 44) * a.vocab_size / tp * t
+    loss_bytes = (12 if p.compile and p.dpo is None else 44) * a.vocab_size / tp * t  # (a preference loss: eager)
     final_norm = 3 * norm_bytes(d, p.compile, dev.fused_rms_norm) * a.dim * t / tp
     cast_bytes = float8_cast_bytes(a.dim, a.vocab_size / tp, d, False) * t if fp8 else 0.0  # outside the blocks: eager
     return fwd + bwd + memory_seconds(dev, loss_bytes + final_norm + cast_bytes)

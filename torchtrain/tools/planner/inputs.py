@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
@@ -35,6 +35,9 @@ from torchtrain.distributed.layout import (
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
+
+if TYPE_CHECKING:
+    from torchtrain.tools.planner.preference import Preference
 
 
 def _schedules() -> tuple[str, ...]:
@@ -162,6 +165,8 @@ class PlanInputs:
     lora: Lora | None = None
     """LoRA adapters on frozen base weights (the job's [lora] when enabled): only the adapters get
     gradients and optimizer state (`shapes.adapter_units`)."""
+    dpo: Preference | None = None
+    """The job's preference loss and its reference (`preference.read`; None: next-token cross-entropy)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the neighbouring GEMMs
     (`parallelism.enable_async_tensor_parallel`)."""

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.tools.planner import interruptions, vision
+from torchtrain.tools.planner import interruptions, preference, vision
 from torchtrain.tools.planner.core import Plan, RankPlan
 from torchtrain.tools.planner.pipeline import ENCODER
 
@@ -128,6 +128,8 @@ def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
 
         lines += ["", *format_offload(plan.offload, plan.base_throughput, plan.throughput)]
     lines += ["", *_throughput_lines(plan)]
+    if plan.preference is not None:
+        lines += ["", *preference.describe(plan.preference, _unit(plan))]
     notes = plan.notes + worst.analytic.notes + (worst.trace.notes if worst.trace else [])
     if notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in dict.fromkeys(notes)]
@@ -193,10 +195,15 @@ def _throughput_lines(plan: Plan) -> list[str]:
     model = "6N + attention" if p.lora is None else "4N + 6 x adapters + attention (LoRA)"
     label = f"FLOPs per token (model: {model})" if not t.encoder_flops_per_token else \
         "FLOPs per token (6N + attention + encoder)"
+    if t.reference_flops_per_token:
+        label = f"FLOPs per token ({model} + reference forward)"
     rows = [(label, _si(t.flops_per_token, "FLOP"))]
     if t.encoder_flops_per_token:  # counted in the step's FLOPs and MFU
         rows.append(("  of which the vision encoder (images)", f"{_si(t.encoder_flops_per_token, 'FLOP')} "
                      f"({t.encoder_flops_per_token / t.flops_per_token:.1%}; counted in the MFU)"))
+    if t.reference_flops_per_token:  # a DPO reference's forward: counted in the step's FLOPs and MFU
+        rows.append(("  of which the reference forward (DPO)", f"{_si(t.reference_flops_per_token, 'FLOP')} "
+                     f"({t.reference_flops_per_token / t.flops_per_token:.1%}; counted in the MFU)"))
     rows += [
             ("+ recomputation (activation checkpointing)", _si(t.recompute_flops_per_token, "FLOP")),
             ("tokens per step", f"{t.tokens_per_step:,}")]
@@ -272,6 +279,7 @@ def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
                    "worst_peak_bytes": plan.worst.peak if ranks else None, "usable_bytes": p.usable_bytes,
                    "fits": plan.fits if ranks else None},
         "throughput": _clean(plan.throughput), "notes": plan.notes, "images": _images(p),
+        "preference": _clean(plan.preference),
         "offload": None if plan.offload is None else {
             **_clean(plan.offload), "host_per_node_bytes": plan.offload.host_per_node,
             "nvme_per_node_bytes": plan.offload.nvme_per_node, "fits_node": plan.offload.fits,

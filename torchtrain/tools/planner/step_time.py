@@ -36,7 +36,9 @@ replayed), and nothing calls back.
     GPU = schedule + exposed data-parallel communication + optimizer
     step = sqrt(GPU^2 + host dispatch time^2)
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
-    (model FLOPs/token: the family's, + the vision encoder's images / seq_len)
+    (model FLOPs/token: the family's, + the vision encoder's images / seq_len, + a DPO reference's forward)
+7. **Preference optimisation** (`preference.py`): a live DPO reference runs one no-grad forward per micro-batch
+   before the trained one, its compute, TP collectives and exposed FSDP all-gathers on the critical path.
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
 with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.contract import LayerKind
-from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes, vision
+from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, preference, shapes, vision
 from torchtrain.tools.planner.host_time import HostTime, step_seconds
 from torchtrain.tools.planner.inputs import PlanInputs
 from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
@@ -96,6 +98,10 @@ class StepTime:
     """Expert all-to-all seconds per step hidden behind computation (the exposed ones are in comm_s)."""
     encoder_flops_per_token: float = 0.0
     """The vision encoder's share of flops_per_token: its images' training FLOPs / seq_len (`vision.py`)."""
+    reference_flops_per_token: float = 0.0
+    """A DPO reference's forward per token, counted in flops_per_token (`preference.py`)."""
+    reference_s: float | None = None
+    """The DPO reference's forwards in the step (compute, TP collectives, exposed all-gathers)."""
     budget_tokens: float = 0.0
     steps: int = 0
     train_s: float | None = None
@@ -249,6 +255,8 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
                    expert_link_bytes=comm_time.expert_link_bytes(p))
     out.expert_all_to_all_bytes = sum(out.expert_link_bytes.values())
     out.encoder_flops_per_token = vision.flops_per_token(p)
+    out.reference_flops_per_token = preference.reference_flops_per_token(p)
+    out.flops_per_token += out.reference_flops_per_token
     out.steps = math.ceil(out.budget_tokens / tokens)
     if not peak or (dev.hbm_tbps is None and dev.key != "cpu"):
         return out
@@ -271,6 +279,16 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     out.bubble_s = schedule * prof.bubble / (1 - prof.bubble) if p.pp > 1 else 0.0
     out.comm_s = {k: v * passes for k, v in mb.comm.items() if v}
     out.expert_all_to_all_hidden_s = mb.ep_hidden * passes
+    if p.dpo is not None and p.dpo.live:  # one reference forward before every micro-batch's
+        ref = preference.microbatch_time(p, dev, preference.compute_dtype(p))
+        out.reference_s = passes * ref.seconds
+        out.compute_breakdown_s["reference forward (DPO)"] = passes * ref.compute_s
+        out.compute_s += passes * ref.compute_s
+        for key, value in (("tensor parallel", ref.tp_s), ("expert all-to-all", ref.ep_s),
+                           ("reference all-gathers (DPO)", ref.gather_s)):
+            if value:
+                out.comm_s[key] = out.comm_s.get(key, 0.0) + passes * value
+        schedule += out.reference_s
     if p.pp > 1:
         out.comm_s["pipeline p2p"] = passes * prof.stages_per_rank * comm_time.pp_microbatch(p, dev)
     dp, dp_hidden = _data_parallel_exposed(p, traffic, mb, passes)

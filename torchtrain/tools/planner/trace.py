@@ -18,7 +18,8 @@ in this one process and for any world size:
    gradients), then one measured steady-state step runs under
    `TensorMemoryTracker` -- the tracker and definition the trainer uses for `memory_tensor_peak_gib`.
    The step *is* the trainer's (`trainer/step_factory.py`: micro-batch loop with no-sync
-   accumulation, loss with the job's z-loss, MoE balancer and extra losses, backward, clipping,
+   accumulation, loss with the job's z-loss, MoE balancer and extra losses -- or a `[dpo]` job's preference
+   loss with its reference, a frozen copy built like the model: `preference.py` --, backward, clipping,
    optimizer); with pipelining it drives the rank's stages with `simulation/stage_step.py` (forward,
    loss on the last stage, backward from a received gradient, FSDP no-sync / no-reshard on all but
    the last micro-batch as `torch.distributed.pipelining` does) over two micro-batches;
@@ -54,6 +55,7 @@ from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.simulation.fake_world import fake_backend_available, fake_world
 from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
 from torchtrain.simulation.stage_step import StagePipeline
+from torchtrain.tools.planner import preference
 from torchtrain.tools.planner.compiled import (
     compiled_adamw_update,
     compiled_modules,
@@ -177,13 +179,21 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
 
         cuts = [part_cut(stage, p.args.n_layers) for stage in stages]
         parts = build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts, p.device_type)
+        copy = preference.copy_parts(p, lambda: build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts,
+                                                                 p.device_type))  # [dpo]: a frozen reference copy
         # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
         # and sharding meta tensors is cheap where chunking fake ones 1000s of ways is not.
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
-            for part in parts:
+            for part in parts + copy:
                 part.to_empty(device="cpu")
-        _run(p, cfg, layout, cuts, parts, result, mode)
+        try:
+            _run(p, cfg, layout, cuts, parts, result, mode, copy)
+        except Exception as e:  # the DPO step (the trainer's own) fails on this layout: say so, do not guess
+            if p.dpo is None:
+                raise
+            first = str(e).splitlines()[0] if str(e) else ""
+            result.skipped = f"the DPO step fails in the trace on this layout ({type(e).__name__}: {first})"
     return result
 
 
@@ -202,9 +212,10 @@ def _trace_layout(p: PlanInputs, cfg: JobConfig, rep: int, world: int):
 
 
 def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list[nn.Module],
-         result: TraceResult, mode) -> None:
+         result: TraceResult, mode, copy: list[nn.Module] = ()) -> None:
     """The measured step; tensors are made under `mode` (fake tensors), except the step's own set-up
-    (`build_train_step` reads the mesh's rank table, which must stay real)."""
+    (`build_train_step` reads the mesh's rank table, which must stay real). `copy`: a DPO reference copy's
+    parts, counted as parameters (`preference.py`)."""
     from torchtrain.components.optim.lr_scheduler import LRSchedulersContainer
     from torchtrain.components.optim.optimizer import OptimizersContainer
     from torchtrain.trainer.step_factory import build_train_step
@@ -220,7 +231,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
         optimizers = OptimizersContainer.for_layout(parts, cfg.optimizer, layout)  # as Trainer.__init__ builds it
         schedulers = LRSchedulersContainer(optimizers, cfg.lr_scheduler, cfg.training.steps)
     tracker = TensorMemoryTracker()
-    track_modules(tracker, parts, optimizers)
+    track_modules(tracker, list(parts) + list(copy), optimizers)
     fused = p.gpu.fused_rms_norm if p.gpu is not None else p.device_type == "cuda"  # the device decides
     counter = OpCounter(compiled_modules(p, parts) if p.compile else None, cuda=fused)
     stored: list[float] = []
@@ -229,7 +240,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
     pipeline = functools.partial(StagePipeline, cuts=cuts, seq_len=p.seq_len, dim=p.args.dim, tracker=tracker,
                                  stored=stored)
     step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
-                            pipeline=pipeline)
+                            pipeline=pipeline, **preference.step_options(cfg, p, list(copy)))
     step.scaler.reads_back = False  # float16 loss scaling: no scale nor found-inf flag read back (fake values)
     if compiles_loss(p):  # the compiled cross-entropy's memory, counted as a compiled graph (compiled.py)
         step.loss_fn.ce_sum = counter.compiled(fused_cross_entropy_sum)
@@ -245,10 +256,12 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
 
     with mode:
         if p.pp == 1:  # up to two accumulation micro-batches
-            batches = fake_batches(layout, p.seq_len, p.args.vocab_size, count=min(p.grad_accum_steps, 2))
+            batches = [preference.with_pairs(p, b) for b in
+                       fake_batches(layout, p.seq_len, p.args.vocab_size, count=min(p.grad_accum_steps, 2))]
         else:
-            batches = fake_batches(layout, p.seq_len, p.args.vocab_size, count=1,
-                                   sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)
+            batches = [preference.with_pairs(p, b) for b in
+                       fake_batches(layout, p.seq_len, p.args.vocab_size, count=1,
+                                    sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)]
         _create_optimizer_state(parts, optimizers)
         hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
         with tracker, counter, counter.functions():

@@ -1,0 +1,392 @@
+"""Preference optimisation (`[dpo]`) in a plan: what the reference of the loss costs per rank and per step.
+
+The job's `[dpo]` and `[lora]` give one of four references (`trainer/preference.py`), read once into
+`PlanInputs.dpo` (`read`):
+
+    reference        when                                      memory per rank      per micro-batch
+    ---------------  ----------------------------------------  -------------------  ----------------------
+    "copy"           dpo.reference = "model", no LoRA          the copy's weights   one no-grad forward
+    "adapters off"   dpo.reference = "model" with [lora]       none                 one no-grad forward
+    "precomputed"    dpo.reference = "precomputed"             none                 none (a pass, once)
+    "none"           loss_type = "simpo" (reference-free)      none                 none
+
+**Memory** (`copy_rows`, added to every moment of the analytic step: the copy lives through the run). The copy
+is the model built a second time with the same layout (`distributed/parallelize.py::build_model_parts`):
+float32 weights, sharded exactly as the trained model's parameters (the "parameters" row: 4 B x params / N
+with FSDP's padding, TP- and EP-local), no gradients, no optimizer state; offloaded to host memory with the
+parameters under CPU offload. FSDP2 reshards a unit after its forward only when its `reshard_after_forward`
+is set, and a no-grad forward has no backward to reshard the others: the copy's last unit and root (policy
+"default"), or every unit ("never", zero2), stay gathered in the compute dtype from its first forward on
+(d x their unsharded parameters). The reference forward's activations are freed as it goes (no_grad: nothing
+is saved for backward); its transient peak -- one block's intermediates and the reference's fp32 log-probs,
+2 x 4 V t / tp -- stays below the trained forward's at the start of backward (every stored activation, the
+log-softmax and its two gradient buffers), so the peak has no activation term for it (said in a note).
+
+**The traced step** is the real DPO step (`trace.py` with `copy_parts`, `step_options`, `with_pairs`): the copy built on
+the meta device and materialised as fake tensors like the model (registered with the tracker as parameters),
+`build_train_step(..., dpo, reference)`, batches with `pair_slot`, `pair_id` (and `ref_logps` for a
+precomputed reference); its peak measures the copy, the units it keeps gathered, the reference forward's
+transients and the preference loss's buffers. A copy costs the trace one more fake model build.
+
+**FLOPs** (`reference_flops_per_token`): a live reference ("copy", "adapters off") runs a forward over every
+token of the step: the family's training FLOPs / 3 (2 N + the attention's forward share, 4 L h s: the 6 N
+convention's forward), + the vision encoder's forward for images; under LoRA the base model's forward (no
+adapter). The trained model's own FLOPs are unchanged (`step_time.model_flops_per_token`: under LoRA 4 N +
+6 x adapters + attention -- the frozen weights still run their input-gradient matmuls).
+*Convention*: the step's FLOPs per token -- what the effective MFU counts -- include the reference's forward
+(the device does that work); tokens/s counts each trained token once (the reference's forward is in the step
+time). The trainer's logged `mfu_pct` leaves the reference's FLOPs out (it counts the model's own FLOPs per
+token, as torchtitan counts model FLOPs): the report gives the MFU without them too.
+
+**Time** (`microbatch_time`): per micro-batch, the reference's forward on the rank -- each block's forward GEMMs,
+attention and memory-bound kernels (`compute_time.block_time`; LoRA's adapters off), the embedding lookup, the
+final norm, the output GEMM and its fp32 log-probs ((d + 12) V / tp bytes per token eager) -- its forward TP
+collectives (exposed, also under async TP), its expert all-to-alls (what the expert GEMMs of other chunks do
+not hide) and FSDP's all-gathers of the units it re-gathers (all but those it
+keeps, above), overlapped with its compute (exposed: the first, and what exceeds the compute). The frozen copy
+on a one-rank compute-copy layout (`PlanInputs.compute_copy`) has no compute copy of its own: it computes in
+float32, and is timed at that rate (a note says so).
+
+**The precomputed pass** (`one_off`): before the first step every pair is scored once by the model's forward
+(`trainer/reference.py::precompute`): the data's pairs packed unshuffled into R rows, cut into batches of
+local_batch_size rows dealt over the dp data ranks: ceil(ceil(R / b) / dp) forwards per rank, each a
+micro-batch's reference forward time (above, in the compute dtype), R' x seq_len x the forward's FLOPs per
+token (R' the padded rows). R is read from the job's data when its files and tokenizer are at hand (cached);
+else the cost is given per million tokens. The table of sums stays on each device: 16 B per pair.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes, vision
+from torchtrain.tools.planner.inputs import PlanInputs
+
+if TYPE_CHECKING:
+    from torchtrain.components.hardware import GPUSpec
+
+KINDS = {"copy": 'a frozen copy of the initial weights (dpo.reference = "model")',
+         "adapters off": 'the model with its LoRA adapters off (dpo.reference = "model" with [lora]; no copy)',
+         "precomputed": 'precomputed once before training (dpo.reference = "precomputed")',
+         "none": "none (SimPO is reference-free)"}
+
+
+@dataclass(frozen=True)
+class Preference:
+    """What a `[dpo]` job's step runs besides the trained model (module doc)."""
+
+    loss_type: str
+    reference: str
+    """"copy", "adapters off", "precomputed" or "none" (`KINDS`)."""
+
+    @property
+    def live(self) -> bool:
+        """A reference forward beside every micro-batch."""
+        return self.reference in ("copy", "adapters off")
+
+
+def read(job, lora) -> Preference | None:
+    """The `[dpo]` of `job` with the Layout's `lora` (None: no LoRA); None without a preference loss."""
+    dpo = job.dpo
+    if not dpo.enable:
+        return None
+    if not dpo.needs_reference:
+        return Preference(dpo.loss_type, "none")
+    if dpo.reference == "precomputed":
+        return Preference(dpo.loss_type, "precomputed")
+    return Preference(dpo.loss_type, "adapters off" if lora is not None else "copy")
+
+
+def notes(p: PlanInputs) -> list[str]:
+    """What a plan with a live reference should say about it."""
+    if p.dpo is None or not p.dpo.live:
+        return []
+    out = ["DPO: the reference's no-grad forward keeps no activation for backward; its transient peak stays below "
+           "the trained forward's, so it adds no activation row"]
+    if p.dpo.reference == "copy" and p.compute_copy:
+        out.append("DPO: the frozen copy has no compute copy of its own (one rank without FSDP): its forward runs "
+                   "in float32, timed at that rate")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ memory
+def kept_units(p: PlanInputs, names: list[str]) -> list[int]:
+    """Indices of the units (`shapes.unit_shapes` order) that stay gathered after a no-grad forward: FSDP2's
+    units without reshard_after_forward (the last unit and the root under "default", all under "never")."""
+    if not p.fsdp_wraps or p.reshard == "always":
+        return []
+    if p.reshard == "never":
+        return list(range(len(names)))
+    tied = bool(names) and names[-1].startswith("root")
+    return list(range(len(names)))[-2 if tied else -1:]
+
+
+def copy_rows(p: PlanInputs, sharded: int, full_numel: int, units: list[tuple[str, list]]
+              ) -> tuple[list[tuple[str, float, str]], float]:
+    """((name, bytes, formula) rows every moment of the step holds, host bytes) of a frozen copy (module doc)."""
+    if p.dpo is None or p.dpo.reference != "copy":
+        return [], 0.0
+    weights = 4.0 * (sharded if p.sharded else full_numel)
+    rows = [("reference copy (DPO, offloaded to host)", 0.0, "CPU offload, as the parameters") if p.cpu_offload else
+            ("reference copy (DPO: frozen fp32 weights)", weights, "4 B x params" + (" / N" if p.sharded else "")
+             + ", as the parameters")]
+    kept = kept_units(p, [name for name, _ in units])
+    if kept:
+        size = sum(shapes.numel(units[i][1]) for i in kept)
+        what = "every unit" if len(kept) == len(units) else "last unit + root"
+        rows.append((f"reference copy: {what} left gathered by its no-grad forward", p.param_bytes * size,
+                     "d x unsharded unit params"))
+    return rows, weights if p.cpu_offload else 0.0
+
+
+# ------------------------------------------------------------------------------------------ FLOPs
+def forward_flops_per_token(p: PlanInputs) -> float:
+    """The base model's forward FLOPs per token: its training FLOPs / 3 (2 N + attention's forward share),
+    with a vision encoder's forward for the images."""
+    return (float(p.model.flops(p.seq_len)) + vision.flops_per_token(p)) / 3
+
+
+def reference_flops_per_token(p: PlanInputs) -> float:
+    """FLOPs per trained token the reference adds to a step (0 unless it runs every micro-batch)."""
+    return forward_flops_per_token(p) if p.dpo is not None and p.dpo.live else 0.0
+
+
+# ------------------------------------------------------------------------------------------ time
+@dataclass
+class ReferenceTime:
+    """Seconds of one reference forward over a micro-batch on one rank."""
+
+    compute_s: float
+    tp_s: float
+    ep_s: float
+    """Its expert all-to-alls the expert GEMMs do not hide (`expert_overlap.chunk_exposed`)."""
+    gather_s: float
+    """FSDP all-gathers the forward cannot hide behind its own compute."""
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.tp_s + self.ep_s + self.gather_s
+
+
+def compute_dtype(p: PlanInputs) -> str:
+    """The dtype the live reference computes in (module doc: float32 for a copy beside a compute copy)."""
+    return "float32" if p.dpo is not None and p.dpo.reference == "copy" and p.compute_copy else p.param_dtype
+
+
+def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> ReferenceTime:
+    """One no-grad forward of the reference (or, for the precomputed pass, of the model) over a micro-batch."""
+    a = p.model
+    q = p if (dtype or p.param_dtype) == p.param_dtype else p.replace(param_dtype=dtype)
+    d, t, tp = q.param_bytes, q.microbatch_tokens, q.tp
+    compute = tp_s = ep_s = 0.0
+    adapters = compute_time.lora_block_seconds(q, dev)[0]  # adapters off: their GEMMs are not run
+    for kind, n in a.kinds(range(a.n_layers + a.mtp_depth)):
+        block = compute_time.block_time(q, dev, kind)
+        compute += n * (block.gemm_fwd - adapters + block.attn_fwd + block.mem_fwd)
+        tp_s += n * comm_time.tp_block(q, dev, kind)[0] / comm_time.forward_repeats(q)
+        ep_s += n * expert_overlap.chunk_exposed(comm_time.ep_passes(q, dev, kind)[0], block.expert_fwd,
+                                                 q.ep_overlap_chunks)
+    if vision.image_grid(q) is not None:
+        compute += vision.encoder_time(q, dev).forward
+    fp8 = q.float8 and q.float8_head and a.dim % 16 == 0 and a.vocab_size % (16 * tp) == 0
+    head = compute_time.gemm_seconds(dev, t, a.dim, a.vocab_size / tp, "float8" if fp8 else q.param_dtype)
+    nbytes = 2 * d * a.dim * t + (d + 12) * a.vocab_size / tp * t \
+        + compute_time.norm_bytes(d, q.compile, dev.fused_rms_norm) * a.dim * t / tp
+    compute += head + compute_time.memory_seconds(dev, nbytes)
+    tp_s += 2 * comm_time.tp_edge(q, dev)
+    units = shapes.unit_shapes(a, [s for r in _stages(q) for s in r], tp, q.ep, q.lora)
+    gathers = comm_time.data_parallel(q, dev, units).gathers
+    kept = set(kept_units(q, [name for name, _ in units]))
+    again = [g for i, g in enumerate(gathers) if i not in kept]
+    gather_s = again[0] + max(0.0, sum(again[1:]) - compute) if again else 0.0
+    return ReferenceTime(compute, tp_s, ep_s, gather_s)
+
+
+def _stages(p: PlanInputs):
+    from torchtrain.tools.planner.pipeline import pipeline_of
+
+    return pipeline_of(p).stages.values()
+
+
+# ------------------------------------------------------------------------------------------ the one-off pass
+@functools.lru_cache(maxsize=8)
+def _packed_rows(paths: tuple, tokenizer: Any, seq_len: int, buffer: int) -> tuple[int, int] | None:
+    """(pairs, rows) of the data packed unshuffled, as the reference pass packs it; None when unreadable."""
+    from torchtrain.data.preference import PreferenceFormatError, preference_sources
+    from torchtrain.data.preference_packing import PreferenceDataset
+
+    try:
+        sources = preference_sources(list(paths), tokenizer, seq_len)
+        data = PreferenceDataset(sources, seq_len, shuffle=False, buffer=buffer, pad_id=tokenizer.eos_id)
+        return data.num_pairs, data.num_windows
+    except (PreferenceFormatError, OSError, ValueError, AttributeError):
+        return None
+
+
+def data_rows(job) -> tuple[int, int] | None:
+    """(pairs, packed rows) of the job's preference data (`job`: core.Job), None when not at hand."""
+    tr = job.cfg.training
+    items = [(tr.dataset_path, 1.0)] if tr.dataset_path else [(e.path, e.weight) for e in tr.datasets]
+    if not items or not hasattr(job.tokenizer, "eos_id"):
+        return None
+    return _packed_rows(tuple(items), job.tokenizer, tr.seq_len, tr.chat_pack_buffer)
+
+
+@dataclass
+class OneOff:
+    """The precomputed reference's pass over the data, once before training."""
+
+    flops_per_million_tokens: float
+    seconds_per_million_tokens: float | None
+    pairs: int | None = None
+    rows: int | None = None
+    tokens: float | None = None
+    """Tokens the pass runs (the padded rows x seq_len); None when the data was not read."""
+    flops: float | None = None
+    seconds: float | None = None
+    table_bytes: float | None = None
+    """The table of sums each device keeps (16 B a pair)."""
+
+
+def one_off(p: PlanInputs, dev: GPUSpec | None, data: tuple[int, int] | None) -> OneOff:
+    """The precomputed pass of `p` (module doc); `data`: (pairs, rows) or None."""
+    fwd = forward_flops_per_token(p)
+    per_batch = microbatch_time(p, dev, p.param_dtype).seconds if dev is not None and dev.hbm_tbps else None
+    batch_tokens = p.microbatch_tokens * p.dp
+    out = OneOff(1e6 * fwd, None if per_batch is None else 1e6 / batch_tokens * per_batch)
+    if data is not None:
+        out.pairs, out.rows = data
+        rounds = math.ceil(math.ceil(out.rows / p.local_batch_size) / p.dp)
+        out.tokens = float(rounds * batch_tokens)
+        out.flops, out.table_bytes = out.tokens * fwd, 16.0 * out.pairs
+        out.seconds = None if per_batch is None else rounds * per_batch
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the plan's summary
+@dataclass
+class PreferenceCost:
+    """The `[dpo]` lines of a plan (`summarize`); bytes are the worst rank's."""
+
+    loss_type: str
+    reference: str
+    reference_bytes_per_rank: float
+    """Device memory of the reference: its copy's weights + the units the copy keeps gathered (0 without a copy)."""
+    reference_weights_bytes: float
+    reference_gathered_bytes: float
+    reference_host_bytes: float
+    """The copy's weights in host memory (CPU offload)."""
+    reference_flops_per_token: float
+    train_flops_per_token: float
+    reference_step_s: float | None
+    """The reference's forwards in the step time (compute, TP, exposed all-gathers)."""
+    mfu_trained_model_only: float | None
+    """The effective MFU counting only the trained model's FLOPs (the trainer's mfu_pct convention)."""
+    trace: str
+    """How the traced peak covers the DPO step."""
+    one_off: OneOff | None = None
+
+
+def summarize(p: PlanInputs, ranks, step, job) -> PreferenceCost | None:
+    """The preference section of a plan: `ranks` its RankPlans, `step` its StepTime, `job` its core.Job."""
+    if p.dpo is None:
+        return None
+    rank = max(ranks, key=lambda r: r.peak) if ranks else None
+    rows = [r for r in rank.analytic.rows if r.name.startswith("reference copy")] if rank else []
+    weights = sum(r.bytes for r in rows if "gathered" not in r.name)
+    gathered = sum(r.bytes for r in rows if "gathered" in r.name)
+    ref = step.reference_flops_per_token
+    mfu = None if step.effective_mfu is None else step.effective_mfu * (1 - ref / step.flops_per_token)
+    if rank is None or rank.trace is None:
+        trace = "not traced"
+    elif rank.trace.skipped is not None:
+        trace = f"not traced: {rank.trace.skipped}"
+    else:
+        what = {"copy": "the copy built and run as the trainer does, its weights counted as parameters",
+                "adapters off": "the reference forward with the adapters off, the preference loss"}
+        trace = f"the real DPO step on fake tensors ({what.get(p.dpo.reference, 'the preference loss')})"
+    cost = PreferenceCost(p.dpo.loss_type, p.dpo.reference, weights + gathered, weights, gathered,
+                          rank.analytic.reference_host if rank else 0.0, ref, step.flops_per_token - ref,
+                          step.reference_s, mfu, trace)
+    if p.dpo.reference == "precomputed":
+        cost.one_off = one_off(p, p.gpu, data_rows(job))
+    return cost
+
+
+def _si(x: float, unit: str) -> str:
+    for div, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:,.2f} {prefix}{unit}"
+    return f"{x:,.2f} {unit}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s / 60:,.1f} min" if s >= 60 else f"{s:,.3f} s"
+
+
+def describe(cost: PreferenceCost, unit: tuple[float, str]) -> list[str]:
+    """The report's "Preference optimisation (DPO)" section."""
+    u, name = unit
+    memory = f"{cost.reference_bytes_per_rank / u:,.2f} {name}"
+    if cost.reference == "copy":
+        memory += (f" (frozen weights {cost.reference_weights_bytes / u:,.2f}, sharded as the parameters; units its "
+                   f"forward leaves gathered {cost.reference_gathered_bytes / u:,.2f})")
+    if cost.reference_host_bytes:
+        memory += f"; {cost.reference_host_bytes / u:,.2f} {name} in host memory (offloaded with the parameters)"
+    flops = "0 (no reference forward in the step)" if not cost.reference_flops_per_token else (
+        f"{_si(cost.reference_flops_per_token, 'FLOP')} (+{cost.reference_flops_per_token / cost.train_flops_per_token:.1%}"
+        f" over training's {_si(cost.train_flops_per_token, 'FLOP')}; counted as work in the step's FLOPs and MFU)")
+    rows = [("reference", KINDS[cost.reference]), ("reference memory per rank", memory),
+            ("reference FLOPs per token", flops)]
+    if cost.reference_step_s is not None and cost.reference_flops_per_token:
+        rows.append(("reference forwards per step", _seconds(cost.reference_step_s)))
+    if cost.mfu_trained_model_only is not None and cost.reference_flops_per_token:
+        rows.append(("MFU of the trained model only", f"{cost.mfu_trained_model_only:.1%} (without the reference's "
+                     "FLOPs, which the trainer's mfu_pct leaves out)"))
+    rows.append(("traced peak", cost.trace))
+    o = cost.one_off
+    if o is not None:
+        if o.tokens is not None:
+            secs = f", {_seconds(o.seconds)}" if o.seconds is not None else ""
+            rows.append(("precomputed pass (once, before training)", f"{_si(o.flops, 'FLOP')}{secs} over {o.tokens:,.0f} "
+                         f"tokens ({o.pairs:,} pairs in {o.rows:,} rows); its table {o.table_bytes / 2**20:,.2f} MiB "
+                         "per device"))
+        rows.append(("precomputed pass per 1M tokens", f"{_si(o.flops_per_million_tokens, 'FLOP')}" + (
+            f", {_seconds(o.seconds_per_million_tokens)}" if o.seconds_per_million_tokens is not None else "")))
+    return [f"Preference optimisation (DPO): {cost.loss_type} loss"] + [f"  {k:<46} {v}" for k, v in rows]
+
+
+# ------------------------------------------------------------------------------------------ the traced step
+def copy_parts(p: PlanInputs, build) -> list:
+    """The frozen copy's parts for the traced step, built by `build()` as the model's; [] without a copy."""
+    return build() if p.dpo is not None and p.dpo.reference == "copy" else []
+
+
+def step_options(cfg, p: PlanInputs, copy: list) -> dict[str, Any]:
+    """`build_train_step`'s DPO arguments for the traced step: the job's `[dpo]` and its live reference."""
+    if p.dpo is None:
+        return {}
+    from torchtrain.trainer.reference import ReferenceModel
+
+    live = {"copy": lambda: ReferenceModel(copy), "adapters off": lambda: ReferenceModel(None)}.get(p.dpo.reference)
+    return {"dpo": cfg.dpo, "reference": live() if live is not None else None}
+
+
+def with_pairs(p: PlanInputs, batch: dict) -> dict:
+    """A traced batch with a preference batch's keys (`data/preference_packing.py`): two pairs a row, each answer
+    a quarter of it (`pair_slot`), their ids (`pair_id`) and, precomputed, the reference's sums (`ref_logps`).
+    No document positions: the traced attention keeps the same tensors as the masked one (docs/planner.md)."""
+    import torch
+
+    if p.dpo is None:
+        return batch
+    rows, seq = batch["input_ids"].shape
+    slots = 2
+    out = {**batch, "pair_slot": (torch.arange(seq) * 2 * slots // seq).expand(rows, seq).clone(),
+           "pair_id": torch.arange(rows * slots).view(rows, slots)}
+    if p.dpo.reference == "precomputed":
+        out["ref_logps"] = torch.zeros(rows, slots, 2, dtype=torch.float64)
+    return out
