@@ -10,6 +10,8 @@
   attention's forward share), equal to torch's FLOP counter on the real DPO step (norm weights aside: the 6N
   convention counts them), for a copy and for LoRA's adapters off; SimPO and a precomputed reference add none;
 * time: the reference's forwards are the whole step-time difference, and the MFU counts their FLOPs;
+* under pipelining the reference's forward over the whole local batch is a moment of its own (the last stage's
+  logits for every token of the step);
 * the precomputed pass: the data's packed rows dealt over the data ranks, its FLOPs and seconds;
 * the command line's --json has the new fields.
 """
@@ -117,6 +119,25 @@ def test_lora_precomputed_and_simpo_add_no_memory(data):
         plan = make_plan(job, p)
         assert plan.preference.reference_bytes_per_rank == 0 and plan.ranks[0].trace.skipped is None
     assert _rows(_inputs(data, 2)[1])[COPY_ROW] == plain["parameters (fp32 master)"] > 0
+
+
+def test_under_pipelining_the_reference_scores_the_whole_local_batch_at_once(data):
+    """The trainer's live reference under PP forwards the step's whole local batch through the stages before the
+    schedule: the last stage holds its logits (bf16), their float32 copy and log-softmax for all its tokens."""
+    job, p = _inputs(data, 4, [*BF16, "--model.n_layers", "4", "--model.vocab_size", "4096"], gpu="h100", pp=2)
+    assert (p.pp, p.n_microbatches, p.dp_shard) == (2, 8, 2)
+    plan = make_plan(job, p)
+    first, last = plan.ranks
+    assert preference.WHOLE_BATCH not in first.analytic.moments
+    rows = {r.name: r.bytes for r in last.analytic.moments[preference.WHOLE_BATCH]}
+    assert rows["reference logits over the whole local batch (DPO, pipeline)"] == (2 + 4 + 4) * 4096 * 8 * 160
+    assert last.analytic.phase == preference.WHOLE_BATCH
+    # the trace (two micro-batches, the real DPO step through the simulated stages) is below it: the moment rules
+    assert last.trace.skipped is None and first.trace.skipped is None
+    assert last.traced_peak == last.analytic.peak and last.traced_phase.startswith(preference.WHOLE_BATCH)
+    assert first.traced_peak < last.traced_peak
+    ref = preference.microbatch_time(p, p.gpu)  # the stages one after the other, every micro-batch
+    assert plan.throughput.reference_s == 8 * ref.seconds and ref.comm_s["reference sends (DPO, pipeline)"] > 0
 
 
 # ------------------------------------------------------------------------------ FLOPs

@@ -10,6 +10,9 @@ loss -- with FSDP gradient sync and reshard-after-backward on the last micro-bat
 schedule does. Token counting, loss scaling, z-loss, MoE statistics, extra losses, clipping and the
 optimizer step are the `TrainStep`'s own.
 
+`forward` stands in for `PipelineRunner.forward` (a no-grad scoring pass such as a DPO reference's): this
+rank's stages over the whole batch, the later ones on a fake activation of the boundary's shape.
+
 With a `TensorMemoryTracker`, `stored` receives the activation bytes each stage-micro-batch forward
 left stored (what k micro-batches in flight multiply: the planner's trace).
 """
@@ -39,6 +42,18 @@ class StagePipeline:
         # stage-boundary activations (a sequence-parallel shard), made here: outside the measured step
         shape = (self.microbatch_size, seq_len // (dims.cp * dims.tp), dim)
         self.received = [torch.randn(shape, dtype=layout.param_dtype) for _ in range(self.n_micro)]
+
+    def forward(self, inputs: torch.Tensor, kwargs: dict | None = None,
+                parts: list[nn.Module] | None = None) -> torch.Tensor | None:
+        """`PipelineRunner.forward` on this rank: its stages (or `parts`, cut the same way: a frozen reference
+        copy) over the whole batch, one after the other, a stage after another rank's on a fake activation of the
+        boundary's shape (made here: the receive's buffer); the last stage's output, else None."""
+        out = None
+        for stage, part in zip(self.cuts, parts if parts is not None else self.model_parts):
+            x = inputs.to(self.device) if stage.first else \
+                torch.randn((inputs.shape[0], *self.received[0].shape[1:]), dtype=self.received[0].dtype)
+            out = part(x, **(kwargs or {}))
+        return out if self.cuts[-1].last else None
 
     def _activations(self) -> float:
         return self.tracker.current_breakdown()["activations"] if self.tracker is not None else 0.0

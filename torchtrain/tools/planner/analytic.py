@@ -264,6 +264,10 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
             rows_emb.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
                                 "stored activations x (in flight - 1)"))
         phases.append(("embedding backward", rows_emb))
+    whole = preference.whole_batch_rows(p, has_last)  # [dpo] under PP: the reference's whole-batch forward
+    if whole:
+        phases.append((preference.WHOLE_BATCH, list(rows_state) + [Row(*r) for r in whole] + [
+            Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]))
     # [dpo]: a frozen reference copy lives through every moment of the step (preference.py)
     ref_rows, ref_host = preference.copy_rows(p, sharded, full_numel, units)
     phases = [(name, rows + [Row(*r) for r in ref_rows]) for name, rows in phases]

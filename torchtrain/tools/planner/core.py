@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.tools.planner import offload, preference, vision
+from torchtrain.tools.planner import offload, preference, preference_report, vision
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.tools.planner.host_time import HostTime, host_seconds
@@ -59,7 +59,7 @@ class Plan:
     """Tiers, node capacities and offload times (`offload.py`); None without offload."""
     base_throughput: StepTime | None = None
     """The step time without offload, for the slowdown (None without offload)."""
-    preference: "preference.PreferenceCost | None" = None
+    preference: "preference_report.PreferenceCost | None" = None
     """A `[dpo]` job's reference: memory, FLOPs, time, the precomputed pass (`preference.py`)."""
 
     @property
@@ -169,6 +169,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
                 flight = prof.in_flight[rank.pp_rank]
                 rank.traced_peak, rank.traced_phase, rank.traced_breakdown, rank.traced_in_flight = result.at(flight)
                 _add_images(p, rank, prof, flight)
+                preference.raise_traced_peak(p, rank)
     if trace and job.cfg.compile.enable:
         p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (tools/planner/compiled.py); "
                        "compiled blocks may keep fewer intermediates, so the traced peak is an upper bound")
@@ -180,7 +181,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
         for rank in ranks:
             rank.analytic = offload.adjust_memory(rank.analytic, p)
         plan.base_throughput, plan.throughput = step, offload.with_offload_time(step, plan.offload)
-    plan.preference = preference.summarize(p, ranks, plan.throughput, job)
+    plan.preference = preference_report.summarize(p, ranks, plan.throughput, job)
     return plan
 
 

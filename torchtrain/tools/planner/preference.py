@@ -20,7 +20,11 @@ is set, and a no-grad forward has no backward to reshard the others: the copy's 
 (d x their unsharded parameters). The reference forward's activations are freed as it goes (no_grad: nothing
 is saved for backward); its transient peak -- one block's intermediates and the reference's fp32 log-probs,
 2 x 4 V t / tp -- stays below the trained forward's at the start of backward (every stored activation, the
-log-softmax and its two gradient buffers), so the peak has no activation term for it (said in a note).
+log-softmax and its two gradient buffers), so the peak has no activation term for it (said in a note) -- except
+under pipeline parallelism, where the trainer scores the step's whole local batch in one forward through the
+stages before the schedule: the last stage then holds logits, their float32 copy and log-softmax for all T of
+the step's tokens on the rank, (d + 8) V T / tp, a moment of its own (`whole_batch_rows`); the traced pipeline
+step runs two micro-batches, so that moment's analytic bytes are the rank's peak where larger (`raise_traced_peak`).
 
 **The traced step** is the real DPO step (`trace.py` with `copy_parts`, `step_options`, `with_pairs`): the copy built on
 the meta device and materialised as fake tensors like the model (registered with the tracker as parameters),
@@ -45,7 +49,9 @@ collectives (exposed, also under async TP), its expert all-to-alls (what the exp
 not hide) and FSDP's all-gathers of the units it re-gathers (all but those it
 keeps, above), overlapped with its compute (exposed: the first, and what exceeds the compute). The frozen copy
 on a one-rank compute-copy layout (`PlanInputs.compute_copy`) has no compute copy of its own: it computes in
-float32, and is timed at that rate (a note says so).
+float32, and is timed at that rate (a note says so). Under context parallelism its forward key/value exchanges
+are added; under pipeline parallelism every stage's forward is on the critical path (the trainer runs them one
+after the other), with each stage boundary's send.
 
 **The precomputed pass** (`one_off`): before the first step every pair is scored once by the model's forward
 (`trainer/reference.py::precompute`): the data's pairs packed unshuffled into R rows, cut into batches of
@@ -104,8 +110,9 @@ def notes(p: PlanInputs) -> list[str]:
     """What a plan with a live reference should say about it."""
     if p.dpo is None or not p.dpo.live:
         return []
-    out = ["DPO: the reference's no-grad forward keeps no activation for backward; its transient peak stays below "
-           "the trained forward's, so it adds no activation row"]
+    out = [] if p.pp > 1 else [  # (pipelined: `whole_batch_rows`)
+        "DPO: the reference's no-grad forward keeps no activation for backward; its transient peak stays below the "
+        "trained forward's, so it adds no activation row"]
     if p.dpo.reference == "copy" and p.compute_copy:
         out.append("DPO: the frozen copy has no compute copy of its own (one rank without FSDP): its forward runs "
                    "in float32, timed at that rate")
@@ -142,6 +149,38 @@ def copy_rows(p: PlanInputs, sharded: int, full_numel: int, units: list[tuple[st
     return rows, weights if p.cpu_offload else 0.0
 
 
+WHOLE_BATCH = "reference forward (whole local batch)"
+
+
+def whole_batch_rows(p: PlanInputs, has_last: bool) -> list[tuple[str, float, str]]:
+    """Under pipeline parallelism the trainer's live reference scores the step's whole local batch in one forward
+    through the stages (`PipelineRunner.forward`), before the schedule: the last stage holds its logits (d), their
+    float32 copy and log-softmax (4 + 4) for T = local batch x accumulation x seq_len / cp tokens at once."""
+    if p.dpo is None or not p.dpo.live or p.pp == 1 or not has_last:
+        return []
+    t = p.local_batch_size * p.grad_accum_steps * p.seq_len / p.cp
+    per = p.param_bytes + 8 if p.param_bytes < 4 else 8
+    return [("reference logits over the whole local batch (DPO, pipeline)", per * p.model.vocab_size * t / p.tp,
+             f"{per} V T / tp, T the step's {t:,.0f} tokens on the rank")]
+
+
+def raise_traced_peak(p: PlanInputs, rank) -> None:
+    """The traced pipeline step runs two micro-batches: where the whole-batch reference forward's analytic moment
+    (`whole_batch_rows`) exceeds the traced peak, it is the rank's peak, with a note."""
+    moment = rank.analytic.moments.get(WHOLE_BATCH)
+    total = sum(r.bytes for r in moment) if moment else 0.0
+    if rank.traced_peak is None or total <= rank.traced_peak:
+        return
+    rank.traced_peak, rank.traced_phase = total, WHOLE_BATCH + " (analytic)"
+    state = {k: v for k, v in rank.traced_breakdown.items() if k != "activations"}
+    rank.traced_breakdown = {**state, "activations": total - sum(state.values())}
+    note = ("DPO under pipeline parallelism: the reference scores the step's whole local batch in one forward (the "
+            "trace runs two micro-batches); where that moment's analytic bytes exceed the traced peak they are the "
+            "rank's peak")
+    if note not in p.notes:
+        p.notes.append(note)
+
+
 # ------------------------------------------------------------------------------------------ FLOPs
 def forward_flops_per_token(p: PlanInputs) -> float:
     """The base model's forward FLOPs per token: its training FLOPs / 3 (2 N + attention's forward share),
@@ -157,18 +196,17 @@ def reference_flops_per_token(p: PlanInputs) -> float:
 # ------------------------------------------------------------------------------------------ time
 @dataclass
 class ReferenceTime:
-    """Seconds of one reference forward over a micro-batch on one rank."""
+    """Seconds of one reference forward over a micro-batch on one rank (module doc)."""
 
     compute_s: float
-    tp_s: float
-    ep_s: float
-    """Its expert all-to-alls the expert GEMMs do not hide (`expert_overlap.chunk_exposed`)."""
+    comm_s: dict[str, float]
+    """Its exposed collectives by kind (tensor parallel, context parallel, expert all-to-all, the stage sends)."""
     gather_s: float
     """FSDP all-gathers the forward cannot hide behind its own compute."""
 
     @property
     def seconds(self) -> float:
-        return self.compute_s + self.tp_s + self.ep_s + self.gather_s
+        return self.compute_s + sum(self.comm_s.values()) + self.gather_s
 
 
 def compute_dtype(p: PlanInputs) -> str:
@@ -177,18 +215,23 @@ def compute_dtype(p: PlanInputs) -> str:
 
 
 def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> ReferenceTime:
-    """One no-grad forward of the reference (or, for the precomputed pass, of the model) over a micro-batch."""
+    """One no-grad forward of the reference (or, for the precomputed pass, of the model) over a micro-batch, through
+    every block (under pipeline parallelism the trainer runs it stage after stage: all of them on the critical
+    path, with each stage boundary's send)."""
     a = p.model
     q = p if (dtype or p.param_dtype) == p.param_dtype else p.replace(param_dtype=dtype)
     d, t, tp = q.param_bytes, q.microbatch_tokens, q.tp
-    compute = tp_s = ep_s = 0.0
+    compute = 0.0
+    comm = dict.fromkeys(("tensor parallel", "context parallel", "expert all-to-all"), 0.0)
     adapters = compute_time.lora_block_seconds(q, dev)[0]  # adapters off: their GEMMs are not run
     for kind, n in a.kinds(range(a.n_layers + a.mtp_depth)):
         block = compute_time.block_time(q, dev, kind)
         compute += n * (block.gemm_fwd - adapters + block.attn_fwd + block.mem_fwd)
-        tp_s += n * comm_time.tp_block(q, dev, kind)[0] / comm_time.forward_repeats(q)
-        ep_s += n * expert_overlap.chunk_exposed(comm_time.ep_passes(q, dev, kind)[0], block.expert_fwd,
-                                                 q.ep_overlap_chunks)
+        comm["tensor parallel"] += n * comm_time.tp_block(q, dev, kind)[0] / comm_time.forward_repeats(q)
+        comm["context parallel"] += n * sum(comm_time.collective_seconds(q, dev, c)
+                                            for c in comm_time.block_collectives(q, "cp", kind) if not c.backward)
+        comm["expert all-to-all"] += n * expert_overlap.chunk_exposed(comm_time.ep_passes(q, dev, kind)[0],
+                                                                      block.expert_fwd, q.ep_overlap_chunks)
     if vision.image_grid(q) is not None:
         compute += vision.encoder_time(q, dev).forward
     fp8 = q.float8 and q.float8_head and a.dim % 16 == 0 and a.vocab_size % (16 * tp) == 0
@@ -196,13 +239,14 @@ def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> Re
     nbytes = 2 * d * a.dim * t + (d + 12) * a.vocab_size / tp * t \
         + compute_time.norm_bytes(d, q.compile, dev.fused_rms_norm) * a.dim * t / tp
     compute += head + compute_time.memory_seconds(dev, nbytes)
-    tp_s += 2 * comm_time.tp_edge(q, dev)
+    comm["tensor parallel"] += 2 * comm_time.tp_edge(q, dev)
+    comm["reference sends (DPO, pipeline)"] = (q.pp * q.pp_stages_per_rank - 1) * comm_time.pp_microbatch(q, dev) / 2
     units = shapes.unit_shapes(a, [s for r in _stages(q) for s in r], tp, q.ep, q.lora)
     gathers = comm_time.data_parallel(q, dev, units).gathers
     kept = set(kept_units(q, [name for name, _ in units]))
     again = [g for i, g in enumerate(gathers) if i not in kept]
     gather_s = again[0] + max(0.0, sum(again[1:]) - compute) if again else 0.0
-    return ReferenceTime(compute, tp_s, ep_s, gather_s)
+    return ReferenceTime(compute, {k: v for k, v in comm.items() if v}, gather_s)
 
 
 def _stages(p: PlanInputs):
@@ -264,99 +308,6 @@ def one_off(p: PlanInputs, dev: GPUSpec | None, data: tuple[int, int] | None) ->
         out.flops, out.table_bytes = out.tokens * fwd, 16.0 * out.pairs
         out.seconds = None if per_batch is None else rounds * per_batch
     return out
-
-
-# ------------------------------------------------------------------------------------------ the plan's summary
-@dataclass
-class PreferenceCost:
-    """The `[dpo]` lines of a plan (`summarize`); bytes are the worst rank's."""
-
-    loss_type: str
-    reference: str
-    reference_bytes_per_rank: float
-    """Device memory of the reference: its copy's weights + the units the copy keeps gathered (0 without a copy)."""
-    reference_weights_bytes: float
-    reference_gathered_bytes: float
-    reference_host_bytes: float
-    """The copy's weights in host memory (CPU offload)."""
-    reference_flops_per_token: float
-    train_flops_per_token: float
-    reference_step_s: float | None
-    """The reference's forwards in the step time (compute, TP, exposed all-gathers)."""
-    mfu_trained_model_only: float | None
-    """The effective MFU counting only the trained model's FLOPs (the trainer's mfu_pct convention)."""
-    trace: str
-    """How the traced peak covers the DPO step."""
-    one_off: OneOff | None = None
-
-
-def summarize(p: PlanInputs, ranks, step, job) -> PreferenceCost | None:
-    """The preference section of a plan: `ranks` its RankPlans, `step` its StepTime, `job` its core.Job."""
-    if p.dpo is None:
-        return None
-    rank = max(ranks, key=lambda r: r.peak) if ranks else None
-    rows = [r for r in rank.analytic.rows if r.name.startswith("reference copy")] if rank else []
-    weights = sum(r.bytes for r in rows if "gathered" not in r.name)
-    gathered = sum(r.bytes for r in rows if "gathered" in r.name)
-    ref = step.reference_flops_per_token
-    mfu = None if step.effective_mfu is None else step.effective_mfu * (1 - ref / step.flops_per_token)
-    if rank is None or rank.trace is None:
-        trace = "not traced"
-    elif rank.trace.skipped is not None:
-        trace = f"not traced: {rank.trace.skipped}"
-    else:
-        what = {"copy": "the copy built and run as the trainer does, its weights counted as parameters",
-                "adapters off": "the reference forward with the adapters off, the preference loss"}
-        trace = f"the real DPO step on fake tensors ({what.get(p.dpo.reference, 'the preference loss')})"
-    cost = PreferenceCost(p.dpo.loss_type, p.dpo.reference, weights + gathered, weights, gathered,
-                          rank.analytic.reference_host if rank else 0.0, ref, step.flops_per_token - ref,
-                          step.reference_s, mfu, trace)
-    if p.dpo.reference == "precomputed":
-        cost.one_off = one_off(p, p.gpu, data_rows(job))
-    return cost
-
-
-def _si(x: float, unit: str) -> str:
-    for div, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:,.2f} {prefix}{unit}"
-    return f"{x:,.2f} {unit}"
-
-
-def _seconds(s: float) -> str:
-    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s / 60:,.1f} min" if s >= 60 else f"{s:,.3f} s"
-
-
-def describe(cost: PreferenceCost, unit: tuple[float, str]) -> list[str]:
-    """The report's "Preference optimisation (DPO)" section."""
-    u, name = unit
-    memory = f"{cost.reference_bytes_per_rank / u:,.2f} {name}"
-    if cost.reference == "copy":
-        memory += (f" (frozen weights {cost.reference_weights_bytes / u:,.2f}, sharded as the parameters; units its "
-                   f"forward leaves gathered {cost.reference_gathered_bytes / u:,.2f})")
-    if cost.reference_host_bytes:
-        memory += f"; {cost.reference_host_bytes / u:,.2f} {name} in host memory (offloaded with the parameters)"
-    flops = "0 (no reference forward in the step)" if not cost.reference_flops_per_token else (
-        f"{_si(cost.reference_flops_per_token, 'FLOP')} (+{cost.reference_flops_per_token / cost.train_flops_per_token:.1%}"
-        f" over training's {_si(cost.train_flops_per_token, 'FLOP')}; counted as work in the step's FLOPs and MFU)")
-    rows = [("reference", KINDS[cost.reference]), ("reference memory per rank", memory),
-            ("reference FLOPs per token", flops)]
-    if cost.reference_step_s is not None and cost.reference_flops_per_token:
-        rows.append(("reference forwards per step", _seconds(cost.reference_step_s)))
-    if cost.mfu_trained_model_only is not None and cost.reference_flops_per_token:
-        rows.append(("MFU of the trained model only", f"{cost.mfu_trained_model_only:.1%} (without the reference's "
-                     "FLOPs, which the trainer's mfu_pct leaves out)"))
-    rows.append(("traced peak", cost.trace))
-    o = cost.one_off
-    if o is not None:
-        if o.tokens is not None:
-            secs = f", {_seconds(o.seconds)}" if o.seconds is not None else ""
-            rows.append(("precomputed pass (once, before training)", f"{_si(o.flops, 'FLOP')}{secs} over {o.tokens:,.0f} "
-                         f"tokens ({o.pairs:,} pairs in {o.rows:,} rows); its table {o.table_bytes / 2**20:,.2f} MiB "
-                         "per device"))
-        rows.append(("precomputed pass per 1M tokens", f"{_si(o.flops_per_million_tokens, 'FLOP')}" + (
-            f", {_seconds(o.seconds_per_million_tokens)}" if o.seconds_per_million_tokens is not None else "")))
-    return [f"Preference optimisation (DPO): {cost.loss_type} loss"] + [f"  {k:<46} {v}" for k, v in rows]
 
 
 # ------------------------------------------------------------------------------------------ the traced step

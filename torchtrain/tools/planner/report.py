@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.tools.planner import interruptions, preference, vision
+from torchtrain.tools.planner import interruptions, preference_report, vision
 from torchtrain.tools.planner.core import Plan, RankPlan
 from torchtrain.tools.planner.pipeline import ENCODER
 
@@ -129,7 +129,7 @@ def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
         lines += ["", *format_offload(plan.offload, plan.base_throughput, plan.throughput)]
     lines += ["", *_throughput_lines(plan)]
     if plan.preference is not None:
-        lines += ["", *preference.describe(plan.preference, _unit(plan))]
+        lines += ["", *preference_report.describe(plan.preference, _unit(plan))]
     notes = plan.notes + worst.analytic.notes + (worst.trace.notes if worst.trace else [])
     if notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in dict.fromkeys(notes)]

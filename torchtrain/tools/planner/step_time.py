@@ -284,8 +284,7 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
         out.reference_s = passes * ref.seconds
         out.compute_breakdown_s["reference forward (DPO)"] = passes * ref.compute_s
         out.compute_s += passes * ref.compute_s
-        for key, value in (("tensor parallel", ref.tp_s), ("expert all-to-all", ref.ep_s),
-                           ("reference all-gathers (DPO)", ref.gather_s)):
+        for key, value in (*ref.comm_s.items(), ("reference all-gathers (DPO)", ref.gather_s)):
             if value:
                 out.comm_s[key] = out.comm_s.get(key, 0.0) + passes * value
         schedule += out.reference_s
