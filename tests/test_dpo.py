@@ -6,7 +6,7 @@ process, the three kinds of reference, resume, and bad input.
   reference: every implicit reward 0, a tie counting half), and within 120 steps it is >= 0.95 on pairs the model
   has not trained on yet (the run stays inside its first epoch, so each step's pairs are new: progressive
   validation);
-* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2, TP 2, CP 2 (each answer's tokens split over the two
+* layouts (`dist`, real torchrun, gloo, fp32): FSDP 2, DDP 2 (the frozen copy unwrapped), TP 2, CP 2 (each answer's tokens split over the two
   ranks, its sums all-reduced) and PP 2 (1F1B: labels, pair slots and the reference's per-token shares in one
   target tensor) losses within 1e-4 relative of one process per step (summation order only), a run resumed mid-way from its checkpoint (which holds the frozen reference)
   bitwise equal; the precomputed reference gives the live reference's losses within 1e-5 (also under FSDP 2
@@ -122,13 +122,13 @@ def test_preference_accuracy_rises_from_half_to_95_percent_on_unseen_pairs(tmp_p
 def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dpo"))
     variants = [(layout, extra) for extra in (PRECOMPUTED, LORA, IPO, SIMPO) for layout in ("single", "fsdp2")]
-    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "tp2", "cp2", "pp2_1f1b",
+    return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "ddp2", "tp2", "cp2", "pp2_1f1b",
                                                        ("pp2_1f1b", PRECOMPUTED), *variants])
 
 
 @pytest.mark.dist
-def test_fsdp2_tp2_cp2_and_pp2_match_one_process_and_resume_bitwise(suite):
-    suite.check(["tp2", "cp2", "pp2_1f1b"], rtol=RTOL)
+def test_every_layout_matches_one_process_and_fsdp2_resumes_bitwise(suite):
+    suite.check(["ddp2", "tp2", "cp2", "pp2_1f1b"], rtol=RTOL)
     suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL)
     assert "reference" in suite.results["fsdp2", CKPT].log.split("checkpoint saved")[1].split("\n")[0]
 

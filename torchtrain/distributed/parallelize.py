@@ -84,9 +84,10 @@ def materialize_async_output(module: nn.Module, inputs, output):
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
-def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.Module:
+def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout, frozen: bool = False) -> nn.Module:
     """Apply the model's own adaptations -> LoRA adapters -> converters -> TP -> CP -> EP -> AC -> compile ->
-    FSDP/HSDP/DDP to `model` in place, as `layout` decides."""
+    FSDP/HSDP/DDP to `model` in place, as `layout` decides. `frozen`: a model that never trains (a preference
+    loss's reference copy): no DDP wrapper (it has no gradients to synchronise; its replicas stay equal)."""
     dims = layout.dims
     if spec.adapt is not None:
         spec.adapt(model, layout)
@@ -129,7 +130,8 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout) -> nn.M
             for module in _beside(model, blocks):
                 module.register_forward_hook(materialize_async_output)
     if layout.ddp:
-        apply_ddp(model, dims.dp_mesh)
+        if not frozen:
+            apply_ddp(model, dims.dp_mesh)
     elif layout.fsdp:
         units = spec.fsdp_units(model) if spec.fsdp_units is not None else list(blocks.children())
         apply_fsdp(model, dims.fsdp_mesh, units, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
@@ -177,10 +179,10 @@ def stage_parts(whole: nn.Module, layout: Layout) -> list[tuple[int, nn.Module]]
 
 
 def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, device: torch.device,
-                      seed: int, loaded: bool = False) -> list[nn.Module]:
+                      seed: int, loaded: bool = False, frozen: bool = False) -> list[nn.Module]:
     """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised
-    (`loaded`: every base weight is loaded right after, `init_model_weights`)."""
+    (`loaded`: every base weight is loaded right after, `init_model_weights`; `frozen`: see `apply_parallelism`)."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
-    return [materialize(apply_parallelism(part, spec, layout), device, layout.cpu_offload, seed, loaded)
+    return [materialize(apply_parallelism(part, spec, layout, frozen), device, layout.cpu_offload, seed, loaded)
             for _, part in stage_parts(whole, layout)]

@@ -40,7 +40,7 @@ class PreferenceRun:
             self.live = ReferenceModel(None)
             logger.info("dpo: %s loss, reference = the base model (LoRA adapters off; no copy: 0 MiB)", dpo.loss_type)
         else:
-            self.live = ReferenceModel(build_model_parts(spec, args, layout, device, seed))
+            self.live = ReferenceModel(build_model_parts(spec, args, layout, device, seed, frozen=True))
             logger.info("dpo: %s loss, reference = a frozen copy of the initial weights, sharded like the model "
                         "(%.2f MiB of weights on this rank)", dpo.loss_type, self.live.local_bytes() / 2**20)
 

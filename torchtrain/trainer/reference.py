@@ -26,6 +26,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
@@ -49,8 +50,14 @@ class ReferenceModel:
         """No gradients, adapters off (LoRA), no MoE / extra-loss statistics, the step's context (under TP:
         vocabulary-sharded logits, loss parallel)."""
         off = adapters_off(step.model_parts) if self.parts is None else contextlib.nullcontext()
-        with torch.no_grad(), off, forward_counting(False), step.context():
-            yield
+        try:
+            with torch.no_grad(), off, forward_counting(False), step.context():
+                yield
+        finally:  # FSDP keeps the units it does not reshard after forward (the root) gathered for the backward,
+            for part in self.parts or []:  # which the copy never runs: its weights go back to their shards
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     def _logits(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The reference's logits (under PP on the last stage's rank only, else None)."""
@@ -68,11 +75,18 @@ class ReferenceModel:
                 torch.zeros(*batch["pair_id"].shape, 2, dtype=torch.float64, device=step.device)
             return {**batch, "ref_logps": sums}
 
-    def token_logps(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The reference's per-token log-probs of the labels, (rows, seq) (under PP on the last stage only)."""
+    def token_logps(self, step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor | None:
+        """The reference's per-token log-probs of the labels, (rows, seq), scored `rows` rows at a time (a pipeline
+        micro-batch: the logits of one at a time live at once); under PP on the last stage only."""
+        chunks = []
         with self._scoring(step):
-            logits = self._logits(step, batch)
-            return token_logps(logits, batch["labels"]) if logits is not None else None
+            for start in range(0, batch["input_ids"].shape[0], rows):
+                part = {k: v[start:start + rows] for k, v in batch.items()}
+                logits = self._logits(step, part)
+                if logits is not None:
+                    chunks.append(token_logps(logits, part["labels"]))
+                del logits
+        return torch.cat(chunks) if chunks else None
 
     @torch.no_grad()
     def copy_from(self, model_parts: list[nn.Module]) -> None:

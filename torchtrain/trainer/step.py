@@ -238,7 +238,8 @@ class TrainStep:
 
             target = merged["labels"]
             if self.preference is not None:  # labels, pair slots and the reference's per-token shares in one tensor
-                live = self.reference.token_logps(self, merged) if self.reference is not None else None
+                rows = max(1, merged["input_ids"].shape[0] // self.layout.pipeline.n_microbatches)  # one micro-batch
+                live = self.reference.token_logps(self, merged, rows) if self.reference is not None else None
                 target = PreferenceLoss.pipeline_target(merged, live)
             with self.context():
                 return accumulated + self.pipeline.step(merged["input_ids"], target, value, self.model_kwargs(merged))
