@@ -144,16 +144,10 @@ def build_dataloader(sources: list[Source] | list[ChatSource], training: Trainin
                      dp_rank: int, dp_degree: int, seed: int, device_type: str = "cpu") -> DataLoader:
     """This rank's training loader (infinite; epochs restart each source in a new order): windows of
     token streams, or packed chat conversations / image-text pairs (with their images: `chat_packing.py`)."""
-    if sources and isinstance(sources[0], PreferenceSource):
-        dataset = PreferenceDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
-                                    buffer=training.chat_pack_buffer)
-        if is_log_rank():
-            dataset.log_summary()
-        return DataLoader(dataset, local_batch_size, dp_rank, dp_degree, workers=training.dataloader_workers,
-                          pin_memory=device_type == "cuda")
-    if sources and isinstance(sources[0], ChatSource):
-        dataset = PackedChatDataset(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
-                                    buffer=training.chat_pack_buffer)
+    if sources and isinstance(sources[0], (ChatSource, PreferenceSource)):  # packed rows (preference: whole pairs)
+        packed = PreferenceDataset if isinstance(sources[0], PreferenceSource) else PackedChatDataset
+        dataset = packed(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,
+                         buffer=training.chat_pack_buffer)
         if is_log_rank():
             dataset.log_summary()
         return DataLoader(dataset, local_batch_size, dp_rank, dp_degree, workers=training.dataloader_workers,

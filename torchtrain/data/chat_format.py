@@ -179,25 +179,30 @@ def _table_rows(file: str) -> Iterator[dict]:
         raise ChatFormatError(f"{file}: not a readable {file.rsplit('.', 1)[-1]} file ({e})") from None
 
 
-def read_conversations(path: str) -> list[Conversation]:
-    """Every conversation of the chat files at `path`, in file and line (row) order."""
-    out: list[Conversation] = []
+def records(path: str) -> Iterator[tuple[object, str, str | None]]:
+    """(record, file:line or file:row n, the file's folder -- None for a table's rows) of every record of the
+    JSON Lines or table files at `path`, in file and line (row) order; ChatFormatError naming the line that is not
+    JSON."""
     for file in chat_files(path):
         if file.endswith(TABLE_SUFFIXES):
-            out += [Conversation(_turns_of(row, f"{file}:row {n}"), f"{file}:row {n}")
-                    for n, row in enumerate(_table_rows(file), 1)]
+            yield from ((row, f"{file}:row {n}", None) for n, row in enumerate(_table_rows(file), 1))
             continue
         opener = gzip.open if file.endswith(".gz") else open
         with opener(file, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                where = f"{file}:{n}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ChatFormatError(f"{where}: not JSON ({e.msg})") from None
-                out.append(Conversation(_turns_of(record, where, os.path.dirname(os.path.abspath(file))), where))
+                    raise ChatFormatError(f"{file}:{n}: not JSON ({e.msg})") from None
+                yield record, f"{file}:{n}", os.path.dirname(os.path.abspath(file))
+
+
+def read_conversations(path: str) -> list[Conversation]:
+    """Every conversation of the chat files at `path`, in file and line (row) order."""
+    out = [Conversation(_turns_of(record, where, folder or ""), where)
+           for record, where, folder in records(path)]
     if not out:
         raise ChatFormatError(f"{path}: holds no conversations")
     return out

@@ -182,11 +182,20 @@ class PackedChatDataset(SampleDataset):
         """Rows of the first epoch, over all sources (a held-out set read once, unshuffled)."""
         return sum(len(self.epoch_rows(s, 0)) for s in range(len(self.sources)))
 
+    def items(self, s: int) -> int:
+        """The items source s packs (its conversations)."""
+        return self.sources[s].num_conversations
+
+    @staticmethod
+    def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+        """A buffer's items as rows (module docstring: first-fit decreasing)."""
+        return pack_first_fit_decreasing(lengths, capacity)
+
     def epoch_rows(self, s: int, epoch: int) -> list[list[int]]:
-        """The rows of epoch `epoch` of source s: conversation indices per row."""
+        """The rows of epoch `epoch` of source s: item (conversation) indices per row."""
         key = (s, epoch)
         if key not in self._rows:
-            n = self.sources[s].num_conversations
+            n = self.items(s)
             if self.shuffle:
                 perm = Permutation(n, _seed_of(self.seed, s, epoch))
                 order = [perm(i) for i in range(n)]
@@ -196,7 +205,7 @@ class PackedChatDataset(SampleDataset):
             for b in range(0, n, self.buffer):
                 chunk = order[b:b + self.buffer]
                 rows += [[chunk[i] for i in row] for row in
-                         pack_first_fit_decreasing([int(self._lengths[s][c]) for c in chunk], self.seq_len)]
+                         self.pack([int(self._lengths[s][c]) for c in chunk], self.seq_len)]
             if len(self._rows) > 8:
                 self._rows.clear()
             self._rows[key] = rows

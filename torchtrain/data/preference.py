@@ -25,20 +25,11 @@ ids, and each answer keeps at least one trained token. `preference_packing.py` p
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from torchtrain.data.chat_format import (
-    TABLE_SUFFIXES,
-    ChatFormatError,
-    Conversation,
-    _table_rows,
-    _turns_of,
-    chat_files,
-)
+from torchtrain.data.chat_format import ChatFormatError, Conversation, _turns_of, records
 from torchtrain.data.chat_template import Rendered, chat_renderer
 from torchtrain.data.preference_packing import PreferenceDataset, PreferenceSource, build_preference_source
 from torchtrain.data.tokenizer import Tokenizer
@@ -129,28 +120,11 @@ def parse_pair(record: object, where: str) -> PreferencePair:
 
 
 def _records(path: str) -> Iterator[tuple[object, str]]:
-    """(record, file:line) of every pair at `path`, in file and line (row) order."""
+    """(record, file:line) of every pair at `path`, in file and line (row) order (`chat_format.records`)."""
     try:
-        files = chat_files(path)
+        yield from ((record, where) for record, where, _ in records(path))
     except ChatFormatError as e:
         raise PreferenceFormatError(str(e)) from None
-    for file in files:
-        if file.endswith(TABLE_SUFFIXES):
-            try:
-                yield from ((row, f"{file}:row {n}") for n, row in enumerate(_table_rows(file), 1))
-            except ChatFormatError as e:
-                raise PreferenceFormatError(str(e)) from None
-            continue
-        opener = gzip.open if file.endswith(".gz") else open
-        with opener(file, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PreferenceFormatError(f"{file}:{n}: not JSON ({e.msg})") from None
-                yield record, f"{file}:{n}"
 
 
 def read_pairs(path: str) -> list[PreferencePair]:

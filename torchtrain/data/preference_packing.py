@@ -42,8 +42,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from torchtrain.data.chat_packing import PackedChatDataset, _seed_of
-from torchtrain.data.sampling import Permutation
+from torchtrain.data.chat_packing import PackedChatDataset
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
@@ -140,25 +139,14 @@ class PreferenceDataset(PackedChatDataset):
         self.num_pairs = offset
         self.reference: np.ndarray | None = None
 
-    def epoch_rows(self, s: int, epoch: int) -> list[list[int]]:
-        """The rows of epoch `epoch` of source s: its pair indices per row (first-fit in the epoch's order)."""
-        key = (s, epoch)
-        if key not in self._rows:
-            n = self.sources[s].num_pairs
-            if self.shuffle:
-                perm = Permutation(n, _seed_of(self.seed, s, epoch))
-                order = [perm(i) for i in range(n)]
-            else:
-                order = list(range(n))
-            rows = []
-            for b in range(0, n, self.buffer):
-                chunk = order[b:b + self.buffer]
-                rows += [[chunk[i] for i in row] for row in
-                         pack_first_fit([int(self._lengths[s][c]) for c in chunk], self.seq_len)]
-            if len(self._rows) > 8:
-                self._rows.clear()
-            self._rows[key] = rows
-        return self._rows[key]
+    def items(self, s: int) -> int:
+        """The items source s packs (its pairs)."""
+        return self.sources[s].num_pairs
+
+    @staticmethod
+    def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+        """A buffer's pairs as rows: first-fit in order (rows open in pair-id order when unshuffled)."""
+        return pack_first_fit(lengths, capacity)
 
     def set_reference(self, table) -> None:
         """The reference model's summed log-probs per pair id: (num_pairs, 2) float64 (chosen, rejected)."""
