@@ -3,15 +3,17 @@
 
 * memory: the frozen reference copy's bytes per rank are the planner's parameter bytes under FSDP 2 x TP 2, equal
   to what the trainer's own copy holds on rank 0 (built the trainer's way on fake tensors), in every moment of the
-  step; the traced step (the real DPO step) measures the copy's weights and the units its no-grad forward leaves
-  gathered exactly as the analytic rows say; LoRA's adapters-off reference, a precomputed one and SimPO add no
-  byte;
+  step; the traced step (the real DPO step) measures the copy's weights exactly as the analytic row says, and no
+  unit of the copy left gathered (the trainer reshards them after each of its forwards); it runs under DDP and
+  ZeRO-1 too (the copy built frozen: no DDP wrapper); LoRA's adapters-off reference, a precomputed one and SimPO
+  add no byte;
 * FLOPs: with a live reference the step's FLOPs per token are the training FLOPs + the forward's (2N + the
   attention's forward share), equal to torch's FLOP counter on the real DPO step (norm weights aside: the 6N
   convention counts them), for a copy and for LoRA's adapters off; SimPO and a precomputed reference add none;
-* time: the reference's forwards are the whole step-time difference, and the MFU counts their FLOPs;
-* under pipelining the reference's forward over the whole local batch is a moment of its own (the last stage's
-  logits for every token of the step);
+* time: the reference's forwards are the whole step-time difference, and the MFU counts their FLOPs; the copy
+  re-gathers every unit per micro-batch;
+* under pipelining the reference's scoring pass, one micro-batch at a time, is a moment of its own on the last
+  stage (one micro-batch's logits and the local batch's per-token log-probs), below the training step's peak;
 * the precomputed pass: the data's packed rows dealt over the data ranks, its FLOPs and seconds;
 * the command line's --json has the new fields.
 """
@@ -27,9 +29,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrain.components.hardware import KNOWN_GPUS
-from torchtrain.tools.planner import analytic, preference, step_time, trace
+from torchtrain.tools.planner import analytic, comm_time, preference, shapes, step_time, trace
 from torchtrain.tools.planner.core import load_job, make_plan, trace_job
 from torchtrain.tools.planner.from_job import inputs_from_config
+from torchtrain.tools.planner.pipeline import pipeline_of
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "dpo_debug.toml")
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
@@ -38,7 +41,6 @@ PRECOMPUTED = ["--dpo.reference", "precomputed"]
 SIMPO = ["--dpo.loss_type", "simpo"]
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 COPY_ROW = "reference copy (DPO: frozen fp32 weights)"
-KEPT_ROW = "reference copy: last unit + root left gathered by its no-grad forward"
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,6 @@ def _trainers_copy_bytes(p) -> int:
     from torchtrain.models.registry import get_model_spec
     from torchtrain.simulation.fake_world import fake_world
     from torchtrain.simulation.parts import build_fake_parts
-    from torchtrain.tools.planner.pipeline import pipeline_of
     from torchtrain.tools.planner.stage_model import part_cut
     from torchtrain.trainer.reference import ReferenceModel
 
@@ -76,7 +77,7 @@ def _trainers_copy_bytes(p) -> int:
     with fake_world(p.world_size, rank=0):
         layout.dims.build_mesh("cpu")
         cuts = [part_cut(s, p.args.n_layers) for s in pipeline_of(p).stages[0]]
-        parts = build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts, p.device_type)
+        parts = build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts, p.device_type, frozen=True)
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in parts:
                 part.to_empty(device="cpu")
@@ -92,10 +93,9 @@ def test_the_copy_is_the_parameters_per_rank_under_fsdp_and_tp(data):
     assert rows[COPY_ROW] == rows["parameters (fp32 master)"] == _trainers_copy_bytes(p) == 165_504
     for moment in est.moments.values():  # the copy lives through the whole step
         assert [r.bytes for r in moment if r.name == COPY_ROW] == [165_504]
-    a = p.model  # default reshard: the copy's norm+output unit (TP-local) stays gathered in bf16 after its forward
-    assert rows[KEPT_ROW] == 2 * (a.dim + math.ceil(a.vocab_size / 2) * a.dim) == 17_024
+    assert not [name for name in rows if "gathered by" in name]  # its units resharded after each forward
     # the traced step is the real DPO step: the copy's weights (and its RoPE buffer, as the model's) counted as
-    # parameters, its gathered units as gathered parameters, in both phases
+    # parameters; none of its units left gathered, in both phases
     plan = make_plan(job, p)
     base_job, base = _inputs(data, 4, BF16 + PRECOMPUTED, gpu="h100", tp=2)
     rank, ref = plan.ranks[0], make_plan(base_job, base).ranks[0]
@@ -103,9 +103,20 @@ def test_the_copy_is_the_parameters_per_rank_under_fsdp_and_tp(data):
     for phase in ("backward_breakdown", "optimizer_breakdown"):
         mine, theirs = getattr(rank.trace, phase), getattr(ref.trace, phase)
         assert mine["params"] == 2 * theirs["params"]
-        assert mine["gathered_params"] - theirs["gathered_params"] == rows[KEPT_ROW]
-    assert plan.preference.reference_bytes_per_rank == 165_504 + 17_024
-    assert rank.analytic.peak - ref.analytic.peak == 165_504 + 17_024
+        assert mine["gathered_params"] == theirs["gathered_params"]
+    assert plan.preference.reference_bytes_per_rank == 165_504
+    assert rank.analytic.peak - ref.analytic.peak == 165_504
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_the_dpo_step_traces_under_ddp_and_zero1(data, strategy):
+    """The copy is built frozen (no DDP wrapper), as the trainer builds it: the real DPO step runs in the trace."""
+    job, p = _inputs(data, 2, [*BF16, "--parallelism.data_parallel_strategy", strategy], gpu="h100")
+    assert (p.dp, p.sharded) == (2, False)
+    plan = make_plan(job, p)
+    rank = plan.ranks[0]
+    assert rank.trace.skipped is None and plan.preference.trace.startswith("the real DPO step")
+    assert rank.traced_peak > 0 and plan.preference.reference_bytes_per_rank == _rows(p)[COPY_ROW] == 4 * 165_184
 
 
 def test_lora_precomputed_and_simpo_add_no_memory(data):
@@ -121,23 +132,29 @@ def test_lora_precomputed_and_simpo_add_no_memory(data):
     assert _rows(_inputs(data, 2)[1])[COPY_ROW] == plain["parameters (fp32 master)"] > 0
 
 
-def test_under_pipelining_the_reference_scores_the_whole_local_batch_at_once(data):
-    """The trainer's live reference under PP forwards the step's whole local batch through the stages before the
-    schedule: the last stage holds its logits (bf16), their float32 copy and log-softmax for all its tokens."""
+def test_under_pipelining_the_reference_scores_one_micro_batch_at_a_time(data):
+    """The trainer's live reference under PP scores the local batch through the stages before the schedule, one
+    micro-batch at a time: the last stage holds one micro-batch's logits (bf16), their float32 copy and
+    log-softmax, and keeps the float32 per-token log-probs of the whole local batch -- below the training step's
+    own loss moment (stored activations, log-softmax and its gradient buffers)."""
     job, p = _inputs(data, 4, [*BF16, "--model.n_layers", "4", "--model.vocab_size", "4096"], gpu="h100", pp=2)
-    assert (p.pp, p.n_microbatches, p.dp_shard) == (2, 8, 2)
+    assert (p.pp, p.n_microbatches, p.dp_shard, p.microbatch_tokens) == (2, 8, 2, 160)
     plan = make_plan(job, p)
     first, last = plan.ranks
-    assert preference.WHOLE_BATCH not in first.analytic.moments
-    rows = {r.name: r.bytes for r in last.analytic.moments[preference.WHOLE_BATCH]}
-    assert rows["reference logits over the whole local batch (DPO, pipeline)"] == (2 + 4 + 4) * 4096 * 8 * 160
-    assert last.analytic.phase == preference.WHOLE_BATCH
-    # the trace (two micro-batches, the real DPO step through the simulated stages) is below it: the moment rules
+    assert preference.PASS not in first.analytic.moments
+    moment = last.analytic.moments[preference.PASS]
+    rows = {r.name: r.bytes for r in moment}
+    assert rows["reference logits of one micro-batch (DPO, pipeline)"] == (2 + 4 + 4) * 4096 * 160
+    assert rows["reference per-token log-probs of the local batch (DPO, pipeline)"] == 4 * 8 * 160
+    assert last.analytic.phase == "start of backward" and sum(r.bytes for r in moment) < last.analytic.peak
+    # the trace (the real DPO step through the simulated stages, its reference a micro-batch at a time) is above it
     assert last.trace.skipped is None and first.trace.skipped is None
-    assert last.traced_peak == last.analytic.peak and last.traced_phase.startswith(preference.WHOLE_BATCH)
-    assert first.traced_peak < last.traced_peak
-    ref = preference.microbatch_time(p, p.gpu)  # the stages one after the other, every micro-batch
-    assert plan.throughput.reference_s == 8 * ref.seconds and ref.comm_s["reference sends (DPO, pipeline)"] > 0
+    assert not last.traced_phase.startswith(preference.PASS) and last.traced_peak > sum(r.bytes for r in moment)
+    assert not any("scores the local batch" in n for n in plan.notes)
+    # the stages one after the other, every micro-batch; the copy's units (FSDP "never" under PP) gathered once
+    ref = preference.microbatch_time(p, p.gpu)
+    assert ref.gather_s == 0 < ref.step_gather_s and ref.comm_s["reference sends (DPO, pipeline)"] > 0
+    assert math.isclose(plan.throughput.reference_s, 8 * ref.seconds + ref.step_gather_s, rel_tol=1e-12)
 
 
 # ------------------------------------------------------------------------------ FLOPs
@@ -180,6 +197,12 @@ def test_the_reference_forwards_are_the_step_time_difference_and_count_in_the_mf
     without = step_time.estimate_step(p.replace(dpo=preference.Preference("sigmoid", "precomputed")))
     ref = preference.microbatch_time(p, p.gpu)
     assert with_copy.reference_s == p.grad_accum_steps * ref.seconds > 0 and ref.gather_s > 0
+    # the copy is resharded after each forward: it re-gathers every unit, the root too (LoRA's adapters-off
+    # reference, the model itself, leaves its root to the training forward's gathers)
+    gathers = comm_time.data_parallel(p, p.gpu, shapes.unit_shapes(p.model, pipeline_of(p).stages[0], 1)).gathers
+    off = preference.microbatch_time(p.replace(dpo=preference.Preference("sigmoid", "adapters off")), p.gpu)
+    assert ref.step_gather_s == 0 and ref.gather_s == preference._exposed(gathers, ref.compute_s)
+    assert off.gather_s == preference._exposed(gathers[:-1], ref.compute_s)
     assert math.isclose(with_copy.step_s - without.step_s, with_copy.reference_s, rel_tol=1e-9)
     assert with_copy.compute_breakdown_s["reference forward (DPO)"] == p.grad_accum_steps * ref.compute_s
     tokens, peak = p.global_batch_size * p.seq_len, p.gpu.matmul_tflops("bfloat16") * 1e12

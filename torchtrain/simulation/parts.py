@@ -46,8 +46,10 @@ def layout_cuts(layout: Layout) -> list[PartCut]:
             for s in split.stage_ids(dims.pp_rank, dims.pp)]
 
 
-def build_fake_parts(spec, args, layout: Layout, cuts: list[PartCut], device_type: str) -> list[nn.Module]:
-    """The parts of `cuts`, built on the meta device, cut and parallelised as the trainer does.
+def build_fake_parts(spec, args, layout: Layout, cuts: list[PartCut], device_type: str,
+                     frozen: bool = False) -> list[nn.Module]:
+    """The parts of `cuts`, built on the meta device, cut and parallelised as the trainer does (`frozen`: a
+    module that never trains, a DPO reference copy: no DDP wrapper, `apply_parallelism`).
 
     For a cuda target, attention runs the memory proxy (FlexAttention is CUDA-only; the proxy has its
     memory). DDP parts get `local_allreduce_hook` (the fake group hands no gradient bucket back)."""
@@ -58,7 +60,7 @@ def build_fake_parts(spec, args, layout: Layout, cuts: list[PartCut], device_typ
             model = spec.model_cls(args if n_layers == args.n_layers else args.replace(n_layers=n_layers))
         if cut.modules is not None:
             model = keep_modules(model, list(cut.modules))
-        part = apply_parallelism(model, spec, layout)
+        part = apply_parallelism(model, spec, layout, frozen)
         if device_type == "cuda":
             for module in part.modules():
                 if isinstance(module, AttentionCore):

@@ -40,8 +40,9 @@ gradient written in their dtype, d V t / tp: `compiled.py`); FSDP2 keeps gathere
 with reshard "default" the output unit and the prefetched last block, "always" two blocks, "never"
 every unit of the stage. Gradient accumulation without synchronisation (and pipeline micro-batches)
 keeps FSDP2's unsharded gradients (r bytes) and, with pipelining, the unsharded parameters.
-A `[dpo]` job's frozen reference copy adds its float32 weights (as the parameters) and the units its
-no-grad forward leaves gathered to every moment (`preference.py`).
+A `[dpo]` job's frozen reference copy adds its float32 weights (as the parameters) to every moment (its units
+go back to their shards after each of its forwards); under pipeline parallelism its scoring pass before the
+schedule, one micro-batch at a time, is a moment of the last stage (`preference.py`).
 
 Mixture-of-experts blocks (`num_experts` E > 0, top-k, expert hidden size H): the feed-forward
 parameters are the router (E x h, replicated over TP) and E experts of 3 h H each; with expert
@@ -264,12 +265,12 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
             rows_emb.append(Row(f"activations of {flight - 1} other micro-batches", per_chunk * (flight - 1),
                                 "stored activations x (in flight - 1)"))
         phases.append(("embedding backward", rows_emb))
-    whole = preference.whole_batch_rows(p, has_last)  # [dpo] under PP: the reference's whole-batch forward
-    if whole:
-        phases.append((preference.WHOLE_BATCH, list(rows_state) + [Row(*r) for r in whole] + [
+    scoring = preference.pass_rows(p, has_last)  # [dpo] under PP: the reference's pass, a micro-batch at a time
+    if scoring:
+        phases.append((preference.PASS, list(rows_state) + [Row(*r) for r in scoring] + [
             Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]))
     # [dpo]: a frozen reference copy lives through every moment of the step (preference.py)
-    ref_rows, ref_host = preference.copy_rows(p, sharded, full_numel, units)
+    ref_rows, ref_host = preference.copy_rows(p, sharded, full_numel)
     phases = [(name, rows + [Row(*r) for r in ref_rows]) for name, rows in phases]
     totals = [(name, rows, sum(row.bytes for row in rows)) for name, rows in phases]
     phase, rows, peak = max(totals, key=lambda x: x[2])

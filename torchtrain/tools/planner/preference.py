@@ -11,26 +11,31 @@ The job's `[dpo]` and `[lora]` give one of four references (`trainer/preference.
     "none"           loss_type = "simpo" (reference-free)      none                 none
 
 **Memory** (`copy_rows`, added to every moment of the analytic step: the copy lives through the run). The copy
-is the model built a second time with the same layout (`distributed/parallelize.py::build_model_parts`):
-float32 weights, sharded exactly as the trained model's parameters (the "parameters" row: 4 B x params / N
-with FSDP's padding, TP- and EP-local), no gradients, no optimizer state; offloaded to host memory with the
-parameters under CPU offload. FSDP2 reshards a unit after its forward only when its `reshard_after_forward`
-is set, and a no-grad forward has no backward to reshard the others: the copy's last unit and root (policy
-"default"), or every unit ("never", zero2), stay gathered in the compute dtype from its first forward on
-(d x their unsharded parameters). The reference forward's activations are freed as it goes (no_grad: nothing
-is saved for backward); its transient peak -- one block's intermediates and the reference's fp32 log-probs,
-2 x 4 V t / tp -- stays below the trained forward's at the start of backward (every stored activation, the
-log-softmax and its two gradient buffers), so the peak has no activation term for it (said in a note) -- except
-under pipeline parallelism, where the trainer scores the step's whole local batch in one forward through the
-stages before the schedule: the last stage then holds logits, their float32 copy and log-softmax for all T of
-the step's tokens on the rank, (d + 8) V T / tp, a moment of its own (`whole_batch_rows`); the traced pipeline
-step runs two micro-batches, so that moment's analytic bytes are the rank's peak where larger (`raise_traced_peak`).
+is the model built a second time with the same layout, frozen (`distributed/parallelize.py::build_model_parts`
+with `frozen=True`: no DDP wrapper under the DDP / ZeRO-1 strategies): float32 weights, sharded exactly as the
+trained model's parameters (the "parameters" row: 4 B x params / N with FSDP's padding, TP- and EP-local), no
+gradients, no optimizer state; offloaded to host memory with the parameters under CPU offload. After each of
+its scoring passes (a micro-batch's forward; under pipeline parallelism the step's, below) the trainer reshards
+every FSDP unit of the copy (`ReferenceModel._scoring`), so between them it holds only its shards: its units
+are gathered (d x their unsharded parameters) only while it scores. That transient -- the units it gathers, one block's intermediates (no_grad: nothing is saved for
+backward) and the reference's fp32 log-probs, 2 x 4 V t / tp -- stays below the trained forward's at the start
+of backward (every stored activation, the log-softmax and its two gradient buffers, the gathered units), so the
+peak has no term for it (said in a note). Under pipeline parallelism the trainer scores the local batch before
+the schedule, one micro-batch at a time (`ReferenceModel.token_logps`), keeping only the float32 per-token
+log-probs of the whole local batch (4 B x local rows x seq_len / cp); on the last stage that pass is a moment
+of its own (`pass_rows`): one micro-batch's logits, their float32 copy and log-softmax, (d + 8) V t / tp as the
+training step's own loss for one micro-batch, the log-probs kept so far, and the units gathered through the pass
+(the copy's under FSDP's "never" policy, which pipeline stages use: all of the stage's). The traced pipeline
+step scores local rows // n_microbatches rows per forward, fewer than a micro-batch when it runs fewer
+micro-batches than the job, so that moment's analytic bytes are the rank's peak where larger
+(`raise_traced_peak`).
 
 **The traced step** is the real DPO step (`trace.py` with `copy_parts`, `step_options`, `with_pairs`): the copy built on
 the meta device and materialised as fake tensors like the model (registered with the tracker as parameters),
 `build_train_step(..., dpo, reference)`, batches with `pair_slot`, `pair_id` (and `ref_logps` for a
-precomputed reference); its peak measures the copy, the units it keeps gathered, the reference forward's
-transients and the preference loss's buffers. A copy costs the trace one more fake model build.
+precomputed reference); its peak measures the copy, the reference forward's transients and the preference
+loss's buffers. A copy costs the trace one more fake model build, frozen as the trainer builds it (no DDP
+wrapper: the traced DPO step runs under DDP and ZeRO-1 too).
 
 **FLOPs** (`reference_flops_per_token`): a live reference ("copy", "adapters off") runs a forward over every
 token of the step: the family's training FLOPs / 3 (2 N + the attention's forward share, 4 L h s: the 6 N
@@ -46,9 +51,13 @@ token, as torchtitan counts model FLOPs): the report gives the MFU without them 
 attention and memory-bound kernels (`compute_time.block_time`; LoRA's adapters off), the embedding lookup, the
 final norm, the output GEMM and its fp32 log-probs ((d + 12) V / tp bytes per token eager) -- its forward TP
 collectives (exposed, also under async TP), its expert all-to-alls (what the expert GEMMs of other chunks do
-not hide) and FSDP's all-gathers of the units it re-gathers (all but those it
-keeps, above), overlapped with its compute (exposed: the first, and what exceeds the compute). The frozen copy
-on a one-rank compute-copy layout (`PlanInputs.compute_copy`) has no compute copy of its own: it computes in
+not hide) and FSDP's all-gathers of the units it re-gathers, overlapped with its compute (exposed: the first,
+and what exceeds the compute): the copy, resharded after each scoring forward, every unit of it per micro-batch
+-- under pipeline parallelism, one scoring pass per step, the units FSDP keeps through the pass (all of them
+under "never") once per step (`ReferenceTime.step_gather_s`); the model's own forward (LoRA's adapters off, the
+precomputed pass), which nothing reshards, all but the units its training forward keeps gathered (`kept_units`,
+counted with the training step's gathers). The frozen copy on a one-rank compute-copy layout
+(`PlanInputs.compute_copy`) has no compute copy of its own: it computes in
 float32, and is timed at that rate (a note says so). Under context parallelism its forward key/value exchanges
 are added; under pipeline parallelism every stage's forward is on the critical path (the trainer runs them one
 after the other), with each stage boundary's send.
@@ -110,9 +119,11 @@ def notes(p: PlanInputs) -> list[str]:
     """What a plan with a live reference should say about it."""
     if p.dpo is None or not p.dpo.live:
         return []
-    out = [] if p.pp > 1 else [  # (pipelined: `whole_batch_rows`)
-        "DPO: the reference's no-grad forward keeps no activation for backward; its transient peak stays below the "
-        "trained forward's, so it adds no activation row"]
+    out = [] if p.pp > 1 else [  # (pipelined: `pass_rows`)
+        "DPO: the reference's no-grad forward keeps no activation for backward" + (
+            " and the copy's FSDP units go back to their shards after it" if p.dpo.reference == "copy" and p.fsdp_wraps
+            else "")
+        + "; its transient peak stays below the trained forward's, so it adds no row"]
     if p.dpo.reference == "copy" and p.compute_copy:
         out.append("DPO: the frozen copy has no compute copy of its own (one rank without FSDP): its forward runs "
                    "in float32, timed at that rate")
@@ -120,19 +131,7 @@ def notes(p: PlanInputs) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ memory
-def kept_units(p: PlanInputs, names: list[str]) -> list[int]:
-    """Indices of the units (`shapes.unit_shapes` order) that stay gathered after a no-grad forward: FSDP2's
-    units without reshard_after_forward (the last unit and the root under "default", all under "never")."""
-    if not p.fsdp_wraps or p.reshard == "always":
-        return []
-    if p.reshard == "never":
-        return list(range(len(names)))
-    tied = bool(names) and names[-1].startswith("root")
-    return list(range(len(names)))[-2 if tied else -1:]
-
-
-def copy_rows(p: PlanInputs, sharded: int, full_numel: int, units: list[tuple[str, list]]
-              ) -> tuple[list[tuple[str, float, str]], float]:
+def copy_rows(p: PlanInputs, sharded: int, full_numel: int) -> tuple[list[tuple[str, float, str]], float]:
     """((name, bytes, formula) rows every moment of the step holds, host bytes) of a frozen copy (module doc)."""
     if p.dpo is None or p.dpo.reference != "copy":
         return [], 0.0
@@ -140,43 +139,42 @@ def copy_rows(p: PlanInputs, sharded: int, full_numel: int, units: list[tuple[st
     rows = [("reference copy (DPO, offloaded to host)", 0.0, "CPU offload, as the parameters") if p.cpu_offload else
             ("reference copy (DPO: frozen fp32 weights)", weights, "4 B x params" + (" / N" if p.sharded else "")
              + ", as the parameters")]
-    kept = kept_units(p, [name for name, _ in units])
-    if kept:
-        size = sum(shapes.numel(units[i][1]) for i in kept)
-        what = "every unit" if len(kept) == len(units) else "last unit + root"
-        rows.append((f"reference copy: {what} left gathered by its no-grad forward", p.param_bytes * size,
-                     "d x unsharded unit params"))
     return rows, weights if p.cpu_offload else 0.0
 
 
-WHOLE_BATCH = "reference forward (whole local batch)"
+PASS = "reference scoring pass (one micro-batch at a time)"
 
 
-def whole_batch_rows(p: PlanInputs, has_last: bool) -> list[tuple[str, float, str]]:
-    """Under pipeline parallelism the trainer's live reference scores the step's whole local batch in one forward
-    through the stages (`PipelineRunner.forward`), before the schedule: the last stage holds its logits (d), their
-    float32 copy and log-softmax (4 + 4) for T = local batch x accumulation x seq_len / cp tokens at once."""
+def pass_rows(p: PlanInputs, has_last: bool) -> list[tuple[str, float, str]]:
+    """Under pipeline parallelism the trainer's live reference scores the step's local batch through the stages
+    (`PipelineRunner.forward`) before the schedule, one micro-batch at a time (`ReferenceModel.token_logps`): the
+    last stage holds one micro-batch's logits (d), their float32 copy and log-softmax (4 + 4) for its t tokens,
+    and the float32 per-token log-probs of the local batch, all it keeps (module doc)."""
     if p.dpo is None or not p.dpo.live or p.pp == 1 or not has_last:
         return []
-    t = p.local_batch_size * p.grad_accum_steps * p.seq_len / p.cp
+    t = p.microbatch_tokens
     per = p.param_bytes + 8 if p.param_bytes < 4 else 8
-    return [("reference logits over the whole local batch (DPO, pipeline)", per * p.model.vocab_size * t / p.tp,
-             f"{per} V T / tp, T the step's {t:,.0f} tokens on the rank")]
+    local = p.local_batch_size * p.grad_accum_steps * p.seq_len // p.cp
+    return [("reference logits of one micro-batch (DPO, pipeline)", per * p.model.vocab_size * t / p.tp,
+             f"{per} V t / tp, t the micro-batch's {t:,} tokens"),
+            ("reference per-token log-probs of the local batch (DPO, pipeline)", 4.0 * local,
+             f"4 B x local rows x seq_len{' / cp' if p.cp > 1 else ''} ({local:,} tokens)")]
 
 
 def raise_traced_peak(p: PlanInputs, rank) -> None:
-    """The traced pipeline step runs two micro-batches: where the whole-batch reference forward's analytic moment
-    (`whole_batch_rows`) exceeds the traced peak, it is the rank's peak, with a note."""
-    moment = rank.analytic.moments.get(WHOLE_BATCH)
+    """The traced pipeline step scores local rows // n_microbatches rows per reference forward (fewer than a
+    micro-batch when it runs fewer micro-batches than the job): where the scoring pass's analytic moment
+    (`pass_rows`) exceeds the traced peak, it is the rank's peak, with a note."""
+    moment = rank.analytic.moments.get(PASS)
     total = sum(r.bytes for r in moment) if moment else 0.0
     if rank.traced_peak is None or total <= rank.traced_peak:
         return
-    rank.traced_peak, rank.traced_phase = total, WHOLE_BATCH + " (analytic)"
+    rank.traced_peak, rank.traced_phase = total, PASS + " (analytic)"
     state = {k: v for k, v in rank.traced_breakdown.items() if k != "activations"}
     rank.traced_breakdown = {**state, "activations": total - sum(state.values())}
-    note = ("DPO under pipeline parallelism: the reference scores the step's whole local batch in one forward (the "
-            "trace runs two micro-batches); where that moment's analytic bytes exceed the traced peak they are the "
-            "rank's peak")
+    note = ("DPO under pipeline parallelism: the reference scores the local batch one micro-batch at a time before "
+            "the schedule (the trace's forwards may score fewer rows); where that moment's analytic bytes exceed the "
+            "traced peak they are the rank's peak")
     if note not in p.notes:
         p.notes.append(note)
 
@@ -203,10 +201,30 @@ class ReferenceTime:
     """Its exposed collectives by kind (tensor parallel, context parallel, expert all-to-all, the stage sends)."""
     gather_s: float
     """FSDP all-gathers the forward cannot hide behind its own compute."""
+    step_gather_s: float = 0.0
+    """Exposed all-gathers paid once per step, not per micro-batch: a pipelined copy's units that FSDP keeps
+    gathered through the step's scoring pass (its first forward gathers them; resharded after the pass)."""
 
     @property
     def seconds(self) -> float:
+        """One micro-batch's forward (without the once-per-step gathers)."""
         return self.compute_s + sum(self.comm_s.values()) + self.gather_s
+
+    def per_step(self, passes: int) -> float:
+        """`passes` micro-batches' forwards and the once-per-step gathers."""
+        return passes * self.seconds + self.step_gather_s
+
+
+def kept_units(p: PlanInputs, names: list[str]) -> list[int]:
+    """Indices of the units (`shapes.unit_shapes` order) that stay gathered after a no-grad forward until something
+    reshards them: FSDP2's units without reshard_after_forward (the last unit and the root under "default", all
+    under "never")."""
+    if not p.fsdp_wraps or p.reshard == "always":
+        return []
+    if p.reshard == "never":
+        return list(range(len(names)))
+    tied = bool(names) and names[-1].startswith("root")
+    return list(range(len(names)))[-2 if tied else -1:]
 
 
 def compute_dtype(p: PlanInputs) -> str:
@@ -244,9 +262,16 @@ def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> Re
     units = shapes.unit_shapes(a, [s for r in _stages(q) for s in r], tp, q.ep, q.lora)
     gathers = comm_time.data_parallel(q, dev, units).gathers
     kept = set(kept_units(q, [name for name, _ in units]))
-    again = [g for i, g in enumerate(gathers) if i not in kept]
-    gather_s = again[0] + max(0.0, sum(again[1:]) - compute) if again else 0.0
-    return ReferenceTime(compute, {k: v for k, v in comm.items() if v}, gather_s)
+    copy = q.dpo is not None and q.dpo.reference == "copy"  # resharded after each scoring pass (module doc)
+    again = [g for i, g in enumerate(gathers) if i not in kept or (copy and q.pp == 1)]
+    gather_s, first = _exposed(again, compute), _exposed(gathers, compute)
+    step_gather_s = first - gather_s if copy and q.pp > 1 else 0.0
+    return ReferenceTime(compute, {k: v for k, v in comm.items() if v}, gather_s, step_gather_s)
+
+
+def _exposed(gathers: list[float], compute: float) -> float:
+    """Seconds of `gathers` a forward of `compute` seconds does not hide: the first, and what exceeds it."""
+    return gathers[0] + max(0.0, sum(gathers[1:]) - compute) if gathers else 0.0
 
 
 def _stages(p: PlanInputs):

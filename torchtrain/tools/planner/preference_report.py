@@ -16,9 +16,9 @@ class PreferenceCost:
     loss_type: str
     reference: str
     reference_bytes_per_rank: float
-    """Device memory of the reference: its copy's weights + the units the copy keeps gathered (0 without a copy)."""
+    """Device memory the reference holds through the step: its copy's weights (0 without a copy; its units are
+    gathered only during its forward)."""
     reference_weights_bytes: float
-    reference_gathered_bytes: float
     reference_host_bytes: float
     """The copy's weights in host memory (CPU offload)."""
     reference_flops_per_token: float
@@ -38,8 +38,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> PreferenceCost | None:
         return None
     rank = max(ranks, key=lambda r: r.peak) if ranks else None
     rows = [r for r in rank.analytic.rows if r.name.startswith("reference copy")] if rank else []
-    weights = sum(r.bytes for r in rows if "gathered" not in r.name)
-    gathered = sum(r.bytes for r in rows if "gathered" in r.name)
+    weights = sum(r.bytes for r in rows)
     ref = step.reference_flops_per_token
     mfu = None if step.effective_mfu is None else step.effective_mfu * (1 - ref / step.flops_per_token)
     if rank is None or rank.trace is None:
@@ -50,7 +49,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> PreferenceCost | None:
         what = {"copy": "the copy built and run as the trainer does, its weights counted as parameters",
                 "adapters off": "the reference forward with the adapters off, the preference loss"}
         trace = f"the real DPO step on fake tensors ({what.get(p.dpo.reference, 'the preference loss')})"
-    cost = PreferenceCost(p.dpo.loss_type, p.dpo.reference, weights + gathered, weights, gathered,
+    cost = PreferenceCost(p.dpo.loss_type, p.dpo.reference, weights, weights,
                           rank.analytic.reference_host if rank else 0.0, ref, step.flops_per_token - ref,
                           step.reference_s, mfu, trace)
     if p.dpo.reference == "precomputed":
@@ -74,8 +73,7 @@ def describe(cost: PreferenceCost, unit: tuple[float, str]) -> list[str]:
     u, name = unit
     memory = f"{cost.reference_bytes_per_rank / u:,.2f} {name}"
     if cost.reference == "copy":
-        memory += (f" (frozen weights {cost.reference_weights_bytes / u:,.2f}, sharded as the parameters; units its "
-                   f"forward leaves gathered {cost.reference_gathered_bytes / u:,.2f})")
+        memory += " (its frozen fp32 weights, sharded as the parameters)"
     if cost.reference_host_bytes:
         memory += f"; {cost.reference_host_bytes / u:,.2f} {name} in host memory (offloaded with the parameters)"
     flops = "0 (no reference forward in the step)" if not cost.reference_flops_per_token else (

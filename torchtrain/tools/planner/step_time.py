@@ -38,7 +38,8 @@ replayed), and nothing calls back.
     tokens/s = global batch x seq_len / step;  MFU = tokens/s x model FLOPs/token / GPUs / bf16 peak
     (model FLOPs/token: the family's, + the vision encoder's images / seq_len, + a DPO reference's forward)
 7. **Preference optimisation** (`preference.py`): a live DPO reference runs one no-grad forward per micro-batch
-   before the trained one, its compute, TP collectives and exposed FSDP all-gathers on the critical path.
+   before the trained one, its compute, TP collectives and exposed FSDP all-gathers on the critical path (a
+   pipelined copy's kept units gathered once per step).
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
 with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
@@ -281,12 +282,13 @@ def estimate_step(p: PlanInputs, host: HostTime | None = None) -> StepTime:
     out.expert_all_to_all_hidden_s = mb.ep_hidden * passes
     if p.dpo is not None and p.dpo.live:  # one reference forward before every micro-batch's
         ref = preference.microbatch_time(p, dev, preference.compute_dtype(p))
-        out.reference_s = passes * ref.seconds
+        out.reference_s = ref.per_step(passes)
         out.compute_breakdown_s["reference forward (DPO)"] = passes * ref.compute_s
         out.compute_s += passes * ref.compute_s
-        for key, value in (*ref.comm_s.items(), ("reference all-gathers (DPO)", ref.gather_s)):
+        for key, value in (*((k, passes * v) for k, v in ref.comm_s.items()),
+                           ("reference all-gathers (DPO)", passes * ref.gather_s + ref.step_gather_s)):
             if value:
-                out.comm_s[key] = out.comm_s.get(key, 0.0) + passes * value
+                out.comm_s[key] = out.comm_s.get(key, 0.0) + value
         schedule += out.reference_s
     if p.pp > 1:
         out.comm_s["pipeline p2p"] = passes * prof.stages_per_rank * comm_time.pp_microbatch(p, dev)

@@ -180,7 +180,7 @@ def _trace(p: PlanInputs, cfg: JobConfig, pp_rank: int, stages: list[Stage], fak
         cuts = [part_cut(stage, p.args.n_layers) for stage in stages]
         parts = build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts, p.device_type)
         copy = preference.copy_parts(p, lambda: build_fake_parts(get_model_spec(p.model_name), p.args, layout, cuts,
-                                                                 p.device_type))  # [dpo]: a frozen reference copy
+                                                                 p.device_type, frozen=True))  # [dpo]: the frozen copy
         # Meta-device model, parallelised, then materialised as fake tensors: the trainer's own order,
         # and sharding meta tensors is cheap where chunking fake ones 1000s of ways is not.
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
