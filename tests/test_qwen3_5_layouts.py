@@ -7,7 +7,8 @@ at each document start, and every layout must agree on where).
   decay parameters); PP 2 (stages of two blocks: one all linear, one mixing both kinds); full activation
   checkpointing; CP 2 with the load-balanced split (four chunks of 16 tokens: every linear layer receives
   the recurrent state and the convolution context across three chunk boundaries, two of them between
-  ranks) and with the contiguous split; FSDP 2 x TP 2 x CP 2 on 8 ranks; and the FSDP run resumed from its
+  ranks) and with the contiguous split; TP 2 x CP 2 on 4 ranks, FSDP sharding over the two CP ranks (FSDP's
+  mesh is dp_shard x cp); and the FSDP run resumed from its
   step-3 checkpoint, bitwise;
 * MoE (four experts, a gated shared expert): EP 2, and EP 2 x TP 2.
 
@@ -36,7 +37,7 @@ DENSE = [*SHAPE, "--model.flavor", "debugmodel", "--model.hidden_dim", "128"]
 MOE = ("--model.flavor", "debugmodel_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
        "--model.moe_intermediate_size", "32")  # the MoE flavor: a variant of the dense job, in the same launches
 CP_CONTIGUOUS = f"2 {P}context_parallel_degree 2 {P}context_parallel_load_balancer none"
-FSDP_TP_CP = f"8 {P}tensor_parallel_degree 2 {P}context_parallel_degree 2"
+FSDP_TP_CP = f"4 {P}tensor_parallel_degree 2 {P}context_parallel_degree 2"  # FSDP shards over the CP ranks
 DENSE_LAYOUTS = ["tp2", "pp2_1f1b", "ac_full", "cp2", CP_CONTIGUOUS, FSDP_TP_CP]
 STEPS = 6
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]

@@ -32,7 +32,8 @@ from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.trainer.preference_loss import PreferenceLoss, token_logps
-from torchtrain.utils.logging import logger
+from torchtrain.utils.logging import is_log_rank, logger
+from torchtrain.utils.progress import Progress
 
 
 class ReferenceModel:
@@ -159,16 +160,18 @@ def precompute(step, reference: ReferenceModel, loss: PreferenceLoss, batches: l
     dims = step.layout.dims
     data_rank, data_degree = dims.dp_rank, dims.dp
     rounds = -(-len(batches) // data_degree)
-    for r in range(rounds):
-        i = r * data_degree + data_rank
-        batch = batches[min(i, len(batches) - 1)]
-        batch = {k: v.to(step.device) for k, v in step.shard(batch).items()}
-        sums = reference.fill(step, batch, loss)["ref_logps"]
-        if i >= len(batches):
-            continue
-        ids = batch["pair_id"]
-        keep = ids >= 0
-        table.table.index_put_((ids[keep],), sums[keep].to(table.table.dtype), accumulate=True)
+    with Progress("dpo reference", rounds, "batches", enabled=is_log_rank(), delay=10.0) as bar:
+        for r in range(rounds):
+            i = r * data_degree + data_rank
+            batch = batches[min(i, len(batches) - 1)]
+            batch = {k: v.to(step.device) for k, v in step.shard(batch).items()}
+            sums = reference.fill(step, batch, loss)["ref_logps"]
+            bar.update()
+            if i >= len(batches):
+                continue
+            ids = batch["pair_id"]
+            keep = ids >= 0
+            table.table.index_put_((ids[keep],), sums[keep].to(table.table.dtype), accumulate=True)
     all_reduce(table.table, dims.dp_mesh)
     all_reduce(table.table, dims.pp_mesh)  # (under PP the last stage's sums, on every rank: checkpoints save rank 0's)
     table.loaded = True
