@@ -25,9 +25,9 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
@@ -41,7 +41,7 @@ class ReferenceModel:
 
     def __init__(self, parts: list[nn.Module] | None):
         self.parts = parts
-        self._saved: FrozenWeights | None = None
+        self._saved = FrozenWeights(parts) if parts is not None else None
         for part in parts or []:
             part.requires_grad_(False)
             part.eval()
@@ -110,29 +110,18 @@ class ReferenceModel:
 
     def checkpoint_state(self) -> FrozenWeights | None:
         """What checkpoints keep of the copy (None for LoRA: the base weights are the model's own)."""
-        if self.parts is not None and self._saved is None:
-            self._saved = FrozenWeights(self.parts)
         return self._saved
 
 
-class FrozenWeights:
-    """The copy's weights as a checkpoint entry (the model's parameter names)."""
+class FrozenWeights(ModelState):
+    """The copy's weights as a checkpoint entry: the model's state dict (`ModelState`), remembering a load."""
 
     def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
+        super().__init__(parts)
         self.loaded = False
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        merged: dict[str, torch.Tensor] = {}
-        for part in self.parts:
-            merged.update(get_model_state_dict(part))
-        return merged
-
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        for part in self.parts:
-            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+        super().load_state_dict(state)
         self.loaded = True
 
 
