@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.tools.planner import offload, preference, preference_report, vision
+from torchtrain.tools.planner import grpo_report, offload, preference, preference_report, vision
 from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.tools.planner.host_time import HostTime, host_seconds
@@ -61,6 +61,8 @@ class Plan:
     """The step time without offload, for the slowdown (None without offload)."""
     preference: "preference_report.PreferenceCost | None" = None
     """A `[dpo]` job's reference: memory, FLOPs, time, the precomputed pass (`preference.py`)."""
+    grpo: "grpo_report.GrpoCost | None" = None
+    """A `[grpo]` job's iteration: sampling, the reference pass, the optimizer steps (`grpo.py`)."""
 
     @property
     def worst(self) -> RankPlan:
@@ -71,7 +73,8 @@ class Plan:
         usable = self.inputs.usable_bytes
         if usable is None or not self.ranks:
             return None
-        return self.worst.peak <= usable and (self.offload is None or self.offload.fits)
+        return self.worst.peak <= usable and (self.offload is None or self.offload.fits) and \
+            (self.grpo is None or self.grpo.sampling_fits is not False)
 
     @property
     def valid(self) -> bool:
@@ -182,6 +185,8 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
             rank.analytic = offload.adjust_memory(rank.analytic, p)
         plan.base_throughput, plan.throughput = step, offload.with_offload_time(step, plan.offload)
     plan.preference = preference_report.summarize(p, ranks, plan.throughput, job)
+    plan.grpo = grpo_report.summarize(p, ranks, plan.throughput, job)
+    plan.notes += grpo_report.notes(p)
     return plan
 
 

@@ -24,7 +24,7 @@ from torchtrain.config import ConfigError, JobConfig
 from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR
 from torchtrain.distributed.layout import Layout, resolve_batch, resolve_optimizer_impl, resolve_param_dtype
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.tools.planner import preference, vision
+from torchtrain.tools.planner import grpo, preference, vision
 from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES, PLANNER_KEYS, SCHEDULES, PlanInputs
 from torchtrain.tools.planner.validate import resolve
 
@@ -143,7 +143,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         float8_experts=float8_experts(job),
         checkpoint_interval=ckpt.interval if ckpt.enable else None,
         image_pixels=(job.images.min_pixels, job.images.max_pixels), dpo=preference.read(job, decided["lora"]),
-        job=job, layout=layout, problems=problems, **decided)
+        grpo=grpo.read(job, decided["lora"]), job=job, layout=layout, problems=problems, **decided)
     for knob in PLANNER_KEYS:
         if knob != "memory_gib" and flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])

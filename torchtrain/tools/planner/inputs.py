@@ -37,6 +37,7 @@ from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 
 if TYPE_CHECKING:
+    from torchtrain.tools.planner.grpo import Rollouts
     from torchtrain.tools.planner.preference import Preference
 
 
@@ -167,6 +168,8 @@ class PlanInputs:
     gradients and optimizer state (`shapes.adapter_units`)."""
     dpo: Preference | None = None
     """The job's preference loss and its reference (`preference.read`; None: next-token cross-entropy)."""
+    grpo: Rollouts | None = None
+    """The job's `[grpo]` iteration: its sampling and reference (`grpo.read`; None: not a GRPO job)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the neighbouring GEMMs
     (`parallelism.enable_async_tensor_parallel`)."""

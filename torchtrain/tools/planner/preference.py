@@ -115,6 +115,15 @@ def read(job, lora) -> Preference | None:
     return Preference(dpo.loss_type, "adapters off" if lora is not None else "copy")
 
 
+def live_kind(p: PlanInputs) -> str | None:
+    """The reference that runs forwards beside training: a `[dpo]` job's live one ("copy", "adapters off"), or a
+    `[grpo]` job's with beta > 0 (`grpo.py`: the same frozen copy or adapters off, scoring each iteration's rollouts);
+    None without one."""
+    if p.dpo is not None:
+        return p.dpo.reference if p.dpo.live else None
+    return p.grpo.reference if p.grpo is not None else None
+
+
 def notes(p: PlanInputs) -> list[str]:
     """What a plan with a live reference should say about it."""
     if p.dpo is None or not p.dpo.live:
@@ -133,11 +142,11 @@ def notes(p: PlanInputs) -> list[str]:
 # ------------------------------------------------------------------------------------------ memory
 def copy_rows(p: PlanInputs, sharded: int, full_numel: int) -> tuple[list[tuple[str, float, str]], float]:
     """((name, bytes, formula) rows every moment of the step holds, host bytes) of a frozen copy (module doc)."""
-    if p.dpo is None or p.dpo.reference != "copy":
+    if live_kind(p) != "copy":
         return [], 0.0
-    weights = 4.0 * (sharded if p.sharded else full_numel)
-    rows = [("reference copy (DPO, offloaded to host)", 0.0, "CPU offload, as the parameters") if p.cpu_offload else
-            ("reference copy (DPO: frozen fp32 weights)", weights, "4 B x params" + (" / N" if p.sharded else "")
+    weights, of = 4.0 * (sharded if p.sharded else full_numel), "DPO" if p.dpo is not None else "GRPO"
+    rows = [(f"reference copy ({of}, offloaded to host)", 0.0, "CPU offload, as the parameters") if p.cpu_offload else
+            (f"reference copy ({of}: frozen fp32 weights)", weights, "4 B x params" + (" / N" if p.sharded else "")
              + ", as the parameters")]
     return rows, weights if p.cpu_offload else 0.0
 
@@ -203,7 +212,8 @@ class ReferenceTime:
     """FSDP all-gathers the forward cannot hide behind its own compute."""
     step_gather_s: float = 0.0
     """Exposed all-gathers paid once per step, not per micro-batch: a pipelined copy's units that FSDP keeps
-    gathered through the step's scoring pass (its first forward gathers them; resharded after the pass)."""
+    gathered through the step's scoring pass (its first forward gathers them; resharded after the pass); for
+    GRPO, once per pass over the iteration's rollouts (`grpo.py`)."""
 
     @property
     def seconds(self) -> float:
@@ -229,7 +239,7 @@ def kept_units(p: PlanInputs, names: list[str]) -> list[int]:
 
 def compute_dtype(p: PlanInputs) -> str:
     """The dtype the live reference computes in (module doc: float32 for a copy beside a compute copy)."""
-    return "float32" if p.dpo is not None and p.dpo.reference == "copy" and p.compute_copy else p.param_dtype
+    return "float32" if live_kind(p) == "copy" and p.compute_copy else p.param_dtype
 
 
 def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> ReferenceTime:
@@ -262,10 +272,14 @@ def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> Re
     units = shapes.unit_shapes(a, [s for r in _stages(q) for s in r], tp, q.ep, q.lora)
     gathers = comm_time.data_parallel(q, dev, units).gathers
     kept = set(kept_units(q, [name for name, _ in units]))
-    copy = q.dpo is not None and q.dpo.reference == "copy"  # resharded after each scoring pass (module doc)
-    again = [g for i, g in enumerate(gathers) if i not in kept or (copy and q.pp == 1)]
+    copy = live_kind(q) == "copy"  # resharded after each scoring pass (module doc)
+    # DPO's copy, unpipelined, is resharded after every micro-batch's forward; a pipelined copy's pass and GRPO's
+    # pass over its rollouts (`ReferenceModel.token_logps`, after sampling resharded every unit) gather the kept
+    # units once per pass
+    each, once = copy and q.pp == 1 and q.grpo is None, (copy and q.pp > 1) or q.grpo is not None
+    again = [g for i, g in enumerate(gathers) if i not in kept or each]
     gather_s, first = _exposed(again, compute), _exposed(gathers, compute)
-    step_gather_s = first - gather_s if copy and q.pp > 1 else 0.0
+    step_gather_s = first - gather_s if once else 0.0
     return ReferenceTime(compute, {k: v for k, v in comm.items() if v}, gather_s, step_gather_s)
 
 
@@ -338,7 +352,7 @@ def one_off(p: PlanInputs, dev: GPUSpec | None, data: tuple[int, int] | None) ->
 # ------------------------------------------------------------------------------------------ the traced step
 def copy_parts(p: PlanInputs, build) -> list:
     """The frozen copy's parts for the traced step, built by `build()` as the model's; [] without a copy."""
-    return build() if p.dpo is not None and p.dpo.reference == "copy" else []
+    return build() if live_kind(p) == "copy" else []
 
 
 def step_options(cfg, p: PlanInputs, copy: list) -> dict[str, Any]:

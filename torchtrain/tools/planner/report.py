@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.tools.planner import interruptions, preference_report, vision
+from torchtrain.tools.planner import grpo_report, interruptions, preference_report, vision
 from torchtrain.tools.planner.core import Plan, RankPlan
 from torchtrain.tools.planner.pipeline import ENCODER
 
@@ -130,6 +130,8 @@ def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
     lines += ["", *_throughput_lines(plan)]
     if plan.preference is not None:
         lines += ["", *preference_report.describe(plan.preference, _unit(plan))]
+    if plan.grpo is not None:
+        lines += ["", *grpo_report.describe(plan.grpo, _unit(plan))]
     notes = plan.notes + worst.analytic.notes + (worst.trace.notes if worst.trace else [])
     if notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in dict.fromkeys(notes)]
@@ -164,6 +166,8 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
         lines.append(f"  {'device memory':<58} {'unknown':>9}  (give --memory-gib to check the fit)")
     else:
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
+        if plan.grpo is not None and plan.grpo.sampling_fits is False:
+            verdict += f" (GRPO sampling peak {_g(plan.grpo.sampling_peak_bytes, u)} {name})"
         lines.append(f"  {'usable device memory':<58} {_g(usable, u):>9}  {p.memory_gib:g} GiB - {p.headroom:.0%} "
                      f"headroom -> {verdict} (worst rank {_g(plan.worst.peak, u)} {name})")
     return lines
@@ -280,6 +284,7 @@ def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
                    "fits": plan.fits if ranks else None},
         "throughput": _clean(plan.throughput), "notes": plan.notes, "images": _images(p),
         "preference": _clean(plan.preference),
+        "grpo": _clean(plan.grpo),
         "offload": None if plan.offload is None else {
             **_clean(plan.offload), "host_per_node_bytes": plan.offload.host_per_node,
             "nvme_per_node_bytes": plan.offload.nvme_per_node, "fits_node": plan.offload.fits,

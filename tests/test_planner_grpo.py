@@ -1,0 +1,175 @@
+"""The planner on a GRPO job ([grpo], `tools/planner/grpo.py`), on the toy parity prompts (`tools/grpo_toy.py`)
+with the tiny Llama of train_configs/dpo_debug.toml ([dpo] off, `training.dataset = "prompts"`):
+
+* the iteration's rollouts: R = S x local batch x accumulation rows per rank, R / G prompts, R x L_c tokens per
+  rank and dp times that in all; the prefill length is the longest prompt as `read_prompts` renders it (or, without
+  the prompts, seq_len - L_c);
+* memory while sampling: the KV cache is n_layers x 2 x kv_heads / tp x head_dim x (L_p + L_c) x R x d, the
+  unsharded weights are d x the model's parameters (halved by TP), the sampling peak is flagged against the budget;
+* FLOPs: prefill and decode from the family's own count, as the closed form of Llama's (6 N + 12 L h s) / 3;
+* time: decode steps as memory-bandwidth-bound (weights + KV cache read once per step), the iteration is
+  generation + reference + S mu steps;
+* beta = 0 has no reference term; beta > 0 adds the frozen copy (its weights as the parameters, in the trace too)
+  and one forward over the rollouts per iteration;
+* the command line's --json has the section (None without [grpo]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from torchtrain.components.hardware import KNOWN_GPUS
+from torchtrain.tools.planner import analytic, grpo
+from torchtrain.tools.planner.core import load_job, make_plan
+from torchtrain.tools.planner.from_job import inputs_from_config
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "dpo_debug.toml")
+GRPO = ["--dpo.enable", "false", "--training.dataset", "prompts", "--grpo.enable", "true"]
+SHAPE = ["--training.local_batch_size", "4", "--grpo.num_generations", "4", "--grpo.steps_per_generation", "3",
+         "--grpo.num_iterations", "2", "--grpo.max_completion_length", "16"]
+COPY_ROW = "reference copy (GRPO: frozen fp32 weights)"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    from torchtrain.tools.grpo_toy import write
+
+    root = str(tmp_path_factory.mktemp("grpo"))
+    paths = write(root, prompts=60, seed=0)
+    return ["--model.hf_assets_path", os.path.join(root, "tokenizer"), "--training.dataset_path", paths["prompts"]]
+
+
+def _plan(data: list[str], world: int, extra: list[str] = (), gpu: str | None = None, trace: bool = False, **flags):
+    job = load_job(["--job.config_file", CONFIG, *GRPO, *data, *SHAPE, *extra])
+    p = inputs_from_config(job.cfg, job.args, world, "cuda" if gpu else "cpu", KNOWN_GPUS[gpu] if gpu else None, flags)
+    return job, p, make_plan(job, p, trace=trace)
+
+
+def _longest(job) -> int:
+    from torchtrain.data.prompts import read_prompts
+
+    prompts, _ = read_prompts(job.cfg.training.dataset_path, job.tokenizer, 160, 16, False)
+    return max(len(q.ids) for q in prompts)
+
+
+# ------------------------------------------------------------------------------ rollouts
+def test_rollouts_and_tokens_per_iteration(data):
+    job, p, plan = _plan(data, 2, ["--training.global_batch_size", "16"])
+    assert (p.dp, p.grad_accum_steps, p.grpo.steps) == (2, 2, 6)
+    c = plan.grpo
+    rows = 3 * 4 * 2  # S x local batch x accumulation
+    assert (c.rows_per_rank, c.prompts_per_rank, c.optimizer_steps) == (rows, rows // 4, 6)
+    assert c.tokens_per_iteration_per_rank == rows * 16 and c.tokens_per_iteration == 2 * rows * 16
+    lp = _longest(job)
+    assert c.prompt_tokens == lp and "the longest of the 60 prompts" in c.prompt_source
+    # without a tokenizer the prefill is the longest prompt the trainer accepts
+    job.tokenizer = object()
+    assert grpo.prompt_tokens(p, job)[:2] == (160 - 16, None)
+
+
+# ------------------------------------------------------------------------------ memory
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_cache_and_unsharded_weights(data, tp):
+    job, p, plan = _plan(data, 2, ["--model.n_kv_heads", "2", "--training.mixed_precision_param", "bfloat16"],
+                         tp=tp)
+    a, c, lp = p.args, plan.grpo, _longest(job)
+    assert (p.tp, p.param_bytes, a.n_layers, a.n_kv_heads, a.head_dim) == (tp, 2, 2, 2, 16)
+    rows = 3 * 4 * p.grad_accum_steps
+    assert c.kv_cache and c.kv_cache_bytes == 2 * 2 * (2 // tp) * 16 * (lp + 16) * rows * 2
+    rows_by_name = {r["name"]: r["bytes"] for r in c.sampling_rows}
+    if tp == 1:  # the whole model on every rank while it samples: its parameter bytes in the compute dtype
+        assert c.weights_bytes == 2 * p.model.num_params
+    else:  # TP-local: the matrices halved, the norms whole
+        norms = (2 * a.n_layers + 1) * a.dim
+        assert c.weights_bytes == 2 * ((p.model.num_params - norms) / 2 + norms)
+    assert rows_by_name["unsharded weights (compute dtype)"] == c.weights_bytes
+    assert rows_by_name["KV cache"] == c.kv_cache_bytes
+    # beside the state that outlives the step, the prefill's logits (whole vocabulary gathered under TP)
+    state = {r.name: r.bytes for r in analytic.estimate_memory(p).rows}
+    assert rows_by_name["parameters (fp32 master)"] == state["parameters (fp32 master)"]
+    if c.sampling_phase == "prefill":
+        assert rows_by_name["prefill logits (every prompt slot)"] == 2 * rows * lp * a.vocab_size * (1 + (tp > 1) / tp)
+    assert c.sampling_peak_bytes == sum(r["bytes"] for r in c.sampling_rows)
+
+
+def test_a_sampling_peak_over_the_budget_is_flagged(data):
+    big = ["--grpo.steps_per_generation", "64", "--grpo.max_completion_length", "100"]
+    _, p, plan = _plan(data, 1, big, memory_gib=0.04)  # ~37 MiB usable: the training step fits, sampling does not
+    c = plan.grpo
+    assert plan.worst.peak < p.usable_bytes < c.sampling_peak_bytes
+    assert c.sampling_fits is False and plan.fits is False
+    from torchtrain.tools.planner.report import format_plan
+
+    assert "GRPO sampling peak" in format_plan(plan) and "DOES NOT FIT the usable memory" in format_plan(plan)
+    assert _plan(data, 1, big, memory_gib=1)[2].grpo.sampling_fits is True
+
+
+# ------------------------------------------------------------------------------ FLOPs and time
+def test_generation_flops_are_the_family_count(data):
+    job, p, plan = _plan(data, 2)
+    a, c, lp, lc = p.args, plan.grpo, _longest(job), 16
+    rows = 2 * 3 * 4 * p.grad_accum_steps  # all ranks
+    six_n, attn = a.flops_per_token(0), 12 * a.n_layers * a.n_heads * a.head_dim  # flops(s) = 6 N + attn s
+    assert a.flops_per_token(100) == six_n + 100 * attn
+    assert c.prefill_flops == rows * lp * (six_n + attn * lp) / 3
+    contexts = (lc - 1) * lp + lc * (lc - 1) // 2  # sum of L_p + j over the decode steps j = 1 .. L_c - 1
+    assert math.isclose(c.decode_flops, rows * ((lc - 1) * six_n + attn * contexts) / 3, rel_tol=1e-12)
+    assert c.generation_flops_per_gpu == (c.prefill_flops + c.decode_flops) / 2
+
+
+def test_decode_is_memory_bound_and_the_iteration_adds_up(data):
+    job, p, plan = _plan(data, 1, [], gpu="h100")
+    c, dev, lp = plan.grpo, KNOWN_GPUS["h100"], _longest(job)
+    rows, slot = 3 * 4, 512  # 2 layers x 2 x 4 kv heads x 16 x 2 B
+    hbm = dev.hbm_tbps * 1e12 * dev.memory_efficiency
+    reads = sum(c.weights_bytes + slot * rows * (lp + j) for j in range(1, 16))
+    assert math.isclose(c.decode_memory_bound_s, reads / hbm, rel_tol=1e-12)
+    assert c.decode_s == c.decode_memory_bound_s + c.decode_comm_s and c.decode_comm_s == 0  # one rank
+    assert c.generation_s == c.prefill_s + c.decode_s > 0
+    assert c.steps_s == 6 * plan.throughput.step_s and c.step_s == plan.throughput.step_s
+    assert math.isclose(c.iteration_s, c.generation_s + c.steps_s) and c.reference_s is None
+    assert math.isclose(sum(c.shares.values()), 1.0) and c.shares["reference"] == 0
+    assert math.isclose(c.per_step_s, c.iteration_s / 6)
+
+
+# ------------------------------------------------------------------------------ the reference
+def test_beta_zero_has_no_reference_and_beta_adds_the_copy(data):
+    job, p, plan = _plan(data, 1, [], gpu="h100", trace=True)
+    c = plan.grpo
+    assert (p.grpo.reference, c.reference, c.reference_forwards, c.reference_flops) == (None, "none", 0, 0.0)
+    assert c.reference_bytes_per_rank == 0 and COPY_ROW not in {r.name for r in plan.ranks[0].analytic.rows}
+    assert plan.throughput.reference_flops_per_token == 0  # no per-step reference (it runs once per iteration)
+
+    job, q, ref = _plan(data, 1, ["--grpo.beta", "0.1"], gpu="h100", trace=True)
+    r = ref.grpo
+    rows = {x.name: x.bytes for x in ref.ranks[0].analytic.rows}
+    assert q.grpo.reference == "copy" and rows[COPY_ROW] == rows["parameters (fp32 master)"] == r.reference_bytes_per_rank
+    assert r.reference_forwards == 3 * 4 // 4  # R / local batch
+    assert r.reference_flops == 3 * 4 * 160 * q.args.flops_per_token(160) / 3
+    assert r.reference_s > 0 and math.isclose(r.iteration_s, r.generation_s + r.reference_s + r.steps_s)
+    # the traced step holds the frozen copy's weights beside the model's (counted as parameters)
+    mine, theirs = ref.ranks[0].trace.backward_breakdown, plan.ranks[0].trace.backward_breakdown
+    assert mine["params"] > theirs["params"] and ref.ranks[0].traced_peak > plan.ranks[0].traced_peak
+
+
+# ------------------------------------------------------------------------------ the command line
+def test_cli_json_has_the_grpo_section(data, capsys):
+    from torchtrain.plan import main
+
+    args = ["--config", CONFIG, "--world-size", "1", "--gpu", "h100", "--no-trace", *GRPO, *data, *SHAPE]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    g = out["grpo"]
+    assert out["inputs"]["grpo"]["num_generations"] == g["num_generations"] == 4
+    assert g["tokens_per_iteration"] == 12 * 16 and g["reference"] == "none" and g["sampling_fits"] is True
+    assert g["iteration_s"] > 0 and {"generation", "reference", "optimizer steps"} == set(g["shares"])
+    assert main(args) == 0
+    assert "GRPO: 4 completions per prompt" in capsys.readouterr().out
+    plain = ["--config", CONFIG, "--world-size", "1", "--gpu", "cpu", "--memory-gib", "16", "--no-trace",
+             "--dpo.enable", "false", "--training.dataset", "synthetic", "--json"]
+    assert main(plain) == 0
+    assert json.loads(capsys.readouterr().out)["grpo"] is None

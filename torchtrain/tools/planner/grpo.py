@@ -1,0 +1,291 @@
+"""GRPO (`[grpo]`) in a plan: what one iteration costs on each data-parallel rank (`trainer/rollout.py`).
+
+Notation: G = grpo.num_generations, S = steps_per_generation, mu = num_iterations, L_c = max_completion_length,
+b = local_batch_size x gradient accumulation (rows of one optimizer step per rank), R = S b the rollout rows a
+rank samples per iteration (R / G prompts), dp the data-parallel ranks (the ranks of a TP group sample the same
+rows), L_p the longest prompt in tokens (read from the job's prompt file when its tokenizer is at hand, with
+`data/prompts.py::read_prompts`; else seq_len - L_c, the longest the trainer accepts), d the compute dtype's
+bytes, V the vocabulary, tp the tensor-parallel degree, F(c) = the family's training FLOPs per token at
+sequence length c / 3 (`ModelContract.flops`: 2 N + the attention's forward share, 4 L h c for Llama).
+
+**An iteration** = sampling + (beta > 0) one reference pass over the rollouts + S mu optimizer steps.
+
+**Sampling** (`components/rollout/sampling.py`): one prefill forward over the R left-padded prompts (L_p slots
+each), then L_c - 1 forwards of one new token per row with the key/value cache (`models/common/kv_cache.py`). The
+loop stops early only when every row of every rank has stopped, so L_c is the bound, counted in full:
+
+    tokens generated    R L_c per rank, dp R L_c in all
+    prefill FLOPs       R L_p F(L_p) per rank (the family's count: each query against every key, as training)
+    decode FLOPs        R sum_{j=1}^{L_c-1} F(L_p + j): the new token's matmuls, and its attention over the
+                        L_p + j cached keys and values (exactly the 4 L h c term of F at c = L_p + j)
+
+A model without a cache (`has_cache` false: latent or linear attention, a transformers model) re-runs its whole
+context every step: step j costs R (L_p + j) F(L_p + j) and holds no cache. Per GPU: the rank's FLOPs / tp.
+
+**Memory** during sampling, on every rank (`distributed/sampling.py`: FSDP units gathered at the first forward
+and kept so until sampling ends), beside the state that outlives the step (fp32 parameters, optimizer state, a
+reference copy: the analytic rows):
+
+    unsharded weights   d x the rank's parameters before FSDP sharding (TP- and EP-local); none extra when the
+                        float32 parameters themselves compute (no FSDP, float32)
+    KV cache            sum over layers of (d_qk + d_v) kv_heads / tp x (L_p + L_c) x R x d  (allocated whole)
+    prefill             the logits of every prompt slot, d R L_p V / tp (+ d R L_p V gathered whole under TP,
+                        `full_logits`), the float32 cache mask 4 R L_p^2, one block's transient (at most A R L_p,
+                        A the bytes a block stores for backward per token, `activations.py`)
+    each decode step    the last position's logits d R V / tp (+ d R V under TP) and the mask 4 R (L_p + L_c)
+    sampler             ~32 B x R V: float32 logits, scaled, tempered copy, softmax; the float64 cumulative
+                        sum and the int64 index sum of the inverse-transform draw
+
+The sampling peak is the larger of the prefill and the decode moment; it is flagged where it exceeds the usable
+device memory.
+
+**Time** on the planned GPU: the prefill is one forward over R L_p tokens as the planner times the reference's
+(`preference.microbatch_time`: GEMMs, attention, memory-bound kernels, the head, TP collectives; LoRA's adapter
+GEMMs left out, negligible) plus the FSDP all-gather of every unit once (exposed beyond its compute). Decode is assumed **memory-bandwidth-bound**: step j
+reads the whole unsharded weights W and the KV cache filled so far once,
+
+    t_j = max((W + kv R (L_p + j)) / (HBM x memory_efficiency), R F(L_p + j) / tp / (peak x matmul_efficiency))
+
+(the FLOP term takes over only for very many rows; without an HBM figure it is the FLOP term alone), plus the
+step's forward collectives over R tokens (TP, expert all-to-alls), nothing hiding them. Host dispatch of the
+eager decode steps is not counted (small models are launch-bound there).
+
+**Reference** (beta > 0; `trainer/reference.py::token_logps`): once per iteration, R / local_batch_size
+forwards of local_batch_size rows of seq_len, each timed as a DPO reference's (`preference.microbatch_time`, the
+copy's FSDP units re-gathered per forward but the kept ones once per pass), R dp seq_len F(seq_len) FLOPs
+(`preference.forward_flops_per_token`). Its copy's weights are in every moment of the step (`preference.copy_rows`).
+
+**Optimizer steps**: S mu steps, each the planner's traced step (`step_time.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchtrain.tools.planner import activations, compute_time, preference, shapes
+from torchtrain.tools.planner.inputs import PlanInputs
+
+if TYPE_CHECKING:
+    from torchtrain.components.hardware import GPUSpec
+
+SAMPLER_BYTES = 32
+"""Bytes per row and vocabulary entry the sampler's float32 / float64 / int64 buffers hold at once (module doc)."""
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """A `[grpo]` job's iteration as the planner reads it (`read`)."""
+
+    num_generations: int
+    steps_per_generation: int
+    num_iterations: int
+    max_completion_length: int
+    beta: float
+    reference: str | None
+    """"copy", "adapters off" (LoRA) or None (beta = 0: no reference)."""
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per iteration, S mu."""
+        return self.steps_per_generation * self.num_iterations
+
+
+def read(job, lora) -> Rollouts | None:
+    """The `[grpo]` of `job` with the Layout's `lora` (None: no LoRA); None when GRPO is off."""
+    g = job.grpo
+    if not g.enable:
+        return None
+    ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
+    return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref)
+
+
+# ------------------------------------------------------------------------------------------ the prompts
+@functools.lru_cache(maxsize=8)
+def _read(path: str, tokenizer: Any, seq_len: int, budget: int, skip: bool) -> tuple[int, int] | str:
+    """(prompts, longest prompt in tokens) of the prompt file, or why it could not be read."""
+    from torchtrain.data.prompts import PromptFormatError, read_prompts
+
+    try:
+        prompts, _ = read_prompts(path, tokenizer, seq_len, budget, skip)
+    except (PromptFormatError, OSError, ValueError, AttributeError, TypeError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return len(prompts), max(len(q.ids) for q in prompts)
+
+
+def prompt_tokens(p: PlanInputs, job) -> tuple[int, int | None, str]:
+    """(L_p, prompts read or None, where L_p comes from) for the job (`job`: core.Job, its tokenizer)."""
+    tr, g = job.cfg.training, job.cfg.grpo
+    bound, why = max(1, p.seq_len - g.max_completion_length), "seq_len - max_completion_length (the longest accepted)"
+    if not tr.dataset_path or not hasattr(job.tokenizer, "eos_id"):
+        return bound, None, f"{why}: no {'tokenizer' if tr.dataset_path else 'prompt file'} at hand"
+    got = _read(tr.dataset_path, job.tokenizer, p.seq_len, g.max_completion_length, g.skip_long_prompts)
+    if isinstance(got, str):
+        return bound, None, f"{why}: prompts not read ({got})"
+    return got[1], got[0], f"the longest of the {got[0]:,} prompts of {tr.dataset_path}"
+
+
+# ------------------------------------------------------------------------------------------ the model
+def rows_per_rank(p: PlanInputs) -> int:
+    """R = S x local_batch_size x gradient accumulation."""
+    return p.grpo.steps_per_generation * p.local_batch_size * p.grad_accum_steps
+
+
+def cached(p: PlanInputs) -> bool:
+    """Whether the model samples with a key/value cache (its forward takes `cache`, as the trainer checks)."""
+    from torchtrain.components.rollout.sampling import has_cache
+    from torchtrain.models.registry import get_model_spec
+
+    try:
+        return has_cache(get_model_spec(p.model_name).model_cls)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def forward_flops(p: PlanInputs, context: int) -> float:
+    """F(c): forward FLOPs of one token attending to `context` keys (the family's training count / 3)."""
+    return p.model.flops(context) / 3
+
+
+def unsharded_numel(p: PlanInputs) -> int:
+    """The rank's parameters before FSDP sharding (TP- and EP-local, LoRA adapters included)."""
+    from torchtrain.tools.planner.pipeline import pipeline_of
+
+    units = shapes.unit_shapes(p.model, pipeline_of(p).stages[0], p.tp, p.ep, p.lora)
+    return shapes.numel([s for _, sh in units for s in sh])
+
+
+def kv_bytes_per_slot(p: PlanInputs) -> float:
+    """KV cache bytes of one row and one slot, all layers: sum of (d_qk + d_v) kv_heads / tp x d."""
+    a = p.model
+    per = sum((att.qk_head_dim + att.v_head_dim) * att.kv_heads for att in map(a.layer_attention, range(a.n_layers)))
+    return per * p.param_bytes / p.tp
+
+
+@dataclass
+class Generation:
+    """One iteration's sampling on one rank (module doc); FLOPs are global (all ranks)."""
+
+    rows: int
+    prompts: int
+    prompt_tokens: int
+    cached: bool
+    tokens_per_rank: int
+    tokens: int
+    prefill_flops: float
+    decode_flops: float
+    weights_bytes: float
+    """d x the rank's unsharded parameters (the whole model on every rank under FSDP)."""
+    weights_extra: bool
+    """Whether those weights are a copy beside the parameters (False: the float32 parameters compute)."""
+    kv_cache_bytes: float
+    prefill_rows: list[tuple[str, float, str]]
+    decode_rows: list[tuple[str, float, str]]
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    decode_memory_s: float | None = None
+    """Of decode_s: the memory-bandwidth terms (weights + KV reads) where they bind."""
+    decode_comm_s: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.prefill_s is None or self.decode_s is None else self.prefill_s + self.decode_s
+
+
+def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generation:
+    """The sampling of one iteration of `p` with prompts of `prompt_len` tokens (module doc)."""
+    g, a, d, tp = p.grpo, p.model, p.param_bytes, p.tp
+    rows, lc, lp = rows_per_rank(p), g.max_completion_length, prompt_len
+    kv = cached(p)
+    rows_all = rows * p.dp
+    if kv:
+        per_row_decode = sum(forward_flops(p, lp + j) for j in range(1, lc))
+    else:
+        per_row_decode = sum((lp + j) * forward_flops(p, lp + j) for j in range(1, lc))
+    numel = unsharded_numel(p)
+    weights = float(d * numel)
+    extra = p.fsdp_wraps or p.compute_copy or d < 4
+    slot = kv_bytes_per_slot(p) if kv else 0.0
+    cache = slot * (lp + lc) * rows
+    gathered = 1 + (1 / tp if tp > 1 else 0)  # the sharded logits, and under TP their whole-vocabulary gather
+    block = activations.act_per_token_per_block(a, d, tp, p.ep, fused_norm=p.gpu is not None and p.gpu.fused_rms_norm)
+    base = [("unsharded weights (compute dtype)" if extra else
+             "weights (the float32 parameters themselves)", weights if extra else 0.0,
+             f"{d} B x {numel:,} params before FSDP sharding" + (" / tp" if tp > 1 else ""))]
+    if kv:
+        base.append(("KV cache", cache, f"{slot:,.0f} B x (L_p {lp} + L_c {lc}) x R {rows}"))
+    sampler = ("sampler buffers (one step)", float(SAMPLER_BYTES * rows * a.vocab_size), f"~{SAMPLER_BYTES} B x R V")
+    ctx = lp if kv else lp + lc  # an uncached model's last step runs over the whole context
+    prefill = base + [
+        ("prefill logits (every prompt slot)", d * rows * lp * a.vocab_size * gathered,
+         f"{d} B x R L_p V" + (" (1/tp + 1 gathered)" if tp > 1 else "")),
+        ("prefill block transient (at most)", block * rows * lp, "A x R L_p"), sampler]
+    if kv:
+        prefill.insert(-2, ("prefill attention mask (float32)", 4.0 * rows * lp * lp, "4 B x R L_p^2"))
+    decode = base + [
+        ("last-position logits" if kv else "logits (every slot of the context)",
+         d * rows * a.vocab_size * gathered * (1 if kv else ctx),
+         f"{d} B x R V" + (" (1/tp + 1 gathered)" if tp > 1 else "") + ("" if kv else " (L_p + L_c)"))]
+    if kv:  # the cache's float32 mask over every slot (an uncached forward's mask is the causal kernel's own)
+        decode.append(("attention mask (float32)", 4.0 * rows * (lp + lc), "4 B x R (L_p + L_c)"))
+    else:
+        decode.append(("block transient (whole context, at most)", block * rows * ctx, "A x R (L_p + L_c)"))
+    decode.append(sampler)
+    out = Generation(rows, rows // g.num_generations, lp, kv, rows * lc, rows_all * lc,
+                     rows_all * lp * forward_flops(p, lp), rows_all * per_row_decode, weights, extra, cache,
+                     prefill, decode)
+    if dev is not None:
+        _time(p, dev, out, slot)
+    return out
+
+
+def _time(p: PlanInputs, dev: GPUSpec, out: Generation, slot: float) -> None:
+    """The generation's seconds on `dev` (module doc); left None without a FLOP rate for the compute dtype."""
+    peak = dev.matmul_tflops(p.param_dtype)
+    if not peak:
+        return
+    rate = peak * 1e12 * dev.matmul_efficiency
+    lp, lc, rows = out.prompt_tokens, p.grpo.max_completion_length, out.rows
+    batch = {"local_batch_size": rows, "global_batch_size": rows * p.dp}
+    prefill = preference.microbatch_time(p.replace(seq_len=lp, **batch), dev)
+    out.prefill_s = prefill.seconds + prefill.step_gather_s
+    step = p.replace(seq_len=1 if out.cached else lp + lc // 2, **batch)
+    out.decode_comm_s = (lc - 1) * sum(preference.microbatch_time(step, dev).comm_s.values())
+    compute = memory = 0.0
+    for j in range(1, lc):
+        c = lp + j
+        flops = rows * forward_flops(p, c) * (1 if out.cached else c) / p.tp
+        nbytes = out.weights_bytes + slot * rows * c
+        mem_s = compute_time.memory_seconds(dev, nbytes)
+        if mem_s >= flops / rate:
+            memory += mem_s
+        else:
+            compute += flops / rate
+    out.decode_memory_s = memory
+    out.decode_s = memory + compute + out.decode_comm_s
+
+
+# ------------------------------------------------------------------------------------------ the reference
+@dataclass
+class ReferencePass:
+    """The reference's pass over one iteration's rollouts (beta > 0)."""
+
+    forwards: int
+    """Per rank: R / local_batch_size forwards of local_batch_size rows."""
+    flops: float
+    """All ranks: R dp seq_len F(seq_len)."""
+    seconds: float | None
+
+
+def reference_pass(p: PlanInputs, dev: GPUSpec | None) -> ReferencePass | None:
+    """None without a reference (beta = 0)."""
+    if p.grpo is None or p.grpo.reference is None:
+        return None
+    rows = rows_per_rank(p)
+    n = -(-rows // p.local_batch_size)
+    flops = rows * p.dp * p.seq_len * preference.forward_flops_per_token(p)
+    seconds = None
+    if dev is not None and dev.matmul_tflops(preference.compute_dtype(p)):
+        seconds = preference.microbatch_time(p, dev, preference.compute_dtype(p)).per_step(n)
+    return ReferencePass(n, flops, seconds)

@@ -1,0 +1,165 @@
+"""A `[grpo]` plan's GRPO section: what one iteration costs, gathered from the plan (`grpo.py` has the model),
+for the table (`describe`) and `--json` (`GrpoCost`).
+
+    iteration = generation + reference pass (beta > 0) + S mu x the step time
+    per-step equivalent = iteration / (S mu)
+    MFU over the iteration = (generation + reference + S mu x step FLOPs) / (iteration x world x peak)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtrain.tools.planner import grpo
+from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.tools.planner.preference_report import _seconds, _si
+
+STATE = ("parameters", "optimizer state", "reference copy")
+"""The analytic rows that outlive the step, hence sit beside the sampling (`analytic.py`)."""
+
+
+@dataclass
+class GrpoCost:
+    """The `[grpo]` lines of a plan (`summarize`): per rank unless said global; bytes of the worst rank."""
+
+    num_generations: int
+    steps_per_generation: int
+    num_iterations: int
+    max_completion_length: int
+    beta: float
+    reference: str
+    """"copy", "adapters off" or "none" (beta = 0)."""
+    rows_per_rank: int
+    prompts_per_rank: int
+    prompt_tokens: int
+    """L_p, the prefill's length: the longest prompt."""
+    prompt_source: str
+    kv_cache: bool
+    tokens_per_iteration: int
+    """Completion tokens sampled per iteration, all ranks (each row to max_completion_length: an upper bound)."""
+    tokens_per_iteration_per_rank: int
+    prefill_flops: float
+    decode_flops: float
+    """Global FLOPs of the prefill and of the decode steps (`grpo.py`)."""
+    generation_flops_per_gpu: float
+    weights_bytes: float
+    """d x the rank's unsharded parameters: the whole model on every rank while it samples."""
+    kv_cache_bytes: float
+    sampling_peak_bytes: float
+    sampling_phase: str
+    sampling_rows: list[dict] = field(default_factory=list)
+    sampling_fits: bool | None = None
+    """Whether the sampling peak fits the usable device memory (None: memory unknown)."""
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    decode_memory_bound_s: float | None = None
+    decode_comm_s: float | None = None
+    generation_s: float | None = None
+    reference_bytes_per_rank: float = 0.0
+    reference_forwards: int = 0
+    reference_flops: float = 0.0
+    reference_s: float | None = None
+    optimizer_steps: int = 1
+    step_s: float | None = None
+    steps_s: float | None = None
+    iteration_s: float | None = None
+    shares: dict[str, float] = field(default_factory=dict)
+    """Share of the iteration's time: generation, reference, optimizer steps."""
+    per_step_s: float | None = None
+    iteration_flops: float = 0.0
+    iteration_mfu: float | None = None
+    train_s: float | None = None
+    """The token budget's steps at the per-step equivalent (the step-time table's time to train has no sampling)."""
+
+
+def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
+    """The GRPO section of a plan: `ranks` its RankPlans, `step` its StepTime, `job` its core.Job."""
+    if p.grpo is None:
+        return None
+    g = p.grpo
+    lp, _, source = grpo.prompt_tokens(p, job)
+    gen = grpo.generation(p, p.gpu, lp)
+    rank = max(ranks, key=lambda r: r.peak) if ranks else None
+    moment = rank.analytic.moments.get("optimizer step", []) if rank else []
+    state = [(r.name, r.bytes, r.formula) for r in moment if r.name.startswith(STATE)]
+    prefill, decode = state + gen.prefill_rows, state + gen.decode_rows
+    phase, rows = max((("prefill", prefill), ("decode", decode)), key=lambda x: sum(r[1] for r in x[1]))
+    peak = sum(r[1] for r in rows)
+    usable = p.usable_bytes
+    ref = grpo.reference_pass(p, p.gpu)
+    cost = GrpoCost(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta,
+                    g.reference or "none", gen.rows, gen.prompts, lp, source, gen.cached, gen.tokens,
+                    gen.tokens_per_rank, gen.prefill_flops, gen.decode_flops,
+                    (gen.prefill_flops + gen.decode_flops) / p.world_size, gen.weights_bytes, gen.kv_cache_bytes, peak,
+                    phase, [{"name": n, "bytes": b, "formula": f} for n, b, f in rows],
+                    None if usable is None else peak <= usable, gen.prefill_s, gen.decode_s, gen.decode_memory_s,
+                    gen.decode_comm_s, gen.seconds, optimizer_steps=g.steps, step_s=step.step_s)
+    cost.reference_bytes_per_rank = sum(r[1] for r in state if r[0].startswith("reference copy"))
+    if ref is not None:
+        cost.reference_forwards, cost.reference_flops, cost.reference_s = ref.forwards, ref.flops, ref.seconds
+    step_flops = step.tokens_per_step * step.flops_per_token
+    cost.iteration_flops = gen.prefill_flops + gen.decode_flops + cost.reference_flops + g.steps * step_flops
+    if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None):
+        cost.steps_s = g.steps * step.step_s
+        parts = {"generation": gen.seconds, "reference": ref.seconds if ref is not None else 0.0,
+                 "optimizer steps": cost.steps_s}
+        cost.iteration_s = sum(parts.values())
+        cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
+        cost.per_step_s = cost.iteration_s / g.steps
+        if step.peak_tflops:
+            cost.iteration_mfu = cost.iteration_flops / (cost.iteration_s * p.world_size * step.peak_tflops * 1e12)
+        cost.train_s = step.steps * cost.per_step_s if step.steps else None
+    return cost
+
+
+def notes(p: PlanInputs) -> list[str]:
+    """What a GRPO plan should say about its step figures."""
+    if p.grpo is None:
+        return []
+    return ["GRPO: the step table is one optimizer step; the traced step runs the job's cross-entropy loss in place of "
+            "the policy loss (both hold the logits and a float32 log-softmax over the vocabulary); sampling and the "
+            "reference pass are in the GRPO section, per iteration"]
+
+
+def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
+    """The report's "GRPO" section."""
+    u, name = unit
+    b = lambda x: f"{x / u:,.2f} {name}"  # noqa: E731
+    s = lambda x: "n/a" if x is None else _seconds(x)  # noqa: E731
+    ref = {"copy": "a frozen copy of the initial weights", "adapters off": "the model with its LoRA adapters off",
+           "none": "none (beta = 0)"}[cost.reference]
+    fit = {None: "", True: " (fits the usable memory)", False: " -> DOES NOT FIT the usable memory"}[cost.sampling_fits]
+    rows = [("iteration", f"{cost.optimizer_steps} optimizer steps ({cost.steps_per_generation} per generation x "
+             f"{cost.num_iterations} passes) on the rollouts of one sampling"),
+            ("rollouts per rank", f"{cost.prompts_per_rank:,} prompts x {cost.num_generations} = {cost.rows_per_rank:,} "
+             f"completions, up to {cost.max_completion_length:,} tokens each"),
+            ("prefill length", f"{cost.prompt_tokens:,} tokens ({cost.prompt_source})"),
+            ("tokens generated per iteration", f"{cost.tokens_per_iteration:,} ({cost.tokens_per_iteration_per_rank:,} "
+             "per rank; each completion to max_completion_length, an upper bound)"),
+            ("generation FLOPs", f"prefill {_si(cost.prefill_flops, 'FLOP')} + decode {_si(cost.decode_flops, 'FLOP')} "
+             f"({_si(cost.generation_flops_per_gpu, 'FLOP')} per GPU; " + (
+                 "a new token's attention over its c cached keys counted as the family's F(c))" if cost.kv_cache else
+                 "no KV cache: every step re-runs the whole context)")),
+            (f"sampling peak memory ({cost.sampling_phase})", b(cost.sampling_peak_bytes) + fit)]
+    rows += [(f"  {r['name']}", f"{b(r['bytes'])}  {r['formula']}") for r in cost.sampling_rows]
+    if cost.generation_s is not None:
+        rows.append(("generation time", f"{s(cost.generation_s)}: prefill {s(cost.prefill_s)}, decode "
+                     f"{s(cost.decode_s)} (memory-bandwidth-bound steps {s(cost.decode_memory_bound_s)}: each reads the "
+                     f"unsharded weights and the KV cache once; collectives {s(cost.decode_comm_s)})"))
+    rows.append(("reference (KL penalty)", ref))
+    if cost.reference != "none":
+        rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "
+                     f"{_si(cost.reference_flops, 'FLOP')}, {s(cost.reference_s)}; its weights "
+                     f"{b(cost.reference_bytes_per_rank)} per rank in every moment"))
+    rows.append(("optimizer steps per iteration", f"{cost.optimizer_steps} x {s(cost.step_s)} = {s(cost.steps_s)}"))
+    if cost.iteration_s is not None:
+        share = ", ".join(f"{k} {v:.1%}" for k, v in cost.shares.items() if v or k != "reference")
+        rows += [("iteration time", f"{s(cost.iteration_s)} ({share})"),
+                 ("per-step equivalent", f"{s(cost.per_step_s)} (iteration / {cost.optimizer_steps} steps)")]
+        if cost.iteration_mfu is not None:
+            rows.append(("MFU over the iteration", f"{cost.iteration_mfu:.1%} (generation, reference and steps' FLOPs)"))
+        if cost.train_s is not None:
+            rows.append(("time to train with sampling", f"{s(cost.train_s)} (the budget's steps x the per-step "
+                         "equivalent)"))
+    return [f"GRPO: {cost.num_generations} completions per prompt, beta {cost.beta:g}"] + \
+        [f"  {k:<46} {v}" for k, v in rows]
