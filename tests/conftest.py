@@ -221,19 +221,19 @@ class ParitySuite:
         assert run.returncode == 0, run.log[-3000:]
         return run
 
-    def check_resumes_bitwise(self, spec: str, step: int, extra=(), rtol: float = 1e-4) -> None:
+    def check_resumes_bitwise(self, spec: str, step: int, extra=(), rtol: float = 1e-4, atol: float = 0.0) -> None:
         """`spec` (with `extra`, which must save a checkpoint at `step`) matches the baseline, and a rerun from its
         step-`step` checkpoint continues to the last step with bitwise-equal losses."""
-        first, = self.check([spec], rtol=rtol, extra=extra)
+        first, = self.check([spec], rtol=rtol, extra=extra, atol=atol)
         resumed = self.resume(spec, step, extra)
         ref = {r["step"]: r["loss"] for r in first.records}
         got = {r["step"]: r["loss"] for r in resumed.records}
         assert "resumed from" in resumed.log
         assert sorted(got) == list(range(step + 1, self.steps + 1)) and all(got[s] == ref[s] for s in got), (ref, got)
 
-    def check(self, layouts: list[str], rtol: float = 1e-4, extra=()):
-        """Run each layout (unless it ran up front), print the per-step table, assert every layout matches;
-        return the runs."""
+    def check(self, layouts: list[str], rtol: float = 1e-4, extra=(), atol: float = 0.0):
+        """Run each layout (unless it ran up front), print the per-step table, assert every layout matches (within
+        `rtol` relative or `atol` absolute: `parity.compare`); return the runs."""
         from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
 
         runs = [self.results.get((s, tuple(extra))) or
@@ -241,7 +241,7 @@ class ParitySuite:
                 for s in layouts]
         baseline = self.results.get(("single", tuple(extra)), self.baseline)  # a variant's own, when it ran one
         assert baseline.returncode == 0, baseline.log[-3000:]
-        comps = [compare(baseline, r, self.steps, rtol) for r in runs]
+        comps = [compare(baseline, r, self.steps, rtol, atol) for r in runs]
         table = format_table(baseline, comps, rtol)
         print(table)
         assert all(c.ok for c in comps), table

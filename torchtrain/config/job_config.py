@@ -15,6 +15,7 @@ from torchtrain.config.dpo import Dpo, check_dpo
 from torchtrain.config.evaluation import Eval
 from torchtrain.config.fault import Fault, check_fault
 from torchtrain.config.fields import ConfigError
+from torchtrain.config.grpo import Grpo, check_grpo
 from torchtrain.config.images import Images
 from torchtrain.config.job import Debug, Job, Metrics, Model
 from torchtrain.config.lora import Lora
@@ -41,6 +42,7 @@ class JobConfig:
     quantize: Quantize = field(default_factory=Quantize)
     lora: Lora = field(default_factory=Lora)
     dpo: Dpo = field(default_factory=Dpo)
+    grpo: Grpo = field(default_factory=Grpo)
     offload: Offload = field(default_factory=Offload)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
@@ -68,6 +70,7 @@ class JobConfig:
         check_operations(self)  # [profiling] [validation] [guard] against the other sections
         check_fault(self)  # [fault] and its debug injections
         check_dpo(self)  # [dpo] and the data and layouts it needs
+        check_grpo(self)  # [grpo] likewise
         if self.lora.enable and self.checkpoint.last_save_in_hf:
             raise ConfigError("[checkpoint.last_save_in_hf] would export the frozen base weights without the LoRA "
                               "adapters: export with python -m torchtrain.tools.lora_export (merged or as a PEFT "

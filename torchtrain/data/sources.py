@@ -40,6 +40,7 @@ FILES = "files"
 CHAT = "chat"  # conversations, tokenized and packed at start (data/chat.py), never prepared into the cache
 IMAGE_TEXT = "image_text"  # image-text pairs in tar shards, indexed and packed at start (data/image_text.py)
 PREFERENCE = "preference"  # chosen / rejected answer pairs for [dpo], packed at start (data/preference.py)
+PROMPTS = "prompts"  # prompts with reference answers for [grpo], sampled by the model (data/prompts.py)
 
 
 class DocumentSource(Protocol):
@@ -122,7 +123,7 @@ def register_dataset(name: str, factory: SourceFactory) -> None:
 
 
 def dataset_names() -> list[str]:
-    return [TOKENS, CHAT, IMAGE_TEXT, PREFERENCE, *_DATASETS]
+    return [TOKENS, CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS, *_DATASETS]
 
 
 def check_dataset_name(name: str, key: str = "training.dataset") -> None:
@@ -134,7 +135,7 @@ def check_dataset_name(name: str, key: str = "training.dataset") -> None:
 def build_source(name: str, path: str | None, split: str = "train", seed: int = 0, text_field: str = "text",
                  key: str = "training.dataset") -> DocumentSource:
     check_dataset_name(name, key)
-    if name in (TOKENS, CHAT, IMAGE_TEXT, PREFERENCE):
+    if name in (TOKENS, CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS):
         raise ValueError(f"the {name} dataset is not built from documents")
     return _DATASETS[name](path, split, seed, text_field)
 

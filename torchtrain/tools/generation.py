@@ -25,37 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtrain.components.rollout.sampling import Sampling, sample_next
 from torchtrain.config import ConfigError
 
 JOB_CONFIG = "job_config.toml"
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.8
-    """0 = greedy (argmax)."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0 = all)."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches p (1 = all)."""
-
-
-def sample_next(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `logits` (batch, vocab): greedy at temperature 0, else sampled from the
-    temperature-scaled distribution restricted by top-k, then top-p."""
-    if s.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / s.temperature
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if s.top_p < 1.0:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs >= s.top_p  # the mass before a token already reaches p
-        logits = torch.full_like(logits, -float("inf")).scatter(-1, order, ordered.masked_fill(outside, -float("inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()

@@ -182,7 +182,9 @@ def _failure_excerpt(log: str, limit: int = 4000) -> str:
     return (head + "\n...\n" if head else "") + log[-limit // 2:]
 
 
-def compare(baseline: RunResult, candidate: RunResult, steps: int, rtol: float) -> Comparison:
+def compare(baseline: RunResult, candidate: RunResult, steps: int, rtol: float, atol: float = 0.0) -> Comparison:
+    """Per step, the loss and grad norm of `candidate` against `baseline`: within `rtol` relative, or `atol`
+    absolute (for a loss that is a mean of centred values, ~0 by construction: GRPO's on-policy steps)."""
     name = candidate.layout.name
     for run in (baseline, candidate):
         if run.returncode != 0 or len(run.records) < steps:
@@ -190,9 +192,13 @@ def compare(baseline: RunResult, candidate: RunResult, steps: int, rtol: float) 
                               f"{run.layout.name} failed (exit {run.returncode}, {len(run.records)}/{steps} "
                               f"steps):\n{_failure_excerpt(run.log)}")
     rows = []
+
+    def diff(a: float, b: float) -> float:  # 0 where within atol
+        return 0.0 if abs(a - b) <= atol else rel_diff(a, b)
+
     for b, c in zip(baseline.records[:steps], candidate.records[:steps]):
-        rows.append((c["step"], c["loss"], rel_diff(b["loss"], c["loss"]), c["grad_norm"],
-                     rel_diff(b["grad_norm"], c["grad_norm"])))
+        rows.append((c["step"], c["loss"], diff(b["loss"], c["loss"]), c["grad_norm"],
+                     diff(b["grad_norm"], c["grad_norm"])))
     max_loss = max(r[2] for r in rows)
     max_grad = max(r[4] for r in rows)
     return Comparison(name, rows, max_loss, max_grad, max_loss <= rtol and max_grad <= rtol)

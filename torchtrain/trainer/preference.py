@@ -17,8 +17,7 @@ import torch
 
 from torchtrain.config.dpo import Dpo
 from torchtrain.distributed.layout import Layout
-from torchtrain.distributed.parallelize import build_model_parts
-from torchtrain.trainer.reference import ReferenceModel, ReferenceTable, precompute
+from torchtrain.trainer.reference import ReferenceModel, ReferenceTable, live_reference, precompute, start_reference
 from torchtrain.utils.logging import logger
 
 
@@ -36,13 +35,8 @@ class PreferenceRun:
         if dpo.reference == "precomputed":
             self.table = ReferenceTable(dataset.num_pairs, device)
             logger.info("dpo: %s loss, reference log-probs precomputed once (the initial weights)", dpo.loss_type)
-        elif layout.lora is not None:
-            self.live = ReferenceModel(None)
-            logger.info("dpo: %s loss, reference = the base model (LoRA adapters off; no copy: 0 MiB)", dpo.loss_type)
         else:
-            self.live = ReferenceModel(build_model_parts(spec, args, layout, device, seed, frozen=True))
-            logger.info("dpo: %s loss, reference = a frozen copy of the initial weights, sharded like the model "
-                        "(%.2f MiB of weights on this rank)", dpo.loss_type, self.live.local_bytes() / 2**20)
+            self.live = live_reference(spec, args, layout, device, seed, f"dpo: {dpo.loss_type} loss")
 
     def checkpoint_state(self) -> Any:
         """The checkpoint entry `reference` (None: nothing to keep)."""
@@ -55,17 +49,14 @@ class PreferenceRun:
         the model's weights now, or the table is computed from them -- the initial weights at step 0 (a
         checkpoint of another job, resumed at step N without a reference, makes its step-N weights the
         reference: logged). The dataset then carries the table."""
-        saved = self.checkpoint_state()
-        if saved is None or saved.loaded:  # nothing to set up, or resumed with it
-            if self.table is not None:
-                self.dataset.set_reference(self.table.table.cpu())
-            return
-        if step_number > 0:
-            logger.info("dpo: the checkpoint of step %d holds no reference: its weights become the reference",
-                        step_number)
         if self.live is not None:
-            self.live.copy_from(step.model_parts)
-        if self.table is not None:
+            start_reference(self.live, step_number, step.model_parts, "dpo")
+        if self.table is None:
+            return
+        if not self.table.loaded:
+            if step_number > 0:
+                logger.info("dpo: the checkpoint of step %d holds no reference: its weights become the reference",
+                            step_number)
             batches = list(self.dataset.reference_rows(rows_per_batch))
-            precompute(step, ReferenceModel(None), step.preference, batches, self.table)
-            self.dataset.set_reference(self.table.table.cpu())
+            precompute(step, ReferenceModel(None), step.sequence_loss, batches, self.table)
+        self.dataset.set_reference(self.table.table.cpu())

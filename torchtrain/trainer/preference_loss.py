@@ -43,6 +43,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from torchtrain.config.dpo import Dpo
+from torchtrain.trainer.sequence_loss import KeptStats
 from torchtrain.utils.token_loss import IGNORE_INDEX, local_value
 
 STATS = ("pairs", "correct", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected")
@@ -72,10 +73,14 @@ def pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["pair_id"] >= 0).sum()
 
 
-class PreferenceLoss:
+class PreferenceLoss(KeptStats):
     """loss(logits, batch) = sum over the batch's pairs of loss_k, times `scale` (module docstring); the
     trainer sets `scale` every step. Keeps the step's summed statistics (detached) until `pop_stats`.
     `cp_group`: the context-parallel group, whose ranks each hold a part of every answer (module docstring)."""
+
+    STATS = STATS
+    units = "pairs"
+    """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global number of pairs."""
 
     def __init__(self, dpo: Dpo, cp_group=None):
         self.loss_type, self.beta, self.eps, self.gamma = dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma
@@ -83,7 +88,12 @@ class PreferenceLoss:
         self.cp_group = cp_group
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.scale: torch.Tensor | float = 1.0
-        self._stats: list[torch.Tensor] = []
+        super().__init__()
+
+    @staticmethod
+    def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The pairs a (micro-)batch holds."""
+        return pair_count(batch)
 
     def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed log-probs, token counts) of every answer of the batch, (rows, slots, 2); under context parallelism
@@ -161,13 +171,6 @@ class PreferenceLoss:
     def reference_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's summed log-probs of every answer, (rows, slots, 2) float64, from its logits."""
         return self.sums(logits, batch)[0].double()
-
-    def pop_stats(self, device: torch.device, last: int | None = None) -> torch.Tensor:
-        """The summed statistics (`STATS`) since the last call: of the `last` calls only when given."""
-        stats, self._stats = self._stats, []
-        if last is not None:
-            stats = stats[len(stats) - last:] if last else []
-        return torch.stack(stats).sum(0) if stats else torch.zeros(len(STATS), device=device)
 
     @staticmethod
     def record(stats: torch.Tensor) -> dict[str, float]:

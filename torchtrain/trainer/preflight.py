@@ -25,7 +25,7 @@ from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
 from torchtrain.data.images import ImageSpec
-from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, check_dataset_name
+from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.distributed.lora import check_stages_have_adapters, lora_targets
@@ -102,7 +102,12 @@ def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
     prepared folder of the job (training and validation) by its manifest and file sizes, the mixture,
     and the inputs of a `files` dataset. They do not depend on the world size."""
     t = cfg.training
-    check_sources(t.dataset, t.dataset_path, t.datasets, t.dataset_text_field, t.seq_len, tokenizer)
+    if t.dataset == PROMPTS:  # prompts for [grpo]: read, rendered, lengths checked, reward functions tried once
+        from torchtrain.trainer.grpo import load_prompts
+
+        load_prompts(cfg, tokenizer)
+    else:
+        check_sources(t.dataset, t.dataset_path, t.datasets, t.dataset_text_field, t.seq_len, tokenizer)
     check_validation_data(cfg.validation, t, tokenizer)
 
 

@@ -1,4 +1,5 @@
-"""The reference of a preference loss (`[dpo]`): the model's initial weights, scoring every pair's answers.
+"""The reference of a preference loss (`[dpo]`): the model's initial weights, scoring every pair's answers (and of
+GRPO's KL penalty, `[grpo]` beta > 0, scoring each iteration's rollouts: trainer/rollout.py).
 
 Three ways, one meaning (the summed log-probs of each answer under the weights the run started from):
 
@@ -76,16 +77,19 @@ class ReferenceModel:
                 torch.zeros(*batch["pair_id"].shape, 2, dtype=torch.float64, device=step.device)
             return {**batch, "ref_logps": sums}
 
-    def token_logps(self, step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor | None:
+    def token_logps(self, step, batch: dict[str, torch.Tensor], rows: int,
+                    temperature: float = 1.0) -> torch.Tensor | None:
         """The reference's per-token log-probs of the labels, (rows, seq), scored `rows` rows at a time (a pipeline
-        micro-batch: the logits of one at a time live at once); under PP on the last stage only."""
+        micro-batch: the logits of one at a time live at once), with the logits divided by `temperature` (GRPO's
+        sampling temperature); under PP on the last stage only."""
         chunks = []
         with self._scoring(step):
             for start in range(0, batch["input_ids"].shape[0], rows):
                 part = {k: v[start:start + rows] for k, v in batch.items()}
                 logits = self._logits(step, part)
                 if logits is not None:
-                    chunks.append(token_logps(logits, part["labels"]))
+                    chunks.append(token_logps(logits if temperature == 1 else logits.float() / temperature,
+                                              part["labels"]))
                 del logits
         return torch.cat(chunks) if chunks else None
 
@@ -111,6 +115,33 @@ class ReferenceModel:
     def checkpoint_state(self) -> FrozenWeights | None:
         """What checkpoints keep of the copy (None for LoRA: the base weights are the model's own)."""
         return self._saved
+
+
+def live_reference(spec, args, layout, device: torch.device, seed: int, what: str) -> ReferenceModel:
+    """The reference of `what` (for the log) that runs beside training: the model itself with its adapters off
+    under LoRA, else a frozen copy built with the same layout (its weights taken at `start_reference`)."""
+    from torchtrain.distributed.parallelize import build_model_parts
+
+    if layout.lora is not None:
+        logger.info("%s: reference = the base model (LoRA adapters off; no copy: 0 MiB)", what)
+        return ReferenceModel(None)
+    reference = ReferenceModel(build_model_parts(spec, args, layout, device, seed, frozen=True))
+    logger.info("%s: reference = a frozen copy of the initial weights, sharded like the model (%.2f MiB of weights "
+                "on this rank)", what, reference.local_bytes() / 2**20)
+    return reference
+
+
+def start_reference(reference: ReferenceModel, step_number: int, model_parts: list[nn.Module], what: str) -> None:
+    """After the checkpoint load: a copy resumed from the checkpoint keeps its weights; otherwise it takes the model's
+    now -- the initial weights at step 0 (a checkpoint of another job, resumed at step N without a reference, makes
+    its step-N weights the reference: logged)."""
+    saved = reference.checkpoint_state()
+    if saved is None or saved.loaded:
+        return
+    if step_number > 0:
+        logger.info("%s: the checkpoint of step %d holds no reference: its weights become the reference", what,
+                    step_number)
+    reference.copy_from(model_parts)
 
 
 class FrozenWeights(ModelState):

@@ -34,7 +34,9 @@ scale, and its global expert loads are reduced (and its routing bias updated) af
 the same scale and are summed for logging (`trainer/extra_losses.py`).
 With `[dpo]` the loss is a preference loss over the step's chosen / rejected pairs instead, a mean over the
 global number of pairs in the same way (`trainer/preference_loss.py`); a live reference scores each micro-batch
-first (`trainer/reference.py`).
+first (`trainer/reference.py`). With `[grpo]` it is the clipped policy-gradient objective on the step's sampled
+completions, a mean over their global token count N as above (`trainer/policy_loss.py`). Both are a
+`SequenceLoss` (`trainer/sequence_loss.py`): a loss that reads the whole batch, not just the labels.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.precision import LossScaler
-from torchtrain.trainer.preference_loss import PreferenceLoss, pair_count
 from torchtrain.trainer.reference import ReferenceModel
+from torchtrain.trainer.sequence_loss import SequenceLoss
 from torchtrain.utils.batch_keys import concat_batches
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 
@@ -122,8 +124,11 @@ class StepResult:
     """Turns `moe` into named metrics (`MoEBalancer.record`)."""
     extra_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
     """Turns `extra_losses` into named metrics (`ExtraLosses.record`)."""
-    preference: torch.Tensor | None = None
-    """A preference loss's summed statistics over all ranks (`preference_loss.STATS`)."""
+    sequence_stats: torch.Tensor | None = None
+    """A sequence loss's summed statistics over all ranks (DPO's `preference_loss.STATS`, GRPO's
+    `policy_loss.STATS`)."""
+    sequence_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
+    """Turns `sequence_stats` into named metrics (the loss's `record`)."""
 
     def metrics(self) -> dict[str, float]:
         """The step's own metrics for the log: loss, grad_norm, lr, then the MoE metrics, z_loss and
@@ -135,8 +140,8 @@ class StepResult:
             out["z_loss"] = self.z_loss.item()
         if self.extra_losses is not None and self.extra_record is not None:
             out.update(self.extra_record(self.extra_losses))
-        if self.preference is not None:
-            out.update(PreferenceLoss.record(self.preference))
+        if self.sequence_stats is not None and self.sequence_record is not None:
+            out.update(self.sequence_record(self.sequence_stats))
         return out
 
 
@@ -152,15 +157,16 @@ class TrainStep:
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
                  moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None,
                  extra_losses: ExtraLosses | None = None, pipeline: PipelineFactory | None = None,
-                 preference: PreferenceLoss | None = None, reference: ReferenceModel | None = None):
+                 sequence_loss: SequenceLoss | None = None, reference: ReferenceModel | None = None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.extra_losses = extra_losses
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
-        # [dpo]: a preference loss over pairs instead of the token mean, and its reference (trainer/reference.py)
-        self.preference, self.reference = preference, reference
+        # [dpo] / [grpo]: a loss that reads the whole batch (pairs, or per-token advantages) instead of the token
+        # mean of cross-entropy, and DPO's live reference (trainer/reference.py)
+        self.sequence_loss, self.reference = sequence_loss, reference
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.fsdp, device=device)
         self.compute_copy = None
         if layout.compute_copy:
@@ -168,7 +174,7 @@ class TrainStep:
                                             keep_grads=layout.grads_in_compute_dtype)
             if layout.compiled_optimizer_step:  # the optimizer's step writes the copy: kept between steps
                 optimizers.write_copies(self.compute_copy.by_master())
-        pipeline_loss = self.loss_fn if preference is None else preference.from_target  # (one tensor target)
+        pipeline_loss = self.loss_fn if sequence_loss is None else sequence_loss.from_target  # (one tensor target)
         self.pipeline = (pipeline or PipelineRunner)(layout, model_parts, device, pipeline_loss) \
             if layout.pipeline else None
         self.tied = None  # modules several pipeline stages hold (distributed/tied_stages.py)
@@ -188,8 +194,8 @@ class TrainStep:
         context parallelism its chunks of every sequence (and their `seq_index`)."""
         if self.batch_inputs is not None:
             batch = self.batch_inputs(batch)
-        if self.pipeline is not None and self.preference is not None and "ref_logps" in batch:  # before CP cuts rows
-            batch = {**batch, "ref_tokens": PreferenceLoss.first_token_shares(batch)}
+        if self.pipeline is not None and self.sequence_loss is not None and "ref_logps" in batch:  # before CP cuts rows
+            batch = {**batch, "ref_tokens": self.sequence_loss.first_token_shares(batch)}
         dims = self.layout.dims
         return shard_batch(batch, dims.cp, dims.cp_rank, self.layout.cp_balanced) if dims.cp_enabled else batch
 
@@ -237,10 +243,10 @@ class TrainStep:
                 return local_value(loss)
 
             target = merged["labels"]
-            if self.preference is not None:  # labels, pair slots and the reference's per-token shares in one tensor
+            if self.sequence_loss is not None:  # (DPO: labels, pair slots and the reference's shares in one tensor)
                 rows = max(1, merged["input_ids"].shape[0] // self.layout.pipeline.n_microbatches)  # one micro-batch
                 live = self.reference.token_logps(self, merged, rows) if self.reference is not None else None
-                target = PreferenceLoss.pipeline_target(merged, live)
+                target = self.sequence_loss.pipeline_target(merged, live)
             with self.context():
                 return accumulated + self.pipeline.step(merged["input_ids"], target, value, self.model_kwargs(merged))
         model = self.model_parts[0]
@@ -249,11 +255,11 @@ class TrainStep:
                 if len(batches) > 1:
                     set_gradient_sync(self.model_parts, i == len(batches) - 1)
                 if self.reference is not None:
-                    batch = self.reference.fill(self, batch, self.preference)
+                    batch = self.reference.fill(self, batch, self.sequence_loss)
                 with self.context():
                     logits = model(batch["input_ids"], **self.model_kwargs(batch))  # (`__call__` moved them)
-                    loss = self.loss_fn(logits, batch["labels"]) if self.preference is None else \
-                        self.preference(logits, batch)
+                    loss = self.loss_fn(logits, batch["labels"]) if self.sequence_loss is None else \
+                        self.sequence_loss(logits, batch)
                     del logits
                     self.scaler.scale(loss).backward()
                 accumulated += local_value(loss.detach()).float()
@@ -274,10 +280,10 @@ class TrainStep:
         degree = dims.loss_degree
         if self.replicas is not None:
             global_tokens, degree = self.replicas.sum_(global_tokens), degree * self.replicas.live
-        loss_fn = self.loss_fn if self.preference is None else self.preference
+        loss_fn = self.loss_fn if self.sequence_loss is None else self.sequence_loss
         units = global_tokens  # what the step's loss is a mean over: tokens, or a preference loss's pairs
-        if self.preference is not None:
-            units = all_reduce(sum(pair_count(b) for b in batches), dims.loss_mesh)
+        if self.sequence_loss is not None and self.sequence_loss.units != "tokens":
+            units = all_reduce(sum(self.sequence_loss.count(b) for b in batches), dims.loss_mesh)
             if self.replicas is not None:
                 units = self.replicas.sum_(units)
         loss_fn.scale = degree / units.double()
@@ -306,12 +312,12 @@ class TrainStep:
             z = self.loss_fn.pop_z(self.device, self._pipeline_losses if self.pipeline is not None else None)
             accumulated = torch.stack([accumulated - z, z])
         global_loss = all_reduce(accumulated / degree, dims.loss_mesh)
-        preference = None
-        if self.preference is not None:  # (under PP the last stage's, summed to every stage as the loss is)
-            preference = all_reduce(self.preference.pop_stats(
+        sequence_stats = None
+        if self.sequence_loss is not None:  # (under PP the last stage's, summed to every stage as the loss is)
+            sequence_stats = all_reduce(self.sequence_loss.pop_stats(
                 self.device, self._pipeline_losses if self.pipeline is not None else None), dims.loss_mesh)
             if dims.pp_enabled:
-                preference = all_reduce(preference, dims.pp_mesh)
+                sequence_stats = all_reduce(sequence_stats, dims.pp_mesh)
         if dims.pp_enabled:  # only last-stage ranks hold a loss; the sum reaches every stage
             global_loss = all_reduce(global_loss, dims.pp_mesh)
         if self.replicas is not None:
@@ -339,4 +345,5 @@ class TrainStep:
         hooks.phase(None)
         return StepResult(global_loss, grad_norm, lr, global_tokens, stepped, verdict, z_loss, moe_stats, extra,
                           self.moe.record if self.moe is not None else None,
-                          self.extra_losses.record if self.extra_losses is not None else None, preference)
+                          self.extra_losses.record if self.extra_losses is not None else None, sequence_stats,
+                          self.sequence_loss.record if self.sequence_loss is not None else None)

@@ -30,8 +30,9 @@ from torch import nn
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType, attention_inputs
 from torchtrain.models.common.decoder import decoder_init_spec
+from torchtrain.models.common.kv_cache import KVCache
 from torchtrain.models.common.layers import RMSNorm, concat_linear, local_tensor
-from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table
+from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table, rotations
 
 
 class GQAttention(nn.Module):
@@ -111,6 +112,9 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
+        cache = ctx.extra.get("kv_cache")
+        if cache is not None:  # incremental decoding: this layer's earlier keys and values, and the new ones
+            k, v = cache.extend(self, k, v)
         out = self.core(q, k, v, ctx, window=self.window, sinks=self.sinks() if self.sinks is not None else None)
         out = out.transpose(1, 2)
         if gate is not None:
@@ -197,13 +201,26 @@ class Decoder(nn.Module, abc.ABC):
         return self.output(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                seq_index: torch.Tensor | None = None) -> torch.Tensor:
-        rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions, seq_index,
-                                     self.windows)
+                seq_index: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:  # incremental decoding (`kv_cache.py`): the new slots' positions and masks
+            rope, ctx = self.cached_inputs(tokens.shape[1], cache)
+        else:
+            rope, ctx = attention_inputs(self, self.args.attention_mask, self.rope_cache, tokens, positions,
+                                         seq_index, self.windows)
         h = self.run_blocks(self.embed(tokens), rope, ctx)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.norm is None:
             return h  # a pipeline stage that ends before the head passes hidden states on
         return self.head(self.norm(h))
+
+    def cached_inputs(self, n: int, cache: KVCache) -> tuple[torch.Tensor, AttentionContext]:
+        """(RoPE pairs, attention context) of `n` new slots after the cache's: each row's own positions, and the
+        cache's masks (one per sliding window) in place of causal ones."""
+        ctx = AttentionContext(mask=cache.mask(n), extra={"kv_cache": cache})
+        ctx.windowed = {window: cache.mask(n, window) for window in self.windows}
+        positions = cache.positions(n).clamp(max=self.rope_cache.shape[0] - 1)  # (scratch slots past the table)
+        return rotations(self.rope_cache[positions], n), ctx
 
     # ----------------------------------------------------------------------- init
     def init_spec(self, fqn: str) -> InitSpec:

@@ -1,0 +1,281 @@
+"""GRPO ([grpo]): the sampler, the objective's formula, the learnable toy task, layouts against one process, resume,
+and bad input.
+
+* sampling with the key/value cache computes what a full forward over each finished row computes: the sampler's
+  log-probs equal the trainer's within 1e-6 relative (fp32, a few ulps of log-probs near -5.6; left-padded prompts of several lengths, a sliding window and
+  attention sinks, the scratch slots of a sequence-parallel feed), and a row's samples do not depend on the batch
+  it is sampled in (its own generator);
+* the clipped objective with the k3 KL term equals its formula token by token (float64), and group advantages are
+  centred (and scaled) per group;
+* the toy task (`tools/grpo_toy.py`): a tiny Llama fine-tuned for 200 steps on answers a quarter of which are wrong
+  (the format, and the rule in part: <= 80 % exact on held-out prompts), then GRPO with the `exact` reward: >= 90 %
+  exact on the held-out prompts (greedy, `python -m torchtrain.score`) within 120 steps of 32 prompts x 4
+  completions;
+* layouts (`dist`, real torchrun, gloo, fp32; 2 optimizer steps per batch of rollouts x 2 passes, so the ratio moves
+  and clips): FSDP 2 and TP 2 sample the same completions (equal rewards) and match one process per step -- loss
+  and grad norm within 1e-4 relative or 1e-6 absolute (an on-policy step's loss is a mean of centred advantages,
+  ~0 by construction: its relative difference is meaningless); a run resumed from a checkpoint in the middle of an
+  iteration (its rollout rows restored) continues bitwise; with beta > 0 the frozen reference copy's KL term
+  matches too; the first step of every iteration has ratio 1 within 1e-6 (sampler = trainer);
+* bad input: a prompt without an answer, a prompt longer than the budget, and a reward function that raises or
+  returns a non-number are one line naming the file:line or the function, exit 2 before training; during
+  training a failing reward is scored 0 and counted (grpo/reward_errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+from conftest import ParitySuite, assert_no_traceback, read_metrics, run_train
+
+RTOL, ATOL, STEPS = 1e-4, 1e-6, 4
+MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2",
+         "--model.n_heads", "4", "--model.vocab_size", "264"]
+CKPT = ("--checkpoint.interval", "2")
+KL = ("--grpo.beta", "0.05")
+
+
+def sft(root: str, steps: int = 100) -> str:
+    """The toy's data, and its format-only fine-tuning; returns the checkpoint to start GRPO from."""
+    from torchtrain.tools.grpo_toy import write
+
+    write(root, prompts=2000, seed=1)
+    out = os.path.join(root, "sft")
+    proc = run_train([*MODEL, "--model.hf_assets_path", os.path.join(root, "tokenizer"), "--training.dataset", "chat",
+                      "--training.dataset_path", os.path.join(root, "sft.jsonl"), "--training.seq_len", "128",
+                      "--training.local_batch_size", "8", "--training.steps", str(steps), "--optimizer.lr", "3e-3",
+                      "--lr_scheduler.warmup_steps", "10", "--checkpoint.enable", "--checkpoint.interval",
+                      str(steps), "--job.dump_folder", out, "--job.print_config", "false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return os.path.join(out, "checkpoint", f"step-{steps}")
+
+
+def job(root: str, start: str | None) -> list[str]:
+    """The GRPO job on the toy's prompts, from the `start` checkpoint (None: from initialisation)."""
+    begin = ["--checkpoint.enable", "--checkpoint.initial_load_path", start] if start else []
+    return [*MODEL, "--model.hf_assets_path", os.path.join(root, "tokenizer"), "--training.dataset", "prompts",
+            "--training.dataset_path", os.path.join(root, "prompts.jsonl"), "--training.seq_len", "48",
+            "--grpo.enable", "--grpo.num_generations", "4", "--grpo.max_completion_length", "4",
+            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0", *begin, "--job.print_config", "false"]
+
+
+def tiny_model(name: str, **overrides):
+    from torchtrain.distributed.param_init import init_model_weights
+    from torchtrain.models.registry import get_model_spec
+
+    spec = get_model_spec(name)
+    args = spec.flavors["debugmodel"].replace(n_layers=2, max_seq_len=64, **overrides)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    init_model_weights(model, 0)
+    return model.eval()
+
+
+# ------------------------------------------------------------------ the sampler
+@pytest.mark.parametrize("name,multiple", [("llama3", 1), ("llama3", 2), ("gpt_oss", 1)],
+                         ids=["llama3", "llama3_scratch_slots", "gpt_oss_window_sinks"])
+def test_sampler_log_probs_equal_the_trainers_within_1e6(name, multiple):
+    from torchtrain.components.rollout.sampling import Sampling, sample
+    from torchtrain.trainer.policy_loss import PolicyLoss
+
+    model = tiny_model(name, vocab_size=264, **({"sliding_window": 4} if name == "gpt_oss" else {}))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 12, 13]]  # left-padded to 10
+    generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    out = sample(model, prompts, 12, Sampling(temperature=0.7), generators, multiple=multiple)
+    loss = PolicyLoss.__new__(PolicyLoss)
+    loss.temperature = 0.7
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, tokens, logps in zip(prompts, out.tokens, out.logps):
+            row = torch.tensor([prompt + tokens])
+            labels = torch.full_like(row, -100)
+            labels[0, len(prompt) - 1:-1] = torch.tensor(tokens)
+            trainer = loss.logps(model(row), labels)[0, len(prompt) - 1:-1]
+            sampled = torch.tensor(logps)
+            worst = max(worst, ((trainer - sampled).abs() / sampled.abs().clamp(min=1)).max().item())
+    assert all(len(t) == 12 for t in out.tokens)
+    assert worst <= 1e-6, worst  # relative (log-probs near -5.6 = log 1/264: one float32 ulp is 4.8e-7)
+
+
+def test_a_rows_samples_do_not_depend_on_its_batch():
+    from torchtrain.components.rollout.sampling import Sampling, sample
+
+    model = tiny_model("llama3")
+    prompts = [[5, 6, 7], [11, 12, 13, 14, 15], [3, 4]]
+    together = sample(model, prompts, 8, Sampling(1.0), [torch.Generator().manual_seed(i) for i in range(3)])
+    alone = sample(model, prompts[2:], 8, Sampling(1.0), [torch.Generator().manual_seed(2)])
+    assert together.tokens[2] == alone.tokens[0]
+
+
+# ------------------------------------------------------------------ the objective
+def test_clipped_objective_and_kl_equal_their_formula():
+    from torchtrain.config.grpo import Grpo
+    from torchtrain.trainer.policy_loss import PolicyLoss
+    from torchtrain.trainer.rollout import group_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rows, seq, vocab = 3, 6, 11
+    logits = torch.randn(rows, seq, vocab, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    labels[:, :2] = -100
+    logp = torch.log_softmax(logits / 0.5, -1).gather(2, labels.clamp(min=0)[..., None])[..., 0]
+    old = logp + 0.4 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    adv = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, seq)
+    loss = PolicyLoss(Grpo(enable=True, temperature=0.5, beta=0.1, epsilon=0.2, epsilon_high=0.28))
+    loss.scale = 0.5
+    got = loss(logits, {"labels": labels, "old_logps": old, "advantages": adv, "ref_token_logps": ref})
+    expect = 0.0
+    for r in range(rows):
+        for t in range(2, seq):
+            ratio = float(torch.exp(logp[r, t] - old[r, t]))
+            a = float(adv[r, t])
+            objective = min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
+            d = float(ref[r, t] - logp[r, t])
+            expect += -(objective - 0.1 * (torch.exp(torch.tensor(d)).item() - d - 1))
+    assert got.item() == pytest.approx(0.5 * expect, rel=1e-6)  # (the loss computes in float32)
+    assert loss.record(loss.pop_stats(torch.device("cpu")))["grpo/kl"] > 0
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    scaled, centred = group_advantages(rewards, True), group_advantages(rewards, False)
+    assert centred.tolist() == [[0.5, -0.5, 0.5, -0.5], [0.0] * 4]
+    std = (1 / 3) ** 0.5  # the unbiased std of two ones and two zeros
+    assert scaled[0].tolist() == pytest.approx([x / (std + 1e-4) for x in centred[0].tolist()])
+    assert scaled[1].abs().sum() == 0  # a group that agrees teaches nothing
+
+
+def test_builtin_rewards():
+    from torchtrain.components.rollout.rewards import Rewards, exact, numeric
+
+    assert exact(" 1\n", "1", "") == 1.0 and exact("10", "1", "") == 0.0
+    assert numeric("so the answer is 42.0", "42", "") == 1.0 and numeric("41 or 42", "41", "") == 0.0
+    assert numeric("no number", "3", "") == 0.0
+    rewards = Rewards(["exact", "format"], [1.0, 0.5], r"\d")
+    assert rewards.score("7", "7", "") == 1.5 and rewards.score("ab", "7", "") == 0.0
+
+
+# ------------------------------------------------------------------ the toy task
+def test_grpo_lifts_held_out_exact_match_from_the_sft_models_to_90_percent(tmp_path):
+    from torchtrain.score import main as score_main
+
+    root = str(tmp_path)
+    start = sft(root, steps=200)
+    out = os.path.join(root, "grpo")
+    proc = run_train(job(root, start) + ["--training.local_batch_size", "128", "--training.steps", "120",
+                                         "--optimizer.lr", "1.5e-3", "--checkpoint.interval", "120",
+                                         "--metrics.log_freq", "10", "--job.dump_folder", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert records[0]["grpo/ratio"] == pytest.approx(1.0, abs=1e-6) and records[0]["grpo/stopped"] == 1.0
+
+    def held_out(checkpoint: str) -> float:  # greedy exact match on the held-out prompts (python -m torchtrain.score)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert score_main(["--checkpoint", checkpoint, "--prompts", os.path.join(root, "heldout.jsonl"),
+                               "--json"]) == 0
+        return json.loads(buffer.getvalue())["mean_reward"]
+
+    before, after = held_out(start), held_out(os.path.join(out, "checkpoint", "step-120"))
+    assert before <= 0.8, before
+    assert after >= 0.9, (before, after)
+
+
+# ------------------------------------------------------------------ layouts (torchrun)
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("grpo"))
+    overrides = job(root, sft(root, steps=40)) + ["--training.local_batch_size", "8", "--training.global_batch_size",
+                                                  "16", "--grpo.steps_per_generation", "2", "--grpo.num_iterations",
+                                                  "2", "--checkpoint.interval", "1000"]
+    return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("single", KL), ("fsdp2", KL)])
+
+
+@pytest.mark.dist
+def test_fsdp2_and_tp2_sample_the_same_completions_and_match_one_process(suite):
+    runs = suite.check(["tp2"], rtol=RTOL, atol=ATOL)
+    suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL, atol=ATOL)
+    base = suite.baseline.records
+    for run in [*runs, suite.results["fsdp2", CKPT]]:
+        assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in base]
+    assert base[0]["grpo/ratio"] == pytest.approx(1.0, abs=1e-6)  # on-policy: sampler = trainer
+    assert any(r["grpo/clip_fraction"] > 0 for r in base)  # later passes move the ratio past the clip
+
+
+@pytest.mark.dist
+def test_the_kl_penalty_to_a_frozen_copy_matches_one_process(suite):
+    single = suite.results["single", KL]
+    assert "sharded like the model" in single.log
+    assert all(r["grpo/kl"] >= 0 for r in single.records) and single.records[-1]["grpo/kl"] > 0
+    suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=KL)
+
+
+# ------------------------------------------------------------------ bad input
+REWARDS_MODULE = '''
+def raises(completion, answer, prompt):
+    raise ValueError("no grader for " + answer)
+
+def text(completion, answer, prompt):
+    return "yes"
+
+def flaky(completion, answer, prompt):
+    if completion == answer:
+        return 1.0
+    raise KeyError(completion)
+'''
+
+
+@pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number"])
+def test_bad_input_is_one_line_before_training(tmp_path, case):
+    from torchtrain.tools.grpo_toy import write
+
+    root = str(tmp_path)
+    write(root, prompts=16)
+    with open(os.path.join(root, "my_rewards.py"), "w") as f:
+        f.write(REWARDS_MODULE)
+    path = os.path.join(root, "prompts.jsonl")
+    args = job(root, None) + ["--training.local_batch_size", "8", "--training.steps", "1",
+                            "--job.dump_folder", os.path.join(root, "out")]
+    if case == "no_answer":
+        with open(path, "a") as f:
+            f.write('{"prompt": "what is 3 mod 2?"}\n')
+        expect = f"{path}:17"
+    elif case == "too_long":
+        with open(path, "a") as f:
+            f.write(json.dumps({"prompt": "what is " + "9" * 40 + " mod 2?", "answer": "1"}) + "\n")
+        expect = f"{path}:17"
+    else:
+        args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
+        expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"
+    proc = run_train(args, env={"PYTHONPATH": root})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expect in proc.stderr, proc.stderr[-3000:]
+    assert_no_traceback(proc.stderr)
+    assert not os.path.exists(os.path.join(root, "out", "metrics.jsonl"))
+
+
+def test_a_reward_failing_during_training_is_scored_zero_and_counted(tmp_path):
+    from torchtrain.tools.grpo_toy import write
+
+    root = str(tmp_path)
+    write(root, prompts=64)
+    with open(os.path.join(root, "my_rewards.py"), "w") as f:
+        f.write(REWARDS_MODULE)
+    out = os.path.join(root, "out")
+    args = job(root, None) + ["--training.local_batch_size", "8", "--training.steps", "2", "--metrics.log_freq", "1",
+                            "--grpo.reward_funcs", "my_rewards:flaky", "--job.dump_folder", out]
+    proc = run_train(args, env={"PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert records[0]["grpo/reward_errors"] > 0 and records[0]["grpo/reward"] == 0.0
+    assert proc.stdout.count("reward function 'my_rewards:flaky' raised KeyError") == 1, proc.stdout[-3000:]
+    stop = run_train(args + ["--grpo.on_reward_error", "stop", "--job.dump_folder", out + "_stop"],
+                     env={"PYTHONPATH": root})
+    assert stop.returncode == 2 and "[grpo.on_reward_error]" in stop.stderr, stop.stderr[-3000:]
+    assert_no_traceback(stop.stderr)

@@ -1,0 +1,130 @@
+"""Config section [grpo]: reinforcement learning with verifiable rewards on the model's own samples
+(docs/post_training.md). Key names follow TRL's GRPOConfig where the meaning is the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from torchtrain.config.fields import ConfigError, Ge, Gt
+
+BUILTIN_REWARDS = ("exact", "numeric", "format")
+
+
+@dataclass
+class Grpo:
+    enable: bool = False
+    """Train on prompts with reference answers (`training.dataset = "prompts"`): every iteration the model
+    samples `num_generations` completions of each of its prompts, reward functions score them, and the
+    clipped policy-gradient objective with group-normalised advantages trains on them."""
+
+    num_generations: Annotated[int, Ge(2)] = 8
+    """Completions sampled per prompt (G): the group whose rewards are normalised into advantages."""
+
+    steps_per_generation: Annotated[int, Ge(1)] = 1
+    """Optimizer steps over one batch of rollouts: each rank samples steps_per_generation x the rows of its
+    step (local_batch_size x gradient accumulation) completions per iteration, num_generations per prompt."""
+
+    num_iterations: Annotated[int, Ge(1)] = 1
+    """Passes over each batch of rollouts (mu): an iteration is steps_per_generation x num_iterations
+    optimizer steps. Above 1 (or with several steps per generation) the importance ratio moves away from 1
+    and the clipping matters."""
+
+    max_completion_length: Annotated[int, Ge(1)] = 64
+    """Most tokens sampled per completion; each prompt plus this must fit in training.seq_len."""
+
+    temperature: Annotated[float, Gt(0)] = 1.0
+    """Sampling temperature; the trainer divides its logits by it too, so both score the same distribution."""
+
+    top_p: Annotated[float, Gt(0)] = 1.0
+    """Sample from the smallest set of most likely tokens whose probability reaches top_p (1 = all)."""
+
+    top_k: Annotated[int, Ge(0)] = 0
+    """Sample from the k most likely tokens (0 = all)."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion besides the tokenizer's end-of-sequence and the chat template's
+    end-of-turn ids (kept as the completion's last token, trained on)."""
+
+    reward_funcs: list[str] = field(default_factory=lambda: ["exact"])
+    """Reward functions, summed with `reward_weights`: built-in `exact` (the completion, stripped, equals the
+    answer), `numeric` (its last number equals the answer's within 1e-6 relative), `format` (the completion
+    matches `format_pattern`), or your own as "package.module:function", called
+    function(completion: str, answer: str, prompt: str) -> float (imported from your environment, never from
+    a data file)."""
+
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward function ([] = all 1)."""
+
+    format_pattern: str = ""
+    """The regular expression the `format` reward checks (the whole completion must match it)."""
+
+    on_reward_error: Literal["zero", "stop"] = "zero"
+    """A reward function that raises or returns something that is not a finite number during training:
+    `zero` scores that completion 0, counts it (grpo/reward_errors) and warns once per function; `stop` ends
+    the run with one line naming the function and the prompt (exit 2). Both are checked on the first
+    prompt before training starts, where any failure stops the launch."""
+
+    beta: Annotated[float, Ge(0)] = 0.0
+    """Weight of the KL penalty to the reference (the initial weights): a frozen copy sharded like the model,
+    or with LoRA the model with its adapters off. 0: no reference at all (no copy, no reference pass)."""
+
+    epsilon: Annotated[float, Gt(0)] = 0.2
+    """Clipping range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."""
+
+    epsilon_high: Annotated[float, Ge(0)] = 0.0
+    """Upper clipping bound above 1 (DAPO's clip-higher); 0 = epsilon."""
+
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by their standard deviation (GRPO); false keeps them centred only
+    (Dr. GRPO)."""
+
+    skip_long_prompts: bool = False
+    """A prompt whose tokens plus max_completion_length exceed training.seq_len: false stops the launch with
+    its file:line; true drops it (the count is logged at start)."""
+
+    def validate(self) -> None:
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"[grpo.reward_weights] {len(self.reward_weights)} weights for "
+                              f"{len(self.reward_funcs)} reward functions: give one per function, or none")
+        if not self.reward_funcs:
+            raise ConfigError("[grpo.reward_funcs] name at least one reward function")
+        for name in self.reward_funcs:
+            if name not in BUILTIN_REWARDS and ":" not in name:
+                raise ConfigError(f"[grpo.reward_funcs] {name!r} is neither a built-in reward "
+                                  f"({', '.join(BUILTIN_REWARDS)}) nor an import path \"package.module:function\"")
+        if "format" in self.reward_funcs and not self.format_pattern:
+            raise ConfigError("[grpo.format_pattern] the format reward needs the regular expression completions "
+                              "must match")
+        if self.epsilon >= 1:
+            raise ConfigError(f"[grpo.epsilon] {self.epsilon} must be below 1 (the ratio's lower bound 1 - epsilon)")
+
+    @property
+    def clip_high(self) -> float:
+        """The ratio's upper clipping bound above 1."""
+        return self.epsilon_high or self.epsilon
+
+
+def check_grpo(job) -> None:
+    """[grpo] against the other sections (JobConfig.validate calls it): prompt data and the policy loss go together;
+    layouts the rollout loop does not run under yet are refused in one line each."""
+    grpo, training, dims = job.grpo, job.training, job.parallelism
+    if training.dataset == "prompts" and not grpo.enable:
+        raise ConfigError("[training.dataset] \"prompts\" train by reinforcement learning: set grpo.enable = true")
+    if not grpo.enable:
+        return
+    if training.dataset != "prompts":
+        raise ConfigError(f"[grpo.enable] GRPO samples completions of prompts: set training.dataset = \"prompts\" (not "
+                          f"{training.dataset!r}) and training.dataset_path to their JSONL file")
+    if job.dpo.enable:
+        raise ConfigError("[grpo.enable] and [dpo.enable] are two different losses: enable one")
+    for key, degree in (("pipeline_parallel_degree", dims.pipeline_parallel_degree),
+                        ("context_parallel_degree", dims.context_parallel_degree)):
+        if degree > 1:
+            raise ConfigError(f"[parallelism.{key}] GRPO's sampling runs the model one token at a time and does not run "
+                              f"under pipeline or context parallelism yet: use FSDP / HSDP / TP / DDP")
+    if job.fault.replica_ft:
+        raise ConfigError("[fault.replica_ft] GRPO does not run with replica groups yet")
+    if job.validation.enable:
+        raise ConfigError("[validation.enable] held-out validation measures cross-entropy: turn it off for a [grpo] job "
+                          "(the step logs the rewards of its samples)")

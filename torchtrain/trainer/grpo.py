@@ -1,0 +1,94 @@
+"""What a `[grpo]` run adds to the trainer: its prompts, reward functions and rollout loader (which replaces the
+data loader: trainer/rollout.py), and with beta > 0 the reference of the KL penalty (trainer/reference.py), built,
+checked, checkpointed and set up before the first step. The loss is the train step's (`trainer/policy_loss.py`).
+
+    reference, checkpoint entry                   when
+    --------------------------------------------  ------------------------------------------------
+    none                                          grpo.beta = 0 (no KL penalty)
+    the model itself, adapters off (LoRA)         [lora] enabled, beta > 0
+    a frozen copy, `reference` weights            beta > 0; copied from the model at step 0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtrain.components.rollout.rewards import Rewards
+from torchtrain.components.rollout.sampling import has_cache
+from torchtrain.config import JobConfig
+from torchtrain.config.fields import ConfigError
+from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
+from torchtrain.data.tokenizer import Tokenizer
+from torchtrain.distributed.layout import Layout
+from torchtrain.trainer.reference import ReferenceModel, live_reference, start_reference
+from torchtrain.trainer.rollout import RolloutLoader
+from torchtrain.utils.logging import is_log_rank, logger
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
+"""Chat templates' end-of-turn tokens, which end a completion besides end-of-sequence when the tokenizer has them."""
+
+
+def stop_ids(tokenizer: Tokenizer, extra: list[int]) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's end of sequence, its chat template's end of turn, `extra`."""
+    ids = [tokenizer.eos_id, *(tokenizer.token_id(t) for t in END_OF_TURN), *extra]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def load_prompts(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], Rewards]:
+    """The job's prompts (rendered, lengths checked) and its reward functions, each called once on the first prompt;
+    ConfigError naming the key and file:line (what the launch check runs, and the trainer before training)."""
+    grpo, training = cfg.grpo, cfg.training
+    if not training.dataset_path:
+        raise ConfigError("[training.dataset_path] GRPO needs a JSONL file of prompts with reference answers")
+    try:
+        prompts, dropped = read_prompts(training.dataset_path, tokenizer, training.seq_len,
+                                        grpo.max_completion_length, grpo.skip_long_prompts)
+    except (PromptFormatError, OSError) as e:
+        raise ConfigError(str(e) if str(e).startswith("[") else f"[training.dataset_path] {e}") from None
+    if dropped and is_log_rank():
+        logger.info("grpo: %d prompts longer than training.seq_len - grpo.max_completion_length dropped "
+                    "(grpo.skip_long_prompts); %d left", dropped, len(prompts))
+    rewards = Rewards(grpo.reward_funcs, grpo.reward_weights, grpo.format_pattern)
+    rewards.check(prompts[0].answer, prompts[0].text, prompts[0].where)
+    return prompts, rewards
+
+
+class GrpoRun:
+    """The rollout loader (`loader`, the trainer's data) and the reference (`reference`, None without a KL term)."""
+
+    def __init__(self, cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer: Tokenizer):
+        grpo, training, batch = cfg.grpo, cfg.training, layout.batch
+        if layout.dims.tp > 1 and not has_cache(spec.model_cls):
+            raise ConfigError(f"[parallelism.tensor_parallel_degree] GRPO samples {cfg.model.name} (a model without a "
+                              f"key/value cache) whole sequences at a time, which tensor parallelism's sequence shards "
+                              f"do not allow: use FSDP / HSDP / DDP for it")
+        prompts, rewards = load_prompts(cfg, tokenizer)
+        stream = PromptStream(prompts, cfg.debug.seed, training.dataset_shuffle)
+        self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
+                                    batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed,
+                                    stop_ids(tokenizer, grpo.stop_token_ids))
+        self.reference: ReferenceModel | None = None
+        if grpo.beta > 0:
+            self.reference = live_reference(spec, args, layout, device, cfg.debug.seed, "grpo: KL penalty")
+        logger.info("grpo: %d prompts; %d completions per prompt, %d prompts per step over all ranks, %d optimizer "
+                    "steps per iteration (%d per batch of rollouts x %d passes); rewards: %s", len(prompts),
+                    grpo.num_generations, self.loader.prompts_per_step * layout.data_degree,
+                    grpo.steps_per_generation * grpo.num_iterations, grpo.steps_per_generation,
+                    grpo.num_iterations, ", ".join(grpo.reward_funcs))
+
+    def checkpoint_state(self) -> Any:
+        """The checkpoint entry `reference` (None: nothing to keep)."""
+        return self.reference.checkpoint_state() if self.reference is not None else None
+
+    def start(self, step_number: int, step) -> None:
+        """After the checkpoint load: the reference takes the initial weights unless resumed with its own; the loader
+        samples with the train step's model."""
+        if self.reference is not None:
+            start_reference(self.reference, step_number, step.model_parts, "grpo")
+        self.loader.attach(step, self.reference)
+
+    def record(self) -> dict[str, float]:
+        """The latest iteration's rollout metrics (every rank calls it: one all-reduce)."""
+        return self.loader.record()

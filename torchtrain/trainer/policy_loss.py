@@ -1,0 +1,103 @@
+"""GRPO's clipped policy-gradient objective on sampled completions, exact under any data-parallel layout.
+
+A rollout row (`trainer/rollout.py`) is a prompt and one sampled completion; its labels train the completion's
+tokens only. For each such token t, with the model's log-prob logp_t of the label (logits divided by the sampling
+temperature T, float32), the sampler's log-prob old_t of the same token (`components/rollout/sampling.py`), the
+completion's advantage A (its group-normalised reward, on every one of its tokens) and, with beta > 0, the
+reference's log-prob ref_t:
+
+    r_t     = exp(logp_t - old_t)                                           (importance ratio)
+    obj_t   = min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)
+    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                    (the k3 estimator of KL(pi || ref), >= 0)
+    loss_t  = -(obj_t - beta kl_t)
+
+The step's loss is the mean of loss_t over the N completion tokens of the global batch (token-level
+normalisation, as DAPO and TRL's default): each micro-batch's backward uses sum_t loss_t * scale with
+scale = R / N, exactly the token-mean cross-entropy's scaling (trainer/loss.py), so data-parallel averaging
+gives the gradient of the global mean under any layout. On the first pass over a rollout batch r_t = 1 up to
+the sampler's float rounding (the weights that sampled are the weights being trained), so obj_t = A; later
+optimizer steps on the same rollouts move r_t and the clip bounds how far.
+
+Logged per step (reduced over all ranks and micro-batches): the mean k3 KL to the reference (with beta > 0), the
+share of tokens whose ratio is clipped (r_t < 1 - epsilon with A < 0, or r_t > 1 + epsilon_high with A > 0: the
+tokens whose gradient the clip removes) and the mean ratio.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtrain.config.grpo import Grpo
+from torchtrain.trainer.preference_loss import token_logps
+from torchtrain.trainer.sequence_loss import KeptStats
+from torchtrain.utils.token_loss import IGNORE_INDEX
+
+STATS = ("tokens", "kl", "clipped", "ratio")
+"""What a step sums over its completion tokens for the log (`PolicyLoss.record`)."""
+TARGET_KEYS = ("labels", "old_logps", "advantages", "ref_token_logps")
+"""The per-token batch keys the loss reads, in the order of a pipeline target's columns."""
+
+
+class PolicyLoss(KeptStats):
+    """loss(logits, batch) = sum over the batch's completion tokens of loss_t, times `scale` (module docstring)."""
+
+    STATS = STATS
+    units = "tokens"
+    """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global completion tokens."""
+
+    def __init__(self, grpo: Grpo):
+        self.temperature, self.beta = grpo.temperature, grpo.beta
+        self.low, self.high = 1 - grpo.epsilon, 1 + grpo.clip_high
+        self.scale: torch.Tensor | float = 1.0
+        super().__init__()
+
+    @staticmethod
+    def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log pi(label) per position with the logits divided by the temperature, (rows, seq) float32."""
+        return token_logps(logits if self.temperature == 1 else logits.float() / self.temperature, labels)
+
+    def __call__(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._loss(self.logps(logits, batch["labels"]), batch["labels"] != IGNORE_INDEX, batch["old_logps"],
+                          batch["advantages"], batch.get("ref_token_logps"))
+
+    def _loss(self, logp: torch.Tensor, mask: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor,
+              ref: torch.Tensor | None) -> torch.Tensor:
+        mask = mask.to(logp.dtype)
+        ratio = torch.exp(logp - old.to(logp.dtype))
+        advantage = advantage.to(logp.dtype)
+        objective = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
+        per_token = -objective
+        kl = None
+        if self.beta > 0:
+            gap = ref.to(logp.dtype) - logp
+            kl = torch.exp(gap) - gap - 1
+            per_token = per_token + self.beta * kl
+        with torch.no_grad():
+            clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))
+            self._stats.append(torch.stack([mask.sum(), (kl * mask).sum() if kl is not None else mask.new_zeros(()),
+                                            (clipped * mask).sum(), (ratio * mask).sum()]))
+        return (per_token * mask).sum() * self.scale
+
+    def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of a pipeline micro-batch from its one target tensor (`pipeline_target`)."""
+        labels = target[..., 0].long()
+        return self._loss(self.logps(logits, labels), labels != IGNORE_INDEX, target[..., 1], target[..., 2],
+                          target[..., 3])
+
+    @staticmethod
+    def pipeline_target(batch: dict[str, torch.Tensor], live: torch.Tensor | None = None) -> torch.Tensor:
+        """(rows, seq, 4) float64: labels, the sampler's log-probs, advantages, the reference's log-probs (0 without)."""
+        ref = batch.get("ref_token_logps", torch.zeros_like(batch["old_logps"]))
+        return torch.stack([batch["labels"].double(), batch["old_logps"].double(), batch["advantages"].double(),
+                            ref.double()], dim=-1)
+
+    def record(self, stats: torch.Tensor) -> dict[str, float]:
+        s = dict(zip(STATS, stats.tolist()))
+        tokens = max(s["tokens"], 1.0)
+        out = {"grpo/clip_fraction": s["clipped"] / tokens, "grpo/ratio": s["ratio"] / tokens}
+        if self.beta > 0:
+            out["grpo/kl"] = s["kl"] / tokens
+        return out

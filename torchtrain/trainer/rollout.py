@@ -1,0 +1,234 @@
+"""GRPO's rollouts as the trainer's data: sample, reward, normalise, then hand the rows out as micro-batches.
+
+One iteration on data-parallel rank r of dp, with b rows per step on each rank (local batch x gradient
+accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grpo.num_iterations:
+
+1. prompts: step s of the iteration (s < S) trains on the global prompts c + s (dp P) + [0, dp P), P = b / G whole
+   groups per rank, of which rank r takes c + s (dp P) + j dp + r (j < P) -- a step's prompts are the same under
+   any layout, as the data loader's windows are (`data/loader.py`); c then advances by S dp P;
+2. sampling: G completions of each prompt by the model being trained (`components/rollout/sampling.py`, in its
+   layout: `distributed/sampling.py`), row (k, g) drawing its random numbers from its own generator seeded by
+   (debug.seed, k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
+   in, or a restart;
+3. rewards: each completion decoded (without its stop token) and scored (`components/rollout/rewards.py`);
+   advantages A = (R - mean over the group) / (std over the group + 1e-4) (without the division when
+   grpo.scale_rewards is false);
+4. rows: the prompt and the completion in one row of training.seq_len, labels on the completion's tokens only,
+   with the sampler's log-probs (`old_logps`), A (`advantages`) and, with grpo.beta > 0, the reference's
+   log-probs (`ref_token_logps`, scored once per iteration) on the same positions;
+5. the S steps take their rows in order, and the whole pass repeats mu times (`trainer/policy_loss.py`).
+
+The state saved in checkpoints (per data rank, as the loader's) is the prompt counter c, the micro-batches handed
+out of the current iteration and its rows themselves: a run resumed mid-iteration trains on the very rows it
+would have, and the next iteration's samples are those of an uninterrupted run (their random numbers depend on
+(seed, k, g) only).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchtrain.components.rollout.rewards import RewardError, Rewards
+from torchtrain.components.rollout.sampling import Sampling, sample
+from torchtrain.config.fields import ConfigError
+from torchtrain.config.grpo import Grpo
+from torchtrain.data.prompts import PromptStream
+from torchtrain.distributed.sampling import all_ranks_done, sampling_mode
+from torchtrain.distributed.utils import all_reduce
+from torchtrain.utils.logging import logger
+from torchtrain.utils.token_loss import IGNORE_INDEX
+
+KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
+ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "seconds")
+
+
+class RewardStop(ConfigError):
+    """grpo.on_reward_error = "stop": a reward function failed during training (the message names it)."""
+
+
+def stop_together(message: str | None) -> None:
+    """Every rank raises RewardStop, with the first failing rank's message, when any rank has one (one all-reduce;
+    the messages gathered only then), so the run stops cleanly everywhere at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if message:
+            raise RewardStop(message)
+        return
+    flag = torch.tensor([0 if message is None else 1], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag)
+    if flag.item():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        raise RewardStop(next(m for m in messages if m))
+
+
+def row_seed(seed: int, prompt: int, member: int) -> int:
+    """The seed of completion `member` of global prompt `prompt`'s group."""
+    return int.from_bytes(hashlib.sha256(f"rollout|{seed}|{prompt}|{member}".encode()).digest()[:8], "little") >> 1
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool) -> torch.Tensor:
+    """(groups, G) rewards -> advantages: centred on each group's mean, divided by its std (+1e-4) when `scale`."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + 1e-4) if scale else centred
+
+
+class RolloutLoader:
+    """This rank's micro-batches of rollouts (module docstring); `attach` gives it the train step to sample with."""
+
+    def __init__(self, stream: PromptStream, grpo: Grpo, rewards: Rewards, tokenizer, seq_len: int,
+                 local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int,
+                 stop_ids: tuple[int, ...]):
+        rows = local_batch_size * grad_accum
+        if rows % grpo.num_generations:
+            raise ConfigError(f"[grpo.num_generations] each rank's step holds local_batch_size x gradient accumulation "
+                              f"= {rows} rows, not a multiple of the {grpo.num_generations} completions of a prompt: "
+                              f"choose num_generations dividing {rows}, or a larger batch")
+        self.stream, self.grpo, self.rewards, self.tokenizer = stream, grpo, rewards, tokenizer
+        self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
+        self.rank, self.degree, self.seed, self.stop_ids = data_rank, data_degree, seed, stop_ids
+        self.prompts_per_step = rows // grpo.num_generations  # per rank
+        self.micro_per_pass = grad_accum * grpo.steps_per_generation
+        self.consumed = 0
+        self.position = 0
+        self.rows: dict[str, torch.Tensor] | None = None
+        self.step = self.reference = None
+        self.iterations = 0
+        self._stats: torch.Tensor | None = None
+        self._warned: set[str] = set()
+
+    def attach(self, step, reference) -> None:
+        """The train step whose model samples and whose context scores; the reference (None: beta = 0)."""
+        self.step, self.reference = step, reference
+
+    # ------------------------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            if self.rows is None or self.position >= self.micro_per_pass * self.grpo.num_iterations:
+                self._iteration()
+            start = (self.position % self.micro_per_pass) * self.local_batch_size
+            self.position += 1
+            yield {k: v[start:start + self.local_batch_size] for k, v in self.rows.items()}
+
+    def global_prompts(self) -> list[int]:
+        """The global indices of this rank's prompts of the next iteration, step by step (module docstring)."""
+        per_step = self.prompts_per_step * self.degree
+        return [self.consumed + s * per_step + j * self.degree + self.rank
+                for s in range(self.grpo.steps_per_generation) for j in range(self.prompts_per_step)]
+
+    def _iteration(self) -> None:
+        g, grpo = self.grpo.num_generations, self.grpo
+        indices = self.global_prompts()
+        self.consumed += self.prompts_per_step * self.degree * grpo.steps_per_generation
+        prompts = [self.stream.at(k) for k in indices]
+        rows = [list(p.ids) for p in prompts for _ in range(g)]
+        generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
+        step = self.step
+        start = time.perf_counter()
+        with sampling_mode(step.model_parts), step.context():
+            out = sample(step.model_parts[0], rows, grpo.max_completion_length,
+                         Sampling(grpo.temperature, grpo.top_k, grpo.top_p), generators, self.stop_ids,
+                         self.tokenizer.vocab_size, all_ranks_done, multiple=step.layout.dims.tp)
+        seconds = time.perf_counter() - start
+        rewards, errors, fatal = [], 0, None
+        for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped)):
+            prompt = prompts[i // g]
+            text = self.tokenizer.decode(tokens[:-1] if stopped else tokens)
+            try:
+                rewards.append(self.rewards.score(text, prompt.answer, prompt.text))
+            except RewardError as e:
+                if grpo.on_reward_error == "stop":
+                    fatal = fatal or f"[grpo.on_reward_error] {e} on a completion of {prompt.where}"
+                    rewards.append(0.0)
+                    continue
+                errors += 1
+                rewards.append(0.0)
+                name = str(e).split("'")[1] if "'" in str(e) else str(e)
+                if name not in self._warned:
+                    self._warned.add(name)
+                    logger.warning("grpo: %s on a completion of %s: scored 0 and counted in grpo/reward_errors "
+                                   "(grpo.on_reward_error)", e, prompt.where)
+        if grpo.on_reward_error == "stop":
+            stop_together(fatal)
+        reward = torch.tensor(rewards, dtype=torch.float64)
+        advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
+        self.rows = self._rows(rows, out.tokens, out.logps, advantage)
+        if self.reference is not None:
+            self.rows["ref_token_logps"] = self._reference_logps()
+        self.position = 0
+        self.iterations += 1
+        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
+        self._stats = torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), reward.sum(),
+                                   reward.square().sum(), lengths.sum(),
+                                   torch.tensor(float(sum(out.stopped)), dtype=torch.float64),
+                                   torch.tensor(float(errors), dtype=torch.float64),
+                                   torch.tensor(seconds, dtype=torch.float64)])
+
+    def _rows(self, prompts: list[list[int]], completions: list[list[int]], logps: list[list[float]],
+              advantage: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rollout rows (module docstring, 4): (rows, seq_len) each."""
+        n, seq = len(prompts), self.seq_len
+        ids = torch.zeros(n, seq, dtype=torch.long)
+        labels = torch.full((n, seq), IGNORE_INDEX, dtype=torch.long)
+        old = torch.zeros(n, seq, dtype=torch.float32)
+        adv = torch.zeros(n, seq, dtype=torch.float32)
+        for i, (prompt, tokens, lp) in enumerate(zip(prompts, completions, logps)):
+            row = prompt + tokens
+            length, first = len(row) - 1, len(prompt) - 1  # inputs, and the position predicting the first token
+            ids[i, :length] = torch.tensor(row[:-1])
+            labels[i, first:length] = torch.tensor(tokens)
+            old[i, first:length] = torch.tensor(lp, dtype=torch.float32)
+            adv[i, first:length] = float(advantage[i])
+        return {"input_ids": ids, "labels": labels, "old_logps": old, "advantages": adv}
+
+    def _reference_logps(self) -> torch.Tensor:
+        """The reference's log-probs of every row's labels at the sampling temperature, (rows, seq_len)."""
+        step, rows = self.step, self.rows
+        batch = {k: v.to(step.device) for k, v in rows.items()}
+        logps = self.reference.token_logps(step, batch, self.local_batch_size, self.grpo.temperature)
+        return logps.float().cpu()
+
+    # ------------------------------------------------------------------------------------ the log
+    def record(self) -> dict[str, float]:
+        """The latest iteration's rollout metrics over all data ranks (one all-reduce; {} before the first)."""
+        if self._stats is None:
+            return {}
+        mesh = self.step.layout.dims.dp_mesh if self.step.layout.dims.dp > 1 else None
+        stats = self._stats.to(self.step.device)
+        total = all_reduce(stats.clone(), mesh) if mesh is not None else stats
+        s = dict(zip(ROLLOUT_STATS, total.tolist()))
+        n = max(s["completions"], 1.0)
+        mean = s["reward"] / n
+        return {"grpo/reward": mean, "grpo/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
+                "grpo/completion_length": s["length"] / n, "grpo/stopped": s["stopped"] / n,
+                "grpo/reward_errors": s["errors"], "grpo/iteration": float(self.iterations),
+                "grpo/generation_tokens_per_s": s["length"] / max(float(self._stats[-1]), 1e-9)}
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        rows = None if self.rows is None else {k: _encode(v) for k, v in self.rows.items()}
+        return {"prompts": self.consumed, "position": self.position, "iterations": self.iterations, "rows": rows,
+                "fingerprint": self.stream.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "prompts" not in state:
+            raise ValueError(f"rollout state lacks 'prompts' (got keys {sorted(state)}): saved by another loader")
+        self.consumed, self.position = int(state["prompts"]), int(state["position"])
+        self.iterations = int(state.get("iterations", 0))
+        self.rows = None if state.get("rows") is None else {k: _decode(v) for k, v in state["rows"].items()}
+
+
+def _encode(t: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.contiguous().numpy().tobytes()).decode()}
+
+
+def _decode(d: dict[str, Any]) -> torch.Tensor:
+    array = np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).copy()
+    return torch.from_numpy(array).view(*d["shape"])
