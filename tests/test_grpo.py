@@ -15,8 +15,10 @@ and bad input.
   and clips): FSDP 2 and TP 2 sample the same completions (equal rewards) and match one process per step -- loss
   and grad norm within 1e-4 relative or 1e-6 absolute (an on-policy step's loss is a mean of centred advantages,
   ~0 by construction: its relative difference is meaningless); a run resumed from a checkpoint in the middle of an
-  iteration (its rollout rows restored) continues bitwise; with beta > 0 the frozen reference copy's KL term
-  matches too; the first step of every iteration has ratio 1 within 1e-6 (sampler = trainer);
+  iteration (its rollout rows restored) continues bitwise; PP 2 and CP 2 train as one process does with an
+  unsharded sampling copy synced from the model (grpo.generator = "copy"); with beta > 0 the KL term to the
+  reference -- a frozen copy, or LoRA's adapters off -- matches too; the first step of an iteration has ratio 1
+  within 1e-6 (sampler = trainer);
 * bad input: a prompt without an answer, a prompt longer than the budget, and a reward function that raises or
   returns a non-number are one line naming the file:line or the function, exit 2 before training; during
   training a failing reward is scored 0 and counted (grpo/reward_errors).
@@ -38,6 +40,8 @@ MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim"
          "--model.n_heads", "4", "--model.vocab_size", "264"]
 CKPT = ("--checkpoint.interval", "2")
 KL = ("--grpo.beta", "0.05")
+COPY = ("--grpo.generator", "copy")
+LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
 def sft(root: str, steps: int = 100) -> str:
@@ -194,7 +198,9 @@ def suite(tmp_path_factory):
     overrides = job(root, sft(root, steps=40)) + ["--training.local_batch_size", "8", "--training.global_batch_size",
                                                   "16", "--grpo.steps_per_generation", "2", "--grpo.num_iterations",
                                                   "2", "--checkpoint.interval", "1000"]
-    return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("single", KL), ("fsdp2", KL)])
+    return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
+                                                       ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
+                                                       ("fsdp2", LORA_KL)])
 
 
 @pytest.mark.dist
@@ -209,11 +215,19 @@ def test_fsdp2_and_tp2_sample_the_same_completions_and_match_one_process(suite):
 
 
 @pytest.mark.dist
-def test_the_kl_penalty_to_a_frozen_copy_matches_one_process(suite):
-    single = suite.results["single", KL]
-    assert "sharded like the model" in single.log
+def test_pipeline_and_context_parallel_training_sample_with_a_synced_copy(suite):
+    for spec in ("pp2_1f1b", "cp2"):
+        run, = suite.check([spec], rtol=RTOL, atol=ATOL, extra=COPY)
+        assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in suite.baseline.records]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", [KL, LORA_KL], ids=["frozen_copy", "lora_adapters_off"])
+def test_the_kl_penalty_to_the_reference_matches_one_process(suite, variant):
+    single = suite.results["single", variant]
+    assert ("sharded like the model" if variant == KL else "LoRA adapters off; no copy: 0 MiB") in single.log
     assert all(r["grpo/kl"] >= 0 for r in single.records) and single.records[-1]["grpo/kl"] > 0
-    suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=KL)
+    suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=variant)
 
 
 # ------------------------------------------------------------------ bad input

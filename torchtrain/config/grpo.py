@@ -79,6 +79,13 @@ class Grpo:
     """Divide each group's centred rewards by their standard deviation (GRPO); false keeps them centred only
     (Dr. GRPO)."""
 
+    generator: Literal["trainer", "copy"] = "trainer"
+    """Which model samples. `trainer`: the model being trained, in its layout (FSDP units gathered once for the
+    whole sampling, TP groups sampling together; FSDP / HSDP / TP / DDP / EP). `copy`: an unsharded copy of the
+    weights on every rank, synced from the model before each iteration -- one more copy of the weights per rank,
+    and any layout, pipeline and context parallelism included (the way an external generator such as vLLM is
+    fed; docs/post_training.md)."""
+
     skip_long_prompts: bool = False
     """A prompt whose tokens plus max_completion_length exceed training.seq_len: false stops the launch with
     its file:line; true drops it (the count is logged at start)."""
@@ -120,9 +127,10 @@ def check_grpo(job) -> None:
         raise ConfigError("[grpo.enable] and [dpo.enable] are two different losses: enable one")
     for key, degree in (("pipeline_parallel_degree", dims.pipeline_parallel_degree),
                         ("context_parallel_degree", dims.context_parallel_degree)):
-        if degree > 1:
-            raise ConfigError(f"[parallelism.{key}] GRPO's sampling runs the model one token at a time and does not run "
-                              f"under pipeline or context parallelism yet: use FSDP / HSDP / TP / DDP")
+        if degree > 1 and grpo.generator == "trainer":
+            raise ConfigError(f"[grpo.generator] the model being trained cannot sample one token at a time under "
+                              f"parallelism.{key} = {degree}: set grpo.generator = \"copy\" (an unsharded copy "
+                              f"samples, its weights synced before each iteration)")
     if job.fault.replica_ft:
         raise ConfigError("[fault.replica_ft] GRPO does not run with replica groups yet")
     if job.validation.enable:

@@ -9,7 +9,9 @@ Each data-parallel rank samples its own prompts with the parallelised model itse
 * TP: the ranks of a tensor-parallel group hold the same prompts and draw the same random numbers, so they feed
   the same tokens; each forward runs the plan's collectives as in training, and vocabulary-sharded logits are
   gathered for the last position only (`components/rollout/sampling.py::full_logits`);
-* DDP / one process: as is.
+* DDP / one process: as is;
+* any layout, pipeline and context parallelism included, with `grpo.generator = "copy"`: `SamplerCopy`, an
+  unsharded copy of the weights on every rank, synced from the model before each iteration's sampling.
 
 Every forward runs eagerly (compiled regions recompile for every new length otherwise), without gradients and
 without counting toward the step's statistics (MoE loads, extra losses). The ranks end sampling together
@@ -61,3 +63,41 @@ def all_ranks_done(done: bool) -> bool:
     flag = torch.tensor([1 if done else 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+class SamplerCopy:
+    """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
+    included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`
+    copies the weights of the model being trained into it (each parameter gathered whole from its FSDP / TP shards,
+    and under PP broadcast from the stage that holds it to the other stages' ranks). One more whole copy of the
+    weights per rank; no collective while sampling. An external generator (a vLLM engine, say) works the same way:
+    its own copy, the weights pushed to it before each batch of rollouts."""
+
+    def __init__(self, model: nn.Module, model_parts: list[nn.Module], pp_group=None):
+        self.model, self.parts, self.pp_group = model, model_parts, pp_group
+        model.requires_grad_(False)
+        self._owners: dict[str, int] | None = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        local: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            for name, value in get_model_state_dict(part).items():
+                local[name] = value.full_tensor() if isinstance(value, DTensor) else value
+        target = self.model.state_dict()
+        if self.pp_group is None:
+            for name, value in target.items():
+                value.copy_(local[name])
+            return
+        if self._owners is None:  # which pipeline rank holds each tensor (asked once)
+            held: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(held, sorted(local), group=self.pp_group)
+            ranks = dist.get_process_group_ranks(self.pp_group)
+            self._owners = {name: ranks[i] for i in reversed(range(len(held))) for name in held[i]}
+        for name, value in target.items():  # in a fixed order on every rank
+            if name in local:
+                value.copy_(local[name])
+            dist.broadcast(value, src=self._owners[name], group=self.pp_group)

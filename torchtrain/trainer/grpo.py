@@ -22,8 +22,9 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.layout import Layout
+from torchtrain.distributed.sampling import SamplerCopy
 from torchtrain.trainer.reference import ReferenceModel, live_reference, start_reference
-from torchtrain.trainer.rollout import RolloutLoader
+from torchtrain.trainer.rollout import CopyGenerator, RolloutLoader, TrainerGenerator
 from torchtrain.utils.logging import is_log_rank, logger
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
@@ -55,20 +56,40 @@ def load_prompts(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], Re
     return prompts, rewards
 
 
+def sampler_copy(spec, args, cfg: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model built whole (no parallelism) on `device` with its parameters in `dtype` -- with the job's LoRA
+    adapters, so that it takes the trained model's weights name for name -- for `SamplerCopy`."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if cfg.lora.enable:
+        from torchtrain.distributed.lora import apply_lora
+
+        apply_lora(model, cfg.lora)
+    model.to_empty(device=device)
+    model.init_buffers()
+    for p in model.parameters():  # parameters only: buffers (the RoPE table) keep float32
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
 class GrpoRun:
     """The rollout loader (`loader`, the trainer's data) and the reference (`reference`, None without a KL term)."""
 
     def __init__(self, cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer: Tokenizer):
         grpo, training, batch = cfg.grpo, cfg.training, layout.batch
-        if layout.dims.tp > 1 and not has_cache(spec.model_cls):
-            raise ConfigError(f"[parallelism.tensor_parallel_degree] GRPO samples {cfg.model.name} (a model without a "
-                              f"key/value cache) whole sequences at a time, which tensor parallelism's sequence shards "
-                              f"do not allow: use FSDP / HSDP / DDP for it")
+        if layout.dims.tp > 1 and not has_cache(spec.model_cls) and grpo.generator == "trainer":
+            raise ConfigError(f"[grpo.generator] {cfg.model.name} (a model without a key/value cache) samples whole "
+                              f"sequences at a time, which tensor parallelism's sequence shards do not allow: set "
+                              f"grpo.generator = \"copy\"")
         prompts, rewards = load_prompts(cfg, tokenizer)
         stream = PromptStream(prompts, cfg.debug.seed, training.dataset_shuffle)
         self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
-                                    batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed,
-                                    stop_ids(tokenizer, grpo.stop_token_ids))
+                                    batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed)
+        self.stops, self.vocab_limit, self.layout = stop_ids(tokenizer, grpo.stop_token_ids), tokenizer.vocab_size, layout
+        self.copy: SamplerCopy | None = None
+        if grpo.generator == "copy":
+            self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype), [],
+                                    layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:
             self.reference = live_reference(spec, args, layout, device, cfg.debug.seed, "grpo: KL penalty")
@@ -87,7 +108,13 @@ class GrpoRun:
         samples with the train step's model."""
         if self.reference is not None:
             start_reference(self.reference, step_number, step.model_parts, "grpo")
-        self.loader.attach(step, self.reference)
+        grpo = self.loader.grpo
+        if self.copy is None:
+            generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit)
+        else:
+            self.copy.parts = step.model_parts
+            generator = CopyGenerator(self.copy, grpo, self.stops, self.vocab_limit, self.layout.autocast_dtype)
+        self.loader.attach(step, self.reference, generator)
 
     def record(self) -> dict[str, float]:
         """The latest iteration's rollout metrics (every rank calls it: one all-reduce)."""

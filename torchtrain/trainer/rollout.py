@@ -6,8 +6,8 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
 1. prompts: step s of the iteration (s < S) trains on the global prompts c + s (dp P) + [0, dp P), P = b / G whole
    groups per rank, of which rank r takes c + s (dp P) + j dp + r (j < P) -- a step's prompts are the same under
    any layout, as the data loader's windows are (`data/loader.py`); c then advances by S dp P;
-2. sampling: G completions of each prompt by the model being trained (`components/rollout/sampling.py`, in its
-   layout: `distributed/sampling.py`), row (k, g) drawing its random numbers from its own generator seeded by
+2. sampling: G completions of each prompt by the model being trained (`components/rollout/sampling.py`), in its
+   layout or by an unsharded copy synced from it (a `Generator`; `distributed/sampling.py`), row (k, g) drawing its random numbers from its own generator seeded by
    (debug.seed, k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
 3. rewards: each completion decoded (without its stop token) and scored (`components/rollout/rewards.py`);
@@ -27,26 +27,73 @@ would have, and the next iteration's samples are those of an uninterrupted run (
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from torchtrain.components.rollout.rewards import RewardError, Rewards
-from torchtrain.components.rollout.sampling import Sampling, sample
+from torchtrain.components.rollout.sampling import Completions, Sampling, sample_groups
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.grpo import Grpo
 from torchtrain.data.prompts import PromptStream
-from torchtrain.distributed.sampling import all_ranks_done, sampling_mode
+from torchtrain.distributed.sampling import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
 KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "seconds")
+
+
+class Generator(Protocol):
+    """Where completions come from: `generator(prompts, sampling, generators)` samples grpo.max_completion_length
+    tokens at most after each prompt (rows in groups of grpo.num_generations with one prompt each), row i drawing
+    from generators[i], and returns them with the log-probs of the sampling distribution
+    (`components/rollout/sampling.py`). The seam for an external engine (vLLM...): it would hold its own copy of
+    the weights, receive them before each iteration's sampling (as `CopyGenerator` does), and return the same
+    `Completions`."""
+
+    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
+                 ) -> Completions: ...
+
+
+class TrainerGenerator:
+    """grpo.generator = "trainer": the model being trained samples, in its layout (`distributed/sampling.py`)."""
+
+    def __init__(self, step, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int):
+        self.step, self.grpo, self.stop_ids, self.vocab_limit = step, grpo, stop_ids, vocab_limit
+
+    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
+        step = self.step
+        with sampling_mode(step.model_parts), step.context():
+            return sample_groups(step.model_parts[0], prompts, self.grpo.num_generations,
+                                 self.grpo.max_completion_length, sampling, generators, self.stop_ids,
+                                 self.vocab_limit, all_ranks_done, multiple=step.layout.dims.tp)
+
+
+class CopyGenerator:
+    """grpo.generator = "copy": an unsharded copy on every rank samples (`distributed/sampling.py::SamplerCopy`),
+    its weights synced from the model being trained first; no collective while it samples."""
+
+    def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
+                 autocast: torch.dtype | None):
+        self.copy, self.grpo, self.stop_ids, self.vocab_limit, self.autocast = copy, grpo, stop_ids, vocab_limit, \
+            autocast
+
+    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
+        self.copy.sync()
+        model = self.copy.model
+        device = next(model.parameters()).device
+        autocast = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else \
+            contextlib.nullcontext()
+        with sampling_mode([model]), autocast:
+            return sample_groups(model, prompts, self.grpo.num_generations, self.grpo.max_completion_length,
+                                 sampling, generators, self.stop_ids, self.vocab_limit)
 
 
 class RewardStop(ConfigError):
@@ -83,8 +130,7 @@ class RolloutLoader:
     """This rank's micro-batches of rollouts (module docstring); `attach` gives it the train step to sample with."""
 
     def __init__(self, stream: PromptStream, grpo: Grpo, rewards: Rewards, tokenizer, seq_len: int,
-                 local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int,
-                 stop_ids: tuple[int, ...]):
+                 local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int):
         rows = local_batch_size * grad_accum
         if rows % grpo.num_generations:
             raise ConfigError(f"[grpo.num_generations] each rank's step holds local_batch_size x gradient accumulation "
@@ -92,20 +138,20 @@ class RolloutLoader:
                               f"choose num_generations dividing {rows}, or a larger batch")
         self.stream, self.grpo, self.rewards, self.tokenizer = stream, grpo, rewards, tokenizer
         self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
-        self.rank, self.degree, self.seed, self.stop_ids = data_rank, data_degree, seed, stop_ids
+        self.rank, self.degree, self.seed = data_rank, data_degree, seed
         self.prompts_per_step = rows // grpo.num_generations  # per rank
         self.micro_per_pass = grad_accum * grpo.steps_per_generation
         self.consumed = 0
         self.position = 0
         self.rows: dict[str, torch.Tensor] | None = None
-        self.step = self.reference = None
+        self.step = self.reference = self.generator = None
         self.iterations = 0
         self._stats: torch.Tensor | None = None
         self._warned: set[str] = set()
 
-    def attach(self, step, reference) -> None:
-        """The train step whose model samples and whose context scores; the reference (None: beta = 0)."""
-        self.step, self.reference = step, reference
+    def attach(self, step, reference, generator: Generator) -> None:
+        """The train step (its layout and context), the reference (None: beta = 0), where completions come from."""
+        self.step, self.reference, self.generator = step, reference, generator
 
     # ------------------------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -129,12 +175,8 @@ class RolloutLoader:
         prompts = [self.stream.at(k) for k in indices]
         rows = [list(p.ids) for p in prompts for _ in range(g)]
         generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
-        step = self.step
         start = time.perf_counter()
-        with sampling_mode(step.model_parts), step.context():
-            out = sample(step.model_parts[0], rows, grpo.max_completion_length,
-                         Sampling(grpo.temperature, grpo.top_k, grpo.top_p), generators, self.stop_ids,
-                         self.tokenizer.vocab_size, all_ranks_done, multiple=step.layout.dims.tp)
+        out = self.generator(rows, Sampling(grpo.temperature, grpo.top_k, grpo.top_p), generators)
         seconds = time.perf_counter() - start
         rewards, errors, fatal = [], 0, None
         for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped)):
@@ -192,6 +234,8 @@ class RolloutLoader:
         step, rows = self.step, self.rows
         batch = {k: v.to(step.device) for k, v in rows.items()}
         logps = self.reference.token_logps(step, batch, self.local_batch_size, self.grpo.temperature)
+        if logps is None:  # a pipeline rank before the last stage: its loss never reads them
+            return torch.zeros(rows["labels"].shape)
         return logps.float().cpu()
 
     # ------------------------------------------------------------------------------------ the log
