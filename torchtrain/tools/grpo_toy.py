@@ -6,16 +6,16 @@ writes into FOLDER
 
 * `sft.jsonl`: chat conversations `what is 864 mod 2?` -> `0` or `1`, right with probability `sft_accuracy`
   (default 0.75; a quarter of the answers are wrong): a short supervised fine-tuning on them teaches the answer's
-  format (one digit, then the end of the turn) and the rule only in part -- the fine-tuned model is right on
-  about 70 % of held-out prompts;
+  format (one digit, then the end of the turn) and the rule only in part -- after the recipe's 140 steps the
+  model is right on about 60 % of held-out prompts;
 * `prompts.jsonl`: `{"prompt": "what is 864 mod 2?", "answer": "0"}`, for GRPO with the `exact` reward, which
   sharpens the rule (the number's last digit) from the model's own samples;
 * `heldout.jsonl`: prompts of numbers in neither file, to measure the exact-match rate of a checkpoint;
 * `tokenizer/`: the byte-level tokenizer with a Qwen-style chat template of `tools/preference_toy.py`.
 
 The recipe (train_configs/grpo_debug.toml, docs/post_training.md): the SFT job, then the GRPO job from its
-checkpoint; on 2 CPU cores the held-out exact match (greedy, `python -m torchtrain.score`) goes from ~70 % after
-200 SFT steps to >= 90 % within 120 GRPO steps of 32 prompts x 4 completions (~15 s).
+checkpoint; on 2 CPU cores the held-out exact match (greedy, `python -m torchtrain.score`) goes from ~60 % after
+140 SFT steps to >= 90 % within 120 GRPO steps of 32 prompts x 4 completions (~15 s).
 """
 
 from __future__ import annotations
