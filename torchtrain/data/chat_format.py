@@ -153,6 +153,31 @@ def _turns_of(record: object, where: str, folder: str = "") -> tuple[tuple[str, 
     return tuple(turns)
 
 
+def prompt_turns(record: object, where: str, besides: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(the key it is under, its turns) of the prompt of a record that holds one beside `besides` (what the error
+    names as the rest of the record): ``"prompt"`` as a string -- one user turn, after a ``"system"`` string when
+    the record has one -- or as a list of messages, or ``"messages"``. ChatFormatError naming `where`."""
+    if not isinstance(record, dict):
+        raise ChatFormatError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    key = "messages" if "messages" in record else "prompt" if "prompt" in record else None
+    if key is None:
+        raise ChatFormatError(f"{where}: no prompt: expected \"prompt\" or \"messages\" besides {besides}, got the "
+                              f"keys {sorted(record)}")
+    prompt = record[key]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+        if "system" in record:
+            prompt.insert(0, {"role": "system", "content": record["system"]})
+    elif not isinstance(prompt, list) or not prompt:
+        raise ChatFormatError(f"{where}: \"{key}\" must be a string or a non-empty list of {{\"role\", \"content\"}} "
+                              f"messages, got {type(prompt).__name__}")
+    elif "system" in record:
+        raise ChatFormatError(f"{where}: a \"system\" string goes with a string prompt; with \"{key}\" as messages, "
+                              f"put the system turn first in the list")
+    # checked with a placeholder answer appended: a conversation without one is refused
+    return key, _turns_of({"messages": prompt + [{"role": "assistant", "content": ""}]}, f"{where}: {key}")[:-1]
+
+
 def _table_rows(file: str) -> Iterator[dict]:
     """The rows of an Arrow (as `datasets` writes it: a stream, or a file) or Parquet file, as dicts
     without the None entries that a column missing from a row becomes."""

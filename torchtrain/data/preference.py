@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from torchtrain.data.chat_format import ChatFormatError, Conversation, _turns_of, records
+from torchtrain.data.chat_format import ChatFormatError, Conversation, _turns_of, prompt_turns, records
 from torchtrain.data.chat_template import Rendered, chat_renderer
 from torchtrain.data.preference_packing import PreferenceDataset, PreferenceSource, build_preference_source
 from torchtrain.data.tokenizer import Tokenizer
@@ -87,31 +87,18 @@ def parse_pair(record: object, where: str) -> PreferencePair:
     """One record as a pair (module docstring); PreferenceFormatError naming `where` and what is wrong."""
     if not isinstance(record, dict):
         raise PreferenceFormatError(f"{where}: a preference pair is a JSON object, got {type(record).__name__}")
-    key = "messages" if "messages" in record else "prompt" if "prompt" in record else None
-    if key is None:
-        raise PreferenceFormatError(f"{where}: no prompt: expected \"prompt\" or \"messages\" besides \"chosen\" "
-                                    f"and \"rejected\", got the keys {sorted(record)}")
+    try:
+        _, asked = prompt_turns(record, where, "\"chosen\" and \"rejected\"")
+    except ChatFormatError as e:
+        raise PreferenceFormatError(str(e)) from None
     missing = [side for side in SIDES if side not in record]
     if missing:
         raise PreferenceFormatError(f"{where}: no {' and no '.join(missing)} answer (\"{missing[0]}\" is missing)")
-    prompt = record[key]
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-        if "system" in record:
-            prompt.insert(0, {"role": "system", "content": record["system"]})
-    elif not isinstance(prompt, list) or not prompt:
-        raise PreferenceFormatError(f"{where}: \"{key}\" must be a string or a non-empty list of {{\"role\", "
-                                    f"\"content\"}} messages, got {type(prompt).__name__}")
-    elif "system" in record:
-        raise PreferenceFormatError(f"{where}: a \"system\" string goes with a string prompt; with \"{key}\" as "
-                                    f"messages, put the system turn first in the list")
-    # checked with a placeholder answer appended: chat_format refuses a conversation without one
-    prompt_turns = _turns(prompt + [{"role": "assistant", "content": ""}], f"{where}: {key}")[:-1]
     (before_chosen, chosen), (before_rejected, rejected) = (_answer(record[side], side, where) for side in SIDES)
     if before_chosen != before_rejected:
         raise PreferenceFormatError(f"{where}: the messages before the chosen and the rejected answer differ; "
                                     f"they are prompt turns, the same for both")
-    turns = prompt_turns + before_chosen
+    turns = asked + before_chosen
     if turns[-1][0] != "user":
         raise PreferenceFormatError(f"{where}: the prompt must end with a user turn, got a {turns[-1][0]} turn")
     if chosen == rejected:

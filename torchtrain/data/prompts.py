@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from torchtrain.data.chat_format import ChatFormatError, Conversation, _turns_of, records
+from torchtrain.data.chat_format import ChatFormatError, Conversation, prompt_turns, records
 from torchtrain.data.chat_template import chat_renderer
 from torchtrain.data.tokenizer import Tokenizer
 
@@ -50,26 +50,14 @@ def parse_prompt(record: object, where: str) -> tuple[tuple[tuple[str, str], ...
     """(the prompt's turns, the answer) of one record (module docstring)."""
     if not isinstance(record, dict):
         raise PromptFormatError(f"{where}: a prompt is a JSON object, got {type(record).__name__}")
-    key = "messages" if "messages" in record else "prompt" if "prompt" in record else None
-    if key is None:
-        raise PromptFormatError(f"{where}: no prompt: expected \"prompt\" or \"messages\" besides \"answer\", got the "
-                                f"keys {sorted(record)}")
     answer = record.get("answer", record.get("solution"))
+    try:
+        _, turns = prompt_turns(record, where, "\"answer\"")
+    except ChatFormatError as e:
+        raise PromptFormatError(str(e)) from None
     if answer is None or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise PromptFormatError(f"{where}: no reference answer: expected \"answer\" (a string or a number), got "
                                 f"{'nothing' if answer is None else type(answer).__name__}")
-    prompt = record[key]
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-        if isinstance(record.get("system"), str):
-            prompt.insert(0, {"role": "system", "content": record["system"]})
-    elif not isinstance(prompt, list) or not prompt:
-        raise PromptFormatError(f"{where}: \"{key}\" must be a string or a non-empty list of {{\"role\", \"content\"}} "
-                                f"messages, got {type(prompt).__name__}")
-    try:  # checked with a placeholder answer appended: chat_format refuses a conversation without one
-        turns = _turns_of({"messages": prompt + [{"role": "assistant", "content": ""}]}, f"{where}: {key}")[:-1]
-    except ChatFormatError as e:
-        raise PromptFormatError(str(e)) from None
     if turns[-1][0] != "user":
         raise PromptFormatError(f"{where}: the prompt must end with a user turn, got a {turns[-1][0]} turn")
     return turns, str(answer)
