@@ -17,8 +17,8 @@ and bad input.
   ~0 by construction: its relative difference is meaningless); a run resumed from a checkpoint in the middle of an
   iteration (its rollout rows restored) continues bitwise; PP 2 and CP 2 train as one process does with an
   unsharded sampling copy synced from the model (grpo.generator = "copy"); with beta > 0 the KL term to the
-  reference -- a frozen copy, or LoRA's adapters off -- matches too; the first step of an iteration has ratio 1
-  within 1e-6 (sampler = trainer);
+  reference -- a frozen copy (also under CP 2), or LoRA's adapters off -- matches too; the first step of an
+  iteration has ratio 1 within 1e-6 (sampler = trainer), and exactly 1 with grpo.old_logps = "trainer";
 * bad input: a prompt without an answer, a prompt longer than the budget, and a reward function that raises or
   returns a non-number are one line naming the file:line or the function, exit 2 before training; during
   training a failing reward is scored 0 and counted (grpo/reward_errors).
@@ -41,6 +41,8 @@ MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim"
 CKPT = ("--checkpoint.interval", "2")
 KL = ("--grpo.beta", "0.05")
 COPY = ("--grpo.generator", "copy")
+KL_CP = (*COPY, *KL)
+OLD = ("--grpo.old_logps", "trainer")
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -200,7 +202,8 @@ def suite(tmp_path_factory):
                                                   "2", "--checkpoint.interval", "1000"]
     return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
                                                        ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
-                                                       ("fsdp2", LORA_KL)])
+                                                       ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
+                                                       ("single", OLD), ("fsdp2", OLD)])
 
 
 @pytest.mark.dist
@@ -222,12 +225,20 @@ def test_pipeline_and_context_parallel_training_sample_with_a_synced_copy(suite)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("variant", [KL, LORA_KL], ids=["frozen_copy", "lora_adapters_off"])
-def test_the_kl_penalty_to_the_reference_matches_one_process(suite, variant):
+@pytest.mark.parametrize("variant,layout", [(KL, "fsdp2"), (LORA_KL, "fsdp2"), (KL_CP, "cp2")],
+                         ids=["frozen_copy", "lora_adapters_off", "frozen_copy_cp2"])
+def test_the_kl_penalty_to_the_reference_matches_one_process(suite, variant, layout):
     single = suite.results["single", variant]
-    assert ("sharded like the model" if variant == KL else "LoRA adapters off; no copy: 0 MiB") in single.log
+    assert ("LoRA adapters off; no copy: 0 MiB" if variant == LORA_KL else "sharded like the model") in single.log
     assert all(r["grpo/kl"] >= 0 for r in single.records) and single.records[-1]["grpo/kl"] > 0
-    suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=variant)
+    suite.check([layout], rtol=RTOL, atol=ATOL, extra=variant)
+
+
+@pytest.mark.dist
+def test_trainer_old_log_probs_make_the_first_ratio_exactly_one(suite):
+    run, = suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=OLD)
+    for records in (run.records, suite.results["single", OLD].records):
+        assert records[0]["grpo/ratio"] == 1.0 and records[0]["grpo/clip_fraction"] == 0.0
 
 
 # ------------------------------------------------------------------ bad input

@@ -86,6 +86,13 @@ class Grpo:
     and any layout, pipeline and context parallelism included (the way an external generator such as vLLM is
     fed; docs/post_training.md)."""
 
+    old_logps: Literal["sampler", "trainer"] = "sampler"
+    """The log-probs of the sampling policy in the importance ratio. `sampler`: those the sampler computed while
+    sampling (free; equal to the train step's within float rounding: 1e-6 relative in float32). `trainer`: one
+    more forward of the train step over each batch of rollouts, micro-batch by micro-batch as the steps cut
+    them, so the first step of an iteration has ratio 1 exactly (bitwise in deterministic mode) -- the choice
+    for mixed precision, or for an external generator whose kernels differ."""
+
     skip_long_prompts: bool = False
     """A prompt whose tokens plus max_completion_length exceed training.seq_len: false stops the launch with
     its file:line; true drops it (the count is logged at start)."""

@@ -48,7 +48,7 @@ class ReferenceModel:
             part.eval()
 
     @contextlib.contextmanager
-    def _scoring(self, step):
+    def scoring(self, step):
         """No gradients, adapters off (LoRA), no MoE / extra-loss statistics, the step's context (under TP:
         vocabulary-sharded logits, loss parallel)."""
         off = adapters_off(step.model_parts) if self.parts is None else contextlib.nullcontext()
@@ -61,7 +61,7 @@ class ReferenceModel:
                     if isinstance(module, FSDPModule):
                         module.reshard()
 
-    def _logits(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def logits(self, step, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The reference's logits (under PP on the last stage's rank only, else None)."""
         if step.pipeline is not None:
             return step.pipeline.forward(batch["input_ids"], step.model_kwargs(batch), parts=self.parts)
@@ -71,8 +71,8 @@ class ReferenceModel:
     def fill(self, step, batch: dict[str, torch.Tensor], loss: PreferenceLoss) -> dict[str, torch.Tensor]:
         """The (sharded, on-device) micro-batch with the reference's sums of its answers as `ref_logps` (zeros off
         the last pipeline stage)."""
-        with self._scoring(step):
-            logits = self._logits(step, batch)
+        with self.scoring(step):
+            logits = self.logits(step, batch)
             sums = loss.reference_sums(logits, batch) if logits is not None else \
                 torch.zeros(*batch["pair_id"].shape, 2, dtype=torch.float64, device=step.device)
             return {**batch, "ref_logps": sums}
@@ -83,10 +83,10 @@ class ReferenceModel:
         micro-batch: the logits of one at a time live at once), with the logits divided by `temperature` (GRPO's
         sampling temperature); under PP on the last stage only."""
         chunks = []
-        with self._scoring(step):
+        with self.scoring(step):
             for start in range(0, batch["input_ids"].shape[0], rows):
                 part = {k: v[start:start + rows] for k, v in batch.items()}
-                logits = self._logits(step, part)
+                logits = self.logits(step, part)
                 if logits is not None:
                     chunks.append(token_logps(logits if temperature == 1 else logits.float() / temperature,
                                               part["labels"]))

@@ -43,6 +43,8 @@ from torchtrain.config.grpo import Grpo
 from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.sampling import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.distributed.utils import all_reduce
+from torchtrain.models.base import forward_counting
+from torchtrain.trainer.preference_loss import token_logps
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
@@ -201,6 +203,8 @@ class RolloutLoader:
         reward = torch.tensor(rewards, dtype=torch.float64)
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
         self.rows = self._rows(rows, out.tokens, out.logps, advantage)
+        if grpo.old_logps == "trainer":
+            self.rows["old_logps"] = self._trainer_logps()
         if self.reference is not None:
             self.rows["ref_token_logps"] = self._reference_logps()
         self.position = 0
@@ -229,14 +233,44 @@ class RolloutLoader:
             adv[i, first:length] = float(advantage[i])
         return {"input_ids": ids, "labels": labels, "old_logps": old, "advantages": adv}
 
+    def _score(self, scoring, logits) -> torch.Tensor:
+        """Per-token log-probs of every row's labels at the sampling temperature, (rows, seq_len) float32 on the CPU:
+        `logits(step, micro_batch)` inside the `scoring` context over the rows, one step's micro-batch at a time as
+        the train step cuts them (context-parallel chunks put back in place and summed over the CP ranks; zeros on
+        a pipeline rank before the last stage, whose loss never reads them)."""
+        step, rows, b = self.step, self.rows, self.local_batch_size
+        out = torch.zeros(rows["labels"].shape)
+        dims = step.layout.dims
+        with scoring:
+            for start in range(0, out.shape[0], b):
+                batch = {k: v.to(step.device) for k, v in step.shard({k: v[start:start + b] for k, v in rows.items()
+                                                                       if k in ("input_ids", "labels")}).items()}
+                result = logits(step, batch)
+                if result is None:
+                    continue
+                logps = token_logps(result if self.grpo.temperature == 1 else result.float() / self.grpo.temperature,
+                                    batch["labels"]).float()
+                if dims.cp_enabled:
+                    logps = torch.zeros(out[start:start + b].shape, device=logps.device).scatter_(
+                        1, batch["seq_index"], logps)
+                out[start:start + b] = logps.cpu()
+        if dims.cp_enabled:
+            out = all_reduce(out.to(step.device), dims.cp_mesh).cpu()
+        return out
+
     def _reference_logps(self) -> torch.Tensor:
         """The reference's log-probs of every row's labels at the sampling temperature, (rows, seq_len)."""
-        step, rows = self.step, self.rows
-        batch = {k: v.to(step.device) for k, v in rows.items()}
-        logps = self.reference.token_logps(step, batch, self.local_batch_size, self.grpo.temperature)
-        if logps is None:  # a pipeline rank before the last stage: its loss never reads them
-            return torch.zeros(rows["labels"].shape)
-        return logps.float().cpu()
+        return self._score(self.reference.scoring(self.step), self.reference.logits)
+
+    def _trainer_logps(self) -> torch.Tensor:
+        """The model's own log-probs of every row's labels by the train step's forward (grpo.old_logps = "trainer")."""
+        step = self.step
+
+        @contextlib.contextmanager
+        def scoring():
+            with torch.no_grad(), forward_counting(False), step.context():
+                yield
+        return self._score(scoring(), lambda step, batch: step.forward(batch))
 
     # ------------------------------------------------------------------------------------ the log
     def record(self) -> dict[str, float]:

@@ -275,17 +275,18 @@ class TrainStep:
         # on the device first (pinned by the loader, copied without waiting): the target count is then taken
         # there, so the step never waits for the previous one to finish before it queues its own work
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in self.shard(b).items()} for b in batches]
-        local_tokens = sum(count_valid_tokens(b["labels"]) for b in batches)
-        global_tokens = all_reduce(local_tokens, dims.loss_mesh)
+        # what the step's loss is a mean over: its target tokens, or a sequence loss's own units (DPO's pairs),
+        # counted in the same all-reduce
+        counts = sum(count_valid_tokens(b["labels"]) for b in batches)
+        own_units = self.sequence_loss is not None and self.sequence_loss.units != "tokens"
+        if own_units:
+            counts = torch.stack([counts, sum(self.sequence_loss.count(b) for b in batches)])
+        counts = all_reduce(counts, dims.loss_mesh)
         degree = dims.loss_degree
         if self.replicas is not None:
-            global_tokens, degree = self.replicas.sum_(global_tokens), degree * self.replicas.live
+            counts, degree = self.replicas.sum_(counts), degree * self.replicas.live
+        global_tokens, units = (counts[0], counts[1]) if own_units else (counts, counts)
         loss_fn = self.loss_fn if self.sequence_loss is None else self.sequence_loss
-        units = global_tokens  # what the step's loss is a mean over: tokens, or a preference loss's pairs
-        if self.sequence_loss is not None and self.sequence_loss.units != "tokens":
-            units = all_reduce(sum(self.sequence_loss.count(b) for b in batches), dims.loss_mesh)
-            if self.replicas is not None:
-                units = self.replicas.sum_(units)
         loss_fn.scale = degree / units.double()
         multiplier = hooks.loss_multiplier()
         if multiplier is not None:

@@ -119,7 +119,9 @@ def safe_loads(data: bytes, allowed: frozenset = LEGACY_CLASSES, *, source: str 
 
 
 def _refusal(source: str, e: RefusedPickle) -> str:
-    return (f"[checkpoint] {source} holds a pickle that imports {e.module}.{e.name}, which no checkpoint "
+    # the names come from the file: escaped, so that a damaged one (a newline, say) stays on the one line
+    imported = f"{e.module}.{e.name}".encode("unicode_escape").decode("ascii")
+    return (f"[checkpoint] {source} holds a pickle that imports {imported}, which no checkpoint "
             f"needs: refused before loading (loading it could run code from the folder)")
 
 

@@ -16,7 +16,7 @@ with `frozen=True`: no DDP wrapper under the DDP / ZeRO-1 strategies): float32 w
 trained model's parameters (the "parameters" row: 4 B x params / N with FSDP's padding, TP- and EP-local), no
 gradients, no optimizer state; offloaded to host memory with the parameters under CPU offload. After each of
 its scoring passes (a micro-batch's forward; under pipeline parallelism the step's, below) the trainer reshards
-every FSDP unit of the copy (`ReferenceModel._scoring`), so between them it holds only its shards: its units
+every FSDP unit of the copy (`ReferenceModel.scoring`), so between them it holds only its shards: its units
 are gathered (d x their unsharded parameters) only while it scores. That transient -- the units it gathers, one block's intermediates (no_grad: nothing is saved for
 backward) and the reference's fp32 log-probs, 2 x 4 V t / tp -- stays below the trained forward's at the start
 of backward (every stored activation, the log-softmax and its two gradient buffers, the gathered units), so the
