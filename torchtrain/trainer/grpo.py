@@ -11,7 +11,7 @@ checked, checkpointed and set up before the first step. The loss is the train st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -103,18 +103,19 @@ class GrpoRun:
         """The checkpoint entry `reference` (None: nothing to keep)."""
         return self.reference.checkpoint_state() if self.reference is not None else None
 
-    def start(self, step_number: int, step) -> None:
+    def start(self, step_number: int, step, heartbeat: Callable[[], None] | None = None) -> None:
         """After the checkpoint load: the reference takes the initial weights unless resumed with its own; the loader
-        samples with the train step's model."""
+        samples with the train step's model (`heartbeat`: tells the hang monitor sampling makes progress)."""
         if self.reference is not None:
             start_reference(self.reference, step_number, step.model_parts, "grpo")
         grpo = self.loader.grpo
         if self.copy is None:
-            generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit)
+            generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit, heartbeat)
         else:
             self.copy.parts = step.model_parts
-            generator = CopyGenerator(self.copy, grpo, self.stops, self.vocab_limit, self.layout.autocast_dtype)
-        self.loader.attach(step, self.reference, generator)
+            generator = CopyGenerator(self.copy, grpo, self.stops, self.vocab_limit, self.layout.autocast_dtype,
+                                      heartbeat)
+        self.loader.attach(step, self.reference, generator, heartbeat)
 
     def record(self) -> dict[str, float]:
         """The latest iteration's rollout metrics (every rank calls it: one all-reduce)."""

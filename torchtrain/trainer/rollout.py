@@ -30,7 +30,7 @@ import base64
 import contextlib
 import hashlib
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -45,7 +45,8 @@ from torchtrain.distributed.sampling import SamplerCopy, all_ranks_done, samplin
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.trainer.preference_loss import token_logps
-from torchtrain.utils.logging import logger
+from torchtrain.utils.logging import is_log_rank, logger
+from torchtrain.utils.progress import Progress
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
 KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
@@ -64,28 +65,44 @@ class Generator(Protocol):
                  ) -> Completions: ...
 
 
+class SamplingProgress:
+    """What sampling reports each token step: a bar with rate and ETA on the log rank once it takes over 10 s, and a
+    heartbeat (the hang monitor's progress: an iteration's sampling may take minutes, each token step does not)."""
+
+    def __init__(self, total: int, heartbeat: Callable[[], None] | None):
+        self.bar = Progress("grpo sampling", total, "tokens", enabled=is_log_rank(), delay=10.0)
+        self.heartbeat = heartbeat
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.heartbeat is not None:
+            self.heartbeat()
+
+
 class TrainerGenerator:
     """grpo.generator = "trainer": the model being trained samples, in its layout (`distributed/sampling.py`)."""
 
-    def __init__(self, step, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int):
+    def __init__(self, step, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
+                 heartbeat: Callable[[], None] | None = None):
         self.step, self.grpo, self.stop_ids, self.vocab_limit = step, grpo, stop_ids, vocab_limit
+        self.heartbeat = heartbeat
 
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
-        step = self.step
-        with sampling_mode(step.model_parts), step.context():
+        step, progress = self.step, SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
+        with sampling_mode(step.model_parts), step.context(), progress.bar:
             return sample_groups(step.model_parts[0], prompts, self.grpo.num_generations,
                                  self.grpo.max_completion_length, sampling, generators, self.stop_ids,
-                                 self.vocab_limit, all_ranks_done, multiple=step.layout.dims.tp)
+                                 self.vocab_limit, all_ranks_done, multiple=step.layout.dims.tp, progress=progress)
 
 
-class CopyGenerator:
+class CopyGenerator(TrainerGenerator):
     """grpo.generator = "copy": an unsharded copy on every rank samples (`distributed/sampling.py::SamplerCopy`),
     its weights synced from the model being trained first; no collective while it samples."""
 
     def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
-                 autocast: torch.dtype | None):
-        self.copy, self.grpo, self.stop_ids, self.vocab_limit, self.autocast = copy, grpo, stop_ids, vocab_limit, \
-            autocast
+                 autocast: torch.dtype | None, heartbeat: Callable[[], None] | None = None):
+        super().__init__(None, grpo, stop_ids, vocab_limit, heartbeat)
+        self.copy, self.autocast = copy, autocast
 
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
         self.copy.sync()
@@ -93,9 +110,10 @@ class CopyGenerator:
         device = next(model.parameters()).device
         autocast = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else \
             contextlib.nullcontext()
-        with sampling_mode([model]), autocast:
+        progress = SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
+        with sampling_mode([model]), autocast, progress.bar:
             return sample_groups(model, prompts, self.grpo.num_generations, self.grpo.max_completion_length,
-                                 sampling, generators, self.stop_ids, self.vocab_limit)
+                                 sampling, generators, self.stop_ids, self.vocab_limit, progress=progress)
 
 
 class RewardStop(ConfigError):
@@ -146,14 +164,15 @@ class RolloutLoader:
         self.consumed = 0
         self.position = 0
         self.rows: dict[str, torch.Tensor] | None = None
-        self.step = self.reference = self.generator = None
+        self.step = self.reference = self.generator = self.heartbeat = None
         self.iterations = 0
         self._stats: torch.Tensor | None = None
         self._warned: set[str] = set()
 
-    def attach(self, step, reference, generator: Generator) -> None:
-        """The train step (its layout and context), the reference (None: beta = 0), where completions come from."""
-        self.step, self.reference, self.generator = step, reference, generator
+    def attach(self, step, reference, generator: Generator, heartbeat: Callable[[], None] | None = None) -> None:
+        """The train step (its layout and context), the reference (None: beta = 0), where completions come from, and
+        what tells the hang monitor the rollout makes progress."""
+        self.step, self.reference, self.generator, self.heartbeat = step, reference, generator, heartbeat
 
     # ------------------------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -184,6 +203,8 @@ class RolloutLoader:
         for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped)):
             prompt = prompts[i // g]
             text = self.tokenizer.decode(tokens[:-1] if stopped else tokens)
+            if self.heartbeat is not None:  # (a reward function may be slow: running code, say)
+                self.heartbeat()
             try:
                 rewards.append(self.rewards.score(text, prompt.answer, prompt.text))
             except RewardError as e:
@@ -193,9 +214,8 @@ class RolloutLoader:
                     continue
                 errors += 1
                 rewards.append(0.0)
-                name = str(e).split("'")[1] if "'" in str(e) else str(e)
-                if name not in self._warned:
-                    self._warned.add(name)
+                if e.function not in self._warned:
+                    self._warned.add(e.function)
                     logger.warning("grpo: %s on a completion of %s: scored 0 and counted in grpo/reward_errors "
                                    "(grpo.on_reward_error)", e, prompt.where)
         if grpo.on_reward_error == "stop":

@@ -180,7 +180,7 @@ class Trainer:
         if self.preference is not None:  # the reference takes the initial weights, unless resumed with them
             self.preference.start(self.state.step, self.train_step, self.batch.local_batch_size)
         if self.grpo is not None:  # likewise; and the rollouts sample with the model being trained
-            self.grpo.start(self.state.step, self.train_step)
+            self.grpo.start(self.state.step, self.train_step, heartbeat=lambda: self.fault.mark("rollout"))
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
             self.replicas.install(self.model_parts)

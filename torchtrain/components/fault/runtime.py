@@ -104,7 +104,8 @@ class FaultRuntime:
 
     def mark(self, phase: str) -> None:
         """Work outside the PhaseTimer's phases: "checkpoint" (a guard rollback's restore), "quorum" (waiting
-        for the replica groups under fault.replica_ft). Both are slow phases for the hang monitor."""
+        for the replica groups under fault.replica_ft) -- both slow phases for the hang monitor --, and "rollout"
+        (GRPO's sampling and rewards, marked at every token step and completion: progress within the data phase)."""
         if self.monitor is not None:
             self.monitor.progress(self.state.step, phase)
 

@@ -52,7 +52,11 @@ def _format(pattern: str) -> RewardFn:
 
 
 class RewardError(Exception):
-    """A reward function raised or returned something that is not a finite number (the message names it)."""
+    """A reward function (`function`, its name) raised or returned something that is not a finite number."""
+
+    def __init__(self, function: str, message: str):
+        super().__init__(message)
+        self.function = function
 
 
 def _import(path: str) -> RewardFn:
@@ -83,9 +87,9 @@ class Rewards:
             try:
                 value = fn(completion, answer, prompt)
             except Exception as e:  # noqa: BLE001 -- any failure of user code is reported, never a traceback
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+                raise RewardError(name, f"reward function {name!r} raised {type(e).__name__}: {e}") from None
             if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise RewardError(f"reward function {name!r} returned {value!r}, not a finite number")
+                raise RewardError(name, f"reward function {name!r} returned {value!r}, not a finite number")
             out.append(float(value))
         return out
 

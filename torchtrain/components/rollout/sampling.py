@@ -142,16 +142,16 @@ def sample(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
 
 def sample_groups(model: torch.nn.Module, prompts: list[list[int]], group: int, max_new_tokens: int, s: Sampling,
                   generators: list[torch.Generator], stop_ids: tuple[int, ...] = (), vocab_limit: int | None = None,
-                  all_done: Callable[[bool], bool] | None = None, multiple: int = 1) -> Completions:
+                  all_done: Callable[[bool], bool] | None = None, multiple: int = 1, progress=None) -> Completions:
     """`sample` over rows that come in groups of `group` with one prompt each (GRPO's completions of a prompt): all
     rows in one batch with a key/value cache, else one group at a time (one prompt length per batch)."""
     if has_cache(model):
-        return sample(model, prompts, max_new_tokens, s, generators, stop_ids, vocab_limit, all_done,
-                      multiple=multiple)
+        return sample(model, prompts, max_new_tokens, s, generators, stop_ids, vocab_limit, all_done, progress,
+                      multiple)
     out = Completions([], [], [])
     for start in range(0, len(prompts), group):
         part = sample(model, prompts[start:start + group], max_new_tokens, s, generators[start:start + group],
-                      stop_ids, vocab_limit, all_done, multiple=multiple)
+                      stop_ids, vocab_limit, all_done, progress, multiple)
         out.tokens += part.tokens
         out.logps += part.logps
         out.stopped += part.stopped
