@@ -2,9 +2,10 @@
 and bad input.
 
 * sampling with the key/value cache computes what a full forward over each finished row computes: the sampler's
-  log-probs equal the trainer's within 1e-6 relative (fp32, a few ulps of log-probs near -5.6; left-padded prompts of several lengths, a sliding window and
-  attention sinks, the scratch slots of a sequence-parallel feed), and a row's samples do not depend on the batch
-  it is sampled in (its own generator);
+  log-probs equal the trainer's within 1e-6 relative (fp32, a few ulps of log-probs near -5.6; left-padded prompts
+  of several lengths, a sliding window and attention sinks, the scratch slots of a sequence-parallel feed, Qwen3.5's
+  linear-attention layers keeping their recurrent state), and a row's samples do not depend on the batch it is
+  sampled in (its own generator);
 * the clipped objective with the k3 KL term equals its formula token by token (float64), and group advantages are
   centred (and scaled) per group;
 * the toy task (`tools/grpo_toy.py`): a tiny Llama fine-tuned for 200 steps on answers a quarter of which are wrong
@@ -75,7 +76,7 @@ def tiny_model(name: str, **overrides):
     from torchtrain.models.registry import get_model_spec
 
     spec = get_model_spec(name)
-    args = spec.flavors["debugmodel"].replace(n_layers=2, max_seq_len=64, **overrides)
+    args = spec.flavors["debugmodel"].replace(**{"n_layers": 2, "max_seq_len": 64, **overrides})
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device="cpu")
@@ -85,13 +86,14 @@ def tiny_model(name: str, **overrides):
 
 
 # ------------------------------------------------------------------ the sampler
-@pytest.mark.parametrize("name,multiple", [("llama3", 1), ("llama3", 2), ("gpt_oss", 1)],
-                         ids=["llama3", "llama3_scratch_slots", "gpt_oss_window_sinks"])
+@pytest.mark.parametrize("name,multiple", [("llama3", 1), ("llama3", 2), ("gpt_oss", 1), ("qwen3_5", 2)],
+                         ids=["llama3", "llama3_scratch_slots", "gpt_oss_window_sinks", "qwen3_5_linear_state"])
 def test_sampler_log_probs_equal_the_trainers_within_1e6(name, multiple):
     from torchtrain.components.rollout.sampling import Sampling, sample
     from torchtrain.trainer.policy_loss import PolicyLoss
 
-    model = tiny_model(name, vocab_size=264, **({"sliding_window": 4} if name == "gpt_oss" else {}))
+    layers = {"n_layers": 4} if name == "qwen3_5" else {}  # three linear-attention layers and a full one
+    model = tiny_model(name, vocab_size=264, **({"sliding_window": 4} if name == "gpt_oss" else {}), **layers)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 12, 13]]  # left-padded to 10
     generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
     out = sample(model, prompts, 12, Sampling(temperature=0.7), generators, multiple=multiple)

@@ -173,3 +173,21 @@ def test_cli_json_has_the_grpo_section(data, capsys):
              "--dpo.enable", "false", "--training.dataset", "synthetic", "--json"]
     assert main(plain) == 0
     assert json.loads(capsys.readouterr().out)["grpo"] is None
+
+
+def test_a_hybrid_models_linear_layers_cache_a_fixed_state(data):
+    """Qwen3.5: the full-attention layers' KV grows with the slots; each linear-attention layer keeps one recurrent
+    state (float32 H_v d_k d_v) and its convolution's last K - 1 inputs a row (`models/common/linear_attention.py`)."""
+    job, p, plan = _plan(data, 1, ["--model.name", "qwen3_5", "--model.flavor", "debugmodel", "--model.n_layers", "4",
+                                   "--model.vocab_size", "264"])
+    a, c, lp = p.model, plan.grpo, _longest(job)
+    attention = [i for i in range(a.n_layers) if not a.is_linear_layer(i)]
+    assert attention and len(attention) < a.n_layers and c.kv_cache
+    lin = a.linear_block.linear
+    state = 4 * lin.value_heads * lin.key_head_dim * lin.value_head_dim + (lin.conv_kernel - 1) * (
+        2 * lin.key_heads * lin.key_head_dim + lin.value_heads * lin.value_head_dim) * p.param_bytes
+    slot = sum((a.layer_attention(i).qk_head_dim + a.layer_attention(i).v_head_dim) * a.layer_attention(i).kv_heads
+               for i in attention) * p.param_bytes
+    rows = c.rows_per_rank
+    assert c.kv_cache_bytes == pytest.approx((slot * (lp + 16) + state * (a.n_layers - len(attention)))
+                                                        * rows)

@@ -10,9 +10,10 @@ through another kernel), which is what lets a rollout's log-probs stand for the 
 importance ratio. At T = 0 (greedy) the log-probs are those of T = 1.
 
 A model whose forward takes `cache` (the decoder family's attention: `models/common/kv_cache.py`) runs the
-left-padded prompts once and then one token a step. Any other model (recurrent linear-attention layers,
-latent attention, a transformers model) recomputes its whole context every step; its prompts must then all
-have one length (`sample` raises otherwise), which a group of completions of one prompt has.
+left-padded prompts once and then one token a step (Qwen3.5's linear-attention layers keep their recurrent
+state there). Any other model (latent attention, a transformers model) recomputes its whole context every step;
+its prompts must then all have one length (`sample` raises otherwise), which a group of completions of one prompt
+has.
 
 Rows stop at their first stop id (kept as the completion's last token) or after `max_new_tokens`. Every row
 keeps being fed until all have stopped, so every step draws the same random numbers whatever stopped; with
@@ -78,6 +79,15 @@ class Completions:
 def has_cache(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes a key/value cache."""
     return "cache" in inspect.signature(model.forward).parameters
+
+
+def builds_with_cache(model_cls, args) -> bool:
+    """Whether the models `model_cls` builds from `args` take a key/value cache (`model_cls`: a class, or a factory
+    choosing one by the arguments, built on the meta device to see which)."""
+    if isinstance(model_cls, type):
+        return has_cache(model_cls)
+    with torch.device("meta"):
+        return has_cache(model_cls(args))
 
 
 def full_logits(logits) -> torch.Tensor:

@@ -12,6 +12,10 @@ so a real token never sees padding and a padding slot sees only padding (never a
 real tokens this is exactly causal attention over the row's own tokens at their own positions, so a
 forward with the cache computes what a forward over the whole unpadded row computes, up to float
 summation order. The buffers are allocated once per layer at `capacity` slots (prompt + new tokens).
+
+A recurrent layer (linear attention: `linear_attention.py`) keeps its own state here instead (`state`,
+`set_state`): its convolution's last inputs and its recurrent state, padding and scratch slots made identity
+steps (`valid`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,28 @@ class KVCache:
         overwritten by the next forward: a sequence-parallel model needs n divisible by its TP degree, which one
         new token per step is not."""
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._states: dict[tuple[int, str], torch.Tensor] = {}
 
     def positions(self, n: int) -> torch.Tensor:
         """(batch, n) RoPE positions of the next `n` slots (padding slots: 0)."""
         slots = torch.arange(self.length, self.length + n, device=self.pad.device)
         return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def valid(self, n: int) -> torch.Tensor:
+        """(batch, n) whether each of the next `n` slots holds a token that stays: not padding, and not a scratch
+        slot past `keep`. A recurrent layer (linear attention) makes the others identity steps."""
+        slots = torch.arange(self.length, self.length + n, device=self.pad.device)
+        valid = slots[None, :] >= self.pad[:, None]
+        if self.keep is not None:
+            valid = valid & (torch.arange(n, device=self.pad.device) < self.keep)[None, :]
+        return valid
+
+    def state(self, layer: torch.nn.Module, name: str):
+        """The state `name` a recurrent layer kept after the slots so far (None before its first forward)."""
+        return self._states.get((id(layer), name))
+
+    def set_state(self, layer: torch.nn.Module, name: str, value) -> None:
+        self._states[(id(layer), name)] = value
 
     def mask(self, n: int, window: int | None = None) -> torch.Tensor:
         """(batch, 1, n, length + n) additive float32 mask of the next `n` queries over every slot (docstring)."""
@@ -72,3 +93,4 @@ class KVCache:
         """Keep only `rows` (indices) of the batch, e.g. when finished rows leave it."""
         self.pad = self.pad[rows]
         self._layers = {key: (k[rows], v[rows]) for key, (k, v) in self._layers.items()}
+        self._states = {key: value[rows] for key, value in self._states.items()}

@@ -23,6 +23,9 @@ column-parallel, the convolutions' channels and the per-head decay parameters wi
 gradient summed); context parallelism replaces `core` (`LinearAttentionCore`) by its sequence-sharded
 version (`distributed/context_parallel_linear.py`), which hands each shard the exact recurrent state and
 convolution context of the tokens before it.
+
+**Incremental decoding** (`kv_cache.py`): the core reads and keeps the convolution's last inputs and the
+recurrent state in the cache; left padding and scratch slots are identity steps (zero inputs, no write, no decay).
 """
 
 from __future__ import annotations
@@ -99,13 +102,32 @@ class LinearAttentionCore(nn.Module):
         return f"kernel={self.kernel}, chunk_size={self.chunk_size}"
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        left = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
-        return causal_conv(x, left, weight, ctx.positions)
+        cache = ctx.extra.get("kv_cache")
+        if cache is None:
+            left = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
+            return causal_conv(x, left, weight, ctx.positions)
+        # incremental decoding (`kv_cache.py`): the inputs before these slots from the cache; padding and scratch
+        # slots read as zeros (as before a sequence start) and are not kept
+        valid = cache.valid(x.shape[1])
+        x = x * valid.unsqueeze(-1).to(x.dtype)
+        left = cache.state(self, "conv")
+        if left is None:
+            left = x.new_zeros(x.shape[0], weight.shape[1] - 1, x.shape[2])
+        kept = int(valid.shape[1] if cache.keep is None else cache.keep)
+        cache.set_state(self, "conv", torch.cat([left, x[:, :kept]], dim=1)[:, kept:])
+        return causal_conv(x, left, weight, None)
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ctx: AttentionContext) -> torch.Tensor:
-        out, _ = delta_rule.gated_delta_rule(q, k, v, g, beta, resets=document_starts(ctx), kernel=self.kernel,
-                                  chunk_size=self.chunk_size)
+        cache = ctx.extra.get("kv_cache")
+        if cache is None:
+            out, _ = delta_rule.gated_delta_rule(q, k, v, g, beta, resets=document_starts(ctx), kernel=self.kernel,
+                                                 chunk_size=self.chunk_size)
+            return out
+        valid = cache.valid(q.shape[1]).unsqueeze(-1)  # padding and scratch slots: no write (beta 0), no decay (g 0)
+        out, state = delta_rule.gated_delta_rule(q, k, v, g * valid, beta * valid, cache.state(self, "delta"),
+                                                 kernel=self.kernel, chunk_size=self.chunk_size)
+        cache.set_state(self, "delta", state)
         return out
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torchtrain.models.base import InitSpec
 from torchtrain.models.common.attention import attention_inputs
 from torchtrain.models.common.decoder import LAYER_ID, output_std
+from torchtrain.models.common.kv_cache import KVCache
 from torchtrain.models.common.layers import FeedForward
 from torchtrain.models.common.linear_attention import GatedDeltaNet
 from torchtrain.models.common.moe import MoE, MoEDecoder
@@ -64,12 +65,14 @@ class Qwen3_5Transformer(Decoder):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_index: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
                 image_grid: torch.Tensor | None = None, rope_positions: torch.Tensor | None = None,
-                image_index: torch.Tensor | None = None) -> torch.Tensor:
+                image_index: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """`Decoder.forward`, with a batch's images (module doc): `pixel_values` (rows, P, C T p p) and
         `image_grid` (rows, I, 3) as the data gives them, `rope_positions` (rows, L, 3) and `image_index`
-        (rows, L) from `batch_inputs`."""
-        if not self.args.vision:
-            return super().forward(tokens, positions, seq_index)
+        (rows, L) from `batch_inputs`. With a key/value `cache` (incremental decoding) text only."""
+        if cache is not None and pixel_values is not None:
+            raise ValueError("incremental decoding with a key/value cache takes text prompts only")
+        if not self.args.vision or cache is not None:
+            return super().forward(tokens, positions, seq_index, cache)
         if image_grid is not None and (rope_positions is None or image_index is None):  # a whole sequence
             derived = self.batch_inputs({"input_ids": tokens, "image_grid": image_grid,
                                          **({"positions": positions} if positions is not None else {})})

@@ -19,7 +19,7 @@ loop stops early only when every row of every rank has stopped, so L_c is the bo
     decode FLOPs        R sum_{j=1}^{L_c-1} F(L_p + j): the new token's matmuls, and its attention over the
                         L_p + j cached keys and values (exactly the 4 L h c term of F at c = L_p + j)
 
-A model without a cache (`has_cache` false: latent or linear attention, a transformers model) re-runs its whole
+A model without a cache (`has_cache` false: latent attention, a transformers model) re-runs its whole
 context every step: step j costs R (L_p + j) F(L_p + j) and holds no cache. Per GPU: the rank's FLOPs / tp.
 
 **Memory** during sampling, on every rank (`distributed/sampling.py`: FSDP units gathered at the first forward
@@ -28,7 +28,9 @@ reference copy: the analytic rows):
 
     unsharded weights   d x the rank's parameters before FSDP sharding (TP- and EP-local); none extra when the
                         float32 parameters themselves compute (no FSDP, float32)
-    KV cache            sum over layers of (d_qk + d_v) kv_heads / tp x (L_p + L_c) x R x d  (allocated whole)
+    KV cache            sum over attention layers of (d_qk + d_v) kv_heads / tp x (L_p + L_c) x R x d (allocated
+                        whole), and per linear-attention layer a fixed state a row: 4 H_v d_k d_v (float32) +
+                        (K - 1)(2 H_k d_k + H_v d_v) d, / tp
     prefill             the logits of every prompt slot, d R L_p V / tp (+ d R L_p V gathered whole under TP,
                         `full_logits`), the float32 cache mask 4 R L_p^2, one block's transient (at most A R L_p,
                         A the bytes a block stores for backward per token, `activations.py`)
@@ -134,11 +136,11 @@ def rows_per_rank(p: PlanInputs) -> int:
 
 def cached(p: PlanInputs) -> bool:
     """Whether the model samples with a key/value cache (its forward takes `cache`, as the trainer checks)."""
-    from torchtrain.components.rollout.sampling import has_cache
+    from torchtrain.components.rollout.sampling import builds_with_cache
     from torchtrain.models.registry import get_model_spec
 
     try:
-        return has_cache(get_model_spec(p.model_name).model_cls)
+        return builds_with_cache(get_model_spec(p.model_name).model_cls, p.args)
     except (AttributeError, TypeError, ValueError):
         return False
 
@@ -157,10 +159,27 @@ def unsharded_numel(p: PlanInputs) -> int:
 
 
 def kv_bytes_per_slot(p: PlanInputs) -> float:
-    """KV cache bytes of one row and one slot, all layers: sum of (d_qk + d_v) kv_heads / tp x d."""
+    """KV cache bytes of one row and one slot, the attention layers: sum of (d_qk + d_v) kv_heads / tp x d."""
     a = p.model
-    per = sum((att.qk_head_dim + att.v_head_dim) * att.kv_heads for att in map(a.layer_attention, range(a.n_layers)))
+    per = sum((att.qk_head_dim + att.v_head_dim) * att.kv_heads for i, att in
+              ((i, a.layer_attention(i)) for i in range(a.n_layers)) if not a.is_linear_layer(i))
     return per * p.param_bytes / p.tp
+
+
+def recurrent_bytes_per_row(p: PlanInputs) -> float:
+    """The cached state of one row in the linear-attention layers (`linear_attention.py`), whatever the length:
+    the float32 recurrent state H_v d_k d_v and the convolution's last K - 1 inputs (2 H_k d_k + H_v d_v channels,
+    x d), TP-local."""
+    a = p.model
+    total = 0.0
+    for i in range(a.n_layers):
+        lin = a.linear_block.linear if a.is_linear_layer(i) and a.linear_block is not None else None
+        if lin is None:
+            continue
+        channels = 2 * lin.key_heads * lin.key_head_dim + lin.value_heads * lin.value_head_dim
+        total += 4 * lin.value_heads * lin.key_head_dim * lin.value_head_dim + (lin.conv_kernel - 1) * channels * \
+            p.param_bytes
+    return total / p.tp
 
 
 @dataclass
@@ -207,7 +226,7 @@ def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generatio
     weights = float(d * numel)
     extra = p.fsdp_wraps or p.compute_copy or d < 4
     slot = kv_bytes_per_slot(p) if kv else 0.0
-    cache = slot * (lp + lc) * rows
+    cache = (slot * (lp + lc) + (recurrent_bytes_per_row(p) if kv else 0.0)) * rows
     gathered = 1 + (1 / tp if tp > 1 else 0)  # the sharded logits, and under TP their whole-vocabulary gather
     block = activations.act_per_token_per_block(a, d, tp, p.ep, fused_norm=p.gpu is not None and p.gpu.fused_rms_norm)
     base = [("unsharded weights (compute dtype)" if extra else
