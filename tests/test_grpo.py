@@ -20,9 +20,10 @@ and bad input.
   unsharded sampling copy synced from the model (grpo.generator = "copy"); with beta > 0 the KL term to the
   reference -- a frozen copy (also under CP 2), or LoRA's adapters off -- matches too; the first step of an
   iteration has ratio 1 within 1e-6 (sampler = trainer), and exactly 1 with grpo.old_logps = "trainer";
-* bad input: a prompt without an answer, a prompt longer than the budget, and a reward function that raises or
-  returns a non-number are one line naming the file:line or the function, exit 2 before training; during
-  training a failing reward is scored 0 and counted (grpo/reward_errors).
+* bad input: a prompt without an answer, a prompt longer than the budget, a reward function that raises or
+  returns a non-number, and pipeline parallelism with the in-place sampler are one line naming the file:line, the
+  function or the key, exit 2 before training; during training a failing reward is scored 0 and counted
+  (grpo/reward_errors), or stops the run on every rank (exit 2).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def flaky(completion, answer, prompt):
 '''
 
 
-@pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number"])
+@pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place"])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -275,6 +276,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
         with open(path, "a") as f:
             f.write(json.dumps({"prompt": "what is " + "9" * 40 + " mod 2?", "answer": "1"}) + "\n")
         expect = f"{path}:17"
+    elif case == "pipeline_in_place":
+        args += ["--parallelism.pipeline_parallel_degree", "2"]
+        expect = "[grpo.generator]"
     else:
         args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
         expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"

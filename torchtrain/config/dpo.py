@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from torchtrain.config.fields import ConfigError, Ge, Gt
+from torchtrain.config.post_training import check_loss_section
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCES = ("model", "precomputed")
@@ -58,16 +59,5 @@ class Dpo:
 def check_dpo(job) -> None:
     """[dpo] against the other sections (JobConfig.validate calls it): preference data and a preference loss go
     together; the layouts a preference loss does not run under yet are refused in one line each."""
-    dpo, training = job.dpo, job.training
-    if training.dataset == "preference" and not dpo.enable:
-        raise ConfigError("[training.dataset] \"preference\" pairs train with a preference loss: set dpo.enable = true")
-    if not dpo.enable:
-        return
-    if training.dataset != "preference":
-        raise ConfigError(f"[dpo.enable] a preference loss reads chosen / rejected pairs: set training.dataset = "
-                          f"\"preference\" (not {training.dataset!r}) and training.dataset_path to their JSONL file")
-    if job.fault.replica_ft:
-        raise ConfigError("[fault.replica_ft] a preference loss does not run with replica groups yet")
-    if job.validation.enable:
-        raise ConfigError("[validation.enable] held-out validation measures cross-entropy, not a preference loss: "
-                          "turn it off for a [dpo] job (the step logs dpo/accuracy and the reward margin)")
+    check_loss_section(job, "dpo", job.dpo.enable, "preference", "a preference loss", "chosen / rejected pairs",
+                       "dpo/accuracy and the reward margin")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from torchtrain.config.fields import ConfigError, Ge, Gt
+from torchtrain.config.post_training import check_loss_section
 
 BUILTIN_REWARDS = ("exact", "numeric", "format")
 
@@ -122,14 +123,10 @@ class Grpo:
 def check_grpo(job) -> None:
     """[grpo] against the other sections (JobConfig.validate calls it): prompt data and the policy loss go together;
     layouts the rollout loop does not run under yet are refused in one line each."""
-    grpo, training, dims = job.grpo, job.training, job.parallelism
-    if training.dataset == "prompts" and not grpo.enable:
-        raise ConfigError("[training.dataset] \"prompts\" train by reinforcement learning: set grpo.enable = true")
-    if not grpo.enable:
+    grpo, dims = job.grpo, job.parallelism
+    if not check_loss_section(job, "grpo", grpo.enable, "prompts", "GRPO's policy loss",
+                              "completions it samples of prompts with reference answers", "the rewards of its samples"):
         return
-    if training.dataset != "prompts":
-        raise ConfigError(f"[grpo.enable] GRPO samples completions of prompts: set training.dataset = \"prompts\" (not "
-                          f"{training.dataset!r}) and training.dataset_path to their JSONL file")
     if job.dpo.enable:
         raise ConfigError("[grpo.enable] and [dpo.enable] are two different losses: enable one")
     for key, degree in (("pipeline_parallel_degree", dims.pipeline_parallel_degree),
@@ -138,8 +135,3 @@ def check_grpo(job) -> None:
             raise ConfigError(f"[grpo.generator] the model being trained cannot sample one token at a time under "
                               f"parallelism.{key} = {degree}: set grpo.generator = \"copy\" (an unsharded copy "
                               f"samples, its weights synced before each iteration)")
-    if job.fault.replica_ft:
-        raise ConfigError("[fault.replica_ft] GRPO does not run with replica groups yet")
-    if job.validation.enable:
-        raise ConfigError("[validation.enable] held-out validation measures cross-entropy: turn it off for a [grpo] job "
-                          "(the step logs the rewards of its samples)")
