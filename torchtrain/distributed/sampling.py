@@ -65,6 +65,20 @@ def all_ranks_done(done: bool) -> bool:
     return bool(flag.item())
 
 
+def build_whole(spec, args, device: torch.device, lora=None) -> nn.Module:
+    """The model built whole (no parallelism) on `device`, its buffers computed, its parameters uninitialised -- with
+    the `lora` adapters (a `[lora]` section) when given, so that it takes a LoRA run's weights name for name."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if lora is not None:
+        from torchtrain.distributed.lora import apply_lora
+
+        apply_lora(model, lora)
+    model.to_empty(device=device)
+    model.init_buffers()
+    return model
+
+
 class SamplerCopy:
     """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
     included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`

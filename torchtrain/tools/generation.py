@@ -132,6 +132,7 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     from torchtrain.components.checkpoint.startup import resolve_dcp_path
     from torchtrain.config import parse_args
     from torchtrain.data.tokenizer import build_tokenizer
+    from torchtrain.distributed.sampling import build_whole
     from torchtrain.trainer.preflight import image_spec_for, resolve_model
 
     if not os.path.exists(checkpoint):
@@ -157,14 +158,8 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     else:
         spec, args = resolve_model(cfg, tokenizer)
     image_spec = image_spec_for(cfg, args, tokenizer) if args.image_geometry() is not None else None
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    if cfg.lora.enable and not hf:  # a LoRA run's checkpoint holds the adapters beside the base weights
-        from torchtrain.distributed.lora import apply_lora
-
-        apply_lora(model, cfg.lora)
-    model.to_empty(device=device)
-    model.init_buffers()
+    # a LoRA run's checkpoint holds the adapters beside the base weights
+    model = build_whole(spec, args, device, cfg.lora if cfg.lora.enable and not hf else None)
     if hf:
         _load_hf(model, spec, args, path)
     else:

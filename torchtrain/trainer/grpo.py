@@ -22,7 +22,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.layout import Layout
-from torchtrain.distributed.sampling import SamplerCopy
+from torchtrain.distributed.sampling import SamplerCopy, build_whole
 from torchtrain.trainer.reference import ReferenceModel, live_reference, start_reference
 from torchtrain.trainer.rollout import CopyGenerator, RolloutLoader, TrainerGenerator
 from torchtrain.utils.logging import is_log_rank, logger
@@ -59,14 +59,7 @@ def load_prompts(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], Re
 def sampler_copy(spec, args, cfg: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model built whole (no parallelism) on `device` with its parameters in `dtype` -- with the job's LoRA
     adapters, so that it takes the trained model's weights name for name -- for `SamplerCopy`."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    if cfg.lora.enable:
-        from torchtrain.distributed.lora import apply_lora
-
-        apply_lora(model, cfg.lora)
-    model.to_empty(device=device)
-    model.init_buffers()
+    model = build_whole(spec, args, device, cfg.lora if cfg.lora.enable else None)
     for p in model.parameters():  # parameters only: buffers (the RoPE table) keep float32
         p.data = p.data.to(dtype)
     return model.eval()

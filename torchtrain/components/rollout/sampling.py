@@ -97,8 +97,8 @@ def full_logits(logits) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, s: Sampling,
-           generator: torch.Generator | list[torch.Generator] | None, stop_ids: tuple[int, ...] = (), vocab_limit: int | None = None,
-           all_done: Callable[[bool], bool] | None = None, progress=None, multiple: int = 1) -> Completions:
+           generator: torch.Generator | list[torch.Generator] | None, stop_ids: tuple[int, ...] = (),
+           vocab_limit: int | None = None, all_done: Callable[[bool], bool] | None = None, progress=None, multiple: int = 1) -> Completions:
     """Up to `max_new_tokens` tokens after each of `prompts` (module docstring). `generator`: one for all rows, or
     one per row (each row's draws then depend on its own generator only, not on the batch it is sampled in).
     `multiple`: every forward's length a multiple of it (a sequence-parallel model's TP degree): the prompts are
@@ -121,7 +121,7 @@ def sample(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
         logits = model(feed, cache=cache) if cached else model(feed)
         logits = full_logits(logits)[:, -1 if cache is None or cache.keep is None else 0].float()
         scaled = logits / (s.temperature or 1.0)
-        sampled = scaled if vocab_limit is None or vocab_limit >= logits.shape[-1] else \
+        sampled = logits if vocab_limit is None or vocab_limit >= logits.shape[-1] else \
             torch.cat([logits[:, :vocab_limit], torch.full_like(logits[:, vocab_limit:], -float("inf"))], dim=-1)
         if isinstance(generator, list):
             uniform = torch.cat([torch.rand(1, generator=g) for g in generator]).to(device)
