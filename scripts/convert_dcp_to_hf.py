@@ -20,14 +20,12 @@ from torchtrain.components.checkpoint.hf import export_dcp_to_hf
 from torchtrain.components.checkpoint.startup import resolve_dcp_path
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.layout import DTYPES
-from torchtrain.models.registry import build_model_args, get_model_spec
+from torchtrain.models.registry import build_model_args, get_model_spec, model_from_record
 
 
 def model_from(meta: dict, overrides: list[str]):
-    info = meta.get("model")
-    if info and not overrides:
-        spec = get_model_spec(info["name"])
-        return spec, spec.args_cls(**info["args"])
+    if meta.get("model") and not overrides:
+        return model_from_record(meta["model"])
     if not overrides:
         raise ConfigError("the checkpoint has no complete.json describing the model; pass its --model.* keys "
                           "(e.g. --model.flavor 8B)")

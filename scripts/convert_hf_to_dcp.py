@@ -13,7 +13,6 @@ run instead).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import sys
 
@@ -21,9 +20,12 @@ import torch
 
 from torchtrain.components.checkpoint.folder import write_marker
 from torchtrain.components.checkpoint.hf import hf_to_dcp
+from torchtrain.components.checkpoint.startup import imported_context_length
 from torchtrain.config import ConfigError, parse_args
+from torchtrain.config.checkpoint import Checkpoint
 from torchtrain.data.tokenizer import build_tokenizer
 from torchtrain.distributed.layout import DTYPES
+from torchtrain.models.registry import model_record
 from torchtrain.trainer.preflight import resolve_model
 
 
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, model_args = resolve_model(cfg, build_tokenizer(cfg.model.hf_assets_path))
         if spec.state_dict_adapter is None:
             raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
+        model_args.adopt_context_length(imported_context_length(
+            Checkpoint(initial_load_path=args.hf_dir, initial_load_in_hf=True), spec.state_dict_adapter(model_args)))
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         summary = hf_to_dcp(args.hf_dir, args.out_dir, model, spec.state_dict_adapter(model_args),
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     write_marker(args.out_dir, {
         "step": 0, "contents": ["model"], "model_only": True, "final": False, "tokens_seen": 0,
         "source": args.hf_dir, "dtype": args.dtype or "float32", "torch_version": torch.__version__,
-        "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "args": dataclasses.asdict(model_args)},
+        "model": model_record(cfg.model.name, cfg.model.flavor, model_args),
         "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
     })
     for warning in summary["warnings"]:

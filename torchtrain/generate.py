@@ -16,7 +16,7 @@ import time
 import torch
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.tools.generation import Sampling, generate, load
+from torchtrain.tools.generation import Sampling, generate, load, room_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
         print(f"loaded {job.source} on {device} ({str(dtype).removeprefix('torch.')}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        with Progress("generate", total=ns.max_new_tokens * ns.num_samples, unit="tokens") as bar:
-            outs = generate(job.model, prompt, ns.max_new_tokens, Sampling(ns.temperature, ns.top_k, ns.top_p),
+        max_seq_len = getattr(job.args, "max_seq_len", None) or None
+        new_tokens = ns.max_new_tokens
+        if images is not None and new_tokens > room_for(len(prompt), max_seq_len):
+            new_tokens = room_for(len(prompt), max_seq_len)
+            print(f"note: the prompt with its images is {len(prompt)} tokens of the model's {max_seq_len}: "
+                  f"generating at most {new_tokens} new tokens (--max-new-tokens {ns.max_new_tokens})", file=sys.stderr)
+        with Progress("generate", total=new_tokens * ns.num_samples, unit="tokens") as bar:
+            outs = generate(job.model, prompt, new_tokens, Sampling(ns.temperature, ns.top_k, ns.top_p),
                             ns.num_samples, ns.seed, None if ns.ignore_eos else tok.eos_id, tok.vocab_size,
-                            getattr(job.args, "max_seq_len", None) or None, bar, images)
+                            max_seq_len, bar, images)
     except ConfigError as e:
         print(f"torchtrain.generate: error: {e}", file=sys.stderr)
         return 2

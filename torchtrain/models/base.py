@@ -83,6 +83,11 @@ class BaseModelArgs(abc.ABC):
         """(patch size, temporal patch size, merge size) of a model that sees images; None for a text model."""
         return None
 
+    def adopt_context_length(self, length: int) -> None:
+        """The context window of the model whose weights this one starts from (config.json's
+        max_position_embeddings; 0: unknown): kept for exports where the job does not set one (a model without
+        a declared context window ignores it)."""
+
     def bind_image_tokens(self, image_pad: int, vision_start: int, vision_end: int) -> None:
         """Record the tokenizer's image token ids (a vision-language model's forward and exports use them)."""
 

@@ -15,6 +15,8 @@ importing that package from ``torchtrain/models/__init__.py`` (or from the job's
 from __future__ import annotations
 
 import dataclasses
+import json
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -184,3 +186,48 @@ def model_arguments(name: str) -> list[tuple[str, Any, Any, str]]:
     spec = get_model_spec(name)
     types_, docs = field_types(spec.args_cls), field_docs(spec.args_cls)
     return [(f.name, types_[f.name], default_of(f), docs.get(f.name, "")) for f in dataclasses.fields(spec.args_cls)]
+
+
+# ------------------------------------------------------------------------------ what a checkpoint records
+def args_classes(spec: ModelSpec) -> dict[str, type[BaseModelArgs]]:
+    """Every class of arguments the family builds from, by name: its registered class and its flavors' own
+    (a family's dense and MoE flavors are different classes)."""
+    classes = {spec.args_cls.__name__: spec.args_cls}
+    for flavor in spec.flavors.values():
+        classes.setdefault(type(flavor).__name__, type(flavor))
+    return classes
+
+
+def model_record(name: str, flavor: str, args: BaseModelArgs) -> dict[str, Any]:
+    """What a checkpoint or an export records of its model (`complete.json`'s "model"): the family, the flavor, the
+    class of its arguments ("kind") and every argument; `model_from_record` rebuilds exactly that model."""
+    return {"name": name, "flavor": flavor, "kind": type(args).__name__, "args": dataclasses.asdict(args)}
+
+
+def model_from_record(record: dict[str, Any]) -> tuple[ModelSpec, BaseModelArgs]:
+    """The family and arguments a checkpoint recorded (`model_record`), rebuilt with the class it was saved with --
+    never the family's default class (a dense Qwen3.5 stays dense). A record written before "kind" existed takes
+    its flavor's class, else the family's class whose arguments are exactly the recorded ones."""
+    spec = get_model_spec(record["name"])
+    saved = dict(record["args"])
+    classes = args_classes(spec)
+    cls = classes.get(record.get("kind", ""))
+    if cls is None:
+        flavor = spec.flavors.get(record.get("flavor", ""))
+        by_fields = [c for c in classes.values() if {f.name for f in dataclasses.fields(c)} == set(saved)]
+        cls = (type(flavor) if flavor is not None and type(flavor) in by_fields
+               else by_fields[0] if by_fields else spec.args_cls)
+    types_ = field_types(cls)
+    unknown = sorted(set(saved) - set(types_))
+    if unknown:
+        raise ConfigError(f"the checkpoint's model record has arguments {cls.__name__} does not know: "
+                          f"{', '.join(unknown)} (saved by another version of torchtrain?)")
+    values = {k: coerce(v, types_[k], f"model.{k}") for k, v in saved.items()}
+    return spec, cls(**{k: tuple(v) if typing.get_origin(types_[k]) is tuple else v for k, v in values.items()})
+
+
+def args_differences(saved: dict[str, Any], args: BaseModelArgs) -> dict[str, tuple[Any, Any]]:
+    """key -> (recorded, now) of every argument a record (`model_record`'s "args", read back from JSON) holds with
+    another value than `args` (a tuple and the list JSON made of it are the same value)."""
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
+    return {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}

@@ -148,6 +148,11 @@ class StateDictAdapter(abc.ABC):
         """Files an export copies beside the weights and config.json (e.g. the model's tokenizer)."""
         return []
 
+    def context_length(self, config: dict[str, Any]) -> int:
+        """The context window an HF config.json declares (its max_position_embeddings; 0: none)."""
+        value = config.get("max_position_embeddings")
+        return value if isinstance(value, int) and value > 0 else 0
+
     def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
         """Raise ConfigError when `config` (an HF config.json) describes an incompatible model; return
         warnings about settings that load but behave differently."""

@@ -45,9 +45,8 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, s: 
     tokens = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     kwargs = {k: v.to(device).expand(num_samples, *v.shape[1:]) for k, v in (images or {}).items()}
-    if kwargs and max_seq_len is not None and len(prompt) + max_new_tokens > max_seq_len:
-        raise ConfigError(f"the prompt with its images ({len(prompt)} tokens) and --max-new-tokens {max_new_tokens} "
-                          f"exceed the model's max_seq_len {max_seq_len}; lower --max-new-tokens")
+    if kwargs:
+        max_new_tokens = min(max_new_tokens, room_for(len(prompt), max_seq_len))
     for _ in range(max_new_tokens):
         context = tokens if max_seq_len is None or kwargs else tokens[:, -max_seq_len:]
         logits = model(context, **kwargs)[:, -1, :]
@@ -66,6 +65,17 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, s: 
     for row in tokens[:, len(prompt):].tolist():
         out.append(row[:row.index(eos_id)] if eos_id is not None and eos_id in row else row)
     return out
+
+
+def room_for(prompt_tokens: int, max_seq_len: int | None) -> int:
+    """How many tokens fit after a prompt of `prompt_tokens` that is never cut (one with images: its placeholders
+    stay whole) in a model of `max_seq_len` positions (None: no limit); ConfigError when none do."""
+    if max_seq_len is None:
+        return sys.maxsize
+    if prompt_tokens >= max_seq_len:
+        raise ConfigError(f"the prompt with its images ({prompt_tokens} tokens) fills the model's max_seq_len "
+                          f"{max_seq_len}: no room for an answer; use fewer or smaller images or a shorter prompt")
+    return max_seq_len - prompt_tokens
 
 
 # ------------------------------------------------------------------------------------- loading
@@ -146,15 +156,22 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     meta: dict = {}
     if not hf:
         path, meta = resolve_dcp_path(path)
+    # no job at hand (a checkpoint copied away from its job folder): the model and tokenizer it recorded
+    recorded = (not config and meta.get("model") and not cfg.model.overrides
+                and not any(a.startswith(("--model.name", "--model.flavor")) for a in overrides))
     assets = cfg.model.hf_assets_path
+    if recorded and not assets and meta.get("tokenizer"):
+        assets = meta["tokenizer"]
+        if not os.path.exists(assets):
+            raise ConfigError(f"--checkpoint {checkpoint} was trained with the tokenizer at {assets}, which is not "
+                              f"there; pass --model.hf_assets_path with that tokenizer's folder")
     if hf and not assets and os.path.exists(os.path.join(path, "tokenizer.json")):
         assets = path
     tokenizer = build_tokenizer(assets)
-    if not config and not overrides and meta.get("model"):  # no job at hand: the checkpoint's own record
-        from torchtrain.models.registry import get_model_spec
+    if recorded:
+        from torchtrain.models.registry import model_from_record
 
-        spec = get_model_spec(meta["model"]["name"])
-        args = spec.args_cls(**meta["model"]["args"])
+        spec, args = model_from_record(meta["model"])
     else:
         spec, args = resolve_model(cfg, tokenizer)
     image_spec = image_spec_for(cfg, args, tokenizer) if args.image_geometry() is not None else None

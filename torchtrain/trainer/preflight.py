@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtrain.components.checkpoint.startup import imported_context_length
 from torchtrain.components.checkpoint.startup import preflight as checkpoint_preflight
 from torchtrain.components.evaluation.tasks import check_eval
 from torchtrain.components.evaluation.validation import check_validation, check_validation_data
@@ -74,6 +75,8 @@ def resolve_model(cfg: JobConfig, tokenizer) -> tuple[ModelSpec, BaseModelArgs]:
             cfg.job.notices.append(notice)
     args = build_model_args(spec, cfg.model.flavor, cfg.model.overrides)
     args.update_from_job(cfg.training.seq_len, tokenizer)
+    if spec.state_dict_adapter is not None:  # the context window of the weights it starts from, kept for exports
+        args.adopt_context_length(imported_context_length(cfg.checkpoint, spec.state_dict_adapter(args)))
     return spec, args
 
 

@@ -10,7 +10,6 @@ this run's data-parallel ranks and world size, which may differ from the saved r
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +31,7 @@ from torchtrain.components.checkpoint.validate import (
 )
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
 from torchtrain.distributed.lora import lora_load_keys
+from torchtrain.models.registry import args_differences
 from torchtrain.utils.logging import logger
 
 
@@ -48,6 +48,9 @@ class ModelInfo:
     weights: str | None = None
     """A Hugging Face folder of the model's own initial weights (`ModelSpec.hf_weights`): the initial
     load when there is no resume point and no `checkpoint.initial_load_path`, with or without checkpoints."""
+    tokenizer: str = ""
+    """The tokenizer's file or folder (`model.hf_assets_path`, absolute), recorded so that a checkpoint copied away
+    from its job is read with it; empty: the built-in byte tokenizer."""
 
 
 class CheckpointLoader:
@@ -177,8 +180,7 @@ class CheckpointLoader:
         saved = (meta.get("model") or {}).get("args")
         if not saved:
             return
-        now = dataclasses.asdict(self.model.args)
-        diff = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
+        diff = args_differences(saved, self.model.args)
         if diff:
             logger.warning("%s was saved with different model arguments: %s", label,
                            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items())))

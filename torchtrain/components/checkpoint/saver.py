@@ -18,7 +18,6 @@ run stops with the reason (exit status 5).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -37,6 +36,7 @@ from torchtrain.components.checkpoint import integrity
 from torchtrain.components.checkpoint.hf import export_dcp_to_hf
 from torchtrain.components.checkpoint.safety import failure_line
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.models.registry import model_record
 from torchtrain.utils import extensions
 from torchtrain.utils.logging import logger
 
@@ -147,8 +147,8 @@ class CheckpointSaver:
         return {
             "step": step, "contents": contents, "tokens_seen": int(train.get("tokens_seen", 0)),
             "world_size": self.world_size, "layout": self.parallel_dims.describe(), "dp_degree": self.parallel_dims.dp,
-            "model": {"name": self.model.name, "flavor": self.model.flavor,
-                      "args": dataclasses.asdict(self.model.args)},
+            "model": model_record(self.model.name, self.model.flavor, self.model.args),
+            "tokenizer": self.model.tokenizer,
             "dtype": str(dtype).replace("torch.", ""), "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now().isoformat(timespec="seconds"), **extra,
         }

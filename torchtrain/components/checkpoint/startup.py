@@ -13,6 +13,7 @@ was asked for by name (`load_step`, `initial_load_path`) is an error instead.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -55,6 +56,24 @@ def resolve_dcp_path(path: str) -> tuple[str, dict[str, Any]]:
             f"folder with a complete step-N; for Hugging Face weights set checkpoint.initial_load_in_hf = true"
         )
     return complete[-1].path, complete[-1].meta
+
+
+def imported_context_length(cfg, adapter) -> int:
+    """The context window of the model the job's initial weights come from (`[checkpoint]` `cfg`): the Hugging
+    Face folder's config.json (read by the model's `adapter`) or the context length a DCP checkpoint recorded;
+    0 where there are no initial weights or they do not say (a missing folder is the start-up check's to name)."""
+    path = cfg.initial_load_path
+    if not path:
+        return 0
+    try:
+        if cfg.initial_load_in_hf:
+            with open(os.path.join(path, "config.json")) as f:
+                return adapter.context_length(json.load(f))
+        _, meta = resolve_dcp_path(path)
+    except (OSError, ValueError, ConfigError):
+        return 0
+    length = ((meta.get("model") or {}).get("args") or {}).get("context_length")
+    return length if isinstance(length, int) and length > 0 else 0
 
 
 def preflight(cfg, dump_folder: str, device_type: str, model_name: str, has_hf_adapter: bool) -> None:

@@ -49,14 +49,24 @@ class DecoderArgsMixin(DecoderFlops):
 
     max_seq_len: int
     vocab_size: int
+    context_length: int
+
+    def context_window(self) -> int:
+        """The context the model is declared for (`context_length`, else the RoPE table's `max_seq_len`)."""
+        return self.context_length or self.max_seq_len
+
+    def adopt_context_length(self, length: int) -> None:
+        if self.context_length == 0 and length > 0:
+            self.context_length = length
 
     def check_sizes(self, positive: tuple[str, ...]) -> None:
         """ConfigError unless every key of `positive` is >= 1 and `max_seq_len` >= 0."""
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
-        if self.max_seq_len < 0:
-            raise ConfigError(f"[model.max_seq_len] must be >= 0, got {self.max_seq_len}")
+        if self.max_seq_len < 0 or self.context_length < 0:
+            raise ConfigError(f"[model.max_seq_len] and model.context_length must be >= 0, got {self.max_seq_len} "
+                              f"and {self.context_length}")
 
     def check_kv_heads(self) -> None:
         """ConfigError unless the key/value heads divide the query heads (grouped-query attention)."""

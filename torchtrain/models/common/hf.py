@@ -102,7 +102,7 @@ class GQAStateDictAdapter(StateDictAdapter):
             "vocab_size": a.vocab_size,
             "rms_norm_eps": a.norm_eps,
             **self.rope_config(),
-            "max_position_embeddings": a.max_seq_len,
+            "max_position_embeddings": a.context_window(),
             "tie_word_embeddings": a.tie_word_embeddings,
             "hidden_act": "silu",
             "attention_bias": False,

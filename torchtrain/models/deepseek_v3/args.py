@@ -98,6 +98,10 @@ class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
     max_seq_len: int = 0
     """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
 
+    context_length: int = 0
+    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
+    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
+
     depth_init: bool = True
     """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
 

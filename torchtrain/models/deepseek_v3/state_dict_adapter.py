@@ -117,7 +117,7 @@ class DeepseekV3StateDictAdapter(StateDictAdapter):
             "q_lora_rank": a.q_lora_rank or None, "kv_lora_rank": a.kv_lora_rank,
             "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
             "v_head_dim": a.v_head_dim, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
-            "rope_parameters": rope, "rope_interleave": True, "max_position_embeddings": a.max_seq_len,
+            "rope_parameters": rope, "rope_interleave": True, "max_position_embeddings": a.context_window(),
             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "num_nextn_predict_layers": a.mtp_depth, "initializer_range": 0.02,
             "torch_dtype": torch_dtype_name(dtype),

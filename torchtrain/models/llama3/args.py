@@ -66,6 +66,10 @@ class Llama3Args(DecoderArgsMixin, BaseModelArgs):
     max_seq_len: int = 0
     """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
 
+    context_length: int = 0
+    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
+    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
+
     tie_word_embeddings: bool = False
     """Use the input embedding table as the output projection (Llama 3.2 1B/3B)."""
 

@@ -84,7 +84,7 @@ class Llama3StateDictAdapter(GQAStateDictAdapter):
             }
             # HF expects the extended context to exceed the original one.
             extended = int(a.rope_original_max_seq_len * max(a.rope_scaling_factor, 1.0))
-            config["max_position_embeddings"] = max(a.max_seq_len, extended)
+            config["max_position_embeddings"] = max(a.context_window(), extended)
         return config
 
     def structural_keys(self, config: dict[str, Any]) -> dict[str, tuple[str, Any, Any]]:

@@ -122,6 +122,10 @@ class _VisionLanguage:
         config["rope_parameters"].update(mrope_section=list(self.model_args.mrope_section), mrope_interleaved=True)
         return config
 
+    def context_length(self, config: dict[str, Any]) -> int:
+        text = config.get("text_config")
+        return super().context_length(text if isinstance(text, dict) else config)
+
     def check_hf_config(self, config: dict[str, Any], source: str) -> list[str]:
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
