@@ -154,3 +154,36 @@ def test_image_tokens_are_never_trained_even_in_an_answer(tmp_path):
     trained = labels[labels != IGNORE_INDEX].tolist()
     assert trained == list(b"here  done") + [ByteTokenizer.eos_id]
     assert tuple(batch["image_grid"][0, 0].tolist()) == s.grid_of(40, 40)
+
+
+def _saved(tmp_path, name: str, image, **save):
+    path = tmp_path / name
+    image.save(path, **save)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["rgb_key", "grey_key", "palette_key", "palette", "rgba", "cmyk_jpeg"])
+def test_files_with_transparency_or_other_modes_equal_the_processor(tmp_path, kind):
+    """Decoded from files as training reads them: a colour key of an RGB or grey PNG (`transparency` in the
+    image's info, no alpha band) and a palette's transparent entry are composited on white as transformers'
+    processor does; RGBA likewise; a CMYK JPEG converted."""
+    pytest.importorskip("transformers")
+    rgb_image = picture(37, 29, "RGB", seed=4)
+    key = tuple(int(v) for v in np.asarray(rgb_image)[3, 5])  # a colour that occurs: those pixels turn white
+    grey = picture(37, 29, "L", seed=5)
+    files = {
+        "rgb_key": lambda: _saved(tmp_path, "k.png", rgb_image, transparency=key),
+        "grey_key": lambda: _saved(tmp_path, "g.png", grey, transparency=int(np.asarray(grey)[2, 2])),
+        "palette_key": lambda: _saved(tmp_path, "p.png", rgb_image.quantize(16), transparency=3),
+        "palette": lambda: _saved(tmp_path, "q.png", rgb_image.quantize(16)),
+        "rgba": lambda: _saved(tmp_path, "a.png", picture(37, 29, "RGBA", seed=6)),
+        "cmyk_jpeg": lambda: _saved(tmp_path, "c.jpg", rgb_image.convert("CMYK"), quality=95),
+    }
+    path = files[kind]()
+    s = spec()
+    ours, grid = s.patches(open_image(path))
+    theirs = processor(s)(images=[Image.open(path)], return_tensors="np")
+    assert tuple(theirs["image_grid_thw"][0]) == grid
+    np.testing.assert_allclose(ours.numpy(), theirs["pixel_values"], rtol=0, atol=1e-6)
+    if kind.endswith("key"):
+        assert Image.open(path).info.get("transparency") is not None  # the case is what it says

@@ -141,15 +141,14 @@ class ImageSpec:
 
 
 def rgb(image):
-    """`image` as RGB; a transparent one laid on white first (as the processor does)."""
+    """`image` as RGB, as transformers' processor converts it: an image with transparency -- an alpha band, or a
+    `transparency` entry (a palette's, or the colour key of an RGB or grey PNG) -- laid on white first."""
     Image = pillow()
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 @dataclass(frozen=True)
