@@ -16,7 +16,7 @@ and bad input.
   and clips): FSDP 2 and TP 2 sample the same completions (equal rewards) and match one process per step -- loss
   and grad norm within 1e-4 relative or 1e-6 absolute (an on-policy step's loss is a mean of centred advantages,
   ~0 by construction: its relative difference is meaningless); a run resumed from a checkpoint in the middle of an
-  iteration (its rollout rows restored) continues bitwise; PP 2 and CP 2 train as one process does with an
+  iteration (its rollout rows and statistics restored) continues bitwise and logs the same rollout metrics; PP 2 and CP 2 train as one process does with an
   unsharded sampling copy synced from the model (grpo.generator = "copy"); with beta > 0 the KL term to the
   reference -- a frozen copy (also under CP 2), or LoRA's adapters off -- matches too; the first step of an
   iteration has ratio 1 within 1e-6 (sampler = trainer), and exactly 1 with grpo.old_logps = "trainer";
@@ -211,7 +211,10 @@ def suite(tmp_path_factory):
 @pytest.mark.dist
 def test_fsdp2_and_tp2_sample_the_same_completions_and_match_one_process(suite):
     runs = suite.check(["tp2"], rtol=RTOL, atol=ATOL)
-    suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL, atol=ATOL)
+    straight, resumed = suite.check_resumes_bitwise("fsdp2", 2, CKPT, rtol=RTOL, atol=ATOL)
+    def grpo_metrics(run):  # the rollout's statistics resume with its rows: the same metrics at the same steps
+        return {r["step"]: {k: v for k, v in r.items() if k.startswith("grpo/")} for r in run.records if r["step"] > 2}
+    assert grpo_metrics(resumed) == grpo_metrics(straight) and "grpo/reward" in grpo_metrics(resumed)[3]
     base = suite.baseline.records
     for run in [*runs, suite.results["fsdp2", CKPT]]:
         assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in base]

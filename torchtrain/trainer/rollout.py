@@ -311,8 +311,9 @@ class RolloutLoader:
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         rows = None if self.rows is None else {k: _encode(v) for k, v in self.rows.items()}
+        stats = None if self._stats is None else self._stats.tolist()  # the iteration's metrics, logged after a resume
         return {"prompts": self.consumed, "position": self.position, "iterations": self.iterations, "rows": rows,
-                "data_degree": self.degree, "fingerprint": self.stream.fingerprint()}
+                "stats": stats, "data_degree": self.degree, "fingerprint": self.stream.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "prompts" not in state:
@@ -320,11 +321,13 @@ class RolloutLoader:
         self.consumed, self.position = int(state["prompts"]), int(state["position"])
         self.iterations = int(state.get("iterations", 0))
         self.rows = None if state.get("rows") is None else {k: _decode(v) for k, v in state["rows"].items()}
+        stats = state.get("stats")
+        self._stats = None if stats is None else torch.tensor(stats, dtype=torch.float64)
         if state.get("data_degree", self.degree) != self.degree and self.rows is not None:
             logger.warning("grpo: the checkpoint's rollouts were dealt over %d data-parallel ranks, this run has %d: "
                            "the rest of that iteration is skipped and sampling starts again at its next prompts",
                            state["data_degree"], self.degree)
-            self.rows, self.position = None, 0
+            self.rows, self.position, self._stats = None, 0, None
 
 
 def _encode(t: torch.Tensor) -> dict[str, Any]:
