@@ -21,12 +21,13 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   see them;
 * on a machine without a visible GPU, the workers of `-m torchtrain.train`, or of a Python file (a loop
   of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`,
-  torchrun's function entry points `_worker` and `_script_worker`): one single-threaded server process
-  imports torch and the trainer once and forks every worker from itself, instead of each worker
-  starting a fresh interpreter that imports them again (2-3 s of CPU per worker: most of a small job's
-  start-up when the workers outnumber the cores). A file runs as `python FILE ARGS` would run it:
-  as `__main__`, with its folder first on `sys.path` and `sys.argv` set. The agent itself is never
-  forked (it runs threads). An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way;
+  torchrun's function entry points `_worker` and `_script_worker`): the launcher imports torch and the
+  trainer once and, before the agent starts any thread, forks itself into the single-threaded server,
+  which forks every worker from itself, instead of each worker (and the server) starting a fresh
+  interpreter that imports them again (2-3 s of CPU a process: most of a small job's start-up when the
+  workers outnumber the cores). A file runs as `python FILE ARGS` would run it: as `__main__`, with its
+  folder first on `sys.path` and `sys.argv` set. The agent itself is never forked once it runs threads.
+  An explicit `--start-method` (e.g. `spawn`) keeps torchrun's own way;
 * signals that let a preemption save finish (docs/checkpointing.md, Preemption): torchrun answers the
   first SIGTERM (SIGINT, SIGHUP, SIGQUIT) by passing it to the workers and waiting for them; a repeat
   of it while they save and stop is ignored instead of ending the agent (whose death would interrupt
@@ -47,6 +48,7 @@ import signal
 import sys
 
 from torchtrain.utils import exit_codes
+from torchtrain.utils.cpu_threads import choose_threads
 
 EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
              exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed"}
@@ -119,9 +121,9 @@ def hang_report(job) -> str:
         return f.read().strip() + f"\nstacks: {os.path.dirname(found[-1])}"
 
 
-# What the forkserver imports once, before it forks any worker: its quick exit (utils/forkserver_exit.py),
-# the trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
-FORKSERVER_PRELOAD = ["torchtrain.utils.forkserver_exit", "torchtrain.train", "torch._dynamo"]
+# What the forkserver has imported before it forks any worker (the launcher imports it, then forks the server): the
+# trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
+FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
 # Signals meant for the workers: the forkserver and the resource tracker start with them ignored.
 WORKER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -132,15 +134,70 @@ def ensure_forkserver() -> None:
     signals ignored: a process inherits ignored signals, so neither dies of a signal sent to the whole
     process group. The forkserver is the parent of every worker, and torch.multiprocessing gives each
     worker a parent-death signal of SIGINT: the server's death would interrupt every worker wherever it is,
-    in a checkpoint save too. Both still end when the launcher has gone (their pipes close)."""
-    import multiprocessing.forkserver
+    in a checkpoint save too. Both still end when the launcher has gone (their pipes close).
 
+    The server is this process forked (`_fork_server`), after it imported what the server preloads, rather than
+    a fresh interpreter importing torch and the trainer again: that import is most of a small CPU job's start-up.
+    This process has started no thread yet (the agent starts its own later), so the fork is safe."""
+    import importlib
+    import multiprocessing.forkserver
+    from multiprocessing import util
+
+    for module in FORKSERVER_PRELOAD:
+        importlib.import_module(module)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in WORKER_SIGNALS}
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = lambda path, args, passfds: (_fork_server(args, passfds) if _is_server(args)
+                                                       else spawn(path, args, passfds))
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        util.spawnv_passfds = spawn
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _is_server(args: list[str]) -> bool:
+    return "-c" in args and "multiprocessing.forkserver import main" in args[args.index("-c") + 1]
+
+
+SERVER_NAME = "forkserver"
+"""The forked server's process name (what `pgrep -x forkserver` finds; its command line is the launcher's)."""
+
+
+def _set_process_name(name: str) -> None:
+    """This process's name as `ps` and `pgrep` show it (Linux prctl; elsewhere unchanged)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _fork_server(args: list[str], passfds) -> int:
+    """multiprocessing's start of the forkserver (`python -c "from multiprocessing.forkserver import main;
+    main(...)"` with `passfds` open) done by forking this process: the child keeps only its standard streams and
+    `passfds`, and runs the same command in the interpreter it already has."""
+    code = args[args.index("-c") + 1]
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the child: the server, until its last client has gone (SystemExit)
+        _set_process_name(SERVER_NAME)
+        keep = sorted({0, 1, 2, *passfds})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            if high > low + 1:  # (closerange(n, n) would close every descriptor on some Pythons)
+                os.closerange(low + 1, high)
+        exec(code, {"__name__": "__forkserver__"})
+    except SystemExit:
+        pass
+    except BaseException:  # the server failed: say why (its clients then start one the usual way)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(0)
 
 
 def _children(pid: int) -> list[int]:
@@ -207,19 +264,6 @@ def _explicit_start_method(argv: list[str]) -> bool:
     return any(a.split("=")[0] in ("--start-method", "--start_method") for a in argv)
 
 
-def prestart_forkserver(argv: list[str]) -> None:
-    """Start the forkserver before this process imports torch, when the command will most likely use it
-    (`-m torchtrain.train` or a Python file, no start method named, no NVIDIA device file): the server's
-    imports then run beside the agent's own instead of after them. A server the command ends up not
-    using just exits with this process."""
-    import multiprocessing
-
-    likely = "torchtrain.train" in argv or any(a.endswith(".py") for a in argv)
-    if likely and not _explicit_start_method(argv) and not glob.glob("/dev/nvidia[0-9]*"):
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-        ensure_forkserver()
-
-
 def _runs_python_file(args) -> bool:
     """`torchrun FILE.py ARGS`: a Python file run by the interpreter (not a module, not --no-python)."""
     return not args.module and not args.no_python and args.training_script.endswith(".py")
@@ -240,6 +284,17 @@ def choose_start_method(args, argv: list[str]) -> None:
             args.start_method = "forkserver"
 
 
+def _default_threads(args) -> None:
+    """Without a visible GPU: each local worker's thread count, unless OMP_NUM_THREADS is set (utils/cpu_threads.py;
+    torchrun itself would give every worker of a multi-process node one thread, and one process all the cores torch
+    sees)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        nproc = str(args.nproc_per_node)
+        choose_threads(int(nproc) if nproc.isdigit() else 1)
+
+
 def uses_forkserver(args) -> bool:
     """`--start-method forkserver` with `-m torchtrain.train` or a Python file, on a c10d rendezvous
     (run_train.sh's one-node one, --standalone, or a multi-node endpoint). torchrun itself honours the
@@ -252,6 +307,7 @@ def _as_fresh_worker() -> None:
     """A forked worker's signals and thread count, as a fresh interpreter of its own would have them."""
     import torch
 
+    _set_process_name("python")  # not the server's name
     for sig in WORKER_SIGNALS:  # the forkserver ignores them
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -298,8 +354,8 @@ def _end_worker(code) -> None:
 
 
 def start_forkserver(args):
-    """torchrun's launch config; the forkserver starts now (unless it did already), importing the
-    trainer while the agent meets the other nodes."""
+    """torchrun's launch config; the forkserver starts now (unless it did already), before the agent meets
+    the other nodes."""
     import multiprocessing
     import uuid
 
@@ -327,7 +383,6 @@ def run_forkserver(config, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    prestart_forkserver(argv)
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -338,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
 
     args = parse_args(argv)
+    _default_threads(args)
     job = _job(args.training_script_args) if args.training_script == "torchtrain.train" else None
     explicit = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
     if job is not None and not explicit:

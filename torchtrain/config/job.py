@@ -22,8 +22,9 @@ class Job:
     description: str = "torchtrain job"
     """Free-form description, printed at start-up."""
 
-    print_config: bool = True
-    """Print the resolved config (as TOML) on rank 0 at start-up."""
+    print_config: bool = False
+    """Print the resolved config (as TOML) on rank 0 at start-up; it is always written to the dump folder's
+    job_config.toml (the start-up log names the file)."""
 
     custom_imports: list[str] = field(default_factory=list)
     """Python modules to import before the job is built, e.g. your own package that registers a

@@ -56,6 +56,7 @@ from torchtrain.trainer.step import StepResult
 from torchtrain.trainer.step_factory import build_train_step
 from torchtrain.trainer.step_record import StepValues, defers_log, step_clock
 from torchtrain.utils import extensions
+from torchtrain.utils.cpu_threads import apply_threads
 from torchtrain.utils.logging import is_log_rank, logger
 
 
@@ -100,6 +101,8 @@ class Trainer:
         logger.info("%s | %d processes: %s | device %s | model %s, %.2fM parameters%s", cfg.job.description,
                     world_size, layout.describe(), device, model_name, args.num_params() / 1e6,
                     f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
+        if device.type == "cpu":
+            logger.info("%s", apply_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         for level, text in cfg.job.notices:  # torchtitan keys adapted or dropped (config/torchtitan.py)
             (logger.warning if level == "warning" else logger.info)("%s", text)
 
@@ -174,8 +177,9 @@ class Trainer:
                 states["reference"] = run.checkpoint_state()
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
-                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter,
-                                                        hf_weights))
+                                              ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter, hf_weights,
+                                                        os.path.abspath(cfg.model.hf_assets_path) if
+                                                        cfg.model.hf_assets_path else ""))
         self.checkpointer.load()
         if self.preference is not None:  # the reference takes the initial weights, unless resumed with them
             self.preference.start(self.state.step, self.train_step, self.batch.local_batch_size)
@@ -204,6 +208,9 @@ class Trainer:
                 f.write(text)
         if self.job_config.job.print_config:
             logger.info("resolved config:\n%s", text)
+        else:
+            logger.info("resolved config: %s (--job.print_config prints it here)",
+                        os.path.join(self.run_folder, "job_config.toml"))
 
     # ------------------------------------------------------------------------------ the loop
     def _should_log(self) -> bool:
