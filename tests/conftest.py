@@ -13,6 +13,9 @@ import tempfile
 import time
 
 import pytest
+import zygote
+
+from torchtrain.utils.cpu_threads import usable_cores
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(REPO, "torchtrain")
@@ -31,24 +34,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, os.environ.get("
 FAULT_INJECTION = ["--job.custom_imports", "fault_injection"]
 
 
-def usable_cores() -> int:
-    """CPUs this session may use: its affinity mask, capped by a cgroup CPU quota (a container's cpu.max,
-    or cgroup v1's cfs quota). `os.cpu_count()` counts the host's, which a container may not have."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
-        try:
-            with open(quota_file) as f:
-                fields = f.read().split()
-            if period_file is not None:
-                with open(period_file) as f:
-                    fields.append(f.read().strip())
-            quota, period = fields[0], fields[-1]
-            if quota not in ("max", "-1"):
-                cores = min(cores, max(1, int(quota) // int(period)))
-        except (OSError, ValueError, IndexError):
-            continue
-    return cores
+def pytest_configure(config):
+    """Each test process starts its zygote server (tests/zygote.py) before any test; the controller of a
+    pytest-xdist run, which runs none, does not."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        zygote.start()
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -61,6 +51,10 @@ def pytest_xdist_auto_num_workers(config):
 # default (a thread per core it sees -- on a container, the host's cores) would oversubscribe them many
 # times over. One-process runs then reduce in the same order as the ranks they are compared with.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Every Python command a test starts (the trainer, launcher, planner, scripts) is forked from one warm interpreter
+# per test process instead of importing torch afresh (tests/zygote.py; TORCHTRAIN_TEST_NO_ZYGOTE=1 turns it off).
+zygote.install()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -221,15 +215,16 @@ class ParitySuite:
         assert run.returncode == 0, run.log[-3000:]
         return run
 
-    def check_resumes_bitwise(self, spec: str, step: int, extra=(), rtol: float = 1e-4, atol: float = 0.0) -> None:
+    def check_resumes_bitwise(self, spec: str, step: int, extra=(), rtol: float = 1e-4, atol: float = 0.0):
         """`spec` (with `extra`, which must save a checkpoint at `step`) matches the baseline, and a rerun from its
-        step-`step` checkpoint continues to the last step with bitwise-equal losses."""
+        step-`step` checkpoint continues to the last step with bitwise-equal losses. Returns (straight, resumed)."""
         first, = self.check([spec], rtol=rtol, extra=extra, atol=atol)
         resumed = self.resume(spec, step, extra)
         ref = {r["step"]: r["loss"] for r in first.records}
         got = {r["step"]: r["loss"] for r in resumed.records}
         assert "resumed from" in resumed.log
         assert sorted(got) == list(range(step + 1, self.steps + 1)) and all(got[s] == ref[s] for s in got), (ref, got)
+        return first, resumed
 
     def check(self, layouts: list[str], rtol: float = 1e-4, extra=(), atol: float = 0.0):
         """Run each layout (unless it ran up front), print the per-step table, assert every layout matches (within

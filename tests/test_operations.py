@@ -231,6 +231,7 @@ def slurm_job(shims, dump, restart: int, **env: str) -> subprocess.Popen:
                 SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="1",
                 SLURM_RESTART_COUNT=str(restart), RDZV_PORT=str(free_port()), **env)
     full.pop("RANK", None)
+    full["TORCHTRAIN_TEST_NO_ZYGOTE"] = "1"  # the script signals the launcher's process tree: real processes
     return subprocess.Popen(["bash", "scripts/multinode_trainer.slurm", *job(dump, *FAULT_INJECTION)], cwd=REPO, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
