@@ -7,6 +7,11 @@ recomputed from torchtitan's log in the set, as the kit takes it: the median tok
 
 A generated block sits between `<!-- generated: NAME -->` and `<!-- end generated -->`; nothing outside
 the markers is touched.
+
+A ratio is printed as a result only when both runs it compares are steady: the set's own verdict (a ratio the kit
+marked "(unsteady)") and the kit's `steadiness.judge` on the window's step times of each side (torchtrain's
+records, torchtitan's log) must agree. A ratio from an unsteady run is shown in parentheses with its cause, never in
+bold, and the README line leaves it out.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "gpu", "results")
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "gpu"))
+from steadiness import judge  # noqa: E402  (the kit's own judge, by its folder)
+
+WINDOW_FIRST = 4
+"""The first step of the steady window (the kit's protocol: 3 warm-up steps)."""
 DOCS = {"docs/performance.md": ("ae5a46e-compare", "ae5a46e-float8", "9f41880-compare", "f2ccc36-compare",
                                 "f2ccc36-float8"), "README.md": ("readme-cuda",)}
 SETS = {"ae5a46e": "2026-11-27-h100-ae5a46e", "9f41880": "2026-11-27-h100-9f41880", "f2ccc36": "2026-11-27-h100-f2ccc36"}
@@ -29,6 +39,7 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MODES = {"compiled": "compile", "eager": "eager"}
+SPREAD = re.compile(r"(\d+ of \d+) steps more than (\d+%) from the median")
 
 
 def _part(folder: str, part: str) -> dict:
@@ -39,29 +50,62 @@ def _part(folder: str, part: str) -> dict:
         return json.load(f)
 
 
+def titan_steps(folder: str, batch: int, mode: str) -> list[tuple[int, float]]:
+    """(step, tokens/s) of torchtitan's log in the set, in step order ([] without a log)."""
+    path = os.path.join(RESULTS, folder, "d", f"torchtitan_b{batch}_{mode}.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return sorted((int(s), float(t.replace(",", ""))) for s, t in TITAN_STEP.findall(ANSI.sub("", f.read())))
+
+
 def titan_from_log(folder: str, batch: int, mode: str) -> float | None:
     """torchtitan's steady tokens/s recomputed from its log in the set (median of steps 4..N; None when
     it logged fewer than 4 steps: a run that stopped early is no figure)."""
-    path = os.path.join(RESULTS, folder, "d", f"torchtitan_b{batch}_{mode}.log")
-    if not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        steps = sorted((int(s), float(t.replace(",", ""))) for s, t in TITAN_STEP.findall(ANSI.sub("", f.read())))
+    steps = titan_steps(folder, batch, mode)
     return statistics.median(t for _, t in steps[3:]) if len(steps) >= 4 else None
+
+
+def ours_step_times(folder: str, run: str | None) -> list[float]:
+    """torchtrain's step times of the window (steps 4..N) from the run's records in the set."""
+    path = os.path.join(RESULTS, folder, run or "", "metrics.jsonl")
+    if run is None or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["step_time_s"] for r in records if r["step"] >= WINDOW_FIRST and r.get("step_time_s")]
+
+
+def unsteady_cause(folder: str, batch: int, mode: str, marked: bool, run: str | None) -> str | None:
+    """Why the comparison of this row is no result (None: both sides steady): the kit's mark in the set, or the
+    judge's verdict on either side's window."""
+    titan = [batch * 2048 / t for s, t in titan_steps(folder, batch, mode) if s >= WINDOW_FIRST and t > 0]
+    causes = []
+    for side, times in (("torchtrain", ours_step_times(folder, run)), ("torchtitan", titan)):
+        verdict = judge([], times, sampled=False)
+        if not verdict.steady:
+            spread = SPREAD.search(verdict.cause)
+            causes.append(f"{side}'s steps spread, {spread.group(1)} over {spread.group(2)} off the median" if spread
+                          else f"{side}: {verdict.cause.split(';')[0]}")
+    if marked and not causes:
+        causes.append("marked unsteady by the kit")
+    return "; ".join(causes) or None
 
 
 def comparison(key: str) -> list[dict]:
     """The set's torchtrain-vs-torchtitan rows: batch, mode, both tokens/s, torchtrain's MFU."""
     folder = SETS[key]
     c = {(row[1], row[2]): row for row in _part(folder, "c")["rows"]}
-    d = _part(folder, "d")
-    titan = {(row[0], row[1]): row[3] for row in d["rows"] if len(row) > 3 and isinstance(row[0], int)}
+    d = {(row[0], row[1]): row for row in _part(folder, "d")["rows"] if len(row) > 3 and isinstance(row[0], int)}
     rows = []
     for batch, mode in ((2, "compiled"), (8, "compiled"), (2, "eager"), (8, "eager")):
-        ours = c.get((batch, MODES[mode]))
-        theirs = titan.get((batch, mode)) or titan_from_log(folder, batch, mode)
+        ours, row = c.get((batch, MODES[mode])), d.get((batch, mode))
+        theirs = (row[3] if row else None) or titan_from_log(folder, batch, mode)
+        marked = bool(row) and "unsteady" in str(row[4])
+        run = row[5] if row and len(row) > 5 else f"c/b{batch}_{MODES[mode]}"
         rows.append({"batch": batch, "mode": mode, "ours": None if ours is None else ours[3],
-                     "tflops": None if ours is None else ours[4], "theirs": theirs})
+                     "tflops": None if ours is None else ours[4], "theirs": theirs,
+                     "unsteady": unsteady_cause(folder, batch, mode, marked, run)})
     return rows
 
 
@@ -73,7 +117,10 @@ def compare_table(key: str) -> str:
     lines = ["| local batch (x 2,048 tokens) | mode | torchtrain tokens/s | MFU of 989 | torchtitan tokens/s | "
              "torchtrain / torchtitan |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in comparison(key):
-        ratio = f"**{r['ours'] / r['theirs']:.2f}**" if r["ours"] and r["theirs"] else "-"
+        ratio = "-"
+        if r["ours"] and r["theirs"]:
+            value = r["ours"] / r["theirs"]
+            ratio = f"({value:.2f}, unsteady: {r['unsteady']})" if r["unsteady"] else f"**{value:.2f}**"
         mfu = "-" if r["tflops"] is None else f"{100 * r['tflops'] / TABLE_PEAK:.1f}%"
         lines.append(f"| {r['batch']} | {r['mode']} | {_n(r['ours'])} | {mfu} | {_n(r['theirs'])} | {ratio} |")
     return "\n".join(lines) + "\n"
@@ -92,19 +139,16 @@ def float8_table(key: str) -> str:
 
 
 def readme_line() -> str:
-    rows = {(r["batch"], r["mode"]): r for r in comparison("ae5a46e")}
+    rows = comparison("ae5a46e")
     g = {row[0]: row for row in _part(SETS["ae5a46e"], "g")["rows"]}
-
-    def ratio(batch: int, mode: str) -> str:
-        r = rows[(batch, mode)]
-        return f"{r['ours'] / r['theirs']:.2f}x"
-
-    b8 = rows[(8, "compiled")]
-    return (f"  at seq 2048, one process): against torchtitan 0.2.2 in the same command, compiled {ratio(2, 'compiled')} "
-            f"(local batch 2)\n  and {ratio(8, 'compiled')} (batch 8: {_n(b8['ours'])} tokens/s, "
-            f"{100 * b8['tflops'] / TABLE_PEAK:.1f}% MFU of 989), eager {ratio(2, 'eager')} and {ratio(8, 'eager')}; "
-            f"float8 {g['1B'][3] / g['1B'][2]:.2f}x bf16 at the\n  1B (batch 8) and {g['3B'][3] / g['3B'][2]:.2f}x at "
-            f"the 3B. These sets predate the kit's shared measurement protocol.\n")
+    steady = [r for r in rows if r["ours"] and r["theirs"] and not r["unsteady"]]
+    unsteady = [f"{r['mode']} batch {r['batch']}" for r in rows if r["unsteady"]]
+    said = ", ".join(f"{r['mode']} {r['ours'] / r['theirs']:.2f}x (local batch {r['batch']}: {_n(r['ours'])} tokens/s, "
+                     f"{100 * r['tflops'] / TABLE_PEAK:.1f}% MFU of 989)" for r in steady)
+    return (f"  at seq 2048, one process): against torchtitan 0.2.2 in the same command,\n  {said or 'no steady pair'}; "
+            f"no figure from {', '.join(unsteady)}\n  (runs the kit judged unsteady). Float8 "
+            f"{g['1B'][3] / g['1B'][2]:.2f}x bf16 at the 1B (batch 8) and {g['3B'][3] / g['3B'][2]:.2f}x at the 3B.\n"
+            f"  These sets predate the kit's shared measurement protocol.\n")
 
 
 def generate(name: str) -> str:
