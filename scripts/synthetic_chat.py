@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import string
 
@@ -28,6 +29,7 @@ def conversation(rng: random.Random) -> dict:
 
 def write_task(path: str, conversations: int, seed: int = 0) -> None:
     rng = random.Random(seed)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for _ in range(conversations):
             f.write(json.dumps(conversation(rng)) + "\n")

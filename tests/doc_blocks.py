@@ -8,9 +8,13 @@ the rendered page does not show:
                                                        torchtrain.train command of the block (sizes and steps only)
     <!-- ci: run; after set-up -->                     its `python -m venv ... && pip install ... && ` prefix is the
                                                        set-up .ci/run performs before the suite: the rest runs
+    <!-- ci: run; fresh -->                            runs in a scratch folder of its own: it needs nothing an earlier
+                                                       block of the file wrote (CI runs it beside them)
     <!-- ci: run; check NAME -->                       then the check NAME of tests/test_doc_commands.py reads what
                                                        the block wrote and holds the figures its text states
     <!-- ci: skip <kind>: <why> -->                    does not run in CI; <kind> is one of SKIP_KINDS
+    <!-- ci: skip tested: tests/X.py ... -->            runs in tests/X.py, which reads its commands from the block
+                                                       (`commands_tested_in`): for checks a plain run cannot make
 
 A block without a marker fails the test, so a new command cannot land unrun by accident. The run blocks of one file
 run in order in one scratch folder (a recipe's steps share `data/` and `outputs/`), which holds the checkout's files
@@ -35,6 +39,7 @@ SKIP_KINDS = {
     "benchmark": "is a measurement of minutes; its figures state their machine, command and date",
     "network": "needs network access CI does not have",
     "same": "runs as a `run` block of the named file (every one of its commands is one of that file's)",
+    "tested": "runs in the named test module, which reads the block's commands from here (`commands_tested_in`)",
 }
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARK = re.compile(r"^<!--\s*ci:\s*(.*?)\s*-->\s*$")
@@ -52,6 +57,8 @@ class Block:
     run: bool = False
     append: list[str] = field(default_factory=list)
     after_setup: bool = False
+    fresh: bool = False
+    """Runs in a scratch folder of its own, not after the file's earlier blocks (`run; fresh`)."""
     skip_kind: str = ""
     check: str = ""
     same_as: str = ""
@@ -73,7 +80,7 @@ def parse_mark(block: Block) -> str | None:
         if kind.strip() not in SKIP_KINDS or not why.strip():
             return f"{block.where}: skip marker {block.mark!r}: write 'skip KIND: why', KIND one of {', '.join(SKIP_KINDS)}"
         block.skip_kind = kind.strip()
-        if block.skip_kind == "same":
+        if block.skip_kind in ("same", "tested"):
             block.same_as = why.strip().split()[0]
         return None
     if head != "run":
@@ -87,6 +94,8 @@ def parse_mark(block: Block) -> str | None:
                 return f"{block.where}: only [training] and [model] sizes and steps may be appended, got {part!r}"
         elif part.startswith("check "):
             block.check = part[len("check "):].strip()
+        elif part == "fresh":
+            block.fresh = True
         elif part == "after set-up":
             block.after_setup = True
             code = [line for line in block.text.split("\n") if line.strip() and not line.lstrip().startswith("#")]
@@ -128,7 +137,7 @@ def command_set(text: str) -> set[str]:
 
 def commands(block: Block) -> str:
     """The block's shell text as CI runs it: the set-up prefix dropped (`after set-up`), the appended keys added to
-    every `./run_train.sh` and `torchtrain.train` command (before a trailing comment, a `&&` or a `;`)."""
+    every `./run_train.sh` and `torchtrain.train` command (before a trailing comment, `&&`, `;`, `&` or `|`)."""
     text = re.sub(r"\s*\\\n\s*", " ", block.text)  # one line per command
     if block.after_setup:
         text = text.replace(SETUP, "", 1)
@@ -138,7 +147,7 @@ def commands(block: Block) -> str:
     out = []
     for line in text.split("\n"):
         code, hash_, comment = _split_comment(line)
-        pieces = re.split(r"(&&|;|\|\|)", code)
+        pieces = re.split(r"(&&|\|\||;|&|\|)", code)
         pieces = [p.rstrip() + extra + " " if re.search(r"(\./run_train\.sh|-m torchtrain\.train)\b", p) else p
                   for p in pieces]
         out.append("".join(pieces).rstrip() + (("  " + hash_ + comment) if hash_ else ""))
@@ -171,3 +180,38 @@ def scratch_checkout(repo: str, folder: str) -> str:
         elif not os.path.lexists(target):
             os.symlink(os.path.join(repo, name), target)
     return folder
+
+
+def documents(root: str) -> list[str]:
+    """README.md and docs/*.md, relative to `root`: the files whose blocks are marked."""
+    return ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(root, "docs"))
+                                  if n.endswith(".md"))
+
+
+def commands_tested_in(root: str, test_file: str) -> list[tuple[str, list[str]]]:
+    """(where, argv) of every command in the documents' blocks marked `skip tested: <test_file>`: what that test runs
+    (argv split as the shell would, without the leading `python`, comments dropped)."""
+    import shlex
+
+    out = []
+    for path in documents(root):
+        for block in blocks(path, root):
+            if block.mark is None or parse_mark(block) or block.skip_kind != "tested" or block.same_as != test_file:
+                continue
+            for line in re.sub(r"\s*\\\n\s*", " ", block.text).split("\n"):
+                code = _split_comment(line)[0].strip()
+                if code:
+                    argv = shlex.split(code)
+                    out.append((block.where, argv[1:] if argv[0] in ("python", "python3") else argv))
+    return out
+
+
+def chains(found: list[Block]) -> list[list[Block]]:
+    """The `run` blocks of one file in the chains CI runs one after another in one scratch folder: a `fresh` block
+    starts a new chain."""
+    out: list[list[Block]] = []
+    for block in (b for b in found if b.run):
+        if block.fresh or not out:
+            out.append([])
+        out[-1].append(block)
+    return out

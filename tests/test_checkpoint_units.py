@@ -173,7 +173,7 @@ def test_a_failed_save_lets_training_go_on_and_the_limit_stops_it(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     extensions.register("storage_writer", writer)
     try:
-        saver = CheckpointSaver(cfg, folder, states, dims, SimpleNamespace(name="m", flavor="f", args=Args()), None,
+        saver = CheckpointSaver(cfg, folder, states, dims, SimpleNamespace(name="m", flavor="f", args=Args(), tokenizer=None), None,
                                 None, None)
         assert saver.save(2) is False and not os.path.exists(fs.step_dir(folder, 2))  # removed, not left half-written
         record = saver.record()

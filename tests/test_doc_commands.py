@@ -6,17 +6,19 @@ block that stops working (a flag renamed, a recipe's checkpoint moved, a prompt 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from conftest import REPO, read_metrics
-from doc_blocks import SETUP, blocks, commands, parse_mark, scratch_checkout
+from doc_blocks import SETUP, Block, blocks, chains, commands, documents, parse_mark, scratch_checkout
 
-DOCS = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs"))
-                              if n.endswith(".md"))
+DOCS = documents(REPO)
 
 
 def marked(path: str):
@@ -32,6 +34,19 @@ def test_every_shell_block_is_marked():
     assert not problems, "\n".join(problems)
 
 
+def test_no_command_block_is_indented_instead_of_fenced():
+    """An indented (4-space) code block escapes the markers: commands go in fenced blocks."""
+    command = re.compile(r"^( {4}|\t)\s*(python|\./run_train|NGPU=|CONFIG_FILE=|pip |torchrun|sbatch|bash )")
+    found = []
+    for path in DOCS:
+        lines, fenced = open(os.path.join(REPO, path)).read().split("\n"), False
+        for i, line in enumerate(lines):
+            fenced ^= line.startswith("```")
+            if not fenced and command.match(line) and (i == 0 or not lines[i - 1].strip()):
+                found.append(f"{path}:{i + 1}: {line.strip()[:60]}")
+    assert not found, "indented command blocks (fence them and mark them):\n" + "\n".join(found)
+
+
 def test_a_block_marked_same_runs_elsewhere():
     """`skip same: FILE`: every command of the block is a command of one of FILE's run blocks."""
     from doc_blocks import command_set
@@ -43,6 +58,14 @@ def test_a_block_marked_same_runs_elsewhere():
             assert not missing, f"{block.where}: not run by a block of {block.same_as}: {sorted(missing)}"
 
 
+def test_a_block_marked_tested_is_read_by_its_test():
+    """`skip tested: tests/X.py`: that module exists and reads the commands of its blocks (`commands_tested_in`)."""
+    for path in DOCS:
+        for block in (b for b in marked(path)[0] if b.skip_kind == "tested"):
+            test = os.path.join(REPO, block.same_as)
+            assert os.path.isfile(test) and f'commands_tested_in(REPO, "{block.same_as}"' in open(test).read(), block.where
+
+
 def test_the_readme_test_command_is_what_ci_runs():
     ci = open(os.path.join(REPO, ".ci", "run")).read()
     assert f"{SETUP}python -m pytest\n" in ci
@@ -51,14 +74,16 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 
 def test_appended_keys_reach_every_training_command():
-    from doc_blocks import Block
-
     block = Block("x.md", 1, 'A=1 ./run_train.sh --x 1 && python -m torchtrain.generate --y "#" # note\n'
                              'NGPU=2 ./run_train.sh \\\n    --z 2   # two\n', "run; append --training.steps 2")
     assert parse_mark(block) is None
     assert commands(block).split("\n")[:2] == [
         'A=1 ./run_train.sh --x 1 --training.steps 2 && python -m torchtrain.generate --y "#"  # note',
         "NGPU=2 ./run_train.sh --z 2 --training.steps 2  # two"]
+    background = Block("x.md", 1, "NGPU=2 ./run_train.sh --a 1 &\nserver & ./run_train.sh | tee log\n", "run; append --training.steps 2")
+    assert parse_mark(background) is None
+    assert commands(background).split("\n")[:2] == ["NGPU=2 ./run_train.sh --a 1 --training.steps 2 &",
+                                                     "server & ./run_train.sh --training.steps 2 | tee log"]
 
 
 # ------------------------------------------------------------------------ the figures the documents state
@@ -78,19 +103,20 @@ def check_default_job(folder: str, output: str) -> None:
                 "data_loading_pct", "step_time_s"):
         assert key in last, key
     assert last["mfu_pct"] is None and last["tokens_seen"] == 30 * 8 * 256  # a CPU: no known peak, never a guess
+    assert last["tokens_per_s_per_device"] > 0 and last["tflops_per_device"] > 0
     assert "step    30 | loss" in output and "MFU n/a" in output
     events = EventAccumulator(os.path.join(dump, "tb"))
     events.Reload()
     assert len(events.Scalars("loss")) == 30
     saved = parse_args(["--job.config_file", os.path.join(dump, "job_config.toml")])
-    assert saved.training.steps == 30 and saved.model.flavor == "debugmodel"
+    assert saved.training.steps == 30 and saved.model.flavor == "debugmodel" and saved.training.dataset == "python_stdlib"
     assert "resolved config: " in output and "CPU threads per rank" in output
 
 
 def check_vlm_recipe(folder: str, output: str) -> None:
-    """README / docs/vision_language.md: after the recipe's 500 steps the greedy answers to the 64 held-out pictures
+    """README / docs/vision_language.md: after the recipe's 800 steps the greedy answers to the 64 held-out pictures
     are right (>= 95 %; chance is 25-33 % per question), and the documented question about the first of them is
-    answered with its held-out answer."""
+    answered as held out (its colour and shape); the training loss ends near zero."""
     import json
 
     import torch
@@ -100,7 +126,7 @@ def check_vlm_recipe(folder: str, output: str) -> None:
     data = os.path.join(folder, "data", "shapes")
     job = load(os.path.join(folder, "outputs", "vlm_shapes", "checkpoint"), None, [], torch.device("cpu"),
                torch.float32)
-    right, wrong, first = 0, [], None
+    right, wrong, first = 0, [], {}
     with open(os.path.join(data, "test.jsonl")) as f:
         for line in f:
             user, answer = (m["content"] for m in json.loads(line)["messages"])
@@ -110,27 +136,35 @@ def check_vlm_recipe(folder: str, output: str) -> None:
             right += got == answer
             if got != answer:
                 wrong.append((user[1]["text"], answer, got))
-            if user[0]["path"].endswith("01000.png") and user[1]["text"] == "Describe the picture.":
-                first = answer
+            if user[0]["path"].endswith("01000.png"):
+                first[user[1]["text"]] = answer
     assert right / 64 >= 0.95, (right, wrong)
-    assert first is None or output.strip().splitlines()[-1].strip() == first, (first, output[-500:])
+    assert read_metrics(os.path.join(folder, "outputs", "vlm_shapes"))[-1]["loss"] < 0.05
+    # the documented question, "Describe the picture." of 01000.png: its colour and shape, as held out
+    said = output.strip().splitlines()[-1].split()
+    colour, shape = first.get("What colour is the shape?"), first.get("What shape is this?")
+    described = first.get("Describe the picture.", f"{colour or said[0]} {shape or said[-1]}")
+    assert first and said == described.split(), (first, output[-500:])
 
 
 def check_dpo_recipe(folder: str, output: str) -> None:
     """README / docs/post_training.md: the preference accuracy is 0.5 at step 1 (the model is its own reference) and
     >= 0.95 from step 100 on, on pairs the run has not trained on yet (within its first epoch)."""
+    import math
+
     records = {r["step"]: r for r in read_metrics(os.path.join(folder, "outputs", "dpo_parity"))}
-    assert records[1]["dpo/accuracy"] == 0.5
+    assert records[1]["dpo/accuracy"] == 0.5 and abs(records[1]["loss"] - math.log(2)) < 1e-5 * math.log(2)
     late = [r["dpo/accuracy"] for step, r in records.items() if step >= 100]
     assert late and sum(late) / len(late) >= 0.95, late
+    last = records[max(records)]
+    assert last["dpo/reward_margin"] > 1.0 and last["loss"] < 0.1, last
+    assert re.search(r"step +\d+ \| .* \| dpo acc [\d.]+ margin -?[\d.]+", output), output[-2000:]  # on the console too
 
 
 def check_grpo_recipe(folder: str, output: str) -> None:
     """README / docs/post_training.md: GRPO lifts the held-out exact match of the SFT model (~0.6) to >= 0.9."""
-    import contextlib
     import io
     import json
-    import re
 
     from torchtrain.score import main as score
 
@@ -139,8 +173,12 @@ def check_grpo_recipe(folder: str, output: str) -> None:
         assert score(["--checkpoint", os.path.join(folder, "outputs", "grpo_sft"), "--prompts",
                       os.path.join(folder, "data", "mod2", "heldout.jsonl"), "--json"]) == 0
     before = json.loads(buffer.getvalue())["mean_reward"]
+    first = read_metrics(os.path.join(folder, "outputs", "grpo"))[0]  # the first update starts from the sampler's own
+    assert abs(first["grpo/ratio"] - 1.0) <= 1e-6 and first["grpo/stopped"] == 1.0, first
     after = float(re.findall(r"mean reward ([\d.]+)", output)[-1])
     assert before <= 0.8 and after >= 0.9, (before, after)
+    # the console shows the reward, KL, length and sampling rate, and calls the waiting time the rollout's
+    assert re.search(r"\| rollout [\d.]+% \| reward [\d.]+ kl \S+ len [\d.]+ gen tok/s [\d,]+", output), output[-2000:]
 
 
 CHECKS = {"default_job": check_default_job, "vlm_recipe": check_vlm_recipe, "dpo_recipe": check_dpo_recipe,
@@ -150,21 +188,69 @@ CHECKS = {"default_job": check_default_job, "vlm_recipe": check_vlm_recipe, "dpo
 RUN = [p for p in DOCS if any(b.run for b in marked(p)[0])]
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("path", RUN)
-def test_documented_commands_run_as_written(path, tmp_path):
+def run_documented_commands(path: str, chain: int, tmp_path) -> None:
     found, problems = marked(path)
     assert not problems, "\n".join(problems)
     folder = scratch_checkout(REPO, str(tmp_path / "checkout"))
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
                PYTHONUNBUFFERED="1")
     env.pop("RANK", None)
-    for block in (b for b in found if b.run):
+    for block in chains(found)[chain]:
         script = commands(block)
         start = time.perf_counter()
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=folder, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+        returncode, output = run_block(script, folder, env)
         print(f"{block.where}: {time.perf_counter() - start:.1f} s")
-        assert proc.returncode == 0, f"{block.where} failed (exit {proc.returncode}):\n{script}\n{proc.stdout[-6000:]}"
+        assert returncode == 0, f"{block.where} failed (exit {returncode}):\n{script}\n{output[-6000:]}"
         if block.check:
-            CHECKS[block.check](folder, proc.stdout)
+            with working_directory(folder):  # relative paths in what the block wrote (its job files) read from there
+                CHECKS[block.check](folder, output)
+
+
+@contextlib.contextmanager
+def working_directory(folder: str):
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _documented(path: str, chain: int, first: Block) -> type:
+    """One test class per chain of blocks (`doc_blocks.chains`): pytest-xdist's `--dist loadscope` hands each class to
+    either test process, so the documents' runs spread over both (a parametrized function would keep them in one)."""
+
+    @pytest.mark.dist
+    def test_commands_run_as_written(self, tmp_path):
+        run_documented_commands(path, chain, tmp_path)
+
+    stem = re.sub(r"\W", "_", os.path.splitext(path)[0])
+    name = f"TestCommandsOf_{stem}_{first.line}"
+    return type(name, (), {"test_commands_run_as_written": test_commands_run_as_written, "__doc__": first.where})
+
+
+for _path in RUN:
+    for _chain, _blocks in enumerate(chains(marked(_path)[0])):
+        _cls = _documented(_path, _chain, _blocks[0])
+        globals()[_cls.__name__] = _cls
+
+
+def run_block(script: str, folder: str, env: dict, timeout: float = 900) -> tuple[int, str]:
+    """Run a block's script in its own session (a process it left in the background, `server &`, is ended with the
+    block's session), its output in a file (which a leftover process holding it open cannot keep unread)."""
+    with open(os.path.join(folder, ".block-output"), "w+") as out:
+        proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=folder, env=env, text=True,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = -1
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(1)
+        out.seek(0)
+        return returncode, out.read()

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from doc_blocks import commands_tested_in
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +51,24 @@ def documented_plan(job_file: str) -> list[str]:
 
 JOB_FILES = sorted(os.path.join("train_configs", f) for f in os.listdir(os.path.join(REPO, "train_configs"))
                    if f.endswith(".toml"))
-SCALE = [(f"{f} as documented", documented_plan(f)) for f in JOB_FILES] + [
-    # a traced pipeline at scale: every rank of 405B's 16 stages without TP, 1F1B
-    ("405B PP16 x DP1024 (traced)", ["--config", "train_configs/llama3_405b.toml", "--world-size", "16384", "--tp",
-                                     "1", "--schedule", "1F1B", "--training.global_batch_size", "-1"]),
-]
+
+
+def _scale_cases() -> list[tuple[str, list[str]]]:
+    """The job files' documented plans, then the large plans of README.md and docs/ (their blocks marked `skip tested`
+    for this module), each command once (`--json` is added to every one)."""
+    cases, seen = [], set()
+    documented = [(f"{f} as documented", documented_plan(f)) for f in JOB_FILES]
+    shown = [(f"{where}: {' '.join(argv[3:])}", argv[2:]) for where, argv in
+             commands_tested_in(REPO, "tests/test_planner_scale.py") if argv[:2] == ["-m", "torchtrain.plan"]]
+    for name, args in documented + shown:
+        key = tuple(a for a in args if a != "--json")
+        if key not in seen:
+            seen.add(key)
+            cases.append((name, [a for a in args if a != "--json"]))
+    return cases
+
+
+SCALE = _scale_cases()
 
 
 @pytest.mark.parametrize("name, args", SCALE, ids=[s[0] for s in SCALE])
@@ -64,6 +78,9 @@ def test_large_plans_are_fast_and_small(tmp_path, name, args):
     data, cpu_s, rss_gib = _plan(args, tmp_path)
     print(f"{name}: {cpu_s:.1f} s CPU, {rss_gib:.2f} GiB RSS")
     assert cpu_s < 60 and rss_gib < 4
+    if "--search" in args:  # the best layouts: a fitting, runnable one first
+        assert data["fitting"] >= 1 and data["ranked"][0].get("runnable", True), data["ranked"][:1]
+        return
     ranks = data["memory"]["ranks"]
     assert len(ranks) == data["inputs"]["pp"] and all(r["analytic"]["peak_bytes"] > 0 for r in ranks)
     traced = [r["traced"] for r in ranks if r["traced"] and not r["traced"]["skipped"]]
@@ -72,9 +89,8 @@ def test_large_plans_are_fast_and_small(tmp_path, name, args):
     if "as documented" in name:
         assert data["valid"] and data["runnable"], (data["problems"], data["blockers"])
         assert data["memory"]["fits"] is True, data["memory"]["worst_peak_bytes"]
-    if "(traced)" in name:
-        assert len(traced) == len(ranks)
-        # stage 0 keeps 16 micro-batches in flight, the last stage 1
+    if "--schedule 1F1B" in name:  # every rank of 405B's 16 stages traced; stage 0 keeps 16 micro-batches in flight
+        assert len(traced) == len(ranks) == 16
         assert ranks[0]["in_flight"] == 16 and ranks[-1]["in_flight"] == 1
 
 

@@ -184,6 +184,11 @@ def _fork_server(args: list[str], passfds) -> int:
     if pid:
         return pid
     try:  # the child: the server, until its last client has gone (SystemExit)
+        import multiprocessing.forkserver
+
+        # The parent is inside ForkServer.ensure_running, holding its lock: the server (and every worker it forks)
+        # starts with the state a fresh interpreter has, so that a worker's own forkserver (a data loader's) starts.
+        multiprocessing.forkserver._forkserver.__init__()
         _set_process_name(SERVER_NAME)
         keep = sorted({0, 1, 2, *passfds})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):

@@ -111,14 +111,22 @@ class MetricsLogger:
             extra += f" | z-loss {_fmt(record['z_loss'], '.3e')}"
         if "mtp_loss" in record:  # multi-token prediction (docs/moe.md)
             extra += f" | mtp {_fmt(record['mtp_loss'], '.4f')}"
+        if "dpo/accuracy" in record:  # preference optimisation: what the recipe promises (docs/post_training.md)
+            extra += f" | dpo acc {_fmt(record['dpo/accuracy'], '.3f')} margin {_fmt(record.get('dpo/reward_margin'), '.3f')}"
+        if "grpo/reward" in record:  # GRPO: the rollout's reward, KL, length and sampling rate
+            extra += (f" | reward {_fmt(record['grpo/reward'], '.3f')} kl {_fmt(record.get('grpo/kl'), '.2e')} "
+                      f"len {_fmt(record.get('grpo/completion_length'), '.1f')} "
+                      f"gen tok/s {_fmt(record.get('grpo/generation_tokens_per_s'), ',.0f')}")
+        # the time the step waited for its batch: for GRPO that is sampling the rollout
+        waited = "rollout" if "grpo/reward" in record else "data"
         logger.info(
             "step %5d | loss %s | grad_norm %s | lr %s | tok/s/dev %s | TFLOPs %s | MFU %s | "
-            "mem %s GiB (%s) | data %s%%%s",
+            "mem %s GiB (%s) | %s %s%%%s",
             step, _fmt(record.get("loss"), ".4f"), _fmt(record.get("grad_norm"), ".3f"),
             _fmt(record.get("lr"), ".2e"), _fmt(record.get("tokens_per_s_per_device"), ",.0f"),
             _fmt(record.get("tflops_per_device"), ".3f"), _fmt(record.get("mfu_pct"), ".1f"),
             _fmt(record.get("memory_peak_gib"), ".2f"), record.get("memory_kind", "?"),
-            _fmt(record.get("data_loading_pct"), ".1f"), extra,
+            waited, _fmt(record.get("data_loading_pct"), ".1f"), extra,
         )
 
     def close(self) -> None:
