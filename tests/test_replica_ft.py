@@ -5,8 +5,8 @@ Group 1's rank 1 is killed (SIGKILL) in step 4. Group 0 must go on alone (the st
 is skipped, the following ones train on group 0's half of the global batch), group 1's torchrun restarts it
 (fault.max_restarts 1): it resumes from the newest checkpoint group 0 wrote, rejoins, and receives group 0's
 live training state. Two test hooks pin the rejoin to step 8 whatever the restart takes: the restarted group
-waits until group 0 has recorded step 7 (trained without it) before it joins a quorum, and group 0 waits
-before step 8 until both groups are in the quorum. From then on both groups must hold BITWISE equal state: the same per-step
+waits until group 0 has recorded step 7 (trained without it) before it joins a quorum (then creates a marker
+file), and group 0 waits before step 8 for that marker, then until both groups are in the quorum. From then on both groups must hold BITWISE equal state: the same per-step
 loss and gradient norm, and the same final `state_digest` (a hash of model, optimizer, schedule, data
 position, counters and RNG of every rank). The NaN guard (a NaN injected at step 10) must skip the step in
 both groups alike; only group 0 (the lowest live group) writes checkpoints.
@@ -63,7 +63,8 @@ def groups(tmp_path_factory):
     house = subprocess.Popen([lighthouse, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "10000",
                               "--heartbeat_timeout_ms", "2000", "--quorum_tick_ms", "100"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = dict(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", TORCHTRAIN_TEST_REPLICA_WAIT=str(REJOIN_STEP))
+    marker = dump / "group_1_joining"  # written by the restarted group 1 right before its first quorum
+    env = dict(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", TORCHTRAIN_TEST_REPLICA_WAIT=f"{REJOIN_STEP}:{marker}")
     try:
         first = launch(job(dump, 0), **env)
         record = os.path.join(str(dump), "replica_0", "metrics.jsonl")  # group 0's steps, 5-7 without group 1

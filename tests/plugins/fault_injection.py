@@ -10,9 +10,11 @@ by an environment variable; unset, the hook does nothing.
 * ``TORCHTRAIN_TEST_STOP_IN_STEP=STEP:RANK``: in the forward_backward phase of step STEP, global rank
   RANK stops itself (SIGSTOP) and goes on once something continues it (the hang monitor does). Only
   in the first attempt of a job.
-* ``TORCHTRAIN_TEST_REPLICA_WAIT=STEP``: with fault.replica_ft, before step STEP every replica group
-  waits until all replica groups take part in the quorum, so a test knows the step by which a
-  restarted group has rejoined.
+* ``TORCHTRAIN_TEST_REPLICA_WAIT=STEP[:MARKER]``: with fault.replica_ft, before step STEP every replica
+  group waits until all replica groups take part in the quorum, so a test knows the step by which a
+  restarted group has rejoined. With MARKER (a file path), a group first waits (at most 300 s) until
+  the file exists -- the restarted group creates it when it is about to join (REJOIN_AFTER) -- so a slow
+  restart on a busy machine cannot outlast the quorum's wait (fault.replica_timeout_s).
 * ``TORCHTRAIN_TEST_REJOIN_AFTER=PATH:STEP``: with fault.replica_ft, a restarted job (torchrun's restart
   count > 0) waits before its first quorum until the metrics file PATH (a surviving group's
   metrics.jsonl) holds the record of step STEP, which that group trained without it; so the survivors'
@@ -151,9 +153,24 @@ def nonfinite_gradient(step: int, model_parts: list) -> None:
     (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
 
 
+def _wait_for(path: str, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {path} did not appear within {WAIT_S} s")
+        time.sleep(0.05)
+
+
 def replica_wait(step: int) -> bool:
     value = os.environ.get(REPLICA_WAIT)
-    return bool(value) and step == int(value)
+    if not value:
+        return False
+    at, _, marker = value.partition(":")
+    if step != int(at):
+        return False
+    if marker:
+        _wait_for(marker, REPLICA_WAIT)
+    return True
 
 
 _rejoined: list[bool] = []
@@ -182,6 +199,9 @@ def rejoin_after(step: int) -> bool:
             raise RuntimeError(f"{REJOIN_AFTER}: {path} has no record of step {after} after {WAIT_S} s")
         time.sleep(0.05)
     _rejoined.append(True)
+    marker = os.environ.get(REPLICA_WAIT, "").partition(":")[2]
+    if marker:  # the survivors may now wait for this group in their quorum
+        open(marker, "w").close()
     return False
 
 
