@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import zygote
 from conftest import REPO, read_metrics
 from doc_blocks import SETUP, Block, blocks, chains, commands, documents, parse_mark, scratch_checkout
 
@@ -192,7 +193,7 @@ def run_documented_commands(path: str, chain: int, tmp_path) -> None:
     found, problems = marked(path)
     assert not problems, "\n".join(problems)
     folder = scratch_checkout(REPO, str(tmp_path / "checkout"))
-    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+    env = dict(os.environ, PATH=zygote.command_path(os.path.dirname(sys.executable)),
                PYTHONUNBUFFERED="1")
     env.pop("RANK", None)
     for block in chains(found)[chain]:

@@ -10,7 +10,8 @@ streams, `sys.path` and signal dispositions as a fresh `python ...` would have t
 `[sys.executable, "-m", MODULE, ...]` or `[sys.executable, SCRIPT.py, ...]` with no options the fork cannot honour
 (a shell, preexec_fn, pass_fds, user or group changes); everything else starts as usual. The child's exit status
 (and its resource usage, `ZygotePopen.rusage`) comes back over the connection that asked for it, so `wait`, `poll`,
-`communicate`, timeouts and signals behave as with any child. The server never runs a tensor operation and starts
+`communicate`, timeouts and signals behave as with any child. A forked command's own Python commands (the parity
+tool's launches, a benchmark's runs) go to the same server. The server never runs a tensor operation and starts
 no thread, so forking it is safe; the modules run with `-m` are not preloaded (runpy would warn that they were).
 `TORCHTRAIN_TEST_NO_ZYGOTE=1` turns it off.
 """
@@ -115,6 +116,10 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
             sys.modules["numpy"].random.seed()
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if os.environ.get(SOCKET_ENV) and os.environ.get(DISABLE) != "1":
+            global _server  # the Python commands this one starts (a parity tool's launches) are forked here too
+            _server = _Remote(os.environ[SOCKET_ENV])
+            subprocess.Popen = ZygotePopen
         import runpy
 
         args = request["args"]
@@ -211,7 +216,20 @@ def serve(path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- client
-class _Server:
+class _Remote:
+    """A server started by another process (a command's own commands reach its test process's server)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def start(self, request: dict, fds: list[int]) -> tuple[int, socket.socket]:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(self.path)
+        _send(conn, request, fds)
+        return _recv(conn), conn
+
+
+class _Server(_Remote):
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="torchtrain-zygote-")
         self.path = os.path.join(self.folder, "socket")
@@ -239,14 +257,9 @@ class _Server:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
 
-    def start(self, request: dict, fds: list[int]) -> tuple[int, socket.socket]:
-        conn = socket.socket(socket.AF_UNIX)
-        conn.connect(self.path)
-        _send(conn, request, fds)
-        return _recv(conn), conn
 
 
-_server: _Server | None = None
+_server: _Remote | None = None
 _lock = threading.Lock()
 _original_popen = subprocess.Popen
 
@@ -340,6 +353,14 @@ def start() -> None:
         with _lock:
             if _server is None:
                 _server = _Server()
+
+
+def command_path(*first: str) -> str:
+    """PATH for a script a test runs with the folders `first` ahead of the inherited PATH: the server's `python`
+    shim stays ahead of them all (a venv's bin folder first would bypass it)."""
+    shims = [os.path.join(_server.folder, "bin")] if isinstance(_server, _Server) else []
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p not in shims]
+    return os.pathsep.join([*shims, *first, *rest])
 
 
 def shim() -> None:
