@@ -19,6 +19,7 @@ no thread, so forking it is safe; the modules run with `-m` are not preloaded (r
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import os
 import pickle
@@ -164,6 +165,8 @@ def serve(path: str) -> None:
             __import__(module)
         except ImportError:
             pass
+    gc.collect()
+    gc.freeze()  # the preloaded modules: out of the children's full collections (as the launcher's forkserver does)
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)

@@ -41,6 +41,7 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
 from __future__ import annotations
 
 import atexit
+import gc
 import glob
 import logging
 import os
@@ -189,6 +190,10 @@ def _fork_server(args: list[str], passfds) -> int:
         # The parent is inside ForkServer.ensure_running, holding its lock: the server (and every worker it forks)
         # starts with the state a fresh interpreter has, so that a worker's own forkserver (a data loader's) starts.
         multiprocessing.forkserver._forkserver.__init__()
+        # What it has imported (torch, the trainer) outlives every worker: kept out of the cyclic collector's reach
+        # (gc.freeze), a worker's full collections scan only its own objects and leave the shared pages unwritten.
+        gc.collect()
+        gc.freeze()
         _set_process_name(SERVER_NAME)
         keep = sorted({0, 1, 2, *passfds})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
