@@ -107,6 +107,7 @@ def _compiled_dense_run(option: str) -> tuple[float, int]:
     return loss.item(), sum(saved)
 
 
+@pytest.mark.slow
 def test_compiled_cheap_recomputes_the_declared_modules():
     """Compiled, the policy finds the declared modules from the module stack Dynamo records for each traced
     operator (hooks run at trace time, not when the policy is asked): the compiled block saves less than

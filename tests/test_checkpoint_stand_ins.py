@@ -67,6 +67,7 @@ def _changed(a: list, b: list) -> tuple[list, list]:
     return sorted(only_a, key=str), sorted(rest_b, key=str)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_qkv", "three_projections"])
 def test_compiled_blocks_save_the_rotated_inputs_for_the_same_bytes_and_numbers(fused):
     """The saved set trades the projections' outputs for attention's inputs, byte for byte; the gradients

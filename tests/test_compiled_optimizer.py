@@ -158,6 +158,7 @@ JOB = TINY_JOB + ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--
                   "--training.max_norm", "0.5"]
 
 
+@pytest.mark.slow
 def test_a_compiled_bf16_run_trains_as_with_torchs_optimizer_and_resumes_bitwise(tmp_path, monkeypatch):
     """The same job with and without "optimizer" in compile.components: losses and gradient norms within
     1e-3 relative (the update differs by float32 rounding, and a parameter that lands on another side of
@@ -178,6 +179,7 @@ def test_a_compiled_bf16_run_trains_as_with_torchs_optimizer_and_resumes_bitwise
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
 
 
+@pytest.mark.slow
 def test_accumulating_micro_batches_sum_float32_gradients_and_injection_reaches_kept_ones(tmp_path, monkeypatch):
     """Two micro-batches a step: the gradients are summed in float32 on the parameters (as without the
     compiled step), within the same 1e-3. One micro-batch with a gradient poisoned at step 2

@@ -70,6 +70,7 @@ def assert_close_steps(a: list[dict], b: list[dict], rtol: float) -> None:
             assert abs(x[key] - y[key]) <= rtol * abs(y[key]), (key, [r[key] for r in a], [r[key] for r in b])
 
 
+@pytest.mark.slow
 def test_one_rank_bf16_trains_without_fsdp_as_fsdp_does(tmp_path, monkeypatch):
     bf16 = JOB + ["--training.mixed_precision_param", "bfloat16"]
     saving = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
@@ -106,6 +107,7 @@ def test_one_rank_keeps_fsdp_where_it_does_more_than_cast():
     assert two.fsdp and not two.compute_copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["compute_copy", "fsdp"])
 def test_fp16_trains_with_the_fused_adamw(tmp_path, monkeypatch, wrapper):
     """float16 with dynamic loss scaling and the fused AdamW (the default), with and without FSDP:

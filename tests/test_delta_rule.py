@@ -141,6 +141,7 @@ def test_state_passes_between_halves():
     assert (s - s2).abs().max().item() < TOL
 
 
+@pytest.mark.slow
 def test_compiled_chunked_kernel_matches_eager():
     """torch.compile(fullgraph=True: no graph break) runs the chunked kernel forward and backward. Backend
     "aot_eager": dynamo's trace and AOTAutograd's forward and backward graphs, as inductor gets them, without

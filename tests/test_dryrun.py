@@ -22,6 +22,7 @@ JOB_8B_64 = ["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--mod
              "--quantize.linear.float8.filter_fqns", "output"]
 
 
+@pytest.mark.slow
 def test_dry_run_of_8b_at_64_ranks():
     result = dry_run(JOB_8B_64, world=64, steps=1)
     first, last = result.ranks

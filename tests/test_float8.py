@@ -208,6 +208,7 @@ def test_launch_check_prints_one_line(capsys):
 
 
 # ----------------------------------------------------------------------------- training
+@pytest.mark.slow
 def test_float8_stays_within_a_band_of_fp32():
     """200 steps of a tiny Llama on a learnable stream (each sequence an arithmetic progression mod
     the vocabulary), fp32 vs float8 (emulated, tensorwise), same initial weights and data. Band: every

@@ -138,6 +138,7 @@ def test_the_planner_costs_the_fused_group_as_one_gemm():
     assert gemms(p.model.matmuls(fused=True)) < gemms(p.model.matmuls()) - 1e-4  # ~0.2 ms a block
 
 
+@pytest.mark.slow
 def test_a_bf16_run_trains_as_with_three_gemms(tmp_path, monkeypatch):
     """The trainer on one rank in bf16 (the compute copy, selective checkpointing), fused against
     `model.fuse_qkv = false`: the same losses and gradient norms up to bf16 rounding of the GEMMs' outputs

@@ -44,6 +44,7 @@ def dry_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow  # the dry run trains every part's runs (multi-process ones among them): not for the fast tier
 def test_dry_run_runs_every_part(dry_run):
     out, proc = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -112,6 +113,7 @@ def test_dry_run_runs_every_part(dry_run):
     assert "kit/f/resumed/metrics.jsonl" in names and not any("/checkpoint" in n for n in names)
 
 
+@pytest.mark.slow
 def test_archives_merge_into_one_summary(dry_run, tmp_path):
     out, proc = dry_run
     assert proc.returncode == 0

@@ -336,6 +336,7 @@ def test_fake_tensors_measure_what_real_tensors_use(flags):
     assert _close(fake.backward, real.backward, 1e-3) and _close(fake.optimizer, real.optimizer, 1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [{}, {"ac_mode": "full"}, {"pp": 2, "pp_microbatch_size": 1}])
 def test_linear_depth_extension_equals_the_full_trace(monkeypatch, flags):
     job, p = _inputs(4, job_args=["--model.n_layers", "8"], **flags)

@@ -70,6 +70,7 @@ def _carries_the_jobs_step_options(step, extra_losses: bool = True) -> None:
     assert (step.extra_losses is not None) == extra_losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pp2"])
 def test_the_dry_run_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipeline):
     from torchtrain.tools.dryrun import dry_run

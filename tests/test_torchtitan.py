@@ -257,6 +257,7 @@ TINY_RUN = [*TINY_JOB, "--metrics.log_freq", "1", "--debug.deterministic", "--me
             "--checkpoint.enable", "--checkpoint.interval", "4"]
 
 
+@pytest.mark.slow
 def test_a_run_continues_from_a_torchtitan_checkpoint_and_goes_back(tmp_path):
     """torchtrain step-4 -> scripts/convert_to_torchtitan.py (with optimizer) -> initial load of model, optimizer
     and step: steps 5..8 equal torchtrain's own resume that restarts the data (torchtitan's loader state is
@@ -322,6 +323,7 @@ def shard_bytes(folder) -> dict[str, bytes]:
             + sorted(glob.glob(os.path.join(str(folder), "*.idx")))}
 
 
+@pytest.mark.slow
 def test_an_hf_dataset_prepares_into_the_shards_of_the_same_rows_as_jsonl(hf_rows, tmp_path):
     root = hf_rows
     assert len(glob.glob(str(root / "saved" / "*.arrow"))) > 2
