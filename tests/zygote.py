@@ -261,7 +261,6 @@ class _Server(_Remote):
             self.proc.kill()
 
 
-
 _server: _Remote | None = None
 _lock = threading.Lock()
 _original_popen = subprocess.Popen

@@ -153,11 +153,12 @@ def nonfinite_gradient(step: int, model_parts: list) -> None:
     (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
 
 
-def _wait_for(path: str, what: str) -> None:
+def _wait_until(ready, failure: str) -> None:
+    """Poll `ready()` until it holds; RuntimeError(`failure`) after WAIT_S seconds."""
     deadline = time.monotonic() + WAIT_S
-    while not os.path.exists(path):
+    while not ready():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: {path} did not appear within {WAIT_S} s")
+            raise RuntimeError(failure)
         time.sleep(0.05)
 
 
@@ -169,7 +170,7 @@ def replica_wait(step: int) -> bool:
     if step != int(at):
         return False
     if marker:
-        _wait_for(marker, REPLICA_WAIT)
+        _wait_until(lambda: os.path.exists(marker), f"{REPLICA_WAIT}: {marker} did not appear within {WAIT_S} s")
     return True
 
 
@@ -193,11 +194,8 @@ def rejoin_after(step: int) -> bool:
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or _rejoined:
         return False
     path, _, after = spec.rpartition(":")
-    deadline = time.monotonic() + WAIT_S
-    while not _recorded(path, int(after)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{REJOIN_AFTER}: {path} has no record of step {after} after {WAIT_S} s")
-        time.sleep(0.05)
+    _wait_until(lambda: _recorded(path, int(after)),
+                f"{REJOIN_AFTER}: {path} has no record of step {after} after {WAIT_S} s")
     _rejoined.append(True)
     marker = os.environ.get(REPLICA_WAIT, "").partition(":")[2]
     if marker:  # the survivors may now wait for this group in their quorum
