@@ -18,7 +18,7 @@ from torchtrain.models.deepseek_v3.model import CHEAP_TO_RECOMPUTE
 from torchtrain.models.llama3 import Llama3Args
 from torchtrain.models.llama3 import Transformer as Llama3
 from torchtrain.models.registry import get_model_spec
-from torchtrain.tools.planner.activations import ac_block_bytes_per_token
+from torchtrain.planner.activations import ac_block_bytes_per_token
 
 ARGS = DeepseekV3Args(dim=64, n_layers=2, n_heads=4, vocab_size=512, hidden_dim=128, q_lora_rank=32, kv_lora_rank=32,
                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
@@ -132,8 +132,8 @@ def test_planner_offers_cheap_where_declared_and_saves_the_all_to_alls():
     expert all-to-alls run once per micro-batch forward (saved), other collectives twice."""
     from types import SimpleNamespace
 
-    from torchtrain.tools.planner.comm_time import forward_repeats
-    from torchtrain.tools.planner.search import _ac_choices
+    from torchtrain.planner.comm_time import forward_repeats
+    from torchtrain.planner.search import _ac_choices
 
     ds = SimpleNamespace(model=declare(ARGS))
     llama = SimpleNamespace(model=declare(Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=8)))

@@ -127,9 +127,9 @@ def test_the_planner_costs_no_rotation_in_the_recomputation():
     """Compiled "op": the recomputation is the block's memory-bound forward less RoPE on the queries and
     keys where the model declares stand-ins; eager blocks recompute the whole memory-bound forward."""
     from torchtrain.components.hardware import KNOWN_GPUS
-    from torchtrain.tools.planner.compute_time import block_time, memory_seconds, rope_bytes
-    from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.from_job import inputs_from_config
+    from torchtrain.planner.compute_time import block_time, memory_seconds, rope_bytes
+    from torchtrain.planner.core import load_job
+    from torchtrain.planner.from_job import inputs_from_config
 
     dev = KNOWN_GPUS["h100"]
     blocks = {}

@@ -196,13 +196,13 @@ def test_accumulating_micro_batches_sum_float32_gradients_and_injection_reaches_
 
 def test_the_planner_plans_the_compiled_step_as_the_trainer_runs_it():
     """The planner's trace runs the trainer's step with the compiled update's stand-in (no temporaries,
-    one launch a parameter: tools/planner/compiled.py): at the optimizer step the bf16 gradients (2 B a
+    one launch a parameter: planner/compiled.py): at the optimizer step the bf16 gradients (2 B a
     parameter) and the kept compute copy (2 B) as the analytic rows say; the time model drops the copy's
     refresh and the gradients' upcast, and the optimizer's clip pass."""
     from test_planner import _inputs
 
-    from torchtrain.tools.planner import analytic
-    from torchtrain.tools.planner.core import make_plan
+    from torchtrain.planner import analytic
+    from torchtrain.planner.core import make_plan
 
     bf16 = ["--training.mixed_precision_param", "bfloat16", "--compile.enable", "true"]
     job, p = _inputs(1, job_args=bf16, gpu="h100")

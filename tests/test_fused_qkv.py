@@ -112,9 +112,9 @@ def test_the_planner_costs_the_fused_group_as_one_gemm():
     GEMM of the summed width, which on an H100 takes less than the three (the narrow key/value GEMMs
     fill fewer of its SMs)."""
     from torchtrain.components.hardware import KNOWN_GPUS
-    from torchtrain.tools.planner.compute_time import block_time, linear_seconds
-    from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.from_job import inputs_from_config
+    from torchtrain.planner.compute_time import block_time, linear_seconds
+    from torchtrain.planner.core import load_job
+    from torchtrain.planner.from_job import inputs_from_config
 
     model = declare(LLAMA3_FLAVORS["1B"])
     group = "+".join(GQA_FUSED[0])

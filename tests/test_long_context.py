@@ -224,12 +224,12 @@ def test_checkpoints_resume_exactly_with_cp_and_reshard_to_cp1(tmp_path):
 # ------------------------------------------------------------------------------------- the planner
 def test_planner_models_context_parallelism():
     from torchtrain.components.hardware import KNOWN_GPUS
-    from torchtrain.tools.planner.analytic import estimate_memory
-    from torchtrain.tools.planner.comm_time import kv_exchange_bytes
-    from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.search import enumerate_layouts
-    from torchtrain.tools.planner.step_time import estimate_step
+    from torchtrain.planner.analytic import estimate_memory
+    from torchtrain.planner.comm_time import kv_exchange_bytes
+    from torchtrain.planner.core import load_job
+    from torchtrain.planner.from_job import inputs_from_config
+    from torchtrain.planner.search import enumerate_layouts
+    from torchtrain.planner.step_time import estimate_step
 
     job = load_job(["--model.flavor", "8B", "--training.seq_len", "65536", "--training.local_batch_size", "1",
                     "--training.global_batch_size", "4"])

@@ -10,8 +10,8 @@ import math
 
 from test_planner import LORA, _inputs
 
-from torchtrain.tools.planner import analytic, shapes
-from torchtrain.tools.planner.core import make_plan
+from torchtrain.planner import analytic, shapes
+from torchtrain.planner.core import make_plan
 
 
 def test_lora_adapters_under_tp_are_counted_tp_local_and_match_the_trace():

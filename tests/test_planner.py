@@ -19,10 +19,10 @@ from conftest import TINY_JOB
 
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.models.contract import declare
-from torchtrain.tools.planner import activations, analytic, pipeline, shapes, step_time, trace
-from torchtrain.tools.planner.core import load_job, make_plan, plan_from_flags, trace_job
-from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config, job_with_knobs
-from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES
+from torchtrain.planner import activations, analytic, pipeline, shapes, step_time, trace
+from torchtrain.planner.core import load_job, make_plan, plan_from_flags, trace_job
+from torchtrain.planner.from_job import display_overrides, inputs_from_config, job_with_knobs
+from torchtrain.planner.inputs import CONFIG_KEYS, DTYPE_NAMES
 
 # A slightly deeper tiny model than the trainer tests' (4 blocks) so stage splits and AC have room.
 PLAN_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.local_batch_size", "4"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 from conftest import TINY_JOB, read_metrics, run_together
 
-from torchtrain.tools.planner.core import load_job, plan_from_flags
+from torchtrain.planner.core import load_job, plan_from_flags
 
 RTOL = 0.10
 pytestmark = pytest.mark.dist

@@ -1,4 +1,4 @@
-"""The planner on a preference-optimisation job ([dpo], `tools/planner/preference.py`), on the toy parity job
+"""The planner on a preference-optimisation job ([dpo], `planner/preference.py`), on the toy parity job
 (train_configs/dpo_debug.toml, its data written to a temporary folder):
 
 * memory: the frozen reference copy's bytes per rank are the planner's parameter bytes under FSDP 2 x TP 2, equal
@@ -29,10 +29,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrain.components.hardware import KNOWN_GPUS
-from torchtrain.tools.planner import analytic, comm_time, preference, shapes, step_time, trace
-from torchtrain.tools.planner.core import load_job, make_plan, trace_job
-from torchtrain.tools.planner.from_job import inputs_from_config
-from torchtrain.tools.planner.pipeline import pipeline_of
+from torchtrain.planner import analytic, comm_time, preference, shapes, step_time, trace
+from torchtrain.planner.core import load_job, make_plan, trace_job
+from torchtrain.planner.from_job import inputs_from_config
+from torchtrain.planner.pipeline import pipeline_of
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "dpo_debug.toml")
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
@@ -68,9 +68,9 @@ def _trainers_copy_bytes(p) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtrain.models.registry import get_model_spec
+    from torchtrain.planner.stage_model import part_cut
     from torchtrain.simulation.fake_world import fake_world
     from torchtrain.simulation.parts import build_fake_parts
-    from torchtrain.tools.planner.stage_model import part_cut
     from torchtrain.trainer.reference import ReferenceModel
 
     layout = trace._trace_layout(p, trace_job(p), 1, p.world_size)

@@ -1,4 +1,4 @@
-"""The planner on a GRPO job ([grpo], `tools/planner/grpo.py`), on the toy parity prompts (`tools/grpo_toy.py`)
+"""The planner on a GRPO job ([grpo], `planner/grpo.py`), on the toy parity prompts (`tools/grpo_toy.py`)
 with the tiny Llama of train_configs/dpo_debug.toml ([dpo] off, `training.dataset = "prompts"`):
 
 * the iteration's rollouts: R = S x local batch x accumulation rows per rank, R / G prompts, R x L_c tokens per
@@ -23,9 +23,9 @@ import os
 import pytest
 
 from torchtrain.components.hardware import KNOWN_GPUS
-from torchtrain.tools.planner import analytic, grpo
-from torchtrain.tools.planner.core import load_job, make_plan
-from torchtrain.tools.planner.from_job import inputs_from_config
+from torchtrain.planner import analytic, grpo
+from torchtrain.planner.core import load_job, make_plan
+from torchtrain.planner.from_job import inputs_from_config
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "dpo_debug.toml")
 GRPO = ["--dpo.enable", "false", "--training.dataset", "prompts", "--grpo.enable", "true"]
@@ -102,7 +102,7 @@ def test_a_sampling_peak_over_the_budget_is_flagged(data):
     c = plan.grpo
     assert plan.worst.peak < p.usable_bytes < c.sampling_peak_bytes
     assert c.sampling_fits is False and plan.fits is False
-    from torchtrain.tools.planner.report import format_plan
+    from torchtrain.planner.report import format_plan
 
     assert "GRPO sampling peak" in format_plan(plan) and "DOES NOT FIT the usable memory" in format_plan(plan)
     assert _plan(data, 1, big, memory_gib=1)[2].grpo.sampling_fits is True

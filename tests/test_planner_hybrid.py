@@ -11,11 +11,11 @@ from torchtrain.models.common.attention import AttentionContext
 from torchtrain.models.common.linear_attention import GatedDeltaNet
 from torchtrain.models.contract import declare
 from torchtrain.models.registry import get_model_spec
-from torchtrain.tools.planner import activations, comm_time, compute_time, shapes
-from torchtrain.tools.planner.core import load_job, make_plan, resolve_gpu
-from torchtrain.tools.planner.from_job import inputs_from_config
-from torchtrain.tools.planner.pipeline import no_pipeline
-from torchtrain.tools.planner.step_time import estimate_step
+from torchtrain.planner import activations, comm_time, compute_time, shapes
+from torchtrain.planner.core import load_job, make_plan, resolve_gpu
+from torchtrain.planner.from_job import inputs_from_config
+from torchtrain.planner.pipeline import no_pipeline
+from torchtrain.planner.step_time import estimate_step
 
 
 def _job(model: str, flavor: str, seq: int = 4096, *extra: str):

@@ -11,9 +11,9 @@ from conftest import TINY_JOB
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchtrain.tools.planner import trace
-from torchtrain.tools.planner.core import load_job, plan_from_flags, trace_job
-from torchtrain.tools.planner.from_job import inputs_from_config
+from torchtrain.planner import trace
+from torchtrain.planner.core import load_job, plan_from_flags, trace_job
+from torchtrain.planner.from_job import inputs_from_config
 from torchtrain.trainer.precision import LossScaler
 
 FP16_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.local_batch_size", "4",

@@ -17,9 +17,9 @@ from test_planner import _inputs
 from test_planner_scale import _plan
 
 from torchtrain.models.contract import declare
-from torchtrain.tools.planner import activations, analytic, comm_time, shapes
-from torchtrain.tools.planner.core import make_plan
-from torchtrain.tools.planner.search import search
+from torchtrain.planner import activations, analytic, comm_time, shapes
+from torchtrain.planner.core import make_plan
+from torchtrain.planner.search import search
 
 MOE_JOB = ["--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "8",
            "--model.n_kv_heads", "4", "--model.head_dim", "16", "--model.vocab_size", "512", "--model.num_experts", "8",

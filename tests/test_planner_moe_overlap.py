@@ -19,8 +19,8 @@ from test_planner_moe import MOE_JOB
 
 from torchtrain.models.contract import MoEShape, expected_nodes
 from torchtrain.plan import main as plan_main
-from torchtrain.tools.planner import comm_time, expert_overlap
-from torchtrain.tools.planner.step_time import estimate_step
+from torchtrain.planner import comm_time, expert_overlap
+from torchtrain.planner.step_time import estimate_step
 
 NODES = ["--parallelism.expert_parallel_ranks_per_node", "2"]
 

@@ -111,9 +111,9 @@ def test_405b_job_is_metas_layout():
 def test_search_70b_on_64_h100_ranks_a_fitting_valid_layout_first():
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.config import parse_args
-    from torchtrain.tools.planner.core import load_job
-    from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
-    from torchtrain.tools.planner.search import annotate_runnable, search
+    from torchtrain.planner.core import load_job
+    from torchtrain.planner.from_job import display_overrides, inputs_from_config
+    from torchtrain.planner.search import annotate_runnable, search
     from torchtrain.trainer.preflight import preflight
 
     job = load_job(["--job.config_file", os.path.join(REPO, "train_configs/llama3_70b.toml")])

@@ -16,10 +16,10 @@ from conftest import REPO
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS
 from torchtrain.config import ConfigError
-from torchtrain.tools.planner import published_runs
-from torchtrain.tools.planner.core import host_of, load_job, make_plan, resolve_gpu
-from torchtrain.tools.planner.from_job import inputs_from_config
-from torchtrain.tools.planner.step_time import estimate_step
+from torchtrain.planner import published_runs
+from torchtrain.planner.core import host_of, load_job, make_plan, resolve_gpu
+from torchtrain.planner.from_job import inputs_from_config
+from torchtrain.planner.step_time import estimate_step
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_an_eager_rms_norm_moves_its_activations_once_where_the_device_fuses_it(
     """On a GPU `F.rms_norm` is one kernel each way (read, write: 2 d bytes an element); where autograd decomposes
     it (the CPU target, `--device fused_rms_norm=false`) each step is a pass (4 d + 24). A compiled block fuses
     it either way. Nothing else in the block changes; the traced step's host operators follow the same flag."""
-    from torchtrain.tools.planner.compute_time import block_memory_bytes
+    from torchtrain.planner.compute_time import block_memory_bytes
 
     job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--compile.enable", "false"])
     eager = inputs_from_config(job.cfg, job.args, 8, "cuda", KNOWN_GPUS["h100"], {})
@@ -135,7 +135,7 @@ def test_lora_runs_no_weight_gradients_of_frozen_weights():
     """Under LoRA the blocks' backward runs the input-gradient GEMMs plus the adapters' GEMMs, the
     gradient reductions and the optimizer step cover the adapters only, and model FLOPs are 4N + 6 per
     adapter parameter + attention."""
-    from torchtrain.tools.planner import compute_time, pipeline, shapes
+    from torchtrain.planner import compute_time, pipeline, shapes
 
     job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--lora.enable", "true",
                     "--lora.rank", "16"])
@@ -162,7 +162,7 @@ def test_interruptions_add_restarts_and_lost_steps_to_time_and_cost():
     """Meta's rate on 16,384 GPUs is one interruption every ~3.1 h; each costs the restart and half a
     checkpoint interval; W = U / (1 - r N c / 3600); no figure without checkpoints or when the job
     cannot outrun its failures."""
-    from torchtrain.tools.planner.interruptions import LLAMA3_405B_RATE, expected_interruptions
+    from torchtrain.planner.interruptions import LLAMA3_405B_RATE, expected_interruptions
 
     assert 1 / (LLAMA3_405B_RATE * 16384) == pytest.approx(3.09, abs=0.01)
     i = expected_interruptions(100 * 3600, 16384, step_s=9.0, checkpoint_interval_steps=100)

@@ -22,13 +22,13 @@ from torchtrain.models.common.vision import VisionEncoder
 from torchtrain.models.contract import declare
 from torchtrain.models.registry import get_model_spec
 from torchtrain.plan import main as plan_main
-from torchtrain.tools.planner import shapes, vision
-from torchtrain.tools.planner.analytic import estimate_memory
-from torchtrain.tools.planner.core import load_job, resolve_gpu
-from torchtrain.tools.planner.from_job import inputs_from_config
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import pipeline_of
-from torchtrain.tools.planner.step_time import estimate_step
+from torchtrain.planner import shapes, vision
+from torchtrain.planner.analytic import estimate_memory
+from torchtrain.planner.core import load_job, resolve_gpu
+from torchtrain.planner.from_job import inputs_from_config
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import pipeline_of
+from torchtrain.planner.step_time import estimate_step
 
 SPEC = get_model_spec("qwen3_5")
 VL_FLAVORS = [name for name in SPEC.flavors if name.endswith(("_vl", "-VL"))]

@@ -46,7 +46,7 @@ def _calls(name: str) -> list[str]:
 
 def test_train_step_is_constructed_in_one_place_that_every_runner_calls():
     assert _calls("TrainStep") == ["torchtrain/trainer/step_factory.py"]
-    assert sorted(_calls("build_train_step")) == ["torchtrain/tools/dryrun.py", "torchtrain/tools/planner/trace.py",
+    assert sorted(_calls("build_train_step")) == ["torchtrain/planner/trace.py", "torchtrain/tools/dryrun.py",
                                                   "torchtrain/trainer/trainer.py"]
 
 
@@ -89,8 +89,8 @@ def test_the_dry_run_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipe
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pp2"])
 def test_the_planners_trace_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipeline):
-    from torchtrain.tools.planner.core import load_job, make_plan
-    from torchtrain.tools.planner.from_job import inputs_from_config
+    from torchtrain.planner.core import load_job, make_plan
+    from torchtrain.planner.from_job import inputs_from_config
 
     job = load_job(MOE_MTP_JOB)
     flags = {"pp": 2, "pp_microbatch_size": 1} if pipeline else {}

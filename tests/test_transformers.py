@@ -341,7 +341,7 @@ def test_declared_collectives_match_the_dry_run(kind, ep, tmp_path):
 
 def test_the_planner_plans_a_transformers_folder(tmp_path):
     """Parameters from the config, the plan it declares, traced memory of one real step on fake tensors."""
-    from torchtrain.tools.planner.core import load_job, plan_from_flags
+    from torchtrain.planner.core import load_job, plan_from_flags
 
     folder = hf_folder(tmp_path, "mistral", weights=False)
     job = load_job(["--model.name", "transformers", "--model.hf_path", folder, "--training.seq_len", "32",

@@ -34,7 +34,7 @@ import threading
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.checkpoint",
            "torchtrain.trainer.trainer", "torchtrain.tools.parity", "torchtrain.tools.dryrun",
-           "torchtrain.tools.planner.core", "torchtrain.trainer.preflight", "torchtrain.utils.process_exit",
+           "torchtrain.planner.core", "torchtrain.trainer.preflight", "torchtrain.utils.process_exit",
            "torchtrain.data.preparation"]
 """What the server imports once (modules run with `-m` are left out: runpy warns about a target already loaded)."""
 DISABLE = "TORCHTRAIN_TEST_NO_ZYGOTE"

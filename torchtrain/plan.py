@@ -3,7 +3,7 @@
     python -m torchtrain.plan --config JOB.toml [--world-size N] [--gpu h100] [--search] [--json] \\
         [--tp 8 --pp 16 --ac full ...] [--section.key value ...]     (alias `torchtrain-plan`)
 
-Runs on a laptop CPU in one process for any world size. See docs/planner.md and `tools/planner/`.
+Runs on a laptop CPU in one process for any world size. See docs/planner.md and `planner/`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import warnings
 
 from torchtrain.config import ConfigError
-from torchtrain.tools.planner.inputs import AC_MODES, PLANNER_KEYS, RESHARD, STRATEGIES
+from torchtrain.planner.inputs import AC_MODES, PLANNER_KEYS, RESHARD, STRATEGIES
 from torchtrain.utils import strict_json
 
 EPILOG = """\
@@ -138,10 +138,10 @@ def _world_size(ns: argparse.Namespace, job) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchtrain.tools.planner import report
-    from torchtrain.tools.planner.core import load_job, plan_from_flags, resolve_gpu
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.search import annotate_runnable, search
+    from torchtrain.planner import report
+    from torchtrain.planner.core import load_job, plan_from_flags, resolve_gpu
+    from torchtrain.planner.from_job import inputs_from_config
+    from torchtrain.planner.search import annotate_runnable, search
 
     ns, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                 ns.runnable_only, show_progress=True, cp=ns.cp)
                 offload_note = ""
                 if not result.ranked and not (base.cpu_offload or base.offload_optimizer != "none"):
-                    from torchtrain.tools.planner.fewest import search_with_offload
+                    from torchtrain.planner.fewest import search_with_offload
 
                     _, result = search_with_offload(job, {k: v for k, v in flags.items() if k in PLANNER_KEYS},
                                                     world, ns.gpu, ns.device, ns.search_ac.split(","),
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                                        device=ns.device)
                 fewest = None
                 if plan.fits is False:  # how few GPUs would: without offload, and with these offload flags
-                    from torchtrain.tools.planner.fewest import fewest_gpus
+                    from torchtrain.planner.fewest import fewest_gpus
 
                     fewest = (fewest_gpus(job, ns.gpu, flags, ns.device), fewest_gpus(job, ns.gpu, flags, ns.device,
                                                                                         offload=True))

@@ -229,9 +229,9 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
     import contextlib
     import io
 
-    from torchtrain.tools.planner.core import host_of, load_job, make_plan, resolve_gpu
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.host_time import OpCounts, host_seconds, step_seconds
+    from torchtrain.planner.core import host_of, load_job, make_plan, resolve_gpu
+    from torchtrain.planner.from_job import inputs_from_config
+    from torchtrain.planner.host_time import OpCounts, host_seconds, step_seconds
 
     plans: dict[str, object] = {}  # runs of the same job (but for steps, logging, profiling) share a plan
     for row in rows:
@@ -268,7 +268,7 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
         row.host_s = host.seconds if host is not None else None
         row.ops = host.ops if host is not None else None
         row.planned_step_s = t.step_s if host is None else step_seconds(t.gpu_s, host.seconds)
-        if plan.offload is not None:  # offload adds its own time to the step (tools/planner/offload.py)
+        if plan.offload is not None:  # offload adds its own time to the step (planner/offload.py)
             row.planned_step_s = t.step_s
 
 
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             json.dump({"commit": args.commit, "torch": torch.__version__,
                        "note": "operator counts the planner traced for each run at the commit measured "
-                               "(tools/planner/host_time.py OpCounts.as_dict), and whether that code trained the "
+                               "(planner/host_time.py OpCounts.as_dict), and whether that code trained the "
                                "run's one rank from a compute copy (distributed/compute_copy.py)",
                        "rows": {r.name: r.counts for r in rows if r.counts is not None},
                        "compute_copy": {r.name: r.compute_copy for r in rows if r.counts is not None}}, f, indent=1)

@@ -155,7 +155,7 @@ CPU-only build registers it as a composite)."""
 def _count(node: dict, inside: bool, handled: bool, out: Dispatched) -> bool:
     """Count `node`'s subtree into `out`; True when a handler in it re-dispatched operators that were
     counted (the enclosing counted operator then hands its count over to them)."""
-    from torchtrain.tools.planner.host_time import op_class
+    from torchtrain.planner.host_time import op_class
 
     if node["name"] in HANDLERS:
         before = sum(out.names.values())
@@ -188,7 +188,7 @@ def host_costs(summary: dict, step_s: float) -> dict[str, float]:
     beside the profile's GPU busy time to give `step_s` (`host_time.host_share`); each mean is scaled so
     that the counted operators of one step add up to it (`profile_scale`: ~1 when the profile's own
     durations explain the step)."""
-    from torchtrain.tools.planner.host_time import host_share
+    from torchtrain.planner.host_time import host_share
 
     n, mean = summary["dispatched_by_class_per_step"], summary["mean_us_by_class"]
     handler_us = summary["handler_self_s_per_step"] * 1e6

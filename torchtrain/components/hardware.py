@@ -1,7 +1,7 @@
 """Hardware facts: the device table (what each accelerator and its system can do, with where every figure
 comes from), which device this process runs on, and its peak memory.
 
-Two kinds of numbers live here, and the planner's time model (`tools/planner/step_time.py`) uses both:
+Two kinds of numbers live here, and the planner's time model (`planner/step_time.py`) uses both:
 
 * **Vendor peaks** (datasheets, dense, no sparsity): tensor-core TFLOP/s per dtype, HBM bandwidth,
   memory, NVLink / Infinity Fabric bandwidth per GPU and direction, NIC bandwidth per GPU.
@@ -19,7 +19,7 @@ Two kinds of numbers live here, and the planner's time model (`tools/planner/ste
 
 Where no measurement was at hand the value is marked "assumed" in its row's `sources` and the
 reason given; `docs/planner.md` lists them. None of these numbers is fitted to the published runs
-the planner is validated against (`tools/planner/published_runs.py`): they are inputs, the runs are
+the planner is validated against (`planner/published_runs.py`): they are inputs, the runs are
 the test. A user with better numbers for their own system overrides any field (`--device key=value`,
 `with_overrides`), e.g. `--device inter_node_gbps=25` for 200 Gb/s NICs.
 """
@@ -110,7 +110,7 @@ class GPUSpec:
     """Achievable share of the PCIe peak for large pinned copies (assumed: ~50 of 64 GB/s on Gen5 x16)."""
     host_op_us: float | None = 39.9
     """Host time per dispatched operator that runs a kernel, microseconds: Python, dispatcher, autograd's
-    bookkeeping and the launch (`tools/planner/host_time.py`; derivation in `_HOST_SRC`). None: no host
+    bookkeeping and the launch (`planner/host_time.py`; derivation in `_HOST_SRC`). None: no host
     term (a CPU target, whose host is the device)."""
     host_alias_us: float = 3.1
     """The same for an operator that only makes a view or an allocation (view, t, detach, empty)."""
@@ -135,7 +135,7 @@ _HOST_SRC = ("host costs (host_*_us): measured on the GPU kit's H100 machine (16
              "host-bound step: 0.116 s of GPU work in 0.177 s): each operator class's mean duration in the profile, "
              "scaled so that one step's operators add up to the host's share of torchtitan's unprofiled step "
              "in the same kit run (4,096 tokens / 23,085 tokens/s = 0.1774 s; with the GPU's 0.116 s, "
-             "sqrt(0.1774^2 - 0.116^2) = 0.134 s, tools/planner/host_time.py; x0.997: the profiled durations "
+             "sqrt(0.1774^2 - 0.116^2) = 0.134 s, planner/host_time.py; x0.997: the profiled durations "
              "explain the step as they are, and torchtrain's own profile of the same model gives x1.025); "
              "the launch cost is the mean host duration of a "
              "kernel launch call in that profile. `python benchmarks/gpu/trace_stats.py TRACE --step-s 0.17743`; "

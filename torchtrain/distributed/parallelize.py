@@ -144,7 +144,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout, frozen:
 def compiled_beside_blocks(model: nn.Module, spec: ModelSpec, tp_enabled: bool) -> list[nn.Module]:
     """The modules a compiling job compiles besides its blocks (each block is compiled): those the model
     names in `spec.compile_also` (its final norm), not under TP, where they carry the plan's
-    redistribution hooks and stay eager. Read by the planner too (`tools/planner/compiled.py`)."""
+    redistribution hooks and stay eager. Read by the planner too (`planner/compiled.py`)."""
     if tp_enabled:
         return []
     return [m for m in (getattr(model, name, None) for name in spec.compile_also) if isinstance(m, nn.Module)]

@@ -1,11 +1,3 @@
-"""Models. Importing this package registers the built-in ones (see `registry`)."""
-
-from torchtrain.models import (
-    deepseek_v3,  # noqa: F401,E402  (registers "deepseek_v3")
-    gpt_oss,  # noqa: F401,E402  (registers "gpt_oss")
-    llama3,  # noqa: F401  (registers "llama3")
-    qwen3,  # noqa: F401,E402  (registers "qwen3")
-    qwen3_5,  # noqa: F401,E402  (registers "qwen3_5", dense and MoE flavors)
-    qwen3_moe,  # noqa: F401,E402  (registers "qwen3_moe")
-    transformers,  # noqa: F401,E402  (registers "transformers": any causal LM of the transformers package)
-)
+"""Models: the contract tools read (`contract.py`), the shared blocks (`common/`), one folder per family
+(`<name>/`, no parallel code but its declared plan) and the registry that loads them (`registry.py`: the
+built-in families register on its first lookup)."""

@@ -7,14 +7,17 @@ parallelism applier (`distributed/parallelize.py`) does everything else -- the o
 activation checkpointing -> compile -> FSDP/HSDP/DDP/ZeRO, precision and reshard policy -- from the
 resolved Layout, so every model gets every strategy without writing any of it.
 
-A new model plugs in by calling :func:`register_model_spec` (in its package's ``__init__.py``) and
-importing that package from ``torchtrain/models/__init__.py`` (or from the job's
-``job.custom_imports``); ``[model] name = "<name>"`` then works everywhere.
+A new model plugs in by calling :func:`register_model_spec` (in its package's ``__init__.py``) and naming
+that package in ``BUILTIN_FAMILIES`` (or in the job's ``job.custom_imports``); ``[model] name = "<name>"``
+then works everywhere. The built-in families load on the registry's first lookup, not when
+``torchtrain.models`` is imported: a module that needs one model part (a head, the base arguments) does not
+import every family.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import typing
 from dataclasses import dataclass
@@ -116,7 +119,12 @@ class ModelSpec:
         return container
 
 
+BUILTIN_FAMILIES = ("deepseek_v3", "gpt_oss", "llama3", "qwen3", "qwen3_5", "qwen3_moe", "transformers")
+"""The families shipped as `torchtrain/models/<name>/`, each registering itself (`register_model_spec`) when its
+package is imported; `qwen3_5` registers dense and MoE flavors, `transformers` any causal LM of that package."""
+
 _REGISTRY: dict[str, ModelSpec] = {}
+_BUILTINS_LOADED = False
 
 
 def register_model_spec(spec: ModelSpec) -> None:
@@ -125,9 +133,17 @@ def register_model_spec(spec: ModelSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-# Importing this module runs `torchtrain/models/__init__.py` first (its package), which imports and
-# so registers the built-in models.
+def _load_builtins() -> None:
+    """Import (and so register) the built-in families, once."""
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        for family in BUILTIN_FAMILIES:
+            importlib.import_module(f"torchtrain.models.{family}")
+
+
 def get_model_spec(name: str) -> ModelSpec:
+    _load_builtins()
     if name not in _REGISTRY:
         hint = did_you_mean(name, list(_REGISTRY))
         raise ConfigError(f"[model.name] unknown model {name!r}{hint} Registered: {', '.join(_REGISTRY)}")
@@ -135,6 +151,7 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def model_names() -> list[str]:
+    _load_builtins()
     return list(_REGISTRY)
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.models.block_modules import tp_collectives, vision_block_modules, vision_rest_modules
+from torchtrain.models.block_shape import Block
 from torchtrain.models.collectives import BlockCollective
 from torchtrain.models.common.tp import vision_encoder_plan
-from torchtrain.models.contract import Block
 
 
 @dataclass(frozen=True)

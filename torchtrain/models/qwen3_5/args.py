@@ -151,7 +151,7 @@ class Qwen3_5Args(VisionArgs, GQADecoderArgs):
 
     def flops_per_token(self, seq_len: int) -> int:
         """The decoder's FLOPs per token (the vision encoder runs per image patch, not per token: the planner
-        costs it per image, `tools/planner`)."""
+        costs it per image, `planner`)."""
         return super().flops_per_token(seq_len) - 6 * self.vision_params()
 
     def linear_mixer_flops(self) -> int:

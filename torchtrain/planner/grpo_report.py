@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtrain.tools.planner import grpo
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.preference_report import _seconds, _si
+from torchtrain.planner import grpo
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.preference_report import _seconds, _si
 
 STATE = ("parameters", "optimizer state", "reference copy")
 """The analytic rows that outlive the step, hence sit beside the sampling (`analytic.py`)."""

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.contract import LayerKind
-from torchtrain.tools.planner import comm_time
-from torchtrain.tools.planner.compute_time import BlockTime
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner import comm_time
+from torchtrain.planner.compute_time import BlockTime
+from torchtrain.planner.inputs import PlanInputs
 
 
 def chunk_exposed(comm: float, compute: float, chunks: int) -> float:

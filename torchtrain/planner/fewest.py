@@ -10,10 +10,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torchtrain.config import ConfigError
-from torchtrain.tools.planner.core import Job, Plan, plan_from_flags
+from torchtrain.planner.core import Job, Plan, plan_from_flags
 
 if TYPE_CHECKING:
-    from torchtrain.tools.planner.search import SearchResult
+    from torchtrain.planner.search import SearchResult
 
 WITHOUT_OFFLOAD = {"cpu_offload": False, "offload_optimizer": "none", "offload_params": "none"}
 
@@ -56,9 +56,9 @@ def search_with_offload(job: Job, base_flags: dict[str, Any], world: int, gpu: s
     """`--search` again with the model state in host memory, for when nothing fits on the GPUs alone;
     each fitting layout's step time is the offloaded one (`offload.with_offload_time`), and layouts whose
     node cannot hold the offloaded state are rejected."""
-    from torchtrain.tools.planner.core import make_plan, resolve_gpu
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.search import search
+    from torchtrain.planner.core import make_plan, resolve_gpu
+    from torchtrain.planner.from_job import inputs_from_config
+    from torchtrain.planner.search import search
 
     off_job = offloaded_job(job)
     device_type, spec = resolve_gpu(gpu, device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import JobConfig
@@ -34,11 +34,8 @@ from torchtrain.distributed.layout import (
 )
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.models.contract import Dispatch, ModelContract, declare
-from torchtrain.tools.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
-
-if TYPE_CHECKING:
-    from torchtrain.tools.planner.grpo import Rollouts
-    from torchtrain.tools.planner.preference import Preference
+from torchtrain.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
+from torchtrain.planner.objectives import Preference, Rollouts
 
 
 def _schedules() -> tuple[str, ...]:
@@ -138,7 +135,7 @@ class PlanInputs:
     """Selective AC: "op" (save matmul/attention outputs per op policy) or an integer N (every N-th block)."""
     cpu_offload: bool = False
     offload_optimizer: str = "none"
-    """[offload].optimizer: none / cpu / nvme (tools/planner/offload.py)."""
+    """[offload].optimizer: none / cpu / nvme (planner/offload.py)."""
     offload_params: str = "none"
     """[offload].params: none / cpu / nvme (cpu on CUDA sets cpu_offload: FSDP2's CPUOffloadPolicy)."""
     param_dtype: str = "bfloat16"
@@ -167,9 +164,9 @@ class PlanInputs:
     """LoRA adapters on frozen base weights (the job's [lora] when enabled): only the adapters get
     gradients and optimizer state (`shapes.adapter_units`)."""
     dpo: Preference | None = None
-    """The job's preference loss and its reference (`preference.read`; None: next-token cross-entropy)."""
+    """The job's preference loss and its reference (`objectives.read_preference`; None: next-token cross-entropy)."""
     grpo: Rollouts | None = None
-    """The job's `[grpo]` iteration: its sampling and reference (`grpo.read`; None: not a GRPO job)."""
+    """The job's `[grpo]` iteration: its sampling and reference (`objectives.read_rollouts`; None: not a GRPO job)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the neighbouring GEMMs
     (`parallelism.enable_async_tensor_parallel`)."""

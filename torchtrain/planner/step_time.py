@@ -42,7 +42,7 @@ replayed), and nothing calls back.
    pipelined copy's kept units gathered once per step).
 
 There is no efficiency knob: the rates are the device table's (`components/hardware.py`, overridable
-with `--device key=value`). `tools/planner/published_runs.py` checks the result against measured runs.
+with `--device key=value`). `planner/published_runs.py` checks the result against measured runs.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.contract import LayerKind
-from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, preference, shapes, vision
-from torchtrain.tools.planner.host_time import HostTime, step_seconds
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.interruptions import Interruptions, expected_interruptions
-from torchtrain.tools.planner.pipeline import pipeline_of
+from torchtrain.planner import comm_time, compute_time, expert_overlap, preference, shapes, vision
+from torchtrain.planner.host_time import HostTime, step_seconds
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.interruptions import Interruptions, expected_interruptions
+from torchtrain.planner.pipeline import pipeline_of
 
 
 @dataclass

@@ -63,11 +63,11 @@ from __future__ import annotations
 
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
 from torchtrain.models.contract import Block, LinearAttentionShape
-from torchtrain.tools.planner import vision
-from torchtrain.tools.planner.compiled import loss_saved_bytes
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import Stage
-from torchtrain.tools.planner.shapes import adapter_units
+from torchtrain.planner import vision
+from torchtrain.planner.compiled import loss_saved_bytes
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import Stage
+from torchtrain.planner.shapes import adapter_units
 
 
 def _moe_act(a, d: int, ep: int = 1) -> float:

@@ -52,20 +52,20 @@ from torch import nn
 from torchtrain.components.observability.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
-from torchtrain.simulation.fake_world import fake_backend_available, fake_world
-from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
-from torchtrain.simulation.stage_step import StagePipeline
-from torchtrain.tools.planner import preference
-from torchtrain.tools.planner.compiled import (
+from torchtrain.planner import preference
+from torchtrain.planner.compiled import (
     compiled_adamw_update,
     compiled_modules,
     compiles_loss,
     fused_cross_entropy_sum,
 )
-from torchtrain.tools.planner.host_time import OpCounter, OpCounts
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.planner.stage_model import has_ac, has_tp, part_cut
+from torchtrain.planner.host_time import OpCounter, OpCounts
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import Stage, pipeline_of
+from torchtrain.planner.stage_model import has_ac, has_tp, part_cut
+from torchtrain.simulation.fake_world import fake_backend_available, fake_world
+from torchtrain.simulation.parts import PartCut, build_fake_parts, fake_batches
+from torchtrain.simulation.stage_step import StagePipeline
 
 FULL_TRACE_MAX_BLOCKS = 5
 

@@ -61,12 +61,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from torchtrain.tools.planner import preference
-from torchtrain.tools.planner.activations import stage_activation_bytes
-from torchtrain.tools.planner.compiled import compiles_loss, loss_backward_bytes
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import Stage, pipeline_of
-from torchtrain.tools.planner.shapes import adapter_units, numel, unit_shapes
+from torchtrain.planner import preference
+from torchtrain.planner.activations import stage_activation_bytes
+from torchtrain.planner.compiled import compiles_loss, loss_backward_bytes
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import Stage, pipeline_of
+from torchtrain.planner.shapes import adapter_units, numel, unit_shapes
 
 GIB = 2**30
 

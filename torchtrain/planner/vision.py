@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
-from torchtrain.tools.planner import comm_time, compute_time
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import ENCODER, Stage
+from torchtrain.planner import comm_time, compute_time
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import ENCODER, Stage
 
 
 def holds_encoder(p: PlanInputs, stage: Stage) -> bool:

@@ -24,9 +24,10 @@ from torchtrain.config import ConfigError, JobConfig
 from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR
 from torchtrain.distributed.layout import Layout, resolve_batch, resolve_optimizer_impl, resolve_param_dtype
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.tools.planner import grpo, preference, vision
-from torchtrain.tools.planner.inputs import CONFIG_KEYS, DTYPE_NAMES, PLANNER_KEYS, SCHEDULES, PlanInputs
-from torchtrain.tools.planner.validate import resolve
+from torchtrain.planner import preference, vision
+from torchtrain.planner.inputs import CONFIG_KEYS, DTYPE_NAMES, PLANNER_KEYS, SCHEDULES, PlanInputs
+from torchtrain.planner.objectives import read_preference, read_rollouts
+from torchtrain.planner.validate import resolve
 
 
 def config_value(cfg: JobConfig, knob: str) -> Any:
@@ -65,7 +66,7 @@ def _knobs(cfg: JobConfig, flags: dict[str, Any], n_layers: int) -> dict[str, An
     knobs["pp_schedule"] = _norm_schedule(knobs.get("pp_schedule", config_value(cfg, "pp_schedule")))
     v, pp = flags.get("pp_stages_per_rank"), knobs.get("pp", config_value(cfg, "pp"))
     if v and pp > 1:
-        from torchtrain.tools.planner.pipeline import default_stages_per_rank
+        from torchtrain.planner.pipeline import default_stages_per_rank
 
         if v != default_stages_per_rank(knobs["pp_schedule"]):
             knobs["pp_layers_per_stage"] = n_layers // (pp * v)
@@ -142,8 +143,8 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         ep_overlap_chunks=par.expert_parallel_overlap_chunks, ep_comm_delay_ms=job.debug.expert_comm_delay_ms,
         float8_experts=float8_experts(job),
         checkpoint_interval=ckpt.interval if ckpt.enable else None,
-        image_pixels=(job.images.min_pixels, job.images.max_pixels), dpo=preference.read(job, decided["lora"]),
-        grpo=grpo.read(job, decided["lora"]), job=job, layout=layout, problems=problems, **decided)
+        image_pixels=(job.images.min_pixels, job.images.max_pixels), dpo=read_preference(job, decided["lora"]),
+        grpo=read_rollouts(job, decided["lora"]), job=job, layout=layout, problems=problems, **decided)
     for knob in PLANNER_KEYS:
         if knob != "memory_gib" and flags.get(knob) is not None:
             setattr(inputs, knob, flags[knob])
@@ -188,7 +189,7 @@ def _as_asked(job: JobConfig, world_size: int, device_type: str, split: tuple, n
     to the device resolved by the trainer's single-decision rules, so the report can still describe it."""
     par, tr = job.parallelism, job.training
     rep, shard, pp = par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.pipeline_parallel_degree
-    from torchtrain.tools.planner.pipeline import default_stages_per_rank
+    from torchtrain.planner.pipeline import default_stages_per_rank
 
     v = default_stages_per_rank(par.pipeline_parallel_schedule)
     if split and split[4] and pp > 1:

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.tools.planner import grpo_report, offload, preference, preference_report, vision
-from torchtrain.tools.planner.analytic import MemoryEstimate, estimate_memory
-from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
-from torchtrain.tools.planner.host_time import HostTime, host_seconds
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import pipeline_of, structure
-from torchtrain.tools.planner.step_time import StepTime, estimate_step
-from torchtrain.tools.planner.trace import TraceResult, trace_rank
-from torchtrain.tools.planner.validate import runnable_problems
+from torchtrain.planner import grpo_report, offload, preference, preference_report, vision
+from torchtrain.planner.analytic import MemoryEstimate, estimate_memory
+from torchtrain.planner.from_job import display_overrides, inputs_from_config
+from torchtrain.planner.host_time import HostTime, host_seconds
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import pipeline_of, structure
+from torchtrain.planner.step_time import StepTime, estimate_step
+from torchtrain.planner.trace import TraceResult, trace_rank
+from torchtrain.planner.validate import runnable_problems
 
 if TYPE_CHECKING:
-    from torchtrain.tools.planner.offload import OffloadPlan
+    from torchtrain.planner.offload import OffloadPlan
 
 
 @dataclass
@@ -174,7 +174,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
                 _add_images(p, rank, prof, flight)
                 preference.raise_traced_peak(p, rank)
     if trace and job.cfg.compile.enable:
-        p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (tools/planner/compiled.py); "
+        p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (planner/compiled.py); "
                        "compiled blocks may keep fewer intermediates, so the traced peak is an upper bound")
     peak = peak_tflops if peak_tflops is not None else job.cfg.metrics.peak_tflops
     step = estimate_step(with_peak(p, peak), host_of(p, ranks))

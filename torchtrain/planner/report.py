@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.tools.planner import grpo_report, interruptions, preference_report, vision
-from torchtrain.tools.planner.core import Plan, RankPlan
-from torchtrain.tools.planner.pipeline import ENCODER
+from torchtrain.planner import grpo_report, interruptions, preference_report, vision
+from torchtrain.planner.core import Plan, RankPlan
+from torchtrain.planner.pipeline import ENCODER
 
 GIB = 2**30
 
@@ -124,7 +124,7 @@ def format_plan(plan: Plan, fewest: tuple | None = None) -> str:
     if p.pp > 1:
         lines += ["", _pipeline_table(plan)]
     if plan.offload is not None:
-        from torchtrain.tools.planner.offload import format_offload
+        from torchtrain.planner.offload import format_offload
 
         lines += ["", *format_offload(plan.offload, plan.base_throughput, plan.throughput)]
     lines += ["", *_throughput_lines(plan)]
@@ -174,7 +174,7 @@ def _memory_table(plan: Plan, rank: RankPlan) -> list[str]:
 
 
 def _pipeline_table(plan: Plan) -> str:
-    from torchtrain.tools.planner.pipeline import pipeline_of
+    from torchtrain.planner.pipeline import pipeline_of
 
     p = plan.inputs
     u, name = _unit(plan)

@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from torchtrain.config import ConfigError
 from torchtrain.distributed.layout import DPStrategy
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.tools.planner.analytic import estimate_memory
-from torchtrain.tools.planner.core import Job, Plan, make_plan, with_peak
-from torchtrain.tools.planner.from_job import display_overrides, inputs_from_config
-from torchtrain.tools.planner.inputs import PLANNER_KEYS, PlanInputs
-from torchtrain.tools.planner.step_time import StepTime, estimate_step
-from torchtrain.tools.planner.validate import runnable_problems
+from torchtrain.planner.analytic import estimate_memory
+from torchtrain.planner.core import Job, Plan, make_plan, with_peak
+from torchtrain.planner.from_job import display_overrides, inputs_from_config
+from torchtrain.planner.inputs import PLANNER_KEYS, PlanInputs
+from torchtrain.planner.step_time import StepTime, estimate_step
+from torchtrain.planner.validate import runnable_problems
 from torchtrain.utils.progress import Progress
 
 

@@ -18,7 +18,7 @@ import math
 from torchtrain.config.lora import Lora
 from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import ModelContract, matmul_kind
-from torchtrain.tools.planner.pipeline import ENCODER
+from torchtrain.planner.pipeline import ENCODER
 
 
 # ------------------------------------------------------------------------------ parameter shapes

@@ -62,9 +62,9 @@ from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.contract import BlockCollective, LayerKind
-from torchtrain.tools.planner import shapes
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.pipeline import pipeline_of
+from torchtrain.planner import shapes
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.pipeline import pipeline_of
 
 
 @dataclass(frozen=True)

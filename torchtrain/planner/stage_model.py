@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchtrain.planner.pipeline import Stage
 from torchtrain.simulation.parts import PartCut
-from torchtrain.tools.planner.pipeline import Stage
 
 
 def part_cut(stage: Stage, n_layers: int) -> PartCut:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.preference import KINDS, OneOff, data_rows, one_off
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.preference import KINDS, OneOff, data_rows, one_off
 
 
 @dataclass

@@ -25,9 +25,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.tools.planner.analytic import MemoryEstimate, Row
-from torchtrain.tools.planner.inputs import PlanInputs
-from torchtrain.tools.planner.step_time import StepTime
+from torchtrain.planner.analytic import MemoryEstimate, Row
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.step_time import StepTime
 
 BUCKET_BYTES = 64 * 2**20  # offload.bucket_mb's default
 ADAM_STEP_BYTES = 28  # AdamW reads param, grad, m, v and writes param, m, v (fp32)

@@ -66,41 +66,15 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchtrain.tools.planner import activations, compute_time, preference, shapes
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner import activations, compute_time, preference, shapes
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.objectives import Rollouts  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from torchtrain.components.hardware import GPUSpec
 
 SAMPLER_BYTES = 32
 """Bytes per row and vocabulary entry the sampler's float32 / float64 / int64 buffers hold at once (module doc)."""
-
-
-@dataclass(frozen=True)
-class Rollouts:
-    """A `[grpo]` job's iteration as the planner reads it (`read`)."""
-
-    num_generations: int
-    steps_per_generation: int
-    num_iterations: int
-    max_completion_length: int
-    beta: float
-    reference: str | None
-    """"copy", "adapters off" (LoRA) or None (beta = 0: no reference)."""
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps per iteration, S mu."""
-        return self.steps_per_generation * self.num_iterations
-
-
-def read(job, lora) -> Rollouts | None:
-    """The `[grpo]` of `job` with the Layout's `lora` (None: no LoRA); None when GRPO is off."""
-    g = job.grpo
-    if not g.enable:
-        return None
-    ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
-    return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref)
 
 
 # ------------------------------------------------------------------------------------------ the prompts
@@ -152,7 +126,7 @@ def forward_flops(p: PlanInputs, context: int) -> float:
 
 def unsharded_numel(p: PlanInputs) -> int:
     """The rank's parameters before FSDP sharding (TP- and EP-local, LoRA adapters included)."""
-    from torchtrain.tools.planner.pipeline import pipeline_of
+    from torchtrain.planner.pipeline import pipeline_of
 
     units = shapes.unit_shapes(p.model, pipeline_of(p).stages[0], p.tp, p.ep, p.lora)
     return shapes.numel([s for _, sh in units for s in sh])

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner.inputs import PlanInputs
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
 CHUNKS = 64

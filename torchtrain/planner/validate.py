@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtrain.config import ConfigError, JobConfig
 from torchtrain.distributed.layout import Layout
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner.inputs import PlanInputs
 
 
 def resolve(job: JobConfig, world_size: int, device_type: str, args: Any) -> tuple[Layout | None, list[str]]:

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import Block, LayerKind, LinearAttentionShape
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner.inputs import PlanInputs
 
 LAUNCH_S = 4e-6
 TILE_M, TILE_N = 128, 256

@@ -2,7 +2,7 @@
 
 Every row is one published measurement: the model, the device and system, the GPU count, the layout,
 batch, sequence and the features the run used, and the throughput it reported (tokens/s per GPU, or
-model TFLOP/s per GPU). `python -m torchtrain.tools.planner.published_runs` plans each row with the
+model TFLOP/s per GPU). `python -m torchtrain.planner.published_runs` plans each row with the
 same time model every plan uses (`step_time.py`, the device table's rates, no per-row setting) and
 prints predicted against measured; `tests/test_planner_time.py` holds every row to `BAND`.
 
@@ -201,9 +201,9 @@ class Check:
 
 def check(run: Run) -> Check:
     """Plan one run (analytic time model only: no memory trace) and compare."""
-    from torchtrain.tools.planner.core import load_job, resolve_gpu
-    from torchtrain.tools.planner.from_job import inputs_from_config
-    from torchtrain.tools.planner.step_time import estimate_step
+    from torchtrain.planner.core import load_job, resolve_gpu
+    from torchtrain.planner.from_job import inputs_from_config
+    from torchtrain.planner.step_time import estimate_step
 
     job = load_job(["--job.print_config", "false", *run.job_args()])
     device_type, gpu = resolve_gpu(run.gpu)
@@ -233,7 +233,7 @@ def table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchtrain.tools.planner.published_runs",
+    ap = argparse.ArgumentParser(prog="python -m torchtrain.planner.published_runs",
                                  description="Predicted vs measured throughput of published training runs.")
     ap.add_argument("--sources", action="store_true", help="also list each row's source")
     ns = ap.parse_args(sys.argv[1:] if argv is None else argv)

@@ -77,43 +77,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchtrain.tools.planner import comm_time, compute_time, expert_overlap, shapes, vision
-from torchtrain.tools.planner.inputs import PlanInputs
+from torchtrain.planner import comm_time, compute_time, expert_overlap, shapes, vision
+from torchtrain.planner.inputs import PlanInputs
+from torchtrain.planner.objectives import KINDS, Preference  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from torchtrain.components.hardware import GPUSpec
-
-KINDS = {"copy": 'a frozen copy of the initial weights (dpo.reference = "model")',
-         "adapters off": 'the model with its LoRA adapters off (dpo.reference = "model" with [lora]; no copy)',
-         "precomputed": 'precomputed once before training (dpo.reference = "precomputed")',
-         "none": "none (SimPO is reference-free)"}
-
-
-@dataclass(frozen=True)
-class Preference:
-    """What a `[dpo]` job's step runs besides the trained model (module doc)."""
-
-    loss_type: str
-    reference: str
-    """"copy", "adapters off", "precomputed" or "none" (`KINDS`)."""
-
-    @property
-    def live(self) -> bool:
-        """A reference forward beside every micro-batch."""
-        return self.reference in ("copy", "adapters off")
-
-
-def read(job, lora) -> Preference | None:
-    """The `[dpo]` of `job` with the Layout's `lora` (None: no LoRA); None without a preference loss."""
-    dpo = job.dpo
-    if not dpo.enable:
-        return None
-    if not dpo.needs_reference:
-        return Preference(dpo.loss_type, "none")
-    if dpo.reference == "precomputed":
-        return Preference(dpo.loss_type, "precomputed")
-    return Preference(dpo.loss_type, "adapters off" if lora is not None else "copy")
-
 
 def live_kind(p: PlanInputs) -> str | None:
     """The reference that runs forwards beside training: a `[dpo]` job's live one ("copy", "adapters off"), or a
@@ -289,7 +258,7 @@ def _exposed(gathers: list[float], compute: float) -> float:
 
 
 def _stages(p: PlanInputs):
-    from torchtrain.tools.planner.pipeline import pipeline_of
+    from torchtrain.planner.pipeline import pipeline_of
 
     return pipeline_of(p).stages.values()
 
