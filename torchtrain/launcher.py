@@ -20,7 +20,7 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
   see them;
 * on a machine without a visible GPU, the workers of `-m torchtrain.train`, or of a Python file (a loop
-  of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`,
+  of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`, `utils/forkserver.py`;
   torchrun's function entry points `_worker` and `_script_worker`): the launcher imports torch and the
   trainer once and, before the agent starts any thread, forks itself into the single-threaded server,
   which forks every worker from itself, instead of each worker (and the server) starting a fresh
@@ -41,7 +41,6 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
 from __future__ import annotations
 
 import atexit
-import gc
 import glob
 import logging
 import os
@@ -50,6 +49,7 @@ import sys
 
 from torchtrain.utils import exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
+from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
 
 EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
              exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed"}
@@ -125,89 +125,8 @@ def hang_report(job) -> str:
 # What the forkserver has imported before it forks any worker (the launcher imports it, then forks the server): the
 # trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
-# Signals meant for the workers: the forkserver and the resource tracker start with them ignored.
-WORKER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-def ensure_forkserver() -> None:
-    """Start the forkserver (and the resource tracker it starts first), unless running, with the workers'
-    signals ignored: a process inherits ignored signals, so neither dies of a signal sent to the whole
-    process group. The forkserver is the parent of every worker, and torch.multiprocessing gives each
-    worker a parent-death signal of SIGINT: the server's death would interrupt every worker wherever it is,
-    in a checkpoint save too. Both still end when the launcher has gone (their pipes close).
-
-    The server is this process forked (`_fork_server`), after it imported what the server preloads, rather than
-    a fresh interpreter importing torch and the trainer again: that import is most of a small CPU job's start-up.
-    This process has started no thread yet (the agent starts its own later), so the fork is safe."""
-    import importlib
-    import multiprocessing.forkserver
-    from multiprocessing import util
-
-    for module in FORKSERVER_PRELOAD:
-        importlib.import_module(module)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in WORKER_SIGNALS}
-    spawn = util.spawnv_passfds
-    util.spawnv_passfds = lambda path, args, passfds: (_fork_server(args, passfds) if _is_server(args)
-                                                       else spawn(path, args, passfds))
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        util.spawnv_passfds = spawn
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _is_server(args: list[str]) -> bool:
-    return "-c" in args and "multiprocessing.forkserver import main" in args[args.index("-c") + 1]
-
-
-SERVER_NAME = "forkserver"
-"""The forked server's process name (what `pgrep -x forkserver` finds; its command line is the launcher's)."""
-
-
-def _set_process_name(name: str) -> None:
-    """This process's name as `ps` and `pgrep` show it (Linux prctl; elsewhere unchanged)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-def _fork_server(args: list[str], passfds) -> int:
-    """multiprocessing's start of the forkserver (`python -c "from multiprocessing.forkserver import main;
-    main(...)"` with `passfds` open) done by forking this process: the child keeps only its standard streams and
-    `passfds`, and runs the same command in the interpreter it already has."""
-    code = args[args.index("-c") + 1]
-    pid = os.fork()
-    if pid:
-        return pid
-    try:  # the child: the server, until its last client has gone (SystemExit)
-        import multiprocessing.forkserver
-
-        # The parent is inside ForkServer.ensure_running, holding its lock: the server (and every worker it forks)
-        # starts with the state a fresh interpreter has, so that a worker's own forkserver (a data loader's) starts.
-        multiprocessing.forkserver._forkserver.__init__()
-        # What it has imported (torch, the trainer) outlives every worker: kept out of the cyclic collector's reach
-        # (gc.freeze), a worker's full collections scan only its own objects and leave the shared pages unwritten.
-        gc.collect()
-        gc.freeze()
-        _set_process_name(SERVER_NAME)
-        keep = sorted({0, 1, 2, *passfds})
-        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
-            if high > low + 1:  # (closerange(n, n) would close every descriptor on some Pythons)
-                os.closerange(low + 1, high)
-        exec(code, {"__name__": "__forkserver__"})
-    except SystemExit:
-        pass
-    except BaseException:  # the server failed: say why (its clients then start one the usual way)
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(0)
+"""Signals torchrun does not handle, passed on to the workers."""
 
 
 def _children(pid: int) -> list[int]:
@@ -317,7 +236,7 @@ def _as_fresh_worker() -> None:
     """A forked worker's signals and thread count, as a fresh interpreter of its own would have them."""
     import torch
 
-    _set_process_name("python")  # not the server's name
+    set_process_name("python")  # not the server's name
     for sig in WORKER_SIGNALS:  # the forkserver ignores them
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -375,7 +294,7 @@ def start_forkserver(args):
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS: each worker applies its own (_worker)
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    ensure_forkserver()
+    ensure_forkserver(FORKSERVER_PRELOAD)
     return config
 
 
