@@ -310,3 +310,10 @@ def test_planner_models_the_reshard_policy_the_trainer_applies(pp, expected_row,
         assert kept and all(kept)
     else:
         assert kept[-1] and not any(kept[:-1])
+
+
+def test_no_package_file_is_over_400_lines():
+    """Small single-purpose modules: a file that outgrows 400 lines holds more than one role (split it)."""
+    long = {os.path.relpath(p, REPO): n for p in _modules().values()
+            if (n := sum(1 for _ in open(p))) > 400}
+    assert long == {}

@@ -33,18 +33,12 @@ from torchtrain.distributed.layout import (
     uses_compute_copy,
 )
 from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.distributed.pipeline import schedule_names
 from torchtrain.models.contract import Dispatch, ModelContract, declare
 from torchtrain.planner.interruptions import DEFAULT_RESTART_S, LLAMA3_405B_RATE
 from torchtrain.planner.objectives import Preference, Rollouts
 
-
-def _schedules() -> tuple[str, ...]:
-    from torchtrain.distributed.pipeline import schedule_names
-
-    return tuple(schedule_names())
-
-
-SCHEDULES = _schedules()
+SCHEDULES = tuple(schedule_names())
 STRATEGIES = tuple(s.value for s in DPStrategy)
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 AC_MODES = ("none", "full", "selective")
