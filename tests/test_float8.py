@@ -130,9 +130,9 @@ def test_float8_experts_convert_the_selected_routed_experts_only():
     from torch import nn
     from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
 
-    from torchtrain.distributed.float8 import convert_experts, high_precision
     from torchtrain.models.common.experts import GroupedExperts, swiglu_looped
     from torchtrain.models.common.moe import FeedForward
+    from torchtrain.models.converters.float8 import convert_experts, high_precision
 
     def model():
         layer = lambda: nn.ModuleDict({"moe": nn.ModuleDict({"experts": GroupedExperts(16, 32, 4),  # noqa: E731
@@ -179,7 +179,7 @@ def test_the_output_head_stays_in_high_precision_unless_asked(head):
     from torch import nn
     from torchao.float8.float8_linear import Float8Linear
 
-    from torchtrain.distributed.float8 import convert_linears, resolve_float8
+    from torchtrain.models.converters.float8 import convert_linears, resolve_float8
 
     def model():
         m = nn.Module()
@@ -216,8 +216,8 @@ def test_float8_stays_within_a_band_of_fp32():
     2^-4 relative, averages out over a layer's many products); the loss falls from 6.4 to 1.6, so a
     float8 path that broke training, or one that silently stayed in fp32 (checked separately: every
     Linear is converted, the output head included), would show."""
-    from torchtrain.distributed.float8 import Float8Plan, convert_linears
     from torchtrain.distributed.param_init import init_model_weights
+    from torchtrain.models.converters.float8 import Float8Plan, convert_linears
     from torchtrain.models.registry import build_model_args, get_model_spec
 
     spec = get_model_spec("llama3")

@@ -17,9 +17,9 @@ from test_checkpoint_hf import built, export, tiny_args
 from torchtrain.components.optim.optimizer import _param_groups
 from torchtrain.config import ConfigError
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import LoRALinear, apply_lora, lora_load_keys
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.launch_check import check
+from torchtrain.models.converters.lora import LoRALinear, apply_lora, lora_load_keys
 from torchtrain.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtrain.tools.lora_export import load_lora_state, merged_state, write_merged, write_peft
 

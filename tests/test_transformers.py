@@ -23,9 +23,9 @@ from torchtrain.components.checkpoint.hf import export_dcp_to_hf, load_hf_into_m
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import LoRALinear, LoRAStateDictAdapter, apply_lora
 from torchtrain.distributed.parallelize import materialize
 from torchtrain.launch_check import check
+from torchtrain.models.converters.lora import LoRALinear, LoRAStateDictAdapter, apply_lora
 from torchtrain.models.registry import build_model_args, get_model_spec
 from torchtrain.models.transformers import moe
 from torchtrain.tools.lora_export import load_lora_state, write_merged, write_peft

@@ -3,7 +3,7 @@
 
 These tables only hold settings: a converter named in `model.converters` switches the feature on
 (`converters = ["float8"]`, as torchtitan's job files write it). Which converters torchtrain runs, and
-on which devices, is decided by the resolved Layout (`distributed/float8.py::resolve_float8` and
+on which devices, is decided by the resolved Layout (`models/converters/float8.py::resolve_float8` and
 `resolve_float8_experts`); the MX tables are accepted so that torchtitan's job files load, and naming
 their converters is a config error that says why (docs/float8.md).
 """

@@ -12,7 +12,7 @@ for one world size and device type, into the decisions everything else reads:
 * dtypes (`auto` resolved for the device), autocast (replicated strategies) vs FSDP's cast, loss
   scaling (float16), the optimizer kernel, where optimizer state lives (CPU offload);
 * activation checkpointing and compile choices, async TP, loss parallel;
-* float8 training (`distributed/float8.py::resolve_float8`): whether it runs here and how;
+* float8 training (`models/converters/float8.py::resolve_float8`): whether it runs here and how;
 * the batch plan (global = local x dp x accumulation) and the pipeline split (stages, placement,
   schedule, micro-batches);
 * replica-group fault tolerance (fault.replica_ft): the data_parallel_replicate_degree replica groups
@@ -34,8 +34,6 @@ import torch
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_comm import ExpertComm, resolve_expert_comm
-from torchtrain.distributed.float8 import Float8Plan, resolve_float8, resolve_float8_experts
-from torchtrain.distributed.lora import check_lora_layout
 from torchtrain.distributed.offload import check_offload
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the Layout's vocabulary)
@@ -54,6 +52,8 @@ from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the L
     resolve_param_dtype,
     uses_compute_copy,
 )
+from torchtrain.models.converters.float8 import Float8Plan, resolve_float8, resolve_float8_experts
+from torchtrain.models.converters.lora import check_lora_layout
 
 if TYPE_CHECKING:
     from torchtrain.config import JobConfig
@@ -89,7 +89,7 @@ class Layout:
     float8_experts: tuple[str, ...] | None = None
     """Name filters of the MoE experts whose grouped GEMMs run in float8 (`resolve_float8_experts`); None: off."""
     lora: "Lora | None" = None
-    """LoRA adapters on frozen base weights ([lora], `distributed/lora.py`); None: off."""
+    """LoRA adapters on frozen base weights ([lora], `models/converters/lora.py`); None: off."""
     expert_comm: ExpertComm | None = None
     """The expert-parallel token dispatcher, node size, overlap chunks and injected delay
     (`resolve_expert_comm`); None without expert parallelism."""

@@ -4,7 +4,7 @@
 model. It applies, in this fixed order:
 
 0. **model converters**: float8 training swaps nn.Linear for torchao's Float8Linear
-   (`float8.py`, when `layout.float8` says so) and wraps the selected MoE experts' weights for float8
+   (`models/converters/float8.py`, when `layout.float8` says so) and wraps the selected MoE experts' weights for float8
    grouped GEMMs (when `layout.float8_experts` says so), so that every wrapper below sees the float8 layers;
    attention modules that can fuse their q/k/v projections (a `fuse_qkv` attribute) do so where
    `layout.fused_qkv` says;
@@ -47,16 +47,16 @@ from torchtrain.distributed.compile import compile_blocks, compile_modules
 from torchtrain.distributed.context_parallel import apply_context_parallel
 from torchtrain.distributed.data_parallel import apply_ddp
 from torchtrain.distributed.expert_parallel import apply_expert_parallel
-from torchtrain.distributed.float8 import convert_experts, convert_linears
 from torchtrain.distributed.fsdp import apply_fsdp
 from torchtrain.distributed.layout import Layout
-from torchtrain.distributed.lora import apply_lora, tp_plan_with_adapters
 from torchtrain.distributed.param_init import init_model_weights
 from torchtrain.distributed.tensor_parallel import enable_async_tp
 from torchtrain.distributed.token_dispatch import install_dispatchers
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.common.parallel import keep_modules
+from torchtrain.models.converters.float8 import convert_experts, convert_linears
+from torchtrain.models.converters.lora import apply_lora, tp_plan_with_adapters
 from torchtrain.models.registry import ModelSpec
 from torchtrain.utils.parameters import parameter_places
 

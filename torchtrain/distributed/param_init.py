@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.distributed.lora import adapter_init_spec
 from torchtrain.models.base import InitSpec
+from torchtrain.models.converters.lora import adapter_init_spec
 
 BLOCK_NUMEL = 1 << 20  # elements per generator block (whole rows, at least one row)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")

@@ -71,7 +71,7 @@ def build_whole(spec, args, device: torch.device, lora=None) -> nn.Module:
     with torch.device("meta"):
         model = spec.model_cls(args)
     if lora is not None:
-        from torchtrain.distributed.lora import apply_lora
+        from torchtrain.models.converters.lora import apply_lora
 
         apply_lora(model, lora)
     model.to_empty(device=device)

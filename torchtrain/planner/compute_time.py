@@ -77,8 +77,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import Block, LayerKind, LinearAttentionShape
+from torchtrain.models.converters.lora import is_target
 from torchtrain.planner.inputs import PlanInputs
 
 LAUNCH_S = 4e-6

@@ -6,7 +6,7 @@ model reads each block's matmuls, attention and collectives from the same declar
 
 With LoRA ([lora]) each targeted linear layer also holds its adapter, A (r x in) and B (out x r), in
 the unit of its layer; the targets are the declared linear modules whose full names
-(`layers.{i}.attention.wq`, `output`) the job's patterns select (`distributed/lora.py::is_target`, the
+(`layers.{i}.attention.wq`, `output`) the job's patterns select (`models/converters/lora.py::is_target`, the
 trainer's own rule). Adapters are the only trainable parameters then (`adapter_units`); under tensor
 parallelism each follows its base weight's split.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import is_target
 from torchtrain.models.contract import ModelContract, matmul_kind
+from torchtrain.models.converters.lora import is_target
 from torchtrain.planner.pipeline import ENCODER
 
 
@@ -42,7 +42,7 @@ def unit_shapes(a: ModelContract, stages, tp: int, ep: int = 1,
 def adapter_units(a: ModelContract, stages, lora: Lora, tp: int = 1) -> list[tuple[str, list[tuple[int, int]]]]:
     """The LoRA adapters' TP-local (rows, cols) per FSDP unit (units without adapters left out): A
     (r x in) and B (out x r) of every declared linear module the patterns select (module doc). Under
-    TP they follow the base weight (`distributed/lora.py`): a column-parallel layer's B holds out / tp
+    TP they follow the base weight (`models/converters/lora.py`): a column-parallel layer's B holds out / tp
     rows, a row-parallel layer's A in / tp columns, the other factor is replicated."""
     r = lora.rank
     out = []

@@ -209,7 +209,7 @@ def _load_dcp(model: torch.nn.Module, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from torchtrain.components.checkpoint.validate import CheckpointError, check_against_metadata, read_metadata
-    from torchtrain.distributed.lora import lora_load_keys
+    from torchtrain.models.converters.lora import lora_load_keys
 
     metadata = read_metadata(path, "checkpoint")
     stored = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
@@ -228,7 +228,7 @@ def _load_hf(model: torch.nn.Module, spec, args, path: str) -> None:
 
     if spec.state_dict_adapter is None:
         raise ConfigError(f"model {spec.name!r} has no Hugging Face state-dict adapter; use a DCP checkpoint")
-    from torchtrain.distributed.lora import is_adapter_param, lora_adapter_class
+    from torchtrain.models.converters.lora import is_adapter_param, lora_adapter_class
 
     adapter = spec.state_dict_adapter
     if any(is_adapter_param(k) for k in model.state_dict()):  # a LoRA model: the base weights only

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from torchtrain.components.checkpoint.hf import write_config
 from torchtrain.config.lora import Lora
-from torchtrain.distributed.lora import apply_lora, is_adapter_param, lora_load_keys
+from torchtrain.models.converters.lora import apply_lora, is_adapter_param, lora_load_keys
 from torchtrain.models.state_dict_adapter import StateDictAdapter
 
 A, B = ".lora_a.weight", ".lora_b.weight"

@@ -29,9 +29,9 @@ from torchtrain.data.images import ImageSpec
 from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
-from torchtrain.distributed.lora import check_stages_have_adapters, lora_targets
 from torchtrain.distributed.replica_ft import check_replica_ft
 from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.converters.lora import check_stages_have_adapters, lora_targets
 from torchtrain.models.registry import ModelSpec, build_model_args, coerce_overrides, get_model_spec
 
 PACKED = (CHAT, IMAGE_TEXT, PREFERENCE)

@@ -8,7 +8,7 @@ Three ways, one meaning (the summed log-probs of each answer under the weights t
   the first step, no gradients and no optimizer state. Every micro-batch runs its forward first, under
   `no_grad`; its sums go into the batch as `ref_logps`. Saved in checkpoints (top-level key `reference`), so
   a resumed run scores against the same weights;
-* **LoRA**: the model itself with its adapters off (`distributed/lora.py::adapters_off`) is the base model,
+* **LoRA**: the model itself with its adapters off (`models/converters/lora.py::adapters_off`) is the base model,
   and the base is frozen: no second copy at all;
 * **precomputed** (`dpo.reference = "precomputed"`): before the first step, one forward pass over every pair
   of the data (`PreferenceDataset.reference_rows`, dealt over the data-parallel ranks, all running the same
@@ -29,9 +29,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtrain.components.checkpoint.state import ModelState
-from torchtrain.distributed.lora import adapters_off
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
+from torchtrain.models.converters.lora import adapters_off
 from torchtrain.trainer.preference_loss import PreferenceLoss, token_logps
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress

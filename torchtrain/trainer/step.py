@@ -54,12 +54,12 @@ from torchtrain.components.optim.optimizer import OptimizersContainer
 from torchtrain.distributed.compile import compile_loss
 from torchtrain.distributed.compute_copy import ComputeCopy
 from torchtrain.distributed.context_parallel import shard_batch
-from torchtrain.distributed.float8 import precompute_scales
 from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.tied_stages import TiedStages
 from torchtrain.distributed.utils import all_reduce, clip_factor, clip_grad_norm_, set_gradient_sync
+from torchtrain.models.converters.float8 import precompute_scales
 from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer

@@ -35,7 +35,6 @@ from torchtrain.config import JobConfig, to_dict, to_toml
 from torchtrain.data.build import build_dataloader, training_sources
 from torchtrain.data.sources import CHAT, PROMPTS
 from torchtrain.distributed.cluster import check_cluster
-from torchtrain.distributed.lora import lora_adapter_class
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
 from torchtrain.distributed.utils import (
@@ -45,6 +44,7 @@ from torchtrain.distributed.utils import (
     set_determinism,
     set_train_timeout,
 )
+from torchtrain.models.converters.lora import lora_adapter_class
 from torchtrain.trainer.gc_control import GarbageCollection
 from torchtrain.trainer.grpo import GrpoRun
 from torchtrain.trainer.guard import GuardAbort, TrainingGuard

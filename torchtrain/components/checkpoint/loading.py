@@ -30,7 +30,7 @@ from torchtrain.components.checkpoint.validate import (
     stored_keys,
 )
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
-from torchtrain.distributed.lora import lora_load_keys
+from torchtrain.models.converters.lora import lora_load_keys
 from torchtrain.models.registry import args_differences
 from torchtrain.utils.logging import logger
 

@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from torchtrain.components.checkpoint.safety import safe_loads
-from torchtrain.distributed.float8 import high_precision
-from torchtrain.distributed.lora import is_adapter_param
+from torchtrain.models.converters.float8 import high_precision
+from torchtrain.models.converters.lora import is_adapter_param
 from torchtrain.utils.json_tensor import decode_json, encode_json
 
 

@@ -141,7 +141,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
-        # Set by the float8 grouped-GEMM converter (`distributed/float8.py::convert_experts`): the weights
+        # Set by the float8 grouped-GEMM converter (`models/converters/float8.py::convert_experts`): the weights
         # are torchao tensors that take over `torch._grouped_mm`, so the grouped path always runs (the
         # converter runs only on a GPU that has the kernel), its output cast back to the input's dtype.
         self.float8 = False
