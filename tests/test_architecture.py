@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 import torch
@@ -317,3 +318,45 @@ def test_no_package_file_is_over_400_lines():
     long = {os.path.relpath(p, REPO): n for p in _modules().values()
             if (n := sum(1 for _ in open(p))) > 400}
     assert long == {}
+
+
+# What a caller may ask of a model is declared (models/base.py: BaseModelArgs, BaseModel; models/registry.py:
+# ModelSpec), never found by probing. Probing is checked on the names the package gives models, their parts and
+# their arguments; the Accelerate-style API (accelerate/) takes any module of the user's, and the data-parallel
+# wrappers torch installs are told apart by what they offer (`WRAPPER_CAPABILITIES`), not by the model.
+MODEL_NAMES = re.compile(r"^(model|models|model_parts|part|parts|whole|model_args|args|job\.args|module|block|m)$")
+WRAPPER_CAPABILITIES = {"set_requires_gradient_sync", "register_comm_hook"}
+
+
+def _probes(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        if func in ("getattr", "hasattr") and len(node.args) >= 2 and MODEL_NAMES.match(ast.unparse(node.args[0])):
+            name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+            if name not in WRAPPER_CAPABILITIES:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif func.endswith("signature"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_models_probes_a_model():
+    """No getattr / hasattr / inspect.signature on a model, its parts or its arguments outside models/ (and the
+    user-module API of accelerate/): the model declares it."""
+    probes = {}
+    for module, path in _modules().items():
+        if module.startswith(("torchtrain.models", "torchtrain.accelerate")):
+            continue
+        found = _probes(ast.parse(open(path).read()))
+        if found:
+            probes[os.path.relpath(path, REPO)] = found
+    assert probes == {}
+
+
+def test_the_probe_checker_finds_probes():
+    tree = ast.parse("getattr(model, 'num_experts', 0)\nhasattr(part, 'register_comm_hook')\n"
+                     "inspect.signature(model.forward)\ngetattr(torch, 'float8')")
+    assert [p.split(":")[0] for p in _probes(tree)] == ["1", "3"]

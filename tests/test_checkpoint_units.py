@@ -162,6 +162,7 @@ def test_a_failed_save_lets_training_go_on_and_the_limit_stops_it(tmp_path):
             return dict(self)
 
         saved_state_dict = state_dict
+        adapter_only = False  # (components/checkpoint/state.py::ModelState's)
 
     failing = {2, 6, 8}
     writer = lambda path, step, rank: FullDisk(path) if step in failing else None  # noqa: E731

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
         print(f"loaded {job.source} on {device} ({str(dtype).removeprefix('torch.')}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        max_seq_len = getattr(job.args, "max_seq_len", None) or None
+        max_seq_len = job.args.max_seq_len or None
         new_tokens = ns.max_new_tokens
         if images is not None and new_tokens > room_for(len(prompt), max_seq_len):
             new_tokens = room_for(len(prompt), max_seq_len)

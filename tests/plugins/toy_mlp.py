@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchtrain.config import ConfigError
-from torchtrain.models.base import BaseModelArgs, InitSpec
+from torchtrain.models.base import BaseModel, BaseModelArgs, InitSpec
 from torchtrain.models.registry import ModelSpec, register_model_spec
 
 
@@ -51,7 +51,7 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-class ToyMLP(nn.Module):
+class ToyMLP(BaseModel):
     """A bag-of-tokens language model: each position sees only its own token (enough to learn)."""
 
     def __init__(self, args: ToyArgs):

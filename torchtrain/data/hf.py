@@ -64,7 +64,7 @@ def _offline(offline: bool) -> Iterator[None]:
 
     switches = [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
                 (datasets.config, "HF_DATASETS_OFFLINE")]
-    saved = [(m, n, getattr(m, n)) for m, n in switches if hasattr(m, n)]
+    saved = [(config, name, getattr(config, name)) for config, name in switches if hasattr(config, name)]
     for module, name, _ in saved:
         setattr(module, name, offline)
     try:

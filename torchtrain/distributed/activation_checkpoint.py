@@ -45,6 +45,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtrain.config import ConfigError
+from torchtrain.models.common.transformer import GQAttention
 
 # Operators whose outputs selective "op" checkpointing saves instead of recomputing: every matmul --
 # plain, float8 (`_scaled_mm`, torchao's Float8Linear), grouped (the MoE experts, bf16 and float8) -- and
@@ -140,8 +141,8 @@ def stand_ins(block: nn.Module) -> tuple[str, ...]:
     (`checkpoint_stand_ins`): the rotated queries and keys, and the values' copy when its projections
     are fused; () when it declares none."""
     for m in block.modules():
-        if getattr(m, "checkpoint_stand_ins", False):
-            return ("rotated", "values") if getattr(m, "fuse_qkv", False) else ("rotated",)
+        if isinstance(m, GQAttention) and m.checkpoint_stand_ins:
+            return ("rotated", "values") if m.fuse_qkv else ("rotated",)
     return ()
 
 

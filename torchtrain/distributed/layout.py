@@ -309,7 +309,7 @@ def _check_experts(model_args: "BaseModelArgs", dims: ParallelDims, model_name: 
     expert count the EP degree divides."""
     if not dims.ep_enabled:
         return
-    experts = getattr(model_args, "num_experts", 0)
+    experts = model_args.num_experts
     if not experts:
         raise ConfigError(f"[parallelism.expert_parallel_degree] {dims.ep} needs a mixture-of-experts model; model "
                           f"{model_name!r} has no experts. Set expert_parallel_degree = 1")

@@ -55,6 +55,7 @@ from torchtrain.distributed.token_dispatch import install_dispatchers
 from torchtrain.models.base import BaseModelArgs
 from torchtrain.models.common.experts import GroupedExperts
 from torchtrain.models.common.parallel import keep_modules
+from torchtrain.models.common.transformer import GQAttention
 from torchtrain.models.converters.float8 import convert_experts, convert_linears
 from torchtrain.models.converters.lora import apply_lora, tp_plan_with_adapters
 from torchtrain.models.registry import ModelSpec
@@ -98,7 +99,7 @@ def apply_parallelism(model: nn.Module, spec: ModelSpec, layout: Layout, frozen:
     if layout.float8_experts is not None:
         convert_experts(model, layout.float8_experts)
     for module in model.modules():
-        if hasattr(module, "fuse_qkv"):
+        if isinstance(module, GQAttention):  # (the attention that can run its q/k/v projections as one GEMM)
             module.fuse_qkv = layout.fused_qkv
     blocks = spec.blocks_of(model)
     if dims.tp_enabled:
@@ -147,7 +148,7 @@ def compiled_beside_blocks(model: nn.Module, spec: ModelSpec, tp_enabled: bool) 
     redistribution hooks and stay eager. Read by the planner too (`planner/compiled.py`)."""
     if tp_enabled:
         return []
-    return [m for m in (getattr(model, name, None) for name in spec.compile_also) if isinstance(m, nn.Module)]
+    return spec.compiled_also_of(model)
 
 
 def materialize(part: nn.Module, device: torch.device, cpu_offload: bool, seed: int,
@@ -183,6 +184,6 @@ def build_model_parts(spec: ModelSpec, args: BaseModelArgs, layout: Layout, devi
     """This rank's model parts (one, or one per pipeline stage it runs), parallelised and initialised
     (`loaded`: every base weight is loaded right after, `init_model_weights`; `frozen`: see `apply_parallelism`)."""
     with torch.device("meta"):
-        whole = spec.model_cls(args)
+        whole = spec.build(args)
     return [materialize(apply_parallelism(part, spec, layout, frozen), device, layout.cpu_offload, seed, loaded)
             for _, part in stage_parts(whole, layout)]

@@ -112,7 +112,7 @@ def init_model_weights(model: nn.Module, seed: int, loaded: bool = False) -> Non
     `lora.adapter_init_spec`), then its buffers; or module by module (`init_by_modules`) for a model
     with `init_module`, whose whole-tensor draws are skipped when every base weight is `loaded` next
     (its buffers and LoRA adapters are still initialised)."""
-    if hasattr(model, "init_module"):
+    if model.inits_by_module:
         init_by_modules(model, seed, parameters=not loaded)
         return
     for name, param in model.named_parameters():

@@ -69,7 +69,7 @@ def build_whole(spec, args, device: torch.device, lora=None) -> nn.Module:
     """The model built whole (no parallelism) on `device`, its buffers computed, its parameters uninitialised -- with
     the `lora` adapters (a `[lora]` section) when given, so that it takes a LoRA run's weights name for name."""
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.build(args)
     if lora is not None:
         from torchtrain.models.converters.lora import apply_lora
 

@@ -62,6 +62,7 @@ from torchtrain.models.common.dispatch import (
     sort_pairs,
     weighted_sum,
 )
+from torchtrain.models.common.experts import GroupedExperts
 
 
 def source_to_expert_order(received: torch.Tensor, total: int) -> torch.Tensor:
@@ -209,4 +210,5 @@ def backward_ep_group(ep_mesh: DeviceMesh):
 
 def expert_links(model: nn.Module) -> list[ExpertLink]:
     """The EP links of `model`'s expert modules (none without expert parallelism)."""
-    return [m.dispatcher.link for m in model.modules() if isinstance(getattr(m, "dispatcher", None), _EPDispatcher)]
+    return [m.dispatcher.link for m in model.modules()
+            if isinstance(m, GroupedExperts) and isinstance(m.dispatcher, _EPDispatcher)]

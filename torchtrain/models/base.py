@@ -16,6 +16,10 @@ A model whose initialisation is code acting on whole modules (a Hugging Face tra
 tensors under seeds keyed by the module's name (``param_init.init_by_modules``), which is layout
 independent too.
 
+The built module derives :class:`BaseModel`, which declares what the training step and the sampler read of it
+(the batch entries its forward takes, whether it decodes with a key/value cache, what it derives from a whole
+batch), each with a plain decoder's default: nothing outside ``models/`` probes a model for them.
+
 A model may keep statistics of its training forwards (an MoE layer's per-expert token counts, which
 drive load balancing). `forward_counting(False)` marks forwards that are not part of training -- the
 pipeline schedule's shape-inference pass -- so they leave those statistics untouched.
@@ -27,7 +31,9 @@ import abc
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from torch import nn
 
 if TYPE_CHECKING:
     from torchtrain.data.tokenizer import Tokenizer
@@ -55,6 +61,11 @@ class BaseModelArgs(abc.ABC):
     attention_mask = "causal"
     """The attention mask the model applies ("causal" or "block_causal"); a decoder's arguments make it a
     `[model]` key (a class attribute here, not a field)."""
+    num_experts = 0
+    """Routed experts per mixture-of-experts layer; 0: a dense model (a mixture-of-experts family's arguments make it
+    a `[model]` key or derive it)."""
+    max_seq_len = 0
+    """The longest sequence (prompt and generated tokens) the model is built for; 0: no declared limit."""
 
     def update_from_job(self, seq_len: int, tokenizer: "Tokenizer") -> None:
         """Adapt to the job's sequence length and tokenizer (e.g. size the RoPE table); raise ConfigError
@@ -111,3 +122,26 @@ def forward_counting(enabled: bool):
 def forward_is_counted() -> bool:
     """Whether the forward running now counts (see `forward_counting`)."""
     return _COUNTING[-1]
+
+
+class BaseModel(nn.Module):
+    """Base of every model module: its declarations (class attributes a family's class overrides where it differs)
+    and their defaults."""
+
+    forward_inputs: ClassVar[tuple[str, ...]] = ()
+    """The batch entries its forward takes by name besides the tokens: "positions" and "seq_index" (packed
+    documents, context parallelism), the image inputs ("pixel_values", "image_grid", "rope_positions",
+    "image_index"), "token_ids" (the ids on every pipeline stage: multi-token prediction on the last)."""
+    takes_cache: ClassVar[bool] = False
+    """Its forward takes a key/value cache (`cache=`: incremental decoding, `models/common/kv_cache.py`); without
+    one, a sampler re-runs the whole sequence for every new token."""
+
+    inits_by_module: ClassVar[bool] = False
+    """Its initialisation is code acting on whole modules (`init_module(module)`, a transformers model's), run
+    module by module under seeds keyed by the module's name (`distributed/param_init.py::init_by_modules`);
+    else every parameter follows its `init_spec`."""
+
+    def batch_inputs(self, batch: dict) -> dict:
+        """The batch with what the forward needs derived from whole sequences, before context parallelism cuts
+        them (a vision-language model's per-token image positions); the batch itself by default."""
+        return batch

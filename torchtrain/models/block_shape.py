@@ -8,17 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from torchtrain.models import collectives as coll
 from torchtrain.models.block_modules import Module, matmul_kind, tp_collectives
-from torchtrain.models.collectives import (
-    AttentionShape,
-    BlockCollective,
-    Dispatch,
-    LinearAttentionShape,
-    MoEShape,
-    cp_collectives,
-    cp_linear_collectives,
-    ep_collectives,
-)
+from torchtrain.models.collectives import AttentionShape, BlockCollective, Dispatch, LinearAttentionShape, MoEShape
 from torchtrain.models.common.tp import LocalShards
 
 
@@ -108,6 +100,7 @@ class Block:
 
     def _collectives(self, tp: int, cp: int, ep: int, att: AttentionShape,
                      dispatch: Dispatch) -> list[BlockCollective]:
-        cp_own = cp_collectives(att, tp, cp) if self.linear is None else cp_linear_collectives(self.linear, tp, cp)
+        cp_own = coll.cp_collectives(att, tp, cp) if self.linear is None else \
+            coll.cp_linear_collectives(self.linear, tp, cp)
         out = tp_collectives(self.plan, self.modules, tp) + cp_own
-        return out + (ep_collectives(self.moe, self.dim, tp, ep, dispatch) if self.moe is not None else [])
+        return out + (coll.ep_collectives(self.moe, self.dim, tp, ep, dispatch) if self.moe is not None else [])

@@ -49,9 +49,6 @@ from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the con
     Dispatch,
     LinearAttentionShape,
     MoEShape,
-    cp_collectives,
-    cp_linear_collectives,
-    ep_collectives,
     expected_nodes,
 )
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import nn
 
 from torchtrain.config.fields import ConfigError, coerce, default_of, did_you_mean, field_docs, field_types
-from torchtrain.models.base import BaseModelArgs
+from torchtrain.models.base import BaseModel, BaseModelArgs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,6 +106,36 @@ class ModelSpec:
             return model.get_submodule(self.encoder_blocks)
         except AttributeError:
             return None
+
+    def build(self, args: BaseModelArgs) -> BaseModel:
+        """The model of `args` (on the current default device); it must derive `BaseModel`, whose declarations
+        the step and the sampler read."""
+        model = self.model_cls(args)
+        if not isinstance(model, BaseModel):
+            raise TypeError(f"model {self.name!r}: {type(model).__name__} must derive torchtrain.models.base.BaseModel "
+                            f"(it declares the batch entries its forward takes and whether it decodes with a cache)")
+        return model
+
+    def compiled_also_of(self, model: nn.Module) -> list[nn.Module]:
+        """The modules `compile_also` names that `model` holds (a pipeline stage holds some of them, None the rest)."""
+        found = []
+        for name in self.compile_also:
+            try:
+                found.append(model.get_submodule(name))
+            except AttributeError:  # (None on this stage)
+                continue
+        return found
+
+    def takes_cache(self, args: BaseModelArgs) -> bool:
+        """Whether the model of `args` decodes with a key/value cache (`BaseModel.takes_cache`): its class's
+        declaration, or, where `model_cls` is a factory choosing the class by the arguments, the built model's (on
+        the meta device)."""
+        if isinstance(self.model_cls, type):
+            return self.model_cls.takes_cache
+        import torch
+
+        with torch.device("meta"):
+            return self.build(args).takes_cache
 
     def blocks_of(self, model: nn.Module) -> nn.Module:
         """The model's container of repeated blocks (`blocks`)."""

@@ -19,7 +19,7 @@ loop stops early only when every row of every rank has stopped, so L_c is the bo
     decode FLOPs        R sum_{j=1}^{L_c-1} F(L_p + j): the new token's matmuls, and its attention over the
                         L_p + j cached keys and values (exactly the 4 L h c term of F at c = L_p + j)
 
-A model without a cache (`has_cache` false: latent attention, a transformers model) re-runs its whole
+A model without a cache (`BaseModel.takes_cache` false: latent attention, a transformers model) re-runs its whole
 context every step: step j costs R (L_p + j) F(L_p + j) and holds no cache. Per GPU: the rank's FLOPs / tp.
 
 **Memory** during sampling, on every rank (`distributed/sampling.py`: FSDP units gathered at the first forward
@@ -109,12 +109,11 @@ def rows_per_rank(p: PlanInputs) -> int:
 
 
 def cached(p: PlanInputs) -> bool:
-    """Whether the model samples with a key/value cache (its forward takes `cache`, as the trainer checks)."""
-    from torchtrain.components.rollout.sampling import builds_with_cache
+    """Whether the model samples with a key/value cache (its declaration, `BaseModel.takes_cache`, as the sampler reads it)."""
     from torchtrain.models.registry import get_model_spec
 
     try:
-        return builds_with_cache(get_model_spec(p.model_name).model_cls, p.args)
+        return get_model_spec(p.model_name).takes_cache(p.args)
     except (AttributeError, TypeError, ValueError):
         return False
 

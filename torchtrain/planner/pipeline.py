@@ -173,7 +173,7 @@ def _meta_model(model_name: str, args) -> torch.nn.Module:
     key = (model_name, repr(args))
     if key not in _MODELS:
         with torch.device("meta"):
-            _MODELS[key] = get_model_spec(model_name).model_cls(args)
+            _MODELS[key] = get_model_spec(model_name).build(args)
     return _MODELS[key]
 
 

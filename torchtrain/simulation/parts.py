@@ -57,7 +57,7 @@ def build_fake_parts(spec, args, layout: Layout, cuts: list[PartCut], device_typ
     for cut in cuts:
         n_layers = cut.n_layers or args.n_layers
         with torch.device("meta"):
-            model = spec.model_cls(args if n_layers == args.n_layers else args.replace(n_layers=n_layers))
+            model = spec.build(args if n_layers == args.n_layers else args.replace(n_layers=n_layers))
         if cut.modules is not None:
             model = keep_modules(model, list(cut.modules))
         part = apply_parallelism(model, spec, layout, frozen)

@@ -69,8 +69,7 @@ class StagePipeline:
             last_micro = i == self.n_micro - 1
             for part in fsdp_modules(self.model_parts):
                 part.set_requires_gradient_sync(last_micro)
-                if hasattr(part, "set_reshard_after_backward"):
-                    part.set_reshard_after_backward(last_micro)
+                part.set_reshard_after_backward(last_micro)
             for stage, part in zip(self.cuts, self.model_parts):
                 x = tokens if stage.first else self.received[i].detach().requires_grad_(True)
                 before = self._activations()

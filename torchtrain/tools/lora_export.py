@@ -108,7 +108,7 @@ def load_lora_state(checkpoint: str, job_argv: list[str]) -> tuple[dict[str, tor
     if spec.state_dict_adapter is None:
         raise ConfigError(f"[model.name] {spec.name!r} has no Hugging Face names to export under")
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.build(args)
     apply_lora(model, cfg.lora)
     model.to_empty(device="cpu")
     path, _ = resolve_dcp_path(checkpoint)

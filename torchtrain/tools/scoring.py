@@ -38,7 +38,7 @@ def score(job, prompts_path: str, rewards: Rewards, max_new_tokens: int, samplin
           seed: int = 0, stop_ids: tuple[int, ...] = (), batch: int = 64) -> Score:
     """Mean reward of `samples` completions of every prompt at `prompts_path` by the loaded `job`'s model."""
     tok = job.tokenizer
-    max_len = getattr(job.args, "max_seq_len", 0) or 1 << 30
+    max_len = job.args.max_seq_len or 1 << 30
     prompts, skipped = read_prompts(prompts_path, tok, max_len, max_new_tokens, skip_long=True, key="--prompts")
     rows = [p for p in prompts for _ in range(samples)]
     generator = torch.Generator().manual_seed(seed)

@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 
 from torchtrain.components.rollout.rewards import Rewards
-from torchtrain.components.rollout.sampling import builds_with_cache
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
@@ -70,7 +69,7 @@ class GrpoRun:
 
     def __init__(self, cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer: Tokenizer):
         grpo, training, batch = cfg.grpo, cfg.training, layout.batch
-        if layout.dims.tp > 1 and grpo.generator == "trainer" and not builds_with_cache(spec.model_cls, args):
+        if layout.dims.tp > 1 and grpo.generator == "trainer" and not spec.takes_cache(args):
             raise ConfigError(f"[grpo.generator] {cfg.model.name} (a model without a key/value cache) samples whole "
                               f"sequences at a time, which tensor parallelism's sequence shards do not allow: set "
                               f"grpo.generator = \"copy\"")

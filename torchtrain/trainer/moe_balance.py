@@ -68,7 +68,7 @@ class MoEBalancer:
         """A balancer for a mixture-of-experts model (`model_args.num_experts` > 0) whose MoE blocks are the
         engine's layer (`models/common/moe.py`) on some rank, else None (e.g. a transformers MoE block
         trained as it is)."""
-        if not getattr(model_args, "num_experts", 0):
+        if not model_args.num_experts:
             return None
         balancer = cls(model_parts, device)  # (collective: every rank builds it, and agrees on the layers)
         return balancer if balancer.names else None

@@ -89,7 +89,7 @@ def preflight(cfg: JobConfig, world_size: int, device_type: str, tokenizer: Toke
     check_dataset_name(cfg.training.dataset, "training.dataset")
     if layout.lora is not None:  # every target pattern must select a linear layer (a meta model: no memory)
         with torch.device("meta"):
-            targets = lora_targets(spec.model_cls(args), layout.lora)
+            targets = lora_targets(spec.build(args), layout.lora)
         if layout.pipeline is not None:
             check_stages_have_adapters(targets, layout.pipeline.modules_per_stage)
     if cfg.training.dataset in PACKED and args.attention_mask != "block_causal":

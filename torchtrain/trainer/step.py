@@ -42,7 +42,6 @@ completions, a mean over their global token count N as above (`trainer/policy_lo
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -181,10 +180,10 @@ class TrainStep:
         if self.pipeline is not None:
             tied = TiedStages(layout.pipeline, layout.dims, self.pipeline.stage_ids, model_parts)
             self.tied = tied if tied else None
-        accepted = inspect.signature(model_parts[0].forward).parameters
+        accepted = model_parts[0].forward_inputs  # (models/base.py::BaseModel: what a model declares)
         self.model_inputs = [k for k in ("positions", "seq_index", *MULTIMODAL_INPUTS) if k in accepted]
-        # a model that derives inputs from whole sequences (a vision-language model's image positions)
-        self.batch_inputs = getattr(model_parts[0], "batch_inputs", None)
+        # what the model derives from whole sequences (a vision-language model's image positions; else nothing)
+        self.batch_inputs = model_parts[0].batch_inputs
         # a model that reads the token ids on every pipeline stage (multi-token prediction on the last)
         self.token_ids = "token_ids" in accepted and self.pipeline is not None
         self._pipeline_losses = 0  # micro-batch losses of the last pipeline step on this rank
@@ -192,8 +191,7 @@ class TrainStep:
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a batch: what the model derives from whole sequences (`batch_inputs`), then under
         context parallelism its chunks of every sequence (and their `seq_index`)."""
-        if self.batch_inputs is not None:
-            batch = self.batch_inputs(batch)
+        batch = self.batch_inputs(batch)
         if self.pipeline is not None and self.sequence_loss is not None and "ref_logps" in batch:  # before CP cuts rows
             batch = {**batch, "ref_tokens": self.sequence_loss.first_token_shares(batch)}
         dims = self.layout.dims

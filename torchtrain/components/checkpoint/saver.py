@@ -103,7 +103,7 @@ class CheckpointSaver:
         for key in keys[1:]:
             state[key] = self.states[key].state_dict()
         meta = self._meta(step, keys, dtype or torch.float32, final=final, model_only=model_only,
-                          adapter_only=bool(getattr(model, "adapter_only", False)))
+                          adapter_only=model.adapter_only)
         writer = self._writer(path, step)
         if self.cfg.async_mode != "disabled" and not sync:
             kwargs = {"async_stager": self._stager} if self._stager is not None else {}

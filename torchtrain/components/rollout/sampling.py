@@ -23,7 +23,6 @@ have stopped, so ranks whose forwards hold collectives run the same number of th
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,20 +75,6 @@ class Completions:
     """Whether the row ended with a stop id (else it was cut at `max_new_tokens`)."""
 
 
-def has_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes a key/value cache."""
-    return "cache" in inspect.signature(model.forward).parameters
-
-
-def builds_with_cache(model_cls, args) -> bool:
-    """Whether the models `model_cls` builds from `args` take a key/value cache (`model_cls`: a class, or a factory
-    choosing one by the arguments, built on the meta device to see which)."""
-    if isinstance(model_cls, type):
-        return has_cache(model_cls)
-    with torch.device("meta"):
-        return has_cache(model_cls(args))
-
-
 def full_logits(logits) -> torch.Tensor:
     """Vocabulary-sharded logits (a DTensor under tensor parallelism) as one plain tensor."""
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
@@ -106,7 +91,7 @@ def sample(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
     slots of the cache (`KVCache.keep`) whose outputs are dropped."""
     device = next(iter(model.buffers()), next(model.parameters())).device
     longest = max(len(p) for p in prompts)
-    cached = has_cache(model)
+    cached = model.takes_cache
     if not cached and (any(len(p) != longest for p in prompts) or multiple > 1):
         raise ValueError("a model without a key/value cache samples prompts of one length at a time, unsharded")
     longest = -(-longest // multiple) * multiple
@@ -155,7 +140,7 @@ def sample_groups(model: torch.nn.Module, prompts: list[list[int]], group: int, 
                   all_done: Callable[[bool], bool] | None = None, multiple: int = 1, progress=None) -> Completions:
     """`sample` over rows that come in groups of `group` with one prompt each (GRPO's completions of a prompt): all
     rows in one batch with a key/value cache, else one group at a time (one prompt length per batch)."""
-    if has_cache(model):
+    if model.takes_cache:
         return sample(model, prompts, max_new_tokens, s, generators, stop_ids, vocab_limit, all_done, progress,
                       multiple)
     out = Completions([], [], [])

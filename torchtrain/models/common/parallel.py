@@ -22,13 +22,13 @@ order from the resolved Layout.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
-from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.models.common.tp import check_divisible
+from torchtrain.models.common.tp import apply_decoder_top, check_divisible, check_tp_has_ep
 
 if TYPE_CHECKING:
     from torchtrain.distributed.layout import Layout
@@ -58,6 +58,25 @@ def check_decoder_layout(args, layout: "Layout", tp_sizes: dict[str, int]) -> No
         "training.seq_len": f"sequence parallelism splits each rank's sequence evenly{per_rank}; use a multiple "
                             f"of the TP degree x the context parallel degree ({tp * cp})",
     })
+
+
+def check_moe_decoder_layout(args, layout: "Layout") -> None:
+    """A mixture-of-experts decoder's checks: `check_decoder_layout` of the heads (the experts are not
+    tensor-parallel), then expert parallelism over the TP ranks."""
+    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads})
+    check_tp_has_ep(layout.dims)
+
+
+def decoder_tp(block_plan: Callable[[Any], dict[str, object]]) -> Callable[[nn.Module, Any, bool], None]:
+    """A decoder family's `tp_plan` (model, tp_mesh, loss_parallel): the shared top (embedding, final norm,
+    output: `apply_decoder_top`) and `block_plan(model.args)` on every block."""
+
+    def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+        apply_decoder_top(model, tp_mesh, loss_parallel)
+        for block in model.layers.values():
+            parallelize_module(block, tp_mesh, block_plan(model.args))
+
+    return apply_tp
 
 
 def qk_norm_plan() -> dict[str, object]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtrain.models.base import InitSpec
+from torchtrain.models.base import BaseModel, InitSpec
 from torchtrain.models.common.attention import AttentionContext, AttentionCore, MaskType, attention_inputs
 from torchtrain.models.common.decoder import decoder_init_spec
 from torchtrain.models.common.kv_cache import KVCache
@@ -150,7 +150,7 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Decoder(nn.Module, abc.ABC):
+class Decoder(BaseModel, abc.ABC):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size).
 
     `positions` (batch, seq): each token's position in its document (the data's, 0 at document
@@ -161,6 +161,9 @@ class Decoder(nn.Module, abc.ABC):
 
     `args` has `vocab_size`, `dim`, `n_layers`, `norm_eps`, `attention_mask`, `tie_word_embeddings`
     and what `decoder_init_spec` reads. `zero_centered_norms`: the final norm scales by 1 + weight."""
+
+    forward_inputs = ("positions", "seq_index")
+    takes_cache = True
 
     zero_centered_norms = False
 

@@ -119,6 +119,8 @@ class Transformer(Decoder):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
     `models/common/transformer.py::Decoder`."""
 
+    forward_inputs = ("positions", "seq_index", "token_ids")
+    takes_cache = False  # (latent attention decodes without a key/value cache: each new token re-runs the sequence)
     args: DeepseekV3Args
 
     def __init__(self, args: DeepseekV3Args):

@@ -10,27 +10,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
-
 from torchtrain.models import contract
-from torchtrain.models.common.parallel import check_decoder_layout
-from torchtrain.models.common.tp import LocalShards, apply_decoder_top, check_tp_has_ep, gqa_attention_plan, moe_tp_plan
+from torchtrain.models.common.parallel import check_moe_decoder_layout, decoder_tp
+from torchtrain.models.common.tp import LocalShards, gqa_attention_plan, moe_tp_plan
 from torchtrain.models.gpt_oss.args import GptOssArgs
-
-
-def validate_gpt_oss(args: GptOssArgs, layout) -> None:
-    """`check_decoder_layout` of the heads (the experts are not tensor-parallel), then expert parallelism
-    over the TP ranks."""
-    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads})
-    check_tp_has_ep(layout.dims)
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    apply_decoder_top(model, tp_mesh, loss_parallel)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(model.args))
 
 
 def block_plan(args: GptOssArgs) -> dict[str, object]:
@@ -52,3 +35,7 @@ def declare(args: GptOssArgs) -> contract.ModelContract:
     out = contract.gqa_decoder(args, block, block, args.num_active_params(), args.moe_intermediate_size)
     return replace(out, attention=replace(out.attention, sinks=True),
                    windows=tuple(args.sliding_window if args.is_sliding(i) else None for i in range(args.n_layers)))
+
+
+validate_gpt_oss = check_moe_decoder_layout
+apply_tp = decoder_tp(block_plan)

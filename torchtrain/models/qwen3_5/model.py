@@ -53,6 +53,7 @@ class Qwen3_5Transformer(Decoder):
     args: Qwen3_5Args
     zero_centered_norms = True
     IMAGE_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
+    forward_inputs = ("positions", "seq_index", *IMAGE_INPUTS)
 
     def __init__(self, args: Qwen3_5Args):
         super().__init__(args)

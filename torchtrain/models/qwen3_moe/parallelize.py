@@ -7,27 +7,10 @@ checks against the layout. Expert parallelism itself is generic (the applier spl
 
 from __future__ import annotations
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
-
 from torchtrain.models import contract
-from torchtrain.models.common.parallel import check_decoder_layout, qk_norm_plan
-from torchtrain.models.common.tp import apply_decoder_top, check_tp_has_ep, gqa_attention_plan, moe_tp_plan
+from torchtrain.models.common.parallel import check_moe_decoder_layout, decoder_tp, qk_norm_plan
+from torchtrain.models.common.tp import gqa_attention_plan, moe_tp_plan
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
-
-
-def validate_qwen3_moe(args: Qwen3MoeArgs, layout) -> None:
-    """`check_decoder_layout` of the heads (experts are not tensor-parallel), then expert parallelism
-    over the TP ranks."""
-    check_decoder_layout(args, layout, {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads})
-    check_tp_has_ep(layout.dims)
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    apply_decoder_top(model, tp_mesh, loss_parallel)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(model.args))
 
 
 def block_plan(args: Qwen3MoeArgs) -> dict[str, object]:
@@ -44,3 +27,7 @@ def declare(args: Qwen3MoeArgs) -> contract.ModelContract:
                **contract.qk_norm_modules(args.head_dim), **contract.moe_modules(args.dim, moe)}
     block = contract.Block(block_plan(args), modules, moe=moe, dim=args.dim, fused=contract.GQA_FUSED)
     return contract.gqa_decoder(args, block, block, args.num_active_params(), args.hidden_dim, qk_norm=True)
+
+
+validate_qwen3_moe = check_moe_decoder_layout
+apply_tp = decoder_tp(block_plan)

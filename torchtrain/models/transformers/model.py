@@ -24,16 +24,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtrain.models.base import BaseModel
 from torchtrain.models.common.attention import AttentionContext, prepare_attention
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.stages import is_first_stage
 
 
-class TorchtrainCausalLM(nn.Module):
+class TorchtrainCausalLM(BaseModel):
     """Mixed in before the transformers class (module doc). Only methods: transformers' `__init__` builds
     the model; `tt_setup` records what the forward needs."""
 
+    forward_inputs = ("positions", "seq_index")
+    inits_by_module = True
     tt_mask: str = "causal"
     tt_windows: tuple[int, ...] = ()
     tt_registry: bool = False

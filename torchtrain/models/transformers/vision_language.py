@@ -41,6 +41,8 @@ from torchtrain.models.transformers.model import TorchtrainCausalLM
 class TorchtrainImageTextLM(TorchtrainCausalLM):
     """Mixed in before transformers' image-text-to-text class (module doc)."""
 
+    forward_inputs = ("positions", "seq_index", "pixel_values", "image_grid", "rope_positions", "image_index")
+
     @property
     def text_model(self) -> nn.Module:
         return self.base_model.language_model
