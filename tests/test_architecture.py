@@ -164,20 +164,23 @@ def test_no_model_family_imports_another():
 COMMANDS = {"train", "plan", "dryrun", "generate", "launcher", "launch_check", "accelerate"}
 # package -> the packages it must never import (nothing imports upward): the commands (and accelerate, the
 # user-loop API over config/, distributed/, utils/ and the checkpoint scan of components/) sit on top, then
-# the tools and the planner (neither imports the other), then the trainer and the fake world, then components and data, then models, distributed,
+# the tools and the planner (neither imports the other), then the trainer and the post-training objectives it is
+# handed through its seam (trainer/objective.py: the objectives build on the step, the loop builds them) and the fake world, then components and data, then models, distributed,
 # config and utils.
 NEVER = {
-    "accelerate": COMMANDS - {"accelerate"} | {"tools", "planner", "trainer", "simulation", "data", "models"},
+    "accelerate": COMMANDS - {"accelerate"} | {"tools", "planner", "posttrain", "trainer", "simulation", "data",
+                                                "models"},
     "tools": COMMANDS | {"planner"},
     "planner": COMMANDS | {"tools"},
     "trainer": COMMANDS | {"tools", "planner"},
-    "simulation": COMMANDS | {"tools", "planner", "trainer"},
-    "components": COMMANDS | {"tools", "planner", "trainer", "simulation"},
-    "data": COMMANDS | {"tools", "planner", "trainer", "simulation", "components"},
-    "models": COMMANDS | {"tools", "planner", "trainer", "simulation", "components", "distributed"},
-    "distributed": COMMANDS | {"tools", "planner", "trainer", "simulation", "components"},
-    "utils": COMMANDS | {"tools", "planner", "trainer", "simulation", "components", "data", "models", "distributed",
-              "config"},
+    "posttrain": COMMANDS | {"tools", "planner"},
+    "simulation": COMMANDS | {"tools", "planner", "posttrain", "trainer"},
+    "components": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation"},
+    "data": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components"},
+    "models": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components", "distributed"},
+    "distributed": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components"},
+    "utils": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components", "data", "models",
+              "distributed", "config"},
 }
 
 
@@ -360,3 +363,12 @@ def test_the_probe_checker_finds_probes():
     tree = ast.parse("getattr(model, 'num_experts', 0)\nhasattr(part, 'register_comm_hook')\n"
                      "inspect.signature(model.forward)\ngetattr(torch, 'float8')")
     assert [p.split(":")[0] for p in _probes(tree)] == ["1", "3"]
+
+
+def test_the_loop_and_the_step_name_no_objective():
+    """Post-training reaches the trainer through one seam (trainer/objective.py): the loop, the step and its factory
+    name no objective."""
+    for name in ("trainer.py", "step.py", "step_factory.py"):
+        text = open(os.path.join(PACKAGE, "trainer", name)).read().lower()
+        named = [w for w in ("dpo", "grpo", "preference", "reference") if w in text]
+        assert not named, f"trainer/{name} names {named}"

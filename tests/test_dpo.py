@@ -66,7 +66,7 @@ def _batch(rows: int, seq: int, vocab: int, seed: int = 0):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
 def test_each_loss_equals_its_formula_pair_by_pair(loss_type):
     from torchtrain.config.dpo import Dpo
-    from torchtrain.trainer.preference_loss import PreferenceLoss
+    from torchtrain.posttrain.preference_loss import PreferenceLoss
 
     dpo = Dpo(enable=True, loss_type=loss_type, beta=0.3, label_smoothing=0.1, simpo_gamma=0.4)
     logits, batch, spans = _batch(2, 16, 11)
@@ -91,7 +91,7 @@ def test_each_loss_equals_its_formula_pair_by_pair(loss_type):
 
 def test_a_tie_counts_half_and_the_metrics_read_the_sums():
     from torchtrain.config.dpo import Dpo
-    from torchtrain.trainer.preference_loss import PreferenceLoss
+    from torchtrain.posttrain.preference_loss import PreferenceLoss
 
     loss = PreferenceLoss(Dpo(enable=True))
     logits, batch, _ = _batch(2, 16, 11)

@@ -86,8 +86,8 @@ def tiny_model(name: str, **overrides):
 @pytest.mark.parametrize("name,multiple", [("llama3", 1), ("llama3", 2), ("gpt_oss", 1), ("qwen3_5", 2)],
                          ids=["llama3", "llama3_scratch_slots", "gpt_oss_window_sinks", "qwen3_5_linear_state"])
 def test_sampler_log_probs_equal_the_trainers_within_1e6(name, multiple):
-    from torchtrain.components.rollout.sampling import Sampling, sample
-    from torchtrain.trainer.policy_loss import PolicyLoss
+    from torchtrain.posttrain.decoding import Sampling, sample
+    from torchtrain.posttrain.policy_loss import PolicyLoss
 
     layers = {"n_layers": 4} if name == "qwen3_5" else {}  # three linear-attention layers and a full one
     model = tiny_model(name, vocab_size=264, **({"sliding_window": 4} if name == "gpt_oss" else {}), **layers)
@@ -110,7 +110,7 @@ def test_sampler_log_probs_equal_the_trainers_within_1e6(name, multiple):
 
 
 def test_a_rows_samples_do_not_depend_on_its_batch():
-    from torchtrain.components.rollout.sampling import Sampling, sample
+    from torchtrain.posttrain.decoding import Sampling, sample
 
     model = tiny_model("llama3")
     prompts = [[5, 6, 7], [11, 12, 13, 14, 15], [3, 4]]
@@ -122,8 +122,8 @@ def test_a_rows_samples_do_not_depend_on_its_batch():
 # ------------------------------------------------------------------ the objective
 def test_clipped_objective_and_kl_equal_their_formula():
     from torchtrain.config.grpo import Grpo
-    from torchtrain.trainer.policy_loss import PolicyLoss
-    from torchtrain.trainer.rollout import group_advantages
+    from torchtrain.posttrain.policy_loss import PolicyLoss
+    from torchtrain.posttrain.rollout import group_advantages
 
     g = torch.Generator().manual_seed(0)
     rows, seq, vocab = 3, 6, 11
@@ -157,7 +157,7 @@ def test_clipped_objective_and_kl_equal_their_formula():
 
 
 def test_builtin_rewards():
-    from torchtrain.components.rollout.rewards import Rewards, exact, numeric
+    from torchtrain.posttrain.rewards import Rewards, exact, numeric
 
     assert exact(" 1\n", "1", "") == 1.0 and exact("10", "1", "") == 0.0
     assert numeric("so the answer is 42.0", "42", "") == 1.0 and numeric("41 or 42", "41", "") == 0.0

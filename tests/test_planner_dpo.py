@@ -69,9 +69,9 @@ def _trainers_copy_bytes(p) -> int:
 
     from torchtrain.models.registry import get_model_spec
     from torchtrain.planner.stage_model import part_cut
+    from torchtrain.posttrain.reference import ReferenceModel
     from torchtrain.simulation.fake_world import fake_world
     from torchtrain.simulation.parts import build_fake_parts
-    from torchtrain.trainer.reference import ReferenceModel
 
     layout = trace._trace_layout(p, trace_job(p), 1, p.world_size)
     with fake_world(p.world_size, rank=0):

@@ -33,12 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        from torchtrain.components.rollout.rewards import Rewards
-        from torchtrain.components.rollout.sampling import Sampling
         from torchtrain.config import parse_args
+        from torchtrain.posttrain.decoding import Sampling
+        from torchtrain.posttrain.grpo import stop_ids
+        from torchtrain.posttrain.rewards import Rewards
         from torchtrain.tools.generation import find_job_config, load
         from torchtrain.tools.scoring import score
-        from torchtrain.trainer.grpo import stop_ids
 
         if ns.samples < 1 or ns.temperature < 0:
             raise ConfigError("--samples must be >= 1 and --temperature >= 0")

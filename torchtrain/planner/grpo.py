@@ -1,4 +1,4 @@
-"""GRPO (`[grpo]`) in a plan: what one iteration costs on each data-parallel rank (`trainer/rollout.py`).
+"""GRPO (`[grpo]`) in a plan: what one iteration costs on each data-parallel rank (`posttrain/rollout.py`).
 
 Notation: G = grpo.num_generations, S = steps_per_generation, mu = num_iterations, L_c = max_completion_length,
 b = local_batch_size x gradient accumulation (rows of one optimizer step per rank), R = S b the rollout rows a
@@ -10,7 +10,7 @@ sequence length c / 3 (`ModelContract.flops`: 2 N + the attention's forward shar
 
 **An iteration** = sampling + (beta > 0) one reference pass over the rollouts + S mu optimizer steps.
 
-**Sampling** (`components/rollout/sampling.py`): one prefill forward over the R left-padded prompts (L_p slots
+**Sampling** (`posttrain/decoding.py`): one prefill forward over the R left-padded prompts (L_p slots
 each), then L_c - 1 forwards of one new token per row with the key/value cache (`models/common/kv_cache.py`). The
 loop stops early only when every row of every rank has stopped, so L_c is the bound, counted in full:
 
@@ -22,7 +22,7 @@ loop stops early only when every row of every rank has stopped, so L_c is the bo
 A model without a cache (`BaseModel.takes_cache` false: latent attention, a transformers model) re-runs its whole
 context every step: step j costs R (L_p + j) F(L_p + j) and holds no cache. Per GPU: the rank's FLOPs / tp.
 
-**Memory** during sampling, on every rank (`distributed/sampling.py`: FSDP units gathered at the first forward
+**Memory** during sampling, on every rank (`posttrain/sampling_layout.py`: FSDP units gathered at the first forward
 and kept so until sampling ends), beside the state that outlives the step (fp32 parameters, optimizer state, a
 reference copy: the analytic rows):
 
@@ -52,7 +52,7 @@ reads the whole unsharded weights W and the KV cache filled so far once,
 step's forward collectives over R tokens (TP, expert all-to-alls), nothing hiding them. Host dispatch of the
 eager decode steps is not counted (small models are launch-bound there).
 
-**Reference** (beta > 0; `trainer/reference.py::token_logps`): once per iteration, R / local_batch_size
+**Reference** (beta > 0; `posttrain/reference.py::token_logps`): once per iteration, R / local_batch_size
 forwards of local_batch_size rows of seq_len, each timed as a DPO reference's (`preference.microbatch_time`, the
 copy's FSDP units re-gathered per forward but the kept ones once per pass), R dp seq_len F(seq_len) FLOPs
 (`preference.forward_flops_per_token`). Its copy's weights are in every moment of the step (`preference.copy_rows`).

@@ -1,6 +1,6 @@
 """Preference optimisation (`[dpo]`) in a plan: what the reference of the loss costs per rank and per step.
 
-The job's `[dpo]` and `[lora]` give one of four references (`trainer/preference.py`), read once into
+The job's `[dpo]` and `[lora]` give one of four references (`posttrain/dpo.py`), read once into
 `PlanInputs.dpo` (`read`):
 
     reference        when                                      memory per rank      per micro-batch
@@ -63,7 +63,7 @@ are added; under pipeline parallelism every stage's forward is on the critical p
 after the other), with each stage boundary's send.
 
 **The precomputed pass** (`one_off`): before the first step every pair is scored once by the model's forward
-(`trainer/reference.py::precompute`): the data's pairs packed unshuffled into R rows, cut into batches of
+(`posttrain/reference.py::precompute`): the data's pairs packed unshuffled into R rows, cut into batches of
 local_batch_size rows dealt over the dp data ranks: ceil(ceil(R / b) / dp) forwards per rank, each a
 micro-batch's reference forward time (above, in the compute dtype), R' x seq_len x the forward's FLOPs per
 token (R' the padded rows). R is read from the job's data when its files and tokenizer are at hand (cached);
@@ -324,14 +324,16 @@ def copy_parts(p: PlanInputs, build) -> list:
     return build() if live_kind(p) == "copy" else []
 
 
-def step_options(cfg, p: PlanInputs, copy: list) -> dict[str, Any]:
-    """`build_train_step`'s DPO arguments for the traced step: the job's `[dpo]` and its live reference."""
+def step_options(cfg, p: PlanInputs, copy: list, layout) -> dict[str, Any]:
+    """`build_train_step`'s arguments for the traced step of a `[dpo]` job: its preference loss with its live
+    reference (`posttrain/objectives.py::objective_loss`)."""
     if p.dpo is None:
         return {}
-    from torchtrain.trainer.reference import ReferenceModel
+    from torchtrain.posttrain.objectives import objective_loss
+    from torchtrain.posttrain.reference import ReferenceModel
 
     live = {"copy": lambda: ReferenceModel(copy), "adapters off": lambda: ReferenceModel(None)}.get(p.dpo.reference)
-    return {"dpo": cfg.dpo, "reference": live() if live is not None else None}
+    return {"sequence_loss": objective_loss(cfg, layout, live() if live is not None else None)}
 
 
 def with_pairs(p: PlanInputs, batch: dict) -> dict:

@@ -240,7 +240,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
     pipeline = functools.partial(StagePipeline, cuts=cuts, seq_len=p.seq_len, dim=p.args.dim, tracker=tracker,
                                  stored=stored)
     step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
-                            pipeline=pipeline, **preference.step_options(cfg, p, list(copy)))
+                            pipeline=pipeline, **preference.step_options(cfg, p, list(copy), layout))
     step.scaler.reads_back = False  # float16 loss scaling: no scale nor found-inf flag read back (fake values)
     if compiles_loss(p):  # the compiled cross-entropy's memory, counted as a compiled graph (compiled.py)
         step.loss_fn.ce_sum = counter.compiled(fused_cross_entropy_sum)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtrain.components.rollout.sampling import Sampling, sample_next
 from torchtrain.config import ConfigError
+from torchtrain.posttrain.decoding import Sampling, sample_next
 
 JOB_CONFIG = "job_config.toml"
 
@@ -142,7 +142,7 @@ def load(checkpoint: str, config: str | None, overrides: list[str], device: torc
     from torchtrain.components.checkpoint.startup import resolve_dcp_path
     from torchtrain.config import parse_args
     from torchtrain.data.tokenizer import build_tokenizer
-    from torchtrain.distributed.sampling import build_whole
+    from torchtrain.posttrain.sampling_layout import build_whole
     from torchtrain.trainer.preflight import image_spec_for, resolve_model
 
     if not os.path.exists(checkpoint):

@@ -7,7 +7,7 @@ The prompts file is GRPO's (`data/prompts.py`: "prompt" or "messages", and "answ
 chat template; the model, tokenizer and defaults come from the job (`tools/generation.py::load`): the reward
 functions, completion length and stop tokens of its [grpo] section when it has one. Each prompt gets `--samples`
 completions (greedy at temperature 0, one per prompt), sampled in batches with the key/value cache
-(`components/rollout/sampling.py`); the score is the mean reward over all of them, and its share of exact
+(`posttrain/decoding.py`); the score is the mean reward over all of them, and its share of exact
 (reward 1) completions. What a GRPO run reports as `grpo/reward` is the same quantity on its training prompts at
 its sampling temperature.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtrain.components.rollout.rewards import RewardError, Rewards
-from torchtrain.components.rollout.sampling import Sampling, sample
 from torchtrain.data.prompts import read_prompts
+from torchtrain.posttrain.decoding import Sampling, sample
+from torchtrain.posttrain.rewards import RewardError, Rewards
 
 
 @dataclass

@@ -106,7 +106,7 @@ def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
     and the inputs of a `files` dataset. They do not depend on the world size."""
     t = cfg.training
     if t.dataset == PROMPTS:  # prompts for [grpo]: read, rendered, lengths checked, reward functions tried once
-        from torchtrain.trainer.grpo import load_prompts
+        from torchtrain.posttrain.grpo import load_prompts
 
         load_prompts(cfg, tokenizer)
     else:

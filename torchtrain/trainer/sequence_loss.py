@@ -1,6 +1,6 @@
-"""What the train step asks of a loss that reads the whole batch rather than its labels alone: DPO's preference
-loss over chosen / rejected pairs (`preference_loss.py`) and GRPO's clipped policy objective over sampled
-completions (`policy_loss.py`).
+"""What the train step asks of a loss that reads the whole batch rather than its labels alone -- the loss a
+post-training objective hands the trainer (`trainer/objective.py`; e.g. `posttrain/preference_loss.py` over chosen /
+rejected pairs, `posttrain/policy_loss.py` over sampled completions).
 
 The step sets `scale` = R / U before the micro-batches run -- R the ranks holding different samples, U the global
 number of `units` the loss is a mean over: the step's target tokens ("tokens", the count the step takes anyway)
@@ -8,6 +8,10 @@ or what `count` counts in each micro-batch, all-reduced -- so that data-parallel
 gradient of the global mean under any layout (trainer/step.py). The loss keeps its per-step statistics until
 `pop_stats`; `record` names them for the log. Under pipeline parallelism the schedule hands the loss one target
 tensor per micro-batch: `pipeline_target` packs what it reads, `from_target` unpacks it.
+
+Two hooks let a loss bring what it reads beside the model's logits: `before_shard` sees each whole batch before
+context parallelism cuts its sequences, `prepare` each (sharded, on-device) micro-batch right before its forward (a
+loss that scores it with another model first: DPO's live reference). `SequenceLossBase` leaves both unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ class SequenceLoss(Protocol):
 
     def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
 
-    def pipeline_target(self, batch: dict[str, torch.Tensor], live: torch.Tensor | None) -> torch.Tensor: ...
+    def pipeline_target(self, step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor: ...
+
+    def before_shard(self, batch: dict[str, torch.Tensor], pipelined: bool) -> dict[str, torch.Tensor]: ...
+
+    def prepare(self, step, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 class KeptStats:
@@ -49,3 +57,13 @@ class KeptStats:
         if last is not None:
             stats = stats[len(stats) - last:] if last else []
         return torch.stack(stats).sum(0) if stats else torch.zeros(len(self.STATS), device=device)
+
+
+class SequenceLossBase(KeptStats):
+    """A sequence loss's hooks left alone (module doc): the batch reaches the loss as the data made it."""
+
+    def before_shard(self, batch: dict[str, torch.Tensor], pipelined: bool) -> dict[str, torch.Tensor]:
+        return batch
+
+    def prepare(self, step, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch

@@ -32,11 +32,10 @@ A mixture-of-experts model adds its auxiliary load-balancing loss to each token'
 scale, and its global expert loads are reduced (and its routing bias updated) after the step
 (`trainer/moe_balance.py`); other terms a model adds in its forward (multi-token prediction) get
 the same scale and are summed for logging (`trainer/extra_losses.py`).
-With `[dpo]` the loss is a preference loss over the step's chosen / rejected pairs instead, a mean over the
-global number of pairs in the same way (`trainer/preference_loss.py`); a live reference scores each micro-batch
-first (`trainer/reference.py`). With `[grpo]` it is the clipped policy-gradient objective on the step's sampled
-completions, a mean over their global token count N as above (`trainer/policy_loss.py`). Both are a
-`SequenceLoss` (`trainer/sequence_loss.py`): a loss that reads the whole batch, not just the labels.
+A post-training objective (`trainer/objective.py`) may hand the step its own loss instead, a `SequenceLoss`
+(`trainer/sequence_loss.py`) that reads the whole batch, not just the labels: a mean over its own units (pairs
+of answers, say) or over the target tokens, in the same way; it may prepare each micro-batch before its forward
+(score it with another model first).
 """
 
 from __future__ import annotations
@@ -63,7 +62,6 @@ from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
 from torchtrain.trainer.moe_balance import MoEBalancer
 from torchtrain.trainer.precision import LossScaler
-from torchtrain.trainer.reference import ReferenceModel
 from torchtrain.trainer.sequence_loss import SequenceLoss
 from torchtrain.utils.batch_keys import concat_batches
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
@@ -124,8 +122,7 @@ class StepResult:
     extra_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
     """Turns `extra_losses` into named metrics (`ExtraLosses.record`)."""
     sequence_stats: torch.Tensor | None = None
-    """A sequence loss's summed statistics over all ranks (DPO's `preference_loss.STATS`, GRPO's
-    `policy_loss.STATS`)."""
+    """A sequence loss's summed statistics over all ranks (its `STATS`)."""
     sequence_record: Callable[[torch.Tensor], dict[str, float]] | None = field(default=None, repr=False)
     """Turns `sequence_stats` into named metrics (the loss's `record`)."""
 
@@ -156,16 +153,15 @@ class TrainStep:
                  lr_schedulers: LRSchedulersContainer, device: torch.device, max_norm: float,
                  moe: MoEBalancer | None = None, z_loss: float = 0.0, replicas=None,
                  extra_losses: ExtraLosses | None = None, pipeline: PipelineFactory | None = None,
-                 sequence_loss: SequenceLoss | None = None, reference: ReferenceModel | None = None):
+                 sequence_loss: SequenceLoss | None = None):
         self.layout, self.model_parts, self.device, self.moe = layout, model_parts, device, moe
         self.extra_losses = extra_losses
         self.replicas = replicas  # distributed/replica_ft.py ReplicaGroups under fault.replica_ft
         self.optimizers, self.lr_schedulers, self.max_norm = optimizers, lr_schedulers, max_norm
         ce = compile_loss(cross_entropy_sum) if layout.compile_loss else cross_entropy_sum
         self.loss_fn = ScaledTokenLoss(ce, z_loss)
-        # [dpo] / [grpo]: a loss that reads the whole batch (pairs, or per-token advantages) instead of the token
-        # mean of cross-entropy, and DPO's live reference (trainer/reference.py)
-        self.sequence_loss, self.reference = sequence_loss, reference
+        # a post-training objective's loss, which reads the whole batch instead of the token mean of cross-entropy
+        self.sequence_loss = sequence_loss
         self.scaler = LossScaler(layout.loss_scaling, sharded=layout.fsdp, device=device)
         self.compute_copy = None
         if layout.compute_copy:
@@ -192,8 +188,8 @@ class TrainStep:
         """This rank's part of a batch: what the model derives from whole sequences (`batch_inputs`), then under
         context parallelism its chunks of every sequence (and their `seq_index`)."""
         batch = self.batch_inputs(batch)
-        if self.pipeline is not None and self.sequence_loss is not None and "ref_logps" in batch:  # before CP cuts rows
-            batch = {**batch, "ref_tokens": self.sequence_loss.first_token_shares(batch)}
+        if self.sequence_loss is not None:  # (what it reads of whole sequences, before CP cuts them)
+            batch = self.sequence_loss.before_shard(batch, self.pipeline is not None)
         dims = self.layout.dims
         return shard_batch(batch, dims.cp, dims.cp_rank, self.layout.cp_balanced) if dims.cp_enabled else batch
 
@@ -241,10 +237,9 @@ class TrainStep:
                 return local_value(loss)
 
             target = merged["labels"]
-            if self.sequence_loss is not None:  # (DPO: labels, pair slots and the reference's shares in one tensor)
+            if self.sequence_loss is not None:  # (what the loss reads beside the labels, packed in one tensor)
                 rows = max(1, merged["input_ids"].shape[0] // self.layout.pipeline.n_microbatches)  # one micro-batch
-                live = self.reference.token_logps(self, merged, rows) if self.reference is not None else None
-                target = self.sequence_loss.pipeline_target(merged, live)
+                target = self.sequence_loss.pipeline_target(self, merged, rows)
             with self.context():
                 return accumulated + self.pipeline.step(merged["input_ids"], target, value, self.model_kwargs(merged))
         model = self.model_parts[0]
@@ -252,8 +247,8 @@ class TrainStep:
             for i, batch in enumerate(batches):  # (one compute copy for all micro-batches)
                 if len(batches) > 1:
                     set_gradient_sync(self.model_parts, i == len(batches) - 1)
-                if self.reference is not None:
-                    batch = self.reference.fill(self, batch, self.sequence_loss)
+                if self.sequence_loss is not None:
+                    batch = self.sequence_loss.prepare(self, batch)
                 with self.context():
                     logits = model(batch["input_ids"], **self.model_kwargs(batch))  # (`__call__` moved them)
                     loss = self.loss_fn(logits, batch["labels"]) if self.sequence_loss is None else \
@@ -273,7 +268,7 @@ class TrainStep:
         # on the device first (pinned by the loader, copied without waiting): the target count is then taken
         # there, so the step never waits for the previous one to finish before it queues its own work
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in self.shard(b).items()} for b in batches]
-        # what the step's loss is a mean over: its target tokens, or a sequence loss's own units (DPO's pairs),
+        # what the step's loss is a mean over: its target tokens, or a sequence loss's own units (pairs, say),
         # counted in the same all-reduce
         counts = sum(count_valid_tokens(b["labels"]) for b in batches)
         own_units = self.sequence_loss is not None and self.sequence_loss.units != "tokens"

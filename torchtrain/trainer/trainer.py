@@ -45,11 +45,10 @@ from torchtrain.distributed.utils import (
     set_train_timeout,
 )
 from torchtrain.models.converters.lora import lora_adapter_class
+from torchtrain.posttrain.objectives import build_objective, supplies_data
 from torchtrain.trainer.gc_control import GarbageCollection
-from torchtrain.trainer.grpo import GrpoRun
 from torchtrain.trainer.guard import GuardAbort, TrainingGuard
 from torchtrain.trainer.hooks import OperationsHooks
-from torchtrain.trainer.preference import PreferenceRun
 from torchtrain.trainer.preflight import check_job
 from torchtrain.trainer.state import TrainState
 from torchtrain.trainer.step import StepResult
@@ -77,7 +76,7 @@ class Trainer:
         # Data: prepared token folders, checked against the tokenizer (document datasets are prepared into
         # the cache on first use, by one process while the others wait).
         sources = training_sources(cfg.training, cfg.model.hf_assets_path, tokenizer, cfg.debug.seed, job.image_spec) \
-            if not cfg.grpo.enable else []  # [grpo]: prompts, sampled by the model (the rollout loader below)
+            if not supplies_data(cfg) else []  # an objective with data of its own (sampled rollouts) reads none
         held_out = build_validation_sources(cfg.validation, cfg.training, cfg.model.hf_assets_path, tokenizer,
                                             cfg.debug.seed, job.image_spec)  # [] unless enabled
         eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
@@ -125,18 +124,15 @@ class Trainer:
         state_device = device if layout.state_device_type == device.type else torch.device("cpu")
         self.offload = OffloadRuntime(cfg.offload, self.model_parts, self.optimizers, state_device, self.rank,
                                       layout.swaps_params) if cfg.offload.enabled else None  # docs/offload.md
-        # [grpo]: the rollout loader is the data: it samples the model's completions of its prompts and rewards them
-        self.grpo = GrpoRun(cfg, spec, args, layout, device, tokenizer) if cfg.grpo.enable else None
-        self.dataloader = self.grpo.loader if self.grpo is not None else build_dataloader(
+        # what the run optimises (trainer/objective.py): plain training, or a post-training objective with its own
+        # loss, and maybe its own data (a loader that samples the model's completions) and models of its own
+        self.objective = build_objective(cfg, spec, args, layout, device, tokenizer)
+        self.dataloader = self.objective.loader if self.objective.loader is not None else build_dataloader(
             sources, cfg.training, self.batch.local_batch_size, layout.data_rank, layout.data_degree, cfg.debug.seed,
             device.type)
-        # [dpo]: the reference of the preference loss (a frozen copy, the base under LoRA, or a precomputed table)
-        self.preference = PreferenceRun(cfg.dpo, spec, args, layout, device, cfg.debug.seed,
-                                        self.dataloader.dataset) if cfg.dpo.enable else None
+        self.objective.bind_data(self.dataloader)
         self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
-                                           self.lr_schedulers, device, dpo=cfg.dpo,
-                                           reference=self.preference.live if self.preference is not None else None,
-                                           grpo=cfg.grpo)
+                                           self.lr_schedulers, device, sequence_loss=self.objective.loss)
         if self.train_step.pipeline is not None:
             self._log_pipeline()
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
@@ -172,19 +168,16 @@ class Trainer:
                                  adapter_only=layout.lora is not None and layout.lora.save_adapter_only)
         if self.offload is not None and self.offload.params is not None:
             states["model"] = ResidentModelState(states["model"], self.offload)
-        for run in (self.preference, self.grpo):  # a DPO / GRPO reference: its copy or table
-            if run is not None and run.checkpoint_state() is not None:
-                states["reference"] = run.checkpoint_state()
+        states.update(self.objective.checkpoint_states())
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.training.steps,
                                               cfg.comm.init_timeout_seconds, dims, states,
                                               ModelInfo(cfg.model.name, cfg.model.flavor, args, hf_adapter, hf_weights,
                                                         os.path.abspath(cfg.model.hf_assets_path) if
                                                         cfg.model.hf_assets_path else ""))
         self.checkpointer.load()
-        if self.preference is not None:  # the reference takes the initial weights, unless resumed with them
-            self.preference.start(self.state.step, self.train_step, self.batch.local_batch_size)
-        if self.grpo is not None:  # likewise; and the rollouts sample with the model being trained
-            self.grpo.start(self.state.step, self.train_step, heartbeat=lambda: self.fault.mark("rollout"))
+        # the objective's own models take the loaded (or initial) weights; its sampling uses the model being trained
+        self.objective.start(self.state.step, self.train_step, self.batch.local_batch_size,
+                             heartbeat=lambda: self.fault.mark("rollout"))
         if layout.replica_groups > 1:  # join the other replica groups (distributed/replica_ft.py)
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
             self.replicas.install(self.model_parts)
@@ -335,7 +328,7 @@ class Trainer:
         if scaler.enabled:
             at_end.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps, step_skipped=not out.stepped)
         after = {**(evaluation or {}), **self.guard.record(), **self.fault.record(), **self.checkpointer.record(),
-                 **(self.grpo.record() if self.grpo is not None else {})}
+                 **self.objective.record()}
         self.memory.reset_peak()
         self._pending = (self.state.step, StepValues(out, self.state.tokens_on_device, self.step_clock), at_end,
                          after)

@@ -25,3 +25,11 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log pi(label) per position in float32, (rows, seq); 0 where the label is ignored. Vocabulary-sharded
+    DTensor logits (loss parallel) are reduced across the shards and returned as a plain tensor."""
+    flat = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none",
+                           ignore_index=IGNORE_INDEX)
+    return -local_value(flat).view(labels.shape)

@@ -16,7 +16,7 @@ Top-level keys (each becomes a prefix of the flat keys DCP stores):
 * ``rng``: ``rank_<r>``: Python, torch CPU and (on CUDA) the device's RNG states of global rank r, a
   uint8 tensor of UTF-8 JSON (generator states base64-encoded).
 * ``reference`` (a ``[dpo]`` job only): its frozen reference weights by parameter name, or its precomputed
-  log-prob table ``logps`` (`trainer/reference.py`); added to the states by the trainer.
+  log-prob table ``logps`` (`posttrain/reference.py`); added to the states by the trainer.
 
 No torchtrain state is pickled: the only pickles of a checkpoint are DCP's metadata and its plain
 values (the optimizer's hyper-parameters, the schedule's counter). Checkpoints written before stored

@@ -6,17 +6,17 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
 1. prompts: step s of the iteration (s < S) trains on the global prompts c + s (dp P) + [0, dp P), P = b / G whole
    groups per rank, of which rank r takes c + s (dp P) + j dp + r (j < P) -- a step's prompts are the same under
    any layout, as the data loader's windows are (`data/loader.py`); c then advances by S dp P;
-2. sampling: G completions of each prompt by the model being trained (`components/rollout/sampling.py`), in its
-   layout or by an unsharded copy synced from it (a `Generator`; `distributed/sampling.py`), row (k, g) drawing its random numbers from its own generator seeded by
+2. sampling: G completions of each prompt by the model being trained (`posttrain/decoding.py`), in its
+   layout or by an unsharded copy synced from it (a `Generator`; `posttrain/sampling_layout.py`), row (k, g) drawing its random numbers from its own generator seeded by
    (debug.seed, k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
-3. rewards: each completion decoded (without its stop token) and scored (`components/rollout/rewards.py`);
+3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`);
    advantages A = (R - mean over the group) / (std over the group + 1e-4) (without the division when
    grpo.scale_rewards is false);
 4. rows: the prompt and the completion in one row of training.seq_len, labels on the completion's tokens only,
    with the sampler's log-probs (`old_logps`), A (`advantages`) and, with grpo.beta > 0, the reference's
    log-probs (`ref_token_logps`, scored once per iteration) on the same positions;
-5. the S steps take their rows in order, and the whole pass repeats mu times (`trainer/policy_loss.py`).
+5. the S steps take their rows in order, and the whole pass repeats mu times (`posttrain/policy_loss.py`).
 
 The state saved in checkpoints (per data rank, as the loader's) is the prompt counter c, the micro-batches handed
 out of the current iteration and its rows themselves: a run resumed mid-iteration trains on the very rows it
@@ -36,18 +36,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtrain.components.rollout.rewards import RewardError, Rewards
-from torchtrain.components.rollout.sampling import Completions, Sampling, sample_groups
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.grpo import Grpo
 from torchtrain.data.prompts import PromptStream
-from torchtrain.distributed.sampling import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
-from torchtrain.trainer.preference_loss import token_logps
+from torchtrain.posttrain.decoding import Completions, Sampling, sample_groups
+from torchtrain.posttrain.rewards import RewardError, Rewards
+from torchtrain.posttrain.sampling_layout import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
-from torchtrain.utils.token_loss import IGNORE_INDEX
+from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "seconds")
@@ -57,7 +56,7 @@ class Generator(Protocol):
     """Where completions come from: `generator(prompts, sampling, generators)` samples grpo.max_completion_length
     tokens at most after each prompt (rows in groups of grpo.num_generations with one prompt each), row i drawing
     from generators[i], and returns them with the log-probs of the sampling distribution
-    (`components/rollout/sampling.py`). The seam for an external engine (vLLM...): it would hold its own copy of
+    (`posttrain/decoding.py`). The seam for an external engine (vLLM...): it would hold its own copy of
     the weights, receive them before each iteration's sampling (as `CopyGenerator` does), and return the same
     `Completions`."""
 
@@ -80,7 +79,7 @@ class SamplingProgress:
 
 
 class TrainerGenerator:
-    """grpo.generator = "trainer": the model being trained samples, in its layout (`distributed/sampling.py`)."""
+    """grpo.generator = "trainer": the model being trained samples, in its layout (`posttrain/sampling_layout.py`)."""
 
     def __init__(self, step, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
                  heartbeat: Callable[[], None] | None = None):
@@ -96,7 +95,7 @@ class TrainerGenerator:
 
 
 class CopyGenerator(TrainerGenerator):
-    """grpo.generator = "copy": an unsharded copy on every rank samples (`distributed/sampling.py::SamplerCopy`),
+    """grpo.generator = "copy": an unsharded copy on every rank samples (`posttrain/sampling_layout.py::SamplerCopy`),
     its weights synced from the model being trained first; no collective while it samples."""
 
     def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,

@@ -5,7 +5,7 @@
     logp_t     = log softmax(logits_t / T)[token_t]       (float32, before any restriction)
 
 `logp_t` is what a trainer computes for the same token from a forward over the whole row with its logits
-divided by T (`trainer/policy_loss.py`): the two differ only by float summation order (cached keys read
+divided by T (`posttrain/policy_loss.py`): the two differ only by float summation order (cached keys read
 through another kernel), which is what lets a rollout's log-probs stand for the sampling policy's in an
 importance ratio. At T = 0 (greedy) the log-probs are those of T = 1.
 

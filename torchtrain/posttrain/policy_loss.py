@@ -1,8 +1,8 @@
 """GRPO's clipped policy-gradient objective on sampled completions, exact under any data-parallel layout.
 
-A rollout row (`trainer/rollout.py`) is a prompt and one sampled completion; its labels train the completion's
+A rollout row (`posttrain/rollout.py`) is a prompt and one sampled completion; its labels train the completion's
 tokens only. For each such token t, with the model's log-prob logp_t of the label (logits divided by the sampling
-temperature T, float32), the sampler's log-prob old_t of the same token (`components/rollout/sampling.py`), the
+temperature T, float32), the sampler's log-prob old_t of the same token (`posttrain/decoding.py`), the
 completion's advantage A (its group-normalised reward, on every one of its tokens) and, with beta > 0, the
 reference's log-prob ref_t:
 
@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 
 from torchtrain.config.grpo import Grpo
-from torchtrain.trainer.preference_loss import token_logps
-from torchtrain.trainer.sequence_loss import KeptStats
-from torchtrain.utils.token_loss import IGNORE_INDEX
+from torchtrain.trainer.sequence_loss import SequenceLossBase
+from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 STATS = ("tokens", "kl", "clipped", "ratio")
 """What a step sums over its completion tokens for the log (`PolicyLoss.record`)."""
@@ -38,7 +37,7 @@ TARGET_KEYS = ("labels", "old_logps", "advantages", "ref_token_logps")
 """The per-token batch keys the loss reads, in the order of a pipeline target's columns."""
 
 
-class PolicyLoss(KeptStats):
+class PolicyLoss(SequenceLossBase):
     """loss(logits, batch) = sum over the batch's completion tokens of loss_t, times `scale` (module docstring)."""
 
     STATS = STATS
@@ -88,7 +87,7 @@ class PolicyLoss(KeptStats):
                           target[..., 3])
 
     @staticmethod
-    def pipeline_target(batch: dict[str, torch.Tensor], live: torch.Tensor | None = None) -> torch.Tensor:
+    def pipeline_target(step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
         """(rows, seq, 4) float64: labels, the sampler's log-probs, advantages, the reference's log-probs (0 without)."""
         ref = batch.get("ref_token_logps", torch.zeros_like(batch["old_logps"]))
         return torch.stack([batch["labels"].double(), batch["old_logps"].double(), batch["advantages"].double(),

@@ -43,19 +43,11 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from torchtrain.config.dpo import Dpo
-from torchtrain.trainer.sequence_loss import KeptStats
-from torchtrain.utils.token_loss import IGNORE_INDEX, local_value
+from torchtrain.trainer.sequence_loss import SequenceLossBase
+from torchtrain.utils.token_loss import token_logps
 
 STATS = ("pairs", "correct", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected")
 """What a step sums over its pairs for the log (`PreferenceLoss.record` turns them into metrics)."""
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log pi(label) per position in float32, (rows, seq); 0 where the label is ignored. Vocabulary-sharded
-    DTensor logits (loss parallel) are reduced across the shards and returned as a plain tensor."""
-    flat = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none",
-                           ignore_index=IGNORE_INDEX)
-    return -local_value(flat).view(labels.shape)
 
 
 def answer_sums(logps: torch.Tensor, pair_slot: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +65,7 @@ def pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["pair_id"] >= 0).sum()
 
 
-class PreferenceLoss(KeptStats):
+class PreferenceLoss(SequenceLossBase):
     """loss(logits, batch) = sum over the batch's pairs of loss_k, times `scale` (module docstring); the
     trainer sets `scale` every step. Keeps the step's summed statistics (detached) until `pop_stats`.
     `cp_group`: the context-parallel group, whose ranks each hold a part of every answer (module docstring)."""
@@ -82,8 +74,11 @@ class PreferenceLoss(KeptStats):
     units = "pairs"
     """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global number of pairs."""
 
-    def __init__(self, dpo: Dpo, cp_group=None):
+    def __init__(self, dpo: Dpo, cp_group=None, reference=None):
         self.loss_type, self.beta, self.eps, self.gamma = dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma
+        self.reference = reference
+        """The live reference (`reference.py::ReferenceModel`) that scores each micro-batch before its forward; None:
+        the batch holds precomputed sums (`ref_logps`), or the loss needs none (SimPO)."""
         self.uses_reference = dpo.needs_reference
         self.cp_group = cp_group
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
@@ -126,7 +121,7 @@ class PreferenceLoss(KeptStats):
         return self._loss(sums, counts, ref, (batch["pair_id"] >= 0).to(sums.dtype))
 
     def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss of a pipeline micro-batch, whose only input beside the logits is one tensor (`pipeline_target`):
+        """The loss of a pipeline micro-batch, whose only input beside the logits is one tensor (`pack_target`):
         pair slots up to (seq + 1) // 2 per row (every answer holds at least one position), empty ones masked."""
         labels, slot = target[..., 0].long(), target[..., 1].long()
         slots = (slot.shape[1] + 1) // 2
@@ -135,8 +130,23 @@ class PreferenceLoss(KeptStats):
         ref = self._across_cp(answer_sums(target[..., 2].to(sums.dtype), slot, slots)[0]) if self.uses_reference else None
         return self._loss(sums, counts, ref, (counts[..., 0] > 0).to(sums.dtype))
 
+    def before_shard(self, batch: dict[str, torch.Tensor], pipelined: bool) -> dict[str, torch.Tensor]:
+        """Under pipelining, precomputed reference sums travel as per-token shares (`first_token_shares`), taken
+        before context parallelism cuts the rows."""
+        return {**batch, "ref_tokens": self.first_token_shares(batch)} if pipelined and "ref_logps" in batch else batch
+
+    def prepare(self, step, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch with the live reference's sums of its answers (`ref_logps`), when there is one."""
+        return self.reference.fill(step, batch, self) if self.reference is not None else batch
+
+    def pipeline_target(self, step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+        """The step's pipeline target (`pack_target`), with a live reference's per-token log-probs scored `rows` rows
+        (one micro-batch) at a time."""
+        live = self.reference.token_logps(step, batch, rows) if self.reference is not None else None
+        return self.pack_target(batch, live)
+
     @staticmethod
-    def pipeline_target(batch: dict[str, torch.Tensor], ref_tokens: torch.Tensor | None) -> torch.Tensor:
+    def pack_target(batch: dict[str, torch.Tensor], ref_tokens: torch.Tensor | None) -> torch.Tensor:
         """(rows, seq, 3) float64: labels, pair slots and each token's share of its answer's reference sum --
         `ref_tokens`, the reference's per-token log-probs (a live reference), else the batch's `ref_tokens`
         (`first_token_shares` of precomputed sums), else 0."""

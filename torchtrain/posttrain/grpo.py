@@ -1,6 +1,6 @@
-"""What a `[grpo]` run adds to the trainer: its prompts, reward functions and rollout loader (which replaces the
-data loader: trainer/rollout.py), and with beta > 0 the reference of the KL penalty (trainer/reference.py), built,
-checked, checkpointed and set up before the first step. The loss is the train step's (`trainer/policy_loss.py`).
+"""The `[grpo]` objective (`trainer/objective.py`): its prompts, reward functions and rollout loader (which replaces
+the job's data: `rollout.py`), its loss (`policy_loss.py`), and with beta > 0 the reference of the KL penalty
+(`reference.py`), built, checked, checkpointed and set up before the first step.
 
     reference, checkpoint entry                   when
     --------------------------------------------  ------------------------------------------------
@@ -15,15 +15,17 @@ from typing import Any, Callable
 
 import torch
 
-from torchtrain.components.rollout.rewards import Rewards
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.layout import Layout
-from torchtrain.distributed.sampling import SamplerCopy, build_whole
-from torchtrain.trainer.reference import ReferenceModel, live_reference, start_reference
-from torchtrain.trainer.rollout import CopyGenerator, RolloutLoader, TrainerGenerator
+from torchtrain.posttrain.policy_loss import PolicyLoss
+from torchtrain.posttrain.reference import ReferenceModel, live_reference, start_reference
+from torchtrain.posttrain.rewards import Rewards
+from torchtrain.posttrain.rollout import CopyGenerator, RolloutLoader, TrainerGenerator
+from torchtrain.posttrain.sampling_layout import SamplerCopy, build_whole
+from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import is_log_rank, logger
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
@@ -64,8 +66,9 @@ def sampler_copy(spec, args, cfg: JobConfig, device: torch.device, dtype: torch.
     return model.eval()
 
 
-class GrpoRun:
-    """The rollout loader (`loader`, the trainer's data) and the reference (`reference`, None without a KL term)."""
+class GrpoObjective(Objective):
+    """The rollout loader (`loader`, the trainer's data), the policy loss and the reference (`reference`, None without
+    a KL term)."""
 
     def __init__(self, cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer: Tokenizer):
         grpo, training, batch = cfg.grpo, cfg.training, layout.batch
@@ -82,6 +85,7 @@ class GrpoRun:
         if grpo.generator == "copy":
             self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype), [],
                                     layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None)
+        self.loss = PolicyLoss(grpo)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:
             self.reference = live_reference(spec, args, layout, device, cfg.debug.seed, "grpo: KL penalty")
@@ -91,11 +95,12 @@ class GrpoRun:
                     grpo.steps_per_generation * grpo.num_iterations, grpo.steps_per_generation,
                     grpo.num_iterations, ", ".join(grpo.reward_funcs))
 
-    def checkpoint_state(self) -> Any:
-        """The checkpoint entry `reference` (None: nothing to keep)."""
-        return self.reference.checkpoint_state() if self.reference is not None else None
+    def checkpoint_states(self) -> dict[str, Any]:
+        """The checkpoint entry `reference`: the frozen copy's weights (nothing without one, or for LoRA)."""
+        state = self.reference.checkpoint_state() if self.reference is not None else None
+        return {"reference": state} if state is not None else {}
 
-    def start(self, step_number: int, step, heartbeat: Callable[[], None] | None = None) -> None:
+    def start(self, step_number: int, step, rows_per_batch: int = 0, heartbeat: Callable[[], None] | None = None) -> None:
         """After the checkpoint load: the reference takes the initial weights unless resumed with its own; the loader
         samples with the train step's model (`heartbeat`: tells the hang monitor sampling makes progress)."""
         if self.reference is not None:

@@ -1,5 +1,5 @@
-"""What a `[dpo]` run adds to the trainer: its reference (trainer/reference.py), built, checkpointed and set up
-before the first step. The loss itself is the train step's (`trainer/preference_loss.py`).
+"""The `[dpo]` objective (`trainer/objective.py`): the preference loss (`preference_loss.py`) with its reference
+(`reference.py`), built once the job's data is, checkpointed, and set up before the first step.
 
     reference, checkpoint entry, start-up          when
     ---------------------------------------------  --------------------------------------------------------
@@ -17,34 +17,44 @@ import torch
 
 from torchtrain.config.dpo import Dpo
 from torchtrain.distributed.layout import Layout
-from torchtrain.trainer.reference import ReferenceModel, ReferenceTable, live_reference, precompute, start_reference
+from torchtrain.posttrain.preference_loss import PreferenceLoss
+from torchtrain.posttrain.reference import ReferenceModel, ReferenceTable, live_reference, precompute, start_reference
+from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import logger
 
 
-class PreferenceRun:
-    """The reference of a preference loss, for the trainer. `live`: the reference the train step runs beside
-    every micro-batch (None when precomputed or reference-free)."""
+class DpoObjective(Objective):
+    """The preference loss and its reference. `live`: the reference the loss runs beside every micro-batch (None
+    when precomputed or reference-free); `table`: the precomputed one."""
 
-    def __init__(self, dpo: Dpo, spec, args, layout: Layout, device: torch.device, seed: int, dataset):
-        self.dpo, self.dataset = dpo, dataset
+    def __init__(self, dpo: Dpo, spec, args, layout: Layout, device: torch.device, seed: int):
+        self.dpo, self.spec, self.args, self.layout, self.device, self.seed = dpo, spec, args, layout, device, seed
+        self.dataset = None
         self.live: ReferenceModel | None = None
         self.table: ReferenceTable | None = None
+
+    def bind_data(self, loader) -> None:
+        """The reference and the loss, once the pairs are known (a precomputed table holds one row per pair)."""
+        dpo, dataset = self.dpo, loader.dataset
+        self.dataset = dataset
         if not dpo.needs_reference:
             logger.info("dpo: %s loss, reference-free", dpo.loss_type)
-            return
-        if dpo.reference == "precomputed":
-            self.table = ReferenceTable(dataset.num_pairs, device)
+        elif dpo.reference == "precomputed":
+            self.table = ReferenceTable(dataset.num_pairs, self.device)
             logger.info("dpo: %s loss, reference log-probs precomputed once (the initial weights)", dpo.loss_type)
         else:
-            self.live = live_reference(spec, args, layout, device, seed, f"dpo: {dpo.loss_type} loss")
+            self.live = live_reference(self.spec, self.args, self.layout, self.device, self.seed,
+                                       f"dpo: {dpo.loss_type} loss")
+        dims = self.layout.dims
+        self.loss = PreferenceLoss(dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, self.live)
 
-    def checkpoint_state(self) -> Any:
-        """The checkpoint entry `reference` (None: nothing to keep)."""
-        if self.table is not None:
-            return self.table
-        return self.live.checkpoint_state() if self.live is not None else None
+    def checkpoint_states(self) -> dict[str, Any]:
+        """The checkpoint entry `reference`: the table, or the frozen copy's weights (nothing for LoRA's adapters-off
+        reference or none)."""
+        state = self.table if self.table is not None else self.live.checkpoint_state() if self.live is not None else None
+        return {"reference": state} if state is not None else {}
 
-    def start(self, step_number: int, step, rows_per_batch: int) -> None:
+    def start(self, step_number: int, step, rows_per_batch: int, heartbeat=None) -> None:
         """After the checkpoint load: a resumed run has its reference from its checkpoint; otherwise the copy takes
         the model's weights now, or the table is computed from them -- the initial weights at step 0 (a
         checkpoint of another job, resumed at step N without a reference, makes its step-N weights the

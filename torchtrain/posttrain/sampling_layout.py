@@ -1,4 +1,4 @@
-"""Sampling from the model being trained, in the layout it trains in (GRPO's rollouts: trainer/rollout.py).
+"""Sampling from the model being trained, in the layout it trains in (GRPO's rollouts: posttrain/rollout.py).
 
 Each data-parallel rank samples its own prompts with the parallelised model itself, one token per forward:
 
@@ -8,7 +8,7 @@ Each data-parallel rank samples its own prompts with the parallelised model itse
   time -- what any in-process generator needs; an external generator keeps its own copy instead;
 * TP: the ranks of a tensor-parallel group hold the same prompts and draw the same random numbers, so they feed
   the same tokens; each forward runs the plan's collectives as in training, and vocabulary-sharded logits are
-  gathered for the last position only (`components/rollout/sampling.py::full_logits`);
+  gathered for the last position only (`posttrain/decoding.py::full_logits`);
 * DDP / one process: as is;
 * any layout, pipeline and context parallelism included, with `grpo.generator = "copy"`: `SamplerCopy`, an
   unsharded copy of the weights on every rank, synced from the model before each iteration's sampling.

@@ -1,5 +1,5 @@
 """The reference of a preference loss (`[dpo]`): the model's initial weights, scoring every pair's answers (and of
-GRPO's KL penalty, `[grpo]` beta > 0, scoring each iteration's rollouts: trainer/rollout.py).
+GRPO's KL penalty, `[grpo]` beta > 0, scoring each iteration's rollouts: posttrain/rollout.py).
 
 Three ways, one meaning (the summed log-probs of each answer under the weights the run started from):
 
@@ -32,9 +32,9 @@ from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.models.converters.lora import adapters_off
-from torchtrain.trainer.preference_loss import PreferenceLoss, token_logps
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
+from torchtrain.utils.token_loss import token_logps
 
 
 class ReferenceModel:
@@ -68,7 +68,7 @@ class ReferenceModel:
         model = self.parts[0] if self.parts is not None else step.model_parts[0]
         return model(batch["input_ids"], **step.model_kwargs(batch))
 
-    def fill(self, step, batch: dict[str, torch.Tensor], loss: PreferenceLoss) -> dict[str, torch.Tensor]:
+    def fill(self, step, batch: dict[str, torch.Tensor], loss) -> dict[str, torch.Tensor]:
         """The (sharded, on-device) micro-batch with the reference's sums of its answers as `ref_logps` (zeros off
         the last pipeline stage)."""
         with self.scoring(step):
@@ -172,7 +172,7 @@ class ReferenceTable:
 
 
 @torch.no_grad()
-def precompute(step, reference: ReferenceModel, loss: PreferenceLoss, batches: list[dict[str, torch.Tensor]],
+def precompute(step, reference: ReferenceModel, loss, batches: list[dict[str, torch.Tensor]],
                table: ReferenceTable) -> None:
     """Fill `table` from the reference's forwards over `batches` (all pairs once), dealt over the data ranks:
     batch i on data rank i mod data_degree, every rank running the same number of forwards (the last ones

@@ -1,0 +1,45 @@
+"""The one place an objective is chosen from the job (`trainer/objective.py` is the seam the trainer reads)."""
+
+from __future__ import annotations
+
+import torch
+
+from torchtrain.config import JobConfig
+from torchtrain.distributed.layout import Layout
+from torchtrain.trainer.objective import Objective
+from torchtrain.trainer.sequence_loss import SequenceLoss
+
+
+def supplies_data(cfg: JobConfig) -> bool:
+    """Whether the job's objective brings its own data (GRPO's prompts, sampled into rollouts): the job's training
+    data is then not read."""
+    return cfg.grpo.enable
+
+
+def build_objective(cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer) -> Objective:
+    """The job's objective: GRPO with `[grpo]`, DPO (IPO, SimPO) with `[dpo]`, else plain training."""
+    if cfg.grpo.enable:
+        from torchtrain.posttrain.grpo import GrpoObjective
+
+        return GrpoObjective(cfg, spec, args, layout, device, tokenizer)
+    if cfg.dpo.enable:
+        from torchtrain.posttrain.dpo import DpoObjective
+
+        return DpoObjective(cfg.dpo, spec, args, layout, device, cfg.debug.seed)
+    return Objective()
+
+
+def objective_loss(cfg: JobConfig, layout: Layout, reference=None) -> SequenceLoss | None:
+    """The loss the job's objective hands the step, for a step built outside a training run (the planner's trace):
+    the policy loss of `[grpo]`, the preference loss of `[dpo]` with its live `reference` (None: precomputed or
+    none), else None (token-mean cross-entropy)."""
+    if cfg.grpo.enable:
+        from torchtrain.posttrain.policy_loss import PolicyLoss
+
+        return PolicyLoss(cfg.grpo)
+    if not cfg.dpo.enable:
+        return None
+    from torchtrain.posttrain.preference_loss import PreferenceLoss
+
+    dims = layout.dims
+    return PreferenceLoss(cfg.dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, reference)
