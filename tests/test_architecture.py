@@ -372,3 +372,24 @@ def test_the_loop_and_the_step_name_no_objective():
         text = open(os.path.join(PACKAGE, "trainer", name)).read().lower()
         named = [w for w in ("dpo", "grpo", "preference", "reference") if w in text]
         assert not named, f"trainer/{name} names {named}"
+
+
+def test_every_model_declares_what_its_forward_takes():
+    """`BaseModel.forward_inputs` / `takes_cache` (what the step and the sampler read instead of the signature) say
+    exactly what each model class's forward takes besides the tokens."""
+    import inspect
+
+    from torchtrain.models.base import BaseModel
+    from torchtrain.models.registry import model_names
+
+    model_names()  # (the built-in families, loaded)
+    classes, todo = [], list(BaseModel.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    assert len(classes) >= 6
+    for cls in classes:
+        taken = [p for p in inspect.signature(cls.forward).parameters if p not in ("self", "tokens")]
+        assert (sorted(cls.forward_inputs), cls.takes_cache) == (sorted(p for p in taken if p != "cache"),
+                                                                 "cache" in taken), cls

@@ -33,8 +33,6 @@ from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 STATS = ("tokens", "kl", "clipped", "ratio")
 """What a step sums over its completion tokens for the log (`PolicyLoss.record`)."""
-TARGET_KEYS = ("labels", "old_logps", "advantages", "ref_token_logps")
-"""The per-token batch keys the loss reads, in the order of a pipeline target's columns."""
 
 
 class PolicyLoss(SequenceLossBase):

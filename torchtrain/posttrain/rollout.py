@@ -48,7 +48,6 @@ from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
-KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "seconds")
 
 

@@ -66,7 +66,6 @@ from torchtrain.trainer.sequence_loss import SequenceLoss
 from torchtrain.utils.batch_keys import concat_batches
 from torchtrain.utils.token_loss import count_valid_tokens, cross_entropy_sum, local_value
 
-MULTIMODAL_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
 """Inputs a vision-language model's forward takes besides the tokens (`models/common/multimodal.py`)."""
 
 
@@ -177,7 +176,7 @@ class TrainStep:
             tied = TiedStages(layout.pipeline, layout.dims, self.pipeline.stage_ids, model_parts)
             self.tied = tied if tied else None
         accepted = model_parts[0].forward_inputs  # (models/base.py::BaseModel: what a model declares)
-        self.model_inputs = [k for k in ("positions", "seq_index", *MULTIMODAL_INPUTS) if k in accepted]
+        self.model_inputs = [k for k in accepted if k != "token_ids"]  # (token_ids: below)
         # what the model derives from whole sequences (a vision-language model's image positions; else nothing)
         self.batch_inputs = model_parts[0].batch_inputs
         # a model that reads the token ids on every pipeline stage (multi-token prediction on the last)

@@ -1,4 +1,14 @@
-"""The keys of a training batch that are not per-token, and how batches of them join.
+"""The keys of a training batch (the one list of them), which are not per token, and how batches of them join.
+
+    key group        keys                                                      made by
+    ---------------  --------------------------------------------------------  ----------------------------------
+    tokens           input_ids, labels                                         every dataset
+    DOCUMENT_INPUTS  positions (each token's position in its document),        packed documents; the step
+                     seq_index (its index in the full sequence, under CP)      (under context parallelism)
+    IMAGE_INPUTS     pixel_values, image_grid; rope_positions, image_index     image data; the model's
+                                                                               `batch_inputs`
+    preference       pair_slot, pair_id, ref_logps (ref_tokens under PP)       `data/preference_packing.py`
+    ROLLOUT_KEYS     input_ids, labels, old_logps, advantages, ref_token_logps  `posttrain/rollout.py`
 
 Every batch tensor is batch-first. Most are per token -- (rows, seq_len, ...): `input_ids`, `labels`,
 `positions`, and what a model derives per token (`rope_positions`, `image_index`) -- so context parallelism
@@ -15,6 +25,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+DOCUMENT_INPUTS = ("positions", "seq_index")
+"""Per-token inputs of a model that reads documents packed in a row (`models/base.py::BaseModel.forward_inputs`)."""
+IMAGE_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
+"""The inputs of a model that sees images: the pictures' patches and grids, and what the model derives per token."""
+ROLLOUT_KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
+"""A GRPO rollout batch: the sampled rows, the sampler's log-probs, the group advantages, the reference's log-probs
+(the last three per token; `posttrain/policy_loss.py` packs the last four as a pipeline target's columns)."""
 ROW_KEYS = ("pixel_values", "image_grid", "pair_id", "ref_logps")
 """Per-row inputs that are not per token (module doc; a preference batch's per-pair ids and reference sums:
 `data/preference_packing.py`)."""

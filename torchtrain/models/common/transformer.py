@@ -33,6 +33,7 @@ from torchtrain.models.common.decoder import decoder_init_spec
 from torchtrain.models.common.kv_cache import KVCache
 from torchtrain.models.common.layers import RMSNorm, concat_linear, local_tensor
 from torchtrain.models.common.rope import PairLayout, apply_rope, frequencies, rope_table, rotations
+from torchtrain.utils.batch_keys import DOCUMENT_INPUTS
 
 
 class GQAttention(nn.Module):
@@ -162,7 +163,7 @@ class Decoder(BaseModel, abc.ABC):
     `args` has `vocab_size`, `dim`, `n_layers`, `norm_eps`, `attention_mask`, `tie_word_embeddings`
     and what `decoder_init_spec` reads. `zero_centered_norms`: the final norm scales by 1 + weight."""
 
-    forward_inputs = ("positions", "seq_index")
+    forward_inputs = DOCUMENT_INPUTS
     takes_cache = True
 
     zero_centered_norms = False

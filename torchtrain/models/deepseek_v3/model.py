@@ -42,6 +42,7 @@ from torchtrain.models.common.moe import MoE, moe_layers
 from torchtrain.models.common.mtp import MultiTokenPrediction
 from torchtrain.models.common.transformer import Decoder, DecoderBlock
 from torchtrain.models.deepseek_v3.args import DeepseekV3Args
+from torchtrain.utils.batch_keys import DOCUMENT_INPUTS
 
 
 def yarn_rope_table(args: DeepseekV3Args, device: torch.device | None = None) -> torch.Tensor:
@@ -119,7 +120,7 @@ class Transformer(Decoder):
     """tokens (batch, seq) -> logits (batch, seq, vocab_size); `positions` and `seq_index` as in
     `models/common/transformer.py::Decoder`."""
 
-    forward_inputs = ("positions", "seq_index", "token_ids")
+    forward_inputs = (*DOCUMENT_INPUTS, "token_ids")
     takes_cache = False  # (latent attention decodes without a key/value cache: each new token re-runs the sequence)
     args: DeepseekV3Args
 

@@ -34,6 +34,7 @@ from torchtrain.models.common.rope import frequencies, mrope_axes, mrope_rows, r
 from torchtrain.models.common.transformer import Decoder, DecoderBlock, GQAttention
 from torchtrain.models.common.vision import VisionEncoder, vision_init_spec
 from torchtrain.models.qwen3_5.args import Qwen3_5Args, Qwen3_5MoeArgs
+from torchtrain.utils.batch_keys import DOCUMENT_INPUTS, IMAGE_INPUTS
 
 
 def mixer(args: Qwen3_5Args, layer_id: int) -> nn.Module:
@@ -52,8 +53,7 @@ class Qwen3_5Transformer(Decoder):
 
     args: Qwen3_5Args
     zero_centered_norms = True
-    IMAGE_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
-    forward_inputs = ("positions", "seq_index", *IMAGE_INPUTS)
+    forward_inputs = (*DOCUMENT_INPUTS, *IMAGE_INPUTS)
 
     def __init__(self, args: Qwen3_5Args):
         super().__init__(args)

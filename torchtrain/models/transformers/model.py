@@ -29,13 +29,14 @@ from torchtrain.models.common.attention import AttentionContext, prepare_attenti
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.stages import is_first_stage
+from torchtrain.utils.batch_keys import DOCUMENT_INPUTS
 
 
 class TorchtrainCausalLM(BaseModel):
     """Mixed in before the transformers class (module doc). Only methods: transformers' `__init__` builds
     the model; `tt_setup` records what the forward needs."""
 
-    forward_inputs = ("positions", "seq_index")
+    forward_inputs = DOCUMENT_INPUTS
     inits_by_module = True
     tt_mask: str = "causal"
     tt_windows: tuple[int, ...] = ()

@@ -36,12 +36,13 @@ from torchtrain.models.common.attention import AttentionContext, prepare_attenti
 from torchtrain.models.common.multimodal import ImageScatter, feature_index, multimodal_positions, packed_images
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.model import TorchtrainCausalLM
+from torchtrain.utils.batch_keys import DOCUMENT_INPUTS, IMAGE_INPUTS
 
 
 class TorchtrainImageTextLM(TorchtrainCausalLM):
     """Mixed in before transformers' image-text-to-text class (module doc)."""
 
-    forward_inputs = ("positions", "seq_index", "pixel_values", "image_grid", "rope_positions", "image_index")
+    forward_inputs = (*DOCUMENT_INPUTS, *IMAGE_INPUTS)
 
     @property
     def text_model(self) -> nn.Module:
