@@ -5,8 +5,8 @@ a valid, fitting layout first.
 
 Timing is asserted on the CPU time of the planner process (user + system, from `os.wait4`), which
 other processes sharing the machine do not inflate, against the 60 s requirement; today each plan
-takes 5-15 s. Memory: the process's peak RSS < 4 GiB (it is
-~0.35 GiB: fake tensors allocate nothing).
+takes 10-40 s. Memory: the process's peak RSS < 4 GiB (it is
+~0.6 GiB: fake tensors allocate nothing).
 """
 
 from __future__ import annotations
