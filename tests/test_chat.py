@@ -16,9 +16,9 @@ import torch
 from test_model import build, tiny
 
 from torchtrain.config import ConfigError
-from torchtrain.data.chat_format import Conversation, read_conversations
-from torchtrain.data.chat_packing import PackedChatDataset, build_chat_source, pack_first_fit_decreasing
-from torchtrain.data.chat_template import BuiltinRenderer
+from torchtrain.data.chat.packing import PackedChatDataset, build_chat_source, pack_first_fit_decreasing
+from torchtrain.data.chat.records import Conversation, read_conversations
+from torchtrain.data.chat.template import BuiltinRenderer
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.tokenizer import ByteTokenizer
 from torchtrain.launch_check import check
@@ -199,7 +199,7 @@ LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['r
 
 def test_template_ids_equal_transformers_apply_chat_template(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[dev])")
-    from torchtrain.data.chat_template import chat_renderer
+    from torchtrain.data.chat.template import chat_renderer
     from torchtrain.data.tokenizer import build_tokenizer
 
     folder = _hf_folder(tmp_path, LLAMA3_LIKE)

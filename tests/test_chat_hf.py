@@ -9,7 +9,7 @@ import pytest
 from test_chat import GOOD, JOB, write_jsonl
 
 from torchtrain.config import ConfigError
-from torchtrain.data.chat_format import read_conversations
+from torchtrain.data.chat.records import read_conversations
 from torchtrain.launch_check import check
 
 datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install -e .[dev])")

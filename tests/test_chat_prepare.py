@@ -15,8 +15,8 @@ from test_chat import GOOD, JOB, LLAMA3_LIKE, _hf_folder, write_jsonl
 
 from torchtrain.config import ConfigError
 from torchtrain.data.build import check_sources
-from torchtrain.data.chat import chat_sources
-from torchtrain.data.chat_packing import PackedChatDataset
+from torchtrain.data.chat.conversations import chat_sources
+from torchtrain.data.chat.packing import PackedChatDataset
 from torchtrain.data.prepare import main as prepare_main
 from torchtrain.data.tokenizer import build_tokenizer
 from torchtrain.launch_check import check

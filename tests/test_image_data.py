@@ -1,5 +1,5 @@
 """Image data in one process: image chat rows (Jinja template and built-in renderer) and image-text tar
-shards (`data/image_text.py`) as packed batches -- placeholder runs aligned with `pixel_values` and
+shards (`data/image/image_text.py`) as packed batches -- placeholder runs aligned with `pixel_values` and
 `image_grid`, answer/caption-only labels, per-rank disjointness, seeded shuffles, exact resume, packing that
 never splits an image -- and every bad input reported naming file:line or shard:key, or counted when skipped.
 
@@ -23,12 +23,12 @@ from torchtrain.config import ConfigError
 from torchtrain.config.training import DatasetEntry
 from torchtrain.data.bad_input import PrepareError
 from torchtrain.data.build import check_sources
-from torchtrain.data.chat import chat_sources
-from torchtrain.data.chat_format import read_conversations
-from torchtrain.data.chat_packing import PackedChatDataset
-from torchtrain.data.chat_store import prepare_chat
-from torchtrain.data.image_text import image_text_sources
-from torchtrain.data.images import ImageSpec, open_image
+from torchtrain.data.chat.conversations import chat_sources
+from torchtrain.data.chat.packing import PackedChatDataset
+from torchtrain.data.chat.records import read_conversations
+from torchtrain.data.chat.token_store import prepare_chat
+from torchtrain.data.image.image_text import image_text_sources
+from torchtrain.data.image.pixels import ImageSpec, open_image
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtrain.tools import shapes

@@ -1,4 +1,4 @@
-"""Image preprocessing (`data/images.py`): pixel values and grids equal to transformers' processor of
+"""Image preprocessing (`data/image/pixels.py`): pixel values and grids equal to transformers' processor of
 Qwen2-VL / Qwen3.5 (`Qwen2VLImageProcessorPil`), the image tokens of a tokenizer, and Pillow as an optional
 dependency.
 
@@ -15,7 +15,7 @@ import torch
 from vlm_assets import write_tokenizer
 
 from torchtrain.config import ConfigError
-from torchtrain.data.images import ImageSpec, image_size, open_image
+from torchtrain.data.image.pixels import ImageSpec, image_size, open_image
 from torchtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 
 Image = pytest.importorskip("PIL.Image")
@@ -137,8 +137,8 @@ def test_missing_pillow_is_one_config_error_naming_the_extra(monkeypatch):
 def test_image_tokens_are_never_trained_even_in_an_answer(tmp_path):
     """An image in an assistant turn: its whole run (start, pads, end) and the position predicting its start
     keep the ignore label; the answer's text around it is trained."""
-    from torchtrain.data.chat import chat_sources
-    from torchtrain.data.chat_packing import PackedChatDataset
+    from torchtrain.data.chat.conversations import chat_sources
+    from torchtrain.data.chat.packing import PackedChatDataset
     from torchtrain.utils.token_loss import IGNORE_INDEX
 
     picture(40, 40).save(tmp_path / "a.png")

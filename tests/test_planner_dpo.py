@@ -215,8 +215,8 @@ def test_the_reference_forwards_are_the_step_time_difference_and_count_in_the_mf
 
 
 def test_precomputed_pass_is_a_one_off_cost_over_the_packed_data(data):
-    from torchtrain.data.preference import preference_sources
-    from torchtrain.data.preference_packing import PreferenceDataset
+    from torchtrain.data.preference.pair_packing import PreferenceDataset
+    from torchtrain.data.preference.pairs import preference_sources
 
     job, p = _inputs(data, 4, PRECOMPUTED + BF16, gpu="h100")
     plan = make_plan(job, p)

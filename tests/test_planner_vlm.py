@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtrain.config import ConfigError
-from torchtrain.data.images import ImageSpec
+from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.distributed.activation_checkpoint import wrap_block
 from torchtrain.models.common.vision import VisionEncoder
 from torchtrain.models.contract import declare

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from torchtrain.data.chat_template import BuiltinRenderer
+from torchtrain.data.chat.template import BuiltinRenderer
 from torchtrain.data.loader import DataLoader
-from torchtrain.data.preference import (
+from torchtrain.data.preference.pair_packing import PreferenceDataset, pack_first_fit
+from torchtrain.data.preference.pairs import (
     PreferenceFormatError,
     build_preference_dataset,
     check_preference,
@@ -21,7 +22,6 @@ from torchtrain.data.preference import (
     read_pairs,
     render_pair,
 )
-from torchtrain.data.preference_packing import PreferenceDataset, pack_first_fit
 from torchtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.image:
             prompt, images = job.prompt_with_images(ns.image, ns.prompt, ns.chat)
         elif ns.chat:
-            from torchtrain.data.chat_format import Conversation
-            from torchtrain.data.chat_template import chat_renderer
+            from torchtrain.data.chat.records import Conversation
+            from torchtrain.data.chat.template import chat_renderer
 
             prompt = chat_renderer(tok).generation_prompt(Conversation((("user", ns.prompt),), "--prompt"))
         else:

@@ -15,14 +15,14 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry, Training
 from torchtrain.data.bad_input import PrepareError
 from torchtrain.data.cache import cache_root, cached_dataset
-from torchtrain.data.chat import chat_sources, check_chat
-from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
+from torchtrain.data.chat.conversations import chat_sources, check_chat
+from torchtrain.data.chat.packing import ChatSource, PackedChatDataset
 from torchtrain.data.dataset import Source, WindowDataset, open_prepared
-from torchtrain.data.image_text import check_image_text, image_text_sources
-from torchtrain.data.images import ImageSpec
+from torchtrain.data.image.image_text import check_image_text, image_text_sources
+from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.data.loader import DataLoader
-from torchtrain.data.preference import PreferenceFormatError, check_preference, preference_sources
-from torchtrain.data.preference_packing import PreferenceDataset, PreferenceSource
+from torchtrain.data.preference.pairs import PreferenceFormatError, check_preference, preference_sources
+from torchtrain.data.preference.pair_packing import PreferenceDataset, PreferenceSource
 from torchtrain.data.sampling import MIXTURE_PERIOD
 from torchtrain.data.sources import (
     CHAT,
@@ -143,7 +143,7 @@ def training_sources(training: Training, tokenizer_path: str | None, tokenizer: 
 def build_dataloader(sources: list[Source] | list[ChatSource], training: Training, local_batch_size: int,
                      dp_rank: int, dp_degree: int, seed: int, device_type: str = "cpu") -> DataLoader:
     """This rank's training loader (infinite; epochs restart each source in a new order): windows of
-    token streams, or packed chat conversations / image-text pairs (with their images: `chat_packing.py`)."""
+    token streams, or packed chat conversations / image-text pairs (with their images: `chat/packing.py`)."""
     if sources and isinstance(sources[0], (ChatSource, PreferenceSource)):  # packed rows (preference: whole pairs)
         packed = PreferenceDataset if isinstance(sources[0], PreferenceSource) else PackedChatDataset
         dataset = packed(sources, training.seq_len, seed, shuffle=training.dataset_shuffle,

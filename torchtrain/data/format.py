@@ -10,7 +10,7 @@ A prepared dataset is a folder::
                            incomplete and is prepared again)
     problems.jsonl         bad input found while preparing (file, line, reason), one JSON object a line
 
-Chat data (`prepare --chat`, `data/chat_store.py`) is the same format, one document per conversation,
+Chat data (`prepare --chat`, `data/chat/token_store.py`) is the same format, one document per conversation,
 plus `shard-00000.mask` (uint8 per token: 1 where the loss trains on it) and a `chat` entry in the
 manifest.
 

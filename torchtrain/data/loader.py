@@ -51,7 +51,7 @@ def _batch_as_is(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class DataLoader:
     """Iterates this rank's batches {"input_ids", "labels", "positions"} (each local_batch_size x
-    seq_len; with image data also "pixel_values" and "image_grid": `chat_packing.py`); `state_dict` /
+    seq_len; with image data also "pixel_values" and "image_grid": `chat/packing.py`); `state_dict` /
     `load_state_dict` hold the global sample counter."""
 
     def __init__(self, dataset: WindowDataset, local_batch_size: int, dp_rank: int, dp_degree: int,

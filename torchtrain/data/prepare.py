@@ -5,7 +5,7 @@
 
 then train on them with `--training.dataset tokens --training.dataset_path /data/web-tokens`.
 With `--chat`, the inputs are chat files (JSON Lines conversations, docs/finetuning.md), rendered with
-the tokenizer folder's chat template and stored with a per-token trained mask (`data/chat_store.py`);
+the tokenizer folder's chat template and stored with a per-token trained mask (`data/chat/token_store.py`);
 train on the folder with `--training.dataset chat --training.dataset_path <out>`.
 A Hugging Face dataset is an input too: a `save_to_disk` folder as INPUT, or a dataset in the local
 HF cache by name (`--hf allenai/c4:en --split validation`); its Arrow files are read in order, a
@@ -21,7 +21,7 @@ import os
 import sys
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.data.chat_store import prepare_chat
+from torchtrain.data.chat.token_store import prepare_chat
 from torchtrain.data.hf import hf_files, saved_files
 from torchtrain.data.preparation import Options, PrepareError, prepare_files
 

@@ -10,7 +10,7 @@ files of a Hugging Face dataset, as `chat_format.chat_files` finds them):
 
 ``answer`` (a string or a number; ``"solution"`` is read too, TRL's name in several datasets) is what the reward
 functions compare the completion with. Each prompt is rendered with the model's chat template up to the
-assistant's header (`chat_template.py`'s generation prompt): the completion is the assistant's answer.
+assistant's header (`chat/template.py`'s generation prompt): the completion is the assistant's answer.
 
 A bad line (not JSON, no prompt, no answer, a bad role or content) is a `PromptFormatError` naming the file and
 line. A prompt whose ids plus the completion budget exceed the row length is one too, unless
@@ -25,8 +25,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from torchtrain.data.chat_format import ChatFormatError, Conversation, prompt_turns, records
-from torchtrain.data.chat_template import chat_renderer
+from torchtrain.data.chat.records import ChatFormatError, Conversation, prompt_turns, records
+from torchtrain.data.chat.template import chat_renderer
 from torchtrain.data.tokenizer import Tokenizer
 
 

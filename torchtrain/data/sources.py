@@ -11,9 +11,9 @@
 * ``hf``: a Hugging Face dataset (a ``save_to_disk`` folder, Arrow/Parquet files, or a name in the
   local HF cache such as ``allenai/c4:en``; `hf.py`), and torchtitan's names for C4: ``c4``,
   ``c4_validation`` (its validation split) and ``c4_test`` (torchtitan's local sample folder).
-* ``chat``: conversations in JSON Lines (`chat.py`), tokenized with the chat template and packed
+* ``chat``: conversations in JSON Lines (`chat/conversations.py`), tokenized with the chat template and packed
   when the run starts (docs/finetuning.md); a turn may hold images (docs/vision_language.md).
-* ``image_text``: image-text pairs in WebDataset ``.tar`` shards (`image_text.py`), indexed and packed when
+* ``image_text``: image-text pairs in WebDataset ``.tar`` shards (`image/image_text.py`), indexed and packed when
   the run starts, for a vision-language model (docs/vision_language.md).
 * ``synthetic``: deterministic token sequences (a random phrase repeated), learnable in a few steps;
   for tests and benchmarks. Its ``validation`` split is 2,000 documents from another seed.
@@ -37,9 +37,9 @@ from torchtrain.data.readers import Piece, discover, pieces_of
 
 TOKENS = "tokens"
 FILES = "files"
-CHAT = "chat"  # conversations, tokenized and packed at start (data/chat.py), never prepared into the cache
-IMAGE_TEXT = "image_text"  # image-text pairs in tar shards, indexed and packed at start (data/image_text.py)
-PREFERENCE = "preference"  # chosen / rejected answer pairs for [dpo], packed at start (data/preference.py)
+CHAT = "chat"  # conversations, tokenized and packed at start (data/chat/conversations.py), never prepared into the cache
+IMAGE_TEXT = "image_text"  # image-text pairs in tar shards, indexed and packed at start (data/image/image_text.py)
+PREFERENCE = "preference"  # chosen / rejected answer pairs for [dpo], packed at start (data/preference/pairs.py)
 PROMPTS = "prompts"  # prompts with reference answers for [grpo], sampled by the model (data/prompts.py)
 
 

@@ -267,8 +267,8 @@ def _stages(p: PlanInputs):
 @functools.lru_cache(maxsize=8)
 def _packed_rows(paths: tuple, tokenizer: Any, seq_len: int, buffer: int) -> tuple[int, int] | None:
     """(pairs, rows) of the data packed unshuffled, as the reference pass packs it; None when unreadable."""
-    from torchtrain.data.preference import PreferenceFormatError, preference_sources
-    from torchtrain.data.preference_packing import PreferenceDataset
+    from torchtrain.data.preference.pair_packing import PreferenceDataset
+    from torchtrain.data.preference.pairs import PreferenceFormatError, preference_sources
 
     try:
         sources = preference_sources(list(paths), tokenizer, seq_len)
@@ -337,7 +337,7 @@ def step_options(cfg, p: PlanInputs, copy: list, layout) -> dict[str, Any]:
 
 
 def with_pairs(p: PlanInputs, batch: dict) -> dict:
-    """A traced batch with a preference batch's keys (`data/preference_packing.py`): two pairs a row, each answer
+    """A traced batch with a preference batch's keys (`data/preference/pair_packing.py`): two pairs a row, each answer
     a quarter of it (`pair_slot`), their ids (`pair_id`) and, precomputed, the reference's sums (`ref_logps`).
     No document positions: the traced attention keeps the same tensors as the masked one (docs/planner.md)."""
     import torch

@@ -2,7 +2,7 @@
 
 What the encoder is comes from the model (`ModelContract.vision`, `models/vision_contract.py`); what it is
 fed from the plan's inputs: `images_per_sample` images of `image_size` (H, W) pixels per sequence. The
-processor's resize rule (`data/images.py::ImageSpec.resized`: both sides multiples of patch x merge, h w
+processor's resize rule (`data/image/pixels.py::ImageSpec.resized`: both sides multiples of patch x merge, h w
 within the job's `[images]` min_pixels .. max_pixels) gives each image's grid of t x h x w patches
 (t = 1: a still image is one frame), N = t h w patches and N / m^2 decoder tokens, which take their place
 in seq_len like text.
@@ -71,7 +71,7 @@ def image_grid(p: PlanInputs) -> tuple[int, int, int] | None:
     enc = p.model.vision
     if enc is None or not p.images_per_sample:
         return None
-    from torchtrain.data.images import ImageSpec
+    from torchtrain.data.image.pixels import ImageSpec
 
     spec = ImageSpec(enc.patch_size, enc.temporal_patch_size, enc.merge_size, *p.image_pixels, 0, 0, 0)
     return spec.grid_of(*p.image_size)

@@ -1,6 +1,6 @@
 """Preference losses (DPO, IPO, SimPO) over packed chosen / rejected pairs, exact under any data-parallel layout.
 
-A row of a preference batch (`data/preference.py`) holds whole pairs: the prompt with the chosen answer, then
+A row of a preference batch (`data/preference/pairs.py`) holds whole pairs: the prompt with the chosen answer, then
 the prompt with the rejected one, as two documents. `pair_slot` marks each trained label position with
 2 k + s (pair slot k of the row, s = 0 chosen / 1 rejected). For pair k and answer s:
 

@@ -102,14 +102,14 @@ class Loaded:
     source: str
     """What was loaded, for the log line."""
     image_spec: object = None
-    """How images become patches and tokens (`data/images.py::ImageSpec`) for a model that sees them."""
+    """How images become patches and tokens (`data/image/pixels.py::ImageSpec`) for a model that sees them."""
 
     def prompt_with_images(self, paths: list[str], text: str, chat: bool) -> tuple[list[int], dict]:
         """The prompt's ids -- the images first, then `text`; rendered with the chat template when `chat` -- and
         the images as one batch row (`pixel_values`, `image_grid`)."""
-        from torchtrain.data.chat_format import Conversation
-        from torchtrain.data.image_chat import expand
-        from torchtrain.data.images import open_image
+        from torchtrain.data.chat.records import Conversation
+        from torchtrain.data.image.image_chat import expand
+        from torchtrain.data.image.pixels import open_image
 
         spec, tok = self.image_spec, self.tokenizer
         if spec is None:
@@ -123,7 +123,7 @@ class Loaded:
             pixels.append(patches)
             grids.append(grid)
         if chat:
-            from torchtrain.data.chat_template import chat_renderer
+            from torchtrain.data.chat.template import chat_renderer
 
             parts = tuple(("image", p) for p in paths) + ((("text", text),) if text else ())
             ids = chat_renderer(tok).generation_prompt(Conversation((("user", parts),), "--prompt"))

@@ -25,7 +25,7 @@ from torchtrain.components.offload.runtime import check_nvme_folder
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
-from torchtrain.data.images import ImageSpec
+from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout

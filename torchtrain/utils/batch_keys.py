@@ -7,14 +7,14 @@
                      seq_index (its index in the full sequence, under CP)      (under context parallelism)
     IMAGE_INPUTS     pixel_values, image_grid; rope_positions, image_index     image data; the model's
                                                                                `batch_inputs`
-    preference       pair_slot, pair_id, ref_logps (ref_tokens under PP)       `data/preference_packing.py`
+    preference       pair_slot, pair_id, ref_logps (ref_tokens under PP)       `data/preference/pair_packing.py`
     ROLLOUT_KEYS     input_ids, labels, old_logps, advantages, ref_token_logps  `posttrain/rollout.py`
 
 Every batch tensor is batch-first. Most are per token -- (rows, seq_len, ...): `input_ids`, `labels`,
 `positions`, and what a model derives per token (`rope_positions`, `image_index`) -- so context parallelism
 cuts them along the sequence and a pipeline schedule along the rows. The image inputs are per row, not per
 token: `pixel_values` (rows, patches, C T p p) and `image_grid` (rows, images, 3), each row's zero-padded to
-the batch's largest (`data/images.py`); a preference batch's `pair_id` (rows, pairs) and `ref_logps` (rows,
+the batch's largest (`data/image/pixels.py`); a preference batch's `pair_id` (rows, pairs) and `ref_logps` (rows,
 pairs, 2) likewise (an empty slot's id is -1). Context parallelism keeps them whole (every rank's placeholders may
 need any of its rows' images), and batches holding them join by padding them to the largest again (zero
 patches and zero grids are padding by definition).
@@ -34,7 +34,7 @@ ROLLOUT_KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_log
 (the last three per token; `posttrain/policy_loss.py` packs the last four as a pipeline target's columns)."""
 ROW_KEYS = ("pixel_values", "image_grid", "pair_id", "ref_logps")
 """Per-row inputs that are not per token (module doc; a preference batch's per-pair ids and reference sums:
-`data/preference_packing.py`)."""
+`data/preference/pair_packing.py`)."""
 PADDING = {"pair_id": -1}
 """The padding value of a per-row key where it is not 0 (an empty pair slot)."""
 

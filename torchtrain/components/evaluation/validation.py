@@ -39,8 +39,8 @@ from torchtrain.config import ConfigError
 from torchtrain.config.operations import Validation, ValidationSet
 from torchtrain.config.training import Training
 from torchtrain.data.build import check_sources, resolve_sources
-from torchtrain.data.chat import CHAT, chat_sources
-from torchtrain.data.chat_packing import ChatSource, PackedChatDataset
+from torchtrain.data.chat.conversations import CHAT, chat_sources
+from torchtrain.data.chat.packing import ChatSource, PackedChatDataset
 from torchtrain.data.dataset import Source, WindowDataset
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.sources import HF_DATASETS, TOKENS, check_dataset_name

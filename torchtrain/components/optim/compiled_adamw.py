@@ -43,6 +43,8 @@ from typing import Callable
 
 import torch
 
+from torchtrain.components.optim.closure import closure_loss
+
 Kernel = Callable[..., None]
 
 
@@ -151,10 +153,7 @@ class _CompiledStep:
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         kernel = self.kernel or compiled_update()
         self.written = []
         for group in self.param_groups:

@@ -35,6 +35,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from torchtrain.components.optim.closure import closure_loss
+
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2
 
@@ -89,10 +91,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

@@ -4,7 +4,7 @@ multimodal RoPE positions.
 A batch row holds text tokens and, per image, a run of t h w / m^2 placeholder tokens (`image_token_id`,
 one per merged block of patches); the row's images come as `pixel_values` (rows, P, C T p p: each row's
 patches, zero-padded) and `image_grid` (rows, I, 3: each image's (t, h, w) in patches, zero rows padding),
-in the order their runs appear (`data/images.py`).
+in the order their runs appear (`data/image/pixels.py`).
 
 * **Scatter.** The encoder runs once over all the batch's images packed (no padding); the k-th placeholder
   of row b takes feature row offset_b + k (`image_index`: k, or -1 for a text token). The index is computed

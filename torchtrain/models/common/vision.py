@@ -1,7 +1,7 @@
 """A vision transformer over packed image patches (Qwen2.5/3/3.5-VL's encoder shape), its arguments, and
 the patch merger that turns its output into decoder tokens.
 
-An image is resized to a grid of (h, w) patches of p x p pixels (`data/images.py`), each repeated over T
+An image is resized to a grid of (h, w) patches of p x p pixels (`data/image/pixels.py`), each repeated over T
 frames (a still image is its own video of T = temporal_patch_size frames), so a patch is one vector of
 C T p p values. Patches come in **merge-block order**: the m x m patches that become one decoder token are
 consecutive (block row, block column, row in block, column in block). Images of a batch are packed into

@@ -1,10 +1,10 @@
-"""Conversations with images -> token ids, trained flags and the images they hold (`chat.py` calls this for
+"""Conversations with images -> token ids, trained flags and the images they hold (`chat/conversations.py` calls this for
 every conversation that has an image part).
 
 * **Checked first.** Each image's header is read (`images.image_size`): a missing or unreadable file is an
   error naming the conversation's file:line, or -- with `training.bad_images = "skip"` -- the conversation
   is skipped and counted (logged once, with the first reason).
-* **Expanded.** The template renders each image as one `<|image_pad|>` (`chat_template.py`); the k-th becomes
+* **Expanded.** The template renders each image as one `<|image_pad|>` (`chat/template.py`); the k-th becomes
   as many as the k-th image has decoder tokens (`ImageSpec.token_count`); an image's tokens (with its
   `<|vision_start|>` and `<|vision_end|>`, even in an answer) are never trained. A template that
   renders another number of placeholders than the conversation has images is an error.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.data.chat_format import Conversation
-from torchtrain.data.images import IMAGE_PAD, ImageSpec, image_size
+from torchtrain.data.chat.records import Conversation
+from torchtrain.data.image.pixels import IMAGE_PAD, ImageSpec, image_size
 
 BAD_IMAGES = ("error", "skip")
 Grid = tuple[int, int, int]

@@ -8,7 +8,7 @@ key is the member's path up to the first dot of its file name, ``KEY.jpg`` / ``.
 * **Index.** Every shard's headers are scanned once, when the run starts (`tarfile`): each image's data
   offset and size (`images.TarMember`) and each caption. A sample is then read by offset, never by a scan,
   so global sample g is a pure function of g, and everything else comes from the chat packing
-  (`chat_packing.py`): per-rank sharding, the seeded per-epoch shuffle, packing several samples per row with
+  (`chat/packing.py`): per-rank sharding, the seeded per-epoch shuffle, packing several samples per row with
   positions restarting at each, exact resume from the loader's global sample counter.
 * **Tokens.** A sample is ``<BOS>`` (when the tokenizer has one), the image (`<|vision_start|>`, its
   `<|image_pad|>` tokens, `<|vision_end|>`), the caption's tokens and EOS; the loss trains on the caption and
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry
-from torchtrain.data.chat_packing import ChatSource, build_chat_source
-from torchtrain.data.image_chat import Skipped, fit
-from torchtrain.data.images import ImageSpec, TarMember, image_size
+from torchtrain.data.chat.packing import ChatSource, build_chat_source
+from torchtrain.data.image.image_chat import Skipped, fit
+from torchtrain.data.image.pixels import ImageSpec, TarMember, image_size
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import logger
 

@@ -20,7 +20,7 @@ Two renderers, chosen by the tokenizer (`chat_renderer`):
 
   and the generation prompt is ``Assistant: ``.
 
-An image part (image chat, `image_chat.py`) becomes one ``<|vision_start|><|image_pad|><|vision_end|>``: a
+An image part (image chat, `image/image_chat.py`) becomes one ``<|vision_start|><|image_pad|><|vision_end|>``: a
 Jinja template gets transformers' content lists (``{"type": "image"}`` / ``{"type": "text", "text": ...}``)
 and renders the image as a Qwen template does; the built-in template writes the three tokens' ids (those of
 the job's `ImageSpec`; without one, their text `IMAGE_TEXT`).
@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.data.chat_format import ChatFormatError, Conversation
+from torchtrain.data.chat.records import ChatFormatError, Conversation
 from torchtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_tokens
 
 Rendered = tuple[list[int], list[bool]]  # token ids, trained (the token is an answer token to predict)
@@ -78,7 +78,7 @@ class BuiltinRenderer:
 
     name = "built-in"
     identity = "built-in"
-    """What decides the rendering, stored with prepared chat data (`chat_store.py`)."""
+    """What decides the rendering, stored with prepared chat data (`chat/token_store.py`)."""
 
     def __init__(self, tokenizer: Tokenizer, image_ids: tuple[int, int, int] | None = None):
         self.tokenizer = tokenizer

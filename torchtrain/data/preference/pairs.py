@@ -12,14 +12,14 @@ Parquet files of a Hugging Face dataset, one pair per row, as `chat_format.chat_
   more prompt turns, the same in both.
 
 A bad line -- not JSON, no prompt, no chosen or no rejected answer, an answer that is neither a string nor
-a list of messages, an empty answer, chosen equal to rejected, a bad role or content (`chat_format.py`
+a list of messages, an empty answer, chosen equal to rejected, a bad role or content (`chat/records.py`
 checks the messages) -- is a `PreferenceFormatError` naming the file and line.
 
-Each pair renders as two conversations with the model's chat template (`chat_template.py`): the prompt
+Each pair renders as two conversations with the model's chat template (`chat/template.py`): the prompt
 turns and the chosen answer, the prompt turns and the rejected one. DPO scores the final answer only, so
 only its tokens are trained: those the template trains that come after the prompt's generation prompt
 (the prompt turns rendered with the assistant header), which must be a prefix of each conversation's
-ids, and each answer keeps at least one trained token. `preference_packing.py` packs the pairs;
+ids, and each answer keeps at least one trained token. `preference/pair_packing.py` packs the pairs;
 `build_preference_dataset` is the whole way from files to the dataset.
 """
 
@@ -29,9 +29,9 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from torchtrain.data.chat_format import ChatFormatError, Conversation, _turns_of, prompt_turns, records
-from torchtrain.data.chat_template import Rendered, chat_renderer
-from torchtrain.data.preference_packing import PreferenceDataset, PreferenceSource, build_preference_source
+from torchtrain.data.chat.records import ChatFormatError, Conversation, _turns_of, prompt_turns, records
+from torchtrain.data.chat.template import Rendered, chat_renderer
+from torchtrain.data.preference.pair_packing import PreferenceDataset, PreferenceSource, build_preference_source
 from torchtrain.data.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")

@@ -3,7 +3,7 @@ back by memory map as a chat source.
 
 A prepared chat folder is a token dataset (`format.py`: manifest, shards of .bin tokens and .idx
 document offsets, each shard's .json record written last) with one document per conversation -- its
-ids as the job's template renders them (`chat_template.py`, the very code `training.dataset = "chat"`
+ids as the job's template renders them (`chat/template.py`, the very code `training.dataset = "chat"`
 runs on JSON Lines) -- plus, per shard, `shard-NNNNN.mask`: one uint8 per token, 1 where the loss
 trains on it. The manifest's `chat` entry names the template (`identity`) and counts the
 conversations. The overlong rule needs seq_len, so it is applied when the folder is opened, exactly
@@ -11,7 +11,7 @@ as for JSON Lines (`chat_packing.keep_rule`): the packed rows are the same eithe
 
 Preparing reads the chat files in the order `training.dataset_path` reads them; a bad record stops it
 with one line naming the file and line, and the shards it had written are removed. Conversations with
-images are refused the same way: image chat is read from its JSON Lines (`image_chat.py`). As for token
+images are refused the same way: image chat is read from its JSON Lines (`image/image_chat.py`). As for token
 data, the manifest is written last (a folder without one is not a dataset), an identical re-run does
 nothing, and `--overwrite` swaps a new dataset in only once it is complete (`preparation.py`).
 """
@@ -28,9 +28,9 @@ import numpy as np
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.bad_input import PrepareError
-from torchtrain.data.chat_format import ChatFormatError, chat_files, read_conversations
-from torchtrain.data.chat_packing import ChatSource, build_chat_source
-from torchtrain.data.chat_template import chat_renderer
+from torchtrain.data.chat.records import ChatFormatError, chat_files, read_conversations
+from torchtrain.data.chat.packing import ChatSource, build_chat_source
+from torchtrain.data.chat.template import chat_renderer
 from torchtrain.data.dataset import open_prepared
 from torchtrain.data.format import MANIFEST, MASK_DTYPE, ShardWriter, TokenCorpus, token_dtype
 from torchtrain.data.preparation import _manifest, _promote, _work_folder, _write_problems

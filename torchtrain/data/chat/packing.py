@@ -1,6 +1,6 @@
 """Chat conversations packed into rows of seq_len tokens, with no attention across conversations.
 
-A conversation of n tokens (`chat_template.py`: ids and which are trained) becomes an item of n - 1
+A conversation of n tokens (`chat/template.py`: ids and which are trained) becomes an item of n - 1
 positions: inputs ids[:-1], labels ids[1:] where the token is trained (the ignore index elsewhere),
 positions 0 .. n-2. Items are packed whole into rows:
 
@@ -17,7 +17,7 @@ positions 0 .. n-2. Items are packed whole into rows:
   seq_len + 1 tokens (dropped instead when no trained token is left in them), `drop` drops them.
   Both are counted and logged.
 
-* **Images** (image chat, `image_text.py`): a source with images keeps each conversation's images (where
+* **Images** (image chat, `image/image_text.py`): a source with images keeps each conversation's images (where
   each is, its patch grid) beside its tokens. Its batches add `pixel_values` (rows, P, C T p p) float32 --
   each row's images' patches (`images.ImageSpec.patches`, decoded when the batch is read) concatenated in
   the order of their placeholder runs -- and `image_grid` (rows, I, 3) int64, their (t, h, w), both
@@ -71,7 +71,7 @@ class ChatSource:
     weight: float
     store: Any
     """Where the tokens and trained flags are: `read(a, b)` -> (ids, trained) of positions [a, b)
-    (`ArrayStore`, or a prepared folder read by memory map: `chat_store.py`)."""
+    (`ArrayStore`, or a prepared folder read by memory map: `chat/token_store.py`)."""
     starts: np.ndarray
     ends: np.ndarray
     """Conversation i is positions starts[i] .. ends[i] - 1 of the store (int64)."""
@@ -83,7 +83,7 @@ class ChatSource:
     """Per kept conversation, its images in token order: (where it is -- `images.ImageRef`: a path or a tar
     member --, (t, h, w) patch grid) each; None: text only."""
     image_spec: Any = None
-    """How those images become patches (`data/images.py::ImageSpec`), with `images`."""
+    """How those images become patches (`data/image/pixels.py::ImageSpec`), with `images`."""
 
     @property
     def num_conversations(self) -> int:
@@ -267,7 +267,7 @@ class PackedChatDataset(SampleDataset):
         spec = next((s.image_spec for s in self.sources if s.image_spec is not None), None)
         if spec is None:
             return batch
-        from torchtrain.data.images import open_image
+        from torchtrain.data.image.pixels import open_image
 
         rows = []
         for g in indices:

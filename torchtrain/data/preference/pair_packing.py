@@ -1,8 +1,8 @@
 """Preference pairs packed into rows of seq_len positions for DPO: each pair whole, its two answers apart.
 
-A pair (`preference.py`: one prompt, a chosen and a rejected answer) is two rendered conversations, the
+A pair (`preference/pairs.py`: one prompt, a chosen and a rejected answer) is two rendered conversations, the
 chosen one of n_c tokens and the rejected one of n_r. Each becomes an item as a chat conversation does
-(`chat_packing.py`): n - 1 positions, inputs ids[:-1], labels ids[1:] where the token is trained (the
+(`chat/packing.py`): n - 1 positions, inputs ids[:-1], labels ids[1:] where the token is trained (the
 final answer's tokens only; the ignore index elsewhere), positions 0 .. n-2. The pair is its chosen item
 immediately followed by its rejected item, n_c + n_r - 2 positions in all. Positions restart at 0 at the
 rejected item, which is a document boundary (block-causal attention, `models/common/attention.py`), so the
@@ -42,7 +42,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from torchtrain.data.chat_packing import PackedChatDataset
+from torchtrain.data.chat.packing import PackedChatDataset
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 

@@ -3,12 +3,12 @@
 `check_chat` is what the launch check can afford before torchrun starts: every file read and every
 conversation rendered as text (no tokenization), so a bad record or a template that fails on it is
 one line naming the key, the file and the line. `chat_sources` renders and tokenizes them for the
-trainer (`chat_packing.py` packs them). The formats are in `chat_format.py`, the templates in
-`chat_template.py`, the packing in `chat_packing.py`. A path that is a prepared folder (a manifest:
-`python -m torchtrain.data.prepare --chat`) is read by memory map instead (`chat_store.py`), giving
+trainer (`chat/packing.py` packs them). The formats are in `chat/records.py`, the templates in
+`chat/template.py`, the packing in `chat/packing.py`. A path that is a prepared folder (a manifest:
+`python -m torchtrain.data.prepare --chat`) is read by memory map instead (`chat/token_store.py`), giving
 the same conversations (text only: image chat is read from its files). Conversations with images
-(`image_chat.py`) keep their images beside their tokens; the packed batches then carry `pixel_values` and
-`image_grid` (`chat_packing.py`).
+(`image/image_chat.py`) keep their images beside their tokens; the packed batches then carry `pixel_values` and
+`image_grid` (`chat/packing.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import os
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry
-from torchtrain.data.chat_format import ChatFormatError, Conversation, read_conversations
-from torchtrain.data.chat_packing import ChatSource, build_chat_source
-from torchtrain.data.chat_store import is_prepared, open_chat_corpus, prepared_chat_source
-from torchtrain.data.chat_template import chat_renderer
-from torchtrain.data.image_chat import Skipped, render_with_images
-from torchtrain.data.images import ImageSpec
+from torchtrain.data.chat.records import ChatFormatError, Conversation, read_conversations
+from torchtrain.data.chat.packing import ChatSource, build_chat_source
+from torchtrain.data.chat.token_store import is_prepared, open_chat_corpus, prepared_chat_source
+from torchtrain.data.chat.template import chat_renderer
+from torchtrain.data.image.image_chat import Skipped, render_with_images
+from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.utils.logging import logger
 
@@ -61,7 +61,7 @@ def chat_sources(path: str | None, entries: list[DatasetEntry], tokenizer: Token
                  overlong: str, section: str = "training", image_spec: ImageSpec | None = None,
                  bad_images: str = "error") -> list[ChatSource]:
     """The tokenized sources of a `chat` setting (the overlong rule applied); conversations with images
-    through `image_chat.py` (`image_spec`: the job's, None for a model without a vision encoder)."""
+    through `image/image_chat.py` (`image_spec`: the job's, None for a model without a vision encoder)."""
     renderer = chat_renderer(tokenizer, image_spec=image_spec)
     sources: list[ChatSource] = []
     for p, weight, key in _items(path, entries, section):
