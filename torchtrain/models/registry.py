@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError, coerce, default_of, did_you_mean, field_docs, field_types
@@ -132,8 +133,6 @@ class ModelSpec:
         the meta device)."""
         if isinstance(self.model_cls, type):
             return self.model_cls.takes_cache
-        import torch
-
         with torch.device("meta"):
             return self.build(args).takes_cache
 

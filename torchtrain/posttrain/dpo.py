@@ -45,8 +45,7 @@ class DpoObjective(Objective):
         else:
             self.live = live_reference(self.spec, self.args, self.layout, self.device, self.seed,
                                        f"dpo: {dpo.loss_type} loss")
-        dims = self.layout.dims
-        self.loss = PreferenceLoss(dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, self.live)
+        self.loss = PreferenceLoss.for_layout(dpo, self.layout, self.live)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The checkpoint entry `reference`: the table, or the frozen copy's weights (nothing for LoRA's adapters-off

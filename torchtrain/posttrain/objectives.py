@@ -41,5 +41,4 @@ def objective_loss(cfg: JobConfig, layout: Layout, reference=None) -> SequenceLo
         return None
     from torchtrain.posttrain.preference_loss import PreferenceLoss
 
-    dims = layout.dims
-    return PreferenceLoss(cfg.dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, reference)
+    return PreferenceLoss.for_layout(cfg.dpo, layout, reference)

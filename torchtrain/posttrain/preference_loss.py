@@ -85,6 +85,12 @@ class PreferenceLoss(SequenceLossBase):
         self.scale: torch.Tensor | float = 1.0
         super().__init__()
 
+    @classmethod
+    def for_layout(cls, dpo: Dpo, layout, reference=None) -> "PreferenceLoss":
+        """The loss of `dpo` over the layout's context-parallel group (when there is one), with its live `reference`."""
+        dims = layout.dims
+        return cls(dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, reference)
+
     @staticmethod
     def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The pairs a (micro-)batch holds."""
