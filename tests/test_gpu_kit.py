@@ -63,14 +63,23 @@ def test_dry_run_runs_every_part(dry_run):
     assert [(row[0], row[1], row[8]) for row in d] == [(2, "eager", "c/b2_eager"), (4, "eager", "c/b4_eager")]
     # one protocol on both sides, stated in the tables: the window, its N, the cadence, how each side is timed
     protocol = "protocol: steps 4-6 (N = 3 after 3 warm-up) timed on each side between two device synchronisations"
-    assert all(any(n.startswith(protocol) and "both sides log every 1 step" in n for n in results[p]["notes"])
+    assert all(any(n.startswith(protocol) and "neither side logs inside the window (log_freq 7" in n
+                   for n in results[p]["notes"])
                for p in "cdgi")
     for name in ("b2_eager", "b4_eager"):  # the window timed by the protocol, and its tokens/s the table's
         window = json.load(open(out / "kit" / "c" / name / "window.json"))
         assert (window["first"], window["last"], window["steps"]) == (4, 6, 3) and window["seconds"] > 0
     assert c[0][3] == pytest.approx(64 * 2 * 3 / json.load(open(out / "kit" / "c" / "b2_eager" / "window.json"))["seconds"], abs=1)
     job_text = (out / "kit" / "d" / "torchtitan" / "job_eager_b2.toml").read_text()
-    assert "log_freq = 1" in job_text and "steps = 6" in job_text  # torchtitan: the same window and cadence
+    assert "log_freq = 7" in job_text and "steps = 6" in job_text  # torchtitan: the same window and cadence
+    # torchtitan's own train step ran on the CPU inside the same window, with the same host work inside it
+    assert d[0][3] > 0 and d[0][9] is None and d[1][3] is None, d  # once in a dry run: batch 2
+    for batch in (2,):
+        theirs = json.load(open(out / "kit" / "d" / "torchtitan" / f"out_eager_b{batch}" / "window.json"))
+        ours = json.load(open(out / "kit" / "c" / f"b{batch}_eager" / "window.json"))
+        assert (theirs["first"], theirs["last"]) == (4, 6) and len(theirs["step_times"]) == 3
+        assert theirs["host_syncs"] == ours["host_syncs"] == 0
+        assert f"batch {batch} eager: host syncs inside the window: torchtrain 0, torchtitan 0" in results["d"]["notes"]
     # the 8B row on one H200: the planner picked its batch, the dry run lists it
     i = results["i"]
     assert [(row[0], row[1]) for row in i["rows"]] == [("8B", "h200")] and i["rows"][0][2] in (1, 2, 4)
@@ -221,7 +230,7 @@ def test_sigterm_stops_the_kit_and_keeps_what_finished(tmp_path):
     assert proc.returncode == 2, rest[-3000:]
     d, b, c = (json.load(open(out / f"{p}.json")) for p in "dbc")
     assert d["ok"] and d["rows"][0][2] > 0
-    assert [run[0] for run in d["runs"]] == ["d/torchtrain_b2_eager", "d/torchtrain_b4_eager"]
+    assert [run[0] for run in d["runs"]] == ["d/torchtrain_b2_eager", "d/torchtitan_b2_eager", "d/torchtrain_b4_eager"]
     assert b["notes"] == ["not started: SIGTERM"] or b["skipped"] and all("SIGTERM" in s for s in b["skipped"])
     assert c["notes"] == ["not started: SIGTERM"] and not c["runs"]
     with tarfile.open(tmp_path / "kit.tar.gz") as tar:  # the archive is rewritten after the stop

@@ -44,6 +44,8 @@ def test_the_window_is_timed_between_two_device_synchronisations(tmp_path):
         window.after(step)
     assert clock.syncs == [1.0, 3.5]  # before step 2, after step 3: nowhere else
     assert window.result["seconds"] == pytest.approx(2.5) and window.result["steps"] == 2
+    # each step's time from the marks at its boundaries (call to next call, the last to its return)
+    assert window.result["step_times"] == pytest.approx([1.0, 1.0]) and window.result["clock"] == "host"
     assert json.load(open(tmp_path / "window.json"))["seconds"] == pytest.approx(2.5)
     assert protocol.window_tokens_per_s(window.result, 1000) == pytest.approx(800)
     assert protocol.window_tokens_per_s(None, 1000) is None
@@ -91,13 +93,39 @@ def test_torchtrains_step_and_torchtitans_trainer_are_timed_alike(tmp_path, monk
 
 
 def test_protocol_states_itself_and_refuses_nonsense():
-    p = protocol.Protocol(warmup=3, window=12, log_freq=1)
+    p = protocol.Protocol(warmup=3, window=12)
     assert (p.first, p.last, p.steps) == (4, 15, 15)
     assert p.describe().startswith("protocol: steps 4-15 (N = 12 after 3 warm-up) timed on each side between "
                                    "two device synchronisations")
+    # by default neither side logs inside the window: the cadence lands past its last step
+    assert p.cadence == 16 and "neither side logs inside the window (log_freq 16" in p.describe()
+    assert protocol.Protocol(log_freq=1).cadence == 1 and "both sides log every 1 step;" in \
+        protocol.Protocol(log_freq=1).describe()
     assert p.env("/out") == {protocol.WINDOW_ENV: "4:15:/out/window.json"}
+    counted = protocol.Protocol(count_syncs=True)
+    assert counted.env("/out") == {protocol.WINDOW_ENV: "4:15:/out/window.json:count"}
+    assert protocol.parse_window_env(counted.env("/out")[protocol.WINDOW_ENV]).count_syncs
     with pytest.raises(ValueError, match="must be >= 1"):
         protocol.Protocol(window=0)
+
+
+def test_the_window_counts_the_host_syncs_inside_it_and_nowhere_else(tmp_path):
+    """A dry run's check of equal host work: `.item()`, `bool()` and `.tolist()` of a tensor inside the
+    window are counted, the same reads before or after it are not."""
+    import torch
+
+    window = protocol.StepWindow(2, 3, str(tmp_path / "window.json"), count_syncs=True)
+    x = torch.ones(3)
+    for step in range(1, 5):
+        window.before(step)
+        y = (x * step).sum()
+        y.item()  # a logged loss: one sync a step, steps 2 and 3 inside the window
+        if step == 3:
+            bool(y > 0), torch.nonzero(x)
+        window.after(step)
+    assert window.result["host_syncs"] == 4
+    assert window.result["host_sync_ops"] == {"_local_scalar_dense": 3, "nonzero": 1}
+    assert len(window.result["step_times"]) == 2
 
 
 def test_nvidia_smi_output_reads_into_samples():

@@ -148,7 +148,7 @@ def part_h(ctx: Context) -> PartResult:
                                          (f"{mode} float8", fp8, g_job(ctx, "1B", large, fp8))):
         log(f"(h) torchtrain {label} batch {large}, profiled")
         name = f"torchtrain_{slug(label)}"
-        run = train(ctx, "h", name, headline_job(ctx, flags + PROFILE, large, steps=PROFILE_STEPS))
+        run = train(ctx, "h", name, headline_job(ctx, flags + PROFILE, large, steps=PROFILE_STEPS), every_step=True)
         if run.skipped:
             continue
         same = ctx.runs.get(tuple(unprofiled_job))

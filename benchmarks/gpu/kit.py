@@ -49,7 +49,7 @@ class Context:
 
     def __post_init__(self) -> None:
         if self.protocol is None:
-            self.protocol = Protocol(window=3 if self.dry else 12)
+            self.protocol = Protocol(window=3 if self.dry else 12, count_syncs=self.dry)
 
     @property
     def device(self) -> str:
@@ -168,7 +168,12 @@ class Run:
         return len(loss) >= 4 and statistics.mean(loss[-3:]) < statistics.mean(loss[:3])
 
     def steady(self, key: str) -> float | None:
-        """Median of `key` over the steps after the first three (compile, warm-up)."""
+        """Median of `key` over the steps after the first three (compile, warm-up); a step's time and
+        tokens/s from the window's own step times where it has them."""
+        times = (self.window or {}).get("step_times")
+        if times and key in ("step_time_s", "tokens_per_s_per_device"):
+            median = statistics.median(times)
+            return median if key == "step_time_s" else self.tokens_per_step / median if self.tokens_per_step else None
         values = [r[key] for r in self.records[3:] if r.get(key) is not None] or \
                  [r[key] for r in self.records[1:] if r.get(key) is not None]
         return statistics.median(values) if values else None
@@ -181,7 +186,10 @@ class Run:
         return (max(values) - min(values)) / statistics.median(values)
 
     def window_step_times(self) -> list[float]:
-        """The step times of the protocol's window (without one: the steps after the first three)."""
+        """The step times of the protocol's window (its marks; without them its steps' records; without a
+        window the steps after the first three)."""
+        if self.window and self.window.get("step_times"):
+            return list(self.window["step_times"])
         if self.window:
             steps = range(self.window["first"], self.window["last"] + 1)
             return [r["step_time_s"] for r in self.records if r["step"] in steps and r.get("step_time_s") is not None]
@@ -216,8 +224,10 @@ COMPILED_STEP_FAILED = "[compile.components] compiling the optimizer step failed
 WITHOUT_COMPILED_STEP = ["--compile.components", "model,loss"]
 
 
-def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "") -> Run:
-    """One in-process run of the trainer (a world of one; metrics every step into DIR/part/name), started
+def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = False, label: str = "",
+          every_step: bool = False) -> Run:
+    """One in-process run of the trainer (a world of one; metrics into DIR/part/name at the protocol's
+    cadence, or `every_step` for a run judged by its per-step losses, never a timed comparison), started
     only if the budget's estimate fits in the time left. `reuse`: a run of the same command line made
     earlier in this process with `reuse` is returned instead (the headline runs of (c), (d) and (e)).
     A failure is recorded, not raised: one broken variant must not cost the others their evidence. A
@@ -225,19 +235,19 @@ def train(ctx: Context, part: str, name: str, argv: list[str], reuse: bool = Fal
     compiled run after it (noted in the part's summary): the other compiled figures still come back."""
     if reuse and tuple(argv) in ctx.runs:
         return ctx.runs[tuple(argv)]
-    run = _admitted(ctx, part, name, argv, label)
+    run = _admitted(ctx, part, name, argv, label, every_step)
     if run.error and COMPILED_STEP_FAILED in run.error and not ctx.without_compiled_step:
         ctx.without_compiled_step = run.error
         ctx.notes.append(f"{part}/{name} failed to compile the optimizer step ({run.error[:300]}); it and every "
                          f"compiled run after it ran with {' '.join(WITHOUT_COMPILED_STEP)} (torch's kernel)")
         log(f"{part}/{name}: the optimizer step did not compile; again with {' '.join(WITHOUT_COMPILED_STEP)}")
-        run = _admitted(ctx, part, name, argv, label)
+        run = _admitted(ctx, part, name, argv, label, every_step)
     if reuse and not run.skipped:
         ctx.runs[tuple(argv)] = run
     return run
 
 
-def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str) -> Run:
+def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str, every_step: bool) -> Run:
     """One run of `train`, if the budget admits it (compiled: without the compiled step once it failed)."""
     spec = spec_of(argv, ctx.dry)
     entry = ctx.budget.admit(part, f"{part}/{label or name}", ctx.budget.estimate(spec))
@@ -245,11 +255,10 @@ def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str) -
         return Run(name, [], None, 0.0, skipped=ctx.budget.entries[-1].reason)
     compiled = ctx.without_compiled_step and spec.mode.startswith("compile")
     dump, protocol = ctx.folder(part, name), ctx.protocol
-    window = StepWindow(protocol.first, min(protocol.last, spec.steps), os.path.join(dump, "window.json")) \
-        if spec.steps >= protocol.first else None
+    window = protocol.window_at(os.path.join(dump, "window.json"), spec.steps) if spec.steps >= protocol.first else None
     with DeviceSampler() as sampler:
         run = _train(dump, argv + (WITHOUT_COMPILED_STEP if compiled else []), name, ctx.budget,
-                     log_freq=protocol.log_freq, window=window)
+                     log_freq=1 if every_step else protocol.cadence, window=window)
     run.folder = f"{part}/{name}"
     run.window, run.tokens_per_step = read_window(dump) if window is not None else None, spec.tokens
     run.samples, run.sampled = sampler.samples, sampler.available

@@ -87,7 +87,8 @@ def part_i(ctx: Context) -> PartResult:
     available = titan_available(ctx, res)
     theirs_job = titan_job(ctx, compiled=True, batch=batch, model=MODEL, ac=AC)
     if ctx.dry:
-        res.notes.append(f"dry run: the tiny stand-in model, eager, at the planned batch {batch}")
+        res.notes.append(f"dry run: the tiny stand-in model, eager, at the planned batch {batch}; torchtitan's "
+                         "compiled job is written, not run (compiling on a CPU)")
     argv = (model(ctx, MODEL) + COMMON + shape(ctx, HEADLINE_SEQ, batch, dry_batch=batch) + bf16(ctx)
             + ["--activation_checkpoint.mode", AC, "--training.steps", str(ctx.protocol.steps)]
             + ([] if ctx.dry else ["--compile.enable", "true"]))
@@ -96,5 +97,5 @@ def part_i(ctx: Context) -> PartResult:
     if ours.skipped:
         return res
     res.rows.append([MODEL, gpu, batch] + compare(ctx, res, ours, theirs_job, "compiled", batch, MODEL,
-                                                  run_theirs=available))
+                                                  run_theirs=available and not ctx.dry))
     return res

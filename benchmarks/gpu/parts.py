@@ -130,7 +130,8 @@ def part_b(ctx: Context) -> PartResult:
                 res.notes.append(f"{name} {variant}: not run in a dry run (CUDA only, or too slow on a CPU)")
                 continue
             log(f"(b) {name} {variant}")
-            run = train(ctx, "b", f"{name}_{slug(variant)}", model(ctx, name) + COMMON + shape(ctx, seq, batch)
+            run = train(ctx, "b", f"{name}_{slug(variant)}", every_step=True, argv=model(ctx, name) + COMMON
+                        + shape(ctx, seq, batch)
                         + bf16(ctx) + extra + (DRY_TRAINING if ctx.dry else ["--training.steps", str(steps)]))
             if run.skipped:
                 continue
@@ -229,11 +230,12 @@ def part_f(ctx: Context) -> PartResult:
     argv = model(ctx, "debug") + COMMON + shape(ctx, 256, 8) + ["--debug.deterministic", "true",
                                                                 "--lr_scheduler.decay_ratio", "0"] + bf16(ctx)
     log("(f) straight, saved at 4, resumed")
-    straight = train(ctx, "f", "straight", argv + ["--training.steps", "8"])
+    straight = train(ctx, "f", "straight", argv + ["--training.steps", "8"], every_step=True)
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
-    first = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "4"], label="resumed (steps 1-4, saved)")
-    second = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "8"], label="resumed (steps 5-8)") \
-        if not first.skipped else first
+    first = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "4"], label="resumed (steps 1-4, saved)",
+                  every_step=True)
+    second = train(ctx, "f", "resumed", argv + ckpt + ["--training.steps", "8"], label="resumed (steps 5-8)",
+                   every_step=True) if not first.skipped else first
     if straight.skipped or second.skipped:
         res.notes.append("resume not checked: a run was skipped")
         return res

@@ -4,9 +4,17 @@ torchtitan in its own, through `titan_window.py`).
 A run is `warmup` steps (compilation, allocator and cuBLAS warm-up) and then a window of `window` steady
 steps. The window is timed on each side between two device-synchronised points: the host waits for the
 device before the window's first step is called and again after its last step has returned, and reads
-its clock at both. Throughput is the tokens of the window's steps over that time. Both sides log at the
-same cadence (`log_freq`, forced alike: every step by default, so that each side's per-step records stay
-for the table of step times). The window writes `window.json` into the run's folder.
+its clock at both. Throughput is the tokens of the window's steps over that time.
+
+Both sides do the same host work inside the window: neither logs there. Logging reads the loss and the
+gradient norm back to the host (two blocking syncs a step in torchtitan's `train_step`; torchtrain defers
+its reads behind the next step), so the cadence (`log_freq`) puts no logging step inside the window by
+default: both log the first step, torchtrain also its last, after the window has closed. The window's
+own step times come from marks it records at each step boundary (CUDA events on the stream, read after
+the closing synchronisation; the host clock on a CPU), so no per-step record is needed for them. A dry
+run counts the host syncs inside each window (`SyncCounter`: the operators that read a tensor's values
+back to the host) and writes the count beside the times; the kit holds the two counts equal.
+The window writes `window.json` into the run's folder.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 WINDOW_ENV = "TORCHTRAIN_KIT_WINDOW"
-"""`first:last:path`: the window a torchtitan process times (read by `titan_window.py`)."""
+"""`first:last:path[:count]`: the window a torchtitan process times (read by `titan_window.py`); `count`:
+count its host syncs too (a dry run)."""
 WINDOW_FILE = "window.json"
 
 
@@ -28,11 +37,19 @@ class Protocol:
 
     warmup: int = 3
     window: int = 12
-    log_freq: int = 1
+    log_freq: int = 0
+    """Both sides log every `log_freq` steps; 0: only outside the window (every `last + 1` steps)."""
+    count_syncs: bool = False
+    """Count the host syncs inside each window (a dry run: `SyncCounter` dispatches every operator)."""
 
     def __post_init__(self) -> None:
-        if self.warmup < 1 or self.window < 1 or self.log_freq < 1:
-            raise ValueError(f"protocol: warm-up, window and log_freq must be >= 1, got {self}")
+        if self.warmup < 1 or self.window < 1 or self.log_freq < 0:
+            raise ValueError(f"protocol: warm-up and window must be >= 1 and log_freq >= 0, got {self}")
+
+    @property
+    def cadence(self) -> int:
+        """The `log_freq` both sides are given."""
+        return self.log_freq or self.last + 1
 
     @property
     def first(self) -> int:
@@ -49,14 +66,22 @@ class Protocol:
 
     def describe(self) -> str:
         """One line for a table's notes: what both sides were held to."""
+        cadence = (f"both sides log every {self.log_freq} step{'s' * (self.log_freq != 1)}" if self.log_freq else
+                   "neither side logs inside the window (log_freq "
+                   f"{self.cadence}: no host sync for a record there)")
         return (f"protocol: steps {self.first}-{self.last} (N = {self.window} after {self.warmup} warm-up) timed on "
                 f"each side between two device synchronisations (before step {self.first}, after step "
-                f"{self.last}); both sides log every {self.log_freq} step{'s' * (self.log_freq != 1)}; tokens/s = "
-                f"tokens in the window / window seconds; step times: each side's per-step records")
+                f"{self.last}); {cadence}; tokens/s = tokens in the window / window seconds; step times: the "
+                f"window's marks at each step boundary")
+
+    def window_at(self, path: str, last: int | None = None) -> StepWindow:
+        """The StepWindow of this protocol writing to `path` (`last`: an earlier end, a shorter run)."""
+        return StepWindow(self.first, min(self.last, last or self.last), path, count_syncs=self.count_syncs)
 
     def env(self, folder: str) -> dict[str, str]:
         """The environment that makes a torchtitan process time this window into `folder`."""
-        return {WINDOW_ENV: f"{self.first}:{self.last}:{os.path.join(folder, WINDOW_FILE)}"}
+        count = ":count" if self.count_syncs else ""
+        return {WINDOW_ENV: f"{self.first}:{self.last}:{os.path.join(folder, WINDOW_FILE)}{count}"}
 
 
 def device_synchronize() -> None:
@@ -67,41 +92,122 @@ def device_synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def _cuda_active() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+class _Marks:
+    """Times of step boundaries: CUDA events recorded on the current stream (no host sync; read once the
+    window has been synchronised), or the host clock where no CUDA device is in use."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock, self.events, self.times = clock, _cuda_active(), []
+
+    def mark(self) -> None:
+        if self.events:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.times.append(event)
+        else:
+            self.times.append(self.clock())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks (call after the device has been synchronised)."""
+        if self.events:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.times, self.times[1:])]
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "equal", "masked_select", "_unique2", "unique_consecutive")
+"""Operators whose result depends on a tensor's values read back to the host (on a GPU, each waits for
+the device): `.item()`, `bool()`, `float()` and `.tolist()` of a scalar reach `_local_scalar_dense`."""
+
+
+class SyncCounter:
+    """Counts the SYNCING_OPS dispatched while it is entered (a dry run's check that both trainers do the
+    same host work inside the window; it sees every operator, so a timed GPU run does not enter it)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in SYNCING_OPS:
+                    counter.count += 1
+                    counter.ops[name] = counter.ops.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.ops, self._mode = 0, {}, _Mode()
+
+    def __enter__(self) -> SyncCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
 class StepWindow:
-    """Times steps `first`..`last` between two device-synchronised points and writes them to `path`."""
+    """Times steps `first`..`last` between two device-synchronised points and writes them to `path`: the
+    window's seconds, each step's time from the marks at its boundaries (from its call to the next step's
+    call, the last one's to its return: the loop's host work between steps counts), and with
+    `count_syncs` the host syncs dispatched inside the window."""
 
     def __init__(self, first: int, last: int, path: str, sync: Callable[[], None] = device_synchronize,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, count_syncs: bool = False):
         if not 1 <= first <= last:
             raise ValueError(f"a window is steps first..last with 1 <= first <= last, got {first}..{last}")
         self.first, self.last, self.path, self.sync, self.clock = first, last, path, sync, clock
+        self.count_syncs = count_syncs
         self._start: tuple[float, float] | None = None
+        self._marks: _Marks | None = None
+        self._counter: SyncCounter | None = None
         self.result: dict | None = None
 
     def before(self, step: int) -> None:
-        """Called before step `step` is run: the window opens at its first step."""
+        """Called before step `step` is run: the window opens at its first step; each step in it is marked."""
         if step == self.first:
             self.sync()
             self._start = (self.clock(), time.time())
+            self._marks = _Marks(self.clock)
+            if self.count_syncs:
+                self._counter = SyncCounter().__enter__()
+        if self._marks is not None and self.first <= step <= self.last:
+            self._marks.mark()
 
     def after(self, step: int) -> None:
         """Called once step `step` has returned: the window closes at its last step."""
         if step != self.last or self._start is None:
             return
+        self._marks.mark()
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
         self.sync()
         seconds = self.clock() - self._start[0]
         self.result = {"first": self.first, "last": self.last, "steps": self.last - self.first + 1,
-                       "seconds": seconds, "start_unix": self._start[1], "end_unix": time.time()}
+                       "seconds": seconds, "start_unix": self._start[1], "end_unix": time.time(),
+                       "step_times": self._marks.intervals(), "clock": "cuda events" if self._marks.events else "host"}
+        if self._counter is not None:
+            self.result.update(host_syncs=self._counter.count, host_sync_ops=self._counter.ops)
         with open(self.path, "w") as f:
             json.dump(self.result, f)
 
 
 def parse_window_env(value: str) -> StepWindow:
-    """`first:last:path` (WINDOW_ENV) -> its StepWindow."""
+    """`first:last:path[:count]` (WINDOW_ENV) -> its StepWindow."""
+    count = value.endswith(":count")
+    value = value.removesuffix(":count")
     first, last, path = value.split(":", 2) if value.count(":") >= 2 else (None, None, None)
     if not (first and last and path and first.isdigit() and last.isdigit()):
-        raise ValueError(f"{WINDOW_ENV} must be first:last:path, got {value!r}")
-    return StepWindow(int(first), int(last), path)
+        raise ValueError(f"{WINDOW_ENV} must be first:last:path[:count], got {value!r}")
+    return StepWindow(int(first), int(last), path, count_syncs=count)
 
 
 class WindowedStep:

@@ -50,7 +50,7 @@ def titan_job(ctx: Context, compiled: bool, batch: int = 2, profile: bool = Fals
         for i in range(20 if ctx.dry else 200):
             f.write(json.dumps({"text": f"document {i}: " + " ".join(f"w{(i * 7 + j) % 997}" for j in range(2000))})
                     + "\n")
-    seq = 64 if ctx.dry else SEQ
+    seq = titan_seq(ctx)
     name = titan_name(compiled, batch, profile, model)
     steps = PROFILE_STEPS if profile else ctx.protocol.steps
     text = f"""[job]
@@ -79,7 +79,7 @@ selective_ac_option = "op"
 enable = {'true' if compiled else 'false'}
 components = ["model", "loss"]
 [metrics]
-log_freq = {ctx.protocol.log_freq}
+log_freq = {1 if profile else ctx.protocol.cadence}
 [experimental]
 custom_import = "titan_flavor"
 """
@@ -89,6 +89,11 @@ custom_import = "titan_flavor"
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def titan_seq(ctx: Context) -> int:
+    """torchtitan's sequence length: the headline's, or the dry run's 64."""
+    return 64 if ctx.dry else SEQ
 
 
 def titan_name(compiled: bool, batch: int, profile: bool = False, model: str = "1B") -> str:
@@ -124,7 +129,8 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
     steps = steps or ctx.protocol.steps
     budget_mode = ("compile" if mode == "compiled" else "eager") if not profiled else \
         ("compile+profile" if mode == "compiled" else "profile")
-    spec = RunSpec("torchtitan", model, budget_mode, steps, SEQ * batch)
+    tokens = titan_seq(ctx) * batch
+    spec = RunSpec("torchtitan", model, budget_mode, steps, tokens)
     entry, allowed = admit_process(ctx, "d", f"torchtitan_{label}", ctx.budget.estimate(spec), 900.0)
     if entry is None:
         return Run(f"torchtitan_{label}", [], None, 0.0, skipped=f"torchtitan skipped: {ctx.budget.entries[-1].reason}")
@@ -133,25 +139,27 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
         os.remove(os.path.join(out, "window.json"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1",
                **({} if profiled else ctx.protocol.env(out)))
+    main = [os.path.join(HERE, "titan_cpu.py")] if ctx.dry else ["-m", "torchtitan.train"]  # a dry run: the CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", "--job.config_file", job]
+           "--rdzv_endpoint=localhost:0", *main, "--job.config_file", job]
     log_path = os.path.join(ctx.out, "d", f"torchtitan_{label}.log")
     t0 = ctx.budget.clock()
     with DeviceSampler() as sampler:
         code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
     text = ANSI.sub("", open(log_path, errors="replace").read())
-    records = log_records(text, SEQ * batch)
-    tps = [r["tokens_per_s_per_device"] for r in records]
-    steady = statistics.median(tps[3:] or tps[1:] or tps) if tps else None  # one step: an early stop
-    ctx.budget.done(entry, ctx.budget.clock() - t0, spec, SEQ * batch / steady if steady else None,
-                    cut if cut.startswith("stopped") else "")
+    records = log_records(text, tokens)
     run = Run(f"torchtitan_{label}", records, None, ctx.budget.clock() - t0, folder=f"d/torchtitan_{label}",
-              window=None if profiled else read_window(out), tokens_per_step=SEQ * batch,
+              window=None if profiled else read_window(out), tokens_per_step=tokens,
               samples=sampler.samples, sampled=sampler.available)
+    tps = [r["tokens_per_s_per_device"] for r in records]
+    ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if tps else None,
+                    cut if cut.startswith("stopped") else "")
     if cut.startswith("stopped"):
         run.skipped = f"torchtitan {cut}"
     elif code != 0 or not tps:
-        run.error = cut or (text.strip().splitlines() or ["no output"])[-1][:300]
+        lines = text.strip().splitlines() or ["no output"]  # the exception's line, not torchrun's banner after it
+        run.error = cut or next((line for line in reversed(lines) if "Error" in line and "ChildFailed" not in line),
+                                lines[-1])[:300]
     return run
 
 
@@ -200,6 +208,11 @@ def compare(ctx: Context, res: PartResult, ours: Run, job: str, mode: str, batch
         ctx.titan[(batch, mode)] = theirs_tps
     verdicts = {ours.folder: ours.verdict()} | ({theirs.folder: theirs.verdict()} if theirs_tps else {})
     res.notes += steadiness.notes(verdicts)
+    syncs = [(run.window or {}).get("host_syncs") for run in (ours, theirs) if run is not None]
+    if len(syncs) == 2 and None not in syncs:  # counted (a dry run): the same host work inside both windows
+        res.notes.append(f"batch {batch} {mode}: host syncs inside the window: torchtrain {syncs[0]}, torchtitan "
+                         f"{syncs[1]}{'' if syncs[0] == syncs[1] else ' (UNEQUAL: the protocol is broken)'}")
+        res.ok &= syncs[0] == syncs[1]
     error = None if theirs is None else theirs.error or (theirs.skipped or None)
     res.ok &= ours.ok and (theirs is None or not theirs.error)
     return [_round(ours_tps), _round(theirs_tps), steadiness.ratio(ours_tps, theirs_tps, list(verdicts.values())),
@@ -213,9 +226,10 @@ def titan_available(ctx: Context, res: PartResult) -> bool:
     if not available:
         res.notes.append("torchtitan is not installed here: its job files are written (d/torchtitan/), not run; "
                          "on the GPU machine it comes from the carried wheels (fetch_wheels.sh)")
-    if ctx.dry:
-        res.notes.append("dry run: torchtitan has no CPU device path; its runs need the GPU")
-    return available and not ctx.dry
+    elif ctx.dry:
+        res.notes.append("dry run: torchtitan's own train step runs on the CPU (titan_cpu.py gives it a CPU device "
+                         "module), once: the smaller batch, eager")
+    return available
 
 
 def part_d(ctx: Context) -> PartResult:
@@ -233,7 +247,8 @@ def part_d(ctx: Context) -> PartResult:
         ours = train(ctx, "d", f"torchtrain_b{batch}_{mode}", headline_job(ctx, extra, batch), reuse=True)
         if ours.skipped:
             continue
-        res.rows.append([batch, mode] + compare(ctx, res, ours, job, mode, batch, run_theirs=available))
+        once = not ctx.dry or (batch, mode) == (small, "eager")  # a dry run: torchtitan's step checked once
+        res.rows.append([batch, mode] + compare(ctx, res, ours, job, mode, batch, run_theirs=available and once))
     return res
 
 
