@@ -161,26 +161,29 @@ def test_no_model_family_imports_another():
             assert not others, f"{module} imports {sorted(others)}"
 
 
-COMMANDS = {"train", "plan", "dryrun", "generate", "launcher", "launch_check", "accelerate"}
+COMMANDS = {"train", "plan", "dryrun", "generate", "score", "launcher", "launch_check", "accelerate"}
 # package -> the packages it must never import (nothing imports upward): the commands (and accelerate, the
 # user-loop API over config/, distributed/, utils/ and the checkpoint scan of components/) sit on top, then
-# the tools and the planner (neither imports the other), then the trainer and the post-training objectives it is
-# handed through its seam (trainer/objective.py: the objectives build on the step, the loop builds them) and the fake world, then components and data, then models, distributed,
-# config and utils.
+# the tools, inference (using a trained model) and the planner (none imports another), then the fake world
+# (the dry run and the planner's trace run the trainer's step in it), then the trainer and the post-training
+# objectives it is handed through its seam (trainer/objective.py: the objectives build on the step, the loop
+# builds them), then components and data, then models, distributed, config and utils.
 NEVER = {
-    "accelerate": COMMANDS - {"accelerate"} | {"tools", "planner", "posttrain", "trainer", "simulation", "data",
-                                                "models"},
-    "tools": COMMANDS | {"planner"},
-    "planner": COMMANDS | {"tools"},
-    "trainer": COMMANDS | {"tools", "planner"},
-    "posttrain": COMMANDS | {"tools", "planner"},
-    "simulation": COMMANDS | {"tools", "planner", "posttrain", "trainer"},
-    "components": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation"},
-    "data": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components"},
-    "models": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components", "distributed"},
-    "distributed": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components"},
-    "utils": COMMANDS | {"tools", "planner", "posttrain", "trainer", "simulation", "components", "data", "models",
-              "distributed", "config"},
+    "accelerate": COMMANDS - {"accelerate"} | {"tools", "inference", "planner", "posttrain", "trainer", "simulation",
+                                                "data", "models"},
+    "tools": COMMANDS | {"planner", "inference"},
+    "inference": COMMANDS | {"tools", "planner", "simulation"},
+    "planner": COMMANDS | {"tools", "inference"},
+    "simulation": COMMANDS | {"tools", "inference", "planner"},
+    "trainer": COMMANDS | {"tools", "inference", "planner", "simulation"},
+    "posttrain": COMMANDS | {"tools", "inference", "planner", "simulation"},
+    "components": COMMANDS | {"tools", "inference", "planner", "posttrain", "trainer", "simulation"},
+    "data": COMMANDS | {"tools", "inference", "planner", "posttrain", "trainer", "simulation", "components"},
+    "models": COMMANDS | {"tools", "inference", "planner", "posttrain", "trainer", "simulation", "components",
+                          "distributed"},
+    "distributed": COMMANDS | {"tools", "inference", "planner", "posttrain", "trainer", "simulation", "components"},
+    "utils": COMMANDS | {"tools", "inference", "planner", "posttrain", "trainer", "simulation", "components", "data",
+              "models", "distributed", "config"},
 }
 
 

@@ -186,7 +186,7 @@ def test_adapter_only_checkpoint_over_a_full_checkpoint_resumes_exactly(runs, tm
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtrain.tools.generation import load
+    from torchtrain.inference.generation import load
 
     job = [*runs["lora_job"], "--checkpoint.initial_load_path", runs["full_checkpoint"]]
     state = load(runs["adapter_checkpoint"], None, job, torch.device("cpu"), torch.float32).model.state_dict()

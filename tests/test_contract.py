@@ -10,7 +10,7 @@ import pytest
 
 from torchtrain.models.contract import declare
 from torchtrain.models.registry import get_model_spec
-from torchtrain.tools.dryrun import run_rank
+from torchtrain.simulation.dry_run import run_rank
 
 BATCH, SEQ = 2, 32
 OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",

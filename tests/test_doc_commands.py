@@ -122,7 +122,7 @@ def check_vlm_recipe(folder: str, output: str) -> None:
 
     import torch
 
-    from torchtrain.tools.generation import Sampling, generate, load
+    from torchtrain.inference.generation import Sampling, generate, load
 
     data = os.path.join(folder, "data", "shapes")
     job = load(os.path.join(folder, "outputs", "vlm_shapes", "checkpoint"), None, [], torch.device("cpu"),

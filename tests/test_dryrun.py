@@ -10,8 +10,8 @@ from conftest import REPO
 
 from torchtrain.dryrun import main
 from torchtrain.simulation.collective_log import CollectiveLog, CollectiveMismatch
+from torchtrain.simulation.dry_run import dry_run
 from torchtrain.simulation.fake_world import fake_world
-from torchtrain.tools.dryrun import dry_run
 
 # Llama 3 8B's shapes (2 of its 32 blocks, a shorter sequence: the per-block work is what is checked) at
 # 64 ranks: FSDP 8 x TP 8, float8 with float8 all-gather (torchtitan's 405B recipe), checked for CUDA.

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_MODEL, assert_no_traceback, run_train
 
-from torchtrain.tools.generation import Sampling, generate, load, sample_next
+from torchtrain.inference.generation import Sampling, generate, load, sample_next
 
 CYCLE = "0123456789"
 

@@ -1,10 +1,9 @@
 """The planner on Qwen3 and Qwen3-MoE: activation formulas against the real blocks, expert sharding
 and all-to-all arithmetic, analytic vs traced memory under expert parallelism, EP in `--search`, and
-Qwen3-MoE 235B-A22B on 256 H100s planned in under a minute.
+Qwen3-MoE 235B-A22B on 256 H100s planned within 4 GiB (its time: benchmarks/planner_scale.py).
 
 Tolerances: the per-block activation formula is derived op by op and held exactly (as Llama 3's in
-test_planner.py); analytic vs trace within 15% (test_planner.py's bound); the 235B plan's CPU time
-(user + system of the planner process, which other processes do not inflate) below 60 s.
+test_planner.py); analytic vs trace within 15% (test_planner.py's bound).
 """
 
 from __future__ import annotations
@@ -121,13 +120,13 @@ def test_search_includes_expert_parallel_layouts():
 
 
 @pytest.mark.slow
-def test_qwen3_moe_235b_on_256_h100_plans_in_under_a_minute(tmp_path):
+def test_qwen3_moe_235b_on_256_h100_plans_within_4_gib(tmp_path):
     data, cpu_s, rss_gib = _plan(["--world-size", "256", "--gpu", "h100", "--model.name", "qwen3_moe",
                                   "--model.flavor", "235B-A22B", "--training.seq_len", "4096",
                                   "--training.local_batch_size", "4", "--pp", "2", "--tp", "2", "--ep", "8",
                                   "--ac", "full"], tmp_path)
-    print(f"235B-A22B on 256 x H100: {cpu_s:.1f} s CPU, {rss_gib:.2f} GiB RSS")
-    assert cpu_s < 60 and rss_gib < 4
+    print(f"235B-A22B on 256 x H100: {cpu_s:.1f} s CPU, {rss_gib:.2f} GiB RSS")  # time: benchmarks/planner_scale.py
+    assert rss_gib < 4
     assert data["valid"] and data["inputs"]["ep"] == 8
     assert round(data["model"]["num_params"] / 1e9) == 235 and round(data["model"]["num_active_params"] / 1e9) == 22
     assert data["throughput"]["expert_all_to_all_bytes"] > 0

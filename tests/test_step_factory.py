@@ -46,7 +46,7 @@ def _calls(name: str) -> list[str]:
 
 def test_train_step_is_constructed_in_one_place_that_every_runner_calls():
     assert _calls("TrainStep") == ["torchtrain/trainer/step_factory.py"]
-    assert sorted(_calls("build_train_step")) == ["torchtrain/planner/trace.py", "torchtrain/tools/dryrun.py",
+    assert sorted(_calls("build_train_step")) == ["torchtrain/planner/trace.py", "torchtrain/simulation/dry_run.py",
                                                   "torchtrain/trainer/trainer.py"]
 
 
@@ -73,7 +73,7 @@ def _carries_the_jobs_step_options(step, extra_losses: bool = True) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pp2"])
 def test_the_dry_run_steps_with_the_jobs_z_loss_moe_and_extra_losses(built, pipeline):
-    from torchtrain.tools.dryrun import dry_run
+    from torchtrain.simulation.dry_run import dry_run
 
     result = dry_run(MOE_MTP_JOB + (PP2 if pipeline else []), world=2, ranks=[0, 1], steps=1, device_type="cpu")
     assert len(built) == 2 and all(run.steps == 1 for run in result.ranks)

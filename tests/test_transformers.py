@@ -308,7 +308,7 @@ def test_declared_collectives_match_the_dry_run(kind, ep, tmp_path):
     from test_contract import BATCH, DTYPES, OPS, SEQ
 
     from torchtrain.models.contract import declare
-    from torchtrain.tools.dryrun import run_rank
+    from torchtrain.simulation.dry_run import run_rank
 
     folder = hf_folder(tmp_path, kind, weights=False)
 

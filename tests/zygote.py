@@ -33,7 +33,7 @@ import tempfile
 import threading
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.checkpoint",
-           "torchtrain.trainer.trainer", "torchtrain.tools.parity", "torchtrain.tools.dryrun",
+           "torchtrain.trainer.trainer", "torchtrain.tools.parity", "torchtrain.simulation.dry_run",
            "torchtrain.planner.core", "torchtrain.trainer.preflight", "torchtrain.utils.process_exit",
            "torchtrain.data.preparation"]
 """What the server imports once (modules run with `-m` are left out: runpy warns about a target already loaded)."""

@@ -1,13 +1,13 @@
 """The fake-backend dry run: `python -m torchtrain.dryrun --world-size N --job.config_file F` (docs/dry_run.md).
 
-Every rank of the world runs in this one process on fake collectives (tools/dryrun.py)."""
+Every rank of the world runs in this one process on fake collectives (simulation/dry_run.py)."""
 
 from __future__ import annotations
 
 import sys
 
 from torchtrain.simulation.collective_log import CollectiveMismatch
-from torchtrain.tools.dryrun import DisagreeingRanks, dry_run
+from torchtrain.simulation.dry_run import DisagreeingRanks, dry_run
 
 USAGE = ("usage: python -m torchtrain.dryrun --world-size N [--ranks R,R,...] [--steps S] [--device cuda|cpu] "
          "[--job.config_file F] [--section.key value ...]")

@@ -4,7 +4,7 @@ folder -- with the job's model and tokenizer, in one process on CPU or GPU.
     python -m torchtrain.generate --checkpoint outputs/debug_model/checkpoint --prompt "def " \\
         [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--device cpu]
 
-See `torchtrain/tools/generation.py` and the README.
+See `torchtrain/inference/generation.py` and the README.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import torch
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.tools.generation import Sampling, generate, load, room_for
+from torchtrain.inference.generation import Sampling, generate, load, room_for
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""python -m torchtrain.score: a checkpoint's mean reward on prompts with reference answers (tools/scoring.py)."""
+"""python -m torchtrain.score: a checkpoint's mean reward on prompts with reference answers (inference/scoring.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torchtrain.config.fields import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torchtrain.tools import scoring
+    from torchtrain.inference import scoring
 
     ap = argparse.ArgumentParser(prog="python -m torchtrain.score", allow_abbrev=False, description=scoring.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ns, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         from torchtrain.config import parse_args
+        from torchtrain.inference.generation import find_job_config, load
+        from torchtrain.inference.scoring import score
         from torchtrain.posttrain.decoding import Sampling
         from torchtrain.posttrain.grpo import stop_ids
         from torchtrain.posttrain.rewards import Rewards
-        from torchtrain.tools.generation import find_job_config, load
-        from torchtrain.tools.scoring import score
 
         if ns.samples < 1 or ns.temperature < 0:
             raise ConfigError("--samples must be >= 1 and --temperature >= 0")

@@ -8,7 +8,7 @@ not group-size times its input, a reduce-scatter whose input is not group-size t
 all-to-all whose split sizes do not add up to its tensors, a collective of differently shaped
 tensors inside one coalesced call. Under a fake process group (simulation/fake_world.py) nothing moves,
 so these checks are what stands between a layout and a hang on the cluster. The fake-backend dry run
-(`tools/dryrun.py`) compares the records of several ranks.
+(`simulation/dry_run.py`) compares the records of several ranks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ torch's fake process group (`torch.testing._internal.distributed.fake_pg`) accep
 at once and moves no data, so meshes, FSDP/TP/EP wrappers and a training step are built and run
 exactly as on a real cluster, for one rank. With `FakeTensorMode` (tensors with shapes, dtypes and
 storage sizes but no data) a 405B model costs no memory. The planner's trace (`planner/trace.py`)
-and the fake-backend dry run (`tools/dryrun.py`) both run in such a world.
+and the fake-backend dry run (`simulation/dry_run.py`) both run in such a world.
 """
 
 from __future__ import annotations

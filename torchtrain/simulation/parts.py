@@ -5,7 +5,7 @@ A part is described by a `PartCut`: the pipeline stage it is, the modules it kee
 how many blocks the model is built with (the planner's trace builds shortened models to extend its
 measurements linearly in depth). `build_fake_parts` builds, cuts and parallelises each part with the
 trainer's own applier; the caller materialises them (`to_empty`, under `FakeTensorMode` for a fake
-trace). The dry run (`tools/dryrun.py`) and the planner's trace (`planner/trace.py`) both build
+trace). The dry run (`simulation/dry_run.py`) and the planner's trace (`planner/trace.py`) both build
 their parts here.
 """
 

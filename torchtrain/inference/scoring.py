@@ -4,7 +4,7 @@
         [--samples 1] [--temperature 0] [--reward-funcs exact ...] [--max-new-tokens N] [--seed 0] [--json]
 
 The prompts file is GRPO's (`data/prompts.py`: "prompt" or "messages", and "answer"), rendered with the job's
-chat template; the model, tokenizer and defaults come from the job (`tools/generation.py::load`): the reward
+chat template; the model, tokenizer and defaults come from the job (`inference/generation.py::load`): the reward
 functions, completion length and stop tokens of its [grpo] section when it has one. Each prompt gets `--samples`
 completions (greedy at temperature 0, one per prompt), sampled in batches with the key/value cache
 (`posttrain/decoding.py`); the score is the mean reward over all of them, and its share of exact
