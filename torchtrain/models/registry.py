@@ -28,15 +28,16 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError, coerce, default_of, did_you_mean, field_docs, field_types
 from torchtrain.models.base import BaseModel, BaseModelArgs
+from torchtrain.models.layout_view import LayoutView
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtrain.models.state_dict_adapter import StateDictAdapter
 
-Layout = Any
-"""The resolved layout (`distributed/layout.py::Layout`) a model's checks receive; named here without
-importing it, so that the model registry does not depend on the distributed layout."""
+Layout = LayoutView
+"""The resolved layout (`distributed/layout.py::Layout`) a model's checks receive, as the protocol of what they
+may read of it (`models/layout_view.py`): the model registry does not depend on the distributed layout."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from torch.torch_version import TorchVersion
 
 from torchtrain.config.fields import ConfigError
+from torchtrain.models.layout_view import DegreesView
 
 
 class GatherForLocalHeads(ParallelStyle):
@@ -216,7 +217,7 @@ def swiglu_plan(prefix: str = "feed_forward") -> dict[str, object]:
     }
 
 
-def check_tp_has_ep(dims) -> None:
+def check_tp_has_ep(dims: DegreesView) -> None:
     """Tensor parallelism of an MoE model needs expert parallelism over the TP ranks (ConfigError)."""
     if dims.tp_enabled and not dims.ep_enabled:
         raise ConfigError(

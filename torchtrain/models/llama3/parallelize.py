@@ -17,10 +17,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout
 from torchtrain.models.common.tp import apply_decoder_top, gqa_attention_plan, swiglu_plan
+from torchtrain.models.layout_view import LayoutView
 from torchtrain.models.llama3.args import Llama3Args
 
 
-def validate_llama(args: Llama3Args, layout) -> None:
+def validate_llama(args: Llama3Args, layout: LayoutView) -> None:
     """Model-shape checks against the layout (`check_decoder_layout` of the heads and the SwiGLU)."""
     check_decoder_layout(args, layout, {
         "model.n_heads": args.n_heads,

@@ -1,0 +1,45 @@
+"""What a model's own checks and adaptations may read of the resolved layout (`distributed/layout.py::Layout`),
+declared here as protocols so that models/ names it without importing distributed/ (nothing imports upward).
+The Layout and its ParallelDims satisfy them; a model that needs more of the layout adds it here first."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class DegreesView(Protocol):
+    """The parallel degrees (`distributed/parallel_dims.py::ParallelDims`)."""
+
+    tp: int
+    cp: int
+
+    @property
+    def tp_enabled(self) -> bool: ...
+
+    @property
+    def cp_enabled(self) -> bool: ...
+
+    @property
+    def ep_enabled(self) -> bool: ...
+
+    @property
+    def pp_enabled(self) -> bool: ...
+
+
+class BatchView(Protocol):
+    """The batch plan: the job's sequence length."""
+
+    seq_len: int
+
+
+class LayoutView(Protocol):
+    """The resolved layout, as a model's `validate` and `adapt` hooks read it."""
+
+    dims: DegreesView
+    batch: BatchView
+
+    @property
+    def local_seq_len(self) -> int: ...
+
+    @property
+    def cp_chunk_len(self) -> int: ...
