@@ -52,7 +52,8 @@ from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
 
 EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
-             exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed"}
+             exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed",
+             exit_codes.SILENT_CORRUPTION: "silent data corruption"}
 
 
 def describe_exit(code: int) -> str:

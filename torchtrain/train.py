@@ -1,8 +1,8 @@
 """The trainer's command: `torchrun ... -m torchtrain.train --job.config_file JOB.toml [--section.key value ...]`.
 
 Parses the job, runs `trainer.Trainer`, and turns the ways a run ends into exit statuses
-(utils/exit_codes.py): a config error, a guard abort or failing checkpoint saves are one line on the
-log rank, no traceback.
+(utils/exit_codes.py): a config error, a guard abort, replicas found to differ or failing checkpoint saves
+are one line on the log rank, no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import torch.distributed as dist
 
 from torchtrain.components.checkpoint import SaveFailed
+from torchtrain.components.fault.replica_check import CorruptionAbort
 from torchtrain.config import ConfigError, format_help, parse_args
 from torchtrain.models.registry import model_arguments
 from torchtrain.trainer.guard import GuardAbort
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         if is_log_rank():
             print(f"torchtrain: guard: {e}", file=sys.stderr)
         return exit_codes.GUARD_ABORT
+    except CorruptionAbort as e:  # every rank raises it after the same check (docs/resilience.md)
+        finished = True
+        if is_log_rank():
+            print(f"torchtrain: sdc: {e}", file=sys.stderr)
+        return exit_codes.SILENT_CORRUPTION
     except SaveFailed as e:  # every rank raises it after the same failed save (docs/checkpointing.md)
         finished = True
         if is_log_rank():

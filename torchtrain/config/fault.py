@@ -10,12 +10,15 @@
 * Straggler detection: every `straggler_freq` steps the ranks' own compute times are compared.
 * Replica-group fault tolerance (`replica_ft`): each data-parallel replica group is its own job,
   joined to the others through torchft, so that losing one group does not stop the rest.
+* Silent data corruption (`sdc_*`): the data-parallel replicas' parameters (and optimizer state)
+  are hashed and compared on a schedule and before every checkpoint save
+  (components/fault/replica_check.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from torchtrain.config.fields import ConfigError, Ge, Gt
 
@@ -77,6 +80,24 @@ class Fault:
     """With replica_ft: a step is applied only when at least this many replica groups took part in
     it."""
 
+    sdc_check_freq: Annotated[int, Ge(0)] = 0
+    """Silent data corruption check: every this many steps, and before every checkpoint save, each
+    data-parallel replica (DDP and ZeRO-1 ranks, HSDP replica groups) hashes the parameters it holds
+    (one pass, exact integer hashes of the bits) and the hashes are compared across the replicas,
+    which must hold bitwise-equal values; a difference names the step, the ranks and the tensor, and
+    its evidence goes to `{dump_folder}/sdc/step-N.json`. A layout without replicas (pure FSDP, TP,
+    PP) has nothing to compare: the check is then off, said once. Cost: reading the replica's state
+    once per check plus one all-gather of 16 bytes per tensor (docs/resilience.md). 0: off."""
+
+    sdc_policy: Literal["rollback", "abort", "warn"] = "rollback"
+    """What a detected difference does: `rollback` restores the newest checkpoint (written after a
+    clean check, so it predates the corruption) with its data position and trains the lost steps
+    again; `abort` stops the job (exit status 6, not restarted: the hardware needs attention first);
+    `warn` logs it and goes on."""
+
+    sdc_check_optimizer: bool = True
+    """Compare the optimizer state too (not under ZeRO-1, whose ranks hold different shards of it)."""
+
     replica_timeout_s: Annotated[float, Gt(0)] = 30.0
     """With replica_ft: the timeout of collectives across replica groups and of forming a quorum; a
     group that does not answer within it is dropped from the step. Also how long a starting job waits
@@ -100,6 +121,12 @@ def check_fault(job) -> None:
                 f"[fault.slow_phase_timeout_s] {fault.slow_phase_timeout_s:g} must be shorter than "
                 f"comm.init_timeout_seconds ({comm.init_timeout_seconds}), the collective timeout of start-up and "
                 f"checkpoints; lower it or raise comm.init_timeout_seconds")
+    if fault.sdc_check_freq and fault.sdc_policy == "rollback" and not job.checkpoint.enable:
+        raise ConfigError("[fault.sdc_policy] \"rollback\" restores the newest checkpoint, but checkpoint.enable is "
+                          "false; enable checkpoints, or set fault.sdc_policy to \"abort\" or \"warn\"")
+    if debug.inject_bitflip_step is not None and not fault.sdc_check_freq:
+        raise ConfigError("[debug.inject_bitflip_step] is a test of the silent data corruption check: set "
+                          "fault.sdc_check_freq too")
     if debug.inject_delay_s > 0 and not debug.inject_delay_ranks:
         raise ConfigError("[debug.inject_delay_s] needs debug.inject_delay_ranks: the global ranks to slow down")
     if not fault.replica_ft:

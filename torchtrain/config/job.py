@@ -159,3 +159,14 @@ class Debug:
 
     inject_delay_s: Annotated[float, Ge(0)] = 0.0
     """Extra compute per step of the ranks in `inject_delay_ranks`, in seconds."""
+
+    inject_bitflip_step: Annotated[int, Ge(1)] | None = None
+    """Fault injection for testing the silent data corruption check ([fault] sdc_check_freq): after the
+    optimizer step of this step, rank `inject_bitflip_rank` flips one bit of one value it holds (of
+    `inject_bitflip_target`), once: a step run again after a rollback is clean."""
+
+    inject_bitflip_rank: Annotated[int, Ge(0)] = 0
+    """The global rank whose value `inject_bitflip_step` flips."""
+
+    inject_bitflip_target: Literal["param", "optimizer"] = "param"
+    """What `inject_bitflip_step` flips: a parameter, or an optimizer state tensor (Adam's moment)."""

@@ -56,6 +56,8 @@ from torchtrain.models.converters.float8 import Float8Plan, resolve_float8, reso
 from torchtrain.models.converters.lora import check_lora_layout
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from torchtrain.config import JobConfig
     from torchtrain.config.lora import Lora
     from torchtrain.distributed.pipeline import PipelineSplit
@@ -182,6 +184,17 @@ class Layout:
     def zero1(self) -> bool:
         """The optimizer state is sharded over the data-parallel ranks (ZeroRedundancyOptimizer)."""
         return self.strategy.zero1 and self.dims.dp_enabled
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding bitwise-equal copies of each rank's parameters (the silent data corruption check compares
+        them): the data-parallel ranks under DDP / ZeRO-1, the replica groups under HSDP; 1: none."""
+        return self.dims.dp if self.ddp else self.dims.dp_replicate if self.fsdp else 1
+
+    @property
+    def replica_mesh(self) -> DeviceMesh | None:
+        """The mesh over this rank's `replicas` (None without any; needs the mesh)."""
+        return None if self.replicas == 1 else self.dims.dp_mesh if self.ddp else self.dims.world_mesh["dp_replicate"]
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

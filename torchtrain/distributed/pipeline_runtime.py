@@ -55,6 +55,16 @@ class PipelineRunner:
     def timeline(self):
         return schedule_timeline(self.schedule, self.split)
 
+    def describe(self, microbatch_size: int) -> str:
+        """The schedule, its bubble (simulated, and the GPipe/1F1B formula), its timeline and each stage's modules:
+        what the trainer logs at start-up."""
+        split, pp, timeline = self.split, self.pp, self.timeline()
+        return (f"pipeline: {split.schedule_name}, {split.num_stages} stages ({split.stages_per_rank} per rank), "
+                f"{split.n_microbatches} micro-batches of {microbatch_size}; bubble {100 * timeline.bubble_fraction:.1f}% "
+                f"(GPipe/1F1B formula (p-1)/(m+p-1) = {100 * (pp - 1) / (split.n_microbatches + pp - 1):.1f}%)\n"
+                f"{timeline.render()}\nstages: "
+                + " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(split.modules_per_stage)))
+
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, local_value, kwargs: dict | None = None) -> torch.Tensor:
         """One schedule step over the local batch; this rank's summed (scaled) loss (0 off the last stage).
         `kwargs` (per-token tensors such as positions) go to every stage, cut into micro-batches."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.planner import grpo_report, offload, preference, preference_report, vision
+from torchtrain.planner import grpo_report, offload, preference, preference_report, sdc, vision
 from torchtrain.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.planner.host_time import HostTime, host_seconds
@@ -63,6 +63,8 @@ class Plan:
     """A `[dpo]` job's reference: memory, FLOPs, time, the precomputed pass (`preference.py`)."""
     grpo: "grpo_report.GrpoCost | None" = None
     """A `[grpo]` job's iteration: sampling, the reference pass, the optimizer steps (`grpo.py`)."""
+    sdc: "sdc.CheckCost | None" = None
+    """The silent data corruption check's time a check and a step (`sdc.py`); None when the job does not check."""
 
     @property
     def worst(self) -> RankPlan:
@@ -187,6 +189,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
     plan.preference = preference_report.summarize(p, ranks, plan.throughput, job)
     plan.grpo = grpo_report.summarize(p, ranks, plan.throughput, job)
     plan.notes += grpo_report.notes(p)
+    plan.sdc = sdc.summarize(p, ranks, plan.throughput)
     return plan
 
 

@@ -143,6 +143,7 @@ def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: 
         ep_overlap_chunks=par.expert_parallel_overlap_chunks, ep_comm_delay_ms=job.debug.expert_comm_delay_ms,
         float8_experts=float8_experts(job),
         checkpoint_interval=ckpt.interval if ckpt.enable else None,
+        sdc_check_freq=job.fault.sdc_check_freq, sdc_check_optimizer=job.fault.sdc_check_optimizer,
         image_pixels=(job.images.min_pixels, job.images.max_pixels), dpo=read_preference(job, decided["lora"]),
         grpo=read_rollouts(job, decided["lora"]), job=job, layout=layout, problems=problems, **decided)
     for knob in PLANNER_KEYS:

@@ -180,6 +180,9 @@ class PlanInputs:
     tokens: float | None = None
     checkpoint_interval: int | None = None
     """Steps between checkpoints (`checkpoint.interval`; None: checkpointing off), for the interruptions."""
+    sdc_check_freq: int = 0
+    """Steps between silent data corruption checks (`fault.sdc_check_freq`; 0: off), for their cost (`sdc.py`)."""
+    sdc_check_optimizer: bool = True
     failure_rate: float = LLAMA3_405B_RATE
     """Unexpected interruptions per GPU-hour (`--failure-rate`; default Llama 3 405B's, interruptions.py)."""
     restart_s: float = DEFAULT_RESTART_S

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from torchtrain.components.observability.tensor_memory import CATEGORIES
-from torchtrain.planner import grpo_report, interruptions, preference_report, vision
+from torchtrain.planner import grpo_report, interruptions, preference_report, sdc, vision
 from torchtrain.planner.core import Plan, RankPlan
 from torchtrain.planner.pipeline import ENCODER
 
@@ -224,6 +224,8 @@ def _throughput_lines(plan: Plan) -> list[str]:
             parts = ", ".join(f"{k} {v:,.3f}" for k, v in t.host_breakdown_s.items())
             rows.append(("host time (dispatching the step)", f"{t.host_s:,.3f} s ({t.host_ops:,.0f} operators: {parts})"))
         bound = "" if t.host_s is None else " (host-bound)" if t.host_s > t.gpu_s else " (GPU-bound)"
+        if plan.sdc is not None:
+            rows.append(("silent data corruption check", sdc.describe(plan.sdc)))
         rows += [("step time", f"{t.step_s:,.3f} s{bound}"),
                  ("tokens/s", f"{t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per GPU)"),
                  ("effective MFU", f"{t.effective_mfu:.1%}")]
@@ -285,6 +287,7 @@ def plan_to_dict(plan: Plan, fewest: tuple | None = None) -> dict[str, Any]:
         "throughput": _clean(plan.throughput), "notes": plan.notes, "images": _images(p),
         "preference": _clean(plan.preference),
         "grpo": _clean(plan.grpo),
+        "sdc_check": _clean(plan.sdc),
         "offload": None if plan.offload is None else {
             **_clean(plan.offload), "host_per_node_bytes": plan.offload.host_per_node,
             "nvme_per_node_bytes": plan.offload.nvme_per_node, "fits_node": plan.offload.fits,

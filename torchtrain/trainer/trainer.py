@@ -22,6 +22,7 @@ from torchtrain.components.evaluation.in_loop import InLoopEvaluation
 from torchtrain.components.evaluation.tasks import load_tasks
 from torchtrain.components.evaluation.validation import build_validation_sources
 from torchtrain.components.fault import FaultRuntime
+from torchtrain.components.fault.replica_check import CorruptionAbort, Mismatch, ReplicaCheck
 from torchtrain.components.hardware import MemoryMonitor, peak_tflops
 from torchtrain.components.observability.compile_monitor import CompileMonitor
 from torchtrain.components.observability.metrics import MetricsLogger, ThroughputMeter
@@ -134,7 +135,7 @@ class Trainer:
         self.train_step = build_train_step(layout, cfg.training, args, self.model_parts, self.optimizers,
                                            self.lr_schedulers, device, sequence_loss=self.objective.loss)
         if self.train_step.pipeline is not None:
-            self._log_pipeline()
+            logger.info("%s", self.train_step.pipeline.describe(cfg.parallelism.pipeline_parallel_microbatch_size))
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
                                                                             cfg.metrics.peak_tflops), world_size)
@@ -175,6 +176,8 @@ class Trainer:
                                                         os.path.abspath(cfg.model.hf_assets_path) if
                                                         cfg.model.hf_assets_path else ""))
         self.checkpointer.load()
+        self.sdc = ReplicaCheck(cfg.fault, cfg.debug, layout.replica_mesh, not layout.zero1, self.model_parts,
+                                self.optimizers, self.run_folder, self.rank)  # [fault] silent data corruption
         # the objective's own models take the loaded (or initial) weights; its sampling uses the model being trained
         self.objective.start(self.state.step, self.train_step, self.batch.local_batch_size,
                              heartbeat=lambda: self.fault.mark("rollout"))
@@ -182,16 +185,6 @@ class Trainer:
             self.replicas = ReplicaGroups(cfg.fault, layout.replica_groups, layout.replica_id, device, states)
             self.replicas.install(self.model_parts)
             self.train_step.replicas = self.replicas
-
-    def _log_pipeline(self) -> None:
-        split, cfg, pp = self.layout.pipeline, self.job_config, self.layout.dims.pp
-        timeline = self.train_step.pipeline.timeline()
-        logger.info("pipeline: %s, %d stages (%d per rank), %d micro-batches of %d; bubble %.1f%% "
-                    "(GPipe/1F1B formula (p-1)/(m+p-1) = %.1f%%)\n%s\nstages: %s",
-                    split.schedule_name, split.num_stages, split.stages_per_rank, split.n_microbatches,
-                    cfg.parallelism.pipeline_parallel_microbatch_size, 100 * timeline.bubble_fraction,
-                    100 * (pp - 1) / (split.n_microbatches + pp - 1), timeline.render(),
-                    " | ".join(f"{i}: {', '.join(m)}" for i, m in enumerate(split.modules_per_stage)))
 
     def _write_config(self) -> None:
         text = to_toml(self.job_config)
@@ -250,10 +243,14 @@ class Trainer:
             if out.verdict == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
                                "surviving group (its batches are not trained on)", self.state.step)
+            found = self.sdc.after_step(self.state.step, self.checkpointer.saves_at(self.state.step))
+            if found and self.sdc.policy != "warn" and self._sdc_act(found, out, logged):  # rolled back
+                data_iter = iter(self.dataloader)  # the restored data position, read again
+                continue
             evaluation = None
             if self.evaluation.due(self.state.step):  # [ops] validation sets, downstream tasks
                 evaluation = self.evaluation.run(self.state.step, self.phases)
-            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None
+            if not logged and (self._should_log() or evaluation is not None or out.verdict is not None or found
                                or self.checkpointer.unreported_failure):
                 self._log(out, evaluation, may_defer=True)
                 logged = True
@@ -303,10 +300,28 @@ class Trainer:
         else:
             logger.info("guard: rolled back from step %d to step-%d. The batches of steps %d-%d are skipped: step %d "
                         "runs again on the data that follows them", bad, restored, restored + 1, bad, restored + 1)
+        self._restarted_from_checkpoint()
+        return True
+
+    def _sdc_act(self, found: list[Mismatch], out: StepResult, logged: bool) -> bool:
+        """The replicas differ (components/fault/replica_check.py): the step is logged, then `abort` raises on every
+        rank and `rollback` restores the newest checkpoint (saved after a clean check) with its data position: the
+        lost steps train again on the same data (True: the loop continues after the restored step)."""
+        if not logged:
+            self._log(out)
+        self.fault.mark("checkpoint")
+        step, restored = self.state.step, self.checkpointer.restore_latest() if self.sdc.policy == "rollback" else None
+        if restored is None:  # aborting, or no checkpoint yet
+            raise CorruptionAbort(self.sdc.abort_message(step, found))
+        logger.info("sdc: rolled back from step %d to step-%d (saved after a clean check); steps %d-%d run again on "
+                    "the same data", step, restored, restored + 1, step)
+        self._restarted_from_checkpoint()
+        return True
+
+    def _restarted_from_checkpoint(self) -> None:
         self.throughput.reset()
         self._timed = None
         self.phases.reset()
-        return True
 
     def _log(self, out: StepResult, evaluation: dict | None = None, may_defer: bool = False) -> None:
         """Log a step. Its device values are copied to the host behind its work (`trainer/step_record.py`)
@@ -328,7 +343,7 @@ class Trainer:
         if scaler.enabled:
             at_end.update(loss_scale=scaler.value, skipped_steps=scaler.skipped_steps, step_skipped=not out.stepped)
         after = {**(evaluation or {}), **self.guard.record(), **self.fault.record(), **self.checkpointer.record(),
-                 **self.objective.record()}
+                 **self.sdc.record(), **self.objective.record()}
         self.memory.reset_peak()
         self._pending = (self.state.step, StepValues(out, self.state.tokens_on_device, self.step_clock), at_end,
                          after)

@@ -17,5 +17,9 @@ SAVE_FAILED = 5
 """Checkpoint saves failed `checkpoint.max_consecutive_save_failures` times in a row
 (`torchtrain: checkpoint: ...`, printed once); final: the storage needs attention first."""
 
-FINAL = (CONFIG_ERROR, GUARD_ABORT, SAVE_FAILED)
+SILENT_CORRUPTION = 6
+"""The replicas' values differed ([fault] sdc_check_freq, `sdc_policy = "abort"`, or no checkpoint to roll back
+to; `torchtrain: sdc: ...` names the ranks); final: the hardware needs attention before a restart."""
+
+FINAL = (CONFIG_ERROR, GUARD_ABORT, SAVE_FAILED, SILENT_CORRUPTION)
 """Statuses the launcher never restarts."""

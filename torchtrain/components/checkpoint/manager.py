@@ -207,6 +207,11 @@ class CheckpointManager:
         return bool(flags[0]), pending and not flags[1]
 
     # ------------------------------------------------------------------ the training loop's hooks
+    def saves_at(self, step: int) -> bool:
+        """A save is due after `step` by the schedule (the interval or the last step; a preemption's is not known
+        before `after_step`)."""
+        return self.enabled and (step >= self.total_steps or step % self.cfg.interval == 0)
+
     def after_step(self, step: int, may_save: bool = True) -> bool:
         """Save if due (interval, last step, agreed preemption). True: stop training now (preempted).
         `may_save` False: this job does not write (a replica group other than the saving one under
