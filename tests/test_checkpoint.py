@@ -226,7 +226,7 @@ def test_fresh_checkpoint_holds_no_pickled_state(fsdp2_ref):
     assert not others and report.byte_entries > 0, (others, report.describe())
     md = FileSystemReader(ckpt(fsdp2_ref, 8)).read_metadata()
     own = {k: v for k, v in md.state_dict_metadata.items() if k.startswith(("dataloader.", "rng.", "train_state."))}
-    assert len(own) == 6 and all(isinstance(v, TensorStorageMetadata) for v in own.values()), own
+    assert len(own) == 7 and all(isinstance(v, TensorStorageMetadata) for v in own.values()), own  # 2 + 2 + 3
 
 
 def test_checkpoint_with_pickled_states_resumes_exactly(fsdp2_ref, tmp_path):

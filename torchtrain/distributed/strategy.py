@@ -152,10 +152,12 @@ def resolve_batch(local_batch_size: int, global_batch_size: int, dp_degree: int,
     per_micro = local_batch_size * dp_degree
     global_bs = per_micro if global_batch_size == -1 else global_batch_size
     if global_bs % per_micro:
+        keep = [d for d in range(1, global_bs // local_batch_size + 1) if global_bs % (local_batch_size * d) == 0]
         raise ConfigError(
             f"[training.global_batch_size] {global_bs} is not a multiple of training.local_batch_size "
             f"({local_batch_size}) x data-parallel degree ({dp_degree}) = {per_micro}; "
-            f"use a multiple of {per_micro} (or -1 for exactly {per_micro})"
+            f"use a multiple of {per_micro} (or -1 for exactly {per_micro}), or a data-parallel degree that keeps "
+            f"{global_bs}: {', '.join(map(str, keep[:12]))}{', ...' if len(keep) > 12 else ''}"
         )
     return BatchPlan(local_batch_size, global_bs, global_bs // per_micro, seq_len)
 

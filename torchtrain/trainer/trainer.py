@@ -85,7 +85,7 @@ class Trainer:
         # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).
         init_distributed(cfg.comm, device)
         self.run_folder = run_folder(cfg.job.dump_folder, cfg.fault)  # a replica group's own folder under replica_ft
-        self.state = TrainState(device)
+        self.state = TrainState(device, self.batch.global_batch_size, cfg.training.global_batch_size != -1)
         self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
                                   cfg.profiling.enable_profiling)
         self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)

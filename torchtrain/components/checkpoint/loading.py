@@ -117,7 +117,7 @@ class CheckpointLoader:
                 if key == "train_state":
                     entries = metadata.state_dict_metadata
                     template[key] = {k: v if isinstance(entries.get(f"{key}.{k}"), TensorStorageMetadata) else None
-                                     for k, v in template[key].items()}
+                                     for k, v in template[key].items() if f"{key}.{k}" in entries}  # (newer keys)
         return template
 
     def load_dcp(self, path: str, keys: tuple[str, ...], label: str, meta: dict[str, Any],
