@@ -1,7 +1,8 @@
 """Silent data corruption ([fault] sdc_check_freq; components/fault/replica_check.py): the digests and the
 comparison on fixed tensors, the keys checked at parse time, and under real torchrun + gloo (one 4-rank
-launch, three jobs) a bit flipped in one replica named at the next check, with `rollback` ending bitwise on
-the clean run's weights.
+launch, four jobs) a bit flipped in one replica named at the next check, with `rollback` ending bitwise on
+the clean run's weights; under pure FSDP (one 2-rank launch, three jobs) a corrupted output of one
+micro-batch caught by the re-execution check, which itself changes nothing (bitwise the run without it).
 
 Why bitwise: replicas receive the same all-reduced gradients and apply the same element-wise update, so
 they hold equal bits; the rolled-back run restores the step-4 checkpoint (written after a clean check) with
@@ -10,7 +11,9 @@ its data position and trains steps 5-8 again on the same data from the same stat
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 
 import pytest
 import torch
@@ -91,7 +94,8 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("sdc")
     dumps = {name: str(work / name) for name in ("clean", "flipped", "ddp", "abort")}
     argvs = [job(dumps["clean"], *HSDP),
-             job(dumps["flipped"], *HSDP, "--debug.inject_bitflip_step", "5", "--debug.inject_bitflip_rank", "3"),
+             job(dumps["flipped"], *HSDP, "--debug.inject_bitflip_step", "5", "--debug.inject_bitflip_rank", "3",
+                 "--fault.sdc_exclude_file", os.path.join(dumps["flipped"], "exclude.txt")),
              job(dumps["ddp"], "--parallelism.data_parallel_strategy", "ddp", "--fault.sdc_policy", "warn",
                  "--debug.inject_bitflip_step", "3", "--debug.inject_bitflip_rank", "1",
                  "--debug.inject_bitflip_target", "optimizer"),
@@ -110,6 +114,9 @@ def test_a_flipped_hsdp_parameter_is_named_and_rolled_back_to_the_clean_weights(
     assert "sdc: rolled back from step 6 to step-4" in log
     evidence = os.path.join(flipped, "sdc", "step-6.json")
     assert os.path.exists(evidence) and not os.path.exists(os.path.join(clean, "sdc"))
+    host = socket.gethostname()
+    assert json.load(open(evidence))["hosts"] == {"1": host, "3": host}
+    assert open(os.path.join(flipped, "exclude.txt")).read() == f"{host}\n"  # for the scheduler, once
     records = read_metrics(flipped)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # step 6 logged, then trained again
     last = {r["step"]: r["loss"] for r in records}
@@ -135,7 +142,7 @@ def test_a_flipped_ddp_optimizer_state_names_its_rank_and_warn_goes_on(runs):
 
 def test_the_planner_states_the_checks_cost_from_the_replicas_state():
     """5 bytes moved per byte of a replica's parameters and Adam moments (planner/sdc.py), at the device's
-    streaming bandwidth; none without replicas, and ZeRO-1's sharded moments are not compared."""
+    streaming bandwidth; without replicas one micro-batch's forward; ZeRO-1's sharded moments are not compared."""
     from torchtrain.components.hardware import KNOWN_GPUS
     from torchtrain.planner import sdc
     from torchtrain.planner.compute_time import memory_seconds
@@ -149,7 +156,10 @@ def test_the_planner_states_the_checks_cost_from_the_replicas_state():
     assert cost.check_s == pytest.approx(memory_seconds(KNOWN_GPUS["h100"], 5 * state))
     assert cost.per_step_s == pytest.approx(cost.check_s * (1 / 10 + 1 / 50))
     assert sdc.describe(cost).startswith("every 10 steps and before each save: ")
-    assert plan_from_flags(job, 4, "h100", {}, trace=False).sdc is None  # FSDP only: no replicas
+    fsdp = plan_from_flags(job, 4, "h100", {}, trace=False)  # no replicas: a micro-batch's forward again
+    assert fsdp.sdc.replicas == 1 and fsdp.sdc.check_s == pytest.approx(fsdp.throughput.compute_s / 3)
+    pp = plan_from_flags(job, 4, "h100", {"pp": 2}, trace=False)
+    assert pp.valid and pp.sdc is None  # a pipeline cannot run a forward again
     zero1 = plan_from_flags(job, 4, "h100", {"strategy": "zero1"}, trace=False)
     params = sum(r.bytes for r in zero1.ranks[0].analytic.rows if r.name.startswith("parameters"))
     assert zero1.sdc.replicas == 4 and zero1.sdc.state_bytes == params  # its moments are sharded: not compared
@@ -162,3 +172,41 @@ def test_abort_stops_every_rank_at_the_check_with_the_evidence(runs):
            'fault.sdc_policy is "abort"' in log
     assert [r["step"] for r in read_metrics(dump)] == [1, 2]  # the step of the check is logged first
     assert os.path.exists(os.path.join(dump, "sdc", "step-2.json"))
+
+
+FSDP = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """One launch of 2 ranks, pure FSDP: checked every 2 steps (clean); the same with the first micro-batch's
+    logits flipped on rank 1 at step 4 (rolled back to step 2); unchecked."""
+    work = tmp_path_factory.mktemp("sdc_fsdp")
+    dumps = {name: str(work / name) for name in ("clean", "flipped", "unchecked")}
+    argvs = [job(dumps["clean"], *FSDP),
+             job(dumps["flipped"], *FSDP, "--debug.inject_bitflip_step", "4", "--debug.inject_bitflip_rank", "1",
+                 "--debug.inject_bitflip_target", "output"),
+             job(dumps["unchecked"], *FSDP, "--fault.sdc_check_freq", "0")]
+    outcomes = run_together(argvs, 2, str(work))
+    for (rc, log), name in zip(outcomes, dumps):
+        assert rc == 0, (name, log[-3000:])
+    return {name: (dump, log) for (name, dump), (_, log) in zip(dumps.items(), outcomes)}
+
+
+@pytest.mark.dist
+def test_a_corrupted_output_under_fsdp_is_caught_by_running_the_forward_again(fsdp_runs):
+    (clean, clean_log), (flipped, log), (unchecked, _) = (fsdp_runs[k] for k in ("clean", "flipped", "unchecked"))
+    assert "the first micro-batch's forward runs again" in clean_log
+    assert ("sdc: after step 4 a forward run again differs: the first micro-batch's output (logits), computed "
+            "again on rank(s) 1") in log
+    assert "sdc: rolled back from step 4 to step-2" in log
+    records = read_metrics(flipped)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 3, 4, 5, 6, 7, 8]
+    assert records[-1]["sdc_mismatches"] == 1 and records[-1]["sdc_checks"] == STEPS // 2 + 1  # step 4 checked twice
+    ours = flat(load(os.path.join(flipped, "checkpoint", f"step-{STEPS}")))
+    theirs = flat(load(os.path.join(clean, "checkpoint", f"step-{STEPS}")))
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    # the checks themselves change nothing: every logged value of the checked run equals the unchecked one
+    fields = ("loss", "grad_norm", "lr", "tokens_seen")
+    assert [[r[f] for f in fields] for r in read_metrics(clean)] == \
+        [[r[f] for f in fields] for r in read_metrics(unchecked)]

@@ -11,8 +11,8 @@
 * Replica-group fault tolerance (`replica_ft`): each data-parallel replica group is its own job,
   joined to the others through torchft, so that losing one group does not stop the rest.
 * Silent data corruption (`sdc_*`): the data-parallel replicas' parameters (and optimizer state)
-  are hashed and compared on a schedule and before every checkpoint save
-  (components/fault/replica_check.py).
+  are hashed and compared on a schedule and before every checkpoint save, or without replicas a
+  forward is run again and compared (components/fault/replica_check.py).
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ class Fault:
     (one pass, exact integer hashes of the bits) and the hashes are compared across the replicas,
     which must hold bitwise-equal values; a difference names the step, the ranks and the tensor, and
     its evidence goes to `{dump_folder}/sdc/step-N.json`. A layout without replicas (pure FSDP, TP,
-    PP) has nothing to compare: the check is then off, said once. Cost: reading the replica's state
-    once per check plus one all-gather of 16 bytes per tensor (docs/resilience.md). 0: off."""
+    CP) runs the step's first micro-batch's forward again instead and compares the logits bitwise (not
+    under PP, nor for MoE models: said once, off). Cost: reading the replica's state a few times per
+    check plus one all-gather of 16 bytes per tensor, or one micro-batch's forward (docs/resilience.md).
+    0: off."""
 
     sdc_policy: Literal["rollback", "abort", "warn"] = "rollback"
     """What a detected difference does: `rollback` restores the newest checkpoint (written after a
@@ -97,6 +99,10 @@ class Fault:
 
     sdc_check_optimizer: bool = True
     """Compare the optimizer state too (not under ZeRO-1, whose ranks hold different shards of it)."""
+
+    sdc_exclude_file: str | None = None
+    """A file the hosts of the ranks a check names are appended to (one per line, each once), for the
+    scheduler to leave out when it restarts the job (e.g. SLURM's `--exclude=$(paste -sd, FILE)`)."""
 
     replica_timeout_s: Annotated[float, Gt(0)] = 30.0
     """With replica_ft: the timeout of collectives across replica groups and of forming a quorum; a

@@ -168,5 +168,7 @@ class Debug:
     inject_bitflip_rank: Annotated[int, Ge(0)] = 0
     """The global rank whose value `inject_bitflip_step` flips."""
 
-    inject_bitflip_target: Literal["param", "optimizer"] = "param"
-    """What `inject_bitflip_step` flips: a parameter, or an optimizer state tensor (Adam's moment)."""
+    inject_bitflip_target: Literal["param", "optimizer", "output"] = "param"
+    """What `inject_bitflip_step` flips: a parameter, an optimizer state tensor (Adam's moment), or the logits of
+    the step's first micro-batch before its loss reads them (a wrong computation: caught by the re-execution
+    check of a layout without replicas, at a step with a check)."""

@@ -155,6 +155,16 @@ def set_gradient_sync(model_parts, enabled: bool) -> None:
             part.set_requires_gradient_sync(enabled)
 
 
+def reshard(model_parts) -> None:
+    """Free every FSDP unit's gathered parameters (after a forward that no backward follows)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def _grad_group(p: torch.Tensor) -> object:
     return (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else "plain"
 

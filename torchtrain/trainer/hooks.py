@@ -1,8 +1,9 @@
-"""The run's operations plugged into every train step: phase timing, fault injection, the guard.
+"""The run's operations plugged into every train step: phase timing, fault injection, the guard, the silent
+data corruption check's re-execution.
 
 `TrainStep` (trainer/step.py) knows nothing about them; it calls these `StepHooks` at its phase
 boundaries, after backward, and before the optimizer step ([profiling] phase timing, [guard],
-`debug.inject_nonfinite_*`).
+`debug.inject_nonfinite_*`, [fault] sdc_check_freq).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtrain.components.fault.replica_check import Reexecution, ReplicaCheck
 from torchtrain.components.observability.phases import PhaseTimer
 from torchtrain.trainer.guard import TrainingGuard
 from torchtrain.trainer.state import TrainState
@@ -20,8 +22,8 @@ from torchtrain.utils.logging import logger
 
 class OperationsHooks(StepHooks):
     def __init__(self, phases: PhaseTimer, guard: TrainingGuard, state: TrainState,
-                 inject_nonfinite_grad_step: int | None):
-        self.phases, self.guard, self.state = phases, guard, state
+                 inject_nonfinite_grad_step: int | None, sdc: ReplicaCheck):
+        self.phases, self.guard, self.state, self.sdc = phases, guard, state, sdc
         self.inject_grad_step = inject_nonfinite_grad_step
 
     def phase(self, name: str | None) -> None:
@@ -52,3 +54,6 @@ class OperationsHooks(StepHooks):
 
     def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
         return self.guard.check(self.state.step, loss, grad_norm)
+
+    def output_check(self) -> Reexecution | None:
+        return self.sdc.output_check(self.state.step)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ from torchtrain.distributed.layout import Layout
 from torchtrain.distributed.pipeline_runtime import PipelineRunner
 from torchtrain.distributed.tensor_parallel import maybe_loss_parallel
 from torchtrain.distributed.tied_stages import TiedStages
-from torchtrain.distributed.utils import all_reduce, clip_factor, clip_grad_norm_, set_gradient_sync
+from torchtrain.distributed.utils import all_reduce, clip_factor, clip_grad_norm_, reshard, set_gradient_sync
 from torchtrain.models.converters.float8 import precompute_scales
 from torchtrain.trainer.extra_losses import ExtraLosses
 from torchtrain.trainer.loss import ScaledTokenLoss
@@ -91,6 +91,19 @@ class StepHooks:
     def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
         """Decide on the step before the optimizer runs: None to step, else a reason to skip it."""
         return None
+
+    def output_check(self) -> "OutputCheck | None":
+        """This step's re-execution check of its first micro-batch's output, or None (not this step)."""
+        return None
+
+
+class OutputCheck(Protocol):
+    """Re-execution (components/fault/replica_check.py): the first micro-batch's logits as computed (`first`,
+    before its loss reads them) and as computed again after the step's backward (`again`)."""
+
+    def first(self, logits: torch.Tensor) -> None: ...
+
+    def again(self, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -183,6 +196,12 @@ class TrainStep:
         self.token_ids = "token_ids" in accepted and self.pipeline is not None
         self._pipeline_losses = 0  # micro-batch losses of the last pipeline step on this rank
 
+    @property
+    def reexecutable(self) -> bool:
+        """A forward that changes nothing but its output, so it can run again for the re-execution check: no
+        pipeline schedule, no MoE balancer or module-added losses counting what the forward saw."""
+        return self.pipeline is None and self.moe is None and self.extra_losses is None
+
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a batch: what the model derives from whole sequences (`batch_inputs`), then under
         context parallelism its chunks of every sequence (and their `seq_index`)."""
@@ -224,8 +243,10 @@ class TrainStep:
             return self.pipeline.forward(batch["input_ids"], self.model_kwargs(batch))
         return self.model_parts[0](batch["input_ids"].to(self.device, non_blocking=True), **self.model_kwargs(batch))
 
-    def _forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Backward over the step's (`shard`ed, on-device) micro-batches; returns this rank's summed scaled loss."""
+    def _forward_backward(self, batches: list[dict[str, torch.Tensor]], check: OutputCheck | None = None
+                          ) -> torch.Tensor:
+        """Backward over the step's (`shard`ed, on-device) micro-batches; returns this rank's summed scaled loss.
+        `check`: the first micro-batch's forward runs again after the backward, its logits compared (not under PP)."""
         accumulated = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # accumulation happens through the schedule's micro-batches
             merged = concat_batches(batches)
@@ -250,11 +271,18 @@ class TrainStep:
                     batch = self.sequence_loss.prepare(self, batch)
                 with self.context():
                     logits = model(batch["input_ids"], **self.model_kwargs(batch))  # (`__call__` moved them)
+                    if check is not None and i == 0:
+                        check.first(logits)
+                        first = batch
                     loss = self.loss_fn(logits, batch["labels"]) if self.sequence_loss is None else \
                         self.sequence_loss(logits, batch)
                     del logits
                     self.scaler.scale(loss).backward()
                 accumulated += local_value(loss.detach()).float()
+            if check is not None:  # the same forward on the same weights: its logits must be bitwise equal
+                with self.context():  # (with grad, as the first ran: the same kernels and compiled graphs)
+                    check.again(model(first["input_ids"], **self.model_kwargs(first)))
+                reshard(self.model_parts)  # no backward follows to free what FSDP gathered for it
         return accumulated
 
     def __call__(self, batches: list[dict[str, torch.Tensor]], hooks: StepHooks | None = None) -> StepResult:
@@ -287,7 +315,7 @@ class TrainStep:
             self.moe.begin_step(loss_fn.scale * self.scaler.factor)
         if self.extra_losses is not None:
             self.extra_losses.begin_step(loss_fn.scale * self.scaler.factor)
-        accumulated = self._forward_backward(batches)
+        accumulated = self._forward_backward(batches, hooks.output_check() if self.pipeline is None else None)
         hooks.phase("optimizer")
         copy = self.compute_copy
         if copy is not None and copy.keep_grads and hooks.reads_gradients():

@@ -154,7 +154,11 @@ class Trainer:
                                            self.train_step, self.run_folder, self.rank == 0)
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
                                    check_grad_norm=not layout.loss_scaling, device=device)
-        self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step)
+        self.sdc = ReplicaCheck(cfg.fault, cfg.debug, layout.replica_mesh, not layout.zero1, self.model_parts,
+                                self.optimizers, self.run_folder, self.rank, lambda step: self.checkpointer.saves_at(step),
+                                self.train_step.reexecutable)  # [fault] silent data corruption
+        self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step,
+                                     self.sdc)
         self.gc = GarbageCollection(cfg.training.gc_freq)
         logger.info("global batch %d sequences (%d per rank x %d dp x %d accumulation) of %d tokens; "
                     "%.3g GFLOPs/token", self.batch.global_batch_size, self.batch.local_batch_size, dims.dp,
@@ -176,8 +180,6 @@ class Trainer:
                                                         os.path.abspath(cfg.model.hf_assets_path) if
                                                         cfg.model.hf_assets_path else ""))
         self.checkpointer.load()
-        self.sdc = ReplicaCheck(cfg.fault, cfg.debug, layout.replica_mesh, not layout.zero1, self.model_parts,
-                                self.optimizers, self.run_folder, self.rank)  # [fault] silent data corruption
         # the objective's own models take the loaded (or initial) weights; its sampling uses the model being trained
         self.objective.start(self.state.step, self.train_step, self.batch.local_batch_size,
                              heartbeat=lambda: self.fault.mark("rollout"))
@@ -243,7 +245,7 @@ class Trainer:
             if out.verdict == "replica_lost":
                 logger.warning("step %d: a replica group was lost during the step; its update is skipped in every "
                                "surviving group (its batches are not trained on)", self.state.step)
-            found = self.sdc.after_step(self.state.step, self.checkpointer.saves_at(self.state.step))
+            found = self.sdc.after_step(self.state.step)
             if found and self.sdc.policy != "warn" and self._sdc_act(found, out, logged):  # rolled back
                 data_iter = iter(self.dataloader)  # the restored data position, read again
                 continue

@@ -1,4 +1,5 @@
-"""Silent data corruption: the data-parallel replicas compared ([fault] sdc_check_freq, docs/resilience.md).
+"""Silent data corruption: the data-parallel replicas compared, or a forward run again where there are none
+([fault] sdc_check_freq, docs/resilience.md).
 
 Replicas hold bitwise-equal values. Their gradients come out of one all-reduce (every rank receives the
 same sum), and the optimizer step is the same element-wise arithmetic on the same inputs, so the
@@ -25,8 +26,17 @@ majority: with two replicas nobody can tell which one is right). All ranks then 
 whether any group found a difference, and only then gather the findings on the log rank, which logs them
 and writes `{dump_folder}/sdc/step-N.json`. What to do next is the policy's (`sdc_policy`, the trainer).
 
+Without replicas (pure FSDP, TP, CP: every rank holds its own shard) a check runs the step's first
+micro-batch's forward again after its backward, on the same rank, weights and inputs, and compares the
+logits' digests: the same kernels on the same bits give the same bits (deterministic kernels: on a CPU
+always, on CUDA with `debug.deterministic`), so a difference is a wrong computation in one of the two. It
+samples one forward per check: a fault that strikes elsewhere is missed, a unit that keeps computing wrong
+is caught at its next check. Not under pipeline parallelism, nor for a model whose forward counts what it
+sees (MoE balancing, module-added losses): the check says so once and is off.
+
 Not caught: a corruption every replica shares (a wrong gradient before the all-reduce is summed into every
-replica alike), one in a layout without replicas, one between the last check and a preemption's save.
+replica alike), one between the last check and a preemption's save, and, without replicas, one outside the
+re-executed forward.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import socket
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,12 +62,13 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class CorruptionAbort(RuntimeError):
-    """Raised on every rank when the replicas differ and the policy (or a missing checkpoint) stops the run."""
+    """Raised on every rank when a check found a difference and the policy (or a missing checkpoint) stops the run."""
 
 
 @dataclass
 class Mismatch:
-    """One tensor whose replicas differ after `step`: the suspect global ranks and every replica's digest."""
+    """One tensor whose replicas (or whose re-execution) differ after `step`: the suspect global ranks and their
+    digests."""
 
     step: int
     tensor: str
@@ -115,6 +127,32 @@ def compare(names: list[str], digests: torch.Tensor, ranks: list[int], step: int
     return found
 
 
+def flip_bit(t: torch.Tensor) -> None:
+    """Flip a low mantissa bit of the tensor's first value in place (a silent corruption nothing else notices)."""
+    with torch.no_grad():
+        local(t).reshape(-1)[:1].view(_BITS[t.element_size()]).bitwise_xor_(1 << (10 if t.element_size() >= 4 else 2))
+
+
+class Reexecution:
+    """One step's re-execution check (the step calls `first` and `again`, trainer/step.py's OutputCheck)."""
+
+    def __init__(self, owner: "ReplicaCheck", step: int):
+        self.owner, self.step, self.digests = owner, step, []
+
+    def first(self, logits: torch.Tensor) -> None:
+        flip = self.owner._flip
+        if flip is not None and flip[0] == self.step and flip[1] == "output":
+            self.owner._flip = None
+            flip_bit(logits)
+            logger.warning("step %d: rank %d flipped one bit of the first micro-batch's logits "
+                           "(debug.inject_bitflip_step)", self.step, self.owner.rank)
+        self.digests.append(digest(local(logits)))
+
+    def again(self, logits: torch.Tensor) -> None:
+        first, again = self.digests[0].tolist(), digest(local(logits)).tolist()
+        self.owner._differs = None if first == again else first + again
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of a (maybe distributed) tensor this rank holds."""
     from torch.distributed.tensor import DTensor
@@ -123,27 +161,39 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ReplicaCheck:
-    """The trainer's check: `after_step` injects a test's bit flip when asked, and compares the replicas when a
-    check is due (every `sdc_check_freq` steps and before every checkpoint save); `record` feeds the metrics."""
+    """The trainer's check, in one of two modes. With replicas (`mesh`): `after_step` compares them when a check is
+    due (every `sdc_check_freq` steps and before every checkpoint save: `saves_at`). Without (`reexecutable` steps:
+    no pipeline, a forward without side effects): `output_check` has the step run its first micro-batch's forward
+    again and `after_step` agrees whether any rank's logits differed. Both inject a test's bit flip when asked;
+    `record` feeds the metrics."""
 
     def __init__(self, cfg: Fault, debug: Debug, mesh, compare_optimizer: bool, model_parts: list[nn.Module],
-                 optimizers, run_folder: str, rank: int):
-        self.freq, self.policy = (cfg.sdc_check_freq if mesh is not None else 0), cfg.sdc_policy
-        self.enabled = self.freq > 0
-        if cfg.sdc_check_freq and mesh is None and is_log_rank():
-            logger.warning("fault.sdc_check_freq: this layout has no data-parallel replicas (every rank holds its own "
-                           "shard: FSDP, TP, PP or one process), so there is nothing to compare; the check is off")
-        self.mesh, self.model_parts, self.optimizers = mesh, model_parts, optimizers
+                 optimizers, run_folder: str, rank: int, saves_at: Callable[[int], bool], reexecutable: bool):
+        self.mode = None if not cfg.sdc_check_freq else "replicas" if mesh is not None else \
+            "reexecute" if reexecutable else None
+        self.freq, self.policy, self.enabled = cfg.sdc_check_freq, cfg.sdc_policy, self.mode is not None
+        self.mesh, self.model_parts, self.optimizers, self._saves_at = mesh, model_parts, optimizers, saves_at
         self.compare_optimizer = cfg.sdc_check_optimizer and compare_optimizer
-        self.folder, self.rank = os.path.join(run_folder, "sdc"), rank
+        self.folder, self.rank, self.exclude_file = os.path.join(run_folder, "sdc"), rank, cfg.sdc_exclude_file
         self.checks = self.mismatches = 0
+        self._differs = None  # re-execution: this rank's (first, again) digests when they differed this step
         flip = debug.inject_bitflip_step
         self._flip = (flip, debug.inject_bitflip_target) if flip is not None and rank == debug.inject_bitflip_rank \
             else None
-        if self.enabled and is_log_rank():
+        if not is_log_rank() or not cfg.sdc_check_freq:
+            return
+        if self.mode == "replicas":
             logger.info("silent data corruption check: replicas compared every %d steps and before each save "
                         "(parameters%s; policy %s)", self.freq, " and optimizer state" if self.compare_optimizer
                         else "", cfg.sdc_policy)
+        elif self.mode == "reexecute":
+            logger.info("silent data corruption check: no data-parallel replicas, so every %d steps and before each "
+                        "save the first micro-batch's forward runs again and its logits are compared bitwise "
+                        "(policy %s)", self.freq, cfg.sdc_policy)
+        else:
+            logger.warning("fault.sdc_check_freq: this layout has no data-parallel replicas to compare and its step "
+                           "cannot run a forward again (pipeline parallelism, or a model whose forward counts what "
+                           "it sees: MoE, multi-token prediction); the check is off")
 
     # ------------------------------------------------------------------ what a rank holds
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -164,25 +214,42 @@ class ReplicaCheck:
         return out
 
     # ------------------------------------------------------------------ the step's part
-    def after_step(self, step: int, saving: bool) -> list[Mismatch]:
+    @property
+    def _differ(self) -> str:
+        return "the data-parallel replicas differ" if self.mode == "replicas" else "a forward run again differs"
+
+    def due(self, step: int) -> bool:
+        return self.enabled and (step % self.freq == 0 or self._saves_at(step))
+
+    def output_check(self, step: int) -> "Reexecution | None":
+        """The step's re-execution check (trainer/step.py's OutputCheck), when due in that mode."""
+        return Reexecution(self, step) if self.mode == "reexecute" and self.due(step) else None
+
+    def after_step(self, step: int) -> list[Mismatch]:
         """After the optimizer step: the test's bit flip, then the check if due (identical on every rank)."""
-        if self._flip is not None and self._flip[0] == step:
+        if self._flip is not None and self._flip[0] == step and self._flip[1] != "output":
             self._inject(step, self._flip[1])
-        if not self.enabled or not (step % self.freq == 0 or saving):
+        if not self.due(step):
             return []
-        return self.check(step)
+        self.checks += 1
+        if self.mode == "replicas":
+            found, reporter = self.check(step)
+        else:
+            differs, self._differs = self._differs, None
+            found = [] if differs is None else [Mismatch(step, "the first micro-batch's output (logits), computed "
+                                                               "again", [self.rank], {self.rank: differs})]
+            reporter = True
+        return self._agree(step, found, reporter)
 
     def _inject(self, step: int, target: str) -> None:
         self._flip = None  # once: a step run again after a rollback is clean
         name, t = next((n, t) for n, t in self.tensors() if t.numel() and t.is_floating_point() and
                        (target == "param") == (not n.startswith("optimizer ")))
-        with torch.no_grad():
-            bits = t.reshape(-1)[:1].view(_BITS[t.element_size()])
-            bits.bitwise_xor_(1 << (10 if t.element_size() >= 4 else 2))  # a low mantissa bit: nothing else notices
+        flip_bit(t)
         logger.warning("step %d: rank %d flipped one bit of %s (debug.inject_bitflip_step)", step, self.rank, name)
 
-    def check(self, step: int) -> list[Mismatch]:
-        """Compare this rank's tensors with its replicas'; every rank returns every group's findings."""
+    def check(self, step: int) -> tuple[list[Mismatch], bool]:
+        """Compare this rank's tensors with its replicas': (the group's findings, whether this rank reports them)."""
         held = self.tensors()
         names = [n for n, _ in held]
         mine = torch.stack([digest(t) for _, t in held]) if held else torch.zeros(0, 2, dtype=torch.int64)
@@ -193,38 +260,52 @@ class ReplicaCheck:
         shapes = [torch.empty_like(shape) for _ in ranks]
         dist.all_gather(shapes, shape, group=group)
         if len({tuple(s.tolist()) for s in shapes}) > 1:
-            found = [Mismatch(step, "the list of tensors held", ranks, {r: s.tolist() for r, s in zip(ranks, shapes)})]
-        else:
-            gathered = [torch.empty_like(mine) for _ in ranks]
-            dist.all_gather(gathered, mine, group=group)
-            found = compare(names, torch.stack(gathered).cpu(), ranks, step)
-        self.checks += 1
-        flag = torch.tensor([1 if found else 0], device=mine.device)
+            return [Mismatch(step, "the list of tensors held", ranks, {r: s.tolist() for r, s in zip(ranks, shapes)})], \
+                self.rank == min(ranks)
+        gathered = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(gathered, mine, group=group)
+        return compare(names, torch.stack(gathered).cpu(), ranks, step), self.rank == min(ranks)
+
+    def _agree(self, step: int, found: list[Mismatch], reporter: bool) -> list[Mismatch]:
+        """Every rank learns whether any rank found a difference (one all-reduce), and only then every finding
+        (one gather of objects); re-execution findings of several ranks merge into one."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([1 if found else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same branch
         if not flag.item():
             return []
         reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, [asdict(m) for m in found] if self.rank == min(ranks) else [])
-        everything = [Mismatch(**m) for report in reports for m in report]
+        dist.all_gather_object(reports, (socket.gethostname(), [asdict(m) for m in found] if reporter else []))
+        everything = [Mismatch(**m) for _, report in reports for m in report]
+        if self.mode == "reexecute":
+            everything = [Mismatch(step, everything[0].tensor, [r for m in everything for r in m.ranks],
+                                   {k: v for m in everything for k, v in m.digests.items()})]
         self.mismatches += len(everything)
-        self._report(step, everything)
+        self._report(step, everything, {r: reports[r][0] for m in everything for r in m.ranks})
         return everything
 
-    def _report(self, step: int, found: list[Mismatch]) -> None:
+    def _report(self, step: int, found: list[Mismatch], hosts: dict[int, str]) -> None:
+        """The log line, the evidence file, and the suspect hosts added to `sdc_exclude_file` (log rank only)."""
         if not is_log_rank():
             return
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"step-{step}.json")
         with open(path, "w") as f:
-            json.dump({"step": step, "host": socket.gethostname(), "mismatches": [asdict(m) for m in found]}, f,
-                      indent=1)
+            json.dump({"step": step, "hosts": hosts, "mismatches": [asdict(m) for m in found]}, f, indent=1)
         shown = "; ".join(m.describe() for m in found[:5]) + (f"; ... ({len(found)} in all)" if len(found) > 5 else "")
-        logger.warning("sdc: after step %d the data-parallel replicas differ: %s (evidence: %s)", step, shown, path)
+        logger.warning("sdc: after step %d %s: %s (evidence: %s)", step, self._differ, shown, path)
+        if self.exclude_file:
+            listed = set(open(self.exclude_file).read().split()) if os.path.exists(self.exclude_file) else set()
+            new = sorted(set(hosts.values()) - listed)
+            with open(self.exclude_file, "a") as f:
+                f.writelines(f"{host}\n" for host in new)
+            logger.warning("sdc: suspect host(s) %s listed in %s (fault.sdc_exclude_file)",
+                           ", ".join(sorted(set(hosts.values()))), self.exclude_file)
 
     def abort_message(self, step: int, found: list[Mismatch]) -> str:
         why = 'fault.sdc_policy is "abort"' if self.policy == "abort" else "there is no checkpoint to roll back to yet"
         more = ", ..." if len(found) > 1 else ""
-        return (f"after step {step} the data-parallel replicas differ ({found[0].describe()}{more}); {why}. The "
+        return (f"after step {step} {self._differ} ({found[0].describe()}{more}); {why}. The "
                 f"evidence is in {os.path.join(self.folder, f'step-{step}.json')}: check the named ranks' devices "
                 f"before resuming from the newest checkpoint")
 
