@@ -315,7 +315,7 @@ class TrainStep:
             self.moe.begin_step(loss_fn.scale * self.scaler.factor)
         if self.extra_losses is not None:
             self.extra_losses.begin_step(loss_fn.scale * self.scaler.factor)
-        accumulated = self._forward_backward(batches, hooks.output_check() if self.pipeline is None else None)
+        accumulated = self._forward_backward(batches, hooks.output_check())  # (never under PP: `reexecutable`)
         hooks.phase("optimizer")
         copy = self.compute_copy
         if copy is not None and copy.keep_grads and hooks.reads_gradients():

@@ -155,8 +155,8 @@ class Trainer:
         self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
                                    check_grad_norm=not layout.loss_scaling, device=device)
         self.sdc = ReplicaCheck(cfg.fault, cfg.debug, layout.replica_mesh, not layout.zero1, self.model_parts,
-                                self.optimizers, self.run_folder, self.rank, lambda step: self.checkpointer.saves_at(step),
-                                self.train_step.reexecutable)  # [fault] silent data corruption
+                                self.optimizers, self.run_folder, self.rank, device,
+                                lambda step: self.checkpointer.saves_at(step), self.train_step.reexecutable)  # [fault] SDC
         self.hooks = OperationsHooks(self.phases, self.guard, self.state, cfg.debug.inject_nonfinite_grad_step,
                                      self.sdc)
         self.gc = GarbageCollection(cfg.training.gc_freq)

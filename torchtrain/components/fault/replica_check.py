@@ -108,7 +108,7 @@ _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 def _weights(device: torch.device) -> torch.Tensor:
     """w_i = 2 i + 1 for i < CHUNK, int64, made once per device."""
-    if device not in _WEIGHTS or _WEIGHTS[device].numel() != CHUNK:
+    if device not in _WEIGHTS:
         _WEIGHTS[device] = torch.arange(CHUNK, dtype=torch.int64, device=device).mul_(2).add_(1)
     return _WEIGHTS[device]
 
@@ -137,7 +137,7 @@ class Reexecution:
     """One step's re-execution check (the step calls `first` and `again`, trainer/step.py's OutputCheck)."""
 
     def __init__(self, owner: "ReplicaCheck", step: int):
-        self.owner, self.step, self.digests = owner, step, []
+        self.owner, self.step, self.digest = owner, step, None
 
     def first(self, logits: torch.Tensor) -> None:
         flip = self.owner._flip
@@ -146,10 +146,10 @@ class Reexecution:
             flip_bit(logits)
             logger.warning("step %d: rank %d flipped one bit of the first micro-batch's logits "
                            "(debug.inject_bitflip_step)", self.step, self.owner.rank)
-        self.digests.append(digest(local(logits)))
+        self.digest = digest(local(logits))
 
     def again(self, logits: torch.Tensor) -> None:
-        first, again = self.digests[0].tolist(), digest(local(logits)).tolist()
+        first, again = self.digest.tolist(), digest(local(logits)).tolist()
         self.owner._differs = None if first == again else first + again
 
 
@@ -168,13 +168,15 @@ class ReplicaCheck:
     `record` feeds the metrics."""
 
     def __init__(self, cfg: Fault, debug: Debug, mesh, compare_optimizer: bool, model_parts: list[nn.Module],
-                 optimizers, run_folder: str, rank: int, saves_at: Callable[[int], bool], reexecutable: bool):
+                 optimizers, run_folder: str, rank: int, device: torch.device, saves_at: Callable[[int], bool],
+                 reexecutable: bool):
         self.mode = None if not cfg.sdc_check_freq else "replicas" if mesh is not None else \
             "reexecute" if reexecutable else None
         self.freq, self.policy, self.enabled = cfg.sdc_check_freq, cfg.sdc_policy, self.mode is not None
         self.mesh, self.model_parts, self.optimizers, self._saves_at = mesh, model_parts, optimizers, saves_at
         self.compare_optimizer = cfg.sdc_check_optimizer and compare_optimizer
         self.folder, self.rank, self.exclude_file = os.path.join(run_folder, "sdc"), rank, cfg.sdc_exclude_file
+        self.device = device
         self.checks = self.mismatches = 0
         self._differs = None  # re-execution: this rank's (first, again) digests when they differed this step
         flip = debug.inject_bitflip_step
@@ -269,8 +271,7 @@ class ReplicaCheck:
     def _agree(self, step: int, found: list[Mismatch], reporter: bool) -> list[Mismatch]:
         """Every rank learns whether any rank found a difference (one all-reduce), and only then every finding
         (one gather of objects); re-execution findings of several ranks merge into one."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1 if found else 0], device=device)
+        flag = torch.tensor([1 if found else 0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same branch
         if not flag.item():
             return []
