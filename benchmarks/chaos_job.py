@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from torchtrain.utils.forkserver import SERVER_NAME
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4",
          "--model.vocab_size", "512", "--training.dataset", "synthetic", "--training.seq_len", "64",
@@ -22,10 +24,17 @@ MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "8", "
 STRAGGLER_FREQ, HANG_S = 10, 4.0
 
 
-def job(dump: str, steps: int, interval: int) -> list[str]:
-    return [*MODEL, "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+SDC_FREQ = 5
+
+
+def job(dump: str, steps: int, interval: int, nproc: int) -> list[str]:
+    """The job: HSDP with two replicas (their parameters compared every SDC_FREQ steps and before each save: a
+    flipped bit is caught), deterministic kernels, checkpoints every `interval` steps, every detector on."""
+    replicas = 2 if nproc % 2 == 0 else 1
+    return [*MODEL, "--parallelism.data_parallel_replicate_degree", str(replicas), "--fault.sdc_check_freq",
+            str(SDC_FREQ), "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
             "--debug.deterministic", "--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.interval",
-            str(interval), "--checkpoint.keep_latest_k", "3", "--fault.max_restarts", "10", "--fault.hang_timeout_s",
+            str(interval), "--checkpoint.keep_latest_k", "3", "--fault.max_restarts", "40", "--fault.hang_timeout_s",
             str(HANG_S), "--fault.straggler_freq", str(STRAGGLER_FREQ), "--fault.straggler_threshold", "0.5",
             "--guard.policy", "rollback", "--guard.rollback_replay", "--guard.spike_zscore", "none",
             "--job.custom_imports", "fault_injection"]
@@ -37,6 +46,7 @@ class Record:
     loss: float | None
     seen: float  # wall time when the driver first read it
     launch: int  # which launch of the job wrote it
+    restarts: int = 0  # torchrun's restarts of the launch's workers before the attempt that wrote it
 
 
 @dataclass
@@ -86,7 +96,7 @@ class Run:
         now = time.time()
         for line in complete.splitlines():
             r = json.loads(line)
-            self.records.append(Record(r["step"], r.get("loss"), now, self.launches))
+            self.records.append(Record(r["step"], r.get("loss"), now, self.launches, r.get("restarts", 0)))
 
     @property
     def last(self) -> int:
@@ -126,12 +136,27 @@ class Run:
         """The training process of `rank` (the test plugin writes it into the control folder)."""
         return int(open(os.path.join(self.control, f"pid-{rank}")).read())
 
+    def workers(self) -> set[int]:
+        """The training processes of the launch now: the forkserver's children (the launch's own process group)."""
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    text = open(f"/proc/{entry}/stat").read()
+                except OSError:
+                    continue
+                name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+                stats[int(entry)] = (name, int(rest[1]), int(rest[2]))  # (name, parent, process group)
+        group = {pid for pid, (_, _, pgrp) in stats.items() if pgrp == self.proc.pid}
+        servers = {pid for pid in group if stats[pid][0] == SERVER_NAME}
+        return {pid for pid in group if stats[pid][1] in servers}
+
     def attempts_after(self, t0: float) -> int | None:
         """The index of the first record of a new attempt (a torchrun restart, a relaunch or a guard rollback:
-        the step goes back, or the launch changes) read after `t0`; None if there is none yet."""
+        the launch or its restarts change, or the step goes back) read after `t0`; None if there is none yet."""
         for i in range(1, len(self.records)):
             a, b = self.records[i - 1], self.records[i]
-            if b.seen >= t0 and (b.launch != a.launch or b.step <= a.step):
+            if b.seen >= t0 and (b.launch != a.launch or b.restarts != a.restarts or b.step <= a.step):
                 return i
         return None
 

@@ -41,6 +41,16 @@ def pytest_configure(config):
         zygote.start()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The nightly tests (minutes each) run only when asked for: `-m nightly`."""
+    if "nightly" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="nightly: select with -m nightly")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
     return max(1, min(2, usable_cores()))

@@ -113,3 +113,49 @@ def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherw
     assert not decide("--start-method", "forkserver", *c10d, "--no-python", "echo")
     assert not decide("--start-method", "forkserver", "--nproc_per_node=2", "--master_port=29500",
                       "-m", "torchtrain.train")
+
+
+def test_a_killed_worker_is_named_beside_the_peer_torch_reports():
+    """torch names the first failed worker it finds: after `kill -9` of rank 1, rank 0's collective error (exit 1)
+    may come first; the launcher names the killed rank too, and not the ranks its own SIGTERM ended."""
+    import signal
+    import types
+
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from torchtrain.launcher import _describe_failures, _signalled_peers
+
+    context = object.__new__(MultiprocessContext)
+    context._pc = types.SimpleNamespace(processes=[types.SimpleNamespace(pid=10 + i, exitcode=code) for i, code in
+                                                   enumerate([1, -signal.SIGKILL, -signal.SIGTERM, 0])])
+    agent = types.SimpleNamespace(_pcontext=context)
+    group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=4 + i) for i in range(4)])
+    failures = {4: ProcessFailure(0, 10, 1, "")}
+    failures.update(_signalled_peers(agent, group, failures))
+    assert _describe_failures(failures) == "rank 4: exit 1, rank 5: signal SIGKILL"
+    assert _signalled_peers(types.SimpleNamespace(_pcontext=None), group, {}) == {}
+
+
+def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_its_peers_namespace(monkeypatch):
+    """Each attempt's default process group lives under the workers' start count in torchrun's store. The launcher's
+    agent counts every start of its workers before starting them: a worker killed during start-up (before it read
+    its count) still reads its peers' count at the next start, where counting its own would leave it one behind."""
+    import torch.distributed as dist
+
+    from torchtrain.distributed.utils import STARTS_COUNTED_BY_AGENT, count_starts, worker_start
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv(STARTS_COUNTED_BY_AGENT, "1")
+    for _ in range(3):  # three attempts; rank 1 was killed before it read its count in the first two
+        count_starts("127.0.0.1", store.port, [0, 1])
+    starts = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        worker_start.cache_clear()
+        starts[rank] = worker_start()
+    worker_start.cache_clear()
+    assert starts == {0: 3, 1: 3}

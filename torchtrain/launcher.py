@@ -77,6 +77,24 @@ def final_status(failures: dict) -> int | None:
     return codes.pop() if len(codes) == 1 and codes <= set(exit_codes.FINAL) else None
 
 
+def _signalled_peers(agent, worker_group, failures: dict) -> dict:
+    """Workers torch's report left out that a signal other than the agent's own SIGTERM ended. torch names the
+    first failed worker it finds; after a lost peer (kill -9, the kernel's OOM killer) that may be a rank that
+    only saw its peer go (a collective's error, exit 1), so the rank that was killed is named beside it."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    context = agent._pcontext
+    if not isinstance(context, MultiprocessContext) or context._pc is None:
+        return {}
+    out = {}
+    for local_rank, proc in enumerate(context._pc.processes):
+        rank, code = worker_group.workers[local_rank].global_rank, proc.exitcode
+        if rank not in failures and code is not None and code < 0 and code != -signal.SIGTERM:
+            out[rank] = ProcessFailure(local_rank, proc.pid, code, "")
+    return out
+
+
 def install_restart_policy() -> None:
     """Drop the agent's remaining restarts after a final failure; announce every restart."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -89,6 +107,7 @@ def install_restart_policy() -> None:
         result = original(self, worker_group)
         failures = getattr(result, "failures", None) or {}
         if result.is_failed() and failures:
+            failures.update(_signalled_peers(self, worker_group, failures))
             if final_status(failures) is not None:
                 self._remaining_restarts = 0
             elif getattr(self, "_remaining_restarts", 0) > 0:
@@ -99,6 +118,24 @@ def install_restart_policy() -> None:
         return result
 
     LocalElasticAgent._monitor_workers = monitor
+
+
+def install_start_count() -> None:
+    """The agent counts each start of its workers in the job's store before it starts them (`worker_start`)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from torchtrain.distributed.utils import STARTS_COUNTED_BY_AGENT, count_starts
+
+    original = LocalElasticAgent._start_workers
+
+    def start_workers(self, worker_group):
+        if worker_group.spec.rdzv_handler.use_agent_store:
+            count_starts(worker_group.master_addr, worker_group.master_port,
+                         [w.global_rank for w in worker_group.workers])
+        return original(self, worker_group)
+
+    os.environ[STARTS_COUNTED_BY_AGENT] = "1"  # before the forkserver starts: its workers inherit it
+    LocalElasticAgent._start_workers = start_workers
 
 
 def _job(trainer_args: list[str]):
@@ -329,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if job is not None and not explicit:
         args.max_restarts = job.fault.max_restarts
     choose_start_method(args, argv)
+    install_start_count()
     config = start_forkserver(args) if uses_forkserver(args) else None
     install_restart_policy()
     install_signal_policy()

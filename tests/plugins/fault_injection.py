@@ -34,7 +34,8 @@ by an environment variable; unset, the hook does nothing.
 * ``TORCHTRAIN_TEST_CONTROL=DIR``: faults requested from outside while the job runs (benchmarks/chaos.py),
   by files dropped into DIR: ``slow-RANK`` (holding seconds): while it exists, rank RANK works that many
   more CPU seconds in every forward_backward phase (a slow rank); ``nonfinite-grad-RANK``: at its next
-  step rank RANK puts +inf into one of its gradients; ``fail-save-RANK``: rank RANK's next checkpoint
+  step rank RANK puts +inf into one of its gradients; ``bitflip-RANK``: after its next backward rank RANK flips
+  one bit of its part of a parameter (silent data corruption); ``fail-save-RANK``: rank RANK's next checkpoint
   write fails as a full disk makes it fail (as FAIL_SAVE). The one-shot ones are renamed to
   ``<name>.done`` holding the step at which they happened. Every rank writes its pid to ``pid-RANK``
   when it starts training, for signals sent from outside.
@@ -149,8 +150,25 @@ def nonfinite_gradient(step: int, model_parts: list) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if not _requested(f"nonfinite-grad-{rank}", step):
         return
+    from torchtrain.distributed.utils import local_part
+
     grad = next(p.grad for part in model_parts for p in part.parameters() if p.grad is not None)
-    (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
+    local_part(grad).fill_(float("inf"))
+
+
+def flip_parameter_bit(step: int, model_parts: list) -> None:
+    """Silent data corruption: one bit of this rank's part of a parameter flipped (as a faulty GPU would leave it),
+    after the backward: its replica now differs from the others, and nothing raises."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not _requested(f"bitflip-{rank}", step):
+        return
+    import torch
+
+    from torchtrain.distributed.utils import local_part
+
+    param = next(p for part in model_parts for p in part.parameters() if p.dtype == torch.float32)
+    with torch.no_grad():
+        local_part(param).reshape(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
 
 
 def _wait_until(ready, failure: str) -> None:
@@ -263,6 +281,7 @@ extensions.register("phase", stop_in_step)
 extensions.register("phase", report_pid)
 extensions.register("phase", slow_rank)
 extensions.register("gradients", nonfinite_gradient)
+extensions.register("gradients", flip_parameter_bit)
 extensions.register("quorum", replica_wait)
 extensions.register("quorum", rejoin_after)
 extensions.register("storage_writer", storage_writer)

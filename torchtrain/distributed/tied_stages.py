@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtrain.distributed.parallel_dims import ParallelDims
 from torchtrain.distributed.pipeline import PipelineSplit
+from torchtrain.distributed.utils import local_part
 
 
 def _module(part: nn.Module, name: str) -> nn.Module | None:
@@ -32,10 +32,6 @@ def _module(part: nn.Module, name: str) -> nn.Module | None:
         return part.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TiedStages:
@@ -75,7 +71,7 @@ class TiedStages:
                 continue
             params = [list(m.parameters()) for m in copies]
             for group in zip(*params):
-                grads = [_local(p.grad) for p in group if p.grad is not None]
+                grads = [local_part(p.grad) for p in group if p.grad is not None]
                 if not grads:
                     continue
                 total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()

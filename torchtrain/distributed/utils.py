@@ -93,9 +93,15 @@ def _let_collective_threads_finish() -> None:
 
 def agent_store(timeout: datetime.timedelta, prefix: str) -> dist.Store:
     """A client of the TCPStore torchrun's agent hosts (MASTER_ADDR:MASTER_PORT), under `prefix`."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout,
-                          wait_for_workers=False)
+    return _store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout, prefix)
+
+
+def _store_client(host: str, port: int, timeout: datetime.timedelta, prefix: str) -> dist.Store:
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
     return dist.PrefixStore(prefix, store)
+
+
+STARTS_COUNTED_BY_AGENT = "TORCHTRAIN_STARTS_COUNTED_BY_AGENT"
 
 
 @functools.cache
@@ -107,13 +113,24 @@ def worker_start() -> int:
     the default process group of a restarted worker would read the previous attempt's addresses (gloo)
     or ids (NCCL) and fail to connect or hang. TORCHELASTIC_RESTART_COUNT cannot tell attempts apart
     either: an agent that restarts its workers for another node's failure does not count it. So every
-    rank counts its own starts in the store; torchrun restarts every worker of every node together, so
-    the counts agree, and the default group (and the [fault] monitor) keys live under the count.
-    Outside torchrun: 1."""
+    rank's starts are counted in the store, and the default group (and the [fault] monitor) keys live
+    under the count. torchtrain's launcher counts them in the agent, before it starts the workers
+    (`count_starts`), so the counts of all ranks move together even when a worker is killed before it
+    reaches this line (a worker counting its own starts would then fall one behind its peers for good,
+    and every later attempt would wait in two namespaces). Under plain torchrun each worker counts its
+    own starts. Outside torchrun: 1."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return 1
     store = agent_store(datetime.timedelta(seconds=60), "torchtrain/")
-    return int(store.add(f"starts/rank_{os.environ['RANK']}", 1))
+    counted = os.environ.get(STARTS_COUNTED_BY_AGENT) == "1"
+    return int(store.add(f"starts/rank_{os.environ['RANK']}", 0 if counted else 1))
+
+
+def count_starts(host: str, port: int, ranks) -> None:
+    """The agent's half of `worker_start`: count one more start of each of `ranks` (this node's workers)."""
+    store = _store_client(host, port, datetime.timedelta(seconds=60), "torchtrain/")
+    for rank in ranks:
+        store.add(f"starts/rank_{rank}", 1)
 
 
 def set_train_timeout(seconds: int) -> None:
@@ -138,6 +155,11 @@ def set_determinism(seed: int, deterministic: bool, warn_only: bool = False) -> 
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (maybe distributed) tensor this rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_reduce(tensor: torch.Tensor, mesh, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -55,6 +55,7 @@ from torch import nn
 
 from torchtrain.config.fault import Fault
 from torchtrain.config.job import Debug
+from torchtrain.distributed.utils import local_part
 from torchtrain.utils.logging import is_log_rank, logger
 
 CHUNK = 1 << 21  # the period of the weights; words digested at a time (bounds the temporaries to 16 MiB)
@@ -130,7 +131,7 @@ def compare(names: list[str], digests: torch.Tensor, ranks: list[int], step: int
 def flip_bit(t: torch.Tensor) -> None:
     """Flip a low mantissa bit of the tensor's first value in place (a silent corruption nothing else notices)."""
     with torch.no_grad():
-        local(t).reshape(-1)[:1].view(_BITS[t.element_size()]).bitwise_xor_(1 << (10 if t.element_size() >= 4 else 2))
+        local_part(t).reshape(-1)[:1].view(_BITS[t.element_size()]).bitwise_xor_(1 << (10 if t.element_size() >= 4 else 2))
 
 
 class Reexecution:
@@ -146,18 +147,11 @@ class Reexecution:
             flip_bit(logits)
             logger.warning("step %d: rank %d flipped one bit of the first micro-batch's logits "
                            "(debug.inject_bitflip_step)", self.step, self.owner.rank)
-        self.digest = digest(local(logits))
+        self.digest = digest(local_part(logits))
 
     def again(self, logits: torch.Tensor) -> None:
-        first, again = self.digest.tolist(), digest(local(logits)).tolist()
+        first, again = self.digest.tolist(), digest(local_part(logits)).tolist()
         self.owner._differs = None if first == again else first + again
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (maybe distributed) tensor this rank holds."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ReplicaCheck:
@@ -205,14 +199,14 @@ class ReplicaCheck:
             for name, p in part.named_parameters():
                 label = name if len(self.model_parts) == 1 else f"part{i}.{name}"
                 names[id(p)] = label
-                out.append((label, local(p)))
+                out.append((label, local_part(p)))
         if self.compare_optimizer:
             for opt in self.optimizers:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         for key, value in sorted(opt.state.get(p, {}).items()):
                             if isinstance(value, torch.Tensor):
-                                out.append((f"optimizer {key} of {names.get(id(p), '?')}", local(value)))
+                                out.append((f"optimizer {key} of {names.get(id(p), '?')}", local_part(value)))
         return out
 
     # ------------------------------------------------------------------ the step's part

@@ -28,16 +28,14 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtrain.distributed.utils import local_part
+
 if TYPE_CHECKING:
     from torchtrain.components.offload.params import ParamOffload
     from torchtrain.components.offload.store import FileStore, HostStore
 
 # state tensors offloaded: every tensor the size of the parameter (Adam moments, Muon momentum)
 _STATE_KINDS = 2  # Adam's two moments: the bucket estimate for a parameter without state yet
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class StreamedOptimizer:
@@ -57,7 +55,7 @@ class StreamedOptimizer:
         for g, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 bucket.append((g, p))
-                size += _local(p).numel() * 4 * _STATE_KINDS
+                size += local_part(p).numel() * 4 * _STATE_KINDS
                 if size >= bucket_bytes:
                     self.buckets.append(bucket)
                     bucket, size = [], 0
@@ -82,7 +80,7 @@ class StreamedOptimizer:
                 self._meta[key] = (p, name, spec)
                 if key not in self._keys.setdefault(id(p), []):
                     self._keys[id(p)].append(key)
-                local = _local(v)
+                local = local_part(v)
                 if self.cuda:  # on the compute stream: ordered after the update
                     host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
                     host.copy_(local, non_blocking=True)
