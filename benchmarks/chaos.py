@@ -36,7 +36,8 @@ test plugin (tests/plugins/fault_injection.py, loaded with job.custom_imports) r
 launches are benchmarks/chaos_job.py. For each fault the
 benchmark prints how it was detected (the log line), the action taken, and what it cost: the seconds
 from the injection until the run is back at the step it had reached, less one healthy step; the steps
-trained again. Then it checks that the final losses equal the reference bitwise (each step's latest
+trained again. Then it checks that the final weights and optimizer state (the last checkpoint's tensors) and the
+final losses equal the reference bitwise (each step's latest
 logged loss) and that no step's loss was ever logged with two different values -- but the steps a silently
 corrupted replica trained before the check caught it, which by their nature log the corrupted loss; exit status 1
 if not.
@@ -56,7 +57,7 @@ import sys
 import time
 
 import chaos_report
-from chaos_job import HANG_S, Record, Run, job
+from chaos_job import HANG_S, Record, Run, final_tensors, job, same_tensors
 from chaos_report import Outcome
 
 FAULTS = ("kill9", "sigstop", "preempt", "enospc", "flip", "truncate", "slow", "nonfinite", "node", "sdc", "rendezvous")
@@ -358,8 +359,10 @@ def chaos(folder: str, nproc: int, steps: int, interval: int, seed: int, kinds: 
     silent = {s for o in outcomes if o.corrupted for s in range(o.corrupted[0], o.corrupted[1] + 1)}
     twice = {s: v for s, v in logged.items() if len(set(v)) > 1 and s not in silent}
     equal = final == ref
+    weights = same_tensors(final_tensors(os.path.join(folder, "reference", "job"), steps),
+                           final_tensors(run.dump, steps))
     summary = chaos_report.Summary(seed, nproc, steps, interval, len(outcomes), run.launches, total, ref_s,
-                                   driver.step_s, sum(len(v) for v in logged.values()) - len(logged), equal,
+                                   driver.step_s, sum(len(v) for v in logged.values()) - len(logged), equal, weights,
                                    sorted(twice), sorted(silent))
     for line in chaos_report.text(summary, outcomes):
         out(line)
@@ -368,7 +371,7 @@ def chaos(folder: str, nproc: int, steps: int, interval: int, seed: int, kinds: 
                                               for s in sorted(set(ref) | set(final)) if ref.get(s) != final.get(s))[:600])
     chaos_report.write(folder, summary, outcomes, run.records, t0)
     out(f"report: {os.path.join(folder, 'report.json')}, timeline: {os.path.join(folder, 'timeline.svg')}")
-    return equal and not twice, outcomes
+    return equal and weights and not twice, outcomes
 
 
 def main(argv: list[str] | None = None) -> int:

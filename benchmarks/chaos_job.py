@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from torchtrain.utils.forkserver import SERVER_NAME
@@ -166,3 +167,30 @@ class Run:
             if os.path.exists(os.path.join(path, "complete.json")):
                 steps.append(int(path.rsplit("-", 1)[1]))
         return sorted(steps)
+
+
+def final_tensors(dump: str, step: int) -> dict:
+    """Every tensor of the job's checkpoint of `step` (model and optimizer state, by their stored names), read in
+    this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(dump, "checkpoint", f"step-{step}")
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
+             if isinstance(m, TensorStorageMetadata) and k.startswith(("model.", "optimizer."))}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process reads it: meant
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    """Bitwise equal, name by name."""
+    import torch
+
+    def raw(t):
+        return t.reshape(-1).contiguous().view(torch.uint8)
+
+    return a.keys() == b.keys() and all(torch.equal(raw(a[k]), raw(b[k])) for k in a)

@@ -45,6 +45,7 @@ class Summary:
     step_s: float  # a healthy step's wall time
     steps_logged_again: int
     bitwise_equal: bool
+    weights_equal: bool  # the final checkpoint's model and optimizer tensors, bitwise
     logged_twice_differently: list[int]
     silently_corrupted_steps: list[int]  # logged by a corrupted replica before the check caught it
 
@@ -72,6 +73,7 @@ def text(summary: Summary, outcomes: list[Outcome]) -> list[str]:
     lines += ["", f"chaos run: {s.faults} faults of {len(kinds)} kinds, {s.launches} launches, {s.wall_s:.1f} s "
               f"({s.wall_s - s.reference_s:+.1f} s against the reference); {s.steps_logged_again} steps logged again",
               f"goodput: {s.goodput:.1%} (the reference: {s.reference_goodput:.1%}; a healthy step {s.step_s:.3f} s)",
+              f"final weights and optimizer state equal to the reference, bitwise: {s.weights_equal}",
               f"final losses equal to the reference, bitwise: {s.bitwise_equal} ({s.steps} steps); a step logged with "
               f"different losses: {s.logged_twice_differently or 'none'}"
               + (f" (steps a silently corrupted replica trained before the check: {s.silently_corrupted_steps})"

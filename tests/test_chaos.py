@@ -10,7 +10,7 @@ bug), and no step's loss may be logged twice with different values but those the
 before the check; every fault must have been detected as designed.
 
 The benchmark's full run (4 processes, 400 steps, 20 faults of all eleven kinds) is the nightly test below
-(`python -m pytest -m nightly`, about 7 minutes on 2 CPU cores); its figures are in docs/resilience.md.
+(`python -m pytest -m nightly`, 2-3 minutes on 2 CPU cores); its figures are in docs/resilience.md.
 """
 
 from __future__ import annotations
