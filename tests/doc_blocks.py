@@ -4,8 +4,9 @@ Every shell block (```bash, ```sh, ```shell) carries a marker on the line before
 the rendered page does not show:
 
     <!-- ci: run -->                                   runs as written
-    <!-- ci: run; append --training.steps 4 -->        runs with these keys appended to every ./run_train.sh and
-                                                       torchtrain.train command of the block (sizes and steps only)
+    <!-- ci: run; append --training.steps 4 -->        runs with these keys appended to every ./run_train.sh,
+                                                       torchtrain.train and torchtrain.tools.parity command of the
+                                                       block (sizes and steps only)
     <!-- ci: run; after set-up -->                     its `python -m venv ... && pip install ... && ` prefix is the
                                                        set-up .ci/run performs before the suite: the rest runs
     <!-- ci: run; fresh -->                            runs in a scratch folder of its own: it needs nothing an earlier
@@ -137,7 +138,8 @@ def command_set(text: str) -> set[str]:
 
 def commands(block: Block) -> str:
     """The block's shell text as CI runs it: the set-up prefix dropped (`after set-up`), the appended keys added to
-    every `./run_train.sh` and `torchtrain.train` command (before a trailing comment, `&&`, `;`, `&` or `|`)."""
+    every `./run_train.sh`, `torchtrain.train` and `torchtrain.tools.parity` command (before a trailing comment, `&&`,
+    `;`, `&` or `|`)."""
     text = re.sub(r"\s*\\\n\s*", " ", block.text)  # one line per command
     if block.after_setup:
         text = text.replace(SETUP, "", 1)
@@ -148,7 +150,8 @@ def commands(block: Block) -> str:
     for line in text.split("\n"):
         code, hash_, comment = _split_comment(line)
         pieces = re.split(r"(&&|\|\||;|&|\|)", code)
-        pieces = [p.rstrip() + extra + " " if re.search(r"(\./run_train\.sh|-m torchtrain\.train)\b", p) else p
+        pieces = [p.rstrip() + extra + " " if re.search(r"(\./run_train\.sh|-m torchtrain\.(train|tools\.parity))\b", p)
+                  else p
                   for p in pieces]
         out.append("".join(pieces).rstrip() + (("  " + hash_ + comment) if hash_ else ""))
     return "\n".join(out)

@@ -85,6 +85,11 @@ def test_appended_keys_reach_every_training_command():
     assert parse_mark(background) is None
     assert commands(background).split("\n")[:2] == ["NGPU=2 ./run_train.sh --a 1 --training.steps 2 &",
                                                      "server & ./run_train.sh --training.steps 2 | tee log"]
+    parity = Block("x.md", 1, "python -m torchtrain.tools.parity --steps 10 \\\n    --candidate fsdp2\n",
+                   "run; append --training.seq_len 64")
+    assert parse_mark(parity) is None
+    assert commands(parity).split("\n")[0] == "python -m torchtrain.tools.parity --steps 10 --candidate fsdp2 " \
+                                              "--training.seq_len 64"
 
 
 # ------------------------------------------------------------------------ the figures the documents state

@@ -41,6 +41,8 @@ KL = ("--grpo.beta", "0.05")
 COPY = ("--grpo.generator", "copy")
 OLD = ("--grpo.old_logps", "trainer")
 KL_CP = (*COPY, *KL, *OLD)  # CP 2: the reference's and the trainer's scoring of each rank's chunks
+SEQ = (*COPY, "--grpo.importance_sampling_level", "sequence", "--grpo.loss_type", "grpo")  # GSPO, completion means
+DR = ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "false")  # Dr. GRPO
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -156,6 +158,56 @@ def test_clipped_objective_and_kl_equal_their_formula():
     assert scaled[1].abs().sum() == 0  # a group that agrees teaches nothing
 
 
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "token"), ("dr_grpo", "token"),
+                                             ("grpo", "sequence"), ("dapo", "sequence")],
+                         ids=["dapo", "grpo", "dr_grpo", "gspo", "gspo_token_mean"])
+def test_each_loss_type_and_ratio_level_equals_its_formula(loss_type, level):
+    """GRPO, Dr. GRPO, DAPO and GSPO: the loss (as the step scales it, scale = R / U) and its gradient against a
+    float64 computation written from the papers' formulas, token by token, within 1e-6 relative."""
+    from torchtrain.config.grpo import Grpo
+    from torchtrain.posttrain.policy_loss import PolicyLoss
+
+    g = torch.Generator().manual_seed(1)
+    rows, seq, vocab, longest = 4, 9, 13, 8
+    logits = torch.randn(rows, seq, vocab, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    for r, (start, end) in enumerate([(1, 9), (3, 6), (2, 3), (4, 8)]):  # completions of 8, 3, 1 and 4 tokens
+        labels[r, :start], labels[r, end:] = -100, -100
+    mask = labels != -100
+    logp = torch.log_softmax(logits, -1).gather(2, labels.clamp(min=0)[..., None])[..., 0]
+    old = logp + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    adv = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, seq)
+    grpo = Grpo(enable=True, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
+                max_completion_length=longest)
+    loss = PolicyLoss(grpo)
+    batch = {"labels": labels, "old_logps": old, "advantages": adv}
+    units = int(loss.count(batch)) if loss.units != "tokens" else int(mask.sum())
+    assert units == {"dapo": 16, "grpo": 4, "dr_grpo": 4 * longest}[loss_type]
+    loss.scale = 2 / units  # R = 2 ranks, this one holding the whole batch: twice the global mean
+    x = logits.clone().requires_grad_()
+    got = loss(x, batch)
+    got.backward()
+
+    def reference(z):
+        lp = torch.log_softmax(z, -1).gather(2, labels.clamp(min=0)[..., None])[..., 0]
+        total = z.new_zeros(())
+        for r in range(rows):
+            tokens = [t for t in range(seq) if mask[r, t]]
+            n, a = len(tokens), float(adv[r, 0])
+            seq_ratio = torch.exp(sum(lp[r, t] - old[r, t] for t in tokens) / n)  # GSPO's geometric mean
+            for t in tokens:
+                ratio = seq_ratio if level == "sequence" else torch.exp(lp[r, t] - old[r, t])
+                objective = torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+                total = total - objective / {"dapo": 16, "grpo": 4 * n, "dr_grpo": 4 * longest}[loss_type]
+        return 2 * total
+
+    y = logits.clone().requires_grad_()
+    expect = reference(y)
+    expect.backward()
+    assert got.item() == pytest.approx(expect.item(), rel=1e-6)
+    assert torch.allclose(x.grad, y.grad, rtol=1e-6, atol=1e-9), (x.grad - y.grad).abs().max()
+
+
 def test_builtin_rewards():
     from torchtrain.posttrain.rewards import Rewards, exact, numeric
 
@@ -175,7 +227,8 @@ def suite(tmp_path_factory):
                                                   "2", "--checkpoint.interval", "1000"]
     return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
                                                        ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
-                                                       ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP)])
+                                                       ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
+                                                       ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR)])
 
 
 @pytest.mark.dist
@@ -213,6 +266,17 @@ def test_the_kl_penalty_to_the_reference_matches_one_process(suite, variant, lay
 def test_trainer_old_log_probs_make_the_first_ratio_exactly_one(suite):
     for records in (suite.results["cp2", KL_CP].records, suite.results["single", KL_CP].records):
         assert records[0]["grpo/ratio"] == 1.0 and records[0]["grpo/clip_fraction"] == 0.0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant,layout", [(SEQ, "cp2"), (DR, "fsdp2")], ids=["gspo_cp2", "dr_grpo_fsdp2"])
+def test_other_objectives_match_one_process(suite, variant, layout):
+    """GSPO's per-completion ratio and GRPO's per-completion mean under context parallelism (each rank holds part of
+    every completion: the sums are all-reduced, a completion counted once); Dr. GRPO's constant normaliser under
+    FSDP 2."""
+    single = suite.results["single", variant]
+    assert single.records[0]["grpo/ratio"] == pytest.approx(1.0, abs=1e-6)
+    suite.check([layout], rtol=RTOL, atol=ATOL, extra=variant)
 
 
 # ------------------------------------------------------------------ bad input

@@ -76,6 +76,20 @@ class Grpo:
     epsilon_high: Annotated[float, Ge(0)] = 0.0
     """Upper clipping bound above 1 (DAPO's clip-higher); 0 = epsilon."""
 
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    """How the per-token losses make the step's loss (TRL's names; docs/post_training.md). `dapo`: the mean over
+    every completion token of the global batch, each token weighing the same (DAPO's token-level loss). `grpo`:
+    each completion's token mean, then the mean over the global batch's completions (the original GRPO: a token
+    of a long completion weighs less). `dr_grpo`: the sum over every completion token divided by the global
+    completions x max_completion_length (Dr. GRPO: a constant normaliser, no length bias; pair it with
+    scale_rewards = false)."""
+
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The importance ratio and its clipping: `token`, one ratio per token (GRPO, DAPO); `sequence`, one per
+    completion -- the geometric mean of its tokens' ratios, exp(mean over its tokens of logp - old) -- clipped as
+    a whole and applied to every token of the completion (GSPO; its paper clips at epsilon 3e-4, epsilon_high
+    4e-4)."""
+
     scale_rewards: bool = True
     """Divide each group's centred rewards by their standard deviation (GRPO); false keeps them centred only
     (Dr. GRPO)."""

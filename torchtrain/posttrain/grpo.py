@@ -85,7 +85,7 @@ class GrpoObjective(Objective):
         if grpo.generator == "copy":
             self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype), [],
                                     layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None)
-        self.loss = PolicyLoss(grpo)
+        self.loss = PolicyLoss.for_layout(grpo, layout)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:
             self.reference = live_reference(spec, args, layout, device, cfg.debug.seed, "grpo: KL penalty")

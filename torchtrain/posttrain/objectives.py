@@ -36,7 +36,7 @@ def objective_loss(cfg: JobConfig, layout: Layout, reference=None) -> SequenceLo
     if cfg.grpo.enable:
         from torchtrain.posttrain.policy_loss import PolicyLoss
 
-        return PolicyLoss(cfg.grpo)
+        return PolicyLoss.for_layout(cfg.grpo, layout)
     if not cfg.dpo.enable:
         return None
     from torchtrain.posttrain.preference_loss import PreferenceLoss

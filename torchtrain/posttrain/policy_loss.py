@@ -11,12 +11,27 @@ reference's log-prob ref_t:
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                    (the k3 estimator of KL(pi || ref), >= 0)
     loss_t  = -(obj_t - beta kl_t)
 
-The step's loss is the mean of loss_t over the N completion tokens of the global batch (token-level
-normalisation, as DAPO and TRL's default): each micro-batch's backward uses sum_t loss_t * scale with
-scale = R / N, exactly the token-mean cross-entropy's scaling (trainer/loss.py), so data-parallel averaging
-gives the gradient of the global mean under any layout. On the first pass over a rollout batch r_t = 1 up to
-the sampler's float rounding (the weights that sampled are the weights being trained), so obj_t = A; later
-optimizer steps on the same rollouts move r_t and the clip bounds how far.
+With `grpo.importance_sampling_level = "sequence"` (GSPO) completion i of n_i tokens has one ratio,
+
+    s_i     = exp((1 / n_i) sum over its tokens t of (logp_t - old_t))      (the geometric mean of its r_t)
+
+used in place of r_t at every one of its tokens, so the clip keeps or drops the completion as a whole.
+
+`grpo.loss_type` sets how the loss_t make the step's loss, over the global batch's N completion tokens and C
+completions (L: max_completion_length):
+
+    dapo    (1 / N) sum_t loss_t                    token mean (DAPO; the default)
+    grpo    (1 / C) sum_i (1 / n_i) sum_t loss_t    each completion's mean, then their mean (the original GRPO)
+    dr_grpo (1 / (C L)) sum_t loss_t                a constant normaliser (Dr. GRPO)
+
+Each micro-batch's backward uses its part of the sum (weights 1 / n_i for `grpo`) times scale = R / U, U the
+global N, C or C L, exactly the token-mean cross-entropy's scaling (trainer/loss.py), so data-parallel
+averaging gives the gradient of the global mean under any layout. Context parallelism cuts every row (one
+completion) over c ranks: n_i and the GSPO log-ratio sum are all-reduced over them (the sum with autograd, whose
+backward sums the c ranks' gradients), each rank sums its own tokens' losses, and a completion is counted on
+CP rank 0 only. On the first pass over a rollout batch r_t = 1 up to the sampler's float rounding (the weights
+that sampled are the weights being trained), so obj_t = A; later optimizer steps on the same rollouts move
+r_t and the clip bounds how far.
 
 Logged per step (reduced over all ranks and micro-batches): the mean k3 KL to the reference (with beta > 0), the
 share of tokens whose ratio is clipped (r_t < 1 - epsilon with A < 0, or r_t > 1 + epsilon_high with A > 0: the
@@ -26,6 +41,8 @@ tokens whose gradient the clip removes) and the mean ratio.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 from torchtrain.config.grpo import Grpo
 from torchtrain.trainer.sequence_loss import SequenceLossBase
@@ -36,21 +53,45 @@ STATS = ("tokens", "kl", "clipped", "ratio")
 
 
 class PolicyLoss(SequenceLossBase):
-    """loss(logits, batch) = sum over the batch's completion tokens of loss_t, times `scale` (module docstring)."""
+    """loss(logits, batch) = the batch's part of the step's loss (module docstring), times `scale`. `cp_group`: the
+    context-parallel group, whose ranks each hold a part of every completion."""
 
     STATS = STATS
-    units = "tokens"
-    """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global completion tokens."""
 
-    def __init__(self, grpo: Grpo):
+    def __init__(self, grpo: Grpo, cp_group=None):
         self.temperature, self.beta = grpo.temperature, grpo.beta
         self.low, self.high = 1 - grpo.epsilon, 1 + grpo.clip_high
+        self.loss_type, self.sequence_level = grpo.loss_type, grpo.importance_sampling_level == "sequence"
+        self.max_completion_length = grpo.max_completion_length
+        self.units = "tokens" if self.loss_type == "dapo" else "completions"
+        """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global completion tokens (the
+        step counts them itself), else the completions (`count`)."""
+        self.cp_group = cp_group
+        self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         self.scale: torch.Tensor | float = 1.0
         super().__init__()
 
-    @staticmethod
-    def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return (batch["labels"] != IGNORE_INDEX).sum()
+    @classmethod
+    def for_layout(cls, grpo: Grpo, layout) -> "PolicyLoss":
+        """The loss of `grpo` over the layout's context-parallel group (when there is one)."""
+        dims = layout.dims
+        return cls(grpo, dims.cp_mesh.get_group() if dims.cp_enabled else None)
+
+    def _over_rows(self, value: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """A per-row sum of this rank's part of every row, summed over the context-parallel group."""
+        if self.cp_group is None:
+            return value
+        if grad:
+            return dist_nn.all_reduce(value, group=self.cp_group)
+        value = value.clone()
+        dist.all_reduce(value, group=self.cp_group)
+        return value
+
+    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The completions a (micro-)batch holds (x max_completion_length for `dr_grpo`), counted once: on CP rank 0."""
+        tokens = self._over_rows((batch["labels"] != IGNORE_INDEX).sum(-1))
+        completions = (tokens > 0).sum() if self.cp_rank == 0 else tokens.new_zeros(())
+        return completions * self.max_completion_length if self.loss_type == "dr_grpo" else completions
 
     def logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """log pi(label) per position with the logits divided by the temperature, (rows, seq) float32."""
@@ -63,7 +104,12 @@ class PolicyLoss(SequenceLossBase):
     def _loss(self, logp: torch.Tensor, mask: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor,
               ref: torch.Tensor | None) -> torch.Tensor:
         mask = mask.to(logp.dtype)
-        ratio = torch.exp(logp - old.to(logp.dtype))
+        log_ratio = logp - old.to(logp.dtype)
+        per_row = self.loss_type == "grpo" or self.sequence_level
+        lengths = self._over_rows(mask.sum(-1, keepdim=True)).clamp(min=1) if per_row else None
+        if self.sequence_level:  # GSPO: one ratio per completion, the same at each of its tokens
+            log_ratio = (self._over_rows((log_ratio * mask).sum(-1, keepdim=True), grad=True) / lengths).expand_as(logp)
+        ratio = torch.exp(log_ratio)
         advantage = advantage.to(logp.dtype)
         objective = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
         per_token = -objective
@@ -76,7 +122,8 @@ class PolicyLoss(SequenceLossBase):
             clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))
             self._stats.append(torch.stack([mask.sum(), (kl * mask).sum() if kl is not None else mask.new_zeros(()),
                                             (clipped * mask).sum(), (ratio * mask).sum()]))
-        return (per_token * mask).sum() * self.scale
+        weight = mask / lengths if self.loss_type == "grpo" else mask
+        return (per_token * weight).sum() * self.scale
 
     def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of a pipeline micro-batch from its one target tensor (`pipeline_target`)."""
