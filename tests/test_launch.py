@@ -159,3 +159,27 @@ def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_
         starts[rank] = worker_start()
     worker_start.cache_clear()
     assert starts == {0: 3, 1: 3}
+
+
+def test_a_host_a_replica_check_named_refuses_to_start_the_job(tmp_path):
+    """fault.sdc_exclude_file lists the hosts whose devices a replica check named: the launcher does not start the
+    job on one of them (exit 6, one line with the way out), before any worker starts; other hosts start."""
+    import socket
+
+    listed = tmp_path / "exclude.txt"
+    listed.write_text(f"other-node\n{socket.gethostname()}\n")
+    launch = [sys.executable, "-m", "torchtrain.launcher", "--nproc_per_node=2", "-m", "torchtrain.train", *TINY_JOB,
+              "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run")]
+    proc = subprocess.run([*launch, "--fault.sdc_exclude_file", str(listed)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert proc.stderr.strip().startswith(f"torchtrain: sdc: this host ({socket.gethostname()}) is listed in "
+                                          f"fault.sdc_exclude_file ({listed})"), proc.stderr[-3000:]
+    assert "--exclude=" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert_no_traceback(proc.stderr)
+    assert not (tmp_path / "run").exists()
+
+    from torchtrain.components.fault.replica_check import excluded_here
+
+    listed.write_text("other-node\n")
+    assert excluded_here(str(listed)) is None and excluded_here(str(tmp_path / "missing.txt")) is None

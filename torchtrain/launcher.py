@@ -78,9 +78,8 @@ def final_status(failures: dict) -> int | None:
 
 
 def _signalled_peers(agent, worker_group, failures: dict) -> dict:
-    """Workers torch's report left out that a signal other than the agent's own SIGTERM ended. torch names the
-    first failed worker it finds; after a lost peer (kill -9, the kernel's OOM killer) that may be a rank that
-    only saw its peer go (a collective's error, exit 1), so the rank that was killed is named beside it."""
+    """Workers a signal other than the agent's SIGTERM ended, which torch's report (its first failed worker: maybe a
+    rank that only saw its peer go, exit 1) left out: a rank killed (kill -9, the OOM killer) is named beside it."""
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -355,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from torchtrain.components.fault.replica_check import excluded_here
+
     if "LOGLEVEL" not in os.environ:  # the agent's lines ("Sending process ... closing signal", "failed
         # (exitcode: 2)") repeat what the launcher reports in one line
         logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
@@ -362,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _default_threads(args)
     job = _job(args.training_script_args) if args.training_script == "torchtrain.train" else None
+    refusal = excluded_here(job.fault.sdc_exclude_file) if job is not None else None
+    if refusal:  # never on a host a replica check suspects (before any worker starts)
+        print(f"torchtrain: sdc: {refusal}", file=sys.stderr, flush=True)
+        return exit_codes.SILENT_CORRUPTION
     explicit = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
     if job is not None and not explicit:
         args.max_restarts = job.fault.max_restarts

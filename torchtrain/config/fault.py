@@ -102,7 +102,8 @@ class Fault:
 
     sdc_exclude_file: str | None = None
     """A file the hosts of the ranks a check names are appended to (one per line, each once), for the
-    scheduler to leave out when it restarts the job (e.g. SLURM's `--exclude=$(paste -sd, FILE)`)."""
+    scheduler to leave out when it restarts the job (e.g. SLURM's `--exclude=$(paste -sd, FILE)`); the launcher
+    does not start the job on a host the file lists (exit 6)."""
 
     replica_timeout_s: Annotated[float, Gt(0)] = 30.0
     """With replica_ft: the timeout of collectives across replica groups and of forming a quorum; a

@@ -154,6 +154,21 @@ class Reexecution:
         self.owner._differs = None if first == again else first + again
 
 
+def listed_hosts(path: str | None) -> set[str]:
+    """The hosts `fault.sdc_exclude_file` names (one per line; none without the file)."""
+    return set(open(path).read().split()) if path and os.path.exists(path) else set()
+
+
+def excluded_here(path: str | None) -> str | None:
+    """Why this host must not start the job -- a replica check named it (`fault.sdc_exclude_file`) -- or None."""
+    host = socket.gethostname()
+    if host not in listed_hosts(path):
+        return None
+    return (f"this host ({host}) is listed in fault.sdc_exclude_file ({path}): a replica check named its devices in "
+            f"silent data corruption. Start the job on other nodes (SLURM: --exclude=$(paste -sd, {path})), or "
+            f"remove the line once the devices are checked")
+
+
 class ReplicaCheck:
     """The trainer's check, in one of two modes. With replicas (`mesh`): `after_step` compares them when a check is
     due (every `sdc_check_freq` steps and before every checkpoint save: `saves_at`). Without (`reexecutable` steps:
@@ -290,8 +305,7 @@ class ReplicaCheck:
         shown = "; ".join(m.describe() for m in found[:5]) + (f"; ... ({len(found)} in all)" if len(found) > 5 else "")
         logger.warning("sdc: after step %d %s: %s (evidence: %s)", step, self._differ, shown, path)
         if self.exclude_file:
-            listed = set(open(self.exclude_file).read().split()) if os.path.exists(self.exclude_file) else set()
-            new = sorted(set(hosts.values()) - listed)
+            new = sorted(set(hosts.values()) - listed_hosts(self.exclude_file))
             with open(self.exclude_file, "a") as f:
                 f.writelines(f"{host}\n" for host in new)
             logger.warning("sdc: suspect host(s) %s listed in %s (fault.sdc_exclude_file)",
