@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
         return 0
     logging.getLogger("torchtrain").setLevel(logging.WARNING)  # the trainer's per-rank logs: not here
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # per-op advice
     warnings.simplefilter("ignore")
     try:
         world, ranks, steps, device, job_argv = _parse(argv)

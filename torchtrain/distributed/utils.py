@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import logging
 import os
 import random
 import socket
@@ -14,6 +15,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtrain.config.parallelism import Comm
+
+# torch's advice that a reduction over two mesh dimensions (the gradient norm under FSDP x TP: one all-reduce per
+# dimension, by design) could use a flattened mesh: printed by every run of such a layout, nothing the job can act on
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def env_rank_world() -> tuple[int, int, int]:
