@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -79,6 +80,17 @@ def cp_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "c
 def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
     """This CP rank's tokens of `t` along `dim` (`cp_indices`)."""
     return t.index_select(dim, cp_indices(t.shape[dim], cp, rank, t.device, balanced))
+
+
+def cp_group(dims):
+    """The context-parallel process group of a layout's `dims`; None without context parallelism."""
+    return dims.cp_mesh.get_group() if dims.cp_enabled else None
+
+
+def sum_over_cp(value: torch.Tensor, group) -> torch.Tensor:
+    """Per-row partial sums of a batch whose rows context parallelism cut, added up over the CP ranks (`group`;
+    unchanged for None). Autograd: the backward sums the ranks' gradients back."""
+    return dist_nn.all_reduce(value, group=group) if group is not None else value
 
 
 def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int, balanced: bool = True) -> dict[str, torch.Tensor]:

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 from torchtrain.config.grpo import Grpo
+from torchtrain.distributed.context_parallel import cp_group, sum_over_cp
 from torchtrain.trainer.sequence_loss import SequenceLossBase
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
@@ -74,22 +74,11 @@ class PolicyLoss(SequenceLossBase):
     @classmethod
     def for_layout(cls, grpo: Grpo, layout) -> "PolicyLoss":
         """The loss of `grpo` over the layout's context-parallel group (when there is one)."""
-        dims = layout.dims
-        return cls(grpo, dims.cp_mesh.get_group() if dims.cp_enabled else None)
-
-    def _over_rows(self, value: torch.Tensor, grad: bool = False) -> torch.Tensor:
-        """A per-row sum of this rank's part of every row, summed over the context-parallel group."""
-        if self.cp_group is None:
-            return value
-        if grad:
-            return dist_nn.all_reduce(value, group=self.cp_group)
-        value = value.clone()
-        dist.all_reduce(value, group=self.cp_group)
-        return value
+        return cls(grpo, cp_group(layout.dims))
 
     def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The completions a (micro-)batch holds (x max_completion_length for `dr_grpo`), counted once: on CP rank 0."""
-        tokens = self._over_rows((batch["labels"] != IGNORE_INDEX).sum(-1))
+        tokens = sum_over_cp((batch["labels"] != IGNORE_INDEX).sum(-1), self.cp_group)
         completions = (tokens > 0).sum() if self.cp_rank == 0 else tokens.new_zeros(())
         return completions * self.max_completion_length if self.loss_type == "dr_grpo" else completions
 
@@ -106,9 +95,9 @@ class PolicyLoss(SequenceLossBase):
         mask = mask.to(logp.dtype)
         log_ratio = logp - old.to(logp.dtype)
         per_row = self.loss_type == "grpo" or self.sequence_level
-        lengths = self._over_rows(mask.sum(-1, keepdim=True)).clamp(min=1) if per_row else None
+        lengths = sum_over_cp(mask.sum(-1, keepdim=True), self.cp_group).clamp(min=1) if per_row else None
         if self.sequence_level:  # GSPO: one ratio per completion, the same at each of its tokens
-            log_ratio = (self._over_rows((log_ratio * mask).sum(-1, keepdim=True), grad=True) / lengths).expand_as(logp)
+            log_ratio = (sum_over_cp((log_ratio * mask).sum(-1, keepdim=True), self.cp_group) / lengths).expand_as(logp)
         ratio = torch.exp(log_ratio)
         advantage = advantage.to(logp.dtype)
         objective = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from torchtrain.config.dpo import Dpo
+from torchtrain.distributed.context_parallel import cp_group, sum_over_cp
 from torchtrain.trainer.sequence_loss import SequenceLossBase
 from torchtrain.utils.token_loss import token_logps
 
@@ -88,8 +88,7 @@ class PreferenceLoss(SequenceLossBase):
     @classmethod
     def for_layout(cls, dpo: Dpo, layout, reference=None) -> "PreferenceLoss":
         """The loss of `dpo` over the layout's context-parallel group (when there is one), with its live `reference`."""
-        dims = layout.dims
-        return cls(dpo, dims.cp_mesh.get_group() if dims.cp_enabled else None, reference)
+        return cls(dpo, cp_group(layout.dims), reference)
 
     @staticmethod
     def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -104,7 +103,7 @@ class PreferenceLoss(SequenceLossBase):
 
     def _across_cp(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over the context-parallel ranks (autograd: the backward sums the gradients back)."""
-        return dist_nn.all_reduce(value, group=self.cp_group) if self.cp_group is not None else value
+        return sum_over_cp(value, self.cp_group)
 
     def rewards(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
         """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n."""
