@@ -99,7 +99,21 @@ def run_train(args: list[str], nproc: int | None = None, timeout: float = 600, e
               ) -> subprocess.CompletedProcess:
     """Run the trainer (under torchrun when nproc is given) and return the finished process."""
     cmd, full_env = train_command(args, nproc, env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    out.stderr = with_fatal_error_last(out.stderr)
+    return out
+
+
+def with_fatal_error_last(stderr: str, limit: int = 1500) -> str:
+    """`stderr` with, when a worker died of a fatal signal, the start of Python's report of it (the
+    signal and the innermost frames of the thread that raised it) repeated at the end: the report
+    runs to many lines of every thread's stack, and tests show the tail of the output on failure."""
+    start = stderr.find("Fatal Python error")
+    if start < 0:
+        return stderr
+    current = stderr.find("Current thread", start)
+    head = stderr[start:start + 300] if current < 0 else stderr[start:start + 100] + "\n...\n" + stderr[current:]
+    return stderr + "\n---- the first fatal error report, from its start ----\n" + head[:limit]
 
 
 def wait_for_pid_file(proc: subprocess.Popen, pid_file, what: str, timeout: float = 300) -> int:
