@@ -27,6 +27,7 @@ import json
 import math
 import os
 import signal
+import socket
 import stat
 import subprocess
 
@@ -226,22 +227,44 @@ for p in $(cat "$SHIM_DIR/task_pids"); do kill -s "$sig" "$p"; done
 }
 
 
-def slurm_job(shims, dump, restart: int, **env: str) -> subprocess.Popen:
-    full = dict(os.environ, **ENV, PATH=f"{shims}:{os.environ['PATH']}", SHIM_DIR=str(shims), SLURM_JOB_ID="4242",
-                SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="1",
-                SLURM_RESTART_COUNT=str(restart), RDZV_PORT=str(free_port()), **env)
-    full.pop("RANK", None)
-    full["TORCHTRAIN_TEST_NO_ZYGOTE"] = "1"  # the script signals the launcher's process tree: real processes
-    return subprocess.Popen(["bash", "scripts/multinode_trainer.slurm", *job(dump, *FAULT_INJECTION)], cwd=REPO, env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
+def shim_folder(tmp_path):
     shims = tmp_path / "shims"
     shims.mkdir()
     for name, text in SHIMS.items():
         (shims / name).write_text(text)
         (shims / name).chmod(stat.S_IRWXU)
+    return shims
+
+
+def slurm_job(shims, dump, restart: int, *extra: str, **env: str) -> subprocess.Popen:
+    full = dict(os.environ, **ENV, PATH=f"{shims}:{os.environ['PATH']}", SHIM_DIR=str(shims), SLURM_JOB_ID="4242",
+                SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="1",
+                SLURM_RESTART_COUNT=str(restart), RDZV_PORT=str(free_port()), **env)
+    full.pop("RANK", None)
+    full["TORCHTRAIN_TEST_NO_ZYGOTE"] = "1"  # the script signals the launcher's process tree: real processes
+    return subprocess.Popen(["bash", "scripts/multinode_trainer.slurm", *job(dump, *FAULT_INJECTION, *extra)], cwd=REPO,
+                            env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_slurm_script_requeues_without_the_hosts_a_replica_check_named(tmp_path):
+    """A node listed in fault.sdc_exclude_file refuses to start (exit 6, before any worker): the batch script
+    reads the file's path from the job (launch_check --print) and requeues the job excluding every host it lists."""
+    shims = shim_folder(tmp_path)
+    listed = tmp_path / "sdc_hosts.txt"
+    listed.write_text(f"gpu-node-17\n{socket.gethostname()}\n")
+    proc = slurm_job(shims, tmp_path / "run", 0, "--fault.sdc_exclude_file", str(listed))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 6, out[-3000:]
+    assert f"this host ({socket.gethostname()}) is listed in fault.sdc_exclude_file" in out, out[-3000:]
+    assert f"requeueing job 4242 without the hosts {listed} lists" in out, out[-3000:]
+    calls = (shims / "calls").read_text().splitlines()
+    assert calls[-2:] == [f"scontrol update JobId=4242 ExcludeNodeList=gpu-node-17,{socket.gethostname()}",
+                          "scontrol requeue 4242"], calls
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("metrics.jsonl"))
+
+
+def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
+    shims = shim_folder(tmp_path)
     dump = tmp_path / "run"
     # Rank 0 parks after step 3 until a preemption signal arrives (test hook), so SIGUSR1 lands at a
     # known step: the batch script gets it (as from --signal=B:USR1@120), passes it on with scancel,
@@ -263,3 +286,14 @@ def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
     ref = {r[0]: r for r in losses(one_node[0])}
     got = {r[0]: r for r in losses(dump)}  # steps 1-3 of the first job, 4-8 of the requeued one
     assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == ref[s] for s in got), (ref, got)
+
+
+def test_launch_check_prints_a_job_key_or_names_a_wrong_one(capsys):
+    from torchtrain.launch_check import main
+
+    assert main(["--nproc-per-node", "1", "--print", "fault.sdc_exclude_file", "--fault.sdc_exclude_file", "h.txt"]) == 0
+    assert main(["--nproc-per-node", "1", "--print", "fault.sdc_exclude_file"]) == 0
+    assert capsys.readouterr().out == "h.txt\n\n"  # unset: an empty line
+    assert main(["--nproc-per-node", "1", "--print", "fault.no_such_key"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--print fault.no_such_key: not a job key" in err[0], err

@@ -16,6 +16,10 @@ a missing, unprepared or truncated token folder, or a bad mixture, ends here as 
 
 `--nnodes MIN:MAX` (an elastic range) leaves the world size open: then the job file, the overrides
 and the data are checked here, the layout by the trainer once the world is known.
+
+`--print SECTION.KEY` prints that key's value in the resolved job instead of the number of processes (an empty
+line for an unset key): a batch script reads the job's own setting rather than repeating it
+(`scripts/multinode_trainer.slurm` reads `fault.sdc_exclude_file` so that a requeue leaves out the hosts it lists).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import warnings
 
 from torchtrain.config import ConfigError
 
-USAGE = "usage: python -m torchtrain.launch_check --nproc-per-node N|auto [--nnodes M] [trainer arguments ...]"
+USAGE = ("usage: python -m torchtrain.launch_check --nproc-per-node N|auto [--nnodes M] [--print SECTION.KEY] "
+         "[trainer arguments ...]")
 
 
 def _positive(flag: str, value: str) -> int:
@@ -46,32 +51,47 @@ def local_devices() -> int:
     return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
-def parse_launch(argv: list[str]) -> tuple[int, int | None, list[str]]:
-    """(processes per node, nodes or None for an elastic range, the trainer's arguments)."""
-    nproc, nnodes, i = None, "1", 0
-    while i < len(argv) and argv[i] in ("--nproc-per-node", "--nnodes"):
+def parse_launch(argv: list[str]) -> tuple[int, int | None, str | None, list[str]]:
+    """(processes per node, nodes or None for an elastic range, the key to print or None, the trainer's arguments)."""
+    nproc, nnodes, key, i = None, "1", None, 0
+    while i < len(argv) and argv[i] in ("--nproc-per-node", "--nnodes", "--print"):
         if i + 1 >= len(argv):
             raise ConfigError(f"{argv[i]} needs a value; {USAGE}")
         if argv[i] == "--nproc-per-node":
             value = argv[i + 1]
             nproc = local_devices() if value == "auto" else _positive("--nproc-per-node", value)
+        elif argv[i] == "--print":
+            key = argv[i + 1]
         else:
             nnodes = argv[i + 1]
         i += 2
     if nproc is None:
         raise ConfigError(USAGE)
     nodes = None if ":" in nnodes else _positive("--nnodes", nnodes)
-    return nproc, nodes, argv[i:]
+    return nproc, nodes, key, argv[i:]
 
 
-def check(argv: list[str]) -> int:
-    """The processes per node; ConfigError when the job cannot start."""
+def key_value(cfg, key: str) -> str:
+    """`SECTION.KEY`'s value in the resolved job, as printed by `--print` (empty for None)."""
+    import dataclasses
+
+    section, _, name = key.partition(".")
+    part = vars(cfg).get(section)
+    if not dataclasses.is_dataclass(part) or name not in {f.name for f in dataclasses.fields(part)}:
+        raise ConfigError(f"--print {key}: not a job key; expected SECTION.KEY as `python -m torchtrain.train --help` "
+                          f"lists them (e.g. fault.sdc_exclude_file)")
+    value = vars(part)[name]
+    return "" if value is None else str(value)
+
+
+def check(argv: list[str]) -> int | str:
+    """The processes per node (or, with `--print`, the key's value); ConfigError when the job cannot start."""
     from torchtrain.config import parse_args
     from torchtrain.data.tokenizer import build_tokenizer
     from torchtrain.distributed.utils import resolve_device_type
     from torchtrain.trainer.preflight import check_data, check_job
 
-    nproc, nodes, job_argv = parse_launch(argv)
+    nproc, nodes, key, job_argv = parse_launch(argv)
     if "-h" in job_argv or "--help" in job_argv:
         return nproc  # the trainer prints the help
     cfg = parse_args(job_argv)
@@ -79,7 +99,7 @@ def check(argv: list[str]) -> int:
         check_job(cfg, nproc * nodes, resolve_device_type(cfg.training.device))
     else:
         check_data(cfg, build_tokenizer(cfg.model.hf_assets_path))
-    return nproc
+    return key_value(cfg, key) if key else nproc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,10 +112,7 @@ def cached(p: PlanInputs) -> bool:
     """Whether the model samples with a key/value cache (its declaration, `BaseModel.takes_cache`, as the sampler reads it)."""
     from torchtrain.models.registry import get_model_spec
 
-    try:
-        return get_model_spec(p.model_name).takes_cache(p.args)
-    except (AttributeError, TypeError, ValueError):
-        return False
+    return get_model_spec(p.model_name).takes_cache(p.args)
 
 
 def forward_flops(p: PlanInputs, context: int) -> float:
