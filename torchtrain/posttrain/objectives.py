@@ -16,6 +16,18 @@ def supplies_data(cfg: JobConfig) -> bool:
     return cfg.grpo.enable
 
 
+def check_objective_data(cfg: JobConfig, tokenizer) -> bool:
+    """Check the data of an objective that brings its own (`supplies_data`) as the launch check and the trainer's
+    start-up do -- GRPO's prompts read, rendered and length-checked, its reward functions tried once -- and say
+    whether it did (False: the job's training data, which `preflight.check_data` checks)."""
+    if not supplies_data(cfg):
+        return False
+    from torchtrain.posttrain.grpo import load_prompts
+
+    load_prompts(cfg, tokenizer)
+    return True
+
+
 def build_objective(cfg: JobConfig, spec, args, layout: Layout, device: torch.device, tokenizer) -> Objective:
     """The job's objective: GRPO with `[grpo]`, DPO (IPO, SimPO) with `[dpo]`, else plain training."""
     if cfg.grpo.enable:

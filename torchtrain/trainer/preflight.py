@@ -26,7 +26,7 @@ from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError, field_types
 from torchtrain.data.build import check_sources
 from torchtrain.data.image.pixels import ImageSpec
-from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, PROMPTS, check_dataset_name
+from torchtrain.data.sources import CHAT, IMAGE_TEXT, PREFERENCE, check_dataset_name
 from torchtrain.data.tokenizer import Tokenizer, build_tokenizer
 from torchtrain.distributed.layout import Layout, resolve_layout
 from torchtrain.distributed.replica_ft import check_replica_ft
@@ -104,12 +104,10 @@ def check_data(cfg: JobConfig, tokenizer: Tokenizer) -> None:
     """The data checks that read no tokens and prepare nothing (`data.build.check_sources`): every
     prepared folder of the job (training and validation) by its manifest and file sizes, the mixture,
     and the inputs of a `files` dataset. They do not depend on the world size."""
-    t = cfg.training
-    if t.dataset == PROMPTS:  # prompts for [grpo]: read, rendered, lengths checked, reward functions tried once
-        from torchtrain.posttrain.grpo import load_prompts
+    from torchtrain.posttrain.objectives import check_objective_data
 
-        load_prompts(cfg, tokenizer)
-    else:
+    t = cfg.training
+    if not check_objective_data(cfg, tokenizer):  # an objective's own data (GRPO's prompts) is checked by it
         check_sources(t.dataset, t.dataset_path, t.datasets, t.dataset_text_field, t.seq_len, tokenizer)
     check_validation_data(cfg.validation, t, tokenizer)
 
