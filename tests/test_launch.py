@@ -78,8 +78,10 @@ def test_launch_check_passes_a_good_job_and_prints_the_processes_per_node():
 
 def test_parse_launch():
     assert parse_launch(["--nproc-per-node", "8", "--nnodes", "4", "--training.steps", "3"]) == (
-        8, 4, ["--training.steps", "3"])
-    assert parse_launch(["--nnodes", "1:4", "--nproc-per-node", "2"]) == (2, None, [])  # elastic: no world size
+        8, 4, None, ["--training.steps", "3"])
+    assert parse_launch(["--nnodes", "1:4", "--nproc-per-node", "2"]) == (2, None, None, [])  # elastic: no world size
+    assert parse_launch(["--nproc-per-node", "1", "--print", "fault.sdc_exclude_file", "--job.config_file", "j.toml"]
+                        ) == (1, 1, "fault.sdc_exclude_file", ["--job.config_file", "j.toml"])
     with pytest.raises(ConfigError, match="--nproc-per-node '0'"):
         parse_launch(["--nproc-per-node", "0"])
     with pytest.raises(ConfigError, match="usage"):
