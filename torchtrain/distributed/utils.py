@@ -250,6 +250,19 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh=None, norm_excluded: se
         dist.all_reduce(total, group=pp_mesh.get_group())
         total = total.sqrt()
     if max_norm > 0 and apply:
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        scale_grads_([p.grad for params in groups.values() for p in params], clip_factor(total, max_norm))
     return total
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by `factor` (a 0-dim tensor): a DTensor's local shard directly, one fused
+    multiply per (device, dtype) as torch's `clip_grads_with_norm_` does. Scaling a shard is scaling the whole
+    tensor, so this is that function's result bit for bit, without DTensor working out a sharding for a list of
+    every gradient of the model (host time that grows with the number of parameters, every step)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, factor.to(device))
