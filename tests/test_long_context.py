@@ -148,26 +148,26 @@ def test_context_parallel_config_errors(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- multi-process
-@pytest.fixture(scope="module")
-def causal_suite(tmp_path_factory):
-    return ParitySuite(str(tmp_path_factory.mktemp("cp")), list(TINY_JOB) + ["--training.global_batch_size", "4"], 10,
-                       layouts=CP_LAYOUTS)
-
-
 CP_LAYOUTS = ["cp2", "cp2_fsdp2", "cp2_tp2", "pp2_cp2"]
+BLOCK_LAYOUTS = ["cp2", "cp2_tp2"]
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def cp_suite(tmp_path_factory):
+    """The causal CP layouts and the block-causal variant's, in the same launches (one per process count)."""
+    return ParitySuite(str(tmp_path_factory.mktemp("cp")), list(TINY_JOB) + ["--training.global_batch_size", "4"],
+                       STEPS, layouts=[*CP_LAYOUTS, ("single", BLOCK), *[(spec, BLOCK) for spec in BLOCK_LAYOUTS]])
 
 
 @pytest.mark.dist
-def test_context_parallel_layouts_match_one_process(causal_suite):
-    causal_suite.check(CP_LAYOUTS)
+def test_context_parallel_layouts_match_one_process(cp_suite):
+    cp_suite.check(CP_LAYOUTS)
 
 
 @pytest.mark.dist
-def test_context_parallel_with_block_causal_masks(tmp_path):
-    layouts = ["cp2", "cp2_tp2"]
-    suite = ParitySuite(str(tmp_path), list(TINY_JOB) + ["--training.global_batch_size", "4"] + BLOCK, 10,
-                        layouts=layouts)
-    suite.check(layouts)
+def test_context_parallel_with_block_causal_masks(cp_suite):
+    cp_suite.check(BLOCK_LAYOUTS, extra=BLOCK)
 
 
 @pytest.mark.dist

@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO, TINY_JOB, ParitySuite, read_metrics, run_train
 
 pytestmark = pytest.mark.dist
-STEPS = 6
+STEPS = 4
 OVERRIDES = list(TINY_JOB) + ["--training.global_batch_size", "8"]
 
 

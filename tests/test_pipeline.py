@@ -18,7 +18,7 @@ from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.pipeline_timeline import simulate
 from torchtrain.trainer.preflight import preflight
 
-STEPS = 10
+STEPS = 5
 PP_JOB = list(TINY_JOB) + ["--model.n_layers", "4", "--training.global_batch_size", "8"]
 
 
