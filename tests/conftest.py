@@ -198,7 +198,7 @@ class ParitySuite:
     flavor, say) shares those launches by listing ("single", extra) with its layouts: `check(..., extra=extra)`
     compares them against that one-process run."""
 
-    def __init__(self, workdir: str, overrides: list[str], steps: int = 10, layouts=()):
+    def __init__(self, workdir: str, overrides: list[str], steps: int = 6, layouts=()):
         self.workdir, self.overrides, self.steps = workdir, overrides, steps
         self.results = {}
         self._run_together([("single", ())] + [(s, ()) if isinstance(s, str) else (s[0], tuple(s[1])) for s in layouts])

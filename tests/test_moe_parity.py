@@ -1,7 +1,7 @@
 """Qwen3-MoE under expert parallelism (and Qwen3 dense under FSDP x TP) matches one process, step
 for step, under real torchrun + gloo in fp32: EP 2; EP 2 x FSDP 2; EP 2 x TP 2; PP 2 x EP 2; CP 2 x EP 2.
 
-Tolerance: relative difference <= 1e-4 per step for 10 steps, loss and gradient norm (the acceptance
+Tolerance: relative difference <= 1e-4 per step for 6 steps, loss and gradient norm (the acceptance
 bound, as in tests/test_distributed.py). Every layout starts from identical weights (experts included:
 the initialisation is keyed by global name and shape, whatever EP splits) and reads the same global
 batch of 8 sequences; routing is dropless and computed on each token's own rank, so the only
@@ -42,7 +42,7 @@ def moe_suite(tmp_path_factory):
 @pytest.mark.parametrize("layout", EP_LAYOUTS)
 def test_expert_parallel_layouts_match_one_process(moe_suite, layout):
     run, = moe_suite.check([layout], rtol=RTOL)
-    assert len(run.records) == 10
+    assert len(run.records) == 6
     last = run.records[-1]
     assert "moe_aux_loss" in last and "moe_load_max_mean/layers_0-0" in last and "moe_load_max_mean/layers_1-1" in last
     if layout == "ep2":  # the logged expert loads are global: equal to one process's
