@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.utils.token_loss import IGNORE_INDEX
@@ -83,7 +84,7 @@ class FusedCrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x, y = logits.flatten(0, -2), labels.flatten()
         lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        for rows in _slices(x.shape[0]):
+        for rows in _slices(x):
             lse[rows] = torch.logsumexp(x[rows].float(), dim=-1)
         valid = y != IGNORE_INDEX
         picked = x.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1).float()
@@ -96,7 +97,7 @@ class FusedCrossEntropySum(torch.autograd.Function):
         x, y = logits.flatten(0, -2), labels.flatten()
         out = torch.empty_like(logits)
         g = out.flatten(0, -2)
-        for rows in _slices(x.shape[0]):
+        for rows in _slices(x):
             part = torch.exp(x[rows].float() - lse[rows].unsqueeze(1))  # softmax
             target = y[rows]
             valid = (target != IGNORE_INDEX).unsqueeze(1)
@@ -109,9 +110,13 @@ def fused_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return FusedCrossEntropySum.apply(logits, labels)
 
 
-def _slices(n: int) -> list[slice]:
+def _slices(x: torch.Tensor) -> list[slice]:
+    """The row slices the float32 work runs on; for fake tensors (the planner's trace) only the first: each
+    slice's transient is freed before the next, so one holds the same peak, and no values are computed."""
+    n = x.shape[0]
     size = max(1, -(-n // CHUNKS))
-    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+    slices = [slice(i, min(n, i + size)) for i in range(0, n, size)]
+    return slices[:1] if is_fake(x) else slices
 
 
 def compiled_adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor | None,
