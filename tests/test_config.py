@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO, assert_no_traceback
 
-from torchtrain.config import ConfigError, JobConfig, format_help, parse_args, to_toml
+from torchtrain.config import ConfigError, JobConfig, format_help, job_value, parse_args, to_toml
 from torchtrain.config.fields import field_docs, field_types
 from torchtrain.config.manager import _sections, tables
 from torchtrain.data.tokenizer import build_tokenizer
@@ -242,3 +242,17 @@ def test_traceback_check_ignores_where_the_checkout_lives():
     assert package_frames(launcher) == []
     trainer = launcher + f'  File "{PACKAGE_DIR}/train.py", line 251, in main\n'
     assert package_frames(trainer) == [f"{PACKAGE_DIR}/train.py"]
+
+
+def test_job_value_reads_a_resolved_key_or_names_the_wrong_one():
+    """`job_value` (what `launch_check --print` prints): a section's key and a nested table's key as resolved; a
+    wrong section, key or a table in place of a value is one error naming it and the closest right name."""
+    cfg = parse_args(["--training.steps", "7", "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true"])
+    assert job_value(cfg, "training.steps") == 7 and job_value(cfg, "fault.sdc_exclude_file") is None
+    assert job_value(cfg, "quantize.linear.float8.enable_fsdp_float8_all_gather") is True
+    for key, said in (("trainin.steps", "did you mean 'training'"), ("training.step", "did you mean 'steps'"),
+                      ("quantize.linear", "a table, not a value"), ("fault", "a table, not a value"),
+                      ("training.steps.x", "training.steps has no key 'x'")):
+        with pytest.raises(ConfigError, match=said) as err:
+            job_value(cfg, key)
+        assert str(err.value).startswith(f"{key}: ")

@@ -296,4 +296,4 @@ def test_launch_check_prints_a_job_key_or_names_a_wrong_one(capsys):
     assert capsys.readouterr().out == "h.txt\n\n"  # unset: an empty line
     assert main(["--nproc-per-node", "1", "--print", "fault.no_such_key"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--print fault.no_such_key: not a job key" in err[0], err
+    assert len(err) == 1 and "--print fault.no_such_key: fault has no key 'no_such_key'" in err[0], err

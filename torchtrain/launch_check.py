@@ -73,14 +73,12 @@ def parse_launch(argv: list[str]) -> tuple[int, int | None, str | None, list[str
 
 def key_value(cfg, key: str) -> str:
     """`SECTION.KEY`'s value in the resolved job, as printed by `--print` (empty for None)."""
-    import dataclasses
+    from torchtrain.config import job_value
 
-    section, _, name = key.partition(".")
-    part = vars(cfg).get(section)
-    if not dataclasses.is_dataclass(part) or name not in {f.name for f in dataclasses.fields(part)}:
-        raise ConfigError(f"--print {key}: not a job key; expected SECTION.KEY as `python -m torchtrain.train --help` "
-                          f"lists them (e.g. fault.sdc_exclude_file)")
-    value = vars(part)[name]
+    try:
+        value = job_value(cfg, key)
+    except ConfigError as e:
+        raise ConfigError(f"--print {e}") from None
     return "" if value is None else str(value)
 
 

@@ -6,6 +6,6 @@ arguments are checked by the model registry in preflight, and dataset names by t
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.job_config import JobConfig
-from torchtrain.config.manager import format_help, parse_args, to_dict, to_toml
+from torchtrain.config.manager import format_help, job_value, parse_args, to_dict, to_toml
 
-__all__ = ["ConfigError", "JobConfig", "format_help", "parse_args", "to_dict", "to_toml"]
+__all__ = ["ConfigError", "JobConfig", "format_help", "job_value", "parse_args", "to_dict", "to_toml"]

@@ -80,6 +80,27 @@ def _field_type(cls: type | None, dotted: str) -> Any:
     return cls
 
 
+def job_value(config: JobConfig, dotted: str) -> Any:
+    """The resolved value of `SECTION.KEY` (`SECTION.TABLE.KEY` in a nested table) of a job; a ConfigError naming
+    the key, and the closest one the job has, when there is no such key (nor a table instead of a value)."""
+    section, _, rest = dotted.partition(".")
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"{dotted}: not a job key; expected SECTION.KEY as `python -m torchtrain.train --help` "
+                          f"lists them{did_you_mean(section, list(sections))}")
+    value, cls, path = vars(config)[section], sections[section], section
+    for part in rest.split(".") if rest else []:
+        fields = _public_fields(cls) if _is_table(cls) else {}
+        if part not in fields:
+            raise ConfigError(f"{dotted}: {path} has no key {part!r}{did_you_mean(part, list(fields))}")
+        value, cls, path = vars(value)[part], field_types(cls)[part], f"{path}.{part}"
+    if _is_table(cls):
+        keys = list(_public_fields(cls))
+        raise ConfigError(f"{dotted}: a table, not a value; name one of its keys "
+                          f"({', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''})")
+    return value
+
+
 def _deep_update(into: dict[str, Any], new: dict[str, Any]) -> None:
     """Merge `new` into `into`; nested tables merge key by key (a command-line key overrides one key of
     a TOML table, not the whole table)."""
