@@ -132,8 +132,10 @@ def test_a_flipped_hsdp_parameter_is_named_and_rolled_back_to_the_clean_weights(
 @pytest.mark.dist
 def test_a_flipped_ddp_optimizer_state_names_its_rank_and_warn_goes_on(runs):
     dump, log = runs["ddp"]
-    assert ("sdc: after step 4 the data-parallel replicas differ: optimizer exp_avg of tok_embeddings.weight on "
-            "rank(s) 1") in log
+    # the flipped moment may also move that rank's weight in the next update, or be rounded away in it (which of
+    # the two depends on the optimizer kernel's arithmetic, and so on the torch version): the state is named either way
+    first = next(line for line in log.splitlines() if "sdc: after step 4 the data-parallel replicas differ: " in line)
+    assert "optimizer exp_avg of tok_embeddings.weight on rank(s) 1" in first, first
     records = read_metrics(dump)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[-1]["sdc_checks"] == STEPS // 2 and records[-1]["sdc_mismatches"] >= 1
