@@ -218,6 +218,38 @@ def test_builtin_rewards():
     assert rewards.score("7", "7", "") == 1.5 and rewards.score("ab", "7", "") == 0.0
 
 
+def test_overlong_shaping_equals_its_formula_and_reaches_the_advantages():
+    """DAPO's soft overlong punishment (grpo.overlong_buffer_len): nothing up to max - buffer tokens, then linear
+    down to -factor at the limit -- against the hand-computed values, and added to the rewards the rollout turns
+    into advantages (a group whose answers are all right differs only by its lengths)."""
+    from types import SimpleNamespace
+
+    from torchtrain.config import ConfigError
+    from torchtrain.config.grpo import Grpo
+    from torchtrain.posttrain.rewards import Rewards, overlong_penalty
+    from torchtrain.posttrain.rollout import RolloutLoader, group_advantages
+
+    lengths = torch.tensor([1.0, 4.0, 5.0, 6.0, 8.0], dtype=torch.float64)
+    assert overlong_penalty(lengths, 8, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalty(lengths, 8, 0, 1.0).tolist() == [0.0] * 5  # off
+    with pytest.raises(ConfigError, match=r"overlong_buffer_len.*max_completion_length"):
+        Grpo(enable=True, max_completion_length=4, overlong_buffer_len=5).validate()
+
+    sizes = [3, 5, 6, 8]
+    stream = SimpleNamespace(at=lambda k: SimpleNamespace(ids=[1, 2], answer="a", text="p", where=f"prompts:{k}"))
+    generator = lambda rows, sampling, generators: SimpleNamespace(  # noqa: E731
+        tokens=[[3] * n for n in sizes], stopped=[True] * 4, logps=[[-1.0] * n for n in sizes])
+    grpo = Grpo(enable=True, num_generations=4, max_completion_length=8, overlong_buffer_len=4)
+    loader = RolloutLoader(stream, grpo, Rewards(["exact"], []), SimpleNamespace(decode=lambda ids: "a"), 16, 4, 1,
+                           0, 1, 0)
+    loader.attach(None, None, generator)
+    next(iter(loader))
+    rewards = 1.0 + torch.tensor([0.0, -0.25, -0.5, -1.0], dtype=torch.float64)
+    expect = group_advantages(rewards.view(1, 4), True).reshape(-1).float()
+    got = torch.stack([row[labels != -100][0] for row, labels in zip(loader.rows["advantages"], loader.rows["labels"])])
+    assert torch.equal(got, expect), (got, expect)
+
+
 # ------------------------------------------------------------------ layouts (torchrun)
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):

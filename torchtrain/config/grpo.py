@@ -34,6 +34,14 @@ class Grpo:
     max_completion_length: Annotated[int, Ge(1)] = 64
     """Most tokens sampled per completion; each prompt plus this must fit in training.seq_len."""
 
+    overlong_buffer_len: Annotated[int, Ge(0)] = 0
+    """DAPO's overlong reward shaping: a completion longer than max_completion_length - overlong_buffer_len tokens
+    has its reward lowered in proportion, by up to overlong_penalty_factor at max_completion_length tokens (one
+    that did not stop in time); 0: off."""
+
+    overlong_penalty_factor: Annotated[float, Ge(0)] = 1.0
+    """The reward a completion of max_completion_length tokens loses (overlong_buffer_len)."""
+
     temperature: Annotated[float, Gt(0)] = 1.0
     """Sampling temperature; the trainer divides its logits by it too, so both score the same distribution."""
 
@@ -125,6 +133,10 @@ class Grpo:
         if "format" in self.reward_funcs and not self.format_pattern:
             raise ConfigError("[grpo.format_pattern] the format reward needs the regular expression completions "
                               "must match")
+        if self.overlong_buffer_len > self.max_completion_length:
+            raise ConfigError(f"[grpo.overlong_buffer_len] {self.overlong_buffer_len} is longer than "
+                              f"max_completion_length ({self.max_completion_length}): the shaping starts that many "
+                              f"tokens before the limit")
         if self.epsilon >= 1:
             raise ConfigError(f"[grpo.epsilon] {self.epsilon} must be below 1 (the ratio's lower bound 1 - epsilon)")
 

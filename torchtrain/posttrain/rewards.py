@@ -1,6 +1,6 @@
 """Reward functions: a completion's text against the prompt's reference answer -> a number.
 
-    reward(completion) = sum_i w_i f_i(completion, answer, prompt)
+    reward(completion) = sum_i w_i f_i(completion, answer, prompt)  (+ `overlong_penalty` of its length)
 
 Built-in functions (`grpo.reward_funcs` by name):
 
@@ -24,6 +24,8 @@ import math
 import numbers
 import re
 from typing import Callable
+
+import torch
 
 from torchtrain.config.fields import ConfigError
 
@@ -49,6 +51,17 @@ def _format(pattern: str) -> RewardFn:
     def format_reward(completion: str, answer: str, prompt: str) -> float:
         return float(compiled.fullmatch(completion.strip()) is not None)
     return format_reward
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to each completion's reward (`grpo.overlong_buffer_len`): 0 up to
+    max_length - buffer tokens, then falling linearly to -factor at max_length, -factor beyond.
+
+        penalty(n) = factor * clamp((max_length - buffer - n) / buffer, -1, 0)
+    """
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    return factor * ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0)
 
 
 class RewardError(Exception):

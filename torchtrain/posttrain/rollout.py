@@ -10,7 +10,8 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
    layout or by an unsharded copy synced from it (a `Generator`; `posttrain/sampling_layout.py`), row (k, g) drawing its random numbers from its own generator seeded by
    (debug.seed, k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
-3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`);
+3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`), plus DAPO's
+   overlong penalty on its token count when grpo.overlong_buffer_len is set;
    advantages A = (R - mean over the group) / (std over the group + 1e-4) (without the division when
    grpo.scale_rewards is false);
 4. rows: the prompt and the completion in one row of training.seq_len, labels on the completion's tokens only,
@@ -42,7 +43,7 @@ from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.posttrain.decoding import Completions, Sampling, sample_groups
-from torchtrain.posttrain.rewards import RewardError, Rewards
+from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.posttrain.sampling_layout import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
@@ -218,7 +219,9 @@ class RolloutLoader:
                                    "(grpo.on_reward_error)", e, prompt.where)
         if grpo.on_reward_error == "stop":
             stop_together(fatal)
-        reward = torch.tensor(rewards, dtype=torch.float64)
+        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
+        reward = torch.tensor(rewards, dtype=torch.float64) + overlong_penalty(
+            lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
         self.rows = self._rows(rows, out.tokens, out.logps, advantage)
         if grpo.old_logps == "trainer":
@@ -227,7 +230,6 @@ class RolloutLoader:
             self.rows["ref_token_logps"] = self._reference_logps()
         self.position = 0
         self.iterations += 1
-        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
         self._stats = torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), reward.sum(),
                                    reward.square().sum(), lengths.sum(),
                                    torch.tensor(float(sum(out.stopped)), dtype=torch.float64),
