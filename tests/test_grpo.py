@@ -43,6 +43,7 @@ OLD = ("--grpo.old_logps", "trainer")
 KL_CP = (*COPY, *KL, *OLD)  # CP 2: the reference's and the trainer's scoring of each rank's chunks
 SEQ = (*COPY, "--grpo.importance_sampling_level", "sequence", "--grpo.loss_type", "grpo")  # GSPO, completion means
 DR = ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "false")  # Dr. GRPO
+DYN = ("--grpo.dynamic_sampling", "--grpo.max_sampling_rounds", "3", "--grpo.overlong_buffer_len", "2")  # DAPO's
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -250,6 +251,45 @@ def test_overlong_shaping_equals_its_formula_and_reaches_the_advantages():
     assert torch.equal(got, expect), (got, expect)
 
 
+def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
+    """DAPO's dynamic sampling: groups whose completions all score the same give way to the next prompts' groups,
+    round by round, the prompt counter moving as many rounds on; after max_sampling_rounds agreeing groups fill in."""
+    from types import SimpleNamespace
+
+    from torchtrain.config.grpo import Grpo
+    from torchtrain.posttrain.rewards import Rewards
+    from torchtrain.posttrain.rollout import ROLLOUT_STATS, RolloutLoader
+
+    def rollout(all_right: set[int], dynamic: bool = True, rounds: int = 4) -> RolloutLoader:
+        """Two prompts (groups of 4) a round; completion m of prompt k decodes to "a" (right) when k is in
+        `all_right` or m > 0, else "b": the groups of `all_right` agree, the others differ."""
+        stream = SimpleNamespace(at=lambda k: SimpleNamespace(ids=[k], answer="a", text="p", where=f"prompts:{k}"))
+        sampler = lambda rows, sampling, gens: SimpleNamespace(  # noqa: E731
+            tokens=[[100 + 10 * row[0] + i % 4, 3] for i, row in enumerate(rows)], stopped=[True] * len(rows),
+            logps=[[-1.0, -1.0]] * len(rows))
+        decode = lambda ids: "a" if (ids[0] - 100) // 10 in all_right or ids[0] % 10 else "b"  # noqa: E731
+        grpo = Grpo(enable=True, num_generations=4, max_completion_length=4, dynamic_sampling=dynamic,
+                    max_sampling_rounds=rounds)
+        loader = RolloutLoader(stream, grpo, Rewards(["exact"], []), SimpleNamespace(decode=decode), 8, 8, 1, 0, 1, 0)
+        loader.attach(None, None, sampler)
+        next(iter(loader))
+        return loader
+
+    def trained(loader: RolloutLoader) -> tuple[list[int], dict[str, float]]:
+        return loader.rows["input_ids"][::4, 0].tolist(), dict(zip(ROLLOUT_STATS, loader._stats.tolist()))
+
+    plain = rollout({1}, dynamic=False)
+    assert trained(plain)[0] == [0, 1] and plain.consumed == 2
+    found = rollout({1})  # round 1: prompts 0 (differs) and 1 (agrees); round 2: prompts 2 and 3, both differ
+    prompts, stats = trained(found)
+    assert prompts == [0, 2] and found.consumed == 4 and stats["rounds"] == 2 and stats["dropped"] == 2
+    assert found.rows["advantages"].abs().sum() > 0 and stats["completions"] == 8
+    capped = rollout({0, 1, 2, 3}, rounds=2)  # nothing differs: two rounds, then the first agreeing groups
+    prompts, stats = trained(capped)
+    assert prompts == [0, 1] and capped.consumed == 4 and stats["rounds"] == 2
+    assert torch.equal(capped.rows["advantages"], torch.zeros_like(capped.rows["advantages"]))
+
+
 # ------------------------------------------------------------------ layouts (torchrun)
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
@@ -260,7 +300,8 @@ def suite(tmp_path_factory):
     return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
                                                        ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
                                                        ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
-                                                       ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR)])
+                                                       ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR),
+                                                       ("single", DYN), ("fsdp2", DYN)])
 
 
 @pytest.mark.dist
@@ -309,6 +350,16 @@ def test_other_objectives_match_one_process(suite, variant, layout):
     single = suite.results["single", variant]
     assert single.records[0]["grpo/ratio"] == pytest.approx(1.0, abs=1e-6)
     suite.check([layout], rtol=RTOL, atol=ATOL, extra=variant)
+
+
+def test_dynamic_sampling_and_overlong_shaping_match_one_process(suite):
+    """DAPO's dynamic sampling chooses among every data-parallel rank's groups (gathered) as one process chooses
+    among its own: FSDP 2 trains on the same groups, in the same number of rounds, and matches one process."""
+    run, = suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=DYN)
+    single = suite.results["single", DYN]
+    keys = ("grpo/sampling_rounds", "grpo/groups_dropped")
+    assert [[r[k] for k in keys] for r in run.records] == [[r[k] for k in keys] for r in single.records]
+    assert sum(r["grpo/groups_dropped"] for r in single.records) > 0  # some groups agreed and were replaced
 
 
 # ------------------------------------------------------------------ bad input

@@ -42,6 +42,15 @@ class Grpo:
     overlong_penalty_factor: Annotated[float, Ge(0)] = 1.0
     """The reward a completion of max_completion_length tokens loses (overlong_buffer_len)."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: an iteration keeps only the groups whose rewards differ (a group whose completions
+    all score the same has advantage 0 and teaches nothing), sampling the next prompts in further rounds until every
+    rank has its batch of such groups; surplus groups are dropped (grpo/groups_dropped, grpo/sampling_rounds)."""
+
+    max_sampling_rounds: Annotated[int, Ge(1)] = 4
+    """The most sampling rounds of an iteration under dynamic_sampling; still short after the last, agreeing groups
+    fill the batch (their advantage 0)."""
+
     temperature: Annotated[float, Gt(0)] = 1.0
     """Sampling temperature; the trainer divides its logits by it too, so both score the same distribution."""
 
@@ -161,3 +170,6 @@ def check_grpo(job) -> None:
             raise ConfigError(f"[grpo.generator] the model being trained cannot sample one token at a time under "
                               f"parallelism.{key} = {degree}: set grpo.generator = \"copy\" (an unsharded copy "
                               f"samples, its weights synced before each iteration)")
+    if grpo.dynamic_sampling and job.fault.replica_ft:
+        raise ConfigError("[grpo.dynamic_sampling] chooses among every data-parallel rank's groups, which the replica "
+                          "groups of fault.replica_ft do not share: turn one of them off")

@@ -49,7 +49,7 @@ from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
-ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "seconds")
+ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds")
 
 
 class Generator(Protocol):
@@ -190,6 +190,56 @@ class RolloutLoader:
 
     def _iteration(self) -> None:
         g, grpo = self.grpo.num_generations, self.grpo
+        kept, agreeing, rounds, seconds, errors = [], [], 0, 0.0, 0
+        need = self.prompts_per_step * grpo.steps_per_generation * self.degree  # the iteration's groups, all ranks
+        while True:  # one round without grpo.dynamic_sampling
+            groups, spent, failed = self._sample_round()
+            rounds, seconds, errors = rounds + 1, seconds + spent, errors + failed
+            if not grpo.dynamic_sampling:
+                mine, dropped = groups, 0
+                break
+            for group in sorted(self._everyones(groups)):  # every rank's groups, in the data order
+                (kept if len(set(group[5])) > 1 else agreeing).append(group)
+            if len(kept) >= need or rounds >= grpo.max_sampling_rounds:
+                chosen = (kept + agreeing)[:need]  # still short after the last round: agreeing groups fill in
+                per_step = self.prompts_per_step * self.degree  # dealt as global_prompts deals a round
+                mine = [chosen[s * per_step + j * self.degree + self.rank]
+                        for s in range(grpo.steps_per_generation) for j in range(self.prompts_per_step)]
+                dropped = len(kept) + len(agreeing) - need
+                break
+        rows = [list(ids) for _, ids, *_ in mine for _ in range(g)]
+        tokens = [t for group in mine for t in group[2]]
+        logps = [lp for group in mine for lp in group[3]]
+        stopped = sum(sum(group[4]) for group in mine)
+        reward = torch.tensor([r for group in mine for r in group[5]], dtype=torch.float64)
+        advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
+        self.rows = self._rows(rows, tokens, logps, advantage)
+        if grpo.old_logps == "trainer":
+            self.rows["old_logps"] = self._trainer_logps()
+        if self.reference is not None:
+            self.rows["ref_token_logps"] = self._reference_logps()
+        self.position = 0
+        self.iterations += 1
+        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.float64)
+        first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
+        self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
+                                    lengths.sum().item(), float(stopped), float(errors), first * rounds,
+                                    first * dropped, seconds], dtype=torch.float64)
+
+    def _everyones(self, groups: list[tuple]) -> list[tuple]:
+        """The groups of every data-parallel rank (one all-gather of their completions over the data-parallel mesh):
+        dynamic sampling chooses among them as one process would, whatever the data-parallel degree."""
+        if self.degree == 1:
+            return groups
+        mesh = self.step.layout.dims.dp_mesh
+        gathered = [None] * mesh.size()
+        dist.all_gather_object(gathered, groups, group=mesh.get_group())
+        return [group for part in gathered for group in part]
+
+    def _sample_round(self) -> tuple[list[tuple], float, int]:
+        """Sample and score the next prompts of this rank (`global_prompts`): per prompt (its global index, its
+        tokens, its completions' tokens, log-probs, stopped flags and rewards), the sampling seconds, reward errors."""
+        g, grpo = self.grpo.num_generations, self.grpo
         indices = self.global_prompts()
         self.consumed += self.prompts_per_step * self.degree * grpo.steps_per_generation
         prompts = [self.stream.at(k) for k in indices]
@@ -220,21 +270,12 @@ class RolloutLoader:
         if grpo.on_reward_error == "stop":
             stop_together(fatal)
         lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
-        reward = torch.tensor(rewards, dtype=torch.float64) + overlong_penalty(
-            lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)
-        advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
-        self.rows = self._rows(rows, out.tokens, out.logps, advantage)
-        if grpo.old_logps == "trainer":
-            self.rows["old_logps"] = self._trainer_logps()
-        if self.reference is not None:
-            self.rows["ref_token_logps"] = self._reference_logps()
-        self.position = 0
-        self.iterations += 1
-        self._stats = torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), reward.sum(),
-                                   reward.square().sum(), lengths.sum(),
-                                   torch.tensor(float(sum(out.stopped)), dtype=torch.float64),
-                                   torch.tensor(float(errors), dtype=torch.float64),
-                                   torch.tensor(seconds, dtype=torch.float64)])
+        shaped = (torch.tensor(rewards, dtype=torch.float64) + overlong_penalty(
+            lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)).tolist()
+        groups = [(k, list(p.ids), out.tokens[i * g:(i + 1) * g], out.logps[i * g:(i + 1) * g],
+                   list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g])
+                  for i, (p, k) in enumerate(zip(prompts, indices))]
+        return groups, seconds, errors
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]], logps: list[list[float]],
               advantage: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -306,7 +347,9 @@ class RolloutLoader:
         return {"grpo/reward": mean, "grpo/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
                 "grpo/completion_length": s["length"] / n, "grpo/stopped": s["stopped"] / n,
                 "grpo/reward_errors": s["errors"], "grpo/iteration": float(self.iterations),
-                "grpo/generation_tokens_per_s": s["length"] / max(float(self._stats[-1]), 1e-9)}
+                "grpo/generation_tokens_per_s": s["length"] / max(float(self._stats[-1]), 1e-9),
+                **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
+                   if self.grpo.dynamic_sampling else {})}
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -321,8 +364,9 @@ class RolloutLoader:
         self.consumed, self.position = int(state["prompts"]), int(state["position"])
         self.iterations = int(state.get("iterations", 0))
         self.rows = None if state.get("rows") is None else {k: _decode(v) for k, v in state["rows"].items()}
-        stats = state.get("stats")
-        self._stats = None if stats is None else torch.tensor(stats, dtype=torch.float64)
+        stats = state.get("stats")  # (a checkpoint from before a statistic was added: that iteration's are not logged)
+        self._stats = None if stats is None or len(stats) != len(ROLLOUT_STATS) else torch.tensor(stats,
+                                                                                                   dtype=torch.float64)
         if state.get("data_degree", self.degree) != self.degree and self.rows is not None:
             logger.warning("grpo: the checkpoint's rollouts were dealt over %d data-parallel ranks, this run has %d: "
                            "the rest of that iteration is skipped and sampling starts again at its next prompts",
