@@ -31,7 +31,7 @@ import base64
 import contextlib
 import hashlib
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -50,6 +50,18 @@ from torchtrain.utils.progress import Progress
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds")
+
+
+class Group(NamedTuple):
+    """One prompt's sampled group: its global index (the data order), its tokens, and per completion the tokens,
+    the sampler's log-probs, whether it stopped, and its reward."""
+
+    index: int
+    prompt: list[int]
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    stopped: list[bool]
+    rewards: list[float]
 
 
 class Generator(Protocol):
@@ -199,7 +211,7 @@ class RolloutLoader:
                 mine, dropped = groups, 0
                 break
             for group in sorted(self._everyones(groups)):  # every rank's groups, in the data order
-                (kept if len(set(group[5])) > 1 else agreeing).append(group)
+                (kept if len(set(group.rewards)) > 1 else agreeing).append(group)
             if len(kept) >= need or rounds >= grpo.max_sampling_rounds:
                 chosen = (kept + agreeing)[:need]  # still short after the last round: agreeing groups fill in
                 per_step = self.prompts_per_step * self.degree  # dealt as global_prompts deals a round
@@ -207,11 +219,11 @@ class RolloutLoader:
                         for s in range(grpo.steps_per_generation) for j in range(self.prompts_per_step)]
                 dropped = len(kept) + len(agreeing) - need
                 break
-        rows = [list(ids) for _, ids, *_ in mine for _ in range(g)]
-        tokens = [t for group in mine for t in group[2]]
-        logps = [lp for group in mine for lp in group[3]]
-        stopped = sum(sum(group[4]) for group in mine)
-        reward = torch.tensor([r for group in mine for r in group[5]], dtype=torch.float64)
+        rows = [list(group.prompt) for group in mine for _ in range(g)]
+        tokens = [t for group in mine for t in group.tokens]
+        logps = [lp for group in mine for lp in group.logps]
+        stopped = sum(sum(group.stopped) for group in mine)
+        reward = torch.tensor([r for group in mine for r in group.rewards], dtype=torch.float64)
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
         self.rows = self._rows(rows, tokens, logps, advantage)
         if grpo.old_logps == "trainer":
@@ -226,7 +238,7 @@ class RolloutLoader:
                                     lengths.sum().item(), float(stopped), float(errors), first * rounds,
                                     first * dropped, seconds], dtype=torch.float64)
 
-    def _everyones(self, groups: list[tuple]) -> list[tuple]:
+    def _everyones(self, groups: list[Group]) -> list[Group]:
         """The groups of every data-parallel rank (one all-gather of their completions over the data-parallel mesh):
         dynamic sampling chooses among them as one process would, whatever the data-parallel degree."""
         if self.degree == 1:
@@ -236,9 +248,9 @@ class RolloutLoader:
         dist.all_gather_object(gathered, groups, group=mesh.get_group())
         return [group for part in gathered for group in part]
 
-    def _sample_round(self) -> tuple[list[tuple], float, int]:
-        """Sample and score the next prompts of this rank (`global_prompts`): per prompt (its global index, its
-        tokens, its completions' tokens, log-probs, stopped flags and rewards), the sampling seconds, reward errors."""
+    def _sample_round(self) -> tuple[list[Group], float, int]:
+        """Sample and score the next prompts of this rank (`global_prompts`): their groups, the sampling seconds and
+        the reward errors."""
         g, grpo = self.grpo.num_generations, self.grpo
         indices = self.global_prompts()
         self.consumed += self.prompts_per_step * self.degree * grpo.steps_per_generation
@@ -272,8 +284,8 @@ class RolloutLoader:
         lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
         shaped = (torch.tensor(rewards, dtype=torch.float64) + overlong_penalty(
             lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)).tolist()
-        groups = [(k, list(p.ids), out.tokens[i * g:(i + 1) * g], out.logps[i * g:(i + 1) * g],
-                   list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g])
+        groups = [Group(k, list(p.ids), out.tokens[i * g:(i + 1) * g], out.logps[i * g:(i + 1) * g],
+                        list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g])
                   for i, (p, k) in enumerate(zip(prompts, indices))]
         return groups, seconds, errors
 
