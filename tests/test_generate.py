@@ -86,6 +86,22 @@ def test_generation_equals_a_reference_greedy_loop_over_the_forward(trained, tmp
     assert job.tokenizer.decode(got) == expected("3456789012", 70)[10:]
 
 
+@pytest.mark.dist
+def test_the_key_value_cache_samples_what_the_whole_context_does(trained):
+    """Within max_seq_len `generate` decodes with the key/value cache (one token a step): greedy and seeded samples
+    equal those of the loop that re-runs the whole context (the model told it has no cache)."""
+    job = load(str(trained / "checkpoint"), None, [], torch.device("cpu"), torch.float32)
+    prompt = job.tokenizer.encode("3456", bos=True, eos=False)
+    runs = {}
+    for cached in (True, False):
+        job.model.takes_cache = cached
+        runs[cached] = [generate(job.model, prompt, 40, s, num_samples=3, seed=1, eos_id=job.tokenizer.eos_id,
+                                 vocab_limit=job.tokenizer.vocab_size, max_seq_len=job.args.max_seq_len)
+                        for s in (Sampling(temperature=0), Sampling(temperature=4.0, top_k=50))]
+    assert runs[True] == runs[False]
+    assert len(runs[True][0][0]) == 40 and len({tuple(r) for r in runs[True][1]}) > 1  # three different samples
+
+
 def test_sampling_rules_on_fixed_logits():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     greedy = sample_next(logits, Sampling(temperature=0), None)

@@ -12,8 +12,12 @@ e.g. a `step-N/hf` export). The model and tokenizer are the job's: `--config` an
 in its `complete.json` with the built-in tokenizer. For a Hugging Face folder without
 `model.hf_assets_path`, its own tokenizer.json is used when it has one.
 
-There is no KV cache: each new token runs the model over the whole context (at most the model's
-`max_seq_len` last tokens), which is plenty to inspect a model and no serving engine.
+A model with a key/value cache (`BaseModel.takes_cache`: the decoder families but latent attention) runs the
+prompt once and then one token a step (`posttrain/decoding.py::sample`, the sampler GRPO uses) while the prompt and
+the new tokens fit in its `max_seq_len`. Past that, with images, or without a cache, each new token runs the model
+over the whole context (at most the `max_seq_len` last tokens). Both draw the same random numbers, so a seed gives
+the same text either way up to float summation order (cached keys are read through another kernel). Plenty to
+inspect a model; no serving engine.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtrain.config import ConfigError
-from torchtrain.posttrain.decoding import Sampling, sample_next
+from torchtrain.posttrain.decoding import Sampling, sample, sample_next
 
 JOB_CONFIG = "job_config.toml"
 
@@ -42,6 +46,10 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, s: 
     vision-language model at every step; the context is then never cut (its placeholders must stay whole)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    if max_new_tokens > 0 and not images and model.takes_cache and (max_seq_len is None or len(prompt) + max_new_tokens <= max_seq_len):
+        got = sample(model, [list(prompt)] * num_samples, max_new_tokens, s, generator,
+                     () if eos_id is None else (eos_id,), vocab_limit, progress=progress)
+        return [row[:-1] if stopped else row for row, stopped in zip(got.tokens, got.stopped)]
     tokens = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     kwargs = {k: v.to(device).expand(num_samples, *v.shape[1:]) for k, v in (images or {}).items()}
