@@ -28,6 +28,7 @@ from torch import nn
 
 from torchtrain.config.fields import ConfigError, coerce, default_of, did_you_mean, field_docs, field_types
 from torchtrain.models.base import BaseModel, BaseModelArgs
+from torchtrain.models.common.decoder import SHARED_KEYS
 from torchtrain.models.layout_view import LayoutView
 
 if TYPE_CHECKING:
@@ -229,10 +230,12 @@ def build_model_args(spec: ModelSpec, flavor: str, overrides: dict[str, Any],
 
 
 def model_arguments(name: str) -> list[tuple[str, Any, Any, str]]:
-    """(key, type, default, doc) of every argument of model `name`, for `--help`."""
+    """(key, type, default, doc) of every argument of model `name`, for `--help`: the family's own first, then the
+    keys every decoder shares (`models/common/decoder.py::DecoderArgs`, declared before them)."""
     spec = get_model_spec(name)
     types_, docs = field_types(spec.args_cls), field_docs(spec.args_cls)
-    return [(f.name, types_[f.name], default_of(f), docs.get(f.name, "")) for f in dataclasses.fields(spec.args_cls)]
+    ordered = sorted(dataclasses.fields(spec.args_cls), key=lambda f: f.name in SHARED_KEYS)
+    return [(f.name, types_[f.name], default_of(f), docs.get(f.name, "")) for f in ordered]
 
 
 # ------------------------------------------------------------------------------ what a checkpoint records

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import InitSpec
@@ -85,6 +86,32 @@ class DecoderArgsMixin(DecoderFlops):
         if tokenizer.vocab_size > self.vocab_size:
             raise ConfigError(f"[model.vocab_size] {self.vocab_size} is smaller than the tokenizer's vocabulary "
                               f"({tokenizer.vocab_size}); set --model.vocab_size {tokenizer.vocab_size} or larger")
+
+
+@dataclass
+class DecoderArgs(DecoderArgsMixin):
+    """The `[model]` keys every decoder family (Llama 3, Qwen3, Qwen3.5, DeepSeek-V3) shares, declared once: its
+    context window, the depth scaling of its initialisation and its attention mask. (`--help` lists them after a
+    family's own keys: `SHARED_KEYS`.)"""
+
+    max_seq_len: int = 0
+    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
+
+    context_length: int = 0
+    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
+    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
+
+    depth_init: bool = True
+    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
+
+    attention_mask: Literal["causal", "block_causal"] = "causal"
+    """`causal`: every token attends to all earlier tokens of its window. `block_causal`: only to
+    earlier tokens of its own document (documents packed in a window are kept apart, from the data's
+    per-token positions), and RoPE positions restart at each document (docs/long_context.md)."""
+
+
+SHARED_KEYS = ("max_seq_len", "context_length", "depth_init", "attention_mask")
+"""`DecoderArgs`' keys, listed after a family's own ones."""
 
 
 def output_std(fqn: str, n_layers: int, depth_init: bool) -> float:

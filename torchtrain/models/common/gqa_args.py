@@ -11,15 +11,15 @@ RoPE. Defaults are Qwen3-8B's (RoPE base 1e6). FLOPs per token follow the decode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
-from torchtrain.models.common.decoder import DecoderArgsMixin
+from torchtrain.models.common.decoder import DecoderArgs
 
 
 @dataclass
-class GQADecoderArgs(DecoderArgsMixin, BaseModelArgs):
+class GQADecoderArgs(DecoderArgs, BaseModelArgs):
     qk_norm: ClassVar[bool] = True  # per-head query/key RMSNorm (for the planner's activation formula)
 
     dim: int = 4096
@@ -49,23 +49,8 @@ class GQADecoderArgs(DecoderArgsMixin, BaseModelArgs):
     rope_theta: float = 1000000.0
     """RoPE base frequency."""
 
-    max_seq_len: int = 0
-    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
-
-    context_length: int = 0
-    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
-    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
-
     tie_word_embeddings: bool = False
     """Use the input embedding table as the output projection (the 0.6B, 1.7B and 4B models)."""
-
-    depth_init: bool = True
-    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
-
-    attention_mask: Literal["causal", "block_causal"] = "causal"
-    """`causal`: every token attends to all earlier tokens of its window. `block_causal`: only to
-    earlier tokens of its own document (from the data's per-token positions), with RoPE positions
-    restarting at each document (docs/long_context.md)."""
 
     @property
     def kv_heads(self) -> int:

@@ -25,17 +25,16 @@ more passes through the output head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
-from torchtrain.models.common.decoder import DecoderArgsMixin
+from torchtrain.models.common.decoder import DecoderArgs
 from torchtrain.models.common.moe import MoEModelArgs
 from torchtrain.models.common.rope import yarn_mscale
 
 
 @dataclass
-class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
+class DeepseekV3Args(DecoderArgs, MoEModelArgs, BaseModelArgs):
     dim: int = 7168
     """Hidden size (HF hidden_size)."""
 
@@ -94,19 +93,6 @@ class DeepseekV3Args(DecoderArgsMixin, MoEModelArgs, BaseModelArgs):
     rope_mscale_all_dim: float = 1.0
     """YaRN mscale of the softmax: scores are scaled by mscale(factor, rope_mscale_all_dim)^2 / sqrt(qk_head_dim)
     (0: no correction)."""
-
-    max_seq_len: int = 0
-    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
-
-    context_length: int = 0
-    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
-    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
-
-    depth_init: bool = True
-    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
-
-    attention_mask: Literal["causal", "block_causal"] = "causal"
-    """`causal` or `block_causal` (documents packed in a window kept apart; docs/long_context.md)."""
 
     mtp_depth: int = 0
     """Multi-token-prediction modules (DeepSeek-V3: 1), each predicting one token further from the

@@ -15,15 +15,14 @@ comparable with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.models.base import BaseModelArgs
-from torchtrain.models.common.decoder import DecoderArgsMixin
+from torchtrain.models.common.decoder import DecoderArgs
 
 
 @dataclass
-class Llama3Args(DecoderArgsMixin, BaseModelArgs):
+class Llama3Args(DecoderArgs, BaseModelArgs):
     dim: int = 4096
     """Hidden size."""
 
@@ -63,23 +62,8 @@ class Llama3Args(DecoderArgsMixin, BaseModelArgs):
     rope_original_max_seq_len: int = 8192
     """Llama 3 RoPE scaling: the context length the base model was trained with."""
 
-    max_seq_len: int = 0
-    """Rows of the RoPE table. 0: training.seq_len (set automatically)."""
-
-    context_length: int = 0
-    """The context window the model is declared for, exported as config.json's max_position_embeddings. 0: set
-    from the imported Hugging Face config.json (checkpoint.initial_load_path) when there is one, else max_seq_len."""
-
     tie_word_embeddings: bool = False
     """Use the input embedding table as the output projection (Llama 3.2 1B/3B)."""
-
-    depth_init: bool = True
-    """Scale the init std of each block's output projections by 1/sqrt(2 * (layer_id + 1))."""
-
-    attention_mask: Literal["causal", "block_causal"] = "causal"
-    """`causal`: every token attends to all earlier tokens of its window. `block_causal`: only to
-    earlier tokens of its own document (documents packed in a window are kept apart, from the data's
-    per-token positions), and RoPE positions restart at each document (docs/long_context.md)."""
 
     # ------------------------------------------------------------------ derived
     @property
