@@ -23,9 +23,10 @@ import time
 import numpy as np
 
 from torchtrain.data.dataset import Source, WindowDataset
-from torchtrain.data.format import FORMAT, MANIFEST, VERSION, ShardWriter, TokenCorpus, write_json
+from torchtrain.data.format import FORMAT, MANIFEST, VERSION, ShardWriter, TokenCorpus
 from torchtrain.data.loader import DataLoader
 from torchtrain.data.tokenizer import ByteTokenizer
+from torchtrain.utils.atomic_file import write_json_atomic
 
 
 def rss_mb() -> dict[str, float]:
@@ -52,11 +53,11 @@ def write_corpus(folder: str, gigabytes: float, shards: int = 4) -> None:
             written += len(block)
         records.append(writer.close({"pieces": [], "tokenizer": identity}))
         print(f"  shard {s}: {writer.tokens / 1e6:.0f}M tokens, {writer.documents:,} documents")
-    write_json(os.path.join(folder, MANIFEST), {
+    write_json_atomic(os.path.join(folder, MANIFEST), {
         "format": FORMAT, "version": VERSION, "dtype": "uint16", "tokenizer": identity, "plan_sha256": "",
         "text_field": "", "num_tokens": sum(r["tokens"] for r in records),
         "num_documents": sum(r["documents"] for r in records), "problems": 0, "sources": [],
-        "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256")} for r in records]})
+        "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256")} for r in records]}, indent=1)
     print(f"wrote {folder} in {time.perf_counter() - t0:.0f}s")
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from torchtrain.utils.atomic_file import write_json_atomic
+
 FORMAT = "torchtrain.tokens"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -52,17 +54,6 @@ def token_dtype(vocab_size: int) -> str:
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
-
-
-def write_json(path: str, data: Any) -> None:
-    """Write `data` as deterministic JSON (sorted keys) atomically: temporary file, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path: str) -> Any | None:
@@ -126,7 +117,7 @@ class ShardWriter:
         os.replace(f"{self.base}.idx{self._tmp}", f"{self.base}.idx")
         record = dict(record, name=os.path.basename(self.base), tokens=self.tokens, documents=self.documents,
                       sha256=self._hash.hexdigest())
-        write_json(f"{self.base}.json", record)
+        write_json_atomic(f"{self.base}.json", record, indent=1)
         return record
 
     def abort(self) -> None:

@@ -37,10 +37,10 @@ from torchtrain.data.format import (
     shard_is_complete,
     shard_name,
     token_dtype,
-    write_json,
 )
 from torchtrain.data.readers import Piece, Problem, Unreadable, discover, documents, pieces_of
 from torchtrain.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from torchtrain.utils.atomic_file import write_json_atomic
 from torchtrain.utils.progress import Progress, human
 
 MAX_PROBLEM_DETAILS = 10_000  # per shard; the counts are always exact
@@ -290,7 +290,7 @@ def _manifest(out: str, num_shards: int, records: list[dict], identity: dict, dt
         "problems": sum(r["problem_count"] for r in records), "bad_records": sum(bad_records(r) for r in records),
         **(extra or {}),
     }
-    write_json(os.path.join(out, MANIFEST), manifest)
+    write_json_atomic(os.path.join(out, MANIFEST), manifest, indent=1)
     return manifest
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtrain.config.checkpoint import CHECKPOINT_KEYS
+from torchtrain.utils.atomic_file import fsync_dir, write_json_atomic
 
 MARKER = "complete.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -82,31 +83,6 @@ def scan(folder: str) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str, content: dict[str, Any]) -> None:
-    """Write JSON so that readers see either nothing or the whole file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(content, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def write_marker(path: str, meta: dict[str, Any]) -> None:
     write_json_atomic(os.path.join(path, MARKER), {**meta, "complete": True})
 
@@ -118,7 +94,7 @@ def remove_checkpoint(path: str) -> None:
     parent, name = os.path.split(path.rstrip(os.sep))
     doomed = os.path.join(parent, f".deleting-{name}-{os.getpid()}")
     os.replace(path, doomed)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
