@@ -248,14 +248,17 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
     if strategy.replicated and reshard != "default":
         raise ConfigError(f"[parallelism.fsdp_reshard_after_forward] only applies to FSDP strategies (zero2/zero3), "
                           f"not data_parallel_strategy {strategy.value!r}; leave it 'default'")
-    if strategy.replicated and dims.tp_enabled:
-        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with tensor "
-                          f"parallelism (tensor_parallel_degree {dims.tp}); use zero3 (FSDP x TP) or zero3 with "
-                          f"data_parallel_replicate_degree > 1 (HSDP x TP)")
-    if strategy.replicated and dims.cp_enabled:
-        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with context "
-                          f"parallelism, which folds into the FSDP sharding dimension (dp_shard x cp); use zero3 or "
-                          f"zero2")
+    for enabled, other, fix in (  # a replicated strategy (ddp, zero1) beside a parallelism that shards the model
+            (dims.tp_enabled, f"tensor parallelism (tensor_parallel_degree {dims.tp})",
+             "zero3 (FSDP x TP) or zero3 with data_parallel_replicate_degree > 1 (HSDP x TP)"),
+            (dims.cp_enabled, "context parallelism, which folds into the FSDP sharding dimension (dp_shard x cp)",
+             "zero3 or zero2"),
+            (dims.ep_enabled, f"expert parallelism (expert_parallel_degree {dims.ep}): replicated gradients would be "
+                              f"averaged across ranks that hold different experts", "zero3 or zero2"),
+            (dims.pp_enabled, "pipeline parallelism", "zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")):
+        if strategy.replicated and enabled:
+            raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with "
+                              f"{other}; use {fix}")
     balanced = cfg.parallelism.context_parallel_load_balancer == "headtail"
     pieces = dims.cp * (2 if balanced else 1)
     if dims.cp_enabled and training.seq_len % pieces:
@@ -263,13 +266,6 @@ def _check_combinations(cfg: "JobConfig", dims: ParallelDims, strategy: DPStrate
                 f"(2 x cp) tokens" if balanced else f"context_parallel_degree = {pieces}: each CP rank holds seq_len / "
                 f"cp tokens (context_parallel_load_balancer \"none\")")
         raise ConfigError(f"[training.seq_len] {training.seq_len} is not divisible by {what}; use a multiple of {pieces}")
-    if strategy.replicated and dims.ep_enabled:
-        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with expert "
-                          f"parallelism (expert_parallel_degree {dims.ep}): replicated gradients would be averaged "
-                          f"across ranks that hold different experts; use zero3 or zero2")
-    if strategy.replicated and dims.pp_enabled:
-        raise ConfigError(f"[parallelism.data_parallel_strategy] {strategy.value!r} cannot be combined with pipeline "
-                          f"parallelism; use zero3 (PP x FSDP) or zero3 with data_parallel_replicate_degree > 1")
     if dims.pp_enabled and training.mixed_precision_param == "float16":
         raise ConfigError("[training.mixed_precision_param] float16 (loss scaling) is not supported with pipeline "
                           "parallelism, whose schedule runs backward itself; use bfloat16")
