@@ -18,6 +18,7 @@ import pytest
 from conftest import TINY_JOB
 
 from torchtrain.components.hardware import KNOWN_GPUS
+from torchtrain.models import block_memory
 from torchtrain.models.contract import declare
 from torchtrain.planner import activations, analytic, pipeline, shapes, step_time, trace
 from torchtrain.planner.core import load_job, make_plan, plan_from_flags, trace_job
@@ -108,7 +109,7 @@ def test_activation_formula_matches_the_real_block(dtype):
                 stored.append(tracker.current - base)
                 del h, x
     per_block = stored[1] - stored[0]
-    assert per_block == activations.act_per_token_per_block(declare(args), dt.itemsize, 1) * 2 * 64
+    assert per_block == block_memory.act_per_token_per_block(declare(args), dt.itemsize, 1) * 2 * 64
 
 
 KNOBS = dict(strategy=["zero3", "zero2", "zero1", "ddp"], tp=[1, 2], pp=[1, 2], ac_mode=["none", "full", "selective"],
@@ -159,7 +160,7 @@ def test_sharding_strategies_order_memory_as_the_zero_stages_do():
 def test_tensor_parallel_divides_the_sharded_terms():
     a = _inputs(4, gpu="h100", tp=1)[1].model
     for d in (2, 4):
-        one, two = activations.act_per_token_per_block(a, d, 1), activations.act_per_token_per_block(a, d, 2)
+        one, two = block_memory.act_per_token_per_block(a, d, 1), block_memory.act_per_token_per_block(a, d, 2)
         assert two < one and _close(two, one / 2 + d * a.dim)  # only the gathered projection inputs stay whole
 
 

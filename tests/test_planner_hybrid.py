@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtrain.models import block_memory
 from torchtrain.models.common.attention import AttentionContext
 from torchtrain.models.common.linear_attention import GatedDeltaNet
 from torchtrain.models.contract import declare
 from torchtrain.models.registry import get_model_spec
-from torchtrain.planner import activations, comm_time, compute_time, shapes
+from torchtrain.planner import comm_time, compute_time, shapes
 from torchtrain.planner.core import load_job, make_plan, resolve_gpu
 from torchtrain.planner.from_job import inputs_from_config
 from torchtrain.planner.pipeline import no_pipeline
@@ -70,8 +71,8 @@ def test_linear_layers_cost_linearly_in_the_sequence_full_attention_quadraticall
     assert 3.8 < ratio[False] < 4.2
     assert 1.9 < ratio[True] < 2.1
     block = _kinds(short.model, 64)[True].block
-    assert activations.act_per_token_per_block(short.model, 2, 1, block=block) == \
-        activations.act_per_token_per_block(long.model, 2, 1, block=block)
+    assert block_memory.act_per_token_per_block(short.model, 2, 1, block=block) == \
+        block_memory.act_per_token_per_block(long.model, 2, 1, block=block)
 
 
 def _saved_bytes_per_token(layer: GatedDeltaNet, dim: int, length: int) -> float:
@@ -99,7 +100,7 @@ def test_linear_attention_activation_formula_matches_the_real_layer(shape):
     lin = declare(get_model_spec("qwen3_5").flavors["debugmodel"].replace(
         dim=dim, linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk, linear_value_head_dim=dv,
         linear_conv_kernel_dim=taps, linear_attn_chunk_size=chunk)).linear_block.linear
-    assert activations.linear_act(lin, 2) == pytest.approx(_saved_bytes_per_token(layer, dim, 1024), rel=0.01)
+    assert block_memory.linear_act(lin, 2) == pytest.approx(_saved_bytes_per_token(layer, dim, 1024), rel=0.01)
 
 
 def test_gpt_oss_sliding_layers_cost_less_attention_than_full_ones():

@@ -15,8 +15,9 @@ import torch
 from test_planner import _inputs
 from test_planner_scale import _plan
 
+from torchtrain.models import block_memory
 from torchtrain.models.contract import declare
-from torchtrain.planner import activations, analytic, comm_time, shapes
+from torchtrain.planner import analytic, comm_time, shapes
 from torchtrain.planner.core import make_plan
 from torchtrain.planner.search import search
 
@@ -59,7 +60,7 @@ def test_activation_formula_matches_the_real_qwen3_blocks(family, dtype):
                     h = block(h, model.rope_cache, AttentionContext())
                 stored.append(tracker.current - base)
                 del h, x
-    assert stored[1] - stored[0] == activations.act_per_token_per_block(declare(args), dtype.itemsize, 1) * 2 * 64
+    assert stored[1] - stored[0] == block_memory.act_per_token_per_block(declare(args), dtype.itemsize, 1) * 2 * 64
 
 
 def test_expert_parallelism_shards_only_the_experts_and_costs_an_all_to_all():

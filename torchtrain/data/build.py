@@ -21,8 +21,8 @@ from torchtrain.data.dataset import Source, WindowDataset, open_prepared
 from torchtrain.data.image.image_text import check_image_text, image_text_sources
 from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.data.loader import DataLoader
-from torchtrain.data.preference.pairs import PreferenceFormatError, check_preference, preference_sources
 from torchtrain.data.preference.pair_packing import PreferenceDataset, PreferenceSource
+from torchtrain.data.preference.pairs import PreferenceFormatError, check_preference, preference_sources
 from torchtrain.data.sampling import MIXTURE_PERIOD
 from torchtrain.data.sources import (
     CHAT,

@@ -27,8 +27,8 @@ The adapters store d r bytes per token each for backward (A's output), d (r + ou
 embedding/output tables by tp (norm weights are replicated); FSDP2 rounds each tensor's dim 0 up to a
 multiple of N. With CPU offload (FSDP2 CPUOffloadPolicy) all three live in host memory instead.
 
-Activations saved for backward per token and block (A, with TP, CP, checkpointing and MoE): see
-`activations.py`.
+Activations saved for backward per token and block (A, with TP, CP and MoE): what each block declares
+(`models/block_memory.py`), under the job's checkpointing: `activations.py`.
 
 Other terms: each in-flight micro-batch's stage output (d h t / tp, every stage but the last); under
 FSDP2 mixed precision each block's RoPE-table input cast to d; with TP, the embedding's gradient for

@@ -33,7 +33,7 @@ reference copy: the analytic rows):
                         (K - 1)(2 H_k d_k + H_v d_v) d, / tp
     prefill             the logits of every prompt slot, d R L_p V / tp (+ d R L_p V gathered whole under TP,
                         `full_logits`), the float32 cache mask 4 R L_p^2, one block's transient (at most A R L_p,
-                        A the bytes a block stores for backward per token, `activations.py`)
+                        A the bytes a block stores for backward per token, `models/block_memory.py`)
     each decode step    the last position's logits d R V / tp (+ d R V under TP) and the mask 4 R (L_p + L_c)
     sampler             ~32 B x R V: float32 logits, scaled, tempered copy, softmax; the float64 cumulative
                         sum and the int64 index sum of the inverse-transform draw
@@ -66,7 +66,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchtrain.planner import activations, compute_time, preference, shapes
+from torchtrain.models.block_memory import act_per_token_per_block
+from torchtrain.planner import compute_time, preference, shapes
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.planner.objectives import Rollouts  # noqa: F401  (re-exported)
 
@@ -198,7 +199,7 @@ def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generatio
     slot = kv_bytes_per_slot(p) if kv else 0.0
     cache = (slot * (lp + lc) + (recurrent_bytes_per_row(p) if kv else 0.0)) * rows
     gathered = 1 + (1 / tp if tp > 1 else 0)  # the sharded logits, and under TP their whole-vocabulary gather
-    block = activations.act_per_token_per_block(a, d, tp, p.ep, fused_norm=p.gpu is not None and p.gpu.fused_rms_norm)
+    block = act_per_token_per_block(a, d, tp, p.ep, fused_norm=p.gpu is not None and p.gpu.fused_rms_norm)
     base = [("unsharded weights (compute dtype)" if extra else
              "weights (the float32 parameters themselves)", weights if extra else 0.0,
              f"{d} B x {numel:,} params before FSDP sharding" + (" / tp" if tp > 1 else ""))]

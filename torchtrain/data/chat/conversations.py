@@ -17,10 +17,10 @@ import os
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.training import DatasetEntry
-from torchtrain.data.chat.records import ChatFormatError, Conversation, read_conversations
 from torchtrain.data.chat.packing import ChatSource, build_chat_source
-from torchtrain.data.chat.token_store import is_prepared, open_chat_corpus, prepared_chat_source
+from torchtrain.data.chat.records import ChatFormatError, Conversation, read_conversations
 from torchtrain.data.chat.template import chat_renderer
+from torchtrain.data.chat.token_store import is_prepared, open_chat_corpus, prepared_chat_source
 from torchtrain.data.image.image_chat import Skipped, render_with_images
 from torchtrain.data.image.pixels import ImageSpec
 from torchtrain.data.tokenizer import Tokenizer

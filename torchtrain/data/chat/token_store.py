@@ -28,8 +28,8 @@ import numpy as np
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.bad_input import PrepareError
-from torchtrain.data.chat.records import ChatFormatError, chat_files, read_conversations
 from torchtrain.data.chat.packing import ChatSource, build_chat_source
+from torchtrain.data.chat.records import ChatFormatError, chat_files, read_conversations
 from torchtrain.data.chat.template import chat_renderer
 from torchtrain.data.dataset import open_prepared
 from torchtrain.data.format import MANIFEST, MASK_DTYPE, ShardWriter, TokenCorpus, token_dtype
