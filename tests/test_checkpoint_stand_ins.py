@@ -127,7 +127,8 @@ def test_the_planner_costs_no_rotation_in_the_recomputation():
     """Compiled "op": the recomputation is the block's memory-bound forward less RoPE on the queries and
     keys where the model declares stand-ins; eager blocks recompute the whole memory-bound forward."""
     from torchtrain.components.hardware import KNOWN_GPUS
-    from torchtrain.planner.compute_time import block_time, memory_seconds, rope_bytes
+    from torchtrain.models.block_memory import rope_bytes
+    from torchtrain.planner.compute_time import block_time, memory_seconds
     from torchtrain.planner.core import load_job
     from torchtrain.planner.from_job import inputs_from_config
 

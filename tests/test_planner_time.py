@@ -89,7 +89,7 @@ def test_an_eager_rms_norm_moves_its_activations_once_where_the_device_fuses_it(
     """On a GPU `F.rms_norm` is one kernel each way (read, write: 2 d bytes an element); where autograd decomposes
     it (the CPU target, `--device fused_rms_norm=false`) each step is a pass (4 d + 24). A compiled block fuses
     it either way. Nothing else in the block changes; the traced step's host operators follow the same flag."""
-    from torchtrain.planner.compute_time import block_memory_bytes
+    from torchtrain.models.block_memory import block_memory_bytes
 
     job = load_job(["--job.config_file", f"{REPO}/train_configs/llama3_8b.toml", "--compile.enable", "false"])
     eager = inputs_from_config(job.cfg, job.args, 8, "cuda", KNOWN_GPUS["h100"], {})

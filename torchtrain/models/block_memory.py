@@ -52,6 +52,24 @@ Under context parallelism the kernel's values are d_k + d_v wide (`distributed/c
 its value and state terms widen alike; no keys or values are gathered. Selective "op" checkpointing
 keeps its matmul outputs: the projections' d (c + o + 2 H_v) and the kernel's batched products
 (8 H_k C + 4 H_v d_k + 16 H_v d_v + 4 H_v d_k d_v / C), head-sharded, and out_proj's whole d h.
+
+Memory traffic. A block's memory-bound kernels (norms, RoPE, SwiGLU, residual adds) move, per token with
+d-byte activations, in eager PyTorch's forward
+
+    4 d h               two RMSNorms, each one fused kernel (`GPUSpec.fused_rms_norm`: read, write);
+                        2 (4d + 24) h where autograd decomposes them (fp32 cast, square, mean, scale,
+                        cast back, weight: a CPU)
+    (2d + 16)(h_q+h_kv) RoPE on q and k (through complex fp32)
+    2 d h_q             the attention output's transpose back to tokens x features
+    6 d h               two residual adds
+    5 d F               SwiGLU: silu(w1 x) and its product with w3 x
+    (MoE: 4 d h k for dispatch and combine, 5 d H per route and shared expert; Qwen3's q/k norms
+     2 d (h_q + h_kv), decomposed (4d + 24)(h_q + h_kv); a linear-attention mixer instead of RoPE and
+     the transpose: `linear_memory_bytes`)
+
+and a compiled block (`compile.enable`: Inductor fuses each chain into one kernel that reads its
+inputs and writes its outputs once) 4 d h + 2 d (h_q + h_kv) + 2 d h_q + 4 d h + 3 d F (`block_memory_bytes`;
+the planner times them at the device's memory bandwidth, backward moving twice the forward's bytes).
 """
 
 from __future__ import annotations
@@ -146,3 +164,56 @@ def cheap_matmul_bytes(a, d: int, tp: int, block: Block | None = None) -> tuple[
     block = block or a.block
     cheap = sum(m.out_features for m in block.matmuls() if m.name in a.cheap_to_recompute)
     return d * cheap / tp, cheap
+
+
+# ------------------------------------------------------------------------------ memory traffic
+def norm_bytes(d: int, compiled: bool, fused: bool) -> float:
+    """Forward bytes per normalized element of an RMSNorm (one fused kernel or a compiled one: read and
+    write; decomposed by autograd: each step a pass)."""
+    return 2 * d if compiled or fused else 4 * d + 24
+
+
+def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True, block: Block | None = None) -> float:
+    """Forward bytes per token of a block's memory-bound kernels (`block`, default the model's
+    representative one), before tensor-parallel sharding (see the module docstring)."""
+    block = block or a.block
+    att = a.attention
+    h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
+    hq_qk = att.heads * att.qk_head_dim
+    norm = norm_bytes(d, compiled, fused_norm)
+    out = 2 * norm * h
+    if block.linear is not None:
+        out += linear_memory_bytes(block.linear, d, compiled, norm)
+    else:
+        out += rope_bytes(a, d, compiled) + 2 * d * hq + (norm * (hq_qk + hkv) if a.qk_norm else 0)
+    if compiled:
+        out += 4 * d * h
+        per_ffn = 3 * d
+    else:
+        out += 6 * d * h
+        per_ffn = 5 * d
+    if block.moe is not None:
+        k, H = a.num_experts_per_tok, a.moe_intermediate_size
+        out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
+    else:
+        out += per_ffn * a.ffn_hidden
+    return out
+
+
+def linear_memory_bytes(lin: LinearAttentionShape, d: int, compiled: bool, norm: float) -> float:
+    """Forward bytes per token of a linear-attention mixer's memory-bound kernels, with c its convolved
+    channels, o = value_heads x d_v its output width and C the chunk: eager, the concatenation,
+    convolution and SiLU over c (each read and written, 6 d c), the float32 copies and L2 norms the kernel
+    reads (8 c), the chunked kernel's C-wide float32 rows per value head (decays, A, T and its scaled
+    copies, each written and read: 48 C per head), the gated norm, SiLU(z) and product over o
+    ((norm + 5 d) o); compiled, one read and write of each chain: 2 d c + 4 c + 24 C per head + (norm + 3 d) o."""
+    c, o, heads = lin.conv_channels, lin.value_heads * lin.value_head_dim, lin.value_heads
+    if compiled:
+        return 2 * d * c + 4 * c + 24 * lin.chunk_size * heads + (norm + 3 * d) * o
+    return 6 * d * c + 8 * c + 48 * lin.chunk_size * heads + (norm + 5 * d) * o
+
+
+def rope_bytes(a, d: int, compiled: bool) -> float:
+    """Forward bytes per token of RoPE on the queries and keys (part of `block_memory_bytes`)."""
+    width = a.attention.heads * a.attention.qk_head_dim + a.attention.kv_heads * a.attention.qk_head_dim
+    return (2 * d if compiled else 2 * d + 16) * width

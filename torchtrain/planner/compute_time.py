@@ -35,23 +35,9 @@ parallelism the kernel runs on values d_k + d_v wide instead of d_v
 (`distributed/context_parallel_linear.py`). Linear in the sequence: no s^2 term.
 
 **Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
-HBM e_mem. Per token and block, with d-byte activations, eager PyTorch moves in forward
-
-    4 d h               two RMSNorms, each one fused kernel (`GPUSpec.fused_rms_norm`: read, write);
-                        2 (4d + 24) h where autograd decomposes them (fp32 cast, square, mean, scale,
-                        cast back, weight: a CPU)
-    (2d + 16)(h_q+h_kv) RoPE on q and k (through complex fp32)
-    2 d h_q             the attention output's transpose back to tokens x features
-    6 d h               two residual adds
-    5 d F               SwiGLU: silu(w1 x) and its product with w3 x
-    (MoE: 4 d h k for dispatch and combine, 5 d H per route and shared expert; Qwen3's q/k norms
-     2 d (h_q + h_kv), decomposed (4d + 24)(h_q + h_kv); a linear-attention mixer instead of RoPE and
-     the transpose: `linear_memory_bytes`)
-
-and a compiled block (`compile.enable`: Inductor fuses each chain into one kernel that reads its
-inputs and writes its outputs once) 4 d h + 2 d (h_q + h_kv) + 2 d h_q + 4 d h + 3 d F. Backward moves
-twice the forward's bytes. The loss moves 44 V / tp bytes per token eager (fp32 cast, log-softmax
-and their backward) and 12 V / tp compiled. A float8 linear casts its input and output gradient
+HBM e_mem: a block's, per token, eager or compiled, are its declaration (`models/block_memory.py::
+block_memory_bytes`); backward moves twice the forward's bytes. The loss moves 44 V / tp bytes per token
+eager (fp32 cast, log-softmax and their backward) and 12 V / tp compiled. A float8 linear casts its input and output gradient
 per token: (2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its
 backward GEMMs need), (d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
 
@@ -77,7 +63,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.models.contract import Block, LayerKind, LinearAttentionShape
+from torchtrain.models.block_memory import block_memory_bytes, norm_bytes, rope_bytes
+from torchtrain.models.contract import LayerKind, LinearAttentionShape
 from torchtrain.models.converters.lora import is_target
 from torchtrain.planner.inputs import PlanInputs
 
@@ -193,58 +180,6 @@ def mixer_forward_flops(p: PlanInputs, kind: LayerKind) -> float:
 
 
 # ------------------------------------------------------------------------------ memory-bound bytes
-def norm_bytes(d: int, compiled: bool, fused: bool) -> float:
-    """Forward bytes per normalized element of an RMSNorm (one fused kernel or a compiled one: read and
-    write; decomposed by autograd: each step a pass)."""
-    return 2 * d if compiled or fused else 4 * d + 24
-
-
-def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True, block: Block | None = None) -> float:
-    """Forward bytes per token of a block's memory-bound kernels (`block`, default the model's
-    representative one), before tensor-parallel sharding (see the module docstring)."""
-    block = block or a.block
-    att = a.attention
-    h, hq, hkv = a.dim, att.heads * att.v_head_dim, att.kv_heads * att.qk_head_dim
-    hq_qk = att.heads * att.qk_head_dim
-    norm = norm_bytes(d, compiled, fused_norm)
-    out = 2 * norm * h
-    if block.linear is not None:
-        out += linear_memory_bytes(block.linear, d, compiled, norm)
-    else:
-        out += rope_bytes(a, d, compiled) + 2 * d * hq + (norm * (hq_qk + hkv) if a.qk_norm else 0)
-    if compiled:
-        out += 4 * d * h
-        per_ffn = 3 * d
-    else:
-        out += 6 * d * h
-        per_ffn = 5 * d
-    if block.moe is not None:
-        k, H = a.num_experts_per_tok, a.moe_intermediate_size
-        out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
-    else:
-        out += per_ffn * a.ffn_hidden
-    return out
-
-
-def linear_memory_bytes(lin: LinearAttentionShape, d: int, compiled: bool, norm: float) -> float:
-    """Forward bytes per token of a linear-attention mixer's memory-bound kernels, with c its convolved
-    channels, o = value_heads x d_v its output width and C the chunk: eager, the concatenation,
-    convolution and SiLU over c (each read and written, 6 d c), the float32 copies and L2 norms the kernel
-    reads (8 c), the chunked kernel's C-wide float32 rows per value head (decays, A, T and its scaled
-    copies, each written and read: 48 C per head), the gated norm, SiLU(z) and product over o
-    ((norm + 5 d) o); compiled, one read and write of each chain: 2 d c + 4 c + 24 C per head + (norm + 3 d) o."""
-    c, o, heads = lin.conv_channels, lin.value_heads * lin.value_head_dim, lin.value_heads
-    if compiled:
-        return 2 * d * c + 4 * c + 24 * lin.chunk_size * heads + (norm + 3 * d) * o
-    return 6 * d * c + 8 * c + 48 * lin.chunk_size * heads + (norm + 5 * d) * o
-
-
-def rope_bytes(a, d: int, compiled: bool) -> float:
-    """Forward bytes per token of RoPE on the queries and keys (part of `block_memory_bytes`)."""
-    width = a.attention.heads * a.attention.qk_head_dim + a.attention.kv_heads * a.attention.qk_head_dim
-    return (2 * d if compiled else 2 * d + 16) * width
-
-
 def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled: bool) -> float:
     """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward."""
     per = (d + 1) if compiled else (2 * d + 1)

@@ -77,6 +77,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torchtrain.models.block_memory import norm_bytes
 from torchtrain.planner import comm_time, compute_time, expert_overlap, shapes, vision
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.planner.objectives import KINDS, Preference  # noqa: F401  (re-exported)
@@ -234,7 +235,7 @@ def microbatch_time(p: PlanInputs, dev: GPUSpec, dtype: str | None = None) -> Re
     fp8 = q.float8 and q.float8_head and a.dim % 16 == 0 and a.vocab_size % (16 * tp) == 0
     head = compute_time.gemm_seconds(dev, t, a.dim, a.vocab_size / tp, "float8" if fp8 else q.param_dtype)
     nbytes = 2 * d * a.dim * t + (d + 12) * a.vocab_size / tp * t \
-        + compute_time.norm_bytes(d, q.compile, dev.fused_rms_norm) * a.dim * t / tp
+        + norm_bytes(d, q.compile, dev.fused_rms_norm) * a.dim * t / tp
     compute += head + compute_time.memory_seconds(dev, nbytes)
     comm["tensor parallel"] += 2 * comm_time.tp_edge(q, dev)
     comm["reference sends (DPO, pipeline)"] = (q.pp * q.pp_stages_per_rank - 1) * comm_time.pp_microbatch(q, dev) / 2

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.config import ConfigError
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
+from torchtrain.models.block_memory import norm_bytes
 from torchtrain.planner import comm_time, compute_time
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.planner.pipeline import ENCODER, Stage
@@ -182,7 +183,7 @@ def _block_memory_bytes(p: PlanInputs, dev: GPUSpec) -> float:
     """Forward bytes per patch of one block's memory-bound kernels (module doc)."""
     enc, b, tp = p.model.vision, p.param_bytes, p.tp
     d, f = enc.dim, enc.hidden
-    norm = compute_time.norm_bytes(b, p.compile, dev.fused_rms_norm)
+    norm = norm_bytes(b, p.compile, dev.fused_rms_norm)
     rope = (2 * b if p.compile else 2 * b + 16) * 2 * d / tp
     return 2 * norm * d + rope + (4 if p.compile else 6) * b * d + (2 * b * f + 2 * b * d) / tp
 
@@ -222,7 +223,7 @@ def encoder_time(p: PlanInputs, dev: GPUSpec) -> EncoderTime:
                                                      frame / (frame + compute_time.ATTN_RAMP_TOKENS))
     out.attn_fwd, out.attn_bwd = enc.depth * attn_fwd, enc.depth * attn_bwd
     mem_block = compute_time.memory_seconds(dev, _block_memory_bytes(p, dev) * n)
-    norm = compute_time.norm_bytes(b, p.compile, dev.fused_rms_norm)
+    norm = norm_bytes(b, p.compile, dev.fused_rms_norm)
     rest = ((4 + b) * enc.patch_dim + 10 * b * enc.dim + norm * enc.dim + 2 * b * enc.dim / tp) * n
     out.mem_fwd = enc.depth * mem_block + compute_time.memory_seconds(dev, rest)
     out.mem_bwd = 2 * out.mem_fwd
