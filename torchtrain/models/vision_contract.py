@@ -16,6 +16,22 @@ run: pixels need none). Its tensor-parallel collectives come from the plan over 
 patches (`block_modules.tp_collectives(..., plain_inputs=True)`): per block an all-reduce of N x d after
 each row-parallel layer in forward and one of each column-parallel layer's input gradient in backward;
 the merger's likewise, per decoder token.
+
+Memory, per patch, with b compute bytes, s the LayerNorm statistics' bytes, P a patch's values, H heads and tp
+the TP degree (counted op by op on the real encoder: tests/test_planner_vlm.py):
+
+    stored by a block    4 b d + 4 s                      both LayerNorms' inputs and outputs, their statistics
+                         + (4 b d + 4 H + 2 b f) / tp     rotated q, k, v, the attention output and log-sum-exp,
+                                                          the MLP's hidden (its first layer's output and GELU's)
+                         + b d / tp                       with several frames packed: the attention output's copy
+                                                          (its per-frame parts concatenated) that W_o reads
+    stored outside them  b P + 32 + 4 b                   cast pixels, the position table's 4 taps and weights
+                         + 2 b d + 2 s + 2 b d / tp       the merger's LayerNorm in and out, its hidden
+                         + 4 d / H                        the patches' RoPE angles (float32, shared by the blocks)
+    kept by a block under op-level checkpointing: its input and every matmul and attention output,
+                         3 b d + (4 b d + 4 H + b f) / tp
+    moved forward by a block's memory-bound kernels: two LayerNorms, RoPE on q and k, two residual adds, GELU and
+    the attention output's copy (compiled blocks fuse them).
 """
 
 from __future__ import annotations
@@ -79,6 +95,28 @@ class VisionShape:
     def flops(self, grid: tuple[int, int, int]) -> int:
         """Training FLOPs of one image (forward and backward: 3 x forward, module doc)."""
         return 3 * self.forward_flops(grid)
+
+    def block_bytes_per_patch(self, b: int, s: int, tp: int, packed_frames: bool) -> float:
+        """Bytes one block stores per patch for backward, without checkpointing (module doc)."""
+        d = self.dim
+        copy = b * d if packed_frames else 0.0
+        return 4 * b * d + 4 * s + (4 * b * d + 4 * self.heads + 2 * b * self.hidden + copy) / tp
+
+    def rest_bytes_per_patch(self, b: int, s: int, tp: int) -> float:
+        """Bytes the encoder stores per patch outside its blocks (module doc)."""
+        d = self.dim
+        return b * self.patch_dim + 32 + 4 * b + 2 * b * d + 2 * s + 2 * b * d / tp + (4 * self.head_dim if self.depth
+                                                                                       else 0)
+
+    def op_kept_bytes_per_patch(self, b: int, tp: int) -> float:
+        """Bytes a block keeps per patch under op-level checkpointing (module doc)."""
+        return 3 * b * self.dim + (4 * b * self.dim + 4 * self.heads + b * self.hidden) / tp
+
+    def memory_bytes_per_patch(self, b: int, tp: int, compiled: bool, norm: float) -> float:
+        """Forward bytes per patch a block's memory-bound kernels move, `norm` per normalised element."""
+        d, f = self.dim, self.hidden
+        rope = (2 * b if compiled else 2 * b + 16) * 2 * d / tp
+        return 2 * norm * d + rope + (4 if compiled else 6) * b * d + (2 * b * f + 2 * b * d) / tp
 
     def block_collectives(self, tp: int) -> list[BlockCollective]:
         """One block's TP collectives, `per_token` meaning per patch."""

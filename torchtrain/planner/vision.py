@@ -14,26 +14,18 @@ patches, its block matmuls column/row-parallel (`vision_encoder_plan`). Per micr
 patches, d the width, f the MLP width, H heads, b compute bytes, s the LayerNorm statistics' bytes (float32
 on CUDA, else b), P a patch's values, tp the TP degree:
 
-**Stored activations** per patch (counted op by op on the real encoder: tests/test_planner_vlm.py):
-
-    block    4 b d + 4 s                      both LayerNorms' inputs and outputs, their statistics
-             + (4 b d + 4 H + 2 b f) / tp     rotated q, k, v, the attention output and log-sum-exp,
-                                              the MLP's hidden (its first layer's output and GELU's)
-             + b d / tp                       with several frames packed: the attention output's copy
-                                              (its per-frame parts concatenated) that W_o reads
-    rest     b P + 32 + 4 b                   cast pixels, the position table's 4 taps and weights
-             + 2 b d + 2 s + 2 b d / tp       the merger's LayerNorm in and out, its hidden
-             + 4 d / H                        the patches' RoPE angles (float32, shared by the blocks)
+**Stored activations** per patch are the encoder's declaration (`models/vision_contract.py`: a block's, the rest's,
+what a checkpointed block keeps), with s float32 on CUDA.
 
 Activation checkpointing applies to the encoder's blocks as to the decoder's (the trainer wraps both; a
 selective "cheap" option falls back to "op" there): `full` keeps a block's input (b d), selective "op"
-the input and every matmul and attention output (3 b d + (4 b d + 4 H + b f) / tp), every N-th block as
-a share; one block is recomputed at a time.
+what the encoder declares a block keeps under the op-level policy, every N-th block as a share; one block is
+recomputed at a time.
 
 **Time**: each GEMM from its shape (`compute_time.linear_seconds`: the patch embedding has no input
 gradient), attention per frame of F = h w patches (4 F^2 d / tp forward FLOPs, bidirectional, backward 2.5
-x), memory-bound work per patch and block (two LayerNorms, RoPE on q and k, two residual adds, GELU, the
-attention output's copy; compiled blocks fuse them) and around them (pixel cast, position taps, merger).
+x), memory-bound work per patch and block (the encoder's declaration: `VisionShape.memory_bytes_per_patch`)
+and around it (pixel cast, position taps, merger).
 The TP collectives (`VisionShape.block_collectives`, `merger_collectives`) are all exposed; the blocks'
 forward ones run again when checkpointing recomputes them.
 """
@@ -127,26 +119,21 @@ def _stat_bytes(p: PlanInputs) -> int:
 
 def block_bytes_per_patch(p: PlanInputs, frames: float) -> float:
     """Bytes one encoder block stores per patch without checkpointing (module doc); `frames` packed."""
-    enc, b, tp = p.model.vision, p.param_bytes, p.tp
-    d, f, s = enc.dim, enc.hidden, _stat_bytes(p)
-    copy = b * d if frames > 1 else 0.0
-    return 4 * b * d + 4 * s + (4 * b * d + 4 * enc.heads + 2 * b * f + copy) / tp
+    return p.model.vision.block_bytes_per_patch(p.param_bytes, _stat_bytes(p), p.tp, frames > 1)
 
 
 def rest_bytes_per_patch(p: PlanInputs) -> float:
     """Bytes the encoder stores per patch outside its blocks (module doc)."""
-    enc, b, tp = p.model.vision, p.param_bytes, p.tp
-    d, s = enc.dim, _stat_bytes(p)
-    return b * enc.patch_dim + 32 + 4 * b + 2 * b * d + 2 * s + 2 * b * d / tp + (4 * enc.head_dim if enc.depth else 0)
+    return p.model.vision.rest_bytes_per_patch(p.param_bytes, _stat_bytes(p), p.tp)
 
 
 def checkpointed_bytes_per_patch(p: PlanInputs) -> float:
     """Bytes a checkpointed encoder block keeps per patch: its input (`full`, every N-th), or with
     selective "op" (and "cheap", which falls back to it) also its matmul and attention outputs."""
-    enc, b, tp = p.model.vision, p.param_bytes, p.tp
+    enc = p.model.vision
     if p.ac_mode == "full" or p.ac_option not in OP_LEVEL_OPTIONS:
-        return b * enc.dim
-    return 3 * b * enc.dim + (4 * b * enc.dim + 4 * enc.heads + b * enc.hidden) / tp
+        return p.param_bytes * enc.dim
+    return enc.op_kept_bytes_per_patch(p.param_bytes, p.tp)
 
 
 def activation_bytes(p: PlanInputs) -> tuple[float, float]:
@@ -181,11 +168,8 @@ class EncoderTime(compute_time.BlockTime):
 
 def _block_memory_bytes(p: PlanInputs, dev: GPUSpec) -> float:
     """Forward bytes per patch of one block's memory-bound kernels (module doc)."""
-    enc, b, tp = p.model.vision, p.param_bytes, p.tp
-    d, f = enc.dim, enc.hidden
-    norm = norm_bytes(b, p.compile, dev.fused_rms_norm)
-    rope = (2 * b if p.compile else 2 * b + 16) * 2 * d / tp
-    return 2 * norm * d + rope + (4 if p.compile else 6) * b * d + (2 * b * f + 2 * b * d) / tp
+    b = p.param_bytes
+    return p.model.vision.memory_bytes_per_patch(b, p.tp, p.compile, norm_bytes(b, p.compile, dev.fused_rms_norm))
 
 
 def _local(mm, tp: int) -> tuple[float, float]:
