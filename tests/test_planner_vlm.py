@@ -285,3 +285,17 @@ def test_the_command_prints_the_encoders_share(capsys):
     out = capsys.readouterr().out
     assert "2 per sample of 640x480 pixels" in out and "of which the vision encoder" in out
     assert "vision encoder" in out.split("compute on the critical path")[1].splitlines()[0]
+
+
+def test_a_vision_language_job_under_tensor_parallelism_traces_its_text_batches(capsys):
+    """The traced step feeds text-only batches: under TP 2 the embedded text still reaches the blocks in sequence
+    shards (the image scatter's output layout, which a batch without images passes too)."""
+    import json
+    import os
+
+    from conftest import REPO
+
+    assert plan_main(["--config", os.path.join(REPO, "train_configs", "vlm_shapes_debug.toml"), "--world-size", "2",
+                      "--gpu", "h100", "--parallelism.tensor_parallel_degree", "2", "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["memory"]["ranks"]
+    assert ranks and all(r["traced"] and not r["traced"]["skipped"] and r["traced"]["peak_bytes"] > 0 for r in ranks)

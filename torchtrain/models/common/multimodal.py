@@ -86,7 +86,9 @@ class ImageScatter(nn.Module):
     """h (rows, L, D) with each placeholder's hidden state replaced by its image feature. A module of its own
     so that tensor parallelism can place its input and output (`models/qwen3_5/parallelize.py`)."""
 
-    def forward(self, h: torch.Tensor, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, features: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor:
+        if features is None or index is None:  # a text batch: h as it is (placed by tensor parallelism)
+            return h
         if features.shape[0] == 0:  # no image this time: still part of the graph, so the encoder gets its
             return h + features.sum().to(h.dtype) * 0  # (zero) gradients like on the ranks that had images
         picked = features[index.clamp(min=0)].to(h.dtype)

@@ -83,11 +83,15 @@ class Qwen3_5Transformer(Decoder):
         if rope_positions is not None:
             rope = rotations(mrope_rows(self.rope_cache, rope_positions, self.mrope_axes), rope_positions.shape[1])
         h = self.embed(tokens)
-        if self.tok_embeddings is not None and pixel_values is not None:
+        if self.tok_embeddings is not None:
             # The encoder runs whenever the batch carries images, even none this time, so that every rank runs
-            # the same collectives of a sharded encoder.
-            features = self.vision_encoder(*packed_images(pixel_values, image_grid))
-            h = self.image_scatter(h, features, feature_index(image_index, image_grid, self.args.vision_merge_size))
+            # the same collectives of a sharded encoder. A text batch passes the scatter too: tensor parallelism
+            # cuts the sequence into shards at its output.
+            features = index = None
+            if pixel_values is not None:
+                features = self.vision_encoder(*packed_images(pixel_values, image_grid))
+                index = feature_index(image_index, image_grid, self.args.vision_merge_size)
+            h = self.image_scatter(h, features, index)
         h = self.run_blocks(h, rope, ctx)
         if self.norm is None:
             return h
