@@ -160,7 +160,8 @@ def _measured_rows(results: str) -> list[Row]:
         for i, summary in enumerate(diag["summary_rows"]):
             job = os.path.join(results, summary["job"])
             tokens = _tokens_per_step(job, summary["overrides"])
-            rows.append(Row(f"diagnosis/summary_{i + 1}", job, summary["overrides"], tokens / summary["tokens_per_s"],
+            rows.append(Row(f"diagnosis/summary_{i + 1}", job, _as_run(job) + summary["overrides"],
+                            tokens / summary["tokens_per_s"],
                             summary["peak_gib"], "steady (summary)"))
     return rows
 
@@ -250,7 +251,7 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
             if "--quantize.linear.float8.convert_output_head" in row.overrides:
                 row.ops_source = ", ".join(filter(None, [row.ops_source, "float8 head as measured"]))
             key = repr(dataclasses.replace(inputs, job=None, layout=None, notes=[], problems=[])) + repr(
-                inputs.layout.fsdp if inputs.layout is not None else None)
+                inputs.layout)  # the layout whole: runs that differ in it (fuse_qkv, say) are planned apart
             if key not in plans:
                 plans[key] = make_plan(job, inputs)
             plan = plans[key]
