@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
 from torchtrain.config.fields import ConfigError
@@ -110,7 +110,7 @@ class DecoderArgs(DecoderArgsMixin):
     per-token positions), and RoPE positions restart at each document (docs/long_context.md)."""
 
 
-SHARED_KEYS = ("max_seq_len", "context_length", "depth_init", "attention_mask")
+SHARED_KEYS = tuple(f.name for f in fields(DecoderArgs))
 """`DecoderArgs`' keys, listed after a family's own ones."""
 
 
