@@ -58,24 +58,27 @@ def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
 
 
 def _recv(sock: socket.socket, with_fds: int = 0):
-    """One message (and up to `with_fds` file descriptors); None at end of stream."""
+    """One message (and up to `with_fds` file descriptors); None at end of stream. Reads exactly that message: the
+    next one (a command's status right behind its pid, when it ends before its asker reads) stays for the next call."""
     if with_fds:
-        first, fds, _, _ = socket.recv_fds(sock, 1 << 16, with_fds)
+        first, fds, _, _ = socket.recv_fds(sock, _HEADER.size, with_fds)
     else:
-        first, fds = sock.recv(1 << 16), []
+        first, fds = sock.recv(_HEADER.size), []
     if not first:
         return (None, fds) if with_fds else None
-    buf = bytearray(first)
-    while len(buf) < _HEADER.size:
-        buf += sock.recv(1 << 16)
-    size = _HEADER.unpack(bytes(buf[:_HEADER.size]))[0]
-    while len(buf) < _HEADER.size + size:
-        chunk = sock.recv(1 << 20)
+    header = bytes(first) + _exactly(sock, _HEADER.size - len(first))
+    obj = pickle.loads(_exactly(sock, _HEADER.unpack(header)[0]))
+    return (obj, fds) if with_fds else obj
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(min(size - len(buf), 1 << 20))
         if not chunk:
             raise EOFError("zygote connection closed mid-message")
         buf += chunk
-    obj = pickle.loads(bytes(buf[_HEADER.size:_HEADER.size + size]))
-    return (obj, fds) if with_fds else obj
+    return bytes(buf)
 
 
 # ---------------------------------------------------------------------------------------------- server
