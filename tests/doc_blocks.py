@@ -12,7 +12,10 @@ the rendered page does not show:
     <!-- ci: run; fresh -->                            runs in a scratch folder of its own: it needs nothing an earlier
                                                        block of the file wrote (CI runs it beside them)
     <!-- ci: run; check NAME -->                       then the check NAME of tests/test_doc_commands.py reads what
-                                                       the block wrote and holds the figures its text states
+                                                       the block wrote and holds the figures its text states; in a
+                                                       chain with appended keys (fewer steps) CI checks what holds
+                                                       at any length, and the nightly run (`-m nightly`) runs the
+                                                       chain as written and checks the stated figures
     <!-- ci: skip <kind>: <why> -->                    does not run in CI; <kind> is one of SKIP_KINDS
     <!-- ci: skip tested: tests/X.py ... -->            runs in tests/X.py, which reads its commands from the block
                                                        (`commands_tested_in`): for checks a plain run cannot make
@@ -136,14 +139,14 @@ def command_set(text: str) -> set[str]:
     return out
 
 
-def commands(block: Block) -> str:
+def commands(block: Block, as_written: bool = False) -> str:
     """The block's shell text as CI runs it: the set-up prefix dropped (`after set-up`), the appended keys added to
     every `./run_train.sh`, `torchtrain.train` and `torchtrain.tools.parity` command (before a trailing comment, `&&`,
-    `;`, `&` or `|`)."""
+    `;`, `&` or `|`); `as_written`: nothing appended (the nightly run of a checked chain)."""
     text = re.sub(r"\s*\\\n\s*", " ", block.text)  # one line per command
     if block.after_setup:
         text = text.replace(SETUP, "", 1)
-    if not block.append:
+    if not block.append or as_written:
         return text
     extra = " " + " ".join(block.append)
     out = []
