@@ -8,7 +8,7 @@ random letters and whose answers follow a fixed rule (scripts/synthetic_chat.py)
   counts (the loss is normalised by the answer tokens of the whole global batch) and the same
   held-out loss. LoRA learns.
 * Full fine-tuning under tensor parallelism and pipeline parallelism (one launch: TP 2 x PP 2, 2
-  stages, 4 micro-batches) matches one process the same way: packed rows with per-conversation
+  stages, 4 micro-batches) matches one process the same way over its first steps: packed rows with per-conversation
   positions and answer-only labels go through every layout.
 * Every layout matches one process the same way, the remaining ones composed in 4-rank launches:
   full fine-tuning and LoRA under HSDP with context parallelism (2 replicas x CP 2, FSDP over the CP
@@ -40,9 +40,10 @@ from synthetic_chat import write_task  # noqa: E402
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # four launches: one per process count, and a resume
 STEPS = 25
 LORA_STEPS = 10
+PARITY_STEPS = 6  # the 4-rank full fine-tuning layouts: parity shows from step 1, against single's first steps
 JOB = TINY_MODEL + ["--model.attention_mask", "block_causal", "--training.dataset", "chat",
                     "--training.seq_len", "128", "--training.global_batch_size", "4", "--training.steps", str(STEPS),
-                    "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
+                    "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_ratio", "0.7", "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
                     "--job.print_config", "false"]
 
 
@@ -76,9 +77,11 @@ def runs(tmp_path_factory):
     moe = [*MOE, "--training.steps", str(MOE_STEPS), "--lora.enable", "true",
            "--lora.target_modules", "*.attention.wq,*.attention.wo"]
     final_save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
+    # the first PARITY_STEPS of the 25-step schedule (warm-up, then the peak lr until step 7), and nothing after
+    short = ["--training.steps", str(PARITY_STEPS), "--lr_scheduler.decay_ratio", "0"]
     jobs = (("single", 1, "4", [*validation, *final_save]), ("fsdp2", 2, "2", validation),
-            ("lora_single", 1, "4", lora), ("tp2_pp2", 4, "4", [*tp, *pp]),
-            ("hsdp_cp", 4, "2", hsdp_cp), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
+            ("lora_single", 1, "4", lora), ("tp2_pp2", 4, "4", [*tp, *pp, *short]),
+            ("hsdp_cp", 4, "2", [*hsdp_cp, *short]), ("lora_hsdp_cp", 4, "2", [*lora, *hsdp_cp]),
             ("lora_tp2_pp2", 4, "4", [*lora, *tp, *pp, *full_ac]),
             ("moe_lora_single", 1, "4", moe),
             ("moe_lora_ep2", 2, "2", [*moe, "--parallelism.expert_parallel_degree", "2"]),
@@ -120,10 +123,7 @@ def test_loss_on_answers_only_falls_below_the_user_turns_entropy(runs):
 
 
 def test_tensor_and_pipeline_parallel_match_one_process(runs):
-    single, other = runs["single"][0], runs["tp2_pp2"][0]
-    assert [m["answer_tokens"] for m in single] == [m["answer_tokens"] for m in other]
-    for a, b in zip(single, other, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), ("tp2_pp2", a["step"], a["loss"], b["loss"])
+    same_losses(runs["single"][0][:PARITY_STEPS], runs["tp2_pp2"][0], "tp2_pp2")
 
 
 def test_fsdp_matches_one_process(runs):
@@ -149,7 +149,9 @@ def same_losses(reference: list[dict], other: list[dict], label: str) -> None:
 @pytest.mark.parametrize("layout", ["hsdp_cp", "lora_hsdp_cp", "lora_tp2_pp2", "moe_lora_ep2"])
 def test_every_layout_matches_one_process(runs, layout):
     reference = {"moe": "moe_lora_single", "lora": "lora_single"}.get(layout.split("_")[0], "single")
-    same_losses(runs[reference][0], runs[layout][0], layout)
+    other = runs[layout][0]
+    same_losses(runs[reference][0][:len(other)], other, layout)
+    assert len(other) == (PARITY_STEPS if reference == "single" else len(runs[reference][0])), layout
 
 
 def test_lora_learns_on_the_moe_model(runs):
