@@ -19,8 +19,17 @@ import math
 from dataclasses import dataclass
 
 
+def causal_pairs(n: float, window: int | None = None) -> float:
+    """(query, key) pairs causal attention over n tokens computes, each query seeing at most `window` keys."""
+    if window is None or window >= n:
+        return n * n / 2
+    return window * n - window * window / 2
+
+
 @dataclass(frozen=True)
 class AttentionShape:
+    """A block's attention and its FLOPs: the kernel's (the causal pairs it computes) and the families' count."""
+
     heads: int
     qk_head_dim: int
     v_head_dim: int
@@ -29,6 +38,24 @@ class AttentionShape:
     """Keys a query sees, itself included (a sliding window); None: every earlier key."""
     sinks: bool = False
     """A learned sink logit per head joins each query's softmax (one more logit per head and query)."""
+
+    def pairs(self, seq_len: int, span: int | None = None) -> float:
+        """(query, key) pairs the kernel computes for one sequence: causal within runs of `span` tokens (a
+        block-causal mask's documents; None: the whole sequence), each query seeing at most `window` keys, and one
+        sink logit per query with sinks."""
+        span = span or seq_len
+        return seq_len / span * causal_pairs(span, self.window) + (seq_len if self.sinks else 0)
+
+    def kernel_flops(self, seq_len: int, span: int | None = None, heads: float | None = None) -> float:
+        """Forward FLOPs of the attention kernel for one sequence (`pairs`): its two matmuls, d_qk + d_v per pair and
+        head, for `heads` heads (default all of them; a tensor-parallel rank's share)."""
+        return 2 * self.pairs(seq_len, span) * (self.qk_head_dim + self.v_head_dim) * (
+            self.heads if heads is None else heads)
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the two matmuls over each query's keys as the families count them (without
+        the causal halving): 4 x causal pairs per query x heads x (d_qk + d_v)."""
+        return 4 * causal_pairs(seq_len, self.window) / seq_len * self.heads * (self.qk_head_dim + self.v_head_dim)
 
 
 @dataclass(frozen=True)

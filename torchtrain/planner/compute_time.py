@@ -15,11 +15,11 @@ bf16 unless `quantize.linear.float8.convert_output_head` (then its casts run eag
 blocks). Float8 expert GEMMs (`quantize.grouped_mm.float8`) run the routed experts' three GEMMs at the fp8 rate, plus the casts of
 their routed rows.
 
-**Attention** (flash attention, which stores no s x s matrix): forward FLOPs per sequence and head
-2 P (d_qk + d_v) over the P (query, key) pairs the mask keeps: s^2 / 2 causal, w s - w^2 / 2 within a
-sliding window of w < s keys (the layer's `AttentionShape.window`), over each document of mean length L
-for block-causal masks (s / L documents); attention sinks add one logit per head and query (counted
-as one key: negligible). Masked attention (documents, windows, sinks) runs FlexAttention, which skips
+**Attention** (flash attention, which stores no s x s matrix): the block declares the kernel's forward
+FLOPs (`AttentionShape.kernel_flops`, models/collectives.py): per sequence and head 2 P (d_qk + d_v) over
+the P (query, key) pairs the mask keeps: s^2 / 2 causal, w s - w^2 / 2 within a sliding window of w < s
+keys, over each document of mean length L for block-causal masks (s / L documents, the job's
+`document_tokens`); attention sinks add one logit per head and query. Masked attention (documents, windows, sinks) runs FlexAttention, which skips
 empty blocks and runs at 0.9 of flash attention's rate (FlexAttention paper, Dong et al. 2024);
 backward 2.5 x forward (FlashAttention-2's five matmuls against two). The device's attention shares
 apply at long sequences; shorter keys (min(w, s)) ramp them by s_k / (s_k + 250) (FlashAttention-3
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
 from torchtrain.models.block_memory import block_memory_bytes, norm_bytes, rope_bytes
-from torchtrain.models.contract import LayerKind, LinearAttentionShape
+from torchtrain.models.contract import AttentionShape, LayerKind, LinearAttentionShape
 from torchtrain.models.converters.lora import is_target
 from torchtrain.planner.inputs import PlanInputs
 
@@ -130,23 +130,15 @@ def memory_seconds(dev: GPUSpec, nbytes: float) -> float:
     return nbytes / (dev.hbm_tbps * 1e12 * dev.memory_efficiency)
 
 
-def causal_pairs(n: float, window: int | None = None) -> float:
-    """(query, key) pairs causal attention over n tokens computes, each query seeing at most `window` keys."""
-    if window is None or window >= n:
-        return n * n / 2
-    return window * n - window * window / 2
-
-
-def attention_seconds(dev: GPUSpec, p: PlanInputs, heads: float, qk: int, v: int, window: int | None = None,
-                      sinks: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention on this rank for one micro-batch: `heads`
-    TP-local heads, each sequence's seq_len / cp queries against its keys (within `window`; module doc)."""
-    s = p.seq_len
+def attention_seconds(dev: GPUSpec, p: PlanInputs, att: AttentionShape, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention on this rank for one micro-batch: its TP-local
+    heads, each sequence's seq_len / cp queries against its keys (the kernel's FLOPs as the block declares
+    them, `AttentionShape.kernel_flops`; the kernel's efficiency: module doc)."""
+    s, window = p.seq_len, att.window
     seqs = p.microbatch_tokens * p.cp / s
     span = min(s, p.document_tokens or s) if p.model.block_causal else s
-    pairs = s / span * causal_pairs(span, window) + (s if sinks else 0)
-    eff_scale = FLEX_ATTENTION_SHARE if p.model.block_causal or window or sinks else 1.0
-    flops = 2 * pairs * (qk + v) * heads * seqs / p.cp
+    eff_scale = FLEX_ATTENTION_SHARE if p.model.block_causal or window or att.sinks else 1.0
+    flops = att.kernel_flops(s, span, heads=att.heads / tp) * seqs / p.cp
     keys = min(s, window or s)
     return _mixer_seconds(dev, flops, ATTN_BWD_OVER_FWD * flops, dev.matmul_tflops(p.param_dtype),
                           keys / (keys + ATTN_RAMP_TOKENS) * eff_scale)
@@ -170,13 +162,12 @@ def _mixer_seconds(dev: GPUSpec, fwd_flops: float, bwd_flops: float, peak_tflops
 
 def mixer_forward_flops(p: PlanInputs, kind: LayerKind) -> float:
     """Forward FLOPs per token of a layer's token mixer beyond its projections (what full recomputation
-    repeats): attention's 2 matmuls over each query's keys, without the causal halving as the families'
-    FLOPs count it (4 x causal pairs per query x heads x (d_qk + d_v)), or a third of the linear mixer's
-    count."""
-    lin, att = kind.block.linear, kind.attention
+    repeats): attention's as its block declares them (`AttentionShape.forward_flops_per_token`), or a third
+    of the linear mixer's count."""
+    lin = kind.block.linear
     if lin is not None:
         return lin.flops_per_token / 3
-    return 4 * causal_pairs(p.seq_len, att.window) / p.seq_len * att.heads * (att.qk_head_dim + att.v_head_dim)
+    return kind.attention.forward_flops_per_token(p.seq_len)
 
 
 # ------------------------------------------------------------------------------ memory-bound bytes
@@ -240,8 +231,7 @@ def block_time(p: PlanInputs, dev: GPUSpec, kind: LayerKind | None = None) -> Bl
     if block.linear is not None:
         out.attn_fwd, out.attn_bwd = linear_attention_seconds(dev, p, block.linear)
     else:
-        out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att.heads / tp, att.qk_head_dim, att.v_head_dim,
-                                                       att.window, att.sinks)
+        out.attn_fwd, out.attn_bwd = attention_seconds(dev, p, att, tp)
     mem_fwd = memory_seconds(dev, block_memory_bytes(a, d, p.compile, dev.fused_rms_norm, block) * t / tp)
     fp8_s = memory_seconds(dev, fp8_bytes)
     out.mem_fwd = mem_fwd + fp8_s / 3
