@@ -217,3 +217,9 @@ def rope_bytes(a, d: int, compiled: bool) -> float:
     """Forward bytes per token of RoPE on the queries and keys (part of `block_memory_bytes`)."""
     width = a.attention.heads * a.attention.qk_head_dim + a.attention.kv_heads * a.attention.qk_head_dim
     return (2 * d if compiled else 2 * d + 16) * width
+
+
+def loss_bytes_per_token(vocab: float, compiled: bool) -> float:
+    """Bytes per token the cross-entropy loss over `vocab` logits (a TP rank's share) moves, forward and backward:
+    eager 44 per logit (the fp32 cast, log-softmax and their backward), compiled 12 (one fused kernel each way)."""
+    return (12 if compiled else 44) * vocab

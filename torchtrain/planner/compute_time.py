@@ -37,7 +37,7 @@ parallelism the kernel runs on values d_k + d_v wide instead of d_v
 **Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
 HBM e_mem: a block's, per token, eager or compiled, are its declaration (`models/block_memory.py::
 block_memory_bytes`); backward moves twice the forward's bytes. The loss moves 44 V / tp bytes per token
-eager (fp32 cast, log-softmax and their backward) and 12 V / tp compiled. A float8 linear casts its input and output gradient
+eager (fp32 cast, log-softmax and their backward) and 12 V / tp compiled (`loss_bytes_per_token`). A float8 linear casts its input and output gradient
 per token: (2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its
 backward GEMMs need), (d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
 
@@ -63,8 +63,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from torchtrain.components.hardware import GPUSpec
-from torchtrain.models.block_memory import block_memory_bytes, norm_bytes, rope_bytes
+from torchtrain.models.block_memory import block_memory_bytes, loss_bytes_per_token, norm_bytes, rope_bytes
 from torchtrain.models.contract import AttentionShape, LayerKind, LinearAttentionShape
+from torchtrain.models.converters.float8 import float8_cast_bytes
 from torchtrain.models.converters.lora import is_target
 from torchtrain.planner.inputs import PlanInputs
 
@@ -168,13 +169,6 @@ def mixer_forward_flops(p: PlanInputs, kind: LayerKind) -> float:
     if lin is not None:
         return lin.flops_per_token / 3
     return kind.attention.forward_flops_per_token(p.seq_len)
-
-
-# ------------------------------------------------------------------------------ memory-bound bytes
-def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled: bool) -> float:
-    """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward."""
-    per = (d + 1) if compiled else (2 * d + 1)
-    return (per + 2) * (in_features + out_features)
 
 
 # ------------------------------------------------------------------------------ one block
@@ -294,7 +288,7 @@ def head_seconds(p: PlanInputs, dev: GPUSpec) -> float:
             for k, m in ((a.dim, p.lora.rank), (p.lora.rank, a.vocab_size)):
                 f, dg, wg = linear_seconds(dev, t, k, m, p.param_dtype)
                 fwd, bwd = fwd + f, bwd + dg + wg
-    loss_bytes = (12 if p.compile and p.dpo is None else 44) * a.vocab_size / tp * t  # (a preference loss: eager)
+    loss_bytes = loss_bytes_per_token(a.vocab_size / tp, p.compile and p.dpo is None) * t  # (a preference loss: eager)
     final_norm = 3 * norm_bytes(d, p.compile, dev.fused_rms_norm) * a.dim * t / tp
     cast_bytes = float8_cast_bytes(a.dim, a.vocab_size / tp, d, False) * t if fp8 else 0.0  # outside the blocks: eager
     return fwd + bwd + memory_seconds(dev, loss_bytes + final_norm + cast_bytes)

@@ -79,6 +79,14 @@ def _quiet_import():
             logging.getLogger(n).setLevel(level)
 
 
+def float8_cast_bytes(in_features: float, out_features: float, d: int, compiled: bool) -> float:
+    """Bytes per token the dynamic float8 casts of one linear layer move, forward and backward (d: bytes of the
+    high-precision element): eager each cast reads d and writes 1 byte per element plus its amax pass, compiled
+    one fused read; its cost as the planner reads it."""
+    per = (d + 1) if compiled else (2 * d + 1)
+    return (per + 2) * (in_features + out_features)
+
+
 def _import_float8():
     with _quiet_import():
         import torchao.float8 as float8
