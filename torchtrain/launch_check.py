@@ -104,11 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torchtrain").setLevel(logging.ERROR)  # the trainer logs; this only gates the launch
     warnings.simplefilter("ignore")
     try:
-        nproc = check(sys.argv[1:] if argv is None else argv)
+        print(check(sys.argv[1:] if argv is None else argv))  # the ranks per node the launch starts
     except ConfigError as e:
         print(f"torchtrain: config error: {e}", file=sys.stderr)
         return 2
-    print(nproc)
     return 0
 
 

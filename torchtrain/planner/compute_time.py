@@ -81,10 +81,13 @@ class BlockTime:
     """Seconds one block takes on one rank for one micro-batch."""
 
     gemm_fwd: float = 0.0
+    """The block's matrix multiplications (compute-bound at e_gemm); backward: input and weight gradients."""
     gemm_bwd: float = 0.0
     attn_fwd: float = 0.0
+    """The attention kernel's (or linear attention's) own work, apart from its projections."""
     attn_bwd: float = 0.0
     mem_fwd: float = 0.0
+    """Memory-bound kernels: norms, RoPE, activations, residual adds, float8 casts (bytes at e_mem)."""
     mem_bwd: float = 0.0
     recompute: float = 0.0
     """Forward work activation checkpointing repeats in backward."""
