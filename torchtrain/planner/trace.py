@@ -238,7 +238,7 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
     # The trainer's own step (z-loss, MoE balancer, extra losses as the job sets them); a pipeline rank
     # runs up to two micro-batches through its stages (simulation/stage_step.py).
     pipeline = functools.partial(StagePipeline, cuts=cuts, seq_len=p.seq_len, dim=p.args.dim, tracker=tracker,
-                                 stored=stored)
+                                 stored=stored, tensor_mode=mode)
     step = build_train_step(layout, cfg.training, p.args, parts, optimizers, schedulers, torch.device("cpu"),
                             pipeline=pipeline, **preference.step_options(cfg, p, list(copy), layout))
     step.scaler.reads_back = False  # float16 loss scaling: no scale nor found-inf flag read back (fake values)

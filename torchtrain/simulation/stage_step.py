@@ -19,7 +19,8 @@ left stored (what k micro-batches in flight multiply: the planner's trace).
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -32,16 +33,18 @@ from torchtrain.simulation.parts import PartCut
 class StagePipeline:
     def __init__(self, layout: Layout, model_parts: list[nn.Module], device: torch.device, loss_fn: Callable,
                  cuts: list[PartCut], seq_len: int, dim: int, tracker=None, stored: list[float] | None = None,
-                 max_microbatches: int = 2):
+                 max_microbatches: int = 2, tensor_mode: ContextManager | None = None):
         split, dims = layout.pipeline, layout.dims
         self.model_parts, self.cuts, self.loss_fn, self.device = model_parts, cuts, loss_fn, device
         self.stage_ids = [cut.index for cut in cuts]
         self.microbatch_size = layout.batch.local_batch_size * layout.batch.grad_accum_steps // split.n_microbatches
         self.n_micro = min(split.n_microbatches, max_microbatches)
         self.tracker, self.stored = tracker, stored if stored is not None else []
-        # stage-boundary activations (a sequence-parallel shard), made here: outside the measured step
+        # stage-boundary activations (a sequence-parallel shard), made here: outside the measured step, in the
+        # step's `tensor_mode` (the planner's fake tensors: a 405B boundary holds no data)
         shape = (self.microbatch_size, seq_len // (dims.cp * dims.tp), dim)
-        self.received = [torch.randn(shape, dtype=layout.param_dtype) for _ in range(self.n_micro)]
+        with tensor_mode or contextlib.nullcontext():
+            self.received = [torch.randn(shape, dtype=layout.param_dtype) for _ in range(self.n_micro)]
 
     def forward(self, inputs: torch.Tensor, kwargs: dict | None = None,
                 parts: list[nn.Module] | None = None) -> torch.Tensor | None:
