@@ -69,7 +69,6 @@ import torchtitan.models.llama3 as llama3
 import torchtitan.models.llama3.config_registry as registry
 import torchtitan.distributed.utils as dist_utils
 import torchtitan.train as train
-import torchtitan.trainer
 
 
 def llama3_cpu_debugmodel():

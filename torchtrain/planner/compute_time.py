@@ -19,9 +19,9 @@ their routed rows.
 FLOPs (`AttentionShape.kernel_flops`, models/collectives.py): per sequence and head 2 P (d_qk + d_v) over
 the P (query, key) pairs the mask keeps: s^2 / 2 causal, w s - w^2 / 2 within a sliding window of w < s
 keys, over each document of mean length L for block-causal masks (s / L documents, the job's
-`document_tokens`); attention sinks add one logit per head and query. Masked attention (documents, windows, sinks) runs FlexAttention, which skips
-empty blocks and runs at 0.9 of flash attention's rate (FlexAttention paper, Dong et al. 2024);
-backward 2.5 x forward (FlashAttention-2's five matmuls against two). The device's attention shares
+`document_tokens`); attention sinks add one logit per head and query. Masked attention (documents,
+windows, sinks) runs FlexAttention, which skips empty blocks and runs at 0.9 of flash attention's rate
+(FlexAttention paper, Dong et al. 2024); backward 2.5 x forward (FlashAttention-2's five matmuls against two). The device's attention shares
 apply at long sequences; shorter keys (min(w, s)) ramp them by s_k / (s_k + 250) (FlashAttention-3
 paper, Fig. 5, FA2 on H100: the backward runs at 0.66 of its long-sequence rate at 512 tokens, 0.81 at
 1k, 0.90 at 2k, 0.96 at 4k).
@@ -37,9 +37,10 @@ parallelism the kernel runs on values d_k + d_v wide instead of d_v
 **Memory-bound kernels** (norms, RoPE, SwiGLU, residual adds, the loss, float8 casts) move bytes at
 HBM e_mem: a block's, per token, eager or compiled, are its declaration (`models/block_memory.py::
 block_memory_bytes`); backward moves twice the forward's bytes. The loss moves 44 V / tp bytes per token
-eager (fp32 cast, log-softmax and their backward) and 12 V / tp compiled (`loss_bytes_per_token`). A float8 linear casts its input and output gradient
-per token: (2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its
-backward GEMMs need), (d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
+eager (fp32 cast, log-softmax and their backward) and 12 V / tp compiled (`loss_bytes_per_token`). A
+float8 linear casts its input and output gradient per token (`converters/float8.py::float8_cast_bytes`):
+(2d + 1)(in + out) + 2 (in + out) bytes eager (amax, cast, the transposed copy its backward GEMMs need),
+(d + 1)(in + out) + 2 (in + out) compiled (amax fused into the producer).
 
 **LoRA** (`[lora]`): the frozen weights get no weight gradient, so their weight-gradient GEMMs are
 not run (autograd skips them; the embedding's gradient table is not written either); each adapted
