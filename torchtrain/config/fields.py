@@ -20,10 +20,11 @@ import difflib
 import functools
 import inspect
 import math
+import operator
 import textwrap
 import types
 import typing
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
 INT_LIMIT = 2**63
 
@@ -33,42 +34,36 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Ge:
+class Bound:
+    """Constraint: value <op> bound, for the operator its subclass names (`Ge`, `Gt`, `Le`)."""
+
+    bound: float
+    symbol: ClassVar[str]
+    compare: ClassVar[Callable[[Any, Any], bool]]
+
+    def check(self, value: Any) -> bool:
+        return type(self).compare(value, self.bound)
+
+    def __str__(self) -> str:
+        return f"{self.symbol} {self.bound:g}"
+
+
+class Ge(Bound):
     """Constraint: value >= bound."""
 
-    bound: float
-
-    def check(self, value: Any) -> bool:
-        return value >= self.bound
-
-    def __str__(self) -> str:
-        return f">= {self.bound:g}"
+    symbol, compare = ">=", operator.ge
 
 
-@dataclasses.dataclass(frozen=True)
-class Gt:
+class Gt(Bound):
     """Constraint: value > bound."""
 
-    bound: float
-
-    def check(self, value: Any) -> bool:
-        return value > self.bound
-
-    def __str__(self) -> str:
-        return f"> {self.bound:g}"
+    symbol, compare = ">", operator.gt
 
 
-@dataclasses.dataclass(frozen=True)
-class Le:
+class Le(Bound):
     """Constraint: value <= bound."""
 
-    bound: float
-
-    def check(self, value: Any) -> bool:
-        return value <= self.bound
-
-    def __str__(self) -> str:
-        return f"<= {self.bound:g}"
+    symbol, compare = "<=", operator.le
 
 
 _TRUE = {"true", "1", "yes", "on"}

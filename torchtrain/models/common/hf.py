@@ -44,6 +44,21 @@ DENSE_FFN_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
+EXPERT_NAMES = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
+                "feed_forward.experts.w2": "down_proj"}
+"""A routed-expert tensor (E, ...) and HF's per-expert name of its slices (`mlp.experts.{e}.<name>.weight`)."""
+
+
+def expert_hf_keys(key: str, num_experts: int) -> list[str] | None:
+    """HF's per-expert keys of a routed-expert tensor, [] for the routing bias (no HF counterpart: not
+    exported, zero on import), None for any other key."""
+    match = LAYER.match(key)
+    if match is None:
+        return None
+    layer, name = match.groups()
+    if name in EXPERT_NAMES:
+        return [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[name]}.weight" for e in range(num_experts)]
+    return [] if name == "feed_forward.expert_bias" else None
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

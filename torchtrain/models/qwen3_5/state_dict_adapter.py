@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchtrain.models.common.hf import ATTENTION_NAMES, DENSE_FFN_NAMES, LAYER, GQAStateDictAdapter
+from torchtrain.models.common.hf import ATTENTION_NAMES, DENSE_FFN_NAMES, GQAStateDictAdapter, expert_hf_keys
 from torchtrain.models.common.linear_attention import from_fused, fused_part, to_fused
 from torchtrain.models.qwen3_5.args import Qwen3_5Args, Qwen3_5MoeArgs
 from torchtrain.models.state_dict_adapter import moe_torchtitan_key
@@ -47,8 +47,6 @@ _MOE_NAMES = {
     "feed_forward.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
     "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
-            "feed_forward.experts.w2": "down_proj"}
 VLM_PREFIX = "model.language_model."
 
 
@@ -62,15 +60,8 @@ class Qwen3_5StateDictAdapter(GQAStateDictAdapter):
         return part[2] if part is not None else None
 
     def hf_keys(self, key: str) -> list[str]:
-        match = LAYER.match(key)
-        if match:
-            layer, name = match.groups()
-            if name in _EXPERTS:
-                return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[name]}.weight"
-                        for e in range(self.model_args.num_experts)]
-            if name == "feed_forward.expert_bias":
-                return []
-        return [self.hf_key(key)]
+        experts = expert_hf_keys(key, self.model_args.num_experts)
+        return [self.hf_key(key)] if experts is None else experts
 
     def to_hf(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return to_fused(key, tensor) if fused_part(key) else tensor

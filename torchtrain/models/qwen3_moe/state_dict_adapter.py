@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.models.common.hf import ATTENTION_NAMES, LAYER, GQAStateDictAdapter
+from torchtrain.models.common.hf import ATTENTION_NAMES, GQAStateDictAdapter, expert_hf_keys
 from torchtrain.models.qwen3_moe.args import Qwen3MoeArgs
 from torchtrain.models.state_dict_adapter import moe_torchtitan_key
 
-_EXPERT_NAMES = {"experts.w1": "gate_proj", "experts.w3": "up_proj", "experts.w2": "down_proj"}
 _MOE_NAMES = {"feed_forward.router.weight": "mlp.gate.weight"}
 
 
@@ -37,16 +36,8 @@ class Qwen3MoeStateDictAdapter(GQAStateDictAdapter):
     layer_names = {**ATTENTION_NAMES, **_MOE_NAMES}
 
     def hf_keys(self, key: str) -> list[str]:
-        match = LAYER.match(key)
-        if match:
-            layer, name = match.groups()
-            expert = name.removeprefix("feed_forward.")
-            if expert in _EXPERT_NAMES:
-                return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[expert]}.weight"
-                        for e in range(self.model_args.num_experts)]
-            if name == "feed_forward.expert_bias":
-                return []
-        return [self.hf_key(key)]
+        experts = expert_hf_keys(key, self.model_args.num_experts)
+        return [self.hf_key(key)] if experts is None else experts
 
     def torchtitan_key(self, key: str, version: str) -> str:
         return moe_torchtitan_key(key, version)
