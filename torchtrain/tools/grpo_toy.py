@@ -20,12 +20,11 @@ checkpoint; on 2 CPU cores the held-out exact match (greedy, `python -m torchtra
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 
-from torchtrain.tools.shapes import write_tokenizer
+from torchtrain.tools.shapes import toy_parser, write_tokenizer
 
 
 def question(n: int) -> dict[str, str]:
@@ -56,10 +55,8 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchtrain.tools.grpo_toy", description=__doc__.split("\n")[0])
-    ap.add_argument("folder", help="where sft.jsonl, prompts.jsonl, heldout.jsonl and tokenizer/ are written")
-    ap.add_argument("--prompts", type=int, default=4000, help="conversations and prompts each (default 4000)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the numbers drawn (default 0)")
+    ap = toy_parser("grpo_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl", "prompts",
+                    "conversations and prompts each")
     ap.add_argument("--sft-accuracy", type=float, default=0.75, help="share of right answers in sft.jsonl")
     ns = ap.parse_args(argv)
     paths = write(ns.folder, ns.prompts, ns.seed, ns.sft_accuracy)

@@ -11,12 +11,11 @@ last digit only, so a model that prefers one word always is right half of the ti
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 
-from torchtrain.tools.shapes import write_tokenizer
+from torchtrain.tools.shapes import toy_parser, write_tokenizer
 
 
 def parity_pair(n: int) -> dict[str, str]:
@@ -38,10 +37,7 @@ def write(folder: str, pairs: int = 4000, seed: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchtrain.tools.preference_toy", description=__doc__.split("\n")[0])
-    ap.add_argument("folder", help="where train.jsonl and tokenizer/ are written")
-    ap.add_argument("--pairs", type=int, default=4000, help="number of pairs (default 4000)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the numbers drawn (default 0)")
+    ap = toy_parser("preference_toy", __doc__, "train.jsonl", "pairs", "number of pairs")
     ns = ap.parse_args(argv)
     path = write(ns.folder, ns.pairs, ns.seed)
     print(f"wrote {ns.pairs} pairs to {path} and a tokenizer to {os.path.join(ns.folder, 'tokenizer')}")

@@ -64,6 +64,15 @@ def write_tokenizer(folder: str) -> dict[str, int]:
     return {name: 256 + i for i, name in enumerate(SPECIAL)}
 
 
+def toy_parser(module: str, doc: str, folder: str, count: str, count_help: str) -> argparse.ArgumentParser:
+    """The toy-data commands' arguments: the folder written, how many items (`--<count>`) and the seed."""
+    ap = argparse.ArgumentParser(prog=f"python -m torchtrain.tools.{module}", description=doc.split("\n")[0])
+    ap.add_argument("folder", help=f"where {folder} and tokenizer/ are written")
+    ap.add_argument(f"--{count}", type=int, default=4000, help=f"{count_help} (default 4000)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the numbers drawn (default 0)")
+    return ap
+
+
 def draw(shape: str, colour: str, rng: random.Random, sizes: tuple[int, int] = (32, 64)):
     """One picture (a Pillow image) of `shape` in `colour`, each side drawn from `sizes` (pixels)."""
     from PIL import Image, ImageDraw
