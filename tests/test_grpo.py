@@ -71,6 +71,19 @@ def job(root: str, start: str | None) -> list[str]:
             "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0", *begin, "--job.print_config", "false"]
 
 
+class Sampler:
+    """A rollout `Generator` (posttrain/rollout.py) made of a sampling function, with no weights to sync."""
+
+    def __init__(self, sample):
+        self.sample = sample
+
+    def __call__(self, rows, sampling, generators):
+        return self.sample(rows, sampling, generators)
+
+    def sync_weights(self) -> tuple[float, int]:
+        return 0.0, 0
+
+
 def tiny_model(name: str, **overrides):
     from torchtrain.distributed.param_init import init_model_weights
     from torchtrain.models.registry import get_model_spec
@@ -120,6 +133,40 @@ def test_a_rows_samples_do_not_depend_on_its_batch():
     together = sample(model, prompts, 8, Sampling(1.0), [torch.Generator().manual_seed(i) for i in range(3)])
     alone = sample(model, prompts[2:], 8, Sampling(1.0), [torch.Generator().manual_seed(2)])
     assert together.tokens[2] == alone.tokens[0]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_sampling_copy_syncs_bitwise_and_later_only_what_training_changes(lora):
+    """`SamplerCopy.sync`: after each sync the copy's tensors equal the trained model's bitwise; the first sync
+    moves every tensor, later ones the trained parameters and the buffers -- under LoRA the adapters, not the
+    frozen base weights -- and each reports the bytes it moved."""
+    from torchtrain.config.lora import Lora
+    from torchtrain.models.converters.lora import apply_lora
+    from torchtrain.models.registry import get_model_spec
+    from torchtrain.posttrain.sampling_layout import SamplerCopy, build_whole
+
+    adapters = Lora(enable=True, rank=4, target_modules=["*.attention.wq", "*.attention.wv"]) if lora else None
+    model = tiny_model("llama3")
+    if adapters is not None:
+        apply_lora(model, adapters)
+    spec = get_model_spec("llama3")
+    args = spec.flavors["debugmodel"].replace(n_layers=2, max_seq_len=64)
+    copy = SamplerCopy(build_whole(spec, args, torch.device("cpu"), adapters), [model])
+    state = model.state_dict()
+    nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    changing = {k for k, p in model.named_parameters() if p.requires_grad} | {k for k, _ in model.named_buffers()
+                                                                             if k in state}
+    for sync in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))
+        seconds, moved = copy.sync()
+        assert seconds >= 0 and moved == sum(nbytes[k] for k in (state if sync == 0 else changing))
+        assert all(torch.equal(copy.model.state_dict()[k], v) for k, v in model.state_dict().items())
+    if lora:
+        assert 0 < sum(nbytes[k] for k in changing) < sum(nbytes.values()) / 10
+        assert all("lora" in k for k in changing if k in dict(model.named_parameters()))
 
 
 # ------------------------------------------------------------------ the objective
@@ -243,7 +290,7 @@ def test_overlong_shaping_equals_its_formula_and_reaches_the_advantages():
     grpo = Grpo(enable=True, num_generations=4, max_completion_length=8, overlong_buffer_len=4)
     loader = RolloutLoader(stream, grpo, Rewards(["exact"], []), SimpleNamespace(decode=lambda ids: "a"), 16, 4, 1,
                            0, 1, 0)
-    loader.attach(None, None, generator)
+    loader.attach(None, None, Sampler(generator))
     next(iter(loader))
     rewards = 1.0 + torch.tensor([0.0, -0.25, -0.5, -1.0], dtype=torch.float64)
     expect = group_advantages(rewards.view(1, 4), True).reshape(-1).float()
@@ -271,7 +318,7 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
         grpo = Grpo(enable=True, num_generations=4, max_completion_length=4, dynamic_sampling=dynamic,
                     max_sampling_rounds=rounds)
         loader = RolloutLoader(stream, grpo, Rewards(["exact"], []), SimpleNamespace(decode=decode), 8, 8, 1, 0, 1, 0)
-        loader.attach(None, None, sampler)
+        loader.attach(None, None, Sampler(sampler))
         next(iter(loader))
         return loader
 
@@ -320,9 +367,19 @@ def test_fsdp2_and_tp2_sample_the_same_completions_and_match_one_process(suite):
 
 @pytest.mark.dist
 def test_pipeline_and_context_parallel_training_sample_with_a_synced_copy(suite):
-    for spec in ("pp2_1f1b", "cp2"):
-        run, = suite.check([spec], rtol=RTOL, atol=ATOL, extra=COPY)
+    from torchtrain.models.registry import get_model_spec
+
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.build(spec.flavors["debugmodel"].replace(dim=64, n_layers=2, n_heads=4, vocab_size=264))
+    whole = sum(p.numel() * 4 for p in model.parameters())  # float32
+    synced = set()
+    for layout in ("pp2_1f1b", "cp2"):
+        run, = suite.check([layout], rtol=RTOL, atol=ATOL, extra=COPY)
         assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in suite.baseline.records]
+        synced.add(run.records[0]["grpo/weight_sync_bytes"])  # the first sync: the whole model on every rank
+        assert run.records[0]["grpo/weight_sync_seconds"] > 0
+    assert len(synced) == 1 and whole <= synced.pop() < 1.05 * whole
 
 
 @pytest.mark.dist

@@ -27,13 +27,11 @@ would have, and the next iteration's samples are those of an uninterrupted run (
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,11 +43,13 @@ from torchtrain.models.base import forward_counting
 from torchtrain.posttrain.decoding import Completions, Sampling, sample_groups
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.posttrain.sampling_layout import SamplerCopy, all_ranks_done, sampling_mode
+from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
 from torchtrain.utils.logging import is_log_rank, logger
 from torchtrain.utils.progress import Progress
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
-ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds")
+ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds",
+                 "sync_seconds", "sync_bytes")
 
 
 class Group(NamedTuple):
@@ -68,12 +68,15 @@ class Generator(Protocol):
     """Where completions come from: `generator(prompts, sampling, generators)` samples grpo.max_completion_length
     tokens at most after each prompt (rows in groups of grpo.num_generations with one prompt each), row i drawing
     from generators[i], and returns them with the log-probs of the sampling distribution
-    (`posttrain/decoding.py`). The seam for an external engine (vLLM...): it would hold its own copy of
-    the weights, receive them before each iteration's sampling (as `CopyGenerator` does), and return the same
-    `Completions`."""
+    (`posttrain/decoding.py`); `sync_weights()`, called once before each iteration's sampling, gives it the
+    weights being trained and returns (seconds, bytes received). The seam for an external engine (vLLM...): it
+    would hold its own copy of the weights, receive them in `sync_weights` (as `CopyGenerator` does), and return
+    the same `Completions`."""
 
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
                  ) -> Completions: ...
+
+    def sync_weights(self) -> tuple[float, int]: ...
 
 
 class SamplingProgress:
@@ -98,6 +101,10 @@ class TrainerGenerator:
         self.step, self.grpo, self.stop_ids, self.vocab_limit = step, grpo, stop_ids, vocab_limit
         self.heartbeat = heartbeat
 
+    def sync_weights(self) -> tuple[float, int]:
+        """Nothing to sync: the model being trained samples."""
+        return 0.0, 0
+
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
         step, progress = self.step, SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
         with sampling_mode(step.model_parts), step.context(), progress.bar:
@@ -108,15 +115,17 @@ class TrainerGenerator:
 
 class CopyGenerator(TrainerGenerator):
     """grpo.generator = "copy": an unsharded copy on every rank samples (`posttrain/sampling_layout.py::SamplerCopy`),
-    its weights synced from the model being trained first; no collective while it samples."""
+    its weights synced from the model being trained before each iteration; no collective while it samples."""
 
     def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
                  autocast: torch.dtype | None, heartbeat: Callable[[], None] | None = None):
         super().__init__(None, grpo, stop_ids, vocab_limit, heartbeat)
         self.copy, self.autocast = copy, autocast
 
+    def sync_weights(self) -> tuple[float, int]:
+        return self.copy.sync()
+
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
-        self.copy.sync()
         model = self.copy.model
         device = next(model.parameters()).device
         autocast = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else \
@@ -203,6 +212,7 @@ class RolloutLoader:
     def _iteration(self) -> None:
         g, grpo = self.grpo.num_generations, self.grpo
         kept, agreeing, rounds, seconds, errors = [], [], 0, 0.0, 0
+        sync_seconds, sync_bytes = self.generator.sync_weights()
         need = self.prompts_per_step * grpo.steps_per_generation * self.degree  # the iteration's groups, all ranks
         while True:  # one round without grpo.dynamic_sampling
             groups, spent, failed = self._sample_round()
@@ -236,7 +246,7 @@ class RolloutLoader:
         first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
         self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
                                     lengths.sum().item(), float(stopped), float(errors), first * rounds,
-                                    first * dropped, seconds], dtype=torch.float64)
+                                    first * dropped, seconds, sync_seconds, float(sync_bytes)], dtype=torch.float64)
 
     def _everyones(self, groups: list[Group]) -> list[Group]:
         """The groups of every data-parallel rank (one all-gather of their completions over the data-parallel mesh):
@@ -353,19 +363,21 @@ class RolloutLoader:
         mesh = self.step.layout.dims.dp_mesh if self.step.layout.dims.dp > 1 else None
         stats = self._stats.to(self.step.device)
         total = all_reduce(stats.clone(), mesh) if mesh is not None else stats
-        s = dict(zip(ROLLOUT_STATS, total.tolist()))
+        s, mine = dict(zip(ROLLOUT_STATS, total.tolist())), dict(zip(ROLLOUT_STATS, self._stats.tolist()))
         n = max(s["completions"], 1.0)
         mean = s["reward"] / n
         return {"grpo/reward": mean, "grpo/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
                 "grpo/completion_length": s["length"] / n, "grpo/stopped": s["stopped"] / n,
                 "grpo/reward_errors": s["errors"], "grpo/iteration": float(self.iterations),
-                "grpo/generation_tokens_per_s": s["length"] / max(float(self._stats[-1]), 1e-9),
+                "grpo/generation_tokens_per_s": s["length"] / max(mine["seconds"], 1e-9),
+                **({"grpo/weight_sync_seconds": mine["sync_seconds"], "grpo/weight_sync_bytes": mine["sync_bytes"]}
+                   if self.grpo.generator == "copy" else {}),
                 **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
                    if self.grpo.dynamic_sampling else {})}
 
     # ------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        rows = None if self.rows is None else {k: _encode(v) for k, v in self.rows.items()}
+        rows = None if self.rows is None else {k: tensor_to_json(v) for k, v in self.rows.items()}
         stats = None if self._stats is None else self._stats.tolist()  # the iteration's metrics, logged after a resume
         return {"prompts": self.consumed, "position": self.position, "iterations": self.iterations, "rows": rows,
                 "stats": stats, "data_degree": self.degree, "fingerprint": self.stream.fingerprint()}
@@ -375,7 +387,7 @@ class RolloutLoader:
             raise ValueError(f"rollout state lacks 'prompts' (got keys {sorted(state)}): saved by another loader")
         self.consumed, self.position = int(state["prompts"]), int(state["position"])
         self.iterations = int(state.get("iterations", 0))
-        self.rows = None if state.get("rows") is None else {k: _decode(v) for k, v in state["rows"].items()}
+        self.rows = None if state.get("rows") is None else {k: tensor_from_json(v) for k, v in state["rows"].items()}
         stats = state.get("stats")  # (a checkpoint from before a statistic was added: that iteration's are not logged)
         self._stats = None if stats is None or len(stats) != len(ROLLOUT_STATS) else torch.tensor(stats,
                                                                                                    dtype=torch.float64)
@@ -385,12 +397,3 @@ class RolloutLoader:
                            state["data_degree"], self.degree)
             self.rows, self.position, self._stats = None, 0, None
 
-
-def _encode(t: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "data": base64.b64encode(t.contiguous().numpy().tobytes()).decode()}
-
-
-def _decode(d: dict[str, Any]) -> torch.Tensor:
-    array = np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).copy()
-    return torch.from_numpy(array).view(*d["shape"])

@@ -22,6 +22,7 @@ forwards hold collectives (expert parallelism) run the same number of them.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
@@ -83,35 +84,56 @@ class SamplerCopy:
     """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
     included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`
     copies the weights of the model being trained into it (each parameter gathered whole from its FSDP / TP shards,
-    and under PP broadcast from the stage that holds it to the other stages' ranks). One more whole copy of the
-    weights per rank; no collective while sampling. An external generator (a vLLM engine, say) works the same way:
-    its own copy, the weights pushed to it before each batch of rollouts."""
+    and under PP broadcast from the stage that holds it to the other stages' ranks). The first sync copies every
+    tensor; later ones only what training changes -- the parameters that take gradients and the buffers, so under
+    LoRA the adapters, not the frozen base weights. One more whole copy of the weights per rank; no collective while
+    sampling. An external generator (a vLLM engine, say) works the same way: its own copy, the weights pushed to it
+    before each batch of rollouts."""
 
     def __init__(self, model: nn.Module, model_parts: list[nn.Module], pp_group=None):
         self.model, self.parts, self.pp_group = model, model_parts, pp_group
         model.requires_grad_(False)
         self._owners: dict[str, int] | None = None
+        self._changing: set[str] | None = None
+        """The names later syncs copy (None before the first): every rank's trained parameters and buffers."""
 
     @torch.no_grad()
-    def sync(self) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    def sync(self) -> tuple[float, int]:
+        """Copy the trained weights into the copy (class docstring); returns the seconds it took and the bytes this
+        rank's copy received."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
 
-        local: dict[str, torch.Tensor] = {}
-        for part in self.parts:
-            for name, value in get_model_state_dict(part).items():
-                local[name] = value.full_tensor() if isinstance(value, DTensor) else value
-        target = self.model.state_dict()
-        if self.pp_group is None:
-            for name, value in target.items():
-                value.copy_(local[name])
-            return
-        if self._owners is None:  # which pipeline rank holds each tensor (asked once)
-            held: list = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(held, sorted(local), group=self.pp_group)
-            ranks = dist.get_process_group_ranks(self.pp_group)
-            self._owners = {name: ranks[i] for i in reversed(range(len(held))) for name in held[i]}
-        for name, value in target.items():  # in a fixed order on every rank
+        start, first = time.perf_counter(), self._changing is None
+        options = StateDictOptions(ignore_frozen_params=not first)
+        states = [get_model_state_dict(part, options=options) for part in self.parts]
+        if first:
+            trained = {name for part in self.parts
+                       for name in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True))}
+            self._first_sync(sorted(name for state in states for name in state), sorted(trained))
+        local = {name: value.full_tensor() if isinstance(value, DTensor) else value
+                 for state in states for name, value in state.items()}
+        received = 0
+        for name, value in self.model.state_dict().items():  # in a fixed order on every rank
+            if not first and name not in self._changing:
+                continue
             if name in local:
                 value.copy_(local[name])
-            dist.broadcast(value, src=self._owners[name], group=self.pp_group)
+            if self.pp_group is not None:
+                dist.broadcast(value, src=self._owners[name], group=self.pp_group)
+            received += value.numel() * value.element_size()
+        if any(p.is_cuda for p in self.model.parameters()):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, received
+
+    def _first_sync(self, held: list[str], trained: list[str]) -> None:
+        """Which pipeline rank holds each tensor and which tensors training changes, over the whole pipeline (one
+        all-gather, at the first sync)."""
+        if self.pp_group is None:
+            self._changing = set(trained)
+            return
+        everyone: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(everyone, (held, trained), group=self.pp_group)
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        self._owners = {name: ranks[i] for i in reversed(range(len(everyone))) for name in everyone[i][0]}
+        self._changing = {name for _, names in everyone for name in names}
