@@ -23,7 +23,7 @@ import os
 import pytest
 
 from torchtrain.components.hardware import KNOWN_GPUS
-from torchtrain.planner import analytic, grpo
+from torchtrain.planner import analytic, grpo, grpo_report
 from torchtrain.planner.core import load_job, make_plan
 from torchtrain.planner.from_job import inputs_from_config
 
@@ -94,6 +94,33 @@ def test_kv_cache_and_unsharded_weights(data, tp):
     if c.sampling_phase == "prefill":
         assert rows_by_name["prefill logits (every prompt slot)"] == 2 * rows * lp * a.vocab_size * (1 + (tp > 1) / tp)
     assert c.sampling_peak_bytes == sum(r["bytes"] for r in c.sampling_rows)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_sampling_copy_is_held_through_the_step_samples_unsharded_and_syncs(data, tp):
+    """grpo.generator = "copy": the whole model in the compute dtype on every rank, in every moment of the step and in
+    the traced peak; it samples with whole heads and vocabulary (the KV cache is not split by TP); each iteration's
+    sync moves the whole model (LoRA: the adapters after the first) over the GPU's links, part of the iteration."""
+    bf16 = ["--model.n_kv_heads", "2", "--training.mixed_precision_param", "bfloat16"]
+    _, p, trainer = _plan(data, 2, bf16, gpu="h100", trace=True, tp=tp)
+    _, q, copy = _plan(data, 2, [*bf16, "--grpo.generator", "copy"], gpu="h100", trace=True, tp=tp)
+    held = 2 * p.model.num_params
+    assert grpo.copy_numel(q) == p.model.num_params
+    for moment in copy.ranks[0].analytic.moments.values():
+        assert [r.bytes for r in moment if r.name == grpo.COPY_ROW] == [held]
+    assert copy.ranks[0].traced_peak == pytest.approx(trainer.ranks[0].traced_peak + held)
+    def kv(plan):
+        return next(r["bytes"] for r in plan.grpo.sampling_rows if r["name"] == "KV cache")
+
+    assert kv(copy) == kv(trainer) * tp
+    c = copy.grpo
+    assert c.sync_first_bytes == c.sync_bytes == held and c.sync_s > 0 and c.shares["weight sync"] > 0
+    assert trainer.grpo.sync_bytes == 0 and "weight sync" not in "\n".join(grpo_report.describe(trainer.grpo, (1, "B")))
+    assert "weight sync per iteration" in "\n".join(grpo_report.describe(c, (1, "B")))
+    _, r, lora = _plan(data, 2, [*bf16, "--grpo.generator", "copy", "--lora.enable"], gpu="h100", tp=tp)
+    adapters = grpo.copy_numel(r) - p.model.num_params
+    assert 0 < adapters and lora.grpo.sync_first_bytes == 2 * (p.model.num_params + adapters)
+    assert lora.grpo.sync_bytes == 2 * adapters
 
 
 def test_a_sampling_peak_over_the_budget_is_flagged(data):

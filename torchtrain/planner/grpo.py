@@ -8,7 +8,8 @@ rows), L_p the longest prompt in tokens (read from the job's prompt file when it
 bytes, V the vocabulary, tp the tensor-parallel degree, F(c) = the family's training FLOPs per token at
 sequence length c / 3 (`ModelContract.flops`: 2 N + the attention's forward share, 4 L h c for Llama).
 
-**An iteration** = sampling + (beta > 0) one reference pass over the rollouts + S mu optimizer steps.
+**An iteration** = (generator = copy) the weight sync + sampling + (beta > 0) one reference pass over the rollouts
++ S mu optimizer steps.
 
 **Sampling** (`posttrain/decoding.py`): one prefill forward over the R left-padded prompts (L_p slots
 each), then L_c - 1 forwards of one new token per row with the key/value cache (`models/common/kv_cache.py`). The
@@ -51,6 +52,15 @@ reads the whole unsharded weights W and the KV cache filled so far once,
 (the FLOP term takes over only for very many rows; without an HBM figure it is the FLOP term alone), plus the
 step's forward collectives over R tokens (TP, expert all-to-alls), nothing hiding them. Host dispatch of the
 eager decode steps is not counted (small models are launch-bound there).
+
+**The sampling copy** (`grpo.generator = "copy"`, `posttrain/sampling_layout.py::SamplerCopy`): every rank holds
+the whole model with its LoRA adapters, d x N_all (a row in every moment of the step, and added to the traced
+peak), and samples its data rank's R rows with it alone -- no TP, PP, CP or FSDP: the sampling above with tp = 1
+and no collectives (`sampler_view`), every rank of a TP / PP / CP group sampling the same rows. Before each
+iteration the copy receives the weights: d x N_all the first time, then d x the trained parameters (under LoRA
+the adapters only), each gathered whole from its float32 shards over the FSDP x TP ranks (a ring all-gather of
+4 B x the stage's share) and, under PP, broadcast from its stage to the others (4 B x (pp - 1) / pp of them),
+on the links `comm_time.link` assigns those spans.
 
 **Reference** (beta > 0; `posttrain/reference.py::token_logps`): once per iteration, R / local_batch_size
 forwards of local_batch_size rows of seq_len, each timed as a DPO reference's (`preference.microbatch_time`, the
@@ -185,10 +195,20 @@ class Generation:
 
 def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generation:
     """The sampling of one iteration of `p` with prompts of `prompt_len` tokens (module doc)."""
+    if p.grpo.generator != "copy":
+        return _generation(p, dev, prompt_len, p.dp)
+    out = _generation(sampler_view(p), dev, prompt_len, p.dp)
+    held = ("weights (the sampling copy, held in every moment: above)", 0.0, f"{p.param_bytes} B x "
+            f"{copy_numel(p):,} params")
+    out.prefill_rows[0] = out.decode_rows[0] = held
+    return out
+
+
+def _generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int, dp: int) -> Generation:
     g, a, d, tp = p.grpo, p.model, p.param_bytes, p.tp
     rows, lc, lp = rows_per_rank(p), g.max_completion_length, prompt_len
     kv = cached(p)
-    rows_all = rows * p.dp
+    rows_all = rows * dp
     if kv:
         per_row_decode = sum(forward_flops(p, lp + j) for j in range(1, lc))
     else:
@@ -254,6 +274,76 @@ def _time(p: PlanInputs, dev: GPUSpec, out: Generation, slot: float) -> None:
             compute += flops / rate
     out.decode_memory_s = memory
     out.decode_s = memory + compute + out.decode_comm_s
+
+
+# ------------------------------------------------------------------------------------------ the sampling copy
+def sampler_view(p: PlanInputs) -> PlanInputs:
+    """`p` as grpo.generator = "copy" samples: the whole model on one GPU (no TP, PP, CP, EP or FSDP), the same rows."""
+    rows = p.local_batch_size * p.grad_accum_steps
+    return p.replace(tp=1, pp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, world_size=1, strategy="ddp",
+                     global_batch_size=rows)
+
+
+def copy_numel(p: PlanInputs) -> int:
+    """Parameters of the whole model with its LoRA adapters: what the sampling copy holds on every rank."""
+    units = shapes.unit_shapes(p.model, _whole_stages(p), 1, 1, p.lora)
+    return shapes.numel([s for _, sh in units for s in sh])
+
+
+def copy_rows(p: PlanInputs) -> list[tuple[str, float, str]]:
+    """The sampling copy, in every moment of the step (grpo.generator = "copy"; [] otherwise)."""
+    if p.grpo is None or p.grpo.generator != "copy":
+        return []
+    n = copy_numel(p)
+    return [(COPY_ROW, float(p.param_bytes * n), f"{p.param_bytes} B x {n:,} params: the whole model on every rank")]
+
+
+COPY_ROW = "sampling copy (GRPO generator = copy)"
+
+
+def hold_copy(p: PlanInputs, rank) -> None:
+    """The traced step builds no sampling copy: its bytes join the rank's traced peak (a `core.RankPlan`)."""
+    rows = copy_rows(p)
+    if rows and rank.traced_peak is not None:
+        rank.traced_peak += rows[0][1]
+        rank.traced_breakdown = {**rank.traced_breakdown, "sampling copy": rows[0][1]}
+
+
+@dataclass
+class WeightSync:
+    """The sampling copy's sync before an iteration's sampling, per rank (module doc)."""
+
+    first_bytes: float
+    """What the copy receives the first time: every parameter (d B each)."""
+    bytes: float
+    """What it receives before each later iteration: the trained parameters (LoRA: the adapters)."""
+    seconds: float | None
+    """A later sync's gathers and pipeline broadcasts (None: links unknown)."""
+
+
+def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
+    """None unless grpo.generator = "copy"."""
+    if p.grpo is None or p.grpo.generator != "copy":
+        return None
+    from torchtrain.planner import comm_time
+
+    whole = copy_numel(p)
+    trained = whole if p.lora is None else shapes.numel(
+        [s for _, sh in shapes.adapter_units(p.model, _whole_stages(p), p.lora) for s in sh])
+    seconds = None
+    if dev is not None:
+        master = 4.0 * trained  # gathered from the float32 parameters' shards
+        shards, span = p.fsdp_degree * p.tp, p.fsdp_degree * p.tp
+        gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
+        broadcast = comm_time.p2p(master * (p.pp - 1) / p.pp, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
+        seconds = gather + broadcast
+    return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
+
+
+def _whole_stages(p: PlanInputs):
+    from torchtrain.planner.pipeline import no_pipeline
+
+    return no_pipeline(p.args.n_layers).stages[0]
 
 
 # ------------------------------------------------------------------------------------------ the reference

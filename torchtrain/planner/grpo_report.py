@@ -1,7 +1,7 @@
 """A `[grpo]` plan's GRPO section: what one iteration costs, gathered from the plan (`grpo.py` has the model),
 for the table (`describe`) and `--json` (`GrpoCost`).
 
-    iteration = generation + reference pass (beta > 0) + S mu x the step time
+    iteration = weight sync (generator = copy) + generation + reference pass (beta > 0) + S mu x the step time
     per-step equivalent = iteration / (S mu)
     MFU over the iteration = (generation + reference + S mu x step FLOPs) / (iteration x world x peak)
 """
@@ -14,7 +14,7 @@ from torchtrain.planner import grpo
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.planner.preference_report import _seconds, _si
 
-STATE = ("parameters", "optimizer state", "reference copy")
+STATE = ("parameters", "optimizer state", "reference copy", "sampling copy")
 """The analytic rows that outlive the step, hence sit beside the sampling (`analytic.py`)."""
 
 
@@ -59,12 +59,17 @@ class GrpoCost:
     reference_forwards: int = 0
     reference_flops: float = 0.0
     reference_s: float | None = None
+    generator: str = "trainer"
+    sync_first_bytes: float = 0.0
+    sync_bytes: float = 0.0
+    """Per rank, generator = copy: what the copy receives at the first sync, and before each later iteration."""
+    sync_s: float | None = None
     optimizer_steps: int = 1
     step_s: float | None = None
     steps_s: float | None = None
     iteration_s: float | None = None
     shares: dict[str, float] = field(default_factory=dict)
-    """Share of the iteration's time: generation, reference, optimizer steps."""
+    """Share of the iteration's time: weight sync, generation, reference, optimizer steps."""
     per_step_s: float | None = None
     iteration_flops: float = 0.0
     iteration_mfu: float | None = None
@@ -90,18 +95,23 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     cost = GrpoCost(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta,
                     g.reference or "none", gen.rows, gen.prompts, lp, source, gen.cached, gen.tokens,
                     gen.tokens_per_rank, gen.prefill_flops, gen.decode_flops,
-                    (gen.prefill_flops + gen.decode_flops) / p.world_size, gen.weights_bytes, gen.kv_cache_bytes, peak,
+                    (gen.prefill_flops + gen.decode_flops) / (p.dp if g.generator == "copy" else p.world_size), gen.weights_bytes, gen.kv_cache_bytes, peak,
                     phase, [{"name": n, "bytes": b, "formula": f} for n, b, f in rows],
                     None if usable is None else peak <= usable, gen.prefill_s, gen.decode_s, gen.decode_memory_s,
                     gen.decode_comm_s, gen.seconds, optimizer_steps=g.steps, step_s=step.step_s)
     cost.reference_bytes_per_rank = sum(r[1] for r in state if r[0].startswith("reference copy"))
+    sync = grpo.weight_sync(p, p.gpu)
+    cost.generator = g.generator
+    if sync is not None:
+        cost.sync_first_bytes, cost.sync_bytes, cost.sync_s = sync.first_bytes, sync.bytes, sync.seconds
     if ref is not None:
         cost.reference_forwards, cost.reference_flops, cost.reference_s = ref.forwards, ref.flops, ref.seconds
     step_flops = step.tokens_per_step * step.flops_per_token
     cost.iteration_flops = gen.prefill_flops + gen.decode_flops + cost.reference_flops + g.steps * step_flops
-    if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None):
+    if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None) and \
+            (sync is None or sync.seconds is not None):
         cost.steps_s = g.steps * step.step_s
-        parts = {"generation": gen.seconds, "reference": ref.seconds if ref is not None else 0.0,
+        parts = {**({"weight sync": sync.seconds} if sync is not None else {}), "generation": gen.seconds, "reference": ref.seconds if ref is not None else 0.0,
                  "optimizer steps": cost.steps_s}
         cost.iteration_s = sum(parts.values())
         cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
@@ -146,6 +156,11 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
         rows.append(("generation time", f"{s(cost.generation_s)}: prefill {s(cost.prefill_s)}, decode "
                      f"{s(cost.decode_s)} (memory-bandwidth-bound steps {s(cost.decode_memory_bound_s)}: each reads the "
                      f"unsharded weights and the KV cache once; collectives {s(cost.decode_comm_s)})"))
+    if cost.generator == "copy":
+        rows.append(("sampler", "an unsharded copy on every rank (grpo.generator = copy), in every moment of the step"))
+        rows.append(("weight sync per iteration", f"{b(cost.sync_bytes)} per rank received ({b(cost.sync_first_bytes)} "
+                     f"the first time), {s(cost.sync_s)}: gathered from the float32 shards, under PP broadcast "
+                     "from each stage"))
     rows.append(("reference (KL penalty)", ref))
     if cost.reference != "none":
         rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "

@@ -50,6 +50,8 @@ class Rollouts:
     beta: float
     reference: str | None
     """"copy", "adapters off" (LoRA) or None (beta = 0: no reference)."""
+    generator: str = "trainer"
+    """`grpo.generator`: "trainer" (the model samples in its layout) or "copy" (an unsharded copy on every rank)."""
 
     @property
     def steps(self) -> int:
@@ -63,4 +65,5 @@ def read_rollouts(job, lora) -> Rollouts | None:
     if not g.enable:
         return None
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
-    return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref)
+    return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
+                    g.generator)
