@@ -84,7 +84,7 @@ class SamplerCopy:
     """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
     included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`
     copies the weights of the model being trained into it (each parameter gathered whole from its FSDP / TP shards,
-    and under PP broadcast from the stage that holds it to the other stages' ranks). The first sync copies every
+    one at a time, and under PP broadcast from the stage that holds it to the other stages' ranks). The first sync copies every
     tensor; later ones only what training changes -- the parameters that take gradients and the buffers, so under
     LoRA the adapters, not the frozen base weights. One more whole copy of the weights per rank; no collective while
     sampling. An external generator (a vLLM engine, say) works the same way: its own copy, the weights pushed to it
@@ -111,14 +111,14 @@ class SamplerCopy:
             trained = {name for part in self.parts
                        for name in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True))}
             self._first_sync(sorted(name for state in states for name in state), sorted(trained))
-        local = {name: value.full_tensor() if isinstance(value, DTensor) else value
-                 for state in states for name, value in state.items()}
+        local = {name: value for state in states for name, value in state.items()}
         received = 0
         for name, value in self.model.state_dict().items():  # in a fixed order on every rank
             if not first and name not in self._changing:
                 continue
-            if name in local:
-                value.copy_(local[name])
+            if name in local:  # gathered whole one tensor at a time: the transient is the largest tensor, not the model
+                held = local[name]
+                value.copy_(held.full_tensor() if isinstance(held, DTensor) else held)
             if self.pp_group is not None:
                 dist.broadcast(value, src=self._owners[name], group=self.pp_group)
             received += value.numel() * value.element_size()
