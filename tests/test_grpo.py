@@ -44,6 +44,7 @@ KL_CP = (*COPY, *KL, *OLD)  # CP 2: the reference's and the trainer's scoring of
 SEQ = (*COPY, "--grpo.importance_sampling_level", "sequence", "--grpo.loss_type", "grpo")  # GSPO, completion means
 DR = ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "false")  # Dr. GRPO
 DYN = ("--grpo.dynamic_sampling", "--grpo.max_sampling_rounds", "3", "--grpo.overlong_buffer_len", "2")  # DAPO's
+OWN = ("--grpo.generator", "own_generator:build")  # a generator of the tests' own (tests/plugins/own_generator.py)
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -137,13 +138,13 @@ def test_a_rows_samples_do_not_depend_on_its_batch():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_sampling_copy_syncs_bitwise_and_later_only_what_training_changes(lora):
-    """`SamplerCopy.sync`: after each sync the copy's tensors equal the trained model's bitwise; the first sync
+    """`SamplerCopy.sync` (`TrainedWeights`): after each sync the copy's tensors equal the trained model's bitwise; the first sync
     moves every tensor, later ones the trained parameters and the buffers -- under LoRA the adapters, not the
     frozen base weights -- and each reports the bytes it moved."""
     from torchtrain.config.lora import Lora
     from torchtrain.models.converters.lora import apply_lora
     from torchtrain.models.registry import get_model_spec
-    from torchtrain.posttrain.sampling_layout import SamplerCopy, build_whole
+    from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, build_whole
 
     adapters = Lora(enable=True, rank=4, target_modules=["*.attention.wq", "*.attention.wv"]) if lora else None
     model = tiny_model("llama3")
@@ -151,7 +152,7 @@ def test_the_sampling_copy_syncs_bitwise_and_later_only_what_training_changes(lo
         apply_lora(model, adapters)
     spec = get_model_spec("llama3")
     args = spec.flavors["debugmodel"].replace(n_layers=2, max_seq_len=64)
-    copy = SamplerCopy(build_whole(spec, args, torch.device("cpu"), adapters), [model])
+    copy = SamplerCopy(build_whole(spec, args, torch.device("cpu"), adapters), TrainedWeights([model]))
     state = model.state_dict()
     nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
     changing = {k for k, p in model.named_parameters() if p.requires_grad} | {k for k, _ in model.named_buffers()
@@ -348,7 +349,8 @@ def suite(tmp_path_factory):
                                                        ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
                                                        ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
                                                        ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR),
-                                                       ("single", DYN), ("fsdp2", DYN)])
+                                                       ("single", DYN), ("fsdp2", DYN), ("single", OWN),
+                                                       ("fsdp2", OWN)])
 
 
 @pytest.mark.dist
@@ -381,6 +383,18 @@ def test_pipeline_and_context_parallel_training_sample_with_a_synced_copy(suite)
         first = run.records[0]
         assert sync.first_bytes <= first["grpo/weight_sync_bytes"] < 1.05 * sync.first_bytes, (sync, first)
         assert first["grpo/weight_sync_seconds"] > 0
+
+
+@pytest.mark.dist
+def test_a_generator_of_ones_own_plugs_in_by_its_factory(suite):
+    """`grpo.generator = "package.module:function"` (posttrain/generators.py): the factory's generator, fed the trained
+    weights through `GeneratorContext.weights` (gathered from FSDP's shards under FSDP 2), samples what the model
+    itself samples and trains as one process does; its sync is logged."""
+    single = suite.results["single", OWN]
+    assert [r["grpo/reward"] for r in single.records] == [r["grpo/reward"] for r in suite.baseline.records]
+    assert single.records[0]["grpo/weight_sync_bytes"] > 0
+    run, = suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=OWN)
+    assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in single.records]
 
 
 @pytest.mark.dist
@@ -435,7 +449,8 @@ def flaky(completion, answer, prompt):
 '''
 
 
-@pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place"])
+@pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
+                                  "generator_not_importable"])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -457,6 +472,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     elif case == "pipeline_in_place":
         args += ["--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.generator]"
+    elif case == "generator_not_importable":
+        args += ["--grpo.generator", "no_such_engine:build"]
+        expect = "[grpo.generator] cannot import 'no_such_engine:build'"
     else:
         args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
         expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"

@@ -121,6 +121,11 @@ def test_the_sampling_copy_is_held_through_the_step_samples_unsharded_and_syncs(
     adapters = grpo.copy_numel(r) - p.model.num_params
     assert 0 < adapters and lora.grpo.sync_first_bytes == 2 * (p.model.num_params + adapters)
     assert lora.grpo.sync_bytes == 2 * adapters
+    # an external generator (a factory's, never imported by the planner): the copy's sampling and sync, its memory
+    # its own
+    _, _, ext = _plan(data, 2, [*bf16, "--grpo.generator", "some_engine:build"], gpu="h100", trace=True, tp=tp)
+    assert ext.grpo.sync_bytes == held and ext.ranks[0].traced_peak == trainer.ranks[0].traced_peak
+    assert kv(ext) == kv(copy) and any("an external generator samples" in n for n in ext.notes)
 
 
 def test_a_sampling_peak_over_the_budget_is_flagged(data):

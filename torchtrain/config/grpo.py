@@ -111,12 +111,13 @@ class Grpo:
     """Divide each group's centred rewards by their standard deviation (GRPO); false keeps them centred only
     (Dr. GRPO)."""
 
-    generator: Literal["trainer", "copy"] = "trainer"
+    generator: str = "trainer"
     """Which model samples. `trainer`: the model being trained, in its layout (FSDP units gathered once for the
     whole sampling, TP groups sampling together; FSDP / HSDP / TP / DDP / EP). `copy`: an unsharded copy of the
     weights on every rank, synced from the model before each iteration -- one more copy of the weights per rank,
-    and any layout, pipeline and context parallelism included (the way an external generator such as vLLM is
-    fed; docs/post_training.md)."""
+    and any layout, pipeline and context parallelism included. Or "package.module:function", a factory of your own
+    generator (an external inference engine such as vLLM, fed as the copy is), imported from your environment and
+    called with a `posttrain/generators.py::GeneratorContext` (docs/post_training.md)."""
 
     old_logps: Literal["sampler", "trainer"] = "sampler"
     """The log-probs of the sampling policy in the importance ratio. `sampler`: those the sampler computed while
@@ -146,6 +147,9 @@ class Grpo:
             raise ConfigError(f"[grpo.overlong_buffer_len] {self.overlong_buffer_len} is longer than "
                               f"max_completion_length ({self.max_completion_length}): the shaping starts that many "
                               f"tokens before the limit")
+        if self.generator not in ("trainer", "copy") and ":" not in self.generator:
+            raise ConfigError(f"[grpo.generator] {self.generator!r} is neither \"trainer\", \"copy\" nor a factory's "
+                              f"import path \"package.module:function\"")
         if self.epsilon >= 1:
             raise ConfigError(f"[grpo.epsilon] {self.epsilon} must be below 1 (the ratio's lower bound 1 - epsilon)")
 

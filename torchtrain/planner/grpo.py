@@ -62,6 +62,9 @@ the adapters only), each gathered whole from its float32 shards over the FSDP x 
 4 B x the stage's share) and, under PP, broadcast from its stage to the others (4 B x (pp - 1) / pp of them),
 on the links `comm_time.link` assigns those spans.
 
+**An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
+sync, its own memory left out (it may live elsewhere) and its kernels assumed as fast as the copy's: a note says so.
+
 **Reference** (beta > 0; `posttrain/reference.py::token_logps`): once per iteration, R / local_batch_size
 forwards of local_batch_size rows of seq_len, each timed as a DPO reference's (`preference.microbatch_time`, the
 copy's FSDP units re-gathered per forward but the kept ones once per pass), R dp seq_len F(seq_len) FLOPs
@@ -195,11 +198,12 @@ class Generation:
 
 def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generation:
     """The sampling of one iteration of `p` with prompts of `prompt_len` tokens (module doc)."""
-    if p.grpo.generator != "copy":
+    if p.grpo.generator == "trainer":
         return _generation(p, dev, prompt_len, p.dp)
     out = _generation(sampler_view(p), dev, prompt_len, p.dp)
     held = ("weights (the sampling copy, held in every moment: above)", 0.0, f"{p.param_bytes} B x "
-            f"{copy_numel(p):,} params")
+            f"{copy_numel(p):,} params") if p.grpo.generator == "copy" else \
+        ("weights (the external generator's own: not counted)", 0.0, "its own memory")
     out.prefill_rows[0] = out.decode_rows[0] = held
     return out
 
@@ -322,8 +326,8 @@ class WeightSync:
 
 
 def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
-    """None unless grpo.generator = "copy"."""
-    if p.grpo is None or p.grpo.generator != "copy":
+    """None when the model being trained samples (grpo.generator = "trainer")."""
+    if p.grpo is None or p.grpo.generator == "trainer":
         return None
     from torchtrain.planner import comm_time
 

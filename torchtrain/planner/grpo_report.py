@@ -95,7 +95,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     cost = GrpoCost(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta,
                     g.reference or "none", gen.rows, gen.prompts, lp, source, gen.cached, gen.tokens,
                     gen.tokens_per_rank, gen.prefill_flops, gen.decode_flops,
-                    (gen.prefill_flops + gen.decode_flops) / (p.dp if g.generator == "copy" else p.world_size), gen.weights_bytes, gen.kv_cache_bytes, peak,
+                    (gen.prefill_flops + gen.decode_flops) / (p.world_size if g.generator == "trainer" else p.dp), gen.weights_bytes, gen.kv_cache_bytes, peak,
                     phase, [{"name": n, "bytes": b, "formula": f} for n, b, f in rows],
                     None if usable is None else peak <= usable, gen.prefill_s, gen.decode_s, gen.decode_memory_s,
                     gen.decode_comm_s, gen.seconds, optimizer_steps=g.steps, step_s=step.step_s)
@@ -126,9 +126,13 @@ def notes(p: PlanInputs) -> list[str]:
     """What a GRPO plan should say about its step figures."""
     if p.grpo is None:
         return []
-    return ["GRPO: the step table is one optimizer step; the traced step runs the job's cross-entropy loss in place of "
-            "the policy loss (both hold the logits and a float32 log-softmax over the vocabulary); sampling and the "
-            "reference pass are in the GRPO section, per iteration"]
+    out = ["GRPO: the step table is one optimizer step; the traced step runs the job's cross-entropy loss in place of "
+           "the policy loss (both hold the logits and a float32 log-softmax over the vocabulary); sampling and the "
+           "reference pass are in the GRPO section, per iteration"]
+    if p.grpo.generator == "external":
+        out.append("GRPO: an external generator samples: its memory is its own (not in the table) and its sampling is "
+                   "timed as an unsharded copy's on this GPU")
+    return out
 
 
 def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
@@ -156,8 +160,10 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
         rows.append(("generation time", f"{s(cost.generation_s)}: prefill {s(cost.prefill_s)}, decode "
                      f"{s(cost.decode_s)} (memory-bandwidth-bound steps {s(cost.decode_memory_bound_s)}: each reads the "
                      f"unsharded weights and the KV cache once; collectives {s(cost.decode_comm_s)})"))
-    if cost.generator == "copy":
-        rows.append(("sampler", "an unsharded copy on every rank (grpo.generator = copy), in every moment of the step"))
+    if cost.generator != "trainer":
+        rows.append(("sampler", "an unsharded copy on every rank (grpo.generator = copy), in every moment of the step"
+                     if cost.generator == "copy" else "an external generator (its memory its own, not counted; its "
+                     "sampling timed as the copy's)"))
         rows.append(("weight sync per iteration", f"{b(cost.sync_bytes)} per rank received ({b(cost.sync_first_bytes)} "
                      f"the first time), {s(cost.sync_s)}: gathered from the float32 shards, under PP broadcast "
                      "from each stage"))

@@ -51,7 +51,8 @@ class Rollouts:
     reference: str | None
     """"copy", "adapters off" (LoRA) or None (beta = 0: no reference)."""
     generator: str = "trainer"
-    """`grpo.generator`: "trainer" (the model samples in its layout) or "copy" (an unsharded copy on every rank)."""
+    """`grpo.generator`: "trainer" (the model samples in its layout), "copy" (an unsharded copy on every rank) or
+    "external" (a factory of the user's: `posttrain/generators.py`)."""
 
     @property
     def steps(self) -> int:
@@ -66,4 +67,4 @@ def read_rollouts(job, lora) -> Rollouts | None:
         return None
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
-                    g.generator)
+                    g.generator if g.generator in ("trainer", "copy") else "external")

@@ -20,11 +20,12 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.layout import Layout
+from torchtrain.posttrain.generators import CopyGenerator, GeneratorContext, TrainerGenerator, external_generator
 from torchtrain.posttrain.policy_loss import PolicyLoss
 from torchtrain.posttrain.reference import ReferenceModel, live_reference, start_reference
 from torchtrain.posttrain.rewards import Rewards
-from torchtrain.posttrain.rollout import CopyGenerator, RolloutLoader, TrainerGenerator
-from torchtrain.posttrain.sampling_layout import SamplerCopy, build_whole
+from torchtrain.posttrain.rollout import RolloutLoader
+from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, build_whole
 from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -82,9 +83,12 @@ class GrpoObjective(Objective):
                                     batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed)
         self.stops, self.vocab_limit, self.layout = stop_ids(tokenizer, grpo.stop_token_ids), tokenizer.vocab_size, layout
         self.copy: SamplerCopy | None = None
+        self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
         if grpo.generator == "copy":
-            self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype), [],
-                                    layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None)
+            self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype),
+                                    TrainedWeights([], self.pp_group))
+        self.factory = None if grpo.generator in ("trainer", "copy") else external_generator(grpo.generator)
+        self.spec, self.args, self.device, self.lora = spec, args, device, cfg.lora if cfg.lora.enable else None
         self.loss = PolicyLoss.for_layout(grpo, layout)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:
@@ -106,10 +110,14 @@ class GrpoObjective(Objective):
         if self.reference is not None:
             start_reference(self.reference, step_number, step.model_parts, "grpo")
         grpo = self.loader.grpo
-        if self.copy is None:
+        if self.factory is not None:
+            generator = self.factory(GeneratorContext(TrainedWeights(step.model_parts, self.pp_group), self.spec,
+                                                      self.args, grpo, self.stops, self.vocab_limit, self.device,
+                                                      self.layout.param_dtype, self.lora, heartbeat))
+        elif self.copy is None:
             generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit, heartbeat)
         else:
-            self.copy.parts = step.model_parts
+            self.copy.weights.parts = step.model_parts
             generator = CopyGenerator(self.copy, grpo, self.stops, self.vocab_limit, self.layout.autocast_dtype,
                                       heartbeat)
         self.loader.attach(step, self.reference, generator, heartbeat)

@@ -7,8 +7,9 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
    groups per rank, of which rank r takes c + s (dp P) + j dp + r (j < P) -- a step's prompts are the same under
    any layout, as the data loader's windows are (`data/loader.py`); c then advances by S dp P;
 2. sampling: G completions of each prompt by the model being trained (`posttrain/decoding.py`), in its
-   layout or by an unsharded copy synced from it (a `Generator`; `posttrain/sampling_layout.py`), row (k, g) drawing its random numbers from its own generator seeded by
-   (debug.seed, k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
+   layout, by an unsharded copy synced from it, or by a generator of your own (a `Generator`,
+   `posttrain/generators.py`), row (k, g) drawing its random numbers from its own generator seeded by (debug.seed,
+   k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
 3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`), plus DAPO's
    overlong penalty on its token count when grpo.overlong_buffer_len is set;
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,11 @@ from torchtrain.config.grpo import Grpo
 from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
-from torchtrain.posttrain.decoding import Completions, Sampling, sample_groups
+from torchtrain.posttrain.decoding import Sampling
+from torchtrain.posttrain.generators import Generator
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
-from torchtrain.posttrain.sampling_layout import SamplerCopy, all_ranks_done, sampling_mode
 from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
-from torchtrain.utils.logging import is_log_rank, logger
-from torchtrain.utils.progress import Progress
+from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds",
@@ -62,78 +62,6 @@ class Group(NamedTuple):
     logps: list[list[float]]
     stopped: list[bool]
     rewards: list[float]
-
-
-class Generator(Protocol):
-    """Where completions come from: `generator(prompts, sampling, generators)` samples grpo.max_completion_length
-    tokens at most after each prompt (rows in groups of grpo.num_generations with one prompt each), row i drawing
-    from generators[i], and returns them with the log-probs of the sampling distribution
-    (`posttrain/decoding.py`); `sync_weights()`, called once before each iteration's sampling, gives it the
-    weights being trained and returns (seconds, bytes received). The seam for an external engine (vLLM...): it
-    would hold its own copy of the weights, receive them in `sync_weights` (as `CopyGenerator` does), and return
-    the same `Completions`."""
-
-    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
-                 ) -> Completions: ...
-
-    def sync_weights(self) -> tuple[float, int]: ...
-
-
-class SamplingProgress:
-    """What sampling reports each token step: a bar with rate and ETA on the log rank once it takes over 10 s, and a
-    heartbeat (the hang monitor's progress: an iteration's sampling may take minutes, each token step does not)."""
-
-    def __init__(self, total: int, heartbeat: Callable[[], None] | None):
-        self.bar = Progress("grpo sampling", total, "tokens", enabled=is_log_rank(), delay=10.0)
-        self.heartbeat = heartbeat
-
-    def update(self, n: int) -> None:
-        self.bar.update(n)
-        if self.heartbeat is not None:
-            self.heartbeat()
-
-
-class TrainerGenerator:
-    """grpo.generator = "trainer": the model being trained samples, in its layout (`posttrain/sampling_layout.py`)."""
-
-    def __init__(self, step, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
-                 heartbeat: Callable[[], None] | None = None):
-        self.step, self.grpo, self.stop_ids, self.vocab_limit = step, grpo, stop_ids, vocab_limit
-        self.heartbeat = heartbeat
-
-    def sync_weights(self) -> tuple[float, int]:
-        """Nothing to sync: the model being trained samples."""
-        return 0.0, 0
-
-    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
-        step, progress = self.step, SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
-        with sampling_mode(step.model_parts), step.context(), progress.bar:
-            return sample_groups(step.model_parts[0], prompts, self.grpo.num_generations,
-                                 self.grpo.max_completion_length, sampling, generators, self.stop_ids,
-                                 self.vocab_limit, all_ranks_done, multiple=step.layout.dims.tp, progress=progress)
-
-
-class CopyGenerator(TrainerGenerator):
-    """grpo.generator = "copy": an unsharded copy on every rank samples (`posttrain/sampling_layout.py::SamplerCopy`),
-    its weights synced from the model being trained before each iteration; no collective while it samples."""
-
-    def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
-                 autocast: torch.dtype | None, heartbeat: Callable[[], None] | None = None):
-        super().__init__(None, grpo, stop_ids, vocab_limit, heartbeat)
-        self.copy, self.autocast = copy, autocast
-
-    def sync_weights(self) -> tuple[float, int]:
-        return self.copy.sync()
-
-    def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
-        model = self.copy.model
-        device = next(model.parameters()).device
-        autocast = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else \
-            contextlib.nullcontext()
-        progress = SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
-        with sampling_mode([model]), autocast, progress.bar:
-            return sample_groups(model, prompts, self.grpo.num_generations, self.grpo.max_completion_length,
-                                 sampling, generators, self.stop_ids, self.vocab_limit, progress=progress)
 
 
 class RewardStop(ConfigError):
@@ -371,7 +299,7 @@ class RolloutLoader:
                 "grpo/reward_errors": s["errors"], "grpo/iteration": float(self.iterations),
                 "grpo/generation_tokens_per_s": s["length"] / max(mine["seconds"], 1e-9),
                 **({"grpo/weight_sync_seconds": mine["sync_seconds"], "grpo/weight_sync_bytes": mine["sync_bytes"]}
-                   if self.grpo.generator == "copy" else {}),
+                   if self.grpo.generator != "trainer" else {}),
                 **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
                    if self.grpo.dynamic_sampling else {})}
 

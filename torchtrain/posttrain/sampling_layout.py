@@ -80,60 +80,87 @@ def build_whole(spec, args, device: torch.device, lora=None) -> nn.Module:
     return model
 
 
-class SamplerCopy:
-    """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
-    included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`
-    copies the weights of the model being trained into it (each parameter gathered whole from its FSDP / TP shards,
-    one at a time, and under PP broadcast from the stage that holds it to the other stages' ranks). The first sync copies every
-    tensor; later ones only what training changes -- the parameters that take gradients and the buffers, so under
-    LoRA the adapters, not the frozen base weights. One more whole copy of the weights per rank; no collective while
-    sampling. An external generator (a vLLM engine, say) works the same way: its own copy, the weights pushed to it
-    before each batch of rollouts."""
+class TrainedWeights:
+    """The weights of the model being trained as whole tensors, by canonical name (the names a Hugging Face export
+    maps), one at a time and in the same order on every rank: what a sampler with its own copy of the weights -- the
+    `copy` generator, an external engine -- receives before each iteration's sampling. Each tensor is gathered whole
+    from its FSDP / TP shards (the transient is the largest tensor, not the model) and, under pipeline parallelism,
+    broadcast from a rank of the stage that holds it to the other stages' ranks. The first pass yields every tensor;
+    later ones only what training changes -- the parameters that take gradients and the buffers, so under LoRA the
+    adapters, not the frozen base weights. Every rank of `model_parts`' process groups iterates together."""
 
-    def __init__(self, model: nn.Module, model_parts: list[nn.Module], pp_group=None):
-        self.model, self.parts, self.pp_group = model, model_parts, pp_group
-        model.requires_grad_(False)
-        self._owners: dict[str, int] | None = None
-        self._changing: set[str] | None = None
-        """The names later syncs copy (None before the first): every rank's trained parameters and buffers."""
+    def __init__(self, model_parts: list[nn.Module], pp_group=None):
+        self.parts, self.pp_group = model_parts, pp_group
+        self._order: list[tuple[str, int, tuple[int, ...], str]] | None = None
+        """Every tensor of the pipeline: (name, the rank that sends it, shape, dtype), in stage order (None before the
+        first pass)."""
+        self._changing: set[str] = set()
+        """The names later passes yield: every stage's trained parameters and buffers."""
 
     @torch.no_grad()
-    def sync(self) -> tuple[float, int]:
-        """Copy the trained weights into the copy (class docstring); returns the seconds it took and the bytes this
-        rank's copy received."""
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) pairs (class docstring); a tensor is valid until the next one is asked for."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
 
-        start, first = time.perf_counter(), self._changing is None
-        options = StateDictOptions(ignore_frozen_params=not first)
-        states = [get_model_state_dict(part, options=options) for part in self.parts]
+        first = self._order is None
+        local = {name: value for part in self.parts for name, value in
+                 get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=not first)).items()}
         if first:
-            trained = {name for part in self.parts
-                       for name in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True))}
-            self._first_sync(sorted(name for state in states for name in state), sorted(trained))
-        local = {name: value for state in states for name, value in state.items()}
-        received = 0
-        for name, value in self.model.state_dict().items():  # in a fixed order on every rank
+            self._first_pass(local)
+        for name, src, shape, dtype in self._order:
             if not first and name not in self._changing:
                 continue
-            if name in local:  # gathered whole one tensor at a time: the transient is the largest tensor, not the model
-                held = local[name]
-                value.copy_(held.full_tensor() if isinstance(held, DTensor) else held)
+            held = local.get(name)
+            whole = None if held is None else held.full_tensor() if isinstance(held, DTensor) else held
             if self.pp_group is not None:
-                dist.broadcast(value, src=self._owners[name], group=self.pp_group)
+                if whole is None or dist.get_rank() != src:
+                    device = next(iter(local.values())).device
+                    whole = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.broadcast(whole, src=src, group=self.pp_group)
+            yield name, whole
+
+    def _first_pass(self, local: dict[str, torch.Tensor]) -> None:
+        """The tensors of the whole pipeline and those training changes (one all-gather over the stages)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        trained = sorted(name for part in self.parts
+                         for name in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True)))
+        mine = [(name, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for name, v in local.items()]
+        if self.pp_group is None:
+            self._order, self._changing = [(n, 0, shape, dtype) for n, shape, dtype in mine], set(trained)
+            return
+        everyone: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(everyone, (mine, trained), group=self.pp_group)
+        ranks, seen = dist.get_process_group_ranks(self.pp_group), set()
+        self._order = []
+        for rank, (held, _) in zip(ranks, everyone):
+            for name, shape, dtype in held:
+                if name not in seen:  # (a tensor held by two stages -- tied weights -- is sent by the first)
+                    seen.add(name)
+                    self._order.append((name, rank, shape, dtype))
+        self._changing = {name for _, names in everyone for name in names}
+
+
+class SamplerCopy:
+    """An unsharded copy of the model on every rank to sample with, in any layout -- pipeline and context parallelism
+    included, where the training modules cannot run one token at a time: before each iteration's sampling `sync`
+    copies the weights of the model being trained into it (`TrainedWeights`). One more whole copy of the weights per
+    rank; no collective while sampling. An external generator (a vLLM engine, say) works the same way: its own copy,
+    the weights pushed to it before each batch of rollouts."""
+
+    def __init__(self, model: nn.Module, weights: TrainedWeights):
+        self.model, self.weights = model, weights
+        model.requires_grad_(False)
+
+    @torch.no_grad()
+    def sync(self) -> tuple[float, int]:
+        """Copy the trained weights into the copy; returns the seconds it took and the bytes the copy received."""
+        start, received, target = time.perf_counter(), 0, self.model.state_dict()
+        for name, tensor in self.weights.tensors():
+            value = target[name]
+            value.copy_(tensor)
             received += value.numel() * value.element_size()
         if any(p.is_cuda for p in self.model.parameters()):
             torch.cuda.synchronize()
         return time.perf_counter() - start, received
-
-    def _first_sync(self, held: list[str], trained: list[str]) -> None:
-        """Which pipeline rank holds each tensor and which tensors training changes, over the whole pipeline (one
-        all-gather, at the first sync)."""
-        if self.pp_group is None:
-            self._changing = set(trained)
-            return
-        everyone: list = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(everyone, (held, trained), group=self.pp_group)
-        ranks = dist.get_process_group_ranks(self.pp_group)
-        self._owners = {name: ranks[i] for i in reversed(range(len(everyone))) for name in everyone[i][0]}
-        self._changing = {name for _, names in everyone for name in names}
