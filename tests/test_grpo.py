@@ -446,11 +446,28 @@ def flaky(completion, answer, prompt):
     if completion == answer:
         return 1.0
     raise KeyError(completion)
+
+
+def no_engine(ctx):
+    raise ImportError("vllm is not installed")
+
+
+class OneShort:
+    def sync_weights(self):
+        return 0.0, 0
+
+    def __call__(self, prompts, sampling, generators):
+        from torchtrain.posttrain.decoding import Completions
+        return Completions([[7]] * (len(prompts) - 1), [[-1.0]] * (len(prompts) - 1), [True] * (len(prompts) - 1))
+
+
+def one_short(ctx):
+    return OneShort()
 '''
 
 
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
-                                  "generator_not_importable"])
+                                  "generator_not_importable", "generator_raises", "generator_one_short"])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -475,6 +492,12 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     elif case == "generator_not_importable":
         args += ["--grpo.generator", "no_such_engine:build"]
         expect = "[grpo.generator] cannot import 'no_such_engine:build'"
+    elif case == "generator_raises":
+        args += ["--grpo.generator", "my_rewards:no_engine"]
+        expect = "[grpo.generator] 'my_rewards:no_engine' raised ImportError: vllm is not installed"
+    elif case == "generator_one_short":
+        args += ["--grpo.generator", "my_rewards:one_short"]
+        expect = "[grpo.generator] 'my_rewards:one_short' returned 7 completions"
     else:
         args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
         expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"
@@ -482,7 +505,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expect in proc.stderr, proc.stderr[-3000:]
     assert_no_traceback(proc.stderr)
-    assert not os.path.exists(os.path.join(root, "out", "metrics.jsonl"))
+    out = os.path.join(root, "out")  # (a generator's wrong answer shows at the first sampling: no step logged)
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl")) or (case == "generator_one_short" and
+                                                                     not read_metrics(out))
 
 
 def test_a_reward_failing_during_training_is_scored_zero_and_counted(tmp_path):

@@ -98,7 +98,8 @@ class GeneratorContext:
 
     weights: TrainedWeights
     """The weights being trained, whole tensor by whole tensor (the first pass every tensor, later ones what training
-    changes); iterate it in `sync_weights` -- on every rank at once: it gathers and broadcasts."""
+    changes); iterate it in `sync_weights` -- on every rank at once: it gathers and broadcasts. (The factory runs
+    at start-up, before the model is set up: keep the context, do not iterate it there.)"""
     spec: Any
     """The family's `ModelSpec` (`spec.build(args)` builds the model)."""
     args: Any
@@ -114,7 +115,8 @@ class GeneratorContext:
     lora: Any
     """The job's `[lora]` section when enabled (the weights then include the adapters), else None."""
     heartbeat: Callable[[], None] | None = None
-    """Call it now and then while sampling: the hang monitor's sign of progress."""
+    """Call it (when set: it is, before the first sampling) now and then while sampling: the hang monitor's sign of
+    progress."""
 
 
 def external_generator(path: str) -> Callable[[GeneratorContext], Generator]:
@@ -128,3 +130,21 @@ def external_generator(path: str) -> Callable[[GeneratorContext], Generator]:
     if not callable(factory):
         raise ConfigError(f"[grpo.generator] {path!r} is not a function")
     return factory
+
+
+def build_external(factory: Callable[[GeneratorContext], Generator], path: str, ctx: GeneratorContext) -> Generator:
+    """`factory(ctx)`, a failure in it one line naming the key (an engine not installed, say)."""
+    try:
+        return factory(ctx)
+    except Exception as e:  # the user's code: any failure is reported, none escapes as a traceback
+        raise ConfigError(f"[grpo.generator] {path!r} raised {type(e).__name__}: {e}") from None
+
+
+def check_completions(out: Completions, rows: int, path: str) -> None:
+    """A generator's answer has one completion per row and one log-prob per sampled token (one line naming the key
+    otherwise)."""
+    lengths = (len(out.tokens), len(out.logps), len(out.stopped))
+    if lengths != (rows,) * 3 or any(len(t) != len(lp) for t, lp in zip(out.tokens, out.logps)):
+        raise ConfigError(f"[grpo.generator] {path!r} returned {lengths[0]} completions, {lengths[1]} log-prob lists "
+                          f"and {lengths[2]} stop flags for {rows} rows (or a completion whose log-probs do not match "
+                          f"its tokens): one of each per row, one log-prob per sampled token")

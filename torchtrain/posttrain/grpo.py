@@ -20,7 +20,13 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer
 from torchtrain.distributed.layout import Layout
-from torchtrain.posttrain.generators import CopyGenerator, GeneratorContext, TrainerGenerator, external_generator
+from torchtrain.posttrain.generators import (
+    CopyGenerator,
+    GeneratorContext,
+    TrainerGenerator,
+    build_external,
+    external_generator,
+)
 from torchtrain.posttrain.policy_loss import PolicyLoss
 from torchtrain.posttrain.reference import ReferenceModel, live_reference, start_reference
 from torchtrain.posttrain.rewards import Rewards
@@ -87,8 +93,12 @@ class GrpoObjective(Objective):
         if grpo.generator == "copy":
             self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype),
                                     TrainedWeights([], self.pp_group))
-        self.factory = None if grpo.generator in ("trainer", "copy") else external_generator(grpo.generator)
-        self.spec, self.args, self.device, self.lora = spec, args, device, cfg.lora if cfg.lora.enable else None
+        self.external = None  # a generator of the job's own, built before anything else starts (bad input: one line)
+        if grpo.generator not in ("trainer", "copy"):
+            self.context = GeneratorContext(TrainedWeights([], self.pp_group), spec, args, grpo, self.stops,
+                                            self.vocab_limit, device, layout.param_dtype,
+                                            cfg.lora if cfg.lora.enable else None)
+            self.external = build_external(external_generator(grpo.generator), grpo.generator, self.context)
         self.loss = PolicyLoss.for_layout(grpo, layout)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:
@@ -110,10 +120,8 @@ class GrpoObjective(Objective):
         if self.reference is not None:
             start_reference(self.reference, step_number, step.model_parts, "grpo")
         grpo = self.loader.grpo
-        if self.factory is not None:
-            generator = self.factory(GeneratorContext(TrainedWeights(step.model_parts, self.pp_group), self.spec,
-                                                      self.args, grpo, self.stops, self.vocab_limit, self.device,
-                                                      self.layout.param_dtype, self.lora, heartbeat))
+        if self.external is not None:
+            self.context.weights.parts, self.context.heartbeat, generator = step.model_parts, heartbeat, self.external
         elif self.copy is None:
             generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit, heartbeat)
         else:

@@ -42,7 +42,7 @@ from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.posttrain.decoding import Sampling
-from torchtrain.posttrain.generators import Generator
+from torchtrain.posttrain.generators import Generator, check_completions
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
 from torchtrain.utils.logging import logger
@@ -197,6 +197,7 @@ class RolloutLoader:
         generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
         start = time.perf_counter()
         out = self.generator(rows, Sampling(grpo.temperature, grpo.top_k, grpo.top_p), generators)
+        check_completions(out, len(rows), grpo.generator)
         seconds = time.perf_counter() - start
         rewards, errors, fatal = [], 0, None
         for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped)):
