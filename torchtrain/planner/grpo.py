@@ -59,8 +59,8 @@ peak), and samples its data rank's R rows with it alone -- no TP, PP, CP or FSDP
 and no collectives (`sampler_view`), every rank of a TP / PP / CP group sampling the same rows. Before each
 iteration the copy receives the weights: d x N_all the first time, then d x the trained parameters (under LoRA
 the adapters only), each gathered whole from its float32 shards over the FSDP x TP ranks (a ring all-gather of
-4 B x the stage's share) and, under PP, broadcast from its stage to the others (4 B x (pp - 1) / pp of them),
-on the links `comm_time.link` assigns those spans.
+4 B x the stage's share) and, under PP, broadcast from its stage to the others in the copy's dtype (d x (pp - 1)
+/ pp of them), on the links `comm_time.link` assigns those spans.
 
 **An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
 sync, its own memory left out (it may live elsewhere) and its kernels assumed as fast as the copy's: a note says so.
@@ -336,10 +336,11 @@ def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
         [s for _, sh in shapes.adapter_units(p.model, _whole_stages(p), p.lora) for s in sh])
     seconds = None
     if dev is not None:
-        master = 4.0 * trained  # gathered from the float32 parameters' shards
+        master = 4.0 * trained  # gathered from the float32 parameters' shards, then sent in the copy's dtype
         shards, span = p.fsdp_degree * p.tp, p.fsdp_degree * p.tp
         gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
-        broadcast = comm_time.p2p(master * (p.pp - 1) / p.pp, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
+        sent = p.param_bytes * trained * (p.pp - 1) / p.pp
+        broadcast = comm_time.p2p(sent, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
         seconds = gather + broadcast
     return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
 

@@ -98,8 +98,10 @@ class TrainedWeights:
         """The names later passes yield: every stage's trained parameters and buffers."""
 
     @torch.no_grad()
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, whole tensor) pairs (class docstring); a tensor is valid until the next one is asked for."""
+    def tensors(self, dtypes: dict[str, torch.dtype] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) pairs (class docstring); a tensor is valid until the next one is asked for. `dtypes`:
+        the dtype a tensor is wanted in (its own where not named), cast before any broadcast, so that a pipeline
+        sends the bytes the receiver keeps."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.tensor import DTensor
 
@@ -111,12 +113,13 @@ class TrainedWeights:
         for name, src, shape, dtype in self._order:
             if not first and name not in self._changing:
                 continue
-            held = local.get(name)
+            held, want = local.get(name), (dtypes or {}).get(name) or getattr(torch, dtype)
             whole = None if held is None else held.full_tensor() if isinstance(held, DTensor) else held
+            whole = whole if whole is None or whole.dtype == want else whole.to(want)
             if self.pp_group is not None:
                 if whole is None or dist.get_rank() != src:
                     device = next(iter(local.values())).device
-                    whole = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                    whole = torch.empty(shape, dtype=want, device=device)
                 dist.broadcast(whole, src=src, group=self.pp_group)
             yield name, whole
 
@@ -157,7 +160,7 @@ class SamplerCopy:
     def sync(self) -> tuple[float, int]:
         """Copy the trained weights into the copy; returns the seconds it took and the bytes the copy received."""
         start, received, target = time.perf_counter(), 0, self.model.state_dict()
-        for name, tensor in self.weights.tensors():
+        for name, tensor in self.weights.tensors({name: value.dtype for name, value in target.items()}):
             value = target[name]
             value.copy_(tensor)
             received += value.numel() * value.element_size()
