@@ -27,6 +27,7 @@ and bad input.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -45,6 +46,7 @@ SEQ = (*COPY, "--grpo.importance_sampling_level", "sequence", "--grpo.loss_type"
 DR = ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "false")  # Dr. GRPO
 DYN = ("--grpo.dynamic_sampling", "--grpo.max_sampling_rounds", "3", "--grpo.overlong_buffer_len", "2")  # DAPO's
 OWN = ("--grpo.generator", "own_generator:build")  # a generator of the tests' own (tests/plugins/own_generator.py)
+TIS = (*OWN, *OLD, "--grpo.importance_sampling_cap", "2")  # the sampler-mismatch weight, through the whole run
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -207,6 +209,47 @@ def test_clipped_objective_and_kl_equal_their_formula():
     assert scaled[1].abs().sum() == 0  # a group that agrees teaches nothing
 
 
+def test_the_sampler_mismatch_weight_equals_its_formula():
+    """grpo.importance_sampling_cap: each token's policy term weighted by min(exp(trainer - sampler log-prob), cap)
+    (truncated importance sampling), float64 against the formula token by token, the same through the pipeline's
+    packed target; refused without the trainer's old log-probs or with a cap below 1."""
+    from torchtrain.config import ConfigError
+    from torchtrain.config.grpo import Grpo
+    from torchtrain.posttrain.policy_loss import PolicyLoss
+
+    g = torch.Generator().manual_seed(1)
+    rows, seq, vocab = 3, 6, 11
+    logits = torch.randn(rows, seq, vocab, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    labels[:, :2] = -100
+    logp = torch.log_softmax(logits, -1).gather(2, labels.clamp(min=0)[..., None])[..., 0]
+    old = logp + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    sampler = old + 0.8 * torch.randn(rows, seq, generator=g, dtype=torch.float64)  # a mismatched engine
+    ref = logp + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    adv = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, seq)
+    grpo = Grpo(enable=True, beta=0.1, old_logps="trainer", importance_sampling_cap=2.0)
+    grpo.validate()
+    loss = PolicyLoss(grpo)
+    batch = {"labels": labels, "old_logps": old, "advantages": adv, "ref_token_logps": ref, "sampler_logps": sampler}
+    got = loss(logits, batch)
+    expect, capped = 0.0, 0
+    for r in range(rows):
+        for t in range(2, seq):
+            ratio, a = float(torch.exp(logp[r, t] - old[r, t])), float(adv[r, t])
+            w = min(float(torch.exp(old[r, t] - sampler[r, t])), 2.0)
+            capped += w == 2.0
+            d = float(ref[r, t] - logp[r, t])
+            expect += -(w * min(ratio * a, min(max(ratio, 0.8), 1.2) * a) - 0.1 * (math.exp(d) - d - 1))
+    assert got.item() == pytest.approx(expect, rel=1e-6)
+    assert loss.from_target(logits, PolicyLoss.pipeline_target(None, batch, rows)).item() == pytest.approx(expect,
+                                                                                                         rel=1e-6)
+    record = loss.record(loss.pop_stats(torch.device("cpu")))
+    assert 0 < capped < rows * (seq - 2) and record["grpo/sampler_capped"] == pytest.approx(capped / (rows * (seq - 2)))
+    for bad in (dict(importance_sampling_cap=2.0), dict(importance_sampling_cap=0.5, old_logps="trainer")):
+        with pytest.raises(ConfigError, match=r"\[grpo.importance_sampling_cap\]"):
+            Grpo(enable=True, **bad).validate()
+
+
 @pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "token"), ("dr_grpo", "token"),
                                              ("grpo", "sequence"), ("dapo", "sequence")],
                          ids=["dapo", "grpo", "dr_grpo", "gspo", "gspo_token_mean"])
@@ -350,7 +393,7 @@ def suite(tmp_path_factory):
                                                        ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
                                                        ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR),
                                                        ("single", DYN), ("fsdp2", DYN), ("single", OWN),
-                                                       ("fsdp2", OWN)])
+                                                       ("fsdp2", OWN), ("single", TIS)])
 
 
 @pytest.mark.dist
@@ -395,6 +438,13 @@ def test_a_generator_of_ones_own_plugs_in_by_its_factory(suite):
     assert single.records[0]["grpo/weight_sync_bytes"] > 0
     run, = suite.check(["fsdp2"], rtol=RTOL, atol=ATOL, extra=OWN)
     assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in single.records]
+    # its log-probs are the trainer's up to float rounding, so the sampler-mismatch weight is 1 (none truncated)
+    # and the run trains as the model sampling itself
+    weighted = suite.results["single", TIS].records
+    assert all(r["grpo/sampler_weight"] == pytest.approx(1.0, abs=1e-5) and r["grpo/sampler_capped"] == 0
+               for r in weighted)
+    for got, want in zip(weighted, suite.baseline.records):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL, abs=ATOL)
 
 
 @pytest.mark.dist

@@ -126,6 +126,12 @@ class Grpo:
     them, so the first step of an iteration has ratio 1 exactly (bitwise in deterministic mode) -- the choice
     for mixed precision, or for an external generator whose kernels differ."""
 
+    importance_sampling_cap: Annotated[float, Ge(0)] = 0.0
+    """Correct the sampler's mismatch with the trainer (an external engine's kernels and dtype, say): with
+    old_logps = "trainer", each token's policy term is weighted by min(exp(old - sampler), cap), the sampler's
+    log-probs kept beside the trainer's (truncated importance sampling; TRL's vllm_importance_sampling_cap). 0:
+    off."""
+
     skip_long_prompts: bool = False
     """A prompt whose tokens plus max_completion_length exceed training.seq_len: false stops the launch with
     its file:line; true drops it (the count is logged at start)."""
@@ -150,6 +156,10 @@ class Grpo:
         if self.generator not in ("trainer", "copy") and ":" not in self.generator:
             raise ConfigError(f"[grpo.generator] {self.generator!r} is neither \"trainer\", \"copy\" nor a factory's "
                               f"import path \"package.module:function\"")
+        if self.importance_sampling_cap and (self.old_logps != "trainer" or self.importance_sampling_cap < 1):
+            raise ConfigError(f"[grpo.importance_sampling_cap] {self.importance_sampling_cap:g} weights each token by "
+                              f"min(exp(trainer - sampler log-prob), cap): it needs grpo.old_logps = \"trainer\" "
+                              f"(now {self.old_logps!r}) and a cap of at least 1 (e.g. 2), or 0 for off")
         if self.epsilon >= 1:
             raise ConfigError(f"[grpo.epsilon] {self.epsilon} must be below 1 (the ratio's lower bound 1 - epsilon)")
 

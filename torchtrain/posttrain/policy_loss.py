@@ -17,6 +17,15 @@ With `grpo.importance_sampling_level = "sequence"` (GSPO) completion i of n_i to
 
 used in place of r_t at every one of its tokens, so the clip keeps or drops the completion as a whole.
 
+With `grpo.importance_sampling_cap` = c > 0 (and old_logps = "trainer": old_t the trainer's recomputation,
+samp_t the sampler's own log-prob) the policy term is weighted per token by the truncated importance weight
+
+    w_t     = min(exp(old_t - samp_t), c)                                   (no gradient)
+    loss_t  = -(w_t obj_t - beta kl_t)
+
+which corrects for a sampler whose distribution differs from the trainer's (another engine's kernels or dtype)
+while bounding the variance the correction adds.
+
 `grpo.loss_type` sets how the loss_t make the step's loss, over the global batch's N completion tokens and C
 completions (L: max_completion_length):
 
@@ -35,7 +44,8 @@ r_t and the clip bounds how far.
 
 Logged per step (reduced over all ranks and micro-batches): the mean k3 KL to the reference (with beta > 0), the
 share of tokens whose ratio is clipped (r_t < 1 - epsilon with A < 0, or r_t > 1 + epsilon_high with A > 0: the
-tokens whose gradient the clip removes) and the mean ratio.
+tokens whose gradient the clip removes) and the mean ratio; with a cap, the mean weight w_t and the share of tokens
+it truncates.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from torchtrain.distributed.context_parallel import cp_group, sum_over_cp
 from torchtrain.trainer.sequence_loss import SequenceLossBase
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
-STATS = ("tokens", "kl", "clipped", "ratio")
+STATS = ("tokens", "kl", "clipped", "ratio", "weight", "capped")
 """What a step sums over its completion tokens for the log (`PolicyLoss.record`)."""
 
 
@@ -62,7 +72,7 @@ class PolicyLoss(SequenceLossBase):
         self.temperature, self.beta = grpo.temperature, grpo.beta
         self.low, self.high = 1 - grpo.epsilon, 1 + grpo.clip_high
         self.loss_type, self.sequence_level = grpo.loss_type, grpo.importance_sampling_level == "sequence"
-        self.max_completion_length = grpo.max_completion_length
+        self.max_completion_length, self.cap = grpo.max_completion_length, grpo.importance_sampling_cap
         self.units = "tokens" if self.loss_type == "dapo" else "completions"
         """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global completion tokens (the
         step counts them itself), else the completions (`count`)."""
@@ -88,10 +98,10 @@ class PolicyLoss(SequenceLossBase):
 
     def __call__(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._loss(self.logps(logits, batch["labels"]), batch["labels"] != IGNORE_INDEX, batch["old_logps"],
-                          batch["advantages"], batch.get("ref_token_logps"))
+                          batch["advantages"], batch.get("ref_token_logps"), batch.get("sampler_logps"))
 
     def _loss(self, logp: torch.Tensor, mask: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor,
-              ref: torch.Tensor | None) -> torch.Tensor:
+              ref: torch.Tensor | None, sampler: torch.Tensor | None = None) -> torch.Tensor:
         mask = mask.to(logp.dtype)
         log_ratio = logp - old.to(logp.dtype)
         per_row = self.loss_type == "grpo" or self.sequence_level
@@ -101,6 +111,10 @@ class PolicyLoss(SequenceLossBase):
         ratio = torch.exp(log_ratio)
         advantage = advantage.to(logp.dtype)
         objective = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
+        weight = torch.ones_like(logp)
+        if self.cap:
+            weight = torch.exp(old.to(logp.dtype) - sampler.to(logp.dtype)).clamp(max=self.cap).detach()
+            objective = objective * weight
         per_token = -objective
         kl = None
         if self.beta > 0:
@@ -110,22 +124,25 @@ class PolicyLoss(SequenceLossBase):
         with torch.no_grad():
             clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))
             self._stats.append(torch.stack([mask.sum(), (kl * mask).sum() if kl is not None else mask.new_zeros(()),
-                                            (clipped * mask).sum(), (ratio * mask).sum()]))
-        weight = mask / lengths if self.loss_type == "grpo" else mask
-        return (per_token * weight).sum() * self.scale
+                                            (clipped * mask).sum(), (ratio * mask).sum(), (weight * mask).sum(),
+                                            ((weight >= self.cap) * mask).sum() if self.cap else mask.new_zeros(())]))
+        share = mask / lengths if self.loss_type == "grpo" else mask
+        return (per_token * share).sum() * self.scale
 
     def from_target(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of a pipeline micro-batch from its one target tensor (`pipeline_target`)."""
         labels = target[..., 0].long()
         return self._loss(self.logps(logits, labels), labels != IGNORE_INDEX, target[..., 1], target[..., 2],
-                          target[..., 3])
+                          target[..., 3], target[..., 4])
 
     @staticmethod
     def pipeline_target(step, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
-        """(rows, seq, 4) float64: labels, the sampler's log-probs, advantages, the reference's log-probs (0 without)."""
-        ref = batch.get("ref_token_logps", torch.zeros_like(batch["old_logps"]))
+        """(rows, seq, 5) float64: labels, the old log-probs, advantages, the reference's log-probs and the sampler's
+        kept beside the trainer's (each 0 without)."""
+        none = torch.zeros_like(batch["old_logps"])
         return torch.stack([batch["labels"].double(), batch["old_logps"].double(), batch["advantages"].double(),
-                            ref.double()], dim=-1)
+                            batch.get("ref_token_logps", none).double(), batch.get("sampler_logps", none).double()],
+                           dim=-1)
 
     def record(self, stats: torch.Tensor) -> dict[str, float]:
         s = dict(zip(STATS, stats.tolist()))
@@ -133,4 +150,6 @@ class PolicyLoss(SequenceLossBase):
         out = {"grpo/clip_fraction": s["clipped"] / tokens, "grpo/ratio": s["ratio"] / tokens}
         if self.beta > 0:
             out["grpo/kl"] = s["kl"] / tokens
+        if self.cap:
+            out["grpo/sampler_weight"], out["grpo/sampler_capped"] = s["weight"] / tokens, s["capped"] / tokens
         return out

@@ -165,6 +165,8 @@ class RolloutLoader:
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
         self.rows = self._rows(rows, tokens, logps, advantage)
         if grpo.old_logps == "trainer":
+            if grpo.importance_sampling_cap:  # the sampler's, kept for the mismatch weight (`policy_loss.py`)
+                self.rows["sampler_logps"] = self.rows["old_logps"]
             self.rows["old_logps"] = self._trainer_logps()
         if self.reference is not None:
             self.rows["ref_token_logps"] = self._reference_logps()

@@ -8,7 +8,8 @@
     IMAGE_INPUTS     pixel_values, image_grid; rope_positions, image_index     image data; the model's
                                                                                `batch_inputs`
     preference       pair_slot, pair_id, ref_logps (ref_tokens under PP)       `data/preference/pair_packing.py`
-    ROLLOUT_KEYS     input_ids, labels, old_logps, advantages, ref_token_logps  `posttrain/rollout.py`
+    ROLLOUT_KEYS     input_ids, labels, old_logps, advantages, ref_token_logps,  `posttrain/rollout.py`
+                     sampler_logps
 
 Every batch tensor is batch-first. Most are per token -- (rows, seq_len, ...): `input_ids`, `labels`,
 `positions`, and what a model derives per token (`rope_positions`, `image_index`) -- so context parallelism
@@ -29,9 +30,10 @@ DOCUMENT_INPUTS = ("positions", "seq_index")
 """Per-token inputs of a model that reads documents packed in a row (`models/base.py::BaseModel.forward_inputs`)."""
 IMAGE_INPUTS = ("pixel_values", "image_grid", "rope_positions", "image_index")
 """The inputs of a model that sees images: the pictures' patches and grids, and what the model derives per token."""
-ROLLOUT_KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps")
-"""A GRPO rollout batch: the sampled rows, the sampler's log-probs, the group advantages, the reference's log-probs
-(the last three per token; `posttrain/policy_loss.py` packs the last four as a pipeline target's columns)."""
+ROLLOUT_KEYS = ("input_ids", "labels", "old_logps", "advantages", "ref_token_logps", "sampler_logps")
+"""A GRPO rollout batch: the sampled rows, the old policy's log-probs (the sampler's, or the trainer's recomputed),
+the group advantages, the reference's log-probs, the sampler's when the trainer's replace them (the last four per
+token; `posttrain/policy_loss.py` packs all but input_ids as a pipeline target's columns)."""
 ROW_KEYS = ("pixel_values", "image_grid", "pair_id", "ref_logps")
 """Per-row inputs that are not per token (module doc; a preference batch's per-pair ids and reference sums:
 `data/preference/pair_packing.py`)."""
