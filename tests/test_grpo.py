@@ -516,8 +516,16 @@ def one_short(ctx):
 '''
 
 
+BAD_GENERATORS = {  # case: (grpo.generator, what the one line says)
+    "generator_not_importable": ("no_such_engine:build", "[grpo.generator] cannot import 'no_such_engine:build'"),
+    "generator_raises": ("my_rewards:no_engine",
+                         "[grpo.generator] 'my_rewards:no_engine' raised ImportError: vllm is not installed"),
+    "generator_one_short": ("my_rewards:one_short", "[grpo.generator] 'my_rewards:one_short' returned 7 completions"),
+}
+
+
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
-                                  "generator_not_importable", "generator_raises", "generator_one_short"])
+                                  *BAD_GENERATORS])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -539,15 +547,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     elif case == "pipeline_in_place":
         args += ["--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.generator]"
-    elif case == "generator_not_importable":
-        args += ["--grpo.generator", "no_such_engine:build"]
-        expect = "[grpo.generator] cannot import 'no_such_engine:build'"
-    elif case == "generator_raises":
-        args += ["--grpo.generator", "my_rewards:no_engine"]
-        expect = "[grpo.generator] 'my_rewards:no_engine' raised ImportError: vllm is not installed"
-    elif case == "generator_one_short":
-        args += ["--grpo.generator", "my_rewards:one_short"]
-        expect = "[grpo.generator] 'my_rewards:one_short' returned 7 completions"
+    elif case in BAD_GENERATORS:
+        factory, expect = BAD_GENERATORS[case]
+        args += ["--grpo.generator", factory]
     else:
         args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
         expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"
