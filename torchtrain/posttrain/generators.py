@@ -6,7 +6,6 @@ environment, never from a data file), given a `GeneratorContext`."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -117,19 +116,6 @@ class GeneratorContext:
     heartbeat: Callable[[], None] | None = None
     """Call it (when set: it is, before the first sampling) now and then while sampling: the hang monitor's sign of
     progress."""
-
-
-def external_generator(path: str) -> Callable[[GeneratorContext], Generator]:
-    """The factory `grpo.generator` names ("package.module:function"); one line naming the key when it cannot be
-    imported."""
-    module_name, _, attr = path.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"[grpo.generator] cannot import {path!r}: {e}") from None
-    if not callable(factory):
-        raise ConfigError(f"[grpo.generator] {path!r} is not a function")
-    return factory
 
 
 def build_external(factory: Callable[[GeneratorContext], Generator], path: str, ctx: GeneratorContext) -> Generator:

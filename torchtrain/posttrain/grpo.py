@@ -25,11 +25,10 @@ from torchtrain.posttrain.generators import (
     GeneratorContext,
     TrainerGenerator,
     build_external,
-    external_generator,
 )
 from torchtrain.posttrain.policy_loss import PolicyLoss
 from torchtrain.posttrain.reference import ReferenceModel, live_reference, start_reference
-from torchtrain.posttrain.rewards import Rewards
+from torchtrain.posttrain.rewards import Rewards, import_function
 from torchtrain.posttrain.rollout import RolloutLoader
 from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, build_whole
 from torchtrain.trainer.objective import Objective
@@ -98,7 +97,8 @@ class GrpoObjective(Objective):
             self.context = GeneratorContext(TrainedWeights([], self.pp_group), spec, args, grpo, self.stops,
                                             self.vocab_limit, device, layout.param_dtype,
                                             cfg.lora if cfg.lora.enable else None)
-            self.external = build_external(external_generator(grpo.generator), grpo.generator, self.context)
+            self.external = build_external(import_function(grpo.generator, "grpo.generator"), grpo.generator,
+                                           self.context)
         self.loss = PolicyLoss.for_layout(grpo, layout)
         self.reference: ReferenceModel | None = None
         if grpo.beta > 0:

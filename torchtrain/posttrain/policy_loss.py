@@ -111,7 +111,7 @@ class PolicyLoss(SequenceLossBase):
         ratio = torch.exp(log_ratio)
         advantage = advantage.to(logp.dtype)
         objective = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
-        weight = torch.ones_like(logp)
+        weight = None
         if self.cap:
             weight = torch.exp(old.to(logp.dtype) - sampler.to(logp.dtype)).clamp(max=self.cap).detach()
             objective = objective * weight
@@ -124,8 +124,9 @@ class PolicyLoss(SequenceLossBase):
         with torch.no_grad():
             clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))
             self._stats.append(torch.stack([mask.sum(), (kl * mask).sum() if kl is not None else mask.new_zeros(()),
-                                            (clipped * mask).sum(), (ratio * mask).sum(), (weight * mask).sum(),
-                                            ((weight >= self.cap) * mask).sum() if self.cap else mask.new_zeros(())]))
+                                            (clipped * mask).sum(), (ratio * mask).sum(),
+                                            *(((weight * mask).sum(), ((weight >= self.cap) * mask).sum())
+                                              if weight is not None else (mask.new_zeros(()),) * 2)]))
         share = mask / lengths if self.loss_type == "grpo" else mask
         return (per_token * share).sum() * self.scale
 

@@ -72,14 +72,16 @@ class RewardError(Exception):
         self.function = function
 
 
-def _import(path: str) -> RewardFn:
+def import_function(path: str, key: str) -> Callable:
+    """The function "package.module:function" names, imported from the user's environment (a reward function, a
+    generator factory); one line naming the config `key` when it cannot be imported or is not callable."""
     module_name, _, attr = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"[grpo.reward_funcs] cannot import {path!r}: {e}") from None
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"[{key}] cannot import {path!r}: {e}") from None
     if not callable(fn):
-        raise ConfigError(f"[grpo.reward_funcs] {path!r} is not a function")
+        raise ConfigError(f"[{key}] {path!r} is not a function")
     return fn
 
 
@@ -89,7 +91,7 @@ class Rewards:
     def __init__(self, names: list[str], weights: list[float], format_pattern: str = ""):
         builtin = {"exact": exact, "numeric": numeric}
         self.names = list(names)
-        self.fns = [builtin[n] if n in builtin else _format(format_pattern) if n == "format" else _import(n)
+        self.fns = [builtin[n] if n in builtin else _format(format_pattern) if n == "format" else import_function(n, "grpo.reward_funcs")
                     for n in names]
         self.weights = list(weights) or [1.0] * len(names)
 

@@ -91,7 +91,7 @@ class TrainedWeights:
 
     def __init__(self, model_parts: list[nn.Module], pp_group=None):
         self.parts, self.pp_group = model_parts, pp_group
-        self._order: list[tuple[str, int, tuple[int, ...], str]] | None = None
+        self._order: list[tuple[str, int, tuple[int, ...], torch.dtype]] | None = None
         """Every tensor of the pipeline: (name, the rank that sends it, shape, dtype), in stage order (None before the
         first pass)."""
         self._changing: set[str] = set()
@@ -113,7 +113,7 @@ class TrainedWeights:
         for name, src, shape, dtype in self._order:
             if not first and name not in self._changing:
                 continue
-            held, want = local.get(name), (dtypes or {}).get(name) or getattr(torch, dtype)
+            held, want = local.get(name), (dtypes or {}).get(name) or dtype
             whole = None if held is None else held.full_tensor() if isinstance(held, DTensor) else held
             whole = whole if whole is None or whole.dtype == want else whole.to(want)
             if self.pp_group is not None:
@@ -129,7 +129,7 @@ class TrainedWeights:
 
         trained = sorted(name for part in self.parts
                          for name in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True)))
-        mine = [(name, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for name, v in local.items()]
+        mine = [(name, tuple(v.shape), v.dtype) for name, v in local.items()]
         if self.pp_group is None:
             self._order, self._changing = [(n, 0, shape, dtype) for n, shape, dtype in mine], set(trained)
             return
