@@ -35,6 +35,7 @@ PRECOMPUTED = ("--dpo.reference", "precomputed")
 LORA = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv")
 IPO = ("--dpo.loss_type", "ipo")
 SIMPO = ("--dpo.loss_type", "simpo", "--dpo.beta", "2.0")
+BRADLEY_TERRY = ("--dpo.loss_type", "bradley_terry")  # a reward model
 
 
 def job(root: str, pairs: int = 400) -> list[str]:
@@ -97,8 +98,37 @@ def test_a_tie_counts_half_and_the_metrics_read_the_sums():
     logits, batch, _ = _batch(2, 16, 11)
     batch["ref_logps"] = loss.reference_sums(logits, batch)  # the model is its own reference: every reward 0
     assert loss(logits, batch).item() == pytest.approx(3 * math.log(2), rel=1e-6)
-    metrics = PreferenceLoss.record(loss.pop_stats(torch.device("cpu")))
+    metrics = loss.record(loss.pop_stats(torch.device("cpu")))
     assert metrics["dpo/pairs"] == 3 and metrics["dpo/accuracy"] == 0.5 and metrics["dpo/reward_margin"] == 0
+
+
+def test_a_reward_models_loss_reads_each_answers_score_where_it_ends():
+    """bradley_terry: score(k, s) = the logit of token 0 at the position predicting the answer's first stop token (else
+    its last); loss_k = (1 - eps) softplus(-h) + eps softplus(h), h = score(k, 0) - score(k, 1) -- also through the
+    pipeline's packed target; no log-prob metrics."""
+    from torchtrain.config.dpo import Dpo
+    from torchtrain.posttrain.preference_loss import PreferenceLoss
+
+    stop = 7
+    logits, batch, spans = _batch(2, 16, 11)
+    labels = batch["labels"]
+    labels[labels == stop] = 3
+    labels[0, 9] = labels[0, 10] = stop  # answer (0, 2) spans 8..10: it ends where its first stop is predicted, at 9
+    loss = PreferenceLoss(Dpo(enable=True, loss_type="bradley_terry", label_smoothing=0.1), stops=(stop,))
+    got = loss(logits, batch).item()
+    want = 0.0
+    for r, k in [(0, 0), (0, 1), (1, 0)]:
+        score = []
+        for side in (0, 1):
+            a, b = spans[(r, 2 * k + side)]
+            end = next((t for t in range(a, b) if labels[r, t] == stop), b - 1)
+            score.append(logits[r, end, 0].item())
+        h = score[0] - score[1]
+        want += 0.9 * math.log1p(math.exp(-h)) + 0.1 * math.log1p(math.exp(h))
+    assert got == pytest.approx(want, rel=1e-6)
+    assert loss.from_target(logits, loss.pack_target(batch, None)).item() == pytest.approx(want, rel=1e-6)
+    metrics = loss.record(loss.pop_stats(torch.device("cpu")))
+    assert metrics["dpo/pairs"] == 6 and "dpo/logp_chosen" not in metrics
 
 
 # ------------------------------------------------------------------ layouts (torchrun)
@@ -107,7 +137,9 @@ def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dpo"))
     variants = [(layout, extra) for extra in (PRECOMPUTED, LORA, IPO, SIMPO) for layout in ("single", "fsdp2")]
     return ParitySuite(root, job(root), STEPS, layouts=[("fsdp2", CKPT), "ddp2", "tp2", "cp2", "pp2_1f1b",
-                                                       ("pp2_1f1b", PRECOMPUTED), *variants])
+                                                       ("pp2_1f1b", PRECOMPUTED), *variants,
+                                                       ("single", BRADLEY_TERRY), ("fsdp2", BRADLEY_TERRY),
+                                                       ("tp2", BRADLEY_TERRY), ("pp2_1f1b", BRADLEY_TERRY)])
 
 
 @pytest.mark.dist
@@ -139,6 +171,15 @@ def test_lora_dpo_keeps_no_second_copy_and_matches_one_process(suite):
 def test_ipo_and_simpo_match_one_process(suite, variant):
     run, = suite.check(["fsdp2"], rtol=RTOL, extra=variant)
     assert all(math.isfinite(r["loss"]) for r in run.records)
+
+
+@pytest.mark.dist
+def test_a_reward_model_trains_under_data_tensor_and_pipeline_parallelism_as_in_one_process(suite):
+    """bradley_terry under FSDP 2, TP 2 (vocabulary-sharded logits gathered for the score) and PP 2 (the score read
+    from the packed target on the last stage): losses within 1e-4 of one process; no reference is built."""
+    single = suite.results["single", BRADLEY_TERRY]
+    assert "bradley_terry loss, reference-free" in single.log and "dpo/logp_chosen" not in single.records[0]
+    suite.check(["fsdp2", "tp2", "pp2_1f1b"], rtol=RTOL, extra=BRADLEY_TERRY)
 
 
 # ------------------------------------------------------------------ bad input

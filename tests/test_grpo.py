@@ -65,6 +65,21 @@ def sft(root: str, steps: int = 100) -> str:
     return os.path.join(out, "checkpoint", f"step-{steps}")
 
 
+def reward_model(root: str, steps: int = 120) -> tuple[str, list[dict]]:
+    """A reward model of the toy, trained by the engine on its preference pairs (right digit chosen:
+    dpo.loss_type = "bradley_terry"); returns its checkpoint folder and its step records. Each step's 16 pairs are new
+    to it (one pass over the toy's 2000), so each step's accuracy is measured on pairs it has not trained on."""
+    out = os.path.join(root, "reward_model")
+    proc = run_train([*MODEL, "--model.hf_assets_path", os.path.join(root, "tokenizer"), "--training.dataset",
+                      "preference", "--training.dataset_path", os.path.join(root, "preferences.jsonl"),
+                      "--training.seq_len", "128", "--training.local_batch_size", "16", "--training.steps", str(steps),
+                      "--dpo.enable", "--dpo.loss_type", "bradley_terry", "--optimizer.lr", "3e-3",
+                      "--lr_scheduler.warmup_steps", "5", "--checkpoint.enable", "--checkpoint.interval", str(steps),
+                      "--job.dump_folder", out, "--job.print_config", "false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return os.path.join(out, "checkpoint"), read_metrics(out)
+
+
 def job(root: str, start: str | None) -> list[str]:
     """The GRPO job on the toy's prompts, from the `start` checkpoint (None: from initialisation)."""
     begin = ["--checkpoint.enable", "--checkpoint.initial_load_path", start] if start else []
@@ -385,15 +400,21 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("grpo"))
-    overrides = job(root, sft(root, steps=40)) + ["--training.local_batch_size", "8", "--training.global_batch_size",
+    start = sft(root, steps=40)
+    scorer, records = reward_model(root)
+    rm = ("--grpo.reward_model", scorer, "--grpo.reward_funcs", "")  # the reward model's score alone
+    overrides = job(root, start) + ["--training.local_batch_size", "8", "--training.global_batch_size",
                                                   "16", "--grpo.steps_per_generation", "2", "--grpo.num_iterations",
                                                   "2", "--checkpoint.interval", "1000"]
-    return ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
+    suite = ParitySuite(root, overrides, STEPS, layouts=[("fsdp2", CKPT), "tp2", ("pp2_1f1b", COPY), ("cp2", COPY),
                                                        ("single", KL), ("fsdp2", KL), ("single", LORA_KL),
                                                        ("fsdp2", LORA_KL), ("single", KL_CP), ("cp2", KL_CP),
                                                        ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR),
                                                        ("single", DYN), ("fsdp2", DYN), ("single", OWN),
-                                                       ("fsdp2", OWN), ("single", TIS)])
+                                                       ("fsdp2", OWN), ("single", TIS), ("single", rm),
+                                                       ("fsdp2", rm), ("tp2", rm)])
+    suite.reward_model, suite.reward_model_records = rm, records
+    return suite
 
 
 @pytest.mark.dist
@@ -455,6 +476,42 @@ def test_the_kl_penalty_to_the_reference_matches_one_process(suite, variant, lay
     assert ("LoRA adapters off; no copy: 0 MiB" if variant == LORA_KL else "sharded like the model") in single.log
     assert all(r["grpo/kl"] >= 0 for r in single.records) and single.records[-1]["grpo/kl"] > 0
     suite.check([layout], rtol=RTOL, atol=ATOL, extra=variant)
+
+
+@pytest.mark.dist
+def test_a_reward_model_trained_by_the_engine_scores_rollouts_in_every_data_and_tensor_layout(suite):
+    """The toy's reward model (`reward_model`) learns the preference on pairs it has not seen; read where a sampled
+    completion ends (the position predicting its stop token), it ranks the right digit above the wrong one on
+    held-out prompts rendered as GRPO samples them; as GRPO's only reward, sharded like the policy under FSDP 2 and
+    TP 2, it gives every completion the score one process gives it (equal rewards) and the same losses."""
+    from torchtrain.data.prompts import read_prompts
+    from torchtrain.data.tokenizer import stop_ids
+    from torchtrain.inference.generation import load
+    from torchtrain.posttrain.reward_model import answer_ends, answer_scores
+
+    accuracy = [r["dpo/accuracy"] for r in suite.reward_model_records]
+    assert accuracy[0] < 0.9 and min(accuracy[-5:]) >= 0.95, accuracy  # (logged every 10 steps)
+    path = suite.reward_model[1]
+    scorer = load(path, None, [], torch.device("cpu"), torch.float32)
+    stops, end = torch.tensor(stop_ids(scorer.tokenizer)), scorer.tokenizer.token_id("<|im_end|>")
+    prompts, _ = read_prompts(os.path.join(suite.workdir, "heldout.jsonl"), scorer.tokenizer, 48, 4, False)
+    ranked = 0
+    for prompt in prompts:
+        scores = []
+        for digit in ("0", "1"):  # the completion a stopped sample is: the digit, then the end of the turn
+            row = list(prompt.ids) + scorer.tokenizer.encode(digit, bos=False, eos=False) + [end]
+            labels = torch.tensor([[-100] * (len(prompt.ids) - 1) + row[len(prompt.ids):]])
+            with torch.no_grad():
+                logits = scorer.model(torch.tensor([row[:-1]]))
+            scores.append(answer_scores(logits, answer_ends(labels, (labels >= 0).long() - 1, 1, stops)).item())
+        ranked += scores[int(prompt.answer)] > scores[1 - int(prompt.answer)]
+    assert ranked >= 0.95 * len(prompts), (ranked, len(prompts))
+    single = suite.results["single", suite.reward_model]
+    assert "reward model" in single.log and single.records[0]["grpo/reward"] == single.records[0][
+        "grpo/reward_model_score"]
+    for run in suite.check(["fsdp2", "tp2"], rtol=RTOL, atol=ATOL, extra=suite.reward_model):
+        assert [r["grpo/reward"] for r in run.records] == pytest.approx([r["grpo/reward"] for r in single.records],
+                                                                         rel=1e-6, abs=1e-9), run.layout.name
 
 
 @pytest.mark.dist
@@ -525,7 +582,7 @@ BAD_GENERATORS = {  # case: (grpo.generator, what the one line says)
 
 
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
-                                  *BAD_GENERATORS])
+                                  "reward_model_missing", "reward_model_pipeline", *BAD_GENERATORS])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -547,6 +604,12 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     elif case == "pipeline_in_place":
         args += ["--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.generator]"
+    elif case.startswith("reward_model"):
+        args += ["--grpo.reward_model", os.path.join(root, "no_such_checkpoint")]
+        if case == "reward_model_pipeline":
+            args += [*COPY, "--parallelism.pipeline_parallel_degree", "2"]
+        expect = "[grpo.reward_model] " + ("the reward model scores completions in the data-parallel" if
+                                           case == "reward_model_pipeline" else f"{root}/no_such_checkpoint does not exist")
     elif case in BAD_GENERATORS:
         factory, expect = BAD_GENERATORS[case]
         args += ["--grpo.generator", factory]

@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     ns, overrides = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         from torchtrain.config import parse_args
+        from torchtrain.data.tokenizer import stop_ids
         from torchtrain.inference.generation import find_job_config, load
         from torchtrain.inference.scoring import score
         from torchtrain.posttrain.decoding import Sampling
-        from torchtrain.posttrain.grpo import stop_ids
         from torchtrain.posttrain.rewards import Rewards
 
         if ns.samples < 1 or ns.temperature < 0:

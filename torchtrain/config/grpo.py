@@ -74,6 +74,16 @@ class Grpo:
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward function ([] = all 1)."""
 
+    reward_model: str = ""
+    """A reward model scoring every completion beside the reward functions: the checkpoint (a step-N folder, or a
+    checkpoint folder: its newest complete step) of a run with dpo.loss_type = "bradley_terry", of the policy's
+    family and tokenizer; rebuilt as it recorded itself, sharded like the policy, its score (the logit of token 0
+    where the completion ends: posttrain/reward_model.py) added times reward_model_weight. "" = none
+    (reward_funcs may then be empty)."""
+
+    reward_model_weight: float = 1.0
+    """The weight of the reward model's score in a completion's reward."""
+
     format_pattern: str = ""
     """The regular expression the `format` reward checks (the whole completion must match it)."""
 
@@ -140,8 +150,8 @@ class Grpo:
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"[grpo.reward_weights] {len(self.reward_weights)} weights for "
                               f"{len(self.reward_funcs)} reward functions: give one per function, or none")
-        if not self.reward_funcs:
-            raise ConfigError("[grpo.reward_funcs] name at least one reward function")
+        if not self.reward_funcs and not self.reward_model:
+            raise ConfigError("[grpo.reward_funcs] name at least one reward function (or a grpo.reward_model)")
         for name in self.reward_funcs:
             if name not in BUILTIN_REWARDS and ":" not in name:
                 raise ConfigError(f"[grpo.reward_funcs] {name!r} is neither a built-in reward "
@@ -184,6 +194,11 @@ def check_grpo(job) -> None:
             raise ConfigError(f"[grpo.generator] the model being trained cannot sample one token at a time under "
                               f"parallelism.{key} = {degree}: set grpo.generator = \"copy\" (an unsharded copy "
                               f"samples, its weights synced before each iteration)")
+    for key, degree in (("pipeline_parallel_degree", dims.pipeline_parallel_degree),
+                        ("context_parallel_degree", dims.context_parallel_degree)):
+        if degree > 1 and grpo.reward_model:
+            raise ConfigError(f"[grpo.reward_model] the reward model scores completions in the data-parallel and "
+                              f"tensor-parallel layouts, not yet under parallelism.{key} = {degree}")
     if grpo.dynamic_sampling and job.fault.replica_ft:
         raise ConfigError("[grpo.dynamic_sampling] chooses among every data-parallel rank's groups, which the replica "
                           "groups of fault.replica_ft do not share: turn one of them off")

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import json
 import os
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from torchtrain.config.fields import ConfigError
 
@@ -236,6 +236,16 @@ class TiktokenTokenizer:
     def identity(self) -> dict[str, Any]:
         return {"kind": "tiktoken", "sha256": file_sha256(self.file), "vocab_size": self.vocab_size,
                 "bos_id": self.bos_id, "eos_id": self.eos_id}
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
+"""Chat templates' end-of-turn tokens, which end a completion besides end-of-sequence when the tokenizer has them."""
+
+
+def stop_ids(tokenizer: Tokenizer, extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's end of sequence, its chat template's end of turn, `extra`."""
+    ids = [tokenizer.eos_id, *(tokenizer.token_id(t) for t in END_OF_TURN), *extra]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def build_tokenizer(path: str | None, key: str = "model.hf_assets_path") -> Tokenizer:

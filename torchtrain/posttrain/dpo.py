@@ -3,7 +3,8 @@
 
     reference, checkpoint entry, start-up          when
     ---------------------------------------------  --------------------------------------------------------
-    none                                           loss_type = "simpo" (reference-free)
+    none                                           loss_type = "simpo" (reference-free), "bradley_terry"
+                                                   (a reward model: posttrain/reward_model.py)
     the model itself, adapters off (LoRA)          [lora] enabled, dpo.reference = "model"
     a frozen copy, `reference` weights             dpo.reference = "model"; copied from the model at step 0
     a table of sums, `reference` (pairs, 2)        dpo.reference = "precomputed"; one pass at step 0
@@ -27,8 +28,10 @@ class DpoObjective(Objective):
     """The preference loss and its reference. `live`: the reference the loss runs beside every micro-batch (None
     when precomputed or reference-free); `table`: the precomputed one."""
 
-    def __init__(self, dpo: Dpo, spec, args, layout: Layout, device: torch.device, seed: int):
+    def __init__(self, dpo: Dpo, spec, args, layout: Layout, device: torch.device, seed: int,
+                 stops: tuple[int, ...] = ()):
         self.dpo, self.spec, self.args, self.layout, self.device, self.seed = dpo, spec, args, layout, device, seed
+        self.stops = stops  # the ids that end an answer (a reward model's score is read there)
         self.dataset = None
         self.live: ReferenceModel | None = None
         self.table: ReferenceTable | None = None
@@ -45,7 +48,7 @@ class DpoObjective(Objective):
         else:
             self.live = live_reference(self.spec, self.args, self.layout, self.device, self.seed,
                                        f"dpo: {dpo.loss_type} loss")
-        self.loss = PreferenceLoss.for_layout(dpo, self.layout, self.live)
+        self.loss = PreferenceLoss.for_layout(dpo, self.layout, self.live, self.stops)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The checkpoint entry `reference`: the table, or the frozen copy's weights (nothing for LoRA's adapters-off

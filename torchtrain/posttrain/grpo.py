@@ -18,7 +18,7 @@ import torch
 from torchtrain.config import JobConfig
 from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
-from torchtrain.data.tokenizer import Tokenizer
+from torchtrain.data.tokenizer import Tokenizer, stop_ids
 from torchtrain.distributed.layout import Layout
 from torchtrain.posttrain.generators import (
     CopyGenerator,
@@ -28,20 +28,12 @@ from torchtrain.posttrain.generators import (
 )
 from torchtrain.posttrain.policy_loss import PolicyLoss
 from torchtrain.posttrain.reference import ReferenceModel, live_reference, start_reference
+from torchtrain.posttrain.reward_model import load_reward_model
 from torchtrain.posttrain.rewards import Rewards, import_function
 from torchtrain.posttrain.rollout import RolloutLoader
 from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, build_whole
 from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import is_log_rank, logger
-
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
-"""Chat templates' end-of-turn tokens, which end a completion besides end-of-sequence when the tokenizer has them."""
-
-
-def stop_ids(tokenizer: Tokenizer, extra: list[int]) -> tuple[int, ...]:
-    """The ids that end a completion: the tokenizer's end of sequence, its chat template's end of turn, `extra`."""
-    ids = [tokenizer.eos_id, *(tokenizer.token_id(t) for t in END_OF_TURN), *extra]
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def load_prompts(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], Rewards]:
@@ -84,9 +76,12 @@ class GrpoObjective(Objective):
                               f"grpo.generator = \"copy\"")
         prompts, rewards = load_prompts(cfg, tokenizer)
         stream = PromptStream(prompts, cfg.debug.seed, training.dataset_shuffle)
-        self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
-                                    batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed)
         self.stops, self.vocab_limit, self.layout = stop_ids(tokenizer, grpo.stop_token_ids), tokenizer.vocab_size, layout
+        scorer = load_reward_model(grpo.reward_model, spec, args, layout, device, cfg.debug.seed, self.stops) \
+            if grpo.reward_model else None
+        self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
+                                    batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed,
+                                    scorer)
         self.copy: SamplerCopy | None = None
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
         if grpo.generator == "copy":
@@ -107,7 +102,7 @@ class GrpoObjective(Objective):
                     "steps per iteration (%d per batch of rollouts x %d passes); rewards: %s", len(prompts),
                     grpo.num_generations, self.loader.prompts_per_step * layout.data_degree,
                     grpo.steps_per_generation * grpo.num_iterations, grpo.steps_per_generation,
-                    grpo.num_iterations, ", ".join(grpo.reward_funcs))
+                    grpo.num_iterations, ", ".join(grpo.reward_funcs + (["a reward model"] if scorer else [])))
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The checkpoint entry `reference`: the frozen copy's weights (nothing without one, or for LoRA)."""

@@ -35,9 +35,10 @@ def build_objective(cfg: JobConfig, spec, args, layout: Layout, device: torch.de
 
         return GrpoObjective(cfg, spec, args, layout, device, tokenizer)
     if cfg.dpo.enable:
+        from torchtrain.data.tokenizer import stop_ids
         from torchtrain.posttrain.dpo import DpoObjective
 
-        return DpoObjective(cfg.dpo, spec, args, layout, device, cfg.debug.seed)
+        return DpoObjective(cfg.dpo, spec, args, layout, device, cfg.debug.seed, stop_ids(tokenizer))
     return Objective()
 
 

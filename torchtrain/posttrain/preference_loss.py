@@ -15,6 +15,11 @@ and with the reference's sums ref(k, s) (`ref_logps`: the initial weights; none 
                     loss_k = (h - 1 / (2 beta))^2
     simpo:          h = beta (logp(k, 0) / n(k, 0) - logp(k, 1) / n(k, 1)) - gamma
                     loss_k = (1 - eps) softplus(-h) + eps softplus(h)
+    bradley_terry:  h = score(k, 0) - score(k, 1)          (a reward model: `reward_model.py`, no reference)
+                    loss_k = (1 - eps) softplus(-h) + eps softplus(h)
+
+with score(k, s) the output head's logit of one token where answer (k, s) ends (`reward_model.answer_ends`: the
+position predicting its first stop token, else its last), read from the same logits.
 
 A step's loss is the mean over the P pairs of the global batch: each micro-batch's backward uses
 sum_k loss_k * scale with scale = R / P (R: the ranks holding different pairs, P all-reduced before the step),
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 
 from torchtrain.config.dpo import Dpo
 from torchtrain.distributed.context_parallel import cp_group, sum_over_cp
+from torchtrain.posttrain.reward_model import answer_ends, answer_scores
 from torchtrain.trainer.sequence_loss import SequenceLossBase
 from torchtrain.utils.token_loss import token_logps
 
@@ -74,8 +80,12 @@ class PreferenceLoss(SequenceLossBase):
     units = "pairs"
     """What the step's loss is a mean over (`sequence_loss.SequenceLoss`): the global number of pairs."""
 
-    def __init__(self, dpo: Dpo, cp_group=None, reference=None):
+    def __init__(self, dpo: Dpo, cp_group=None, reference=None, stops: tuple[int, ...] = ()):
         self.loss_type, self.beta, self.eps, self.gamma = dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma
+        self.scored = dpo.loss_type == "bradley_terry"
+        """A reward model's loss: each answer's score instead of its summed log-probs."""
+        self.stops = torch.tensor(stops or (-1,))
+        """The ids that end an answer (where a reward model's score is read)."""
         self.reference = reference
         """The live reference (`reference.py::ReferenceModel`) that scores each micro-batch before its forward; None:
         the batch holds precomputed sums (`ref_logps`), or the loss needs none (SimPO)."""
@@ -86,9 +96,10 @@ class PreferenceLoss(SequenceLossBase):
         super().__init__()
 
     @classmethod
-    def for_layout(cls, dpo: Dpo, layout, reference=None) -> "PreferenceLoss":
-        """The loss of `dpo` over the layout's context-parallel group (when there is one), with its live `reference`."""
-        return cls(dpo, cp_group(layout.dims), reference)
+    def for_layout(cls, dpo: Dpo, layout, reference=None, stops: tuple[int, ...] = ()) -> "PreferenceLoss":
+        """The loss of `dpo` over the layout's context-parallel group (when there is one), with its live `reference`
+        (and the `stops` that end an answer: a reward model's)."""
+        return cls(dpo, cp_group(layout.dims), reference, stops)
 
     @staticmethod
     def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -96,9 +107,18 @@ class PreferenceLoss(SequenceLossBase):
         return pair_count(batch)
 
     def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed log-probs, token counts) of every answer of the batch, (rows, slots, 2); under context parallelism
-        the ranks' partial sums added up (an all-reduce whose backward sums the gradients back)."""
-        sums, counts = answer_sums(token_logps(logits, batch["labels"]), batch["pair_slot"], batch["pair_id"].shape[1])
+        """(summed log-probs, token counts) of every answer of the batch, (rows, slots, 2) -- a reward model's: (scores,
+        token counts); under context parallelism the ranks' partial sums added up (an all-reduce whose backward
+        sums the gradients back)."""
+        return self._values(logits, batch["labels"], batch["pair_slot"], batch["pair_id"].shape[1])
+
+    def _values(self, logits: torch.Tensor, labels: torch.Tensor, slot: torch.Tensor,
+                slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scored:  # (refused under context parallelism: an answer's end may lie on another rank)
+            ends = answer_ends(labels, slot, 2 * slots, self.stops.to(labels.device))
+            counts = answer_sums(torch.ones_like(labels, dtype=torch.float32), slot, slots)[1]
+            return answer_scores(logits, ends).view(-1, slots, 2), counts
+        sums, counts = answer_sums(token_logps(logits, labels), slot, slots)
         return self._across_cp(sums), self._across_cp(counts.detach())
 
     def _across_cp(self, value: torch.Tensor) -> torch.Tensor:
@@ -106,7 +126,10 @@ class PreferenceLoss(SequenceLossBase):
         return sum_over_cp(value, self.cp_group)
 
     def rewards(self, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-        """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n."""
+        """The implicit reward of each answer (rows, slots, 2): beta (logp - ref), or SimPO's beta logp / n (a
+        reward model's: its score)."""
+        if self.scored:
+            return sums
         if self.loss_type == "simpo":
             return self.beta * sums / counts.clamp(min=1)
         return self.beta * (sums - ref)
@@ -130,8 +153,7 @@ class PreferenceLoss(SequenceLossBase):
         pair slots up to (seq + 1) // 2 per row (every answer holds at least one position), empty ones masked."""
         labels, slot = target[..., 0].long(), target[..., 1].long()
         slots = (slot.shape[1] + 1) // 2
-        sums, counts = answer_sums(token_logps(logits, labels), slot, slots)
-        sums, counts = self._across_cp(sums), self._across_cp(counts.detach())
+        sums, counts = self._values(logits, labels, slot, slots)
         ref = self._across_cp(answer_sums(target[..., 2].to(sums.dtype), slot, slots)[0]) if self.uses_reference else None
         return self._loss(sums, counts, ref, (counts[..., 0] > 0).to(sums.dtype))
 
@@ -187,13 +209,15 @@ class PreferenceLoss(SequenceLossBase):
         """The reference's summed log-probs of every answer, (rows, slots, 2) float64, from its logits."""
         return self.sums(logits, batch)[0].double()
 
-    @staticmethod
-    def record(stats: torch.Tensor) -> dict[str, float]:
-        """The step's metrics from its globally reduced `STATS`."""
+    def record(self, stats: torch.Tensor) -> dict[str, float]:
+        """The step's metrics from its globally reduced `STATS` (a reward model's rewards are its scores: no
+        log-probs)."""
         s = dict(zip(STATS, stats.tolist()))
         pairs = max(s["pairs"], 1.0)
-        return {"dpo/accuracy": s["correct"] / pairs, "dpo/reward_chosen": s["reward_chosen"] / pairs,
+        out = {"dpo/accuracy": s["correct"] / pairs, "dpo/reward_chosen": s["reward_chosen"] / pairs,
                 "dpo/reward_rejected": s["reward_rejected"] / pairs,
                 "dpo/reward_margin": (s["reward_chosen"] - s["reward_rejected"]) / pairs,
-                "dpo/logp_chosen": s["logp_chosen"] / pairs, "dpo/logp_rejected": s["logp_rejected"] / pairs,
                 "dpo/pairs": s["pairs"]}
+        if not self.scored:
+            out.update({"dpo/logp_chosen": s["logp_chosen"] / pairs, "dpo/logp_rejected": s["logp_rejected"] / pairs})
+        return out

@@ -11,8 +11,9 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
    `posttrain/generators.py`), row (k, g) drawing its random numbers from its own generator seeded by (debug.seed,
    k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
-3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`), plus DAPO's
-   overlong penalty on its token count when grpo.overlong_buffer_len is set;
+3. rewards: each completion decoded (without its stop token) and scored (`posttrain/rewards.py`), plus a reward
+   model's score of its tokens (grpo.reward_model: `posttrain/reward_model.py`), plus DAPO's overlong penalty on
+   its token count when grpo.overlong_buffer_len is set;
    advantages A = (R - mean over the group) / (std over the group + 1e-4) (without the division when
    grpo.scale_rewards is false);
 4. rows: the prompt and the completion in one row of training.seq_len, labels on the completion's tokens only,
@@ -49,12 +50,13 @@ from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
 
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds",
-                 "sync_seconds", "sync_bytes")
+                 "sync_seconds", "sync_bytes", "model_score")
 
 
 class Group(NamedTuple):
     """One prompt's sampled group: its global index (the data order), its tokens, and per completion the tokens,
-    the sampler's log-probs, whether it stopped, and its reward."""
+    the sampler's log-probs, whether it stopped, its reward, and the reward model's part of it (its score, when the job
+    has one)."""
 
     index: int
     prompt: list[int]
@@ -62,6 +64,7 @@ class Group(NamedTuple):
     logps: list[list[float]]
     stopped: list[bool]
     rewards: list[float]
+    scores: tuple[float, ...] = ()
 
 
 class RewardStop(ConfigError):
@@ -98,13 +101,15 @@ class RolloutLoader:
     """This rank's micro-batches of rollouts (module docstring); `attach` gives it the train step to sample with."""
 
     def __init__(self, stream: PromptStream, grpo: Grpo, rewards: Rewards, tokenizer, seq_len: int,
-                 local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int):
+                 local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int,
+                 reward_model=None):
         rows = local_batch_size * grad_accum
         if rows % grpo.num_generations:
             raise ConfigError(f"[grpo.num_generations] each rank's step holds local_batch_size x gradient accumulation "
                               f"= {rows} rows, not a multiple of the {grpo.num_generations} completions of a prompt: "
                               f"choose num_generations dividing {rows}, or a larger batch")
         self.stream, self.grpo, self.rewards, self.tokenizer = stream, grpo, rewards, tokenizer
+        self.reward_model = reward_model  # (`reward_model.py::RewardModel`, or None)
         self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
         self.rank, self.degree, self.seed = data_rank, data_degree, seed
         self.prompts_per_step = rows // grpo.num_generations  # per rank
@@ -173,10 +178,12 @@ class RolloutLoader:
         self.position = 0
         self.iterations += 1
         lengths = torch.tensor([len(t) for t in tokens], dtype=torch.float64)
+        model_score = sum(s for group in mine for s in group.scores)
         first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
         self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
                                     lengths.sum().item(), float(stopped), float(errors), first * rounds,
-                                    first * dropped, seconds, sync_seconds, float(sync_bytes)], dtype=torch.float64)
+                                    first * dropped, seconds, sync_seconds, float(sync_bytes), model_score],
+                                   dtype=torch.float64)
 
     def _everyones(self, groups: list[Group]) -> list[Group]:
         """The groups of every data-parallel rank (one all-gather of their completions over the data-parallel mesh):
@@ -223,10 +230,15 @@ class RolloutLoader:
         if grpo.on_reward_error == "stop":
             stop_together(fatal)
         lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
-        shaped = (torch.tensor(rewards, dtype=torch.float64) + overlong_penalty(
+        scores = torch.zeros(len(rows), dtype=torch.float64)
+        if self.reward_model is not None:  # every rank the same number of forwards (as many rows)
+            scores = self.reward_model.scores(self.step, self._rows(rows, out.tokens, out.logps, scores),
+                                              self.local_batch_size)
+        shaped = (torch.tensor(rewards, dtype=torch.float64) + grpo.reward_model_weight * scores + overlong_penalty(
             lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)).tolist()
+        mine = scores.tolist() if self.reward_model is not None else []
         groups = [Group(k, list(p.ids), out.tokens[i * g:(i + 1) * g], out.logps[i * g:(i + 1) * g],
-                        list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g])
+                        list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g], tuple(mine[i * g:(i + 1) * g]))
                   for i, (p, k) in enumerate(zip(prompts, indices))]
         return groups, seconds, errors
 
@@ -303,6 +315,7 @@ class RolloutLoader:
                 "grpo/generation_tokens_per_s": s["length"] / max(mine["seconds"], 1e-9),
                 **({"grpo/weight_sync_seconds": mine["sync_seconds"], "grpo/weight_sync_bytes": mine["sync_bytes"]}
                    if self.grpo.generator != "trainer" else {}),
+                **({"grpo/reward_model_score": s["model_score"] / n} if self.grpo.reward_model else {}),
                 **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
                    if self.grpo.dynamic_sampling else {})}
 

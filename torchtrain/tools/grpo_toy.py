@@ -11,6 +11,9 @@ writes into FOLDER
 * `prompts.jsonl`: `{"prompt": "what is 864 mod 2?", "answer": "0"}`, for GRPO with the `exact` reward, which
   sharpens the rule (the number's last digit) from the model's own samples;
 * `heldout.jsonl`: prompts of numbers in neither file, to measure the exact-match rate of a checkpoint;
+* `preferences.jsonl`: `{"prompt": "what is 864 mod 2?", "chosen": "0", "rejected": "1"}`, pairs of the trained
+  numbers, to train a reward model (dpo.loss_type = "bradley_terry") that scores GRPO's completions in place of
+  the `exact` reward (grpo.reward_model);
 * `tokenizer/`: the byte-level tokenizer with a Qwen-style chat template of `tools/preference_toy.py`.
 
 The recipe (train_configs/grpo_debug.toml, docs/post_training.md): the SFT job, then the GRPO job from its
@@ -39,7 +42,7 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
     numbers = list(range(100, 1000))
     rng.shuffle(numbers)
     held_out, trained = numbers[:100], numbers[100:]
-    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("sft", "prompts", "heldout")}
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("sft", "prompts", "heldout", "preferences")}
     with open(paths["sft"], "w") as f:
         for _ in range(prompts):
             n = rng.choice(trained)
@@ -50,13 +53,18 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
         with open(paths[name], "w") as f:
             for i in range(count):
                 f.write(json.dumps(question(rng.choice(pool) if name == "prompts" else pool[i])) + "\n")
+    with open(paths["preferences"], "w") as f:
+        for _ in range(prompts):
+            n = rng.choice(trained)
+            f.write(json.dumps({"prompt": question(n)["prompt"], "chosen": str(n % 2), "rejected": str(1 - n % 2)})
+                    + "\n")
     write_tokenizer(os.path.join(folder, "tokenizer"))
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = toy_parser("grpo_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl", "prompts",
-                    "conversations and prompts each")
+    ap = toy_parser("grpo_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl, preferences.jsonl", "prompts",
+                    "conversations, prompts and pairs each")
     ap.add_argument("--sft-accuracy", type=float, default=0.75, help="share of right answers in sft.jsonl")
     ns = ap.parse_args(argv)
     paths = write(ns.folder, ns.prompts, ns.seed, ns.sft_accuracy)
