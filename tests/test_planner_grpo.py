@@ -223,3 +223,39 @@ def test_a_hybrid_models_linear_layers_cache_a_fixed_state(data):
     rows = c.rows_per_rank
     assert c.kv_cache_bytes == pytest.approx((slot * (lp + 16) + state * (a.n_layers - len(attention)))
                                                         * rows)
+
+
+# ------------------------------------------------------------------------------ the reward model
+def test_a_reward_model_is_held_in_every_moment_and_scores_once_per_iteration(data, tmp_path):
+    """grpo.reward_model: the arguments its checkpoint recorded (here a model twice as wide as the policy), its fp32
+    weights sharded as the policy's (one rank: whole) in every moment and in the traced peak, and one forward per
+    local batch of rollout rows per iteration, in the iteration's time; an unreadable checkpoint is planned with the
+    policy's arguments and a note."""
+    import dataclasses
+
+    from torchtrain.components.checkpoint.folder import write_marker
+    from torchtrain.models.registry import model_record
+    from torchtrain.planner import reward_model
+
+    job, p, plain = _plan(data, 1, [], gpu="h100", trace=True)
+    wide = dataclasses.replace(p.args, dim=2 * p.args.dim)
+    step = tmp_path / "checkpoint" / "step-5"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    write_marker(str(step), {"model": model_record("llama3", "debugmodel", wide)})
+    job, q, plan = _plan(data, 1, ["--grpo.reward_model", str(tmp_path / "checkpoint")], gpu="h100", trace=True)
+    c, rank = plan.grpo, plan.ranks[0]
+    rows = {x.name: x.bytes for x in rank.analytic.rows}
+    ratio = reward_model.view(q).model.num_params / q.model.num_params
+    assert reward_model.view(q).args.dim == 2 * p.args.dim and ratio > 2
+    assert rows[reward_model.ROW] == pytest.approx(rows["parameters (fp32 master)"] * ratio, rel=1e-12)
+    assert c.reward_model_bytes_per_rank == rows[reward_model.ROW]
+    assert rank.traced_peak == pytest.approx(plain.ranks[0].traced_peak + rows[reward_model.ROW], rel=1e-9)
+    assert c.reward_model_forwards == 3 * 4 // 4  # R / local batch
+    assert c.reward_model_flops == 3 * 4 * 160 * wide.flops_per_token(160) / 3
+    assert c.reward_model_s > 0 and math.isclose(c.iteration_s, c.generation_s + c.reward_model_s + c.steps_s)
+    assert "reward model" in c.shares and not reward_model.note(q)
+    _, r, missing = _plan(data, 1, ["--grpo.reward_model", str(tmp_path / "nowhere")], gpu="h100")
+    assert reward_model.view(r).args == r.args and "could not be read here" in " ".join(missing.notes)
+    assert missing.grpo.reward_model_bytes_per_rank == pytest.approx(
+        {x.name: x.bytes for x in missing.ranks[0].analytic.rows}["parameters (fp32 master)"], rel=1e-12)

@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from torchtrain.planner import grpo, preference
+from torchtrain.planner import grpo, preference, reward_model
 from torchtrain.planner.activations import stage_activation_bytes
 from torchtrain.planner.compiled import compiles_loss, loss_backward_bytes
 from torchtrain.planner.inputs import PlanInputs
@@ -269,10 +269,10 @@ def estimate_memory(p: PlanInputs, pp_rank: int = 0) -> MemoryEstimate:
     if scoring:
         phases.append((preference.PASS, list(rows_state) + [Row(*r) for r in scoring] + [
             Row(f"gathered params: {how}", gathered, "d x unsharded unit params")]))
-    # a frozen reference copy ([dpo], [grpo] beta > 0: preference.py) and GRPO's sampling copy (grpo.py) live
-    # through every moment of the step
+    # a frozen reference copy ([dpo], [grpo] beta > 0: preference.py), GRPO's sampling copy (grpo.py) and its reward
+    # model (reward_model.py) live through every moment of the step
     ref_rows, ref_host = preference.copy_rows(p, sharded, full_numel)
-    held = ref_rows + grpo.copy_rows(p)
+    held = ref_rows + grpo.copy_rows(p) + reward_model.rows(p, sharded, full_numel)
     phases = [(name, rows + [Row(*r) for r in held]) for name, rows in phases]
     totals = [(name, rows, sum(row.bytes for row in rows)) for name, rows in phases]
     phase, rows, peak = max(totals, key=lambda x: x[2])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtrain.components.hardware import CPU, KNOWN_GPUS, GPUSpec, with_overrides
 from torchtrain.config import ConfigError, JobConfig, parse_args
-from torchtrain.planner import grpo, grpo_report, offload, preference, preference_report, sdc, vision
+from torchtrain.planner import grpo, grpo_report, offload, preference, preference_report, reward_model, sdc, vision
 from torchtrain.planner.analytic import MemoryEstimate, estimate_memory
 from torchtrain.planner.from_job import display_overrides, inputs_from_config
 from torchtrain.planner.host_time import HostTime, host_seconds
@@ -176,6 +176,7 @@ def make_plan(job: Job, inputs: PlanInputs, trace: bool = True, peak_tflops: flo
                 _add_images(p, rank, prof, flight)
                 preference.raise_traced_peak(p, rank)
                 grpo.hold_copy(p, rank)
+                reward_model.hold(p, rank)
     if trace and job.cfg.compile.enable:
         p.notes.append("traced in eager mode, with the compiled cross-entropy's memory (planner/compiled.py); "
                        "compiled blocks may keep fewer intermediates, so the traced peak is an upper bound")

@@ -1,20 +1,21 @@
 """A `[grpo]` plan's GRPO section: what one iteration costs, gathered from the plan (`grpo.py` has the model),
 for the table (`describe`) and `--json` (`GrpoCost`).
 
-    iteration = weight sync (generator = copy) + generation + reference pass (beta > 0) + S mu x the step time
+    iteration = weight sync (generator = copy) + generation + reference pass (beta > 0) + reward model pass
+                (grpo.reward_model) + S mu x the step time
     per-step equivalent = iteration / (S mu)
-    MFU over the iteration = (generation + reference + S mu x step FLOPs) / (iteration x world x peak)
+    MFU over the iteration = (generation + reference + reward model + S mu x step FLOPs) / (iteration x world x peak)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtrain.planner import grpo
+from torchtrain.planner import grpo, reward_model
 from torchtrain.planner.inputs import PlanInputs
 from torchtrain.planner.preference_report import _seconds, _si
 
-STATE = ("parameters", "optimizer state", "reference copy", "sampling copy")
+STATE = ("parameters", "optimizer state", "reference copy", "sampling copy", "reward model")
 """The analytic rows that outlive the step, hence sit beside the sampling (`analytic.py`)."""
 
 
@@ -59,6 +60,11 @@ class GrpoCost:
     reference_forwards: int = 0
     reference_flops: float = 0.0
     reference_s: float | None = None
+    reward_model_bytes_per_rank: float = 0.0
+    reward_model_forwards: int = 0
+    reward_model_flops: float = 0.0
+    reward_model_s: float | None = None
+    """Per iteration, grpo.reward_model: its forwards per rank, FLOPs (all ranks), seconds (`reward_model.py`)."""
     generator: str = "trainer"
     sync_first_bytes: float = 0.0
     sync_bytes: float = 0.0
@@ -100,6 +106,11 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
                     None if usable is None else peak <= usable, gen.prefill_s, gen.decode_s, gen.decode_memory_s,
                     gen.decode_comm_s, gen.seconds, optimizer_steps=g.steps, step_s=step.step_s)
     cost.reference_bytes_per_rank = sum(r[1] for r in state if r[0].startswith("reference copy"))
+    scorer = reward_model.scoring_pass(p, p.gpu)
+    if scorer is not None:
+        cost.reward_model_bytes_per_rank = sum(r[1] for r in state if r[0] == reward_model.ROW)
+        cost.reward_model_forwards, cost.reward_model_flops, cost.reward_model_s = (scorer.forwards, scorer.flops,
+                                                                                    scorer.seconds)
     sync = grpo.weight_sync(p, p.gpu)
     cost.generator = g.generator
     if sync is not None:
@@ -107,12 +118,13 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     if ref is not None:
         cost.reference_forwards, cost.reference_flops, cost.reference_s = ref.forwards, ref.flops, ref.seconds
     step_flops = step.tokens_per_step * step.flops_per_token
-    cost.iteration_flops = gen.prefill_flops + gen.decode_flops + cost.reference_flops + g.steps * step_flops
+    cost.iteration_flops = (gen.prefill_flops + gen.decode_flops + cost.reference_flops + cost.reward_model_flops
+                            + g.steps * step_flops)
     if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None) and \
-            (sync is None or sync.seconds is not None):
+            (sync is None or sync.seconds is not None) and (scorer is None or scorer.seconds is not None):
         cost.steps_s = g.steps * step.step_s
         parts = {**({"weight sync": sync.seconds} if sync is not None else {}), "generation": gen.seconds, "reference": ref.seconds if ref is not None else 0.0,
-                 "optimizer steps": cost.steps_s}
+                 **({"reward model": scorer.seconds} if scorer is not None else {}), "optimizer steps": cost.steps_s}
         cost.iteration_s = sum(parts.values())
         cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
         cost.per_step_s = cost.iteration_s / g.steps
@@ -129,6 +141,7 @@ def notes(p: PlanInputs) -> list[str]:
     out = ["GRPO: the step table is one optimizer step; the traced step runs the job's cross-entropy loss in place of "
            "the policy loss (both hold the logits and a float32 log-softmax over the vocabulary); sampling and the "
            "reference pass are in the GRPO section, per iteration"]
+    out += reward_model.note(p)
     if p.grpo.generator == "external":
         out.append("GRPO: an external generator samples: its memory is its own (not in the table) and its sampling is "
                    "timed as an unsharded copy's on this GPU")
@@ -172,6 +185,10 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
         rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "
                      f"{_si(cost.reference_flops, 'FLOP')}, {s(cost.reference_s)}; its weights "
                      f"{b(cost.reference_bytes_per_rank)} per rank in every moment"))
+    if cost.reward_model_forwards:
+        rows.append(("reward model pass per iteration", f"{cost.reward_model_forwards} forwards per rank, "
+                     f"{_si(cost.reward_model_flops, 'FLOP')}, {s(cost.reward_model_s)}; its weights "
+                     f"{b(cost.reward_model_bytes_per_rank)} per rank in every moment"))
     rows.append(("optimizer steps per iteration", f"{cost.optimizer_steps} x {s(cost.step_s)} = {s(cost.steps_s)}"))
     if cost.iteration_s is not None:
         share = ", ".join(f"{k} {v:.1%}" for k, v in cost.shares.items() if v or k != "reference")

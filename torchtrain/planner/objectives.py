@@ -53,6 +53,8 @@ class Rollouts:
     generator: str = "trainer"
     """`grpo.generator`: "trainer" (the model samples in its layout), "copy" (an unsharded copy on every rank) or
     "external" (a factory of the user's: `posttrain/generators.py`)."""
+    reward_model: str = ""
+    """`grpo.reward_model`: the checkpoint of a reward model scoring the rollouts ("" = none)."""
 
     @property
     def steps(self) -> int:
@@ -67,4 +69,4 @@ def read_rollouts(job, lora) -> Rollouts | None:
         return None
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
-                    g.generator if g.generator in ("trainer", "copy") else "external")
+                    g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model)
