@@ -29,10 +29,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import ParitySuite, assert_no_traceback, read_metrics, run_train
+from conftest import PLUGINS, ParitySuite, assert_no_traceback, read_metrics, run_train
 
 RTOL, ATOL, STEPS = 1e-4, 1e-6, 4
 MODEL = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2",
@@ -47,6 +49,8 @@ DR = ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "false")  # Dr. GRP
 DYN = ("--grpo.dynamic_sampling", "--grpo.max_sampling_rounds", "3", "--grpo.overlong_buffer_len", "2")  # DAPO's
 OWN = ("--grpo.generator", "own_generator:build")  # a generator of the tests' own (tests/plugins/own_generator.py)
 TIS = (*OWN, *OLD, "--grpo.importance_sampling_cap", "2")  # the sampler-mismatch weight, through the whole run
+ENV = ("--grpo.environment", "toy_environments:again", "--grpo.max_turns", "2", "--grpo.reward_funcs", "",
+       "--training.seq_len", "80")  # two turns of the model, the environment's between (tests/plugins/toy_environments.py)
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -412,7 +416,8 @@ def suite(tmp_path_factory):
                                                        ("single", SEQ), ("cp2", SEQ), ("single", DR), ("fsdp2", DR),
                                                        ("single", DYN), ("fsdp2", DYN), ("single", OWN),
                                                        ("fsdp2", OWN), ("single", TIS), ("single", rm),
-                                                       ("fsdp2", rm), ("tp2", rm)])
+                                                       ("fsdp2", rm), ("tp2", rm), ("single", ENV), ("fsdp2", ENV),
+                                                       ("tp2", ENV)])
     suite.reward_model, suite.reward_model_records = rm, records
     return suite
 
@@ -515,6 +520,97 @@ def test_a_reward_model_trained_by_the_engine_scores_rollouts_in_every_data_and_
 
 
 @pytest.mark.dist
+def test_multi_turn_episodes_match_one_process_in_every_data_and_tensor_layout(suite):
+    """With an environment every episode is two turns of the model around the environment's; FSDP 2 and TP 2 (whose
+    ranks sample each turn together) give every episode the reward one process gives it, and the same losses."""
+    single = suite.results["single", ENV]
+    assert "environment toy_environments:again" in single.log
+    # the model's tokens of both turns: twice a one-turn completion's (a digit and the end of the turn)
+    assert [r["grpo/completion_length"] for r in single.records] == [
+        2 * r["grpo/completion_length"] for r in suite.baseline.records]
+    for run in suite.check(["fsdp2", "tp2"], rtol=RTOL, atol=ATOL, extra=ENV):
+        assert [r["grpo/reward"] for r in run.records] == [r["grpo/reward"] for r in single.records], run.layout.name
+
+
+def test_an_episode_alternates_the_models_turns_with_the_environments(monkeypatch):
+    """`run_episodes`: the model's turns (sampled, with their log-probs) and the environment's (context: log-prob 0),
+    the reward of the last step, the end at done, at max_turns or where another turn would not fit seq_len; a raising
+    environment ends its episode with the error kept; the rollout rows label the model's tokens only."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(PLUGINS)
+    from toy_environments import AGAIN, again, broken
+
+    from torchtrain.posttrain.decoding import Completions
+    from torchtrain.posttrain.environments import Environments, run_episodes
+    from torchtrain.posttrain.rollout import RolloutLoader
+
+    encode = lambda text: [ord(c) % 50 for c in text]  # noqa: E731
+    turns = iter([[[7, 9], [1, 9]], [[5, 9], [8, 9]]])  # row 0 answers 7 then 5, row 1 answers 1 then 8
+
+    def generate(contexts):
+        tokens = next(turns)
+        return Completions(tokens, [[-0.5, -0.25]] * len(tokens), [True] * len(tokens))
+    decode = lambda ids: "".join(str(i) for i in ids)  # noqa: E731
+    ep = run_episodes(Environments(again, "toy_environments:again"), generate, [[3, 3], [4]], [("q", "5"), ("q", "8")],
+                      encode, decode, seq_len=100, max_new=2, max_turns=2)
+    obs = encode(AGAIN)
+    assert ep.tokens == [[7, 9, *obs, 5, 9], [1, 9, *obs, 8, 9]] and ep.last == [[5, 9], [8, 9]]
+    assert ep.sampled[0] == [True, True] + [False] * len(obs) + [True, True]
+    assert ep.logps[0] == [-0.5, -0.25] + [0.0] * len(obs) + [-0.5, -0.25]
+    assert ep.rewards == [1.0, 1.0] and ep.stopped == [True, True] and not ep.errors
+    turns = iter([[[7, 9], [1, 9]]])  # no room for a second turn: the episode ends after the first
+    short = run_episodes(Environments(again, "toy_environments:again"), generate, [[3, 3], [4]], [("q", "5")] * 2,
+                         encode, decode, seq_len=len(obs) + 4, max_new=2, max_turns=2)
+    assert short.tokens == [[7, 9], [1, 9]] and short.rewards == [0.0, 0.0]
+    failed = run_episodes(Environments(broken, "toy_environments:broken"), generate, [[3]], [("q", "5")], encode,
+                          decode, seq_len=100, max_new=2, max_turns=2)
+    assert failed.tokens == [[]] and "the sandbox is down" in str(failed.errors[0][1])
+    rows = RolloutLoader._rows(SimpleNamespace(seq_len=80), [[3, 3]], ep.tokens[:1], ep.logps[:1], torch.ones(1),
+                               ep.sampled[:1])
+    labelled = rows["labels"][0][rows["labels"][0] >= 0].tolist()
+    assert labelled == [7, 9, 5, 9] and rows["advantages"][0].count_nonzero() == 4
+
+
+@pytest.mark.slow
+def test_tool_use_rises_under_rl_with_a_calculator_environment(tmp_path):
+    """The tool toy (`tools/tool_toy.py`): after fine-tuning on conversations that call the calculator half the time,
+    sampled episodes on held-out questions succeed about half the time; 20 GRPO steps with the calculator as the
+    environment (its reward the only one) raise that by at least 0.15 (0.54 -> 0.81 measured)."""
+    from torchtrain.tools.tool_toy import write
+
+    root = str(tmp_path)
+    write(root, prompts=2000, seed=1)
+    tok = ["--model.hf_assets_path", os.path.join(root, "tokenizer"), "--job.print_config", "false"]
+    sft, rl = os.path.join(root, "sft"), os.path.join(root, "rl")
+    proc = run_train([*MODEL, *tok, "--training.dataset", "chat", "--training.dataset_path",
+                      os.path.join(root, "sft.jsonl"), "--training.seq_len", "128", "--training.local_batch_size", "16",
+                      "--training.steps", "300", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "10",
+                      "--checkpoint.enable", "--checkpoint.interval", "300", "--job.dump_folder", sft])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_train([*MODEL, *tok, "--training.dataset", "prompts", "--training.dataset_path",
+                      os.path.join(root, "prompts.jsonl"), "--training.seq_len", "80", "--training.local_batch_size",
+                      "64", "--training.steps", "20", "--grpo.enable", "--grpo.num_generations", "4",
+                      "--grpo.max_completion_length", "6", "--grpo.max_turns", "2", "--grpo.reward_funcs", "",
+                      "--grpo.environment", "torchtrain.tools.tool_toy:calculator", "--optimizer.lr", "1.5e-3",
+                      "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.interval", "20",
+                      "--checkpoint.initial_load_path", os.path.join(sft, "checkpoint"), "--job.dump_folder", rl])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def success(folder: str) -> float:
+        out = subprocess.run([sys.executable, "-m", "torchtrain.score", "--checkpoint", folder, "--prompts",
+                              os.path.join(root, "heldout.jsonl"), "--environment",
+                              "torchtrain.tools.tool_toy:calculator", "--reward-funcs", "--max-new-tokens", "6",
+                              "--max-turns", "2", "--temperature", "1", "--samples", "4", "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)["mean_reward"]
+    before, after = success(sft), success(rl)
+    print(f"tool toy: held-out success {before:.3f} after SFT, {after:.3f} after 20 GRPO steps")
+    assert after >= before + 0.15, (before, after)
+
+
+@pytest.mark.dist
 def test_trainer_old_log_probs_make_the_first_ratio_exactly_one(suite):
     for records in (suite.results["cp2", KL_CP].records, suite.results["single", KL_CP].records):
         assert records[0]["grpo/ratio"] == 1.0 and records[0]["grpo/clip_fraction"] == 0.0
@@ -582,7 +678,8 @@ BAD_GENERATORS = {  # case: (grpo.generator, what the one line says)
 
 
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
-                                  "reward_model_missing", "reward_model_pipeline", *BAD_GENERATORS])
+                                  "reward_model_missing", "reward_model_pipeline", "environment_raises",
+                                  *BAD_GENERATORS])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -604,6 +701,10 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     elif case == "pipeline_in_place":
         args += ["--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.generator]"
+    elif case == "environment_raises":
+        args += ["--grpo.environment", "toy_environments:broken"]
+        expect = ("[grpo.environment] environment 'toy_environments:broken': reset raised RuntimeError: the sandbox is "
+                  "down")
     elif case.startswith("reward_model"):
         args += ["--grpo.reward_model", os.path.join(root, "no_such_checkpoint")]
         if case == "reward_model_pipeline":
@@ -616,7 +717,7 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
     else:
         args += ["--grpo.reward_funcs", "my_rewards:" + ("raises" if case == "raises" else "text")]
         expect = "'my_rewards:raises' raised ValueError" if case == "raises" else "returned 'yes', not a finite number"
-    proc = run_train(args, env={"PYTHONPATH": root})
+    proc = run_train(args, env={"PYTHONPATH": os.pathsep.join([root, PLUGINS])})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expect in proc.stderr, proc.stderr[-3000:]
     assert_no_traceback(proc.stderr)

@@ -84,6 +84,16 @@ class Grpo:
     reward_model_weight: float = 1.0
     """The weight of the reward model's score in a completion's reward."""
 
+    environment: str = ""
+    """Multi-turn rollouts: "package.module:function", a factory (imported from your environment, never from a data
+    file) called once per completion, returning an object with reset(prompt, answer) -> str and step(text) ->
+    (observation, reward, done); the model and it take turns until done (posttrain/environments.py). The
+    observation's tokens are context, never trained on; the completion's reward adds the rewards step returned
+    (reward_funcs, which may then be empty, score the model's last turn). "" = one turn, no environment."""
+
+    max_turns: Annotated[int, Ge(1)] = 4
+    """The most turns of the model in an episode with an environment (each up to max_completion_length tokens)."""
+
     format_pattern: str = ""
     """The regular expression the `format` reward checks (the whole completion must match it)."""
 
@@ -150,8 +160,12 @@ class Grpo:
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"[grpo.reward_weights] {len(self.reward_weights)} weights for "
                               f"{len(self.reward_funcs)} reward functions: give one per function, or none")
-        if not self.reward_funcs and not self.reward_model:
-            raise ConfigError("[grpo.reward_funcs] name at least one reward function (or a grpo.reward_model)")
+        if not self.reward_funcs and not self.reward_model and not self.environment:
+            raise ConfigError("[grpo.reward_funcs] name at least one reward function (or a grpo.reward_model or "
+                              "grpo.environment)")
+        if self.environment and ":" not in self.environment:
+            raise ConfigError(f"[grpo.environment] {self.environment!r} is not a factory's import path "
+                              f"\"package.module:function\"")
         for name in self.reward_funcs:
             if name not in BUILTIN_REWARDS and ":" not in name:
                 raise ConfigError(f"[grpo.reward_funcs] {name!r} is neither a built-in reward "

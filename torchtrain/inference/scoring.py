@@ -2,6 +2,7 @@
 
     python -m torchtrain.score --checkpoint outputs/grpo/checkpoint --prompts heldout.jsonl \\
         [--samples 1] [--temperature 0] [--reward-funcs exact ...] [--max-new-tokens N] [--seed 0] [--json]
+        [--environment package.module:function] [--max-turns N]
 
 The prompts file is GRPO's (`data/prompts.py`: "prompt" or "messages", and "answer"), rendered with the job's
 chat template; the model, tokenizer and defaults come from the job (`inference/generation.py::load`): the reward
@@ -9,7 +10,9 @@ functions, completion length and stop tokens of its [grpo] section when it has o
 completions (greedy at temperature 0, one per prompt), sampled in batches with the key/value cache
 (`posttrain/decoding.py`); the score is the mean reward over all of them, and its share of exact
 (reward 1) completions. What a GRPO run reports as `grpo/reward` is the same quantity on its training prompts at
-its sampling temperature.
+its sampling temperature. With an environment (`--environment`, default the job's grpo.environment) each completion
+is an episode of up to `--max-turns` turns (`posttrain/environments.py`), its reward the environment's plus the
+reward functions' of the model's last turn.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from torchtrain.data.prompts import read_prompts
 from torchtrain.posttrain.decoding import Sampling, sample
+from torchtrain.posttrain.environments import Environments, run_episodes
 from torchtrain.posttrain.rewards import RewardError, Rewards
 
 
@@ -35,7 +39,8 @@ class Score:
 
 @torch.no_grad()
 def score(job, prompts_path: str, rewards: Rewards, max_new_tokens: int, sampling: Sampling, samples: int = 1,
-          seed: int = 0, stop_ids: tuple[int, ...] = (), batch: int = 64) -> Score:
+          seed: int = 0, stop_ids: tuple[int, ...] = (), batch: int = 64, environments: Environments | None = None,
+          max_turns: int = 1) -> Score:
     """Mean reward of `samples` completions of every prompt at `prompts_path` by the loaded `job`'s model."""
     tok = job.tokenizer
     max_len = job.args.max_seq_len or 1 << 30
@@ -45,11 +50,22 @@ def score(job, prompts_path: str, rewards: Rewards, max_new_tokens: int, samplin
     total, errors = 0.0, 0
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
-        out = sample(job.model, [list(p.ids) for p in chunk], max_new_tokens, sampling, generator, stop_ids,
-                     tok.vocab_size)
-        for p, tokens, stopped in zip(chunk, out.tokens, out.stopped):
+
+        def generate(contexts: list[list[int]]):
+            return sample(job.model, contexts, max_new_tokens, sampling, generator, stop_ids, tok.vocab_size)
+        if environments is None:
+            out = generate([list(p.ids) for p in chunk])
+            last, stopped, extra, failed = out.tokens, out.stopped, [0.0] * len(chunk), {}
+        else:
+            ep = run_episodes(environments, generate, [list(p.ids) for p in chunk], [(p.text, p.answer) for p in chunk],
+                              lambda text: tok.encode(text, bos=False, eos=False), tok.decode, max_len,
+                              max_new_tokens, max_turns)
+            last, stopped, extra, failed = ep.last, ep.stopped, ep.rewards, dict(ep.errors)
+        for i, (p, tokens, stop) in enumerate(zip(chunk, last, stopped)):
             try:
-                total += rewards.score(tok.decode(tokens[:-1] if stopped else tokens), p.answer, p.text)
+                if i in failed:
+                    raise failed[i]
+                total += extra[i] + rewards.score(tok.decode(tokens[:-1] if stop else tokens), p.answer, p.text)
             except RewardError:
                 errors += 1
     return Score(total / len(rows), len(rows), len(prompts), skipped, errors)

@@ -20,6 +20,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, read_prompts
 from torchtrain.data.tokenizer import Tokenizer, stop_ids
 from torchtrain.distributed.layout import Layout
+from torchtrain.posttrain.environments import Environments
 from torchtrain.posttrain.generators import (
     CopyGenerator,
     GeneratorContext,
@@ -52,7 +53,15 @@ def load_prompts(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], Re
                     "(grpo.skip_long_prompts); %d left", dropped, len(prompts))
     rewards = Rewards(grpo.reward_funcs, grpo.reward_weights, grpo.format_pattern)
     rewards.check(prompts[0].answer, prompts[0].text, prompts[0].where)
+    if grpo.environment:
+        load_environments(grpo).check(prompts[0].text, prompts[0].answer, prompts[0].where)
     return prompts, rewards
+
+
+def load_environments(grpo) -> Environments | None:
+    """The job's environment factory (grpo.environment), None without one."""
+    return Environments(import_function(grpo.environment, "grpo.environment"), grpo.environment) \
+        if grpo.environment else None
 
 
 def sampler_copy(spec, args, cfg: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -74,6 +83,10 @@ class GrpoObjective(Objective):
             raise ConfigError(f"[grpo.generator] {cfg.model.name} (a model without a key/value cache) samples whole "
                               f"sequences at a time, which tensor parallelism's sequence shards do not allow: set "
                               f"grpo.generator = \"copy\"")
+        if grpo.environment and grpo.generator in ("trainer", "copy") and not spec.takes_cache(args):
+            raise ConfigError(f"[grpo.environment] {cfg.model.name} (a model without a key/value cache) samples prompts "
+                              f"of one length at a time, and an episode's turns make them differ: use a family with a "
+                              f"cache")
         prompts, rewards = load_prompts(cfg, tokenizer)
         stream = PromptStream(prompts, cfg.debug.seed, training.dataset_shuffle)
         self.stops, self.vocab_limit, self.layout = stop_ids(tokenizer, grpo.stop_token_ids), tokenizer.vocab_size, layout
@@ -81,7 +94,7 @@ class GrpoObjective(Objective):
             if grpo.reward_model else None
         self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
                                     batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed,
-                                    scorer)
+                                    scorer, load_environments(grpo))
         self.copy: SamplerCopy | None = None
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
         if grpo.generator == "copy":
@@ -102,7 +115,8 @@ class GrpoObjective(Objective):
                     "steps per iteration (%d per batch of rollouts x %d passes); rewards: %s", len(prompts),
                     grpo.num_generations, self.loader.prompts_per_step * layout.data_degree,
                     grpo.steps_per_generation * grpo.num_iterations, grpo.steps_per_generation,
-                    grpo.num_iterations, ", ".join(grpo.reward_funcs + (["a reward model"] if scorer else [])))
+                    grpo.num_iterations, ", ".join(grpo.reward_funcs + (["a reward model"] if scorer else [])
+                                                 + ([f"environment {grpo.environment}"] if grpo.environment else [])))
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The checkpoint entry `reference`: the frozen copy's weights (nothing without one, or for LoRA)."""

@@ -43,6 +43,7 @@ from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.models.base import forward_counting
 from torchtrain.posttrain.decoding import Sampling
+from torchtrain.posttrain.environments import run_episodes
 from torchtrain.posttrain.generators import Generator, check_completions
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
@@ -65,6 +66,8 @@ class Group(NamedTuple):
     stopped: list[bool]
     rewards: list[float]
     scores: tuple[float, ...] = ()
+    sampled: tuple[tuple[bool, ...], ...] = ()
+    """With an environment, which of each completion's tokens the model sampled (the rest are context)."""
 
 
 class RewardStop(ConfigError):
@@ -102,7 +105,7 @@ class RolloutLoader:
 
     def __init__(self, stream: PromptStream, grpo: Grpo, rewards: Rewards, tokenizer, seq_len: int,
                  local_batch_size: int, grad_accum: int, data_rank: int, data_degree: int, seed: int,
-                 reward_model=None):
+                 reward_model=None, environments=None):
         rows = local_batch_size * grad_accum
         if rows % grpo.num_generations:
             raise ConfigError(f"[grpo.num_generations] each rank's step holds local_batch_size x gradient accumulation "
@@ -110,6 +113,7 @@ class RolloutLoader:
                               f"choose num_generations dividing {rows}, or a larger batch")
         self.stream, self.grpo, self.rewards, self.tokenizer = stream, grpo, rewards, tokenizer
         self.reward_model = reward_model  # (`reward_model.py::RewardModel`, or None)
+        self.environments = environments  # (`environments.py::Environments`, or None: one turn per completion)
         self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
         self.rank, self.degree, self.seed = data_rank, data_degree, seed
         self.prompts_per_step = rows // grpo.num_generations  # per rank
@@ -165,10 +169,11 @@ class RolloutLoader:
         rows = [list(group.prompt) for group in mine for _ in range(g)]
         tokens = [t for group in mine for t in group.tokens]
         logps = [lp for group in mine for lp in group.logps]
+        sampled = [list(m) for group in mine for m in group.sampled] if self.environments is not None else None
         stopped = sum(sum(group.stopped) for group in mine)
         reward = torch.tensor([r for group in mine for r in group.rewards], dtype=torch.float64)
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
-        self.rows = self._rows(rows, tokens, logps, advantage)
+        self.rows = self._rows(rows, tokens, logps, advantage, sampled)
         if grpo.old_logps == "trainer":
             if grpo.importance_sampling_cap:  # the sampler's, kept for the mismatch weight (`policy_loss.py`)
                 self.rows["sampler_logps"] = self.rows["old_logps"]
@@ -177,7 +182,8 @@ class RolloutLoader:
             self.rows["ref_token_logps"] = self._reference_logps()
         self.position = 0
         self.iterations += 1
-        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.float64)
+        lengths = torch.tensor([sum(m) for m in sampled] if sampled is not None else [len(t) for t in tokens],
+                               dtype=torch.float64)
         model_score = sum(s for group in mine for s in group.scores)
         first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
         self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
@@ -205,17 +211,18 @@ class RolloutLoader:
         rows = [list(p.ids) for p in prompts for _ in range(g)]
         generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
         start = time.perf_counter()
-        out = self.generator(rows, Sampling(grpo.temperature, grpo.top_k, grpo.top_p), generators)
-        check_completions(out, len(rows), grpo.generator)
+        tokens, logps, stopped, last, sampled, env_rewards, failed = self._sample(rows, prompts, generators)
         seconds = time.perf_counter() - start
         rewards, errors, fatal = [], 0, None
-        for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped)):
+        for i, (turn, stop) in enumerate(zip(last, stopped)):
             prompt = prompts[i // g]
-            text = self.tokenizer.decode(tokens[:-1] if stopped else tokens)
+            text = self.tokenizer.decode(turn[:-1] if stop else turn)
             if self.heartbeat is not None:  # (a reward function may be slow: running code, say)
                 self.heartbeat()
             try:
-                rewards.append(self.rewards.score(text, prompt.answer, prompt.text))
+                if i in failed:
+                    raise failed[i]
+                rewards.append(env_rewards[i] + self.rewards.score(text, prompt.answer, prompt.text))
             except RewardError as e:
                 if grpo.on_reward_error == "stop":
                     fatal = fatal or f"[grpo.on_reward_error] {e} on a completion of {prompt.where}"
@@ -229,34 +236,61 @@ class RolloutLoader:
                                    "(grpo.on_reward_error)", e, prompt.where)
         if grpo.on_reward_error == "stop":
             stop_together(fatal)
-        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
+        lengths = torch.tensor([sum(mask) for mask in sampled], dtype=torch.float64)
         scores = torch.zeros(len(rows), dtype=torch.float64)
-        if self.reward_model is not None:  # every rank the same number of forwards (as many rows)
-            scores = self.reward_model.scores(self.step, self._rows(rows, out.tokens, out.logps, scores),
+        if self.reward_model is not None:  # every rank the same number of forwards (as many rows); the last turn read
+            final = [[False] * (len(t) - len(turn)) + [True] * len(turn) for t, turn in zip(tokens, last)]
+            scores = self.reward_model.scores(self.step, self._rows(rows, tokens, logps, scores, final),
                                               self.local_batch_size)
         shaped = (torch.tensor(rewards, dtype=torch.float64) + grpo.reward_model_weight * scores + overlong_penalty(
             lengths, grpo.max_completion_length, grpo.overlong_buffer_len, grpo.overlong_penalty_factor)).tolist()
         mine = scores.tolist() if self.reward_model is not None else []
-        groups = [Group(k, list(p.ids), out.tokens[i * g:(i + 1) * g], out.logps[i * g:(i + 1) * g],
-                        list(out.stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g], tuple(mine[i * g:(i + 1) * g]))
+        groups = [Group(k, list(p.ids), tokens[i * g:(i + 1) * g], logps[i * g:(i + 1) * g],
+                        list(stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g], tuple(mine[i * g:(i + 1) * g]),
+                        tuple(tuple(m) for m in sampled[i * g:(i + 1) * g]) if self.environments is not None else ())
                   for i, (p, k) in enumerate(zip(prompts, indices))]
         return groups, seconds, errors
 
+    def _sample(self, rows: list[list[int]], prompts, generators: list[torch.Generator]):
+        """Each row's completion -- one turn of the generator, or an episode with the job's environment
+        (`environments.py`) -- as (tokens, sampler log-probs, stopped, the last turn's tokens, which tokens the model
+        sampled, the environment's rewards, {row: the environment's failure})."""
+        grpo, g = self.grpo, self.grpo.num_generations
+        sampling = Sampling(grpo.temperature, grpo.top_k, grpo.top_p)
+
+        def generate(contexts: list[list[int]]):
+            out = self.generator(contexts, sampling, generators)
+            check_completions(out, len(contexts), grpo.generator)
+            return out
+        if self.environments is None:
+            out = generate(rows)
+            return (out.tokens, out.logps, out.stopped, out.tokens, [[True] * len(t) for t in out.tokens],
+                    [0.0] * len(rows), {})
+        ep = run_episodes(self.environments, generate, rows, [(p.text, p.answer) for p in prompts for _ in range(g)],
+                          lambda text: self.tokenizer.encode(text, bos=False, eos=False), self.tokenizer.decode,
+                          self.seq_len, grpo.max_completion_length, grpo.max_turns, self.heartbeat)
+        return ep.tokens, ep.logps, ep.stopped, ep.last, ep.sampled, ep.rewards, dict(ep.errors)
+
     def _rows(self, prompts: list[list[int]], completions: list[list[int]], logps: list[list[float]],
-              advantage: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The rollout rows (module docstring, 4): (rows, seq_len) each."""
+              advantage: torch.Tensor, sampled: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:
+        """The rollout rows (module docstring, 4): (rows, seq_len) each; with `sampled`, only the tokens the model
+        sampled are labelled (an environment's are context)."""
         n, seq = len(prompts), self.seq_len
         ids = torch.zeros(n, seq, dtype=torch.long)
         labels = torch.full((n, seq), IGNORE_INDEX, dtype=torch.long)
         old = torch.zeros(n, seq, dtype=torch.float32)
         adv = torch.zeros(n, seq, dtype=torch.float32)
         for i, (prompt, tokens, lp) in enumerate(zip(prompts, completions, logps)):
+            if not tokens:
+                continue
             row = prompt + tokens
             length, first = len(row) - 1, len(prompt) - 1  # inputs, and the position predicting the first token
             ids[i, :length] = torch.tensor(row[:-1])
-            labels[i, first:length] = torch.tensor(tokens)
-            old[i, first:length] = torch.tensor(lp, dtype=torch.float32)
-            adv[i, first:length] = float(advantage[i])
+            mine = torch.tensor(sampled[i], dtype=torch.bool) if sampled is not None else torch.ones(len(tokens),
+                                                                                                      dtype=torch.bool)
+            labels[i, first:length] = torch.where(mine, torch.tensor(tokens), IGNORE_INDEX)
+            old[i, first:length] = torch.tensor(lp, dtype=torch.float32) * mine
+            adv[i, first:length] = float(advantage[i]) * mine
         return {"input_ids": ids, "labels": labels, "old_logps": old, "advantages": adv}
 
     def _score(self, scoring, logits) -> torch.Tensor:
