@@ -231,7 +231,7 @@ class ParitySuite:
         run in this suite: it resumes from there and runs to the suite's last step. Returns the run."""
         from torchtrain.tools.parity import layout_dump_folder, parse_layout, run_layout
 
-        layout, resume_dir = parse_layout(spec), os.path.join(self.workdir, "resume")
+        layout, resume_dir = parse_layout(spec), os.path.join(self.variant_folder(extra), "resume")
         saved = os.path.join("checkpoint", f"step-{step}")
         shutil.copytree(os.path.join(layout_dump_folder(layout, self.variant_folder(extra)), saved),
                         os.path.join(layout_dump_folder(layout, resume_dir), saved))

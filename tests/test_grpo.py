@@ -51,6 +51,9 @@ OWN = ("--grpo.generator", "own_generator:build")  # a generator of the tests' o
 TIS = (*OWN, *OLD, "--grpo.importance_sampling_cap", "2")  # the sampler-mismatch weight, through the whole run
 ENV = ("--grpo.environment", "toy_environments:again", "--grpo.max_turns", "2", "--grpo.reward_funcs", "",
        "--training.seq_len", "80")  # two turns of the model, the environment's between (tests/plugins/toy_environments.py)
+ONE_STEP = ("--grpo.steps_per_generation", "1", "--grpo.num_iterations", "1")  # an iteration a step
+SYNC = (*COPY, *OLD, "--grpo.importance_sampling_cap", "2", *ONE_STEP, "--checkpoint.interval", "2")
+AHEAD = (*SYNC, "--grpo.max_staleness", "1")  # the next iteration sampled in the background (posttrain/ahead.py)
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -417,7 +420,8 @@ def suite(tmp_path_factory):
                                                        ("single", DYN), ("fsdp2", DYN), ("single", OWN),
                                                        ("fsdp2", OWN), ("single", TIS), ("single", rm),
                                                        ("fsdp2", rm), ("tp2", rm), ("single", ENV), ("fsdp2", ENV),
-                                                       ("tp2", ENV)])
+                                                       ("tp2", ENV), ("single", SYNC), ("single", AHEAD),
+                                                       ("fsdp2", AHEAD)])
     suite.reward_model, suite.reward_model_records = rm, records
     return suite
 
@@ -608,6 +612,20 @@ def test_tool_use_rises_under_rl_with_a_calculator_environment(tmp_path):
     before, after = success(sft), success(rl)
     print(f"tool toy: held-out success {before:.3f} after SFT, {after:.3f} after 20 GRPO steps")
     assert after >= before + 0.15, (before, after)
+
+
+@pytest.mark.dist
+def test_rollouts_sampled_a_version_ahead_lag_by_one_match_one_process_and_resume_bitwise(suite):
+    """grpo.max_staleness = 1: iteration 0 trains on rows of the initial weights, as the synchronous run does (the same
+    first loss), every later one on rows the sampling copy drew in the background during the iteration before (lag 1,
+    logged), corrected by decoupled PPO; the trainer's idle share is logged; FSDP 2 (its collectives on the main
+    thread beside the background sampling) matches one process, and a run resumed from a checkpoint -- which holds the
+    background's rows -- continues bitwise."""
+    sync, ahead = suite.results["single", SYNC].records, suite.results["single", AHEAD].records
+    assert [r["grpo/staleness"] for r in ahead] == [0, 1, 1, 1] and all(r["grpo/staleness"] == 0 for r in sync)
+    assert ahead[0]["loss"] == sync[0]["loss"] and ahead[1]["loss"] != sync[1]["loss"]
+    assert all(0 <= r["grpo/idle_fraction"] < 1 for r in ahead[1:])
+    suite.check_resumes_bitwise("fsdp2", 2, AHEAD, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.dist

@@ -94,6 +94,13 @@ class Grpo:
     max_turns: Annotated[int, Ge(1)] = 4
     """The most turns of the model in an episode with an environment (each up to max_completion_length tokens)."""
 
+    max_staleness: Annotated[int, Ge(0)] = 0
+    """How many policy versions the rollouts may lag: 0 samples each iteration's rollouts with the current weights
+    (synchronous); 1 samples the next iteration's in the background while the trainer trains on this one's
+    (posttrain/ahead.py), so they come from the policy one iteration earlier -- corrected by decoupled PPO, which
+    needs old_logps = "trainer" (the proximal policy) and importance_sampling_cap (the behaviour weight), and the
+    sampling copy (generator = "copy")."""
+
     format_pattern: str = ""
     """The regular expression the `format` reward checks (the whole completion must match it)."""
 
@@ -184,8 +191,27 @@ class Grpo:
             raise ConfigError(f"[grpo.importance_sampling_cap] {self.importance_sampling_cap:g} weights each token by "
                               f"min(exp(trainer - sampler log-prob), cap): it needs grpo.old_logps = \"trainer\" "
                               f"(now {self.old_logps!r}) and a cap of at least 1 (e.g. 2), or 0 for off")
+        if self.max_staleness:
+            self._check_staleness()
         if self.epsilon >= 1:
             raise ConfigError(f"[grpo.epsilon] {self.epsilon} must be below 1 (the ratio's lower bound 1 - epsilon)")
+
+    def _check_staleness(self) -> None:
+        if self.max_staleness > 1:
+            raise ConfigError(f"[grpo.max_staleness] {self.max_staleness}: rollouts lag by at most 1 policy version (the "
+                              f"sampling copy holds one version; more would need a copy per version)")
+        if self.old_logps != "trainer" or not self.importance_sampling_cap:
+            raise ConfigError("[grpo.max_staleness] 1 trains on rollouts of the policy one iteration earlier, which needs "
+                              "a correction: set grpo.old_logps = \"trainer\" (the proximal policy of decoupled PPO) and "
+                              "grpo.importance_sampling_cap (the behaviour weight's cap, e.g. 2)")
+        if self.generator != "copy":
+            raise ConfigError(f"[grpo.max_staleness] 1 samples in the background with the sampling copy: set "
+                              f"grpo.generator = \"copy\" (not {self.generator!r})")
+        for key, on in (("dynamic_sampling", self.dynamic_sampling), ("reward_model", self.reward_model),
+                        ("environment", self.environment)):
+            if on:
+                raise ConfigError(f"[grpo.{key}] runs collectives while it samples, which the background sampling of "
+                                  f"grpo.max_staleness = 1 cannot: turn one of them off")
 
     @property
     def clip_high(self) -> float:

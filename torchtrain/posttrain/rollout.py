@@ -29,7 +29,6 @@ would have, and the next iteration's samples are those of an uninterrupted run (
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 from typing import Any, Callable, Iterator, NamedTuple
@@ -41,17 +40,18 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.config.grpo import Grpo
 from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
-from torchtrain.models.base import forward_counting
+from torchtrain.posttrain.ahead import Ahead
 from torchtrain.posttrain.decoding import Sampling
 from torchtrain.posttrain.environments import run_episodes
 from torchtrain.posttrain.generators import Generator, check_completions
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
+from torchtrain.posttrain.rollout_scoring import score_rows, trainer_scoring
 from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
 from torchtrain.utils.logging import logger
-from torchtrain.utils.token_loss import IGNORE_INDEX, token_logps
+from torchtrain.utils.token_loss import IGNORE_INDEX
 
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds",
-                 "sync_seconds", "sync_bytes", "model_score")
+                 "sync_seconds", "sync_bytes", "model_score", "waited", "lag", "idle")
 
 
 class Group(NamedTuple):
@@ -114,6 +114,8 @@ class RolloutLoader:
         self.stream, self.grpo, self.rewards, self.tokenizer = stream, grpo, rewards, tokenizer
         self.reward_model = reward_model  # (`reward_model.py::RewardModel`, or None)
         self.environments = environments  # (`environments.py::Environments`, or None: one turn per completion)
+        self.ahead = Ahead() if grpo.max_staleness else None  # (`ahead.py`: the next iteration sampled meanwhile)
+        self._last: tuple[float, float] | None = None  # (start, seconds waited) of the previous iteration
         self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
         self.rank, self.degree, self.seed = data_rank, data_degree, seed
         self.prompts_per_step = rows // grpo.num_generations  # per rank
@@ -147,9 +149,26 @@ class RolloutLoader:
                 for s in range(self.grpo.steps_per_generation) for j in range(self.prompts_per_step)]
 
     def _iteration(self) -> None:
-        g, grpo = self.grpo.num_generations, self.grpo
+        grpo = self.grpo
+        start = time.perf_counter()
+        if self.ahead is None:
+            (sync_seconds, sync_bytes), lag = self.generator.sync_weights(), 0
+            mine, rounds, seconds, errors, dropped = self._collect()
+        else:
+            (mine, seconds, errors, fatal), (sync_seconds, sync_bytes), lag = self.ahead.take(self)
+            rounds, dropped = 1, 0
+            if grpo.on_reward_error == "stop":
+                stop_together(fatal)
+        waited = time.perf_counter() - start  # the trainer idle: sampling, or waiting for the background's rows
+        idle = self._last[1] / (start - self._last[0]) if self._last is not None else -1.0
+        self._last = (start, waited)
+        self._build(mine, rounds, seconds, errors, dropped, sync_seconds, sync_bytes, [waited, float(lag), idle])
+
+    def _collect(self) -> tuple[list[Group], int, float, int, int]:
+        """The iteration's groups of this rank, sampled now (one round, or DAPO's rounds): (groups, rounds, sampling
+        seconds, reward errors, groups dropped)."""
+        grpo = self.grpo
         kept, agreeing, rounds, seconds, errors = [], [], 0, 0.0, 0
-        sync_seconds, sync_bytes = self.generator.sync_weights()
         need = self.prompts_per_step * grpo.steps_per_generation * self.degree  # the iteration's groups, all ranks
         while True:  # one round without grpo.dynamic_sampling
             groups, spent, failed = self._sample_round()
@@ -166,6 +185,12 @@ class RolloutLoader:
                         for s in range(grpo.steps_per_generation) for j in range(self.prompts_per_step)]
                 dropped = len(kept) + len(agreeing) - need
                 break
+        return mine, rounds, seconds, errors, dropped
+
+    def _build(self, mine: list[Group], rounds: int, seconds: float, errors: int, dropped: int, sync_seconds: float,
+               sync_bytes: int, timing: list[float]) -> None:
+        """The iteration's rows from its groups (module docstring, 3-4), and its statistics."""
+        g, grpo = self.grpo.num_generations, self.grpo
         rows = [list(group.prompt) for group in mine for _ in range(g)]
         tokens = [t for group in mine for t in group.tokens]
         logps = [lp for group in mine for lp in group.logps]
@@ -188,7 +213,7 @@ class RolloutLoader:
         first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
         self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
                                     lengths.sum().item(), float(stopped), float(errors), first * rounds,
-                                    first * dropped, seconds, sync_seconds, float(sync_bytes), model_score],
+                                    first * dropped, seconds, sync_seconds, float(sync_bytes), model_score, *timing],
                                    dtype=torch.float64)
 
     def _everyones(self, groups: list[Group]) -> list[Group]:
@@ -203,10 +228,23 @@ class RolloutLoader:
 
     def _sample_round(self) -> tuple[list[Group], float, int]:
         """Sample and score the next prompts of this rank (`global_prompts`): their groups, the sampling seconds and
-        the reward errors."""
-        g, grpo = self.grpo.num_generations, self.grpo
+        the reward errors (a reward failure that stops the run stops every rank here)."""
+        groups, seconds, errors, fatal = self.sample_prompts(self.next_prompts())
+        if self.grpo.on_reward_error == "stop":
+            stop_together(fatal)
+        return groups, seconds, errors
+
+    def next_prompts(self) -> list[int]:
+        """This rank's prompts of the next round (`global_prompts`), counted as consumed."""
         indices = self.global_prompts()
-        self.consumed += self.prompts_per_step * self.degree * grpo.steps_per_generation
+        self.consumed += self.prompts_per_step * self.degree * self.grpo.steps_per_generation
+        return indices
+
+    def sample_prompts(self, indices: list[int]) -> tuple[list[Group], float, int, str | None]:
+        """Sample and score the prompts `indices`: their groups, the sampling seconds, the reward errors and the first
+        failure that stops the run (grpo.on_reward_error = "stop"; None). No collective of its own with the sampling
+        copy, so it may run in the background (`ahead.py`)."""
+        g, grpo = self.grpo.num_generations, self.grpo
         prompts = [self.stream.at(k) for k in indices]
         rows = [list(p.ids) for p in prompts for _ in range(g)]
         generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
@@ -234,8 +272,6 @@ class RolloutLoader:
                     self._warned.add(e.function)
                     logger.warning("grpo: %s on a completion of %s: scored 0 and counted in grpo/reward_errors "
                                    "(grpo.on_reward_error)", e, prompt.where)
-        if grpo.on_reward_error == "stop":
-            stop_together(fatal)
         lengths = torch.tensor([sum(mask) for mask in sampled], dtype=torch.float64)
         scores = torch.zeros(len(rows), dtype=torch.float64)
         if self.reward_model is not None:  # every rank the same number of forwards (as many rows); the last turn read
@@ -249,7 +285,7 @@ class RolloutLoader:
                         list(stopped[i * g:(i + 1) * g]), shaped[i * g:(i + 1) * g], tuple(mine[i * g:(i + 1) * g]),
                         tuple(tuple(m) for m in sampled[i * g:(i + 1) * g]) if self.environments is not None else ())
                   for i, (p, k) in enumerate(zip(prompts, indices))]
-        return groups, seconds, errors
+        return groups, seconds, errors, fatal
 
     def _sample(self, rows: list[list[int]], prompts, generators: list[torch.Generator]):
         """Each row's completion -- one turn of the generator, or an episode with the job's environment
@@ -293,44 +329,15 @@ class RolloutLoader:
             adv[i, first:length] = float(advantage[i]) * mine
         return {"input_ids": ids, "labels": labels, "old_logps": old, "advantages": adv}
 
-    def _score(self, scoring, logits) -> torch.Tensor:
-        """Per-token log-probs of every row's labels at the sampling temperature, (rows, seq_len) float32 on the CPU:
-        `logits(step, micro_batch)` inside the `scoring` context over the rows, one step's micro-batch at a time as
-        the train step cuts them (context-parallel chunks put back in place and summed over the CP ranks; zeros on
-        a pipeline rank before the last stage, whose loss never reads them)."""
-        step, rows, b = self.step, self.rows, self.local_batch_size
-        out = torch.zeros(rows["labels"].shape)
-        dims = step.layout.dims
-        with scoring:
-            for start in range(0, out.shape[0], b):
-                batch = {k: v.to(step.device) for k, v in step.shard({k: v[start:start + b] for k, v in rows.items()
-                                                                       if k in ("input_ids", "labels")}).items()}
-                result = logits(step, batch)
-                if result is None:
-                    continue
-                logps = token_logps(result if self.grpo.temperature == 1 else result.float() / self.grpo.temperature,
-                                    batch["labels"]).float()
-                if dims.cp_enabled:
-                    logps = torch.zeros(out[start:start + b].shape, device=logps.device).scatter_(
-                        1, batch["seq_index"], logps)
-                out[start:start + b] = logps.cpu()
-        if dims.cp_enabled:
-            out = all_reduce(out.to(step.device), dims.cp_mesh).cpu()
-        return out
-
     def _reference_logps(self) -> torch.Tensor:
         """The reference's log-probs of every row's labels at the sampling temperature, (rows, seq_len)."""
-        return self._score(self.reference.scoring(self.step), self.reference.logits)
+        return score_rows(self.step, self.rows, self.local_batch_size, self.grpo.temperature,
+                          self.reference.scoring(self.step), self.reference.logits)
 
     def _trainer_logps(self) -> torch.Tensor:
         """The model's own log-probs of every row's labels by the train step's forward (grpo.old_logps = "trainer")."""
-        step = self.step
-
-        @contextlib.contextmanager
-        def scoring():
-            with torch.no_grad(), forward_counting(False), step.context():
-                yield
-        return self._score(scoring(), lambda step, batch: step.forward(batch))
+        return score_rows(self.step, self.rows, self.local_batch_size, self.grpo.temperature,
+                          trainer_scoring(self.step), lambda step, batch: step.forward(batch))
 
     # ------------------------------------------------------------------------------------ the log
     def record(self) -> dict[str, float]:
@@ -350,6 +357,8 @@ class RolloutLoader:
                 **({"grpo/weight_sync_seconds": mine["sync_seconds"], "grpo/weight_sync_bytes": mine["sync_bytes"]}
                    if self.grpo.generator != "trainer" else {}),
                 **({"grpo/reward_model_score": s["model_score"] / n} if self.grpo.reward_model else {}),
+                "grpo/rollout_wait_seconds": mine["waited"], "grpo/staleness": mine["lag"],
+                **({"grpo/idle_fraction": mine["idle"]} if mine["idle"] >= 0 else {}),
                 **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
                    if self.grpo.dynamic_sampling else {})}
 
@@ -357,8 +366,9 @@ class RolloutLoader:
     def state_dict(self) -> dict[str, Any]:
         rows = None if self.rows is None else {k: tensor_to_json(v) for k, v in self.rows.items()}
         stats = None if self._stats is None else self._stats.tolist()  # the iteration's metrics, logged after a resume
+        ahead = self.ahead.state() if self.ahead is not None else None  # (waits for the background's rows)
         return {"prompts": self.consumed, "position": self.position, "iterations": self.iterations, "rows": rows,
-                "stats": stats, "data_degree": self.degree, "fingerprint": self.stream.fingerprint()}
+                "stats": stats, "data_degree": self.degree, "fingerprint": self.stream.fingerprint(), "ahead": ahead}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "prompts" not in state:
@@ -369,9 +379,13 @@ class RolloutLoader:
         stats = state.get("stats")  # (a checkpoint from before a statistic was added: that iteration's are not logged)
         self._stats = None if stats is None or len(stats) != len(ROLLOUT_STATS) else torch.tensor(stats,
                                                                                                    dtype=torch.float64)
+        if self.ahead is not None:
+            self.ahead.load(state.get("ahead"), Group)
         if state.get("data_degree", self.degree) != self.degree and self.rows is not None:
             logger.warning("grpo: the checkpoint's rollouts were dealt over %d data-parallel ranks, this run has %d: "
                            "the rest of that iteration is skipped and sampling starts again at its next prompts",
                            state["data_degree"], self.degree)
             self.rows, self.position, self._stats = None, 0, None
+            if self.ahead is not None:
+                self.ahead.load(None, Group)
 
