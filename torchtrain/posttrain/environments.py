@@ -16,9 +16,9 @@ not fit training.seq_len. Its reward is the sum of the rewards `step` returned, 
 
 In the rollout row the environment's tokens are context only: no label, so no loss, no log-prob and no advantage
 (`rollout.py`). Sampling: each turn every rank samples all its rows again as one batch (an episode that has
-ended rides along, its tokens dropped), until no episode of any rank is running, so that generators sampling in
-the training layout run their collectives together; row i keeps drawing from its own generator, so an episode's
-text does not depend on the layout. A factory, `reset` or `step` that raises, or a `step` that does not return
+ended rides along on its prompt, its tokens dropped), until no episode of any rank is running, so that
+generators sampling in the training layout run their collectives together; row i keeps drawing from its own
+generator, so an episode's text does not depend on the layout. A factory, `reset` or `step` that raises, or a `step` that does not return
 (str, finite number, bool): before training (each called once on the first prompt) one line naming the key and
 function, exit 2; during training as a failing reward function (`grpo.on_reward_error`: the episode ends, scored 0
 and counted, or the run stops on every rank).
@@ -118,7 +118,8 @@ def run_episodes(envs: Environments, generate: Callable[[list[list[int]]], Compl
     for turn in range(max_turns):
         if all_ranks_done(not any(running)):
             break
-        sampled = generate([prompts[i] + out.tokens[i] for i in range(n)])
+        # an ended episode rides along on its prompt alone (its tokens dropped): no context grows past a running one's
+        sampled = generate([prompts[i] + out.tokens[i] if running[i] else prompts[i] for i in range(n)])
         for i in range(n):
             if not running[i]:
                 continue
