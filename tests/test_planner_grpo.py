@@ -259,3 +259,17 @@ def test_a_reward_model_is_held_in_every_moment_and_scores_once_per_iteration(da
     assert reward_model.view(r).args == r.args and "could not be read here" in " ".join(missing.notes)
     assert missing.grpo.reward_model_bytes_per_rank == pytest.approx(
         {x.name: x.bytes for x in missing.ranks[0].analytic.rows}["parameters (fp32 master)"], rel=1e-12)
+
+
+def test_rollouts_sampled_ahead_hide_the_generation_behind_the_steps(data):
+    """grpo.max_staleness = 1: the iteration exposes only max(0, generation - optimizer steps) of the generation, the
+    rest hidden behind the steps (min of the two); everything else as in the synchronous plan."""
+    ahead = ["--grpo.generator", "copy", "--grpo.old_logps", "trainer", "--grpo.importance_sampling_cap", "2"]
+    _, _, sync = _plan(data, 1, ahead, gpu="h100")
+    _, q, plan = _plan(data, 1, [*ahead, "--grpo.max_staleness", "1"], gpu="h100")
+    a, c = sync.grpo, plan.grpo
+    assert q.grpo.max_staleness == 1 and a.hidden_generation_s is None
+    assert c.hidden_generation_s == min(c.generation_s, c.steps_s) > 0
+    assert math.isclose(c.iteration_s, a.iteration_s - c.hidden_generation_s, rel_tol=1e-12)
+    assert math.isclose(sum(c.shares.values()), 1.0)
+    assert "generation hidden behind the steps" in "\n".join(grpo_report.describe(c, (2**30, "GiB")))

@@ -3,6 +3,8 @@ for the table (`describe`) and `--json` (`GrpoCost`).
 
     iteration = weight sync (generator = copy) + generation + reference pass (beta > 0) + reward model pass
                 (grpo.reward_model) + S mu x the step time
+                (grpo.max_staleness = 1: the generation overlaps the steps, only max(0, generation - steps)
+                of it exposed -- the copy and the trainer share the device, so an upper bound on the saving)
     per-step equivalent = iteration / (S mu)
     MFU over the iteration = (generation + reference + reward model + S mu x step FLOPs) / (iteration x world x peak)
 """
@@ -56,6 +58,8 @@ class GrpoCost:
     decode_memory_bound_s: float | None = None
     decode_comm_s: float | None = None
     generation_s: float | None = None
+    hidden_generation_s: float | None = None
+    """grpo.max_staleness = 1: the generation time hidden behind the optimizer steps (min(generation, steps))."""
     reference_bytes_per_rank: float = 0.0
     reference_forwards: int = 0
     reference_flops: float = 0.0
@@ -123,7 +127,11 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None) and \
             (sync is None or sync.seconds is not None) and (scorer is None or scorer.seconds is not None):
         cost.steps_s = g.steps * step.step_s
-        parts = {**({"weight sync": sync.seconds} if sync is not None else {}), "generation": gen.seconds, "reference": ref.seconds if ref is not None else 0.0,
+        exposed = gen.seconds
+        if g.max_staleness:  # sampled in the background while the steps run (posttrain/ahead.py)
+            cost.hidden_generation_s = min(gen.seconds, cost.steps_s)
+            exposed = gen.seconds - cost.hidden_generation_s
+        parts = {**({"weight sync": sync.seconds} if sync is not None else {}), "generation": exposed, "reference": ref.seconds if ref is not None else 0.0,
                  **({"reward model": scorer.seconds} if scorer is not None else {}), "optimizer steps": cost.steps_s}
         cost.iteration_s = sum(parts.values())
         cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
@@ -190,6 +198,10 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
                      f"{_si(cost.reward_model_flops, 'FLOP')}, {s(cost.reward_model_s)}; its weights "
                      f"{b(cost.reward_model_bytes_per_rank)} per rank in every moment"))
     rows.append(("optimizer steps per iteration", f"{cost.optimizer_steps} x {s(cost.step_s)} = {s(cost.steps_s)}"))
+    if cost.hidden_generation_s is not None:
+        rows.append(("generation hidden behind the steps", f"{s(cost.hidden_generation_s)} of {s(cost.generation_s)} "
+                     "(max_staleness 1: sampled while the previous rollouts train; sharing the device, an upper "
+                     "bound on the saving)"))
     if cost.iteration_s is not None:
         share = ", ".join(f"{k} {v:.1%}" for k, v in cost.shares.items() if v or k != "reference")
         rows += [("iteration time", f"{s(cost.iteration_s)} ({share})"),

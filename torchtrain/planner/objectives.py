@@ -55,6 +55,8 @@ class Rollouts:
     "external" (a factory of the user's: `posttrain/generators.py`)."""
     reward_model: str = ""
     """`grpo.reward_model`: the checkpoint of a reward model scoring the rollouts ("" = none)."""
+    max_staleness: int = 0
+    """`grpo.max_staleness`: 1 = the next iteration sampled while this one trains (`posttrain/ahead.py`)."""
 
     @property
     def steps(self) -> int:
@@ -69,4 +71,5 @@ def read_rollouts(job, lora) -> Rollouts | None:
         return None
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
-                    g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model)
+                    g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model,
+                    g.max_staleness)
