@@ -353,24 +353,27 @@ def _whole_stages(p: PlanInputs):
 
 # ------------------------------------------------------------------------------------------ the reference
 @dataclass
-class ReferencePass:
-    """The reference's pass over one iteration's rollouts (beta > 0)."""
+class ScoringPass:
+    """A frozen model's pass over one iteration's rollouts: the reference's (beta > 0), a reward model's."""
 
     forwards: int
     """Per rank: R / local_batch_size forwards of local_batch_size rows."""
     flops: float
-    """All ranks: R dp seq_len F(seq_len)."""
+    """All ranks: R dp seq_len F(seq_len), F the scoring model's."""
     seconds: float | None
 
 
-def reference_pass(p: PlanInputs, dev: GPUSpec | None) -> ReferencePass | None:
-    """None without a reference (beta = 0)."""
-    if p.grpo is None or p.grpo.reference is None:
-        return None
+def scoring_pass(p: PlanInputs, scorer: PlanInputs, dev: GPUSpec | None) -> ScoringPass:
+    """The pass of the model `scorer` describes (`p` itself, or `p` with a reward model's arguments) over `p`'s rows."""
     rows = rows_per_rank(p)
     n = -(-rows // p.local_batch_size)
-    flops = rows * p.dp * p.seq_len * preference.forward_flops_per_token(p)
+    flops = rows * p.dp * p.seq_len * preference.forward_flops_per_token(scorer)
     seconds = None
-    if dev is not None and dev.matmul_tflops(preference.compute_dtype(p)):
-        seconds = preference.microbatch_time(p, dev, preference.compute_dtype(p)).per_step(n)
-    return ReferencePass(n, flops, seconds)
+    if dev is not None and dev.matmul_tflops(preference.compute_dtype(scorer)):
+        seconds = preference.microbatch_time(scorer, dev, preference.compute_dtype(scorer)).per_step(n)
+    return ScoringPass(n, flops, seconds)
+
+
+def reference_pass(p: PlanInputs, dev: GPUSpec | None) -> ScoringPass | None:
+    """None without a reference (beta = 0)."""
+    return None if p.grpo is None or p.grpo.reference is None else scoring_pass(p, p, dev)

@@ -15,7 +15,6 @@ checkpoint is at hand (else: the policy's arguments, with a note). With N_rm and
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,28 +75,9 @@ def hold(p: PlanInputs, rank) -> None:
     rank.traced_breakdown = {**rank.traced_breakdown, "reward model": held}
 
 
-@dataclass
-class RewardPass:
-    """The reward model's scoring of one iteration's rollouts, per rank (module doc)."""
-
-    forwards: int
-    flops: float
-    """All ranks."""
-    seconds: float | None
-
-
-def scoring_pass(p: PlanInputs, dev: GPUSpec | None) -> RewardPass | None:
-    """None without a reward model."""
-    from torchtrain.planner import preference
-    from torchtrain.planner.grpo import rows_per_rank
+def scoring_pass(p: PlanInputs, dev: GPUSpec | None):
+    """The reward model's pass over an iteration's rollouts (`grpo.scoring_pass`), None without a reward model."""
+    from torchtrain.planner import grpo
 
     q = view(p)
-    if q is None:
-        return None
-    rows_ = rows_per_rank(p)
-    n = -(-rows_ // p.local_batch_size)
-    flops = rows_ * p.dp * p.seq_len * preference.forward_flops_per_token(q)
-    seconds = None
-    if dev is not None and dev.matmul_tflops(preference.compute_dtype(q)):
-        seconds = preference.microbatch_time(q, dev, preference.compute_dtype(q)).per_step(n)
-    return RewardPass(n, flops, seconds)
+    return None if q is None else grpo.scoring_pass(p, q, dev)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import Callable
 
-from torchtrain.tools.shapes import toy_parser, write_tokenizer
+from torchtrain.tools.shapes import prompt_toy_main, write_tokenizer
 
 
 def question(n: int) -> dict[str, str]:
@@ -39,9 +40,7 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
     """Write the three files and the tokenizer into `folder`; returns their paths by name."""
     os.makedirs(folder, exist_ok=True)
     rng = random.Random(seed)
-    numbers = list(range(100, 1000))
-    rng.shuffle(numbers)
-    held_out, trained = numbers[:100], numbers[100:]
+    held_out, trained = split_numbers(rng)
     paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("sft", "prompts", "heldout", "preferences")}
     with open(paths["sft"], "w") as f:
         for _ in range(prompts):
@@ -49,10 +48,7 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
             answer = str(n % 2 if rng.random() < sft_accuracy else 1 - n % 2)
             f.write(json.dumps({"messages": [{"role": "user", "content": question(n)["prompt"]},
                                              {"role": "assistant", "content": answer}]}) + "\n")
-    for name, pool, count in (("prompts", trained, prompts), ("heldout", held_out, len(held_out))):
-        with open(paths[name], "w") as f:
-            for i in range(count):
-                f.write(json.dumps(question(rng.choice(pool) if name == "prompts" else pool[i])) + "\n")
+    write_prompts(paths, question, trained, held_out, prompts, rng)
     with open(paths["preferences"], "w") as f:
         for _ in range(prompts):
             n = rng.choice(trained)
@@ -62,14 +58,26 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, sft_accuracy: float =
     return paths
 
 
+def split_numbers(rng: random.Random) -> tuple[list[int], list[int]]:
+    """The numbers 100..999 shuffled by `rng`: (the 100 held out, the rest trained on)."""
+    numbers = list(range(100, 1000))
+    rng.shuffle(numbers)
+    return numbers[:100], numbers[100:]
+
+
+def write_prompts(paths: dict[str, str], question: Callable[[int], dict[str, str]], trained: list[int],
+                  held_out: list[int], prompts: int, rng: random.Random) -> None:
+    """`prompts.jsonl` (`prompts` questions of numbers drawn from `trained`) and `heldout.jsonl` (one per held-out
+    number), each line `question(n)`."""
+    for name, pool, count in (("prompts", trained, prompts), ("heldout", held_out, len(held_out))):
+        with open(paths[name], "w") as f:
+            for i in range(count):
+                f.write(json.dumps(question(rng.choice(pool) if name == "prompts" else pool[i])) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = toy_parser("grpo_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl, preferences.jsonl", "prompts",
-                    "conversations, prompts and pairs each")
-    ap.add_argument("--sft-accuracy", type=float, default=0.75, help="share of right answers in sft.jsonl")
-    ns = ap.parse_args(argv)
-    paths = write(ns.folder, ns.prompts, ns.seed, ns.sft_accuracy)
-    print("wrote " + ", ".join(paths.values()) + f" and {os.path.join(ns.folder, 'tokenizer')}")
-    return 0
+    return prompt_toy_main(argv, "grpo_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl, preferences.jsonl",
+                           write, ("--sft-accuracy", 0.75, "share of right answers in sft.jsonl"))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,23 @@ def toy_parser(module: str, doc: str, folder: str, count: str, count_help: str) 
     return ap
 
 
+def wrote(paths: dict[str, str], folder: str) -> int:
+    """What a toy-data command says when done (its exit status, 0)."""
+    print("wrote " + ", ".join(paths.values()) + f" and {os.path.join(folder, 'tokenizer')}")
+    return 0
+
+
+def prompt_toy_main(argv: list[str] | None, module: str, doc: str, files: str, write, share: tuple[str, float, str]
+                    ) -> int:
+    """A GRPO toy's command: `write(folder, prompts, seed, share)` with the toy's one share option (`share`: its flag,
+    default and help)."""
+    flag, default, help_ = share
+    ap = toy_parser(module, doc, files, "prompts", "conversations and prompts each")
+    ap.add_argument(flag, type=float, default=default, help=help_)
+    ns = vars(ap.parse_args(argv))
+    return wrote(write(ns["folder"], ns["prompts"], ns["seed"], ns[flag[2:].replace("-", "_")]), ns["folder"])
+
+
 def draw(shape: str, colour: str, rng: random.Random, sizes: tuple[int, int] = (32, 64)):
     """One picture (a Pillow image) of `shape` in `colour`, each side drawn from `sizes` (pixels)."""
     from PIL import Image, ImageDraw

@@ -26,7 +26,8 @@ import os
 import random
 import re
 
-from torchtrain.tools.shapes import toy_parser, write_tokenizer
+from torchtrain.tools.grpo_toy import split_numbers, write_prompts
+from torchtrain.tools.shapes import prompt_toy_main, write_tokenizer
 
 CALL = "calc"
 """What the model says to call the calculator."""
@@ -69,9 +70,7 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, tool_rate: float = 0.
     """Write the three files and the tokenizer into `folder`; returns their paths by name."""
     os.makedirs(folder, exist_ok=True)
     rng = random.Random(seed)
-    numbers = list(range(100, 1000))
-    rng.shuffle(numbers)
-    held_out, trained = numbers[:100], numbers[100:]
+    held_out, trained = split_numbers(rng)
     paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("sft", "prompts", "heldout")}
     with open(paths["sft"], "w") as f:
         for _ in range(prompts):
@@ -83,22 +82,14 @@ def write(folder: str, prompts: int = 4000, seed: int = 0, tool_rate: float = 0.
             else:
                 turns.append({"role": "assistant", "content": str(rng.randrange(MODULUS))})
             f.write(json.dumps({"messages": turns}) + "\n")
-    for name, pool, count in (("prompts", trained, prompts), ("heldout", held_out, len(held_out))):
-        with open(paths[name], "w") as f:
-            for i in range(count):
-                f.write(json.dumps(question(rng.choice(pool) if name == "prompts" else pool[i])) + "\n")
+    write_prompts(paths, question, trained, held_out, prompts, rng)
     write_tokenizer(os.path.join(folder, "tokenizer"))
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = toy_parser("tool_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl", "prompts",
-                    "conversations and prompts each")
-    ap.add_argument("--tool-rate", type=float, default=0.5, help="share of sft.jsonl's answers that call the tool")
-    ns = ap.parse_args(argv)
-    paths = write(ns.folder, ns.prompts, ns.seed, ns.tool_rate)
-    print("wrote " + ", ".join(paths.values()) + f" and {os.path.join(ns.folder, 'tokenizer')}")
-    return 0
+    return prompt_toy_main(argv, "tool_toy", __doc__, "sft.jsonl, prompts.jsonl, heldout.jsonl", write,
+                           ("--tool-rate", 0.5, "share of sft.jsonl's answers that call the tool"))
 
 
 if __name__ == "__main__":
