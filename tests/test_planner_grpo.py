@@ -273,3 +273,23 @@ def test_rollouts_sampled_ahead_hide_the_generation_behind_the_steps(data):
     assert math.isclose(c.iteration_s, a.iteration_s - c.hidden_generation_s, rel_tol=1e-12)
     assert math.isclose(sum(c.shares.values()), 1.0)
     assert "generation hidden behind the steps" in "\n".join(grpo_report.describe(c, (2**30, "GiB")))
+
+
+def test_the_trainers_log_prob_pass_and_an_environments_turns_are_in_the_iteration(data):
+    """grpo.old_logps = "trainer": one no-grad forward of the model over the rollouts per iteration, costed as the
+    reference's pass (the same model and layout; the policy's compute dtype); grpo.environment with max_turns = 3: the generation planned three
+    times (time and FLOPs)."""
+    _, _, ref = _plan(data, 1, ["--grpo.beta", "0.1"], gpu="h100")
+    _, _, own = _plan(data, 1, ["--grpo.old_logps", "trainer"], gpu="h100")
+    r, c = ref.grpo, own.grpo
+    assert (c.trainer_logps_forwards, c.trainer_logps_flops) == (r.reference_forwards, r.reference_flops)
+    assert 0 < c.trainer_logps_s <= r.reference_s  # (the frozen copy's fp32 weights compute in fp32: no faster)
+    assert math.isclose(c.iteration_s, c.generation_s + c.trainer_logps_s + c.steps_s, rel_tol=1e-12)
+    _, _, base = _plan(data, 1, [], gpu="h100")
+    _, q, turns = _plan(data, 1, ["--grpo.environment", "toy_environments:again", "--grpo.max_turns", "3"], gpu="h100")
+    b, t = base.grpo, turns.grpo
+    assert q.grpo.max_turns == 3 and t.generation_turns == 3
+    assert math.isclose(t.iteration_s, b.iteration_s + 2 * b.generation_s, rel_tol=1e-12)
+    gen = b.prefill_flops + b.decode_flops
+    assert math.isclose(t.iteration_flops, b.iteration_flops + 2 * gen, rel_tol=1e-12)
+    assert "environment turns" in "\n".join(grpo_report.describe(t, (2**30, "GiB")))

@@ -1,7 +1,8 @@
 """A `[grpo]` plan's GRPO section: what one iteration costs, gathered from the plan (`grpo.py` has the model),
 for the table (`describe`) and `--json` (`GrpoCost`).
 
-    iteration = weight sync (generator = copy) + generation + reference pass (beta > 0) + reward model pass
+    iteration = weight sync (generator = copy) + generation (x max_turns with an environment) + reference pass
+                (beta > 0) + the trainer's log-prob pass (old_logps = "trainer") + reward model pass
                 (grpo.reward_model) + S mu x the step time
                 (grpo.max_staleness = 1: the generation overlaps the steps, only max(0, generation - steps)
                 of it exposed -- the copy and the trainer share the device, so an upper bound on the saving)
@@ -58,6 +59,12 @@ class GrpoCost:
     decode_memory_bound_s: float | None = None
     decode_comm_s: float | None = None
     generation_s: float | None = None
+    generation_turns: int = 1
+    """The model's turns per completion the generation is planned for (an environment's `max_turns`)."""
+    trainer_logps_forwards: int = 0
+    trainer_logps_flops: float = 0.0
+    trainer_logps_s: float | None = None
+    """Per iteration, grpo.old_logps = "trainer": the model's own no-grad pass over the rollouts (as the reference's)."""
     hidden_generation_s: float | None = None
     """grpo.max_staleness = 1: the generation time hidden behind the optimizer steps (min(generation, steps))."""
     reference_bytes_per_rank: float = 0.0
@@ -121,17 +128,22 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
         cost.sync_first_bytes, cost.sync_bytes, cost.sync_s = sync.first_bytes, sync.bytes, sync.seconds
     if ref is not None:
         cost.reference_forwards, cost.reference_flops, cost.reference_s = ref.forwards, ref.flops, ref.seconds
+    own = grpo.scoring_pass(p, p, p.gpu) if g.old_logps == "trainer" else None
+    if own is not None:
+        cost.trainer_logps_forwards, cost.trainer_logps_flops, cost.trainer_logps_s = own.forwards, own.flops, own.seconds
+    turns = cost.generation_turns = g.max_turns
     step_flops = step.tokens_per_step * step.flops_per_token
-    cost.iteration_flops = (gen.prefill_flops + gen.decode_flops + cost.reference_flops + cost.reward_model_flops
-                            + g.steps * step_flops)
-    if step.step_s is not None and gen.seconds is not None and (ref is None or ref.seconds is not None) and \
-            (sync is None or sync.seconds is not None) and (scorer is None or scorer.seconds is not None):
+    cost.iteration_flops = (turns * (gen.prefill_flops + gen.decode_flops) + cost.reference_flops
+                            + cost.trainer_logps_flops + cost.reward_model_flops + g.steps * step_flops)
+    passes = [x for x in (ref, own, scorer, sync) if x is not None]
+    if step.step_s is not None and gen.seconds is not None and all(x.seconds is not None for x in passes):
         cost.steps_s = g.steps * step.step_s
-        exposed = gen.seconds
+        exposed = turns * gen.seconds
         if g.max_staleness:  # sampled in the background while the steps run (posttrain/ahead.py)
-            cost.hidden_generation_s = min(gen.seconds, cost.steps_s)
-            exposed = gen.seconds - cost.hidden_generation_s
+            cost.hidden_generation_s = min(exposed, cost.steps_s)
+            exposed -= cost.hidden_generation_s
         parts = {**({"weight sync": sync.seconds} if sync is not None else {}), "generation": exposed, "reference": ref.seconds if ref is not None else 0.0,
+                 **({"trainer log-probs": own.seconds} if own is not None else {}),
                  **({"reward model": scorer.seconds} if scorer is not None else {}), "optimizer steps": cost.steps_s}
         cost.iteration_s = sum(parts.values())
         cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
@@ -193,6 +205,12 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
         rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "
                      f"{_si(cost.reference_flops, 'FLOP')}, {s(cost.reference_s)}; its weights "
                      f"{b(cost.reference_bytes_per_rank)} per rank in every moment"))
+    if cost.generation_turns > 1:
+        rows.append(("environment turns", f"up to {cost.generation_turns} per completion: the generation planned "
+                     f"{cost.generation_turns} times (later turns' longer contexts and the observations not counted)"))
+    if cost.trainer_logps_forwards:
+        rows.append(("trainer log-prob pass per iteration", f"{cost.trainer_logps_forwards} forwards per rank, "
+                     f"{_si(cost.trainer_logps_flops, 'FLOP')}, {s(cost.trainer_logps_s)} (old_logps = trainer)"))
     if cost.reward_model_forwards:
         rows.append(("reward model pass per iteration", f"{cost.reward_model_forwards} forwards per rank, "
                      f"{_si(cost.reward_model_flops, 'FLOP')}, {s(cost.reward_model_s)}; its weights "

@@ -57,6 +57,10 @@ class Rollouts:
     """`grpo.reward_model`: the checkpoint of a reward model scoring the rollouts ("" = none)."""
     max_staleness: int = 0
     """`grpo.max_staleness`: 1 = the next iteration sampled while this one trains (`posttrain/ahead.py`)."""
+    old_logps: str = "sampler"
+    """`grpo.old_logps`: "trainer" adds one no-grad forward of the model over the rollouts per iteration."""
+    max_turns: int = 1
+    """The model's turns per completion: `grpo.max_turns` with an environment, else 1."""
 
     @property
     def steps(self) -> int:
@@ -72,4 +76,4 @@ def read_rollouts(job, lora) -> Rollouts | None:
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
                     g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model,
-                    g.max_staleness)
+                    g.max_staleness, g.old_logps, g.max_turns if g.environment else 1)
