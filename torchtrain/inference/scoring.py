@@ -23,7 +23,7 @@ import torch
 
 from torchtrain.data.prompts import read_prompts
 from torchtrain.posttrain.decoding import Sampling, sample
-from torchtrain.posttrain.environments import Environments, run_episodes
+from torchtrain.posttrain.environments import Environments, play
 from torchtrain.posttrain.rewards import RewardError, Rewards
 
 
@@ -53,19 +53,14 @@ def score(job, prompts_path: str, rewards: Rewards, max_new_tokens: int, samplin
 
         def generate(contexts: list[list[int]]):
             return sample(job.model, contexts, max_new_tokens, sampling, generator, stop_ids, tok.vocab_size)
-        if environments is None:
-            out = generate([list(p.ids) for p in chunk])
-            last, stopped, extra, failed = out.tokens, out.stopped, [0.0] * len(chunk), {}
-        else:
-            ep = run_episodes(environments, generate, [list(p.ids) for p in chunk], [(p.text, p.answer) for p in chunk],
-                              lambda text: tok.encode(text, bos=False, eos=False), tok.decode, max_len,
-                              max_new_tokens, max_turns)
-            last, stopped, extra, failed = ep.last, ep.stopped, ep.rewards, dict(ep.errors)
-        for i, (p, tokens, stop) in enumerate(zip(chunk, last, stopped)):
+        ep = play(environments, generate, [list(p.ids) for p in chunk], [(p.text, p.answer) for p in chunk], tok,
+                  max_len, max_new_tokens, max_turns)
+        failed = dict(ep.errors)
+        for i, (p, tokens, stop) in enumerate(zip(chunk, ep.last, ep.stopped)):
             try:
                 if i in failed:
                     raise failed[i]
-                total += extra[i] + rewards.score(tok.decode(tokens[:-1] if stop else tokens), p.answer, p.text)
+                total += ep.rewards[i] + rewards.score(tok.decode(tokens[:-1] if stop else tokens), p.answer, p.text)
             except RewardError:
                 errors += 1
     return Score(total / len(rows), len(rows), len(prompts), skipped, errors)

@@ -45,26 +45,24 @@ class Environments:
     def __init__(self, factory: Callable[[], Any], path: str):
         self.factory, self.path = factory, path
 
-    def new(self) -> Any:
+    def _call(self, what: str, fn: Callable, *args: Any) -> Any:
+        """fn(*args), a failure in it a RewardError naming the environment and `what` failed."""
         try:
-            return self.factory()
-        except Exception as e:  # the user's code: any failure is reported, never a traceback
-            raise RewardError(self.path, f"environment {self.path!r} raised {type(e).__name__}: {e}") from None
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 -- the user's code: any failure is reported, never a traceback
+            raise RewardError(self.path, f"environment {self.path!r}: {what} raised {type(e).__name__}: {e}") from None
+
+    def new(self) -> Any:
+        return self._call("its factory", self.factory)
 
     def reset(self, env: Any, prompt: str, answer: str) -> str:
-        try:
-            first = env.reset(prompt, answer)
-        except Exception as e:  # noqa: BLE001
-            raise RewardError(self.path, f"environment {self.path!r}: reset raised {type(e).__name__}: {e}") from None
+        first = self._call("reset", lambda: env.reset(prompt, answer))
         if not isinstance(first, str):
             raise RewardError(self.path, f"environment {self.path!r}: reset returned {first!r}, not a str")
         return first
 
     def step(self, env: Any, text: str) -> tuple[str, float, bool]:
-        try:
-            out = env.step(text)
-        except Exception as e:  # noqa: BLE001
-            raise RewardError(self.path, f"environment {self.path!r}: step raised {type(e).__name__}: {e}") from None
+        out = self._call("step", lambda: env.step(text))
         ok = isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str) and \
             isinstance(out[1], numbers.Real) and math.isfinite(float(out[1])) and isinstance(out[2], bool)
         if not ok:
@@ -143,6 +141,19 @@ def run_episodes(envs: Environments, generate: Callable[[list[list[int]]], Compl
                 continue
             _extend(out, i, more)
     return out
+
+
+def play(envs: Environments | None, generate: Callable[[list[list[int]]], Completions], prompts: list[list[int]],
+         questions: list[tuple[str, str]], tokenizer, seq_len: int, max_new: int, max_turns: int,
+         heartbeat: Callable[[], None] | None = None) -> Episodes:
+    """Every row's completion as `Episodes`: one turn of `generate` without an environment, else an episode
+    (`run_episodes`, observations tokenized as is by `tokenizer`)."""
+    if envs is None:
+        out = generate(prompts)
+        return Episodes(out.tokens, [[True] * len(t) for t in out.tokens], out.logps, out.tokens, list(out.stopped),
+                        [0.0] * len(prompts))
+    return run_episodes(envs, generate, prompts, questions, lambda text: tokenizer.encode(text, bos=False, eos=False),
+                        tokenizer.decode, seq_len, max_new, max_turns, heartbeat)
 
 
 def _extend(out: Episodes, i: int, tokens: list[int]) -> None:

@@ -116,7 +116,7 @@ class PreferenceLoss(SequenceLossBase):
                 slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scored:  # (refused under context parallelism: an answer's end may lie on another rank)
             ends = answer_ends(labels, slot, 2 * slots, self.stops.to(labels.device))
-            counts = answer_sums(torch.ones_like(labels, dtype=torch.float32), slot, slots)[1]
+            counts = answer_sums(torch.zeros_like(labels, dtype=torch.float32), slot, slots)[1]  # (token counts only)
             return answer_scores(logits, ends).view(-1, slots, 2), counts
         sums, counts = answer_sums(token_logps(logits, labels), slot, slots)
         return self._across_cp(sums), self._across_cp(counts.detach())

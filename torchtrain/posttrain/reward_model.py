@@ -59,9 +59,9 @@ def answer_scores(logits: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 class RewardModel:
     """The frozen reward model (`parts`, sharded like the policy) and the stop ids that end an answer."""
 
-    def __init__(self, parts: list[nn.Module], stops: tuple[int, ...], where: str):
+    def __init__(self, parts: list[nn.Module], stops: tuple[int, ...]):
         self.frozen = ReferenceModel(parts)  # (no gradients, eval mode, resharded after each forward)
-        self.stops, self.where = stops, where
+        self.stops = stops
 
     @torch.no_grad()
     def scores(self, step, rows: dict[str, torch.Tensor], per_forward: int) -> torch.Tensor:
@@ -116,4 +116,4 @@ def load_reward_model(path: str, policy_spec, policy_args, layout, device: torch
     state.load_state_dict(weights["model"])
     logger.info("grpo: reward model %s (%s %s), sharded like the policy; score = its logit of token %d where the "
                 "completion ends", folder, spec.name, meta["model"].get("flavor", ""), SCORE_TOKEN)
-    return RewardModel(parts, stops, folder)
+    return RewardModel(parts, stops)

@@ -42,7 +42,7 @@ from torchtrain.data.prompts import PromptStream
 from torchtrain.distributed.utils import all_reduce
 from torchtrain.posttrain.ahead import Ahead
 from torchtrain.posttrain.decoding import Sampling
-from torchtrain.posttrain.environments import run_episodes
+from torchtrain.posttrain.environments import play
 from torchtrain.posttrain.generators import Generator, check_completions
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.posttrain.rollout_scoring import score_rows, trainer_scoring
@@ -249,7 +249,16 @@ class RolloutLoader:
         rows = [list(p.ids) for p in prompts for _ in range(g)]
         generators = [torch.Generator().manual_seed(row_seed(self.seed, k, m)) for k in indices for m in range(g)]
         start = time.perf_counter()
-        tokens, logps, stopped, last, sampled, env_rewards, failed = self._sample(rows, prompts, generators)
+        sampling = Sampling(grpo.temperature, grpo.top_k, grpo.top_p)
+
+        def generate(contexts: list[list[int]]):
+            out = self.generator(contexts, sampling, generators)
+            check_completions(out, len(contexts), grpo.generator)
+            return out
+        ep = play(self.environments, generate, rows, [(p.text, p.answer) for p in prompts for _ in range(g)],
+                  self.tokenizer, self.seq_len, grpo.max_completion_length, grpo.max_turns, self.heartbeat)
+        tokens, logps, stopped, last, sampled, failed = ep.tokens, ep.logps, ep.stopped, ep.last, ep.sampled, \
+            dict(ep.errors)
         seconds = time.perf_counter() - start
         rewards, errors, fatal = [], 0, None
         for i, (turn, stop) in enumerate(zip(last, stopped)):
@@ -260,7 +269,7 @@ class RolloutLoader:
             try:
                 if i in failed:
                     raise failed[i]
-                rewards.append(env_rewards[i] + self.rewards.score(text, prompt.answer, prompt.text))
+                rewards.append(ep.rewards[i] + self.rewards.score(text, prompt.answer, prompt.text))
             except RewardError as e:
                 if grpo.on_reward_error == "stop":
                     fatal = fatal or f"[grpo.on_reward_error] {e} on a completion of {prompt.where}"
@@ -286,26 +295,6 @@ class RolloutLoader:
                         tuple(tuple(m) for m in sampled[i * g:(i + 1) * g]) if self.environments is not None else ())
                   for i, (p, k) in enumerate(zip(prompts, indices))]
         return groups, seconds, errors, fatal
-
-    def _sample(self, rows: list[list[int]], prompts, generators: list[torch.Generator]):
-        """Each row's completion -- one turn of the generator, or an episode with the job's environment
-        (`environments.py`) -- as (tokens, sampler log-probs, stopped, the last turn's tokens, which tokens the model
-        sampled, the environment's rewards, {row: the environment's failure})."""
-        grpo, g = self.grpo, self.grpo.num_generations
-        sampling = Sampling(grpo.temperature, grpo.top_k, grpo.top_p)
-
-        def generate(contexts: list[list[int]]):
-            out = self.generator(contexts, sampling, generators)
-            check_completions(out, len(contexts), grpo.generator)
-            return out
-        if self.environments is None:
-            out = generate(rows)
-            return (out.tokens, out.logps, out.stopped, out.tokens, [[True] * len(t) for t in out.tokens],
-                    [0.0] * len(rows), {})
-        ep = run_episodes(self.environments, generate, rows, [(p.text, p.answer) for p in prompts for _ in range(g)],
-                          lambda text: self.tokenizer.encode(text, bos=False, eos=False), self.tokenizer.decode,
-                          self.seq_len, grpo.max_completion_length, grpo.max_turns, self.heartbeat)
-        return ep.tokens, ep.logps, ep.stopped, ep.last, ep.sampled, ep.rewards, dict(ep.errors)
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]], logps: list[list[float]],
               advantage: torch.Tensor, sampled: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:
