@@ -55,6 +55,10 @@ ENV = ("--grpo.environment", "toy_environments:again", "--grpo.max_turns", "2", 
 ONE_STEP = ("--grpo.steps_per_generation", "1", "--grpo.num_iterations", "1")  # an iteration a step
 SYNC = (*COPY, *OLD, "--grpo.importance_sampling_cap", "2", *ONE_STEP, "--checkpoint.interval", "2")
 AHEAD = (*SYNC, "--grpo.max_staleness", "1")  # the next iteration sampled in the background (posttrain/ahead.py)
+# two iterations of two passes each: the trainer's log-probs beside the sampler's, a checkpoint after every step
+TWO_PASSES = (*COPY, *OLD, "--grpo.importance_sampling_cap", "2", "--grpo.steps_per_generation", "1",
+              "--grpo.num_iterations", "2", "--checkpoint.interval", "1")
+APART = "4 --parallelism.data_parallel_shard_degree 2 --grpo.generator_ranks 2"  # FSDP 2 trainers + 2 generators
 LORA_KL = ("--lora.enable", "--lora.rank", "4", "--lora.target_modules", "*.attention.wq,*.attention.wv", *KL)
 
 
@@ -422,7 +426,8 @@ def suite(tmp_path_factory):
                                                        ("fsdp2", OWN), ("single", TIS), ("single", rm),
                                                        ("fsdp2", rm), ("tp2", rm), ("single", ENV), ("fsdp2", ENV),
                                                        ("tp2", ENV), ("single", SYNC), ("single", AHEAD),
-                                                       ("fsdp2", AHEAD)])
+                                                       ("fsdp2", AHEAD), ("single", TWO_PASSES),
+                                                       ("fsdp2", TWO_PASSES)])
     suite.reward_model, suite.reward_model_records = rm, records
     return suite
 
@@ -634,6 +639,57 @@ def test_rollouts_sampled_a_version_ahead_lag_by_one_match_one_process_and_resum
 
 
 @pytest.mark.dist
+def test_generators_apart_sample_as_the_colocated_copy_and_resume_bitwise(suite):
+    """grpo.generator_ranks = 2 (posttrain/generator_ranks.py): 2 FSDP trainer ranks and 2 generator ranks reproduce
+    the colocated copy's run (FSDP 2, each rank sampling its own rows) step by step within 1e-6 -- the same rows,
+    sampled by the same code with the same RNG states; the trainer's log-probs equal the generators' within 1e-6
+    (relative) after every sync; the sync is logged; a run resumed mid-iteration continues bitwise (the generators
+    hold only weights, re-sent whole at the first sync). With grpo.max_staleness = 1 the generators sample the next
+    iteration while the trainers train, and the run is the colocated sampled-ahead one."""
+    colocated = suite.results["fsdp2", TWO_PASSES].records
+    apart, resumed = suite.check_resumes_bitwise(APART, 1, TWO_PASSES, rtol=RTOL, atol=ATOL)
+    assert "(+ 2 sampling apart): dp_shard 2" in apart.log
+    assert [r["loss"] for r in apart.records] == pytest.approx([r["loss"] for r in colocated], rel=1e-6, abs=1e-6)
+    assert [r["grpo/reward"] for r in apart.records] == [r["grpo/reward"] for r in colocated]
+    iterations = [r for r in apart.records if r["step"] % 2 == 1]  # each iteration's first step, right after a sync
+    assert len(iterations) == 2 and all(r["grpo/sampler_logp_rel_diff"] <= 1e-6 for r in iterations), iterations
+    assert all(r["grpo/weight_sync_bytes"] == colocated[0]["grpo/weight_sync_bytes"] > 0 for r in iterations)
+    ahead, = suite.check([APART], rtol=RTOL, atol=ATOL, extra=AHEAD)
+    assert [r["loss"] for r in ahead.records] == pytest.approx(
+        [r["loss"] for r in suite.results["fsdp2", AHEAD].records], rel=1e-6, abs=1e-6)
+    assert [r["grpo/staleness"] for r in ahead.records] == [0, 1, 1, 1]
+
+
+def test_generator_ranks_are_checked_against_the_job_and_routed_by_data_rank():
+    """The split (distributed/roles.py) and the routing (posttrain/generator_ranks.py), without a process group:
+    the trainer ranks are the job's less the generators, their degrees multiply to them, a generator serves whole
+    data-parallel ranks (a TP group's ranks on one generator), and a split that does not fit is one line."""
+    from torchtrain.config import ConfigError
+    from torchtrain.config.parallelism import Parallelism
+    from torchtrain.distributed.parallel_dims import ParallelDims
+    from torchtrain.distributed.roles import Roles, trainer_world
+    from torchtrain.posttrain.generator_ranks import Routing
+
+    roles = [Roles(rank, 6, 2) for rank in range(6)]
+    assert [(r.is_generator, r.group_rank, r.group_world) for r in roles] == \
+        [(False, 0, 4), (False, 1, 4), (False, 2, 4), (False, 3, 4), (True, 0, 2), (True, 1, 2)]
+    routing = Routing(roles[0], [0, 0, 1, 1])  # TP 2 x DP 2: ranks 0 and 1 hold data rank 0
+    assert [routing.generator_of(t) for t in range(4)] == [4, 4, 5, 5] and routing.trainers_of(5) == [2, 3]
+    assert ParallelDims.from_config(Parallelism(tensor_parallel_degree=2), 4, 2).dp == 2
+    for call, says in [(lambda: trainer_world(2, 2), "[grpo.generator_ranks] 2 generator ranks of a job of 2 leave "
+                                                     "no rank to train"),
+                       (lambda: ParallelDims.from_config(Parallelism(tensor_parallel_degree=2), 2, 2),
+                        "[grpo.generator_ranks] 2 generator ranks for 1 data-parallel ranks of trainers"),
+                       (lambda: ParallelDims.from_config(Parallelism(data_parallel_shard_degree=4), 2, 2),
+                        "but the world size is 2; make the product equal the number of processes (or set "
+                        "data_parallel_shard_degree = -1 to use the remaining ranks) -- the trainer ranks: the job's "
+                        "4 less grpo.generator_ranks = 2")]:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert says in str(e.value)
+
+
+@pytest.mark.dist
 def test_trainer_old_log_probs_make_the_first_ratio_exactly_one(suite):
     for records in (suite.results["cp2", KL_CP].records, suite.results["single", KL_CP].records):
         assert records[0]["grpo/ratio"] == 1.0 and records[0]["grpo/clip_fraction"] == 0.0
@@ -702,7 +758,7 @@ BAD_GENERATORS = {  # case: (grpo.generator, what the one line says)
 
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
                                   "reward_model_missing", "reward_model_pipeline", "environment_raises",
-                                  *BAD_GENERATORS])
+                                  "generator_ranks_in_place", "generator_ranks_no_trainer", *BAD_GENERATORS])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -734,6 +790,11 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
             args += [*COPY, "--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.reward_model] " + ("the reward model scores completions in the data-parallel" if
                                            case == "reward_model_pipeline" else f"{root}/no_such_checkpoint does not exist")
+    elif case.startswith("generator_ranks"):
+        args += ["--grpo.generator_ranks", "1"] + (list(COPY) if case == "generator_ranks_no_trainer" else [])
+        expect = "[grpo.generator_ranks] 1 " + ("generator ranks of a job of 1 leave no rank to train" if
+                                                case == "generator_ranks_no_trainer" else
+                                                "ranks apart sample with the sampling copy they hold")
     elif case in BAD_GENERATORS:
         factory, expect = BAD_GENERATORS[case]
         args += ["--grpo.generator", factory]

@@ -293,3 +293,30 @@ def test_the_trainers_log_prob_pass_and_an_environments_turns_are_in_the_iterati
     gen = b.prefill_flops + b.decode_flops
     assert math.isclose(t.iteration_flops, b.iteration_flops + 2 * gen, rel_tol=1e-12)
     assert "environment turns" in "\n".join(grpo_report.describe(t, (2**30, "GiB")))
+
+
+def test_generator_ranks_apart_hold_the_copy_sample_in_turn_and_hide_behind_the_steps(data):
+    """grpo.generator_ranks = 1 on 3 GPUs: the plan's world is the 2 trainer ranks (dp 2), which no longer hold the
+    copy; the generator rank holds it alone (its sampling peak: the copy and the sampling rows, none of the trainer's
+    state) and samples both data ranks' rows in turn (twice one rank's generation); the sync adds the send to it;
+    the iteration's MFU counts all 3 GPUs; with max_staleness = 1 the generation hides behind the steps."""
+    copy = ["--model.n_kv_heads", "2", "--training.mixed_precision_param", "bfloat16", "--grpo.generator", "copy"]
+    _, p, colocated = _plan(data, 2, copy, gpu="h100")
+    _, q, apart = _plan(data, 3, [*copy, "--grpo.generator_ranks", "1"], gpu="h100")
+    c, a = colocated.grpo, apart.grpo
+    assert (q.world_size, q.dp, q.grpo.generator_ranks, a.requests_per_generator) == (2, 2, 1, 2)
+    for moment in apart.ranks[0].analytic.moments.values():
+        assert not [r for r in moment if r.name == grpo.COPY_ROW]
+    held = 2 * grpo.copy_numel(q)
+    assert a.sampling_rows[0]["bytes"] == held and not [r for r in a.sampling_rows if r["name"] in grpo_report.STATE]
+    assert a.sampling_peak_bytes < c.sampling_peak_bytes
+    assert math.isclose(a.generation_s, 2 * c.generation_s, rel_tol=1e-12)
+    assert a.sync_bytes == c.sync_bytes and a.sync_s > c.sync_s
+    assert math.isclose(a.iteration_mfu * 3 * a.iteration_s, c.iteration_mfu * 2 * c.iteration_s, rel_tol=1e-9)
+    text = "\n".join(grpo_report.describe(a, (2**30, "GiB")))
+    assert "each of 1 generator ranks apart" in text and "to the generator ranks" in text
+    ahead = ["--grpo.old_logps", "trainer", "--grpo.importance_sampling_cap", "2", "--grpo.max_staleness", "1"]
+    _, _, hidden = _plan(data, 3, [*copy, "--grpo.generator_ranks", "1", *ahead], gpu="h100")
+    h = hidden.grpo
+    assert h.hidden_generation_s == min(h.generation_s, h.steps_s) > 0
+    assert "on the generator ranks apart" in "\n".join(grpo_report.describe(h, (2**30, "GiB")))

@@ -15,8 +15,12 @@ import torch.distributed as dist
 from torchtrain.components.checkpoint import SaveFailed
 from torchtrain.components.fault.replica_check import CorruptionAbort
 from torchtrain.config import ConfigError, format_help, parse_args
+from torchtrain.distributed.roles import job_roles
+from torchtrain.distributed.utils import resolve_device
 from torchtrain.models.registry import model_arguments
+from torchtrain.posttrain.generator_ranks import serve
 from torchtrain.trainer.guard import GuardAbort
+from torchtrain.trainer.preflight import preflight
 from torchtrain.trainer.trainer import Trainer
 from torchtrain.utils import exit_codes
 from torchtrain.utils.logging import init_logger, is_log_rank
@@ -35,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     trainer, finished = None, False
     try:
-        trainer = Trainer(parse_args(argv))
+        cfg = parse_args(argv)
+        roles = job_roles(cfg)
+        if roles.is_generator:  # grpo.generator_ranks: this rank samples for the trainer ranks
+            device = resolve_device(cfg.training.device)
+            serve(cfg, preflight(cfg, roles.world, device.type), device)
+            return 0
+        trainer = Trainer(cfg)
         trainer.train()
         finished = True
     except ConfigError as e:

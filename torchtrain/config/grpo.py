@@ -146,6 +146,13 @@ class Grpo:
     generator (an external inference engine such as vLLM, fed as the copy is), imported from your environment and
     called with a `posttrain/generators.py::GeneratorContext` (docs/post_training.md)."""
 
+    generator_ranks: Annotated[int, Ge(0)] = 0
+    """Ranks apart for sampling: the job's last `generator_ranks` ranks each hold the sampling copy (generator =
+    "copy") and sample for the trainer ranks (trainer rank t's prompts on generator rank T + t mod generator_ranks),
+    the first T = world - generator_ranks train in the [parallelism] layout; weights go from trainer rank 0 to
+    every generator after each update (posttrain/generator_ranks.py). At most T. 0: the copy lives on every
+    trainer rank (colocated)."""
+
     old_logps: Literal["sampler", "trainer"] = "sampler"
     """The log-probs of the sampling policy in the importance ratio. `sampler`: those the sampler computed while
     sampling (free; equal to the train step's within float rounding: 1e-6 relative in float32). `trainer`: one
@@ -187,6 +194,9 @@ class Grpo:
         if self.generator not in ("trainer", "copy") and ":" not in self.generator:
             raise ConfigError(f"[grpo.generator] {self.generator!r} is neither \"trainer\", \"copy\" nor a factory's "
                               f"import path \"package.module:function\"")
+        if self.generator_ranks and self.generator != "copy":
+            raise ConfigError(f"[grpo.generator_ranks] {self.generator_ranks} ranks apart sample with the sampling copy "
+                              f"they hold: set grpo.generator = \"copy\" (not {self.generator!r})")
         if self.importance_sampling_cap and (self.old_logps != "trainer" or self.importance_sampling_cap < 1):
             raise ConfigError(f"[grpo.importance_sampling_cap] {self.importance_sampling_cap:g} weights each token by "
                               f"min(exp(trainer - sampler log-prob), cap): it needs grpo.old_logps = \"trainer\" "

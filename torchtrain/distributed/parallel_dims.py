@@ -103,11 +103,20 @@ class ParallelDims:
         return in_ep
 
     @classmethod
-    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
-        """The degrees of `[parallelism]` on `world_size` processes (see `resolve_dp_shard`)."""
+    def from_config(cls, cfg: Parallelism, world_size: int, apart: int = 0) -> "ParallelDims":
+        """The degrees of `[parallelism]` on `world_size` processes (see `resolve_dp_shard`); `apart`: the job's ranks
+        that sample apart (grpo.generator_ranks), not counted in `world_size`."""
         rep, tp, pp = cfg.data_parallel_replicate_degree, cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree
         cp = cfg.context_parallel_degree
-        shard = cls.resolve_dp_shard(world_size, rep, cfg.data_parallel_shard_degree, tp, pp, cp)
+        try:
+            shard = cls.resolve_dp_shard(world_size, rep, cfg.data_parallel_shard_degree, tp, pp, cp)
+        except ConfigError as e:
+            raise ConfigError(f"{e} -- the trainer ranks: the job's {world_size + apart} less grpo.generator_ranks = "
+                              f"{apart}" if apart else str(e)) from None
+        if apart > rep * shard:
+            raise ConfigError(f"[grpo.generator_ranks] {apart} generator ranks for {rep * shard} data-parallel ranks of "
+                              f"trainers: a generator samples whole data-parallel ranks' prompts (the ranks of a TP / "
+                              f"PP / CP group ask for the same rows), so at most {rep * shard}")
         cls.resolve_dp_shard_in_ep(cfg.expert_parallel_degree, shard, tp)
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
                    loss_parallel_requested=not cfg.disable_loss_parallel, cp=cp, ep=cfg.expert_parallel_degree)

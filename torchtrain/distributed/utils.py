@@ -55,8 +55,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(comm: Comm, device: torch.device) -> None:
-    """Start the default process group: NCCL for CUDA tensors (plus gloo for CPU ones), gloo on CPU."""
+def init_distributed(comm: Comm, device: torch.device, group: tuple[dist.Store, int, int] | None = None) -> None:
+    """Start the default process group: NCCL for CUDA tensors (plus gloo for CPU ones), gloo on CPU. `group`: its
+    (store, rank, size) when it is not the job's world (generators apart: `roles.Roles.group`)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # `python -m torchtrain.train` without torchrun: a world of one
@@ -71,7 +72,9 @@ def init_distributed(comm: Comm, device: torch.device) -> None:
         raise ConfigError("[comm.backend] 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = datetime.timedelta(seconds=comm.init_timeout_seconds)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if group is not None:
+        kwargs.update(zip(("store", "rank", "world_size"), group))
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)

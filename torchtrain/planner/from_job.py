@@ -24,6 +24,7 @@ from torchtrain.config import ConfigError, JobConfig
 from torchtrain.config.quantize import FLOAT8_GROUPED_MM, FLOAT8_LINEAR
 from torchtrain.distributed.layout import Layout, resolve_batch, resolve_optimizer_impl, resolve_param_dtype
 from torchtrain.distributed.parallel_dims import ParallelDims
+from torchtrain.distributed.roles import generator_ranks, trainer_world
 from torchtrain.planner import preference, vision
 from torchtrain.planner.inputs import CONFIG_KEYS, DTYPE_NAMES, PLANNER_KEYS, SCHEDULES, PlanInputs
 from torchtrain.planner.objectives import read_preference, read_rollouts
@@ -117,12 +118,14 @@ def _fit_world(job: JobConfig, world_size: int, shard_given: bool) -> tuple[JobC
 def inputs_from_config(cfg: JobConfig, args: Any, world_size: int, device_type: str, gpu: GPUSpec | None,
                        flags: dict[str, Any]) -> PlanInputs:
     """PlanInputs of the job `cfg` with the planner's `flags` (layout knobs, `pp_stages_per_rank`, and
-    `PLANNER_KEYS`; None = unset) on `world_size` devices of `device_type`."""
+    `PLANNER_KEYS`; None = unset) on `world_size` devices of `device_type` -- the job's ranks: with
+    grpo.generator_ranks, the PlanInputs' world is the ranks that train (the planner's GRPO section plans the rest)."""
     knobs = _knobs(cfg, flags, args.n_layers)
+    ranks, world_size = world_size, trainer_world(world_size, generator_ranks(cfg))  # (the ranks that train)
     job, fitted = _fit_degrees(job_with_knobs(cfg, knobs), world_size, set(knobs))
     job, notes = _fit_world(job, world_size, "dp_shard" in knobs)
     notes = fitted + notes
-    layout, problems = resolve(job, world_size, device_type, args)
+    layout, problems = resolve(job, ranks, device_type, args)
     par = job.parallelism
     split = (par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers,
              tuple(tuple(s) for s in par.module_fqns_per_model_part or ()), par.pipeline_parallel_schedule_csv,

@@ -62,6 +62,14 @@ the adapters only), each gathered whole from its float32 shards over the FSDP x 
 4 B x the stage's share) and, under PP, broadcast from its stage to the others in the copy's dtype (d x (pp - 1)
 / pp of them), on the links `comm_time.link` assigns those spans.
 
+**Generator ranks apart** (`grpo.generator_ranks = G`, `posttrain/generator_ranks.py`): the plan's world is the
+trainer ranks (the job's less G); the copy is not on them but on each generator rank, which holds it alone (its
+sampling peak: the copy + the sampling rows) and samples the rows of ceil(dp / G) data ranks one after the other
+(the generation's time that many times one rank's). The sync adds the send of d x the trained parameters from
+trainer rank 0 to the generator ranks (a pipelined broadcast: one p2p transfer over the link spanning the job); the
+transport stages through host memory over gloo today, which the GPU links' figure does not slow. With
+max_staleness = 1 the generation runs on other devices than the steps: the overlap is real, not an upper bound.
+
 **An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
 sync, its own memory left out (it may live elsewhere) and its kernels assumed as fast as the copy's: a note says so.
 
@@ -185,6 +193,8 @@ class Generation:
     kv_cache_bytes: float
     prefill_rows: list[tuple[str, float, str]]
     decode_rows: list[tuple[str, float, str]]
+    requests: int = 1
+    """How many ranks' rows one sampler samples in turn: ceil(dp / generator ranks) on ranks apart, else 1."""
     prefill_s: float | None = None
     decode_s: float | None = None
     decode_memory_s: float | None = None
@@ -193,7 +203,9 @@ class Generation:
 
     @property
     def seconds(self) -> float | None:
-        return None if self.prefill_s is None or self.decode_s is None else self.prefill_s + self.decode_s
+        """The iteration's sampling: each of `requests` rows' prefill and decode, one after the other."""
+        return None if self.prefill_s is None or self.decode_s is None else \
+            (self.prefill_s + self.decode_s) * self.requests
 
 
 def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generation:
@@ -204,6 +216,9 @@ def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generatio
     held = ("weights (the sampling copy, held in every moment: above)", 0.0, f"{p.param_bytes} B x "
             f"{copy_numel(p):,} params") if p.grpo.generator == "copy" else \
         ("weights (the external generator's own: not counted)", 0.0, "its own memory")
+    if p.grpo.generator_ranks:  # a generator rank holds the copy alone and samples its data ranks in turn
+        held = ("weights (the sampling copy: a generator rank's)", float(p.param_bytes * copy_numel(p)), held[2])
+        out.requests = -(-p.dp // p.grpo.generator_ranks)
     out.prefill_rows[0] = out.decode_rows[0] = held
     return out
 
@@ -295,8 +310,8 @@ def copy_numel(p: PlanInputs) -> int:
 
 
 def copy_rows(p: PlanInputs) -> list[tuple[str, float, str]]:
-    """The sampling copy, in every moment of the step (grpo.generator = "copy"; [] otherwise)."""
-    if p.grpo is None or p.grpo.generator != "copy":
+    """The sampling copy, in every moment of the step (grpo.generator = "copy" on the trainer ranks; [] otherwise)."""
+    if p.grpo is None or p.grpo.generator != "copy" or p.grpo.generator_ranks:
         return []
     n = copy_numel(p)
     return [(COPY_ROW, float(p.param_bytes * n), f"{p.param_bytes} B x {n:,} params: the whole model on every rank")]
@@ -322,7 +337,8 @@ class WeightSync:
     bytes: float
     """What it receives before each later iteration: the trained parameters (LoRA: the adapters)."""
     seconds: float | None
-    """A later sync's gathers and pipeline broadcasts (None: links unknown)."""
+    """A later sync's gathers and pipeline broadcasts, and to generator ranks apart the send from trainer rank 0
+    (None: links unknown)."""
 
 
 def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
@@ -341,7 +357,9 @@ def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
         gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
         sent = p.param_bytes * trained * (p.pp - 1) / p.pp
         broadcast = comm_time.p2p(sent, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
-        seconds = gather + broadcast
+        apart = p.grpo.generator_ranks  # trainer rank 0 -> every generator rank, a pipelined broadcast
+        bridge = comm_time.p2p(p.param_bytes * trained, comm_time.link(dev, p.world_size + apart)) if apart else 0.0
+        seconds = gather + broadcast + bridge
     return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
 
 

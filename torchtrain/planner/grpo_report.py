@@ -1,13 +1,15 @@
 """A `[grpo]` plan's GRPO section: what one iteration costs, gathered from the plan (`grpo.py` has the model),
 for the table (`describe`) and `--json` (`GrpoCost`).
 
-    iteration = weight sync (generator = copy) + generation (x max_turns with an environment) + reference pass
+    iteration = weight sync (generator = copy) + generation (x max_turns with an environment; on generator ranks
+                apart, x the data ranks each samples for in turn) + reference pass
                 (beta > 0) + the trainer's log-prob pass (old_logps = "trainer") + reward model pass
                 (grpo.reward_model) + S mu x the step time
                 (grpo.max_staleness = 1: the generation overlaps the steps, only max(0, generation - steps)
                 of it exposed -- the copy and the trainer share the device, so an upper bound on the saving)
     per-step equivalent = iteration / (S mu)
-    MFU over the iteration = (generation + reference + reward model + S mu x step FLOPs) / (iteration x world x peak)
+    MFU over the iteration = (generation + reference + reward model + S mu x step FLOPs) / (iteration x world x peak),
+                the world counting the generator ranks apart
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class GrpoCost:
     reward_model_s: float | None = None
     """Per iteration, grpo.reward_model: its forwards per rank, FLOPs (all ranks), seconds (`reward_model.py`)."""
     generator: str = "trainer"
+    generator_ranks: int = 0
+    """grpo.generator_ranks: ranks apart that sample (their memory is the sampling peak's rows)."""
+    requests_per_generator: int = 1
+    """The data ranks a generator rank apart samples for, one after the other."""
     sync_first_bytes: float = 0.0
     sync_bytes: float = 0.0
     """Per rank, generator = copy: what the copy receives at the first sync, and before each later iteration."""
@@ -104,7 +110,9 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     rank = max(ranks, key=lambda r: r.peak) if ranks else None
     moment = rank.analytic.moments.get("optimizer step", []) if rank else []
     state = [(r.name, r.bytes, r.formula) for r in moment if r.name.startswith(STATE)]
-    prefill, decode = state + gen.prefill_rows, state + gen.decode_rows
+    apart = g.generator_ranks  # (a generator rank apart holds the copy alone: its row is the generation's)
+    samplers = apart or (p.world_size if g.generator == "trainer" else p.dp)
+    prefill, decode = ([] if apart else state) + gen.prefill_rows, ([] if apart else state) + gen.decode_rows
     phase, rows = max((("prefill", prefill), ("decode", decode)), key=lambda x: sum(r[1] for r in x[1]))
     peak = sum(r[1] for r in rows)
     usable = p.usable_bytes
@@ -112,7 +120,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     cost = GrpoCost(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta,
                     g.reference or "none", gen.rows, gen.prompts, lp, source, gen.cached, gen.tokens,
                     gen.tokens_per_rank, gen.prefill_flops, gen.decode_flops,
-                    (gen.prefill_flops + gen.decode_flops) / (p.world_size if g.generator == "trainer" else p.dp), gen.weights_bytes, gen.kv_cache_bytes, peak,
+                    (gen.prefill_flops + gen.decode_flops) / samplers, gen.weights_bytes, gen.kv_cache_bytes, peak,
                     phase, [{"name": n, "bytes": b, "formula": f} for n, b, f in rows],
                     None if usable is None else peak <= usable, gen.prefill_s, gen.decode_s, gen.decode_memory_s,
                     gen.decode_comm_s, gen.seconds, optimizer_steps=g.steps, step_s=step.step_s)
@@ -123,7 +131,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
         cost.reward_model_forwards, cost.reward_model_flops, cost.reward_model_s = (scorer.forwards, scorer.flops,
                                                                                     scorer.seconds)
     sync = grpo.weight_sync(p, p.gpu)
-    cost.generator = g.generator
+    cost.generator, cost.generator_ranks, cost.requests_per_generator = g.generator, apart, gen.requests
     if sync is not None:
         cost.sync_first_bytes, cost.sync_bytes, cost.sync_s = sync.first_bytes, sync.bytes, sync.seconds
     if ref is not None:
@@ -149,7 +157,8 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
         cost.shares = {k: v / cost.iteration_s for k, v in parts.items()}
         cost.per_step_s = cost.iteration_s / g.steps
         if step.peak_tflops:
-            cost.iteration_mfu = cost.iteration_flops / (cost.iteration_s * p.world_size * step.peak_tflops * 1e12)
+            cost.iteration_mfu = cost.iteration_flops / (cost.iteration_s * (p.world_size + apart) * step.peak_tflops
+                                                         * 1e12)
         cost.train_s = step.steps * cost.per_step_s if step.steps else None
     return cost
 
@@ -193,13 +202,19 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
         rows.append(("generation time", f"{s(cost.generation_s)}: prefill {s(cost.prefill_s)}, decode "
                      f"{s(cost.decode_s)} (memory-bandwidth-bound steps {s(cost.decode_memory_bound_s)}: each reads the "
                      f"unsharded weights and the KV cache once; collectives {s(cost.decode_comm_s)})"))
-    if cost.generator != "trainer":
+    if cost.generator_ranks:
+        rows.append(("sampler", f"an unsharded copy on each of {cost.generator_ranks} generator ranks apart "
+                     f"(grpo.generator_ranks; the sampling peak above is theirs), each sampling the rows of "
+                     f"{cost.requests_per_generator} data-parallel rank(s) in turn"))
+    elif cost.generator != "trainer":
         rows.append(("sampler", "an unsharded copy on every rank (grpo.generator = copy), in every moment of the step"
                      if cost.generator == "copy" else "an external generator (its memory its own, not counted; its "
                      "sampling timed as the copy's)"))
+    if cost.generator != "trainer":
         rows.append(("weight sync per iteration", f"{b(cost.sync_bytes)} per rank received ({b(cost.sync_first_bytes)} "
                      f"the first time), {s(cost.sync_s)}: gathered from the float32 shards, under PP broadcast "
-                     "from each stage"))
+                     "from each stage" + (", then sent from trainer rank 0 to the generator ranks" if
+                                          cost.generator_ranks else "")))
     rows.append(("reference (KL penalty)", ref))
     if cost.reference != "none":
         rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "
@@ -218,8 +233,9 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
     rows.append(("optimizer steps per iteration", f"{cost.optimizer_steps} x {s(cost.step_s)} = {s(cost.steps_s)}"))
     if cost.hidden_generation_s is not None:
         rows.append(("generation hidden behind the steps", f"{s(cost.hidden_generation_s)} of {s(cost.generation_s)} "
-                     "(max_staleness 1: sampled while the previous rollouts train; sharing the device, an upper "
-                     "bound on the saving)"))
+                     "(max_staleness 1: sampled while the previous rollouts train; " + (
+                         "on the generator ranks apart)" if cost.generator_ranks else
+                         "sharing the device, an upper bound on the saving)")))
     if cost.iteration_s is not None:
         share = ", ".join(f"{k} {v:.1%}" for k, v in cost.shares.items() if v or k != "reference")
         rows += [("iteration time", f"{s(cost.iteration_s)} ({share})"),

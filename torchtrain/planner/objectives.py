@@ -61,6 +61,8 @@ class Rollouts:
     """`grpo.old_logps`: "trainer" adds one no-grad forward of the model over the rollouts per iteration."""
     max_turns: int = 1
     """The model's turns per completion: `grpo.max_turns` with an environment, else 1."""
+    generator_ranks: int = 0
+    """`grpo.generator_ranks`: ranks apart that hold the copy and sample (`posttrain/generator_ranks.py`); 0 = none."""
 
     @property
     def steps(self) -> int:
@@ -76,4 +78,4 @@ def read_rollouts(job, lora) -> Rollouts | None:
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
                     g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model,
-                    g.max_staleness, g.old_logps, g.max_turns if g.environment else 1)
+                    g.max_staleness, g.old_logps, g.max_turns if g.environment else 1, g.generator_ranks)

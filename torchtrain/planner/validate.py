@@ -47,7 +47,7 @@ def runnable_problems(p: PlanInputs, tokenizer: Any) -> list[str]:
         raise ValueError("runnable_problems needs PlanInputs read from a job (from_job.inputs_from_config), "
                          "not a what-if copy")
     try:
-        preflight(p.job, p.world_size, p.device_type, tokenizer)
+        preflight(p.job, p.world_size + (p.grpo.generator_ranks if p.grpo else 0), p.device_type, tokenizer)
     except ConfigError as e:
         return [str(e)]
     return []

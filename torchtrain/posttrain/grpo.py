@@ -21,6 +21,7 @@ from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, rea
 from torchtrain.data.tokenizer import Tokenizer, stop_ids
 from torchtrain.distributed.layout import Layout
 from torchtrain.posttrain.environments import Environments
+from torchtrain.posttrain.generator_ranks import RemoteGenerator
 from torchtrain.posttrain.generators import (
     CopyGenerator,
     GeneratorContext,
@@ -32,7 +33,7 @@ from torchtrain.posttrain.reference import ReferenceModel, live_reference, start
 from torchtrain.posttrain.reward_model import load_reward_model
 from torchtrain.posttrain.rewards import Rewards, import_function
 from torchtrain.posttrain.rollout import RolloutLoader
-from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, build_whole
+from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, sampler_copy
 from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -64,15 +65,6 @@ def load_environments(grpo) -> Environments | None:
         if grpo.environment else None
 
 
-def sampler_copy(spec, args, cfg: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The model built whole (no parallelism) on `device` with its parameters in `dtype` -- with the job's LoRA
-    adapters, so that it takes the trained model's weights name for name -- for `SamplerCopy`."""
-    model = build_whole(spec, args, device, cfg.lora if cfg.lora.enable else None)
-    for p in model.parameters():  # parameters only: buffers (the RoPE table) keep float32
-        p.data = p.data.to(dtype)
-    return model.eval()
-
-
 class GrpoObjective(Objective):
     """The rollout loader (`loader`, the trainer's data), the policy loss and the reference (`reference`, None without
     a KL term)."""
@@ -97,14 +89,14 @@ class GrpoObjective(Objective):
                                     scorer, load_environments(grpo))
         self.copy: SamplerCopy | None = None
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
-        if grpo.generator == "copy":
-            self.copy = SamplerCopy(sampler_copy(spec, args, cfg, device, layout.param_dtype),
+        self.remote = RemoteGenerator(cfg, spec, args, layout, self.pp_group) if grpo.generator_ranks else None
+        if grpo.generator == "copy" and self.remote is None:  # (with generator ranks the copy is theirs)
+            self.copy = SamplerCopy(sampler_copy(spec, args, layout.lora, device, layout.param_dtype),
                                     TrainedWeights([], self.pp_group))
         self.external = None  # a generator of the job's own, built before anything else starts (bad input: one line)
         if grpo.generator not in ("trainer", "copy"):
             self.context = GeneratorContext(TrainedWeights([], self.pp_group), spec, args, grpo, self.stops,
-                                            self.vocab_limit, device, layout.param_dtype,
-                                            cfg.lora if cfg.lora.enable else None)
+                                            self.vocab_limit, device, layout.param_dtype, layout.lora)
             self.external = build_external(import_function(grpo.generator, "grpo.generator"), grpo.generator,
                                            self.context)
         self.loss = PolicyLoss.for_layout(grpo, layout)
@@ -131,6 +123,8 @@ class GrpoObjective(Objective):
         grpo = self.loader.grpo
         if self.external is not None:
             self.context.weights.parts, self.context.heartbeat, generator = step.model_parts, heartbeat, self.external
+        elif self.remote is not None:
+            self.remote.weights.parts, generator = step.model_parts, self.remote
         elif self.copy is None:
             generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit, heartbeat)
         else:
@@ -142,3 +136,8 @@ class GrpoObjective(Objective):
     def record(self) -> dict[str, float]:
         """The latest iteration's rollout metrics (every rank calls it: one all-reduce)."""
         return self.loader.record()
+
+    def close(self, finished: bool) -> None:
+        """A run that finished tells its generator ranks to stop (one that failed is stopped by the launcher)."""
+        if finished and self.remote is not None:
+            self.remote.close()

@@ -7,7 +7,8 @@ accumulation), G = grpo.num_generations, S = grpo.steps_per_generation, mu = grp
    groups per rank, of which rank r takes c + s (dp P) + j dp + r (j < P) -- a step's prompts are the same under
    any layout, as the data loader's windows are (`data/loader.py`); c then advances by S dp P;
 2. sampling: G completions of each prompt by the model being trained (`posttrain/decoding.py`), in its
-   layout, by an unsharded copy synced from it, or by a generator of your own (a `Generator`,
+   layout, by an unsharded copy synced from it (on every rank, or on ranks apart: `generator_ranks.py`), or by a
+   generator of your own (a `Generator`,
    `posttrain/generators.py`), row (k, g) drawing its random numbers from its own generator seeded by (debug.seed,
    k, g): what prompt k's completions are does not depend on the layout, the batch it is sampled
    in, or a restart;
@@ -51,7 +52,7 @@ from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
 
 ROLLOUT_STATS = ("completions", "reward", "reward_sq", "length", "stopped", "errors", "rounds", "dropped", "seconds",
-                 "sync_seconds", "sync_bytes", "model_score", "waited", "lag", "idle")
+                 "sync_seconds", "sync_bytes", "model_score", "waited", "lag", "idle", "logp_gap")
 
 
 class Group(NamedTuple):
@@ -199,10 +200,16 @@ class RolloutLoader:
         reward = torch.tensor([r for group in mine for r in group.rewards], dtype=torch.float64)
         advantage = group_advantages(reward.view(-1, g), grpo.scale_rewards).reshape(-1)
         self.rows = self._rows(rows, tokens, logps, advantage, sampled)
+        gap = -1.0  # max over sampled tokens of |trainer - sampler| / max(|trainer|, 1) (pipeline: the last stage's)
         if grpo.old_logps == "trainer":
+            sampler = self.rows["old_logps"]
             if grpo.importance_sampling_cap:  # the sampler's, kept for the mismatch weight (`policy_loss.py`)
-                self.rows["sampler_logps"] = self.rows["old_logps"]
+                self.rows["sampler_logps"] = sampler
             self.rows["old_logps"] = self._trainer_logps()
+            if not self.step.layout.dims.pp_enabled:
+                trainer = self.rows["old_logps"]
+                gap = ((trainer - sampler).abs() / trainer.abs().clamp(min=1) * (self.rows["labels"] != IGNORE_INDEX)
+                       ).max().item()
         if self.reference is not None:
             self.rows["ref_token_logps"] = self._reference_logps()
         self.position = 0
@@ -213,7 +220,8 @@ class RolloutLoader:
         first = float(self.rank == 0)  # the job's rounds and dropped groups, counted once in the sum over data ranks
         self._stats = torch.tensor([float(len(rows)), reward.sum().item(), reward.square().sum().item(),
                                     lengths.sum().item(), float(stopped), float(errors), first * rounds,
-                                    first * dropped, seconds, sync_seconds, float(sync_bytes), model_score, *timing],
+                                    first * dropped, seconds, sync_seconds, float(sync_bytes), model_score, *timing,
+                                    gap],
                                    dtype=torch.float64)
 
     def _everyones(self, groups: list[Group]) -> list[Group]:
@@ -337,6 +345,7 @@ class RolloutLoader:
         stats = self._stats.to(self.step.device)
         total = all_reduce(stats.clone(), mesh) if mesh is not None else stats
         s, mine = dict(zip(ROLLOUT_STATS, total.tolist())), dict(zip(ROLLOUT_STATS, self._stats.tolist()))
+        gap = all_reduce(stats[-1:].clone(), mesh, dist.ReduceOp.MAX).item() if mine["logp_gap"] >= 0 else -1.0
         n = max(s["completions"], 1.0)
         mean = s["reward"] / n
         return {"grpo/reward": mean, "grpo/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
@@ -348,6 +357,7 @@ class RolloutLoader:
                 **({"grpo/reward_model_score": s["model_score"] / n} if self.grpo.reward_model else {}),
                 "grpo/rollout_wait_seconds": mine["waited"], "grpo/staleness": mine["lag"],
                 **({"grpo/idle_fraction": mine["idle"]} if mine["idle"] >= 0 else {}),
+                **({"grpo/sampler_logp_rel_diff": gap} if gap >= 0 else {}),
                 **({"grpo/sampling_rounds": s["rounds"], "grpo/groups_dropped": s["dropped"]}
                    if self.grpo.dynamic_sampling else {})}
 

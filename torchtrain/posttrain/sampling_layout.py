@@ -80,6 +80,15 @@ def build_whole(spec, args, device: torch.device, lora=None) -> nn.Module:
     return model
 
 
+def sampler_copy(spec, args, lora, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model built whole (no parallelism) on `device` with its parameters in `dtype` -- with the `lora` adapters
+    (a `[lora]` section, or None), so that it takes the trained model's weights name for name -- for `SamplerCopy`."""
+    model = build_whole(spec, args, device, lora)
+    for p in model.parameters():  # parameters only: buffers (the RoPE table) keep float32
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
 class TrainedWeights:
     """The weights of the model being trained as whole tensors, by canonical name (the names a Hugging Face export
     maps), one at a time and in the same order on every rank: what a sampler with its own copy of the weights -- the

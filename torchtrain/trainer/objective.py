@@ -48,3 +48,7 @@ class Objective:
     def record(self) -> dict[str, float]:
         """The objective's metrics for the step's log line (every rank calls it: it may reduce across ranks)."""
         return {}
+
+    def close(self, finished: bool) -> None:
+        """The run ends (`finished`: every rank completed normally): release what the objective holds apart from the
+        trainer (ranks apart, say)."""

@@ -1,10 +1,9 @@
 """The Trainer: builds a run from a parsed job and runs its loop (the command is `torchtrain/train.py`).
 
-Reading order: `Trainer.__init__` checks everything that can be wrong with it
-and resolves the Layout (`preflight`) before any process group starts, then builds mesh -> model
-parts (meta -> parallelised -> weights) -> the train step (optimizer, schedule, loss, precision,
-pipeline) -> data -> metrics -> checkpoints; `Trainer.train` runs the loop and `TrainStep`
-(trainer/step.py) is one step.
+Reading order: `Trainer.__init__` checks everything that can be wrong with it and resolves the Layout (`preflight`)
+before any process group starts, then builds mesh -> model parts (meta -> parallelised -> weights) -> the train step
+(optimizer, schedule, loss, precision, pipeline) -> data -> metrics -> checkpoints; `Trainer.train` runs the loop
+and `TrainStep` (trainer/step.py) is one step.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from torchtrain.data.sources import CHAT, PROMPTS
 from torchtrain.distributed.cluster import check_cluster
 from torchtrain.distributed.parallelize import build_model_parts
 from torchtrain.distributed.replica_ft import ReplicaGroups, run_folder, state_digest
+from torchtrain.distributed.roles import generator_ranks, job_roles
 from torchtrain.distributed.utils import (
     env_rank_world,
     init_distributed,
@@ -83,11 +83,11 @@ class Trainer:
         eval_tasks = load_tasks(cfg.eval)  # [] unless enabled
 
         # 2. Process group, mesh, RNG; from here on the [fault] monitor watches every phase (docs/resilience.md).
-        init_distributed(cfg.comm, device)
+        init_distributed(cfg.comm, device, job_roles(cfg).group())
         self.run_folder = run_folder(cfg.job.dump_folder, cfg.fault)  # a replica group's own folder under replica_ft
         self.state = TrainState(device, self.batch.global_batch_size, cfg.training.global_batch_size != -1)
-        self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank, world_size,
-                                  cfg.profiling.enable_profiling)
+        self.fault = FaultRuntime(cfg.fault, cfg.debug, self.run_folder, self.state, device, self.rank,
+                                  dims.world_size, cfg.profiling.enable_profiling)
         self.replicas: ReplicaGroups | None = None  # joined last, right before training (fault.replica_ft)
         self._replay = False  # the guard's latest rollback restored the data position (guard.rollback_replay)
         dims.build_mesh(device.type)
@@ -98,19 +98,19 @@ class Trainer:
         active = args.num_active_params()
         model_name = f"{cfg.model.name} ({args.describe()})" if args.describe() else \
             f"{cfg.model.name}/{cfg.model.flavor}"
-        logger.info("%s | %d processes: %s | device %s | model %s, %.2fM parameters%s", cfg.job.description,
-                    world_size, layout.describe(), device, model_name, args.num_params() / 1e6,
+        apart = f" (+ {generator_ranks(cfg)} sampling apart)" if generator_ranks(cfg) else ""
+        logger.info("%s | %d processes%s: %s | device %s | model %s, %.2fM parameters%s", cfg.job.description,
+                    dims.world_size, apart, layout.describe(), device, model_name, args.num_params() / 1e6,
                     f" ({active / 1e6:.2f}M active per token)" if active != args.num_params() else "")
         if device.type == "cpu":
             logger.info("%s", apply_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         for level, text in cfg.job.notices:  # torchtitan keys adapted or dropped (config/torchtitan.py)
             (logger.warning if level == "warning" else logger.info)("%s", text)
 
-        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept
-        #    whole), parallelised as the layout says, then materialised and initialised shard by shard
-        #    with values that do not depend on the layout.
-        # a model with its own weights (a transformers folder) loads every base weight at start-up (the
-        # folder's, or a checkpoint's): its initialisation draws only what is not loaded
+        # 3. Model: built on the meta device (no memory), cut into this rank's pipeline stages (or kept whole),
+        #    parallelised as the layout says, then materialised and initialised shard by shard with values that do
+        #    not depend on the layout. A model with its own weights (a transformers folder) loads every base weight
+        #    at start-up (the folder's, or a checkpoint's): its initialisation draws only what is not loaded.
         hf_weights = spec.hf_weights(args) if spec.hf_weights else None
         loaded = bool(hf_weights) and "model" not in cfg.checkpoint.exclude_from_loading
         self.model_parts = build_model_parts(spec, args, layout, device, cfg.debug.seed, loaded)
@@ -138,7 +138,7 @@ class Trainer:
             logger.info("%s", self.train_step.pipeline.describe(cfg.parallelism.pipeline_parallel_microbatch_size))
         self.flops_per_token = args.flops_per_token(cfg.training.seq_len)
         self.throughput = ThroughputMeter(self.flops_per_token, peak_tflops(device, layout.param_dtype,
-                                                                            cfg.metrics.peak_tflops), world_size)
+                                                                            cfg.metrics.peak_tflops), dims.world_size)
         self.memory = MemoryMonitor(device)
         self.compile_monitor = CompileMonitor(layout.compile_model or layout.compile_loss, device)
         self.tensor_memory = StepMemoryMeter(cfg.metrics.track_tensor_memory, self.model_parts, self.optimizers)
@@ -152,8 +152,7 @@ class Trainer:
                                  listener=self.fault.phase)
         self.evaluation = InLoopEvaluation(cfg.validation, cfg.eval, cfg.training, held_out, eval_tasks, tokenizer,
                                            self.train_step, self.run_folder, self.rank == 0)
-        self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps,
-                                   check_grad_norm=not layout.loss_scaling, device=device)
+        self.guard = TrainingGuard(cfg.guard, cfg.debug.inject_nonfinite_loss_steps, not layout.loss_scaling, device)
         self.sdc = ReplicaCheck(cfg.fault, cfg.debug, layout.replica_mesh, not layout.zero1, self.model_parts,
                                 self.optimizers, self.run_folder, self.rank, device,
                                 lambda step: self.checkpointer.saves_at(step), self.train_step.reexecutable)  # [fault] SDC
@@ -391,6 +390,7 @@ class Trainer:
         if self.offload is not None:
             self.offload.close()
         self.metrics.close()
+        self.objective.close(finished)  # (generators apart stop)
         if self.replicas is not None:
             self.replicas.close()
         if dist.is_initialized():
