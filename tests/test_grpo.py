@@ -31,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -644,8 +645,9 @@ def test_generators_apart_sample_as_the_colocated_copy_and_resume_bitwise(suite)
     the colocated copy's run (FSDP 2, each rank sampling its own rows) step by step within 1e-6 -- the same rows,
     sampled by the same code with the same RNG states; the trainer's log-probs equal the generators' within 1e-6
     (relative) after every sync; the sync is logged; a run resumed mid-iteration continues bitwise (the generators
-    hold only weights, re-sent whole at the first sync). With grpo.max_staleness = 1 the generators sample the next
-    iteration while the trainers train, and the run is the colocated sampled-ahead one."""
+    hold only weights, re-sent whole at the first sync); a generator split by TP samples the same completions. With
+    grpo.max_staleness = 1 the generators sample the next iteration while the trainers train, and the run is the
+    colocated sampled-ahead one."""
     colocated = suite.results["fsdp2", TWO_PASSES].records
     apart, resumed = suite.check_resumes_bitwise(APART, 1, TWO_PASSES, rtol=RTOL, atol=ATOL)
     assert "(+ 2 sampling apart): dp_shard 2" in apart.log
@@ -654,6 +656,11 @@ def test_generators_apart_sample_as_the_colocated_copy_and_resume_bitwise(suite)
     iterations = [r for r in apart.records if r["step"] % 2 == 1]  # each iteration's first step, right after a sync
     assert len(iterations) == 2 and all(r["grpo/sampler_logp_rel_diff"] <= 1e-6 for r in iterations), iterations
     assert all(r["grpo/weight_sync_bytes"] == colocated[0]["grpo/weight_sync_bytes"] > 0 for r in iterations)
+    # one generator of 2 ranks under TP 2 (grpo.generator_tensor_parallel_degree): the same completions; its
+    # log-probs within 2e-6 (TP splits the head's and the attention's reductions: more float32 rounding)
+    split, = suite.check([APART + " --grpo.generator_tensor_parallel_degree 2"], rtol=RTOL, atol=ATOL, extra=TWO_PASSES)
+    assert [r["grpo/reward"] for r in split.records] == [r["grpo/reward"] for r in colocated]
+    assert all(r["grpo/sampler_logp_rel_diff"] <= 2e-6 for r in split.records if r["step"] % 2 == 1), split.records
     ahead, = suite.check([APART], rtol=RTOL, atol=ATOL, extra=AHEAD)
     assert [r["loss"] for r in ahead.records] == pytest.approx(
         [r["loss"] for r in suite.results["fsdp2", AHEAD].records], rel=1e-6, abs=1e-6)
@@ -662,12 +669,13 @@ def test_generators_apart_sample_as_the_colocated_copy_and_resume_bitwise(suite)
 
 def test_generator_ranks_are_checked_against_the_job_and_routed_by_data_rank():
     """The split (distributed/roles.py) and the routing (posttrain/generator_ranks.py), without a process group:
-    the trainer ranks are the job's less the generators, their degrees multiply to them, a generator serves whole
-    data-parallel ranks (a TP group's ranks on one generator), and a split that does not fit is one line."""
+    the trainer ranks are the job's less the generators, their degrees multiply to them, a generator (the leader of
+    its TP group) serves whole data-parallel ranks (a TP group's ranks on one generator), and a split that does not
+    fit is one line."""
     from torchtrain.config import ConfigError
     from torchtrain.config.parallelism import Parallelism
     from torchtrain.distributed.parallel_dims import ParallelDims
-    from torchtrain.distributed.roles import Roles, trainer_world
+    from torchtrain.distributed.roles import Roles, check_generators, trainer_world
     from torchtrain.posttrain.generator_ranks import Routing
 
     roles = [Roles(rank, 6, 2) for rank in range(6)]
@@ -675,11 +683,20 @@ def test_generator_ranks_are_checked_against_the_job_and_routed_by_data_rank():
         [(False, 0, 4), (False, 1, 4), (False, 2, 4), (False, 3, 4), (True, 0, 2), (True, 1, 2)]
     routing = Routing(roles[0], [0, 0, 1, 1])  # TP 2 x DP 2: ranks 0 and 1 hold data rank 0
     assert [routing.generator_of(t) for t in range(4)] == [4, 4, 5, 5] and routing.trainers_of(5) == [2, 3]
+    split = Routing(Roles(0, 6, 4), [0, 1], tp=2)  # 2 trainers (DP 2), 2 generators of TP 2
+    assert [split.generator_of(t) for t in range(2)] == [2, 4] and [split.leader(r) for r in range(2, 6)] == [2, 2, 4, 4]
+    assert split.trainers_of(4) == [1] and split.trainers_of(5) == []
     assert ParallelDims.from_config(Parallelism(tensor_parallel_degree=2), 4, 2).dp == 2
+
+    def split_job(ranks, tp):
+        return SimpleNamespace(grpo=SimpleNamespace(enable=True, generator_ranks=ranks,
+                                                    generator_tensor_parallel_degree=tp))
+
+    check_generators(split_job(2, 2), 1)  # one generator of TP 2 for one data-parallel rank
     for call, says in [(lambda: trainer_world(2, 2), "[grpo.generator_ranks] 2 generator ranks of a job of 2 leave "
                                                      "no rank to train"),
-                       (lambda: ParallelDims.from_config(Parallelism(tensor_parallel_degree=2), 2, 2),
-                        "[grpo.generator_ranks] 2 generator ranks for 1 data-parallel ranks of trainers"),
+                       (lambda: check_generators(split_job(2, 1), 1),
+                        "[grpo.generator_ranks] 2 generators for 1 data-parallel ranks of trainers"),
                        (lambda: ParallelDims.from_config(Parallelism(data_parallel_shard_degree=4), 2, 2),
                         "but the world size is 2; make the product equal the number of processes (or set "
                         "data_parallel_shard_degree = -1 to use the remaining ranks) -- the trainer ranks: the job's "
@@ -758,7 +775,8 @@ BAD_GENERATORS = {  # case: (grpo.generator, what the one line says)
 
 @pytest.mark.parametrize("case", ["no_answer", "too_long", "raises", "not_a_number", "pipeline_in_place",
                                   "reward_model_missing", "reward_model_pipeline", "environment_raises",
-                                  "generator_ranks_in_place", "generator_ranks_no_trainer", *BAD_GENERATORS])
+                                  "generator_ranks_in_place", "generator_ranks_no_trainer", "generator_ranks_tp",
+                                  *BAD_GENERATORS])
 def test_bad_input_is_one_line_before_training(tmp_path, case):
     from torchtrain.tools.grpo_toy import write
 
@@ -790,6 +808,10 @@ def test_bad_input_is_one_line_before_training(tmp_path, case):
             args += [*COPY, "--parallelism.pipeline_parallel_degree", "2"]
         expect = "[grpo.reward_model] " + ("the reward model scores completions in the data-parallel" if
                                            case == "reward_model_pipeline" else f"{root}/no_such_checkpoint does not exist")
+    elif case == "generator_ranks_tp":
+        args += [*COPY, "--grpo.generator_ranks", "1", "--grpo.generator_tensor_parallel_degree", "2"]
+        expect = "[grpo.generator_tensor_parallel_degree] 2 splits each generator over that many of " \
+                 "grpo.generator_ranks (1): make it a multiple of 2"
     elif case.startswith("generator_ranks"):
         args += ["--grpo.generator_ranks", "1"] + (list(COPY) if case == "generator_ranks_no_trainer" else [])
         expect = "[grpo.generator_ranks] 1 " + ("generator ranks of a job of 1 leave no rank to train" if

@@ -299,7 +299,8 @@ def test_generator_ranks_apart_hold_the_copy_sample_in_turn_and_hide_behind_the_
     """grpo.generator_ranks = 1 on 3 GPUs: the plan's world is the 2 trainer ranks (dp 2), which no longer hold the
     copy; the generator rank holds it alone (its sampling peak: the copy and the sampling rows, none of the trainer's
     state) and samples both data ranks' rows in turn (twice one rank's generation); the sync adds the send to it;
-    the iteration's MFU counts all 3 GPUs; with max_staleness = 1 the generation hides behind the steps."""
+    the iteration's MFU counts all 3 GPUs; a generator split by TP 2 holds half its copy (as float32 shards and
+    gathered units) and half the KV cache; with max_staleness = 1 the generation hides behind the steps."""
     copy = ["--model.n_kv_heads", "2", "--training.mixed_precision_param", "bfloat16", "--grpo.generator", "copy"]
     _, p, colocated = _plan(data, 2, copy, gpu="h100")
     _, q, apart = _plan(data, 3, [*copy, "--grpo.generator_ranks", "1"], gpu="h100")
@@ -314,7 +315,18 @@ def test_generator_ranks_apart_hold_the_copy_sample_in_turn_and_hide_behind_the_
     assert a.sync_bytes == c.sync_bytes and a.sync_s > c.sync_s
     assert math.isclose(a.iteration_mfu * 3 * a.iteration_s, c.iteration_mfu * 2 * c.iteration_s, rel_tol=1e-9)
     text = "\n".join(grpo_report.describe(a, (2**30, "GiB")))
-    assert "each of 1 generator ranks apart" in text and "to the generator ranks" in text
+    assert "a copy on 1 generator ranks apart" in text and "to the generator ranks" in text
+    # a generator of 2 ranks under TP 2: its float32 shards and bf16 gathered units halved, the KV cache halved
+    _, r, split = _plan(data, 4, [*copy, "--grpo.generator_ranks", "2", "--grpo.generator_tensor_parallel_degree",
+                                  "2"], gpu="h100")
+    t = split.grpo
+    assert (r.world_size, r.grpo.generator_tp, t.requests_per_generator) == (2, 2, 2)
+    assert t.sampling_rows[0]["bytes"] == (4 + 2) * grpo.copy_numel(r) / 2
+
+    def kv(cost):
+        return next(x["bytes"] for x in cost.sampling_rows if x["name"] == "KV cache")
+
+    assert kv(t) == kv(a) / 2
     ahead = ["--grpo.old_logps", "trainer", "--grpo.importance_sampling_cap", "2", "--grpo.max_staleness", "1"]
     _, _, hidden = _plan(data, 3, [*copy, "--grpo.generator_ranks", "1", *ahead], gpu="h100")
     h = hidden.grpo

@@ -153,6 +153,10 @@ class Grpo:
     every generator after each update (posttrain/generator_ranks.py). At most T. 0: the copy lives on every
     trainer rank (colocated)."""
 
+    generator_tensor_parallel_degree: Annotated[int, Ge(1)] = 1
+    """With generator_ranks: the tensor-parallel degree of each generator (its copy's heads, MLP and vocabulary split
+    over that many generator ranks, which sample the same rows together); generator_ranks / this many replicas."""
+
     old_logps: Literal["sampler", "trainer"] = "sampler"
     """The log-probs of the sampling policy in the importance ratio. `sampler`: those the sampler computed while
     sampling (free; equal to the train step's within float rounding: 1e-6 relative in float32). `trainer`: one
@@ -197,6 +201,10 @@ class Grpo:
         if self.generator_ranks and self.generator != "copy":
             raise ConfigError(f"[grpo.generator_ranks] {self.generator_ranks} ranks apart sample with the sampling copy "
                               f"they hold: set grpo.generator = \"copy\" (not {self.generator!r})")
+        tp = self.generator_tensor_parallel_degree
+        if tp > 1 and (not self.generator_ranks or self.generator_ranks % tp):
+            raise ConfigError(f"[grpo.generator_tensor_parallel_degree] {tp} splits each generator over that many of "
+                              f"grpo.generator_ranks ({self.generator_ranks}): make it a multiple of {tp}")
         if self.importance_sampling_cap and (self.old_logps != "trainer" or self.importance_sampling_cap < 1):
             raise ConfigError(f"[grpo.importance_sampling_cap] {self.importance_sampling_cap:g} weights each token by "
                               f"min(exp(trainer - sampler log-prob), cap): it needs grpo.old_logps = \"trainer\" "

@@ -36,7 +36,7 @@ from torchtrain.config.fields import ConfigError
 from torchtrain.distributed.expert_comm import ExpertComm, resolve_expert_comm
 from torchtrain.distributed.offload import check_offload
 from torchtrain.distributed.parallel_dims import ParallelDims
-from torchtrain.distributed.roles import generator_ranks, trainer_world
+from torchtrain.distributed.roles import check_generators, generator_ranks, trainer_world
 from torchtrain.distributed.strategy import (  # noqa: F401  (re-exported: the Layout's vocabulary)
     COMPILED_STEP_OPTIMIZERS,
     DTYPES,
@@ -340,6 +340,7 @@ def resolve_layout(cfg: "JobConfig", world_size: int, device_type: str, model_ar
     if replicas > 1:  # this job is one replica group: its mesh has no replicate dimension
         par = replace(par, data_parallel_replicate_degree=1)
     dims = ParallelDims.from_config(par, trainer_world(world_size, generator_ranks(cfg)), generator_ranks(cfg))
+    check_generators(cfg, dims.dp)
     strategy = DPStrategy.parse(par.data_parallel_strategy)
     _check_combinations(cfg, dims, strategy, device_type)
     if replicas > 1:

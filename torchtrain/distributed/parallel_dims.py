@@ -113,10 +113,6 @@ class ParallelDims:
         except ConfigError as e:
             raise ConfigError(f"{e} -- the trainer ranks: the job's {world_size + apart} less grpo.generator_ranks = "
                               f"{apart}" if apart else str(e)) from None
-        if apart > rep * shard:
-            raise ConfigError(f"[grpo.generator_ranks] {apart} generator ranks for {rep * shard} data-parallel ranks of "
-                              f"trainers: a generator samples whole data-parallel ranks' prompts (the ranks of a TP / "
-                              f"PP / CP group ask for the same rows), so at most {rep * shard}")
         cls.resolve_dp_shard_in_ep(cfg.expert_parallel_degree, shard, tp)
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, world_size=world_size,
                    loss_parallel_requested=not cfg.disable_loss_parallel, cp=cp, ep=cfg.expert_parallel_degree)

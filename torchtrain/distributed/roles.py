@@ -3,8 +3,9 @@
     job ranks        0 ... T-1                     T ... T+G-1
     role             trainers                      generators
     default group    the trainers' (T ranks)       the generators' (G ranks)
-    requests         trainer t  <-->  generator T + (its data-parallel rank mod G), point to point (`Bridge.send` /
-                     `recv`; the routing is the sampler's: posttrain/generator_ranks.py)
+    requests         trainer t  <-->  the generator of its data-parallel rank (the first rank of a generator's
+                     tensor-parallel group), point to point (`Bridge.send` / `recv`; the routing is the sampler's:
+                     posttrain/generator_ranks.py)
     weights          trainer 0  --->  every generator, one broadcast per tensor (`Bridge.broadcast`)
 
 Each role's default process group holds its own ranks only, so everything the trainer runs on the default group --
@@ -50,6 +51,20 @@ def trainer_world(world: int, generators: int) -> int:
         raise ConfigError(f"[grpo.generator_ranks] {generators} generator ranks of a job of {world} leave no rank to "
                           f"train: launch more processes (NGPU / --nproc-per-node) or set fewer")
     return trainers
+
+
+def generator_replicas(cfg) -> int:
+    """The samplers apart: generator ranks / their tensor-parallel degree (0 without generator ranks)."""
+    return generator_ranks(cfg) // cfg.grpo.generator_tensor_parallel_degree
+
+
+def check_generators(cfg, dp: int) -> None:
+    """Each generator replica samples whole data-parallel ranks' rows: at most dp of them (ConfigError)."""
+    if generator_replicas(cfg) > dp:
+        raise ConfigError(f"[grpo.generator_ranks] {generator_replicas(cfg)} generators for {dp} data-parallel ranks of "
+                          f"trainers: a generator samples whole data-parallel ranks' rows (the ranks of a TP / PP / CP "
+                          f"group ask for the same rows), so at most {dp} (or a larger "
+                          f"grpo.generator_tensor_parallel_degree)")
 
 
 @dataclass(frozen=True)

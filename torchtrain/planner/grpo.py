@@ -63,11 +63,11 @@ the adapters only), each gathered whole from its float32 shards over the FSDP x 
 / pp of them), on the links `comm_time.link` assigns those spans.
 
 **Generator ranks apart** (`grpo.generator_ranks = G`, `posttrain/generator_ranks.py`): the plan's world is the
-trainer ranks (the job's less G); the copy is not on them but on each generator rank, which holds it alone (its
-sampling peak: the copy + the sampling rows) and samples the rows of ceil(dp / G) data ranks one after the other
-(the generation's time that many times one rank's). The sync adds the send of d x the trained parameters from
-trainer rank 0 to the generator ranks (a pipelined broadcast: one p2p transfer over the link spanning the job); the
-transport stages through host memory over gloo today, which the GPU links' figure does not slow. With
+trainer ranks (the job's less G), which hold no copy; a generator -- t = grpo.generator_tensor_parallel_degree
+ranks, sampling as the model does under TP t -- holds it alone (d N_all, or with t > 1 its float32 shards and
+gathered units, (4 + d) N_all / t per rank) and samples the rows of ceil(dp / (G / t)) data ranks one after the
+other. The sync adds the send of d x the trained parameters from trainer rank 0 to the generator ranks (a pipelined
+broadcast: one p2p transfer over the link spanning the job; the gloo transport through host memory is slower). With
 max_staleness = 1 the generation runs on other devices than the steps: the overlap is real, not an upper bound.
 
 **An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
@@ -202,23 +202,25 @@ class Generation:
     decode_comm_s: float | None = None
 
     @property
-    def seconds(self) -> float | None:
-        """The iteration's sampling: each of `requests` rows' prefill and decode, one after the other."""
-        return None if self.prefill_s is None or self.decode_s is None else \
-            (self.prefill_s + self.decode_s) * self.requests
+    def seconds(self) -> float | None:  # each of `requests` rows' prefill and decode, one after the other
+        return None if self.prefill_s is None else (self.prefill_s + self.decode_s) * self.requests
 
 
 def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generation:
     """The sampling of one iteration of `p` with prompts of `prompt_len` tokens (module doc)."""
     if p.grpo.generator == "trainer":
         return _generation(p, dev, prompt_len, p.dp)
-    out = _generation(sampler_view(p), dev, prompt_len, p.dp)
+    out = _generation(sampler_view(p, p.grpo.generator_tp), dev, prompt_len, p.dp)
     held = ("weights (the sampling copy, held in every moment: above)", 0.0, f"{p.param_bytes} B x "
             f"{copy_numel(p):,} params") if p.grpo.generator == "copy" else \
         ("weights (the external generator's own: not counted)", 0.0, "its own memory")
-    if p.grpo.generator_ranks:  # a generator rank holds the copy alone and samples its data ranks in turn
-        held = ("weights (the sampling copy: a generator rank's)", float(p.param_bytes * copy_numel(p)), held[2])
-        out.requests = -(-p.dp // p.grpo.generator_ranks)
+    g = p.grpo
+    if g.generator_ranks:  # a generator holds the copy alone and samples its data ranks in turn
+        tp, d = g.generator_tp, p.param_bytes
+        held = ("weights (the sampling copy: a generator rank's)", float(copy_numel(p) * (d if tp == 1 else 4 + d) / tp),
+                f"{d} B x {copy_numel(p):,} params" if tp == 1 else
+                f"(4 B float32 shards + {d} B gathered) x {copy_numel(p):,} params / {tp} (TP)")
+        out.requests = -(-p.dp // (g.generator_ranks // tp))
     out.prefill_rows[0] = out.decode_rows[0] = held
     return out
 
@@ -296,10 +298,11 @@ def _time(p: PlanInputs, dev: GPUSpec, out: Generation, slot: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the sampling copy
-def sampler_view(p: PlanInputs) -> PlanInputs:
-    """`p` as grpo.generator = "copy" samples: the whole model on one GPU (no TP, PP, CP, EP or FSDP), the same rows."""
+def sampler_view(p: PlanInputs, tp: int = 1) -> PlanInputs:
+    """`p` as grpo.generator = "copy" samples: the whole model on one GPU (no TP, PP, CP, EP or FSDP), the same rows
+    -- or, `tp` > 1, split over that many (generator ranks apart with grpo.generator_tensor_parallel_degree)."""
     rows = p.local_batch_size * p.grad_accum_steps
-    return p.replace(tp=1, pp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, world_size=1, strategy="ddp",
+    return p.replace(tp=tp, pp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, world_size=tp, strategy="ddp",
                      global_batch_size=rows)
 
 

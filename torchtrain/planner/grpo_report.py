@@ -111,7 +111,7 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     moment = rank.analytic.moments.get("optimizer step", []) if rank else []
     state = [(r.name, r.bytes, r.formula) for r in moment if r.name.startswith(STATE)]
     apart = g.generator_ranks  # (a generator rank apart holds the copy alone: its row is the generation's)
-    samplers = apart or (p.world_size if g.generator == "trainer" else p.dp)
+    samplers = apart or (p.world_size if g.generator == "trainer" else p.dp)  # GPUs the generation's FLOPs split over
     prefill, decode = ([] if apart else state) + gen.prefill_rows, ([] if apart else state) + gen.decode_rows
     phase, rows = max((("prefill", prefill), ("decode", decode)), key=lambda x: sum(r[1] for r in x[1]))
     peak = sum(r[1] for r in rows)
@@ -203,8 +203,8 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
                      f"{s(cost.decode_s)} (memory-bandwidth-bound steps {s(cost.decode_memory_bound_s)}: each reads the "
                      f"unsharded weights and the KV cache once; collectives {s(cost.decode_comm_s)})"))
     if cost.generator_ranks:
-        rows.append(("sampler", f"an unsharded copy on each of {cost.generator_ranks} generator ranks apart "
-                     f"(grpo.generator_ranks; the sampling peak above is theirs), each sampling the rows of "
+        rows.append(("sampler", f"a copy on {cost.generator_ranks} generator ranks apart (grpo.generator_ranks; "
+                     f"the sampling peak above is one's), each generator sampling the rows of "
                      f"{cost.requests_per_generator} data-parallel rank(s) in turn"))
     elif cost.generator != "trainer":
         rows.append(("sampler", "an unsharded copy on every rank (grpo.generator = copy), in every moment of the step"

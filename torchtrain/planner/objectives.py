@@ -63,6 +63,8 @@ class Rollouts:
     """The model's turns per completion: `grpo.max_turns` with an environment, else 1."""
     generator_ranks: int = 0
     """`grpo.generator_ranks`: ranks apart that hold the copy and sample (`posttrain/generator_ranks.py`); 0 = none."""
+    generator_tp: int = 1
+    """`grpo.generator_tensor_parallel_degree`: the generator ranks one copy is split over."""
 
     @property
     def steps(self) -> int:
@@ -78,4 +80,5 @@ def read_rollouts(job, lora) -> Rollouts | None:
     ref = None if g.beta <= 0 else "adapters off" if lora is not None else "copy"
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
                     g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model,
-                    g.max_staleness, g.old_logps, g.max_turns if g.environment else 1, g.generator_ranks)
+                    g.max_staleness, g.old_logps, g.max_turns if g.environment else 1, g.generator_ranks,
+                    g.generator_tensor_parallel_degree)

@@ -1,9 +1,11 @@
 """GRPO's sampling on ranks apart (`grpo.generator_ranks`; the split and its groups: `distributed/roles.py`).
 
-Each generator rank holds the sampling copy (`sampling_layout.py::SamplerCopy`'s model: whole, in the job's
-compute dtype) and samples for the trainer ranks of some data-parallel ranks: data rank d's on generator
-T + (d mod G). The trainers tell the generators that routing once, at start-up (`Routing`); the ranks of a TP / PP /
-CP group ask for the same rows and their generator samples them once. Per request, in order:
+Each generator holds the sampling copy (`sampling_layout.py::SamplerCopy`'s model: whole, in the job's compute
+dtype; or split by tensor parallelism over grpo.generator_tensor_parallel_degree = t generator ranks, `copy_model`)
+and samples for the trainer ranks of some data-parallel ranks: data rank d's on generator d mod (G / t), whose
+first rank talks to the trainers and hands their requests to its TP group. The trainers tell the generators that
+routing once, at start-up (`Routing`); the ranks of a TP / PP / CP group ask for the same rows and their generator
+samples them once. Per request, in order:
 
     trainer rank t (RemoteGenerator)              its generator (`serve`)
     sync_weights: ("sync",), then trainer 0       ("sync",) from each of its trainers, then every tensor trainer 0
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtrain.config import JobConfig
+from torchtrain.config.fields import ConfigError
 from torchtrain.data.tokenizer import stop_ids
 from torchtrain.distributed.roles import Bridge, Roles, job_roles
 from torchtrain.distributed.utils import init_distributed, set_determinism
@@ -39,18 +44,65 @@ from torchtrain.utils.cpu_threads import apply_threads
 
 
 class Routing:
-    """Which trainer ranks each generator samples for: `data_ranks[t]`, trainer rank t's data-parallel rank."""
+    """Which trainer ranks each generator samples for: `data_ranks[t]`, trainer rank t's data-parallel rank; `tp`
+    generator ranks per generator (its tensor-parallel group, led by its first rank, which talks to the trainers)."""
 
-    def __init__(self, roles: Roles, data_ranks: list[int]):
-        self.roles, self.data_ranks = roles, data_ranks
+    def __init__(self, roles: Roles, data_ranks: list[int], tp: int = 1):
+        self.roles, self.data_ranks, self.tp = roles, data_ranks, tp
 
     def generator_of(self, trainer: int) -> int:
-        """The job rank of the generator that samples trainer rank `trainer`'s prompts."""
-        return self.roles.trainers + self.data_ranks[trainer] % self.roles.generators
+        """The job rank of the generator (its leader) that samples trainer rank `trainer`'s prompts."""
+        replicas = self.roles.generators // self.tp
+        return self.roles.trainers + self.data_ranks[trainer] % replicas * self.tp
+
+    def leader(self, rank: int) -> int:
+        """The leader of generator rank `rank`'s tensor-parallel group (job ranks)."""
+        return rank - (rank - self.roles.trainers) % self.tp
 
     def trainers_of(self, generator: int) -> list[int]:
-        """The trainer ranks generator (job rank) `generator` samples for, in order."""
+        """The trainer ranks generator (job rank) `generator` answers, in order ([] for a leader's followers)."""
         return [t for t in range(self.roles.trainers) if self.generator_of(t) == generator]
+
+
+def generator_job(cfg: JobConfig) -> JobConfig:
+    """The job as a generator with tensor parallelism lays its copy out: grpo.generator_tensor_parallel_degree ranks
+    of tensor parallelism, replicated over the generator ranks (HSDP's replicas of FSDP units of one rank: nothing
+    crosses replicas in a forward; its mixed precision casts the float32 shards), nothing else (no PP, CP, EP,
+    compile or activation checkpointing: it never trains)."""
+    g = cfg.grpo
+    tp = g.generator_tensor_parallel_degree
+    par = replace(cfg.parallelism, tensor_parallel_degree=tp, data_parallel_replicate_degree=g.generator_ranks // tp,
+                  data_parallel_shard_degree=1, pipeline_parallel_degree=1, context_parallel_degree=1,
+                  expert_parallel_degree=1, data_parallel_strategy="zero3")
+    return replace(cfg, parallelism=par, grpo=replace(g, generator_ranks=0, generator_tensor_parallel_degree=1),
+                   training=replace(cfg.training, global_batch_size=-1), compile=replace(cfg.compile, enable=False),
+                   activation_checkpoint=replace(cfg.activation_checkpoint, mode="none"))
+
+
+def generator_layout(cfg: JobConfig, spec, args, device_type: str):
+    """The generators' Layout (`generator_job` on the generator ranks): ConfigError when the family's plan cannot
+    split the copy so (heads not divisible, a family that samples without a cache)."""
+    from torchtrain.distributed.layout import resolve_layout
+
+    if not spec.takes_cache(args):
+        raise ConfigError(f"[grpo.generator_tensor_parallel_degree] {cfg.model.name} (a model without a key/value "
+                          f"cache) samples whole sequences at a time, which tensor parallelism's sequence shards do "
+                          f"not allow: keep 1")
+    return resolve_layout(generator_job(cfg), cfg.grpo.generator_ranks, device_type, args, spec)
+
+
+def copy_model(cfg: JobConfig, job, device: torch.device):
+    """A generator rank's copy, its tensor-parallel group (None: the copy is whole, in the job's compute dtype) and
+    the autocast its forwards run under."""
+    spec, args, layout = job.model_spec, job.model_args, job.layout
+    if cfg.grpo.generator_tensor_parallel_degree == 1:
+        return sampler_copy(spec, args, layout.lora, device, layout.param_dtype), None, layout.autocast_dtype
+    from torchtrain.distributed.parallelize import build_model_parts
+
+    mine = generator_layout(cfg, spec, args, device.type)
+    mine.dims.build_mesh(device.type)
+    model, = build_model_parts(spec, args, mine, device, cfg.debug.seed, frozen=True)
+    return model.eval().requires_grad_(False), mine.dims.world_mesh["tp"].get_group(), mine.autocast_dtype
 
 
 class RemoteGenerator:
@@ -68,7 +120,8 @@ class RemoteGenerator:
             copy = sampler_copy(spec, args, layout.lora, torch.device("meta"), layout.param_dtype).state_dict()
         self.dtypes = {name: value.dtype for name, value in copy.items()}
         self.index = {name: i for i, name in enumerate(sorted(copy))}
-        self.peer = Routing(self.roles, data_ranks).generator_of(self.roles.rank)
+        self.peer = Routing(self.roles, data_ranks, cfg.grpo.generator_tensor_parallel_degree).generator_of(
+            self.roles.rank)
 
     def sync_weights(self) -> tuple[float, int]:
         """Every trained tensor from trainer rank 0 to every generator; (seconds, bytes each generator received)."""
@@ -105,15 +158,19 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
     if device.type == "cpu":
         apply_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     bridge = Bridge(roles)
-    routing = Routing(roles, bridge.broadcast_object())
-    layout, grpo = job.layout, cfg.grpo
-    model = sampler_copy(job.model_spec, job.model_args, layout.lora, device, layout.param_dtype)
-    sampler = CopyGenerator(SamplerCopy(model, TrainedWeights([])), grpo, stop_ids(job.tokenizer, grpo.stop_token_ids),
-                            job.tokenizer.vocab_size, layout.autocast_dtype)
+    routing = Routing(roles, bridge.broadcast_object(), cfg.grpo.generator_tensor_parallel_degree)
+    model, tp_group, autocast = copy_model(cfg, job, device)
+    sampler = CopyGenerator(SamplerCopy(model, TrainedWeights([])), cfg.grpo,
+                            stop_ids(job.tokenizer, cfg.grpo.stop_token_ids), job.tokenizer.vocab_size, autocast,
+                            tp_group=tp_group)
     target = model.state_dict()
-    names, trainers = sorted(target), routing.trainers_of(roles.rank)
+    names, trainers, leader = sorted(target), routing.trainers_of(roles.rank), routing.leader(roles.rank)
     while True:
         requests = [bridge.recv(t) for t in trainers]  # every trainer asks the same kind at once
+        if tp_group is not None:  # the leader's requests, to its tensor-parallel group
+            box = [requests]
+            dist.broadcast_object_list(box, src=leader - roles.trainers, group=tp_group)
+            requests = box[0]
         kind = requests[0][0]
         if kind == "stop":
             return
@@ -121,14 +178,15 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
             _receive_weights(bridge, target, names)
             continue
         answers: dict[int, tuple] = {}  # by data rank: a TP / PP / CP group's rows are sampled once
-        for t, (_, prompts, sampling, states) in zip(trainers, requests):
+        for t, (_, prompts, sampling, states) in zip(routing.trainers_of(leader), requests):
             rank = routing.data_ranks[t]
             if rank not in answers:
                 generators = [torch.Generator() for _ in states]
                 for g, state in zip(generators, states):
                     g.set_state(state)
                 answers[rank] = sampler(prompts, sampling, generators), [g.get_state() for g in generators]
-            bridge.send(answers[rank], t)
+            if trainers:
+                bridge.send(answers[rank], t)
 
 
 @torch.no_grad()
@@ -140,8 +198,11 @@ def _receive_weights(bridge: Bridge, target: dict[str, torch.Tensor], names: lis
         if int(index) < 0:
             return
         value = target[names[int(index)]]
-        direct = value.device.type == "cpu" and value.is_contiguous()
+        direct = value.device.type == "cpu" and value.is_contiguous() and not isinstance(value, DTensor)
         buffer = value if direct else torch.empty(value.shape, dtype=value.dtype)
         bridge.broadcast(buffer)
-        if not direct:
+        if isinstance(value, DTensor):  # this rank's shard of the whole tensor (every rank holds it: no collective)
+            value.copy_(distribute_tensor(buffer.to(value.device), value.device_mesh, value.placements,
+                                          src_data_rank=None))
+        elif not direct:
             value.copy_(buffer)

@@ -6,10 +6,12 @@ environment, never from a data file), given a `GeneratorContext`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 
 from torchtrain.config.fields import ConfigError
 from torchtrain.config.grpo import Grpo
@@ -73,9 +75,11 @@ class CopyGenerator(TrainerGenerator):
     its weights synced from the model being trained before each iteration; no collective while it samples."""
 
     def __init__(self, copy: SamplerCopy, grpo: Grpo, stop_ids: tuple[int, ...], vocab_limit: int,
-                 autocast: torch.dtype | None, heartbeat: Callable[[], None] | None = None):
+                 autocast: torch.dtype | None, heartbeat: Callable[[], None] | None = None, tp_group=None):
         super().__init__(None, grpo, stop_ids, vocab_limit, heartbeat)
         self.copy, self.autocast = copy, autocast
+        self.tp_group = tp_group
+        """The tensor-parallel group of a copy laid out with TP (generator ranks apart); None: the copy is whole."""
 
     def sync_weights(self) -> tuple[float, int]:
         return self.copy.sync()
@@ -86,9 +90,12 @@ class CopyGenerator(TrainerGenerator):
         autocast = torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else \
             contextlib.nullcontext()
         progress = SamplingProgress(len(prompts) * self.grpo.max_completion_length, self.heartbeat)
+        tp = self.tp_group
         with sampling_mode([model]), autocast, progress.bar:
             return sample_groups(model, prompts, self.grpo.num_generations, self.grpo.max_completion_length,
-                                 sampling, generators, self.stop_ids, self.vocab_limit, progress=progress)
+                                 sampling, generators, self.stop_ids, self.vocab_limit,
+                                 None if tp is None else functools.partial(all_ranks_done, group=tp),
+                                 1 if tp is None else dist.get_world_size(tp), progress=progress)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torchtrain.data.prompts import Prompt, PromptFormatError, PromptStream, rea
 from torchtrain.data.tokenizer import Tokenizer, stop_ids
 from torchtrain.distributed.layout import Layout
 from torchtrain.posttrain.environments import Environments
-from torchtrain.posttrain.generator_ranks import RemoteGenerator
+from torchtrain.posttrain.generator_ranks import RemoteGenerator, generator_layout
 from torchtrain.posttrain.generators import (
     CopyGenerator,
     GeneratorContext,
@@ -89,6 +89,8 @@ class GrpoObjective(Objective):
                                     scorer, load_environments(grpo))
         self.copy: SamplerCopy | None = None
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
+        if grpo.generator_ranks and grpo.generator_tensor_parallel_degree > 1:  # the generators' own layout fits
+            generator_layout(cfg, spec, args, device.type)
         self.remote = RemoteGenerator(cfg, spec, args, layout, self.pp_group) if grpo.generator_ranks else None
         if grpo.generator == "copy" and self.remote is None:  # (with generator ranks the copy is theirs)
             self.copy = SamplerCopy(sampler_copy(spec, args, layout.lora, device, layout.param_dtype),

@@ -56,13 +56,13 @@ def sampling_mode(model_parts: list[nn.Module]) -> Iterator[None]:
             m.reshard()
 
 
-def all_ranks_done(done: bool) -> bool:
-    """Whether every rank's rows have stopped (one all-reduce over the world; this rank's answer alone without a
-    process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_ranks_done(done: bool, group=None) -> bool:
+    """Whether every rank's rows have stopped (one all-reduce over the world, or over `group`; this rank's answer
+    alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return done
-    flag = torch.tensor([1 if done else 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if done else 0], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
