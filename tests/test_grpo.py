@@ -665,6 +665,32 @@ def test_generators_apart_sample_as_the_colocated_copy_and_resume_bitwise(suite)
     assert [r["loss"] for r in ahead.records] == pytest.approx(
         [r["loss"] for r in suite.results["fsdp2", AHEAD].records], rel=1e-6, abs=1e-6)
     assert [r["grpo/staleness"] for r in ahead.records] == [0, 1, 1, 1]
+    from torchtrain.posttrain.timeline import read, render
+    from torchtrain.tools.parity import layout_dump_folder, parse_layout
+
+    timeline = read(layout_dump_folder(parse_layout(APART), suite.variant_folder(AHEAD)))  # trainer rank 0's
+    assert [(it.iteration, it.lag) for it in timeline] == [(0, 0), (1, 1), (2, 1), (3, 1)]
+    assert "  sampler |" in render(timeline) and all(it.sync > 0 and it.sampling > 0 for it in timeline)
+
+
+def test_a_rollout_timeline_draws_the_waits_the_syncs_and_the_sampling(tmp_path):
+    """posttrain/timeline.py on fixed iterations: a synchronous one samples inside its wait, after the sync; one
+    sampled ahead was sampled from the end of the previous iteration's wait, while the trainer trained."""
+    from torchtrain.posttrain.timeline import Iteration, TimelineWriter, read, render, spans
+
+    its = [Iteration(0, 100.0, 2.0, 1.0, 1.0, 0), Iteration(1, 110.0, 2.0, 1.0, 6.0, 1),
+           Iteration(2, 118.0, 2.0, 1.0, 5.0, 1)]
+    trainer, sampler = spans(its)
+    assert trainer[:3] == [(100.0, 101.0, "sync"), (101.0, 102.0, "wait"), (102.0, 110.0, "train")]
+    assert sampler == [(101.0, 102.0), (102.0, 108.0), (112.0, 117.0)]
+    picture = render(its, width=20).splitlines()  # one second a column
+    assert picture[1] == "  trainer |Sw########Sw######Sw|  S weight sync, w waiting for rows, # training"
+    assert picture[2] == "  sampler | sssssss    sssss   |  s sampling"
+    assert picture[3] == "  the trainer waited 22% of iterations 0-1"  # (4 s of 18)
+    writer = TimelineWriter(str(tmp_path))
+    for it in [*its, Iteration(1, 130.0, 1.0, 0.5, 6.0, 1)]:  # (a resumed run writes iteration 1 again)
+        writer.write(it)
+    assert [it.start for it in read(str(tmp_path))] == [100.0, 130.0, 118.0]
 
 
 def test_generator_ranks_are_checked_against_the_job_and_routed_by_data_rank():

@@ -34,6 +34,7 @@ from torchtrain.posttrain.reward_model import load_reward_model
 from torchtrain.posttrain.rewards import Rewards, import_function
 from torchtrain.posttrain.rollout import RolloutLoader
 from torchtrain.posttrain.sampling_layout import SamplerCopy, TrainedWeights, sampler_copy
+from torchtrain.posttrain.timeline import TimelineWriter
 from torchtrain.trainer.objective import Objective
 from torchtrain.utils.logging import is_log_rank, logger
 
@@ -87,6 +88,7 @@ class GrpoObjective(Objective):
         self.loader = RolloutLoader(stream, grpo, rewards, tokenizer, training.seq_len, batch.local_batch_size,
                                     batch.grad_accum_steps, layout.data_rank, layout.data_degree, cfg.debug.seed,
                                     scorer, load_environments(grpo))
+        self.loader.timeline = TimelineWriter(cfg.job.dump_folder if is_log_rank() else None)  # (`timeline.py`)
         self.copy: SamplerCopy | None = None
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
         if grpo.generator_ranks and grpo.generator_tensor_parallel_degree > 1:  # the generators' own layout fits

@@ -47,6 +47,7 @@ from torchtrain.posttrain.environments import play
 from torchtrain.posttrain.generators import Generator, check_completions
 from torchtrain.posttrain.rewards import RewardError, Rewards, overlong_penalty
 from torchtrain.posttrain.rollout_scoring import score_rows, trainer_scoring
+from torchtrain.posttrain.timeline import Iteration, TimelineWriter
 from torchtrain.utils.json_tensor import tensor_from_json, tensor_to_json
 from torchtrain.utils.logging import logger
 from torchtrain.utils.token_loss import IGNORE_INDEX
@@ -117,6 +118,7 @@ class RolloutLoader:
         self.environments = environments  # (`environments.py::Environments`, or None: one turn per completion)
         self.ahead = Ahead() if grpo.max_staleness else None  # (`ahead.py`: the next iteration sampled meanwhile)
         self._last: tuple[float, float] | None = None  # (start, seconds waited) of the previous iteration
+        self.timeline = TimelineWriter(None)  # (`timeline.py`: where the iterations' times go; none by default)
         self.seq_len, self.local_batch_size, self.grad_accum = seq_len, local_batch_size, grad_accum
         self.rank, self.degree, self.seed = data_rank, data_degree, seed
         self.prompts_per_step = rows // grpo.num_generations  # per rank
@@ -151,7 +153,7 @@ class RolloutLoader:
 
     def _iteration(self) -> None:
         grpo = self.grpo
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         if self.ahead is None:
             (sync_seconds, sync_bytes), lag = self.generator.sync_weights(), 0
             mine, rounds, seconds, errors, dropped = self._collect()
@@ -164,6 +166,7 @@ class RolloutLoader:
         idle = self._last[1] / (start - self._last[0]) if self._last is not None else -1.0
         self._last = (start, waited)
         self._build(mine, rounds, seconds, errors, dropped, sync_seconds, sync_bytes, [waited, float(lag), idle])
+        self.timeline.write(Iteration(self.iterations - 1, wall, waited, sync_seconds, seconds, lag))
 
     def _collect(self) -> tuple[list[Group], int, float, int, int]:
         """The iteration's groups of this rank, sampled now (one round, or DAPO's rounds): (groups, rounds, sampling
