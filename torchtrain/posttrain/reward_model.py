@@ -21,8 +21,10 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.config.fields import ConfigError
@@ -50,10 +52,28 @@ def answer_ends(labels: torch.Tensor, slot: torch.Tensor, slots: int, stops: tor
 
 
 def answer_scores(logits: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """(rows, slots) float32 scores at the positions `ends` (0 for an empty slot); vocabulary-sharded DTensor logits
-    (loss parallel) are gathered first."""
-    values = local_value(logits)[..., SCORE_TOKEN].float()
+    """(rows, slots) float32 scores at the positions `ends` (0 for an empty slot), from plain or DTensor logits
+    (`score_column`)."""
+    values = score_column(logits)
     return torch.where(ends >= 0, values.gather(1, ends.clamp(min=0)), 0.0)
+
+
+def score_column(logits: torch.Tensor) -> torch.Tensor:
+    """logits[..., SCORE_TOKEN] in float32 as a plain tensor. Vocabulary-sharded DTensor logits (loss parallel):
+    without gradients (scoring rollouts) the shard that holds the column reads it and one all-reduce of a value per
+    position shares it; with gradients (training) the logits are gathered whole (differentiable)."""
+    if not isinstance(logits, DTensor):
+        return logits[..., SCORE_TOKEN].float()
+    (placement,) = logits.placements if len(logits.placements) == 1 else (None,)
+    if torch.is_grad_enabled() or not isinstance(placement, Shard) or placement.dim % logits.ndim != logits.ndim - 1:
+        return local_value(logits)[..., SCORE_TOKEN].float()
+    mesh, local = logits.device_mesh, logits.to_local()
+    at = SCORE_TOKEN - mesh.get_local_rank() * -(-logits.shape[-1] // mesh.size())  # (torch.chunk's shards)
+    column = local.new_zeros(local.shape[:-1], dtype=torch.float32)  # (a contiguous buffer of its own to reduce)
+    if 0 <= at < local.shape[-1]:
+        column.copy_(local[..., at])
+    dist.all_reduce(column, group=mesh.get_group())
+    return column
 
 
 class RewardModel:
