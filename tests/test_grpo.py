@@ -877,3 +877,35 @@ def test_a_reward_failing_during_training_is_scored_zero_and_counted(tmp_path):
                      env={"PYTHONPATH": root})
     assert stop.returncode == 2 and "[grpo.on_reward_error]" in stop.stderr, stop.stderr[-3000:]
     assert_no_traceback(stop.stderr)
+
+
+def test_a_trainer_waiting_for_its_generator_hears_it_sample_and_tells_its_hang_monitor(monkeypatch):
+    """posttrain/generator_ranks.py, without processes: a generator sampling for longer than a quarter of the hang
+    timeout sends each trainer still waiting for its answer a beat per quarter (none without a hang monitor); the
+    trainer passes each to its heartbeat and takes the answer after them."""
+    from torchtrain.posttrain import generator_ranks as gr
+    from torchtrain.posttrain.decoding import Completions, Sampling
+
+    sent, clock = [], [0.0]
+    monkeypatch.setattr(gr.time, "monotonic", lambda: clock[0])
+    bridge = SimpleNamespace(send=lambda obj, dst: sent.append((obj, dst)))
+    beats = gr.Beats(bridge, 15.0)
+    beats.waiting = [0, 1]
+    for clock[0] in (5.0, 16.0, 20.0, 31.0):  # token steps at these seconds
+        beats()
+    assert sent == [(gr.BEAT, 0), (gr.BEAT, 1), (gr.BEAT, 0), (gr.BEAT, 1)]  # at 16 s and 31 s
+    quiet = gr.Beats(bridge, None)
+    quiet.waiting, clock[0] = [0], 100.0
+    quiet()
+    assert len(sent) == 4
+
+    answer = (Completions([[5, 1]], [[-0.5, -0.1]], [True]), [torch.Generator().manual_seed(7).get_state()])
+    inbox = [gr.BEAT, gr.BEAT, answer]
+    remote = gr.RemoteGenerator.__new__(gr.RemoteGenerator)
+    remote.bridge = SimpleNamespace(send=lambda obj, dst: None, recv=lambda src: inbox.pop(0))
+    remote.peer, beats_heard = 2, []
+    remote.heartbeat = lambda: beats_heard.append(1)
+    rows = [torch.Generator()]
+    out = remote([[3, 4]], Sampling(), rows)
+    assert out.tokens == [[5, 1]] and len(beats_heard) == 2
+    assert torch.equal(rows[0].get_state(), torch.Generator().manual_seed(7).get_state())

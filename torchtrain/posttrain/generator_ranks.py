@@ -19,7 +19,7 @@ The trainer keeps everything a checkpoint needs (the rollout rows, the rows' RNG
 generator holds only weights, and a resumed run's first sync sends them all. The trainer ranks gather the whole
 tensors together (as for the colocated copy); only trainer rank 0 sends them. Trainer rank t waits for its generator
 only while it samples, so with `grpo.max_staleness = 1` the generators sample the next iteration while the trainers
-train (`ahead.py`).
+train (`ahead.py`); while it waits, its generator's `Beats` keep its hang monitor informed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,8 @@ class RemoteGenerator:
         self.index = {name: i for i, name in enumerate(sorted(copy))}
         self.peer = Routing(self.roles, data_ranks, cfg.grpo.generator_tensor_parallel_degree).generator_of(
             self.roles.rank)
+        self.heartbeat: Callable[[], None] | None = None
+        """The hang monitor's sign of progress, given each `Beats` message of the generator while it samples."""
 
     def sync_weights(self) -> tuple[float, int]:
         """Every trained tensor from trainer rank 0 to every generator; (seconds, bytes each generator received)."""
@@ -138,7 +141,10 @@ class RemoteGenerator:
 
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
         self.bridge.send(("sample", prompts, sampling, [g.get_state() for g in generators]), self.peer)
-        out, states = self.bridge.recv(self.peer)
+        while (answer := self.bridge.recv(self.peer)) == BEAT:  # the generator samples on: tell the hang monitor
+            if self.heartbeat is not None:
+                self.heartbeat()
+        out, states = answer
         for g, state in zip(generators, states):
             g.set_state(state)
         return out
@@ -146,6 +152,29 @@ class RemoteGenerator:
     def close(self) -> None:
         """The run is over: this rank's generator may stop."""
         self.bridge.send(("stop",), self.peer)
+
+
+BEAT = "beat"
+"""What a generator sends a trainer waiting for its rows now and then while it samples (`Beats`)."""
+
+
+class Beats:
+    """The trainers waiting for a generator's answers (`waiting`) are sent `BEAT` every `interval` seconds while it
+    samples (called at every token step, as `CopyGenerator`'s heartbeat): each passes it to its hang monitor, which
+    would otherwise see a trainer blocked on its generator for as long as the sampling takes. `interval` None: none
+    (no hang monitor: fault.hang_timeout_s unset)."""
+
+    def __init__(self, bridge: Bridge, interval: float | None):
+        self.bridge, self.interval = bridge, interval
+        self.waiting: list[int] = []
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        if self.interval is None or not self.waiting or time.monotonic() - self.last < self.interval:
+            return
+        for t in self.waiting:
+            self.bridge.send(BEAT, t)
+        self.last = time.monotonic()
 
 
 def serve(cfg: JobConfig, job, device: torch.device) -> None:
@@ -160,9 +189,11 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
     bridge = Bridge(roles)
     routing = Routing(roles, bridge.broadcast_object(), cfg.grpo.generator_tensor_parallel_degree)
     model, tp_group, autocast = copy_model(cfg, job, device)
+    hang = cfg.fault.hang_timeout_s
+    beats = Beats(bridge, hang / 4 if hang else None)
     sampler = CopyGenerator(SamplerCopy(model, TrainedWeights([])), cfg.grpo,
                             stop_ids(job.tokenizer, cfg.grpo.stop_token_ids), job.tokenizer.vocab_size, autocast,
-                            tp_group=tp_group)
+                            heartbeat=beats, tp_group=tp_group)
     target = model.state_dict()
     names, trainers, leader = sorted(target), routing.trainers_of(roles.rank), routing.leader(roles.rank)
     while True:
@@ -178,9 +209,10 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
             _receive_weights(bridge, target, names)
             continue
         answers: dict[int, tuple] = {}  # by data rank: a TP / PP / CP group's rows are sampled once
-        for t, (_, prompts, sampling, states) in zip(routing.trainers_of(leader), requests):
+        for k, (t, (_, prompts, sampling, states)) in enumerate(zip(routing.trainers_of(leader), requests)):
             rank = routing.data_ranks[t]
             if rank not in answers:
+                beats.waiting = trainers[k:]  # (those not answered yet; a follower answers none)
                 generators = [torch.Generator() for _ in states]
                 for g, state in zip(generators, states):
                     g.set_state(state)

@@ -128,7 +128,7 @@ class GrpoObjective(Objective):
         if self.external is not None:
             self.context.weights.parts, self.context.heartbeat, generator = step.model_parts, heartbeat, self.external
         elif self.remote is not None:
-            self.remote.weights.parts, generator = step.model_parts, self.remote
+            self.remote.weights.parts, self.remote.heartbeat, generator = step.model_parts, heartbeat, self.remote
         elif self.copy is None:
             generator = TrainerGenerator(step, grpo, self.stops, self.vocab_limit, heartbeat)
         else:
