@@ -67,7 +67,7 @@ trainer ranks (the job's less G), which hold no copy; a generator -- t = grpo.ge
 ranks, sampling as the model does under TP t -- holds it alone (d N_all, or with t > 1 its float32 shards and
 gathered units, (4 + d) N_all / t per rank) and samples the rows of ceil(dp / (G / t)) data ranks one after the
 other. The sync adds the send of d x the trained parameters from trainer rank 0 to the generator ranks (a pipelined
-broadcast: one p2p transfer over the link spanning the job; the gloo transport through host memory is slower). With
+broadcast: one p2p transfer at the network link's rate -- gloo moves it through host memory, even within a node). With
 max_staleness = 1 the generation runs on other devices than the steps: the overlap is real, not an upper bound.
 
 **An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
@@ -360,8 +360,8 @@ def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
         gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
         sent = p.param_bytes * trained * (p.pp - 1) / p.pp
         broadcast = comm_time.p2p(sent, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
-        apart = p.grpo.generator_ranks  # trainer rank 0 -> every generator rank, a pipelined broadcast
-        bridge = comm_time.p2p(p.param_bytes * trained, comm_time.link(dev, p.world_size + apart)) if apart else 0.0
+        network = comm_time.link(dev, dev.gpus_per_node + 1)  # to generators apart: gloo, through host memory
+        bridge = comm_time.p2p(p.param_bytes * trained, network) if p.grpo.generator_ranks else 0.0
         seconds = gather + broadcast + bridge
     return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
 
