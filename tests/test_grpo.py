@@ -719,6 +719,13 @@ def test_generator_ranks_are_checked_against_the_job_and_routed_by_data_rank():
                                                     generator_tensor_parallel_degree=tp))
 
     check_generators(split_job(2, 2), 1)  # one generator of TP 2 for one data-parallel rank
+    from torchtrain.posttrain.generator_ranks import check_transport
+
+    nccl = SimpleNamespace(grpo=SimpleNamespace(generator_transport="nccl"))
+    check_transport(nccl, torch.device("cuda", 0))  # (a CUDA job: its GPUs; the test runs nothing on them)
+    with pytest.raises(ConfigError, match=r"^\[grpo.generator_transport\] nccl moves the weights between GPUs, and "
+                                          r"this job runs on cpu: use gloo$"):
+        check_transport(nccl, torch.device("cpu"))
     for call, says in [(lambda: trainer_world(2, 2), "[grpo.generator_ranks] 2 generator ranks of a job of 2 leave "
                                                      "no rank to train"),
                        (lambda: check_generators(split_job(2, 1), 1),

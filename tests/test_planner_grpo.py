@@ -298,7 +298,8 @@ def test_the_trainers_log_prob_pass_and_an_environments_turns_are_in_the_iterati
 def test_generator_ranks_apart_hold_the_copy_sample_in_turn_and_hide_behind_the_steps(data):
     """grpo.generator_ranks = 1 on 3 GPUs: the plan's world is the 2 trainer ranks (dp 2), which no longer hold the
     copy; the generator rank holds it alone (its sampling peak: the copy and the sampling rows, none of the trainer's
-    state) and samples both data ranks' rows in turn (twice one rank's generation); the sync adds the send to it;
+    state) and samples both data ranks' rows in turn (twice one rank's generation); the sync adds the send to it
+    (at the network's rate over gloo, NVLink's with the NCCL transport);
     the iteration's MFU counts all 3 GPUs; a generator split by TP 2 holds half its copy (as float32 shards and
     gathered units) and half the KV cache; with max_staleness = 1 the generation hides behind the steps."""
     copy = ["--model.n_kv_heads", "2", "--training.mixed_precision_param", "bfloat16", "--grpo.generator", "copy"]
@@ -313,6 +314,9 @@ def test_generator_ranks_apart_hold_the_copy_sample_in_turn_and_hide_behind_the_
     assert a.sampling_peak_bytes < c.sampling_peak_bytes
     assert math.isclose(a.generation_s, 2 * c.generation_s, rel_tol=1e-12)
     assert a.sync_bytes == c.sync_bytes and a.sync_s > c.sync_s
+    _, _, nccl = _plan(data, 3, [*copy, "--grpo.generator_ranks", "1", "--grpo.generator_transport", "nccl"],
+                       gpu="h100")
+    assert c.sync_s < nccl.grpo.sync_s < a.sync_s  # NVLink within the node, not the network
     assert math.isclose(a.iteration_mfu * 3 * a.iteration_s, c.iteration_mfu * 2 * c.iteration_s, rel_tol=1e-9)
     text = "\n".join(grpo_report.describe(a, (2**30, "GiB")))
     assert "a copy on 1 generator ranks apart" in text and "to the generator ranks" in text

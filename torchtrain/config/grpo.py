@@ -157,6 +157,10 @@ class Grpo:
     """With generator_ranks: the tensor-parallel degree of each generator (its copy's heads, MLP and vocabulary split
     over that many generator ranks, which sample the same rows together); generator_ranks / this many replicas."""
 
+    generator_transport: Literal["gloo", "nccl"] = "gloo"
+    """How the weights reach the generator ranks: `gloo`, through host memory (any device); `nccl`, between the GPUs
+    (CUDA jobs)."""
+
     old_logps: Literal["sampler", "trainer"] = "sampler"
     """The log-probs of the sampling policy in the importance ratio. `sampler`: those the sampler computed while
     sampling (free; equal to the train step's within float rounding: 1e-6 relative in float32). `trainer`: one

@@ -12,7 +12,8 @@ Each role's default process group holds its own ranks only, so everything the tr
 its device mesh, DCP's saves and loads, the step's collectives, the ranks' agreement that sampling is done -- stays
 among the trainers exactly as in a job of T ranks, and the [parallelism] degrees multiply to T. The groups between
 the roles are gloo groups built on the job's store and kept apart from torch.distributed's registry (their
-operations are called on the group objects), over host memory: a CUDA tensor is staged through it. A trainer rank
+operations are called on the group objects): the requests over gloo, the weights over gloo through host memory or
+(grpo.generator_transport = "nccl") between the GPUs. A trainer rank
 waits for its generator only while it samples; a generator waits for its trainers between requests (the bridge's
 timeout, `BRIDGE_TIMEOUT`, is long: a trainer may checkpoint or evaluate for a while; a trainer that fails ends the
 job through the launcher, which stops every rank).
@@ -121,19 +122,26 @@ def job_store() -> dist.Store:
                          is_master=os.environ["RANK"] == "0", timeout=BRIDGE_TIMEOUT, wait_for_workers=False)
 
 
-
-
 class Bridge:
-    """The groups between the roles (module docstring): every rank builds it at once, after its default group."""
+    """The groups between the roles (module docstring): every rank builds it at once, after its default group.
+    `transport` (grpo.generator_transport): the weights' group, gloo through host memory, or NCCL between the GPUs
+    (`device`, this rank's)."""
 
-    def __init__(self, roles: Roles):
+    def __init__(self, roles: Roles, transport: str = "gloo", device: torch.device | None = None):
         self.roles = roles
         store = job_store()
         self.p2p = dist.ProcessGroupGloo(dist.PrefixStore("bridge/p2p/", store), roles.rank, roles.world,
                                          BRIDGE_TIMEOUT)
         members = [0] + list(range(roles.trainers, roles.world))
-        self.sync = dist.ProcessGroupGloo(dist.PrefixStore("bridge/sync/", store), members.index(roles.rank),
-                                          len(members), BRIDGE_TIMEOUT) if roles.rank in members else None
+        self.sync, self.device = None, torch.device("cpu")
+        if roles.rank in members:
+            prefix, rank = dist.PrefixStore("bridge/sync/", store), members.index(roles.rank)
+            if transport == "nccl":  # (CUDA builds only: checked before, `generator_ranks.check_transport`)
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = BRIDGE_TIMEOUT
+                self.sync, self.device = dist.ProcessGroupNCCL(prefix, rank, len(members), options), device
+            else:
+                self.sync = dist.ProcessGroupGloo(prefix, rank, len(members), BRIDGE_TIMEOUT)
 
     def send(self, obj: Any, dst: int) -> None:
         """Send a picklable object to job rank `dst` (which calls `recv` for it)."""
@@ -150,16 +158,19 @@ class Bridge:
         return pickle.loads(data.numpy().tobytes())
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Trainer rank 0's picklable `obj`, on every member of the sync group (trainer 0 and the generators)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.roles.rank == 0 else None
-        size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
-        self.broadcast(size)
-        data = data if data is not None else torch.empty(int(size), dtype=torch.uint8)
-        self.broadcast(data)
-        return pickle.loads(data.numpy().tobytes())
+        """Trainer rank 0's picklable `obj`, on trainer rank 0 and every generator rank (sent to each)."""
+        if self.roles.rank != 0:
+            return self.recv(0)
+        for generator in range(self.roles.trainers, self.roles.world):
+            self.send(obj, generator)
+        return obj
+
+    def staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` where the weights' group moves it from: contiguous, on the transport's device."""
+        return tensor.detach().to(self.device).contiguous()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Trainer rank 0's `tensor` into every generator's (the same shape and dtype; host memory)."""
+        """Trainer rank 0's `tensor` into every generator's (the same shape and dtype, on `device`)."""
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         self.sync.broadcast([tensor], options).wait()

@@ -50,8 +50,8 @@ reads the whole unsharded weights W and the KV cache filled so far once,
     t_j = max((W + kv R (L_p + j)) / (HBM x memory_efficiency), R F(L_p + j) / tp / (peak x matmul_efficiency))
 
 (the FLOP term takes over only for very many rows; without an HBM figure it is the FLOP term alone), plus the
-step's forward collectives over R tokens (TP, expert all-to-alls), nothing hiding them. Host dispatch of the
-eager decode steps is not counted (small models are launch-bound there).
+step's forward collectives over R tokens (TP, expert all-to-alls), nothing hiding them. Host dispatch of the eager
+decode steps is not counted (small models are launch-bound there).
 
 **The sampling copy** (`grpo.generator = "copy"`, `posttrain/sampling_layout.py::SamplerCopy`): every rank holds
 the whole model with its LoRA adapters, d x N_all (a row in every moment of the step, and added to the traced
@@ -66,9 +66,9 @@ the adapters only), each gathered whole from its float32 shards over the FSDP x 
 trainer ranks (the job's less G), which hold no copy; a generator -- t = grpo.generator_tensor_parallel_degree
 ranks, sampling as the model does under TP t -- holds it alone (d N_all, or with t > 1 its float32 shards and
 gathered units, (4 + d) N_all / t per rank) and samples the rows of ceil(dp / (G / t)) data ranks one after the
-other. The sync adds the send of d x the trained parameters from trainer rank 0 to the generator ranks (a pipelined
-broadcast: one p2p transfer at the network link's rate -- gloo moves it through host memory, even within a node). With
-max_staleness = 1 the generation runs on other devices than the steps: the overlap is real, not an upper bound.
+other. The sync adds the send of d x the trained parameters from trainer rank 0 to the generators (a pipelined
+broadcast: one p2p transfer, on the link spanning the job with generator_transport = nccl, on the network's with
+gloo: through host memory). With max_staleness = 1 the generation runs on other devices than the steps: a real overlap.
 
 **An external generator** (`grpo.generator = "package.module:function"`) is planned as the copy's sampling and
 sync, its own memory left out (it may live elsewhere) and its kernels assumed as fast as the copy's: a note says so.
@@ -214,13 +214,11 @@ def generation(p: PlanInputs, dev: GPUSpec | None, prompt_len: int) -> Generatio
     held = ("weights (the sampling copy, held in every moment: above)", 0.0, f"{p.param_bytes} B x "
             f"{copy_numel(p):,} params") if p.grpo.generator == "copy" else \
         ("weights (the external generator's own: not counted)", 0.0, "its own memory")
-    g = p.grpo
-    if g.generator_ranks:  # a generator holds the copy alone and samples its data ranks in turn
-        tp, d = g.generator_tp, p.param_bytes
-        held = ("weights (the sampling copy: a generator rank's)", float(copy_numel(p) * (d if tp == 1 else 4 + d) / tp),
-                f"{d} B x {copy_numel(p):,} params" if tp == 1 else
-                f"(4 B float32 shards + {d} B gathered) x {copy_numel(p):,} params / {tp} (TP)")
-        out.requests = -(-p.dp // (g.generator_ranks // tp))
+    if p.grpo.generator_ranks:  # a generator holds the copy alone and samples its data ranks in turn
+        tp, d, n = p.grpo.generator_tp, p.param_bytes, copy_numel(p)
+        held = ("weights (the sampling copy: a generator rank's)", float(n * (d if tp == 1 else 4 + d) / tp),
+                f"{d} B x {n:,} params" if tp == 1 else f"(4 B float32 shards + {d} B gathered) x {n:,} params / {tp}")
+        out.requests = -(-p.dp // (p.grpo.generator_ranks // tp))
     out.prefill_rows[0] = out.decode_rows[0] = held
     return out
 
@@ -360,8 +358,9 @@ def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
         gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
         sent = p.param_bytes * trained * (p.pp - 1) / p.pp
         broadcast = comm_time.p2p(sent, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
-        network = comm_time.link(dev, dev.gpus_per_node + 1)  # to generators apart: gloo, through host memory
-        bridge = comm_time.p2p(p.param_bytes * trained, network) if p.grpo.generator_ranks else 0.0
+        gloo, apart = p.grpo.generator_transport == "gloo", p.grpo.generator_ranks  # (gloo: through host memory)
+        link = comm_time.link(dev, dev.gpus_per_node + 1 if gloo else p.world_size + apart)
+        bridge = comm_time.p2p(p.param_bytes * trained, link) if apart else 0.0
         seconds = gather + broadcast + bridge
     return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
 

@@ -65,6 +65,8 @@ class Rollouts:
     """`grpo.generator_ranks`: ranks apart that hold the copy and sample (`posttrain/generator_ranks.py`); 0 = none."""
     generator_tp: int = 1
     """`grpo.generator_tensor_parallel_degree`: the generator ranks one copy is split over."""
+    generator_transport: str = "gloo"
+    """`grpo.generator_transport`: how the weights reach the generator ranks (gloo: through host memory)."""
 
     @property
     def steps(self) -> int:
@@ -81,4 +83,4 @@ def read_rollouts(job, lora) -> Rollouts | None:
     return Rollouts(g.num_generations, g.steps_per_generation, g.num_iterations, g.max_completion_length, g.beta, ref,
                     g.generator if g.generator in ("trainer", "copy") else "external", g.reward_model,
                     g.max_staleness, g.old_logps, g.max_turns if g.environment else 1, g.generator_ranks,
-                    g.generator_tensor_parallel_degree)
+                    g.generator_tensor_parallel_degree, g.generator_transport)

@@ -106,12 +106,20 @@ def copy_model(cfg: JobConfig, job, device: torch.device):
     return model.eval().requires_grad_(False), mine.dims.world_mesh["tp"].get_group(), mine.autocast_dtype
 
 
+def check_transport(cfg: JobConfig, device: torch.device) -> None:
+    """grpo.generator_transport against the job's device (ConfigError: NCCL off a GPU)."""
+    if cfg.grpo.generator_transport == "nccl" and device.type != "cuda":
+        raise ConfigError(f"[grpo.generator_transport] nccl moves the weights between GPUs, and this job runs on "
+                          f"{device.type}: use gloo")
+
+
 class RemoteGenerator:
     """A trainer rank's `Generator` with generators apart (module docstring). Built on every trainer rank at once."""
 
-    def __init__(self, cfg: JobConfig, spec, args, layout, pp_group=None):
+    def __init__(self, cfg: JobConfig, spec, args, layout, device: torch.device, pp_group=None):
+        check_transport(cfg, device)
         self.roles: Roles = job_roles(cfg)
-        self.bridge = Bridge(self.roles)
+        self.bridge = Bridge(self.roles, cfg.grpo.generator_transport, device)
         data_ranks: list = [None] * self.roles.trainers
         dist.all_gather_object(data_ranks, layout.data_rank)
         if self.bridge.sync is not None:  # trainer rank 0 tells the generators
@@ -132,11 +140,11 @@ class RemoteGenerator:
         self.bridge.send(("sync",), self.peer)
         for name, tensor in self.weights.tensors(self.dtypes):
             if root:
-                self.bridge.broadcast(torch.tensor([self.index[name]], dtype=torch.int64))
-                self.bridge.broadcast(tensor.detach().to("cpu").contiguous())
+                self.bridge.broadcast(self.bridge.staged(torch.tensor([self.index[name]], dtype=torch.int64)))
+                self.bridge.broadcast(self.bridge.staged(tensor))
             sent += tensor.numel() * tensor.element_size()
         if root:
-            self.bridge.broadcast(torch.tensor([-1], dtype=torch.int64))
+            self.bridge.broadcast(self.bridge.staged(torch.tensor([-1], dtype=torch.int64)))
         return time.perf_counter() - start, sent
 
     def __call__(self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]) -> Completions:
@@ -182,11 +190,12 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
     (`trainer/preflight.py::preflight` on the job's ranks); the copy built, requests served until every trainer it
     serves has stopped."""
     roles = job_roles(cfg)
+    check_transport(cfg, device)
     init_distributed(cfg.comm, device, roles.group())
     set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
     if device.type == "cpu":
         apply_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    bridge = Bridge(roles)
+    bridge = Bridge(roles, cfg.grpo.generator_transport, device)
     routing = Routing(roles, bridge.broadcast_object(), cfg.grpo.generator_tensor_parallel_degree)
     model, tp_group, autocast = copy_model(cfg, job, device)
     hang = cfg.fault.hang_timeout_s
@@ -223,15 +232,16 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
 
 @torch.no_grad()
 def _receive_weights(bridge: Bridge, target: dict[str, torch.Tensor], names: list[str]) -> None:
-    """Trainer rank 0's tensors into the copy, each into its place (staged in host memory off a CPU)."""
-    index = torch.zeros(1, dtype=torch.int64)
+    """Trainer rank 0's tensors into the copy, each into its place (staged on the transport's device where that is
+    not the copy's)."""
+    index = torch.zeros(1, dtype=torch.int64, device=bridge.device)
     while True:
         bridge.broadcast(index)
         if int(index) < 0:
             return
         value = target[names[int(index)]]
-        direct = value.device.type == "cpu" and value.is_contiguous() and not isinstance(value, DTensor)
-        buffer = value if direct else torch.empty(value.shape, dtype=value.dtype)
+        direct = value.device == bridge.device and value.is_contiguous() and not isinstance(value, DTensor)
+        buffer = value if direct else torch.empty(value.shape, dtype=value.dtype, device=bridge.device)
         bridge.broadcast(buffer)
         if isinstance(value, DTensor):  # this rank's shard of the whole tensor (every rank holds it: no collective)
             value.copy_(distribute_tensor(buffer.to(value.device), value.device_mesh, value.placements,

@@ -93,7 +93,7 @@ class GrpoObjective(Objective):
         self.pp_group = layout.dims.pp_mesh.get_group() if layout.dims.pp_enabled else None
         if grpo.generator_ranks and grpo.generator_tensor_parallel_degree > 1:  # the generators' own layout fits
             generator_layout(cfg, spec, args, device.type)
-        self.remote = RemoteGenerator(cfg, spec, args, layout, self.pp_group) if grpo.generator_ranks else None
+        self.remote = RemoteGenerator(cfg, spec, args, layout, device, self.pp_group) if grpo.generator_ranks else None
         if grpo.generator == "copy" and self.remote is None:  # (with generator ranks the copy is theirs)
             self.copy = SamplerCopy(sampler_copy(spec, args, layout.lora, device, layout.param_dtype),
                                     TrainedWeights([], self.pp_group))
