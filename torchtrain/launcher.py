@@ -40,7 +40,6 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
 
 from __future__ import annotations
 
-import atexit
 import glob
 import logging
 import os
@@ -50,6 +49,7 @@ import sys
 from torchtrain.utils import exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
+from torchtrain.utils.process_exit import run_exit_handlers
 
 EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
              exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed",
@@ -314,7 +314,7 @@ def _script_worker(script: str, *argv: str) -> None:
 def _end_worker(code) -> None:
     """A forked worker's end: its exit handlers run (TensorBoard, logging), then it returns to the agent,
     or leaves with `code` when that is a failure."""
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     if code:
         sys.exit(code)
 

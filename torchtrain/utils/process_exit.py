@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import weakref
 from typing import NoReturn
 
 # Set in a worker the launcher forked to run a Python file (launcher._script_worker): exit_process then
@@ -29,7 +30,7 @@ def exit_process(code: int) -> NoReturn:
     if EXIT_BY_SYSTEM_EXIT:
         raise SystemExit(code)
     try:
-        atexit._run_exitfuncs()
+        run_exit_handlers()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -37,3 +38,19 @@ def exit_process(code: int) -> NoReturn:
             except (OSError, ValueError):
                 pass
         os._exit(code)
+
+
+def run_exit_handlers() -> None:
+    """Python's exit handlers, as the interpreter runs them at exit, less the operator libraries' unregistration.
+
+    Every `torch.library.Library` (torch's own, compiled kernels', DTensor's, this package's custom operators)
+    leaves a finalizer that unregisters its operators from the dispatcher at interpreter exit: 1-2 s of CPU in a
+    process that imported the compile stack, for a dispatcher about to vanish with the process. Those finalizers
+    are taken off the exit run (`weakref.finalize.atexit`); every other handler (TensorBoard, logging, temporary
+    folders, compile workers) runs as usual. Only for a process that ends right after (os._exit or a forked
+    worker's return to its server)."""
+    for finalizer in list(weakref.finalize._registry):  # the pending finalizers (CPython's registry)
+        pending = finalizer.peek()
+        if pending is not None and pending[1].__module__ == "torch.library":
+            finalizer.atexit = False
+    atexit._run_exitfuncs()
