@@ -62,6 +62,12 @@ def pytest_xdist_auto_num_workers(config):
 # times over. One-process runs then reduce in the same order as the ranks they are compared with.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Where the environment asks Python not to write bytecode (PYTHONDONTWRITEBYTECODE), every process the suite starts
+# would compile the package's modules from source again (~0.4 s for the trainer's own, and each module a forked
+# command imports late); the suite lets Python keep them compiled beside the sources (`__pycache__`, ignored by git).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
+
 # Every Python command a test starts (the trainer, launcher, planner, scripts) is forked from one warm interpreter
 # per test process instead of importing torch afresh (tests/zygote.py; TORCHTRAIN_TEST_NO_ZYGOTE=1 turns it off).
 zygote.install()
