@@ -170,7 +170,9 @@ def test_gc_runs_only_at_step_boundaries():
             control.step(step)
         assert control.collections == 2  # before steps 3 and 6
         assert gc.get_stats()[1]["collections"] - before == 2
+        full = gc.get_stats()[2]["collections"]
     finally:
         control.close()
     assert gc.isenabled() == was
+    assert gc.get_stats()[2]["collections"] == full  # no last full pass over the heap at close
     GarbageCollection(0).step(3)  # gc_freq 0: Python's automatic collection, nothing at boundaries

@@ -7,9 +7,11 @@ gc_freq = N > 0 the trainer turns automatic collection off (`gc.disable()`) at s
 fully, and then collects generations 0 and 1 (`gc.collect(1)`: young objects, cheap) every N steps,
 between steps, on all ranks at the same step. Reference counting still frees every object that is
 not in a cycle at once; only cyclic garbage waits for the next boundary. Objects that survive into
-the oldest generation are collected by the full collections at start-up and at close (a
-long-running job that builds cycles of long-lived objects should lower N or use 0). gc_freq = 0
-leaves Python's automatic collection as it is.
+the oldest generation are collected by the full collection at start-up (a long-running job that
+builds cycles of long-lived objects should lower N or use 0). At close automatic collection is
+restored, without a last full collection: after training the process ends (a full pass over a
+trained model's heap would only delay that), and a process that trains again collects fully at
+its next start-up. gc_freq = 0 leaves Python's automatic collection as it is.
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ class GarbageCollection:
             logger.debug("garbage collection before step %d took %.3fs", step, time.perf_counter() - t0)
 
     def close(self) -> None:
-        """Restore automatic collection (when this object turned it off) and collect fully."""
+        """Restore automatic collection (when this object turned it off)."""
         if self.freq > 0:
-            gc.collect()
             if self._was_enabled:
                 gc.enable()
             self.freq = 0
