@@ -105,6 +105,7 @@ class Roles:
         prefix = "pg/generators/" if self.is_generator else "pg/trainers/"
         return dist.PrefixStore(prefix, job_store()), self.group_rank, self.group_world
 
+
 def job_roles(cfg) -> Roles:
     """This process's place from torchrun's environment and the job (ConfigError when the split does not fit)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

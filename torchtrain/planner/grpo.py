@@ -358,9 +358,10 @@ def weight_sync(p: PlanInputs, dev: GPUSpec | None) -> WeightSync | None:
         gather = comm_time.ring(shards, master / p.pp, comm_time.link(dev, span))
         sent = p.param_bytes * trained * (p.pp - 1) / p.pp
         broadcast = comm_time.p2p(sent, comm_time.link(dev, p.world_size)) if p.pp > 1 else 0.0
-        gloo, apart = p.grpo.generator_transport == "gloo", p.grpo.generator_ranks  # (gloo: through host memory)
-        link = comm_time.link(dev, dev.gpus_per_node + 1 if gloo else p.world_size + apart)
-        bridge = comm_time.p2p(p.param_bytes * trained, link) if apart else 0.0
+        bridge, apart = 0.0, p.grpo.generator_ranks
+        if apart:  # the send from trainer rank 0; gloo goes through host memory: the network's link even within a node
+            reach = dev.gpus_per_node + 1 if p.grpo.generator_transport == "gloo" else p.world_size + apart
+            bridge = comm_time.p2p(p.param_bytes * trained, comm_time.link(dev, reach))
         seconds = gather + broadcast + bridge
     return WeightSync(float(p.param_bytes * whole), float(p.param_bytes * trained), seconds)
 

@@ -112,7 +112,8 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     state = [(r.name, r.bytes, r.formula) for r in moment if r.name.startswith(STATE)]
     apart = g.generator_ranks  # (a generator rank apart holds the copy alone: its row is the generation's)
     samplers = apart or (p.world_size if g.generator == "trainer" else p.dp)  # GPUs the generation's FLOPs split over
-    prefill, decode = ([] if apart else state) + gen.prefill_rows, ([] if apart else state) + gen.decode_rows
+    held = [] if apart else state
+    prefill, decode = held + gen.prefill_rows, held + gen.decode_rows
     phase, rows = max((("prefill", prefill), ("decode", decode)), key=lambda x: sum(r[1] for r in x[1]))
     peak = sum(r[1] for r in rows)
     usable = p.usable_bytes

@@ -122,7 +122,7 @@ class RemoteGenerator:
         self.bridge = Bridge(self.roles, cfg.grpo.generator_transport, device)
         data_ranks: list = [None] * self.roles.trainers
         dist.all_gather_object(data_ranks, layout.data_rank)
-        if self.bridge.sync is not None:  # trainer rank 0 tells the generators
+        if self.roles.rank == 0:  # trainer rank 0 tells the generators
             self.bridge.broadcast_object(data_ranks)
         self.weights = TrainedWeights([], pp_group)
         with torch.device("meta"):  # the copy's names and dtypes, no memory
@@ -205,6 +205,7 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
                             heartbeat=beats, tp_group=tp_group)
     target = model.state_dict()
     names, trainers, leader = sorted(target), routing.trainers_of(roles.rank), routing.leader(roles.rank)
+    asking = routing.trainers_of(leader)  # (the leader's trainers: a follower samples their rows too, answering none)
     while True:
         requests = [bridge.recv(t) for t in trainers]  # every trainer asks the same kind at once
         if tp_group is not None:  # the leader's requests, to its tensor-parallel group
@@ -218,7 +219,7 @@ def serve(cfg: JobConfig, job, device: torch.device) -> None:
             _receive_weights(bridge, target, names)
             continue
         answers: dict[int, tuple] = {}  # by data rank: a TP / PP / CP group's rows are sampled once
-        for k, (t, (_, prompts, sampling, states)) in enumerate(zip(routing.trainers_of(leader), requests)):
+        for k, (t, (_, prompts, sampling, states)) in enumerate(zip(asking, requests)):
             rank = routing.data_ranks[t]
             if rank not in answers:
                 beats.waiting = trainers[k:]  # (those not answered yet; a follower answers none)
