@@ -1,7 +1,8 @@
 """The GPU kit's measurement protocol and its steadiness verdict, on the CPU: the window timed between two
 device synchronisations on each side (torchtrain's step wrapped in the kit's process, torchtitan's
 Trainer class patched in its own), the device's readings parsed from nvidia-smi's output, and a verdict
-that names what it saw -- a clock drop is the device's, a lone slow step with the clocks steady is not."""
+that names what it saw -- a pace that moves with the clock is the device's, a clock that moves while the
+pace holds (a GPU at its power limit) and a lone slow step are not -- and a committed set judged again."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "gpu"))
 import device_watch  # noqa: E402
 import protocol  # noqa: E402
+import rejudge  # noqa: E402
 import steadiness  # noqa: E402
 import titan_window  # noqa: E402
 
@@ -144,12 +146,26 @@ def _samples(clocks, temp=40.0):
     return [device_watch.Sample(float(i), c, 1980, temp, 400.0) for i, c in enumerate(clocks)]
 
 
-def test_a_clock_drop_is_named_as_the_device_moving():
+def test_a_clock_drop_that_slows_the_pace_is_named_as_the_device_moving():
     verdict = steadiness.judge(_samples([1980, 1980, 1410, 1980]), [0.25] * 6 + [0.35] * 6)
     assert not verdict.steady and verdict.device_moved
-    assert verdict.cause.startswith("device moved: the SM clock fell from 1980 to 1410 MHz")
+    assert verdict.cause.startswith("device moved: the window's pace slowed 40.0% from its first to its last third")
+    assert "SM 1410-1980 MHz" in verdict.cause
     hot = steadiness.judge(_samples([1980] * 4, temp=88), [0.25] * 12)
     assert not hot.steady and hot.device_moved and "88 C" in hot.cause
+
+
+def test_a_power_capped_clock_with_a_steady_pace_is_steady():
+    """An H200 at its 700 W limit reads SM clocks from 1290 to 1980 MHz within one window while its steps
+    keep one pace (the 2026-12-04 set's compiled batch-8 run: 0.237-0.262 s): steady, the clock's range named.
+    The same pace drift without any clock change is the run's own, not the device's."""
+    steps = [0.239, 0.262, 0.245, 0.240, 0.237, 0.250, 0.249, 0.241, 0.239, 0.247, 0.251, 0.241]
+    capped = steadiness.judge(_samples([1980, 1395, 1650, 1440, 1980, 1500]), steps)
+    assert capped.steady and not capped.device_moved
+    assert "device clock moving, as at a power limit" in capped.cause and "steps within 10%" in capped.cause and "SM 1395-1980 MHz" in capped.cause
+    own = steadiness.judge(_samples([1980] * 6), [0.25] * 6 + [0.28] * 6)
+    assert not own.steady and not own.device_moved and own.cause.startswith("the window's pace slowed 12.0%")
+    assert steadiness.drift([0.25] * 5) is None and abs(steadiness.drift([0.2] * 3 + [0.3] * 3) - 0.5) < 1e-12
 
 
 def test_a_slow_step_with_steady_clocks_is_not_a_device_change():
@@ -161,3 +177,30 @@ def test_a_slow_step_with_steady_clocks_is_not_a_device_change():
     assert not spread.steady and not spread.device_moved and "step times spread" in spread.cause
     assert "device steady" in spread.cause
     assert steadiness.judge([], [0.25] * 12, sampled=False).cause.startswith("device not read")
+
+
+H200_SET = os.path.join(REPO, "benchmarks", "gpu", "results", "2026-12-04-h200-6a34a3a")
+
+
+def test_a_committed_set_judged_again_gives_the_verdicts_it_holds(tmp_path):
+    """The H200 set, judged again from its windows: the batch-8 and 8B pairs are steady, the batch-2 pairs
+    not (their steps spread); judging it once more changes nothing; torchtitan's runs are found by the
+    folder their windows went to. A run's device readings round-trip through its folder."""
+    import shutil
+
+    copy = str(tmp_path / "set")
+    shutil.copytree(H200_SET, copy)
+    assert rejudge.window_folder("d/torchtitan_8B_b2_compiled") == "d/torchtitan/out_8B_compiled_b2"
+    assert rejudge.window_folder("c/b8_compile") == "c/b8_compile"
+    assert rejudge.verdict(copy, "c/b8_compile").steady and rejudge.verdict(copy, "d/torchtitan_b8_compiled").steady
+    assert not rejudge.verdict(copy, "c/b2_eager").steady and rejudge.verdict(copy, "c/missing") is None
+    assert rejudge.rejudge(copy) == ["c", "d", "g", "i"]
+    for part in ("c", "d", "g", "i"):
+        with open(os.path.join(copy, f"{part}.json")) as f, open(os.path.join(H200_SET, f"{part}.json")) as g:
+            assert json.load(f) == json.load(g), part
+    with open(os.path.join(copy, "d.json")) as f:
+        ratios = {(r[0], r[1]): r[4] for r in json.load(f)["rows"]}
+    assert ratios[(8, "compiled")] == "1.18" and ratios[(2, "eager")].endswith("(unsteady)")
+    readings = [device_watch.Sample(1.0, 1395.0, 1980.0, 60.0, 690.0), device_watch.Sample(1.25, 1980.0, 1980.0, 61.0, None)]
+    device_watch.save_readings(str(tmp_path), readings)
+    assert device_watch.load_readings(str(tmp_path)) == readings and device_watch.load_readings(copy) == []

@@ -1,10 +1,13 @@
 """The GPU's own readings during a run: SM clock, its maximum, temperature and power, sampled from
 `nvidia-smi` every `interval_s` by a background thread while the run goes on (`DeviceSampler`). Without
 `nvidia-smi` (a CPU) the sampler records nothing and says so. `parse_samples` reads nvidia-smi's CSV, so
-the readings can be checked from synthetic output."""
+the readings can be checked from synthetic output. Each run keeps its readings beside its window
+(`DEVICE_FILE`, `save_readings`/`load_readings`), so a set can be judged again later (`rejudge.py`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import threading
@@ -92,3 +95,23 @@ def within(samples: list[Sample], window: dict | None, margin_s: float = 0.5) ->
     if not window or "start_unix" not in window:
         return list(samples)
     return [s for s in samples if window["start_unix"] - margin_s <= s.t <= window["end_unix"] + margin_s]
+
+
+DEVICE_FILE = "device.json"
+"""A run's device readings, in its folder beside the protocol's window.json."""
+
+
+def save_readings(folder: str, samples: list[Sample]) -> None:
+    """`samples` into `folder`/DEVICE_FILE (nothing when there are none: a CPU)."""
+    if samples:
+        with open(os.path.join(folder, DEVICE_FILE), "w") as f:
+            json.dump([s.as_dict() for s in samples], f)
+
+
+def load_readings(folder: str) -> list[Sample]:
+    """The readings `save_readings` kept in `folder` ([] where it kept none)."""
+    path = os.path.join(folder, DEVICE_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [Sample(**d) for d in json.load(f)]

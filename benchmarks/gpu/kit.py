@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from budget import Budget, Stop, spec_of
-from device_watch import DeviceSampler, within
+from device_watch import DeviceSampler, save_readings, within
 from protocol import Protocol, StepWindow, WindowedStep, read_window, window_tokens_per_s
 from steadiness import Verdict, judge
 
@@ -262,6 +262,7 @@ def _admitted(ctx: Context, part: str, name: str, argv: list[str], label: str, e
     run.folder = f"{part}/{name}"
     run.window, run.tokens_per_step = read_window(dump) if window is not None else None, spec.tokens
     run.samples, run.sampled = sampler.samples, sampler.available
+    save_readings(dump, sampler.samples)
     ctx.budget.done(entry, run.seconds, spec, run.steady("step_time_s") if run.ok else None, run.skipped)
     return run
 

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/run_all.py --out DIR [--part c,d,g,h,f] [--budget-s S] [--pytest-s S] [--dry-run]
                                      [--pack FILE.tar.gz]
-    python benchmarks/gpu/run_all.py --merge A.tar.gz B.tar.gz ... --out DIR
+    python benchmarks/gpu/run_all.py --merge A.tar.gz B.tar.gz ... --out DIR [--rejudge]
 
 Parts (benchmarks/gpu/README.md has the machine's commands, their timing, the output folder and the
 summary format), run in the order given:
@@ -33,7 +33,8 @@ at S seconds, or on SIGTERM, the run in flight is stopped. Either way DIR/summar
 that finished and those skipped, with the reason. Every part writes DIR/<part>/ (logs, metrics) and
 DIR/<part>.json; DIR/summary.md is rewritten after each part from all part results in DIR, and so is
 `--pack`'s archive (checkpoints left out). `--merge` unpacks several archives into DIR and writes the
-combined summary.md. `--dry-run` runs the same code on the CPU at tiny size (CUDA-only variants are
+combined summary.md; `--rejudge` judges the set in DIR again under the current steadiness rule from the
+windows and device readings it kept (rejudge.py). `--dry-run` runs the same code on the CPU at tiny size (CUDA-only variants are
 listed as not run): the CI test of the kit (tests/test_gpu_kit.py).
 """
 
@@ -186,11 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (CI)")
     p.add_argument("--pack", help="write the output folder as this .tar.gz after every part")
     p.add_argument("--merge", nargs="+", help="archives written by --pack to combine into --out")
+    p.add_argument("--rejudge", action="store_true", help="judge the set in --out again under the current steadiness "
+                                                          "rule (after --merge when both are given): rejudge.py")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/gpu/run_all.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    if args.merge:
-        merge(args.merge, args.out)
+    if args.merge or args.rejudge:
+        if args.merge:
+            merge(args.merge, args.out)
+        if args.rejudge:
+            from rejudge import rejudge
+            log(f"re-judged parts {', '.join(rejudge(args.out)) or 'none'} of {args.out}")
         print(write_summary(args.out, command))
         return 0
     parts = [x.strip() for x in args.part.split(",") if x.strip()]

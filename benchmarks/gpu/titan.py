@@ -24,7 +24,7 @@ import sys
 
 import steadiness
 from budget import RunSpec
-from device_watch import DeviceSampler
+from device_watch import DeviceSampler, save_readings
 from kit import TITLES, Context, PartResult, Run, admit_process, log, run_process, train
 from parts import HEADLINE_SEQ, batches, compiled, headline_job
 from protocol import read_window
@@ -146,6 +146,7 @@ def run_titan(ctx: Context, job: str, mode: str, batch: int, label: str = "", st
     t0 = ctx.budget.clock()
     with DeviceSampler() as sampler:
         code, cut = run_process(ctx.budget, cmd, log_path, allowed, ctx.folder("d", "torchtitan"), env)
+    save_readings(out, sampler.samples)
     text = ANSI.sub("", open(log_path, errors="replace").read())
     records = log_records(text, tokens)
     run = Run(f"torchtitan_{label}", records, None, ctx.budget.clock() - t0, folder=f"d/torchtitan_{label}",
