@@ -1,6 +1,7 @@
 """What a model's own checks and adaptations may read of the resolved layout (`distributed/layout.py::Layout`),
 declared here as protocols so that models/ names it without importing distributed/ (nothing imports upward).
-The Layout and its ParallelDims satisfy them; a model that needs more of the layout adds it here first."""
+The Layout and its ParallelDims satisfy them (every member is read, never set: the Layout computes most of
+them as properties); a model that needs more of the layout adds it here first."""
 
 from __future__ import annotations
 
@@ -12,18 +13,10 @@ class DegreesView(Protocol):
 
     tp: int
     cp: int
-
-    @property
-    def tp_enabled(self) -> bool: ...
-
-    @property
-    def cp_enabled(self) -> bool: ...
-
-    @property
-    def ep_enabled(self) -> bool: ...
-
-    @property
-    def pp_enabled(self) -> bool: ...
+    tp_enabled: bool
+    cp_enabled: bool
+    ep_enabled: bool
+    pp_enabled: bool
 
 
 class BatchView(Protocol):
@@ -37,9 +30,5 @@ class LayoutView(Protocol):
 
     dims: DegreesView
     batch: BatchView
-
-    @property
-    def local_seq_len(self) -> int: ...
-
-    @property
-    def cp_chunk_len(self) -> int: ...
+    local_seq_len: int
+    cp_chunk_len: int

@@ -136,6 +136,16 @@ class MoEModelArgs:
         if self.route_scale <= 0:
             raise ConfigError(f"[model.route_scale] must be > 0, got {self.route_scale}")
 
+    def validate(self) -> None:
+        """The dense model's checks (the next of the model's argument bases), then the experts'."""
+        super().validate()
+        self.validate_moe()
+
+    def ffn_params(self, active: bool = False) -> int:
+        """Parameters of one block's feed-forward, an MoE layer at the model's width (all, or one token's)."""
+        total, used = self.moe_params(self.dim)
+        return used if active else total
+
     def moe_params(self, dim: int) -> tuple[int, int]:
         """(total, active per token) parameters of one MoE layer of width `dim`: routed experts (all,
         or top-k), shared experts and the router."""

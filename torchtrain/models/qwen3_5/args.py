@@ -172,11 +172,3 @@ class Qwen3_5MoeArgs(MoEModelArgs, Qwen3_5Args):
 
     shared_expert_gate: bool = True
     """The shared expert's output is scaled by sigmoid(x w_g) (Qwen3.5)."""
-
-    def validate(self) -> None:
-        Qwen3_5Args.validate(self)
-        self.validate_moe()
-
-    def ffn_params(self, active: bool = False) -> int:
-        total, active_params = self.moe_params(self.dim)
-        return active_params if active else total

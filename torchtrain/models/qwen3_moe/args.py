@@ -17,10 +17,4 @@ from torchtrain.models.common.moe import MoEModelArgs
 
 @dataclass
 class Qwen3MoeArgs(MoEModelArgs, GQADecoderArgs):
-    def validate(self) -> None:
-        GQADecoderArgs.validate(self)
-        self.validate_moe()
-
-    def ffn_params(self, active: bool = False) -> int:
-        total, active_params = self.moe_params(self.dim)
-        return active_params if active else total
+    """Qwen3's arguments and the experts' (their checks and parameter counts: `MoEModelArgs`)."""
