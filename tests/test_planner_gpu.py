@@ -147,3 +147,15 @@ def test_recorded_counts_match_the_h100_profile_of_that_code():
     for cls in ("kernel", "handled"):
         traced = sum(v for k, v in recorded.items() if k.count(" ") == 2 and k.split(" ")[1] == cls)
         assert traced == pytest.approx(ours[cls], rel=0.05), (cls, traced, ours[cls])
+
+
+def test_a_set_is_planned_for_the_gpu_it_was_measured_on():
+    """A set's rows are planned for the device its environment.json names (the H200 set: the H200's table entry,
+    its 4.8 TB/s among it), and a set outside RESULT_SETS is its own set: not the first one, whose code wrote
+    RMSNorm out in element-wise operations (planning the H200's eager runs so once read them +33-39 % slow)."""
+    h200 = os.path.join(RESULTS, "2026-12-04-h200-6a34a3a")
+    assert check.set_gpu(h200) == "h200" and check.set_gpu(RESULTS) == "h100"
+    assert check._result_set("2026-12-04-h200-6a34a3a/c/b8_eager") == "2026-12-04-h200-6a34a3a"
+    assert check._result_set("c/b8_eager") == "" and check._result_set(f"{check.THIRD}/c/b2_eager") == check.THIRD
+    with open(os.path.join(h200, check.COUNTS)) as f:
+        assert json.load(f)["commit"] == "6a34a3a"

@@ -274,9 +274,21 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
 
 
 def _result_set(name: str) -> str:
-    """The set a row belongs to (its name's first folder when that is a set, else the first set: "")."""
+    """The set a row belongs to: its name's first folder when that is a set folder of results/ (`measured_rows`
+    names a set's rows under it), else the first set ("")."""
     first = name.split("/", 1)[0]
-    return first if first in RESULT_SETS else ""
+    return first if first in RESULT_SETS or os.path.isdir(os.path.join(RESULTS, first, "c")) else ""
+
+
+def set_gpu(results: str) -> str:
+    """The GPU table entry (`components/hardware.py`) of the device a set was measured on, by the name its
+    environment.json records; "h100" for a set without one (the first sets were all one H100's)."""
+    from torchtrain.components.hardware import gpu_spec_for_name
+
+    path = os.path.join(results, "environment.json")
+    device = json.load(open(path)).get("device", "") if os.path.exists(path) else ""
+    spec = gpu_spec_for_name(device) if device else None
+    return spec.key if spec is not None else "h100"
 
 
 def _differs(a: dict, b: dict) -> bool:
@@ -317,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.results, COUNTS)
     recorded = None if args.record or not os.path.exists(path) else json.load(open(path))
     profiled = profiled_rows(args.results)
-    plan_rows(rows + profiled, recorded)  # one call: a profiled run shares its job's plan
+    plan_rows(rows + profiled, recorded, set_gpu(args.results))  # one call: a profiled run shares its job's plan
     print(table(rows))
     if profiled:
         print("\n" + gpu_table(profiled) + "\n")

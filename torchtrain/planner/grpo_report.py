@@ -57,10 +57,15 @@ class GrpoCost:
     sampling_fits: bool | None = None
     """Whether the sampling peak fits the usable device memory (None: memory unknown)."""
     prefill_s: float | None = None
+    """Seconds of the prefill of one rank's rows on its sampler (None: the device's speed unknown)."""
     decode_s: float | None = None
+    """Seconds of those rows' decode steps, of which:"""
     decode_memory_bound_s: float | None = None
+    """the steps' memory-bandwidth terms where they bind (each reads the unsharded weights and the KV cache),"""
     decode_comm_s: float | None = None
+    """and the steps' collectives."""
     generation_s: float | None = None
+    """Seconds of one turn's generation: each rank's rows a sampler serves, prefill and decode in turn."""
     generation_turns: int = 1
     """The model's turns per completion the generation is planned for (an environment's `max_turns`)."""
     trainer_logps_forwards: int = 0
@@ -70,9 +75,11 @@ class GrpoCost:
     hidden_generation_s: float | None = None
     """grpo.max_staleness = 1: the generation time hidden behind the optimizer steps (min(generation, steps))."""
     reference_bytes_per_rank: float = 0.0
+    """The reference copy's weights on each rank, held in every moment of the step."""
     reference_forwards: int = 0
     reference_flops: float = 0.0
     reference_s: float | None = None
+    """Per iteration, the reference's no-grad pass: its forwards per rank, FLOPs (all ranks), seconds."""
     reward_model_bytes_per_rank: float = 0.0
     reward_model_forwards: int = 0
     reward_model_flops: float = 0.0

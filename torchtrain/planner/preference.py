@@ -294,8 +294,10 @@ class OneOff:
 
     flops_per_million_tokens: float
     seconds_per_million_tokens: float | None
+    """The pass's cost per million tokens (seconds: None where the device's speed is unknown)."""
     pairs: int | None = None
     rows: int | None = None
+    """The preference pairs of the data and the rows they make (None when the data was not read)."""
     tokens: float | None = None
     """Tokens the pass runs (the padded rows x seq_len); None when the data was not read."""
     flops: float | None = None

@@ -104,7 +104,9 @@ class StepTime:
     reference_s: float | None = None
     """The DPO reference's forwards in the step (compute, TP collectives, exposed all-gathers)."""
     budget_tokens: float = 0.0
+    """The run's token budget (`--tokens`; without it, 20 tokens a parameter: Chinchilla's rule)."""
     steps: int = 0
+    """Optimizer steps the budget takes (rounded up)."""
     train_s: float | None = None
     gpu_hours: float | None = None
     cost: float | None = None
