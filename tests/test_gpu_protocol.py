@@ -163,6 +163,8 @@ def test_a_power_capped_clock_with_a_steady_pace_is_steady():
     capped = steadiness.judge(_samples([1980, 1395, 1650, 1440, 1980, 1500]), steps)
     assert capped.steady and not capped.device_moved
     assert "device clock moving, as at a power limit" in capped.cause and "steps within 10%" in capped.cause and "SM 1395-1980 MHz" in capped.cause
+    quicker = steadiness.judge(_samples([1980, 1800, 1980, 1850]), [0.12] * 6 + [0.10] * 6)  # H200, eager batch 2
+    assert not quicker.steady and not quicker.device_moved and quicker.cause.startswith("the window's pace quickened")
     own = steadiness.judge(_samples([1980] * 6), [0.25] * 6 + [0.28] * 6)
     assert not own.steady and not own.device_moved and own.cause.startswith("the window's pace slowed 12.0%")
     assert steadiness.drift([0.25] * 5) is None and abs(steadiness.drift([0.2] * 3 + [0.3] * 3) - 0.5) < 1e-12

@@ -4,8 +4,9 @@ from the step times of the protocol's window (`protocol.py`), never from a singl
 A run is unsteady when
 - the GPU ran at THROTTLE_C or hotter (its thermal slowdown range); or
 - the window's pace drifted: the median step of its last third differs from that of its first third by
-  more than DRIFT -- with the SM clock fallen more than CLOCK_DROP below the window's highest reading the
-  cause is called a device change (a throttling GPU, a neighbour), without it a drift of the run itself; or
+  more than DRIFT -- a slowdown with the SM clock fallen more than CLOCK_DROP below the window's highest
+  reading is called a device change (a throttling GPU, a neighbour); any other drift is the run's own (a
+  host-bound step warming up, say); or
 - the window's step times spread: more than one step lies further than STEP_BAND from the window's median.
 A clock that moves while the pace holds is not a device change: a GPU at its power limit (an H200 under a
 compiled 1B step draws its 700 W and trades SM clock for power many times a second, 1290-1980 MHz in the
@@ -71,7 +72,7 @@ def judge(samples: list[Sample], step_times: list[float], sampled: bool = True) 
     moved = drift(step_times)
     pace = "" if moved is None or abs(moved) <= DRIFT else \
         f"the window's pace {'slowed' if moved > 0 else 'quickened'} {abs(moved):.1%} from its first to its last third"
-    if pace and fell:
+    if pace and fell and moved > 0:  # slower as the clock fell; a pace that quickened is the run's own
         return Verdict(False, f"device moved: {pace} as the SM clock fell ({readings})", device_moved=True)
     if not samples:
         device = "device not read" if not sampled else "no device reading in the window"
