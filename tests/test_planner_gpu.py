@@ -1,5 +1,5 @@
-"""The planner against the H100 measurements committed in benchmarks/gpu/results (the first, and the second
-set in its own folder: `planner_check.RESULT_SETS`): every 1B and 3B run of the GPU kit and of the diagnosis, planned from the job file the run wrote, within 25% in step time and 10% in
+"""The planner against the GPU measurements committed in benchmarks/gpu/results (the H100's first set, the later
+ones in their own folders, the H200's planned for the H200: `planner_check.RESULT_SETS`, `set_gpu`): every 1B and 3B run of the GPU kit and of the diagnosis, planned from the job file the run wrote, within 25% in step time and 10% in
 peak memory, but the known misses (benchmarks/gpu/planner_check.py names each, with its reason), which
 must miss on the side their reason explains. And the host model's constants are what their stated
 derivation gives: the device table's per-operator host costs come from the committed summary of
@@ -53,7 +53,7 @@ def _planned(rows_of) -> list:
         folder = os.path.join(RESULTS, subset)
         these = [r for r in rows_of(folder) if not _debug_model(r.name)]
         with open(os.path.join(folder, check.COUNTS)) as f:
-            check.plan_rows(these, json.load(f))
+            check.plan_rows(these, json.load(f), check.set_gpu(folder))
         out += these
     return out
 
@@ -70,8 +70,9 @@ def test_every_kit_and_diagnosis_row_within_the_tolerance(rows):
     names = {r.name for r in rows}
     second = {f"{check.SECOND}/{n}" for n in ("c/b2_eager", "c/b8_compile", "g/3B_b4_compile_float8",
                                                 "b/1B_fp16_loss_scaling")}
+    h200 = {f"{check.H200}/{n}" for n in ("c/b2_eager", "c/b8_eager", "c/b8_compile", "g/3B_b4_compile_float8")}
     assert {"c/seq2048_eager", "c/seq2048_compile", "c/seq2048_compile_float8", "b/1B_ac_selective",
-            "diagnosis/summary_2"} | second <= names, names  # the results are all there
+            "diagnosis/summary_2"} | second | h200 <= names, names  # the results are all there
     bad = []
     for r in rows:
         if r.name in check.KNOWN_MISSES:
@@ -114,7 +115,7 @@ def test_the_planned_gpu_time_matches_each_profiled_step():
     rows = _planned(check.profiled_rows)
     names = {r.name for r in rows}
     assert {f"{check.SECOND}/h/torchtrain_eager", f"{check.THIRD}/h/torchtrain_compiled",
-            f"{check.THIRD}/h/torchtrain_compiled_float8"} <= names, names
+            f"{check.THIRD}/h/torchtrain_compiled_float8", f"{check.H200}/h/torchtrain_compiled"} <= names, names
     bad = [r.name for r in rows if abs(r.gpu_error) > PROFILED_GPU_BAND]
     assert not bad, check.gpu_table(rows)
 

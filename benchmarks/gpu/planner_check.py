@@ -34,8 +34,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 SECOND = "2026-11-27-h100-f2ccc36"
 THIRD = "2026-11-27-h100-ae5a46e"
-RESULT_SETS = ("", SECOND, THIRD)
-"""The committed measurements the planner is held to (folders under results/; "" is the first). Left out:
+H200 = "2026-12-04-h200-6a34a3a"
+RESULT_SETS = ("", SECOND, THIRD, H200)
+"""The committed measurements the planner is held to (folders under results/; "" is the first; H200 the first
+under the kit's shared protocol, on an H200, planned for it: `set_gpu`). Left out:
 `2026-11-27-h100-throttled`, whose steps spread +-50% within a run (a throttling GPU): its memory only; and
 `2026-11-27-h100-9f41880`, the same command as THIRD on the code before it (its comparison part failed)."""
 DECOMPOSED_NORMS = ("",)
