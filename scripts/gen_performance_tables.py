@@ -162,8 +162,15 @@ def _kit_ratio(value: float, cell) -> str:
     return f"({value:.2f}, unsteady)" if "unsteady" in str(cell) else f"**{value:.2f}**"
 
 
+def measured_under_protocol(folder: str) -> bool:
+    """Whether a set was measured under the kit's shared protocol (its environment.json states the protocol)."""
+    path = os.path.join(RESULTS, folder, "environment.json")
+    with open(path) as f:
+        return "protocol" in json.load(f)
+
+
 def float8_table(key: str) -> str:
-    protocol = key in AGAIN
+    protocol = measured_under_protocol(SETS[key])
     lines = ["| model, local batch | bf16 tokens/s | float8 tokens/s | float8 / bf16 | peak GiB bf16 / float8 |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for row in _part(SETS[key], "g")["rows"]:
