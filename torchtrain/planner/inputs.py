@@ -134,10 +134,9 @@ class PlanInputs:
     """[offload].params: none / cpu / nvme (cpu on CUDA sets cpu_offload: FSDP2's CPUOffloadPolicy)."""
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    """The compute and gradient-reduction dtypes (`training.mixed_precision_param` / `_reduce`)."""
     optimizer: str = "AdamW"
     optimizer_impl: str = "fused"
-    """The optimizer and its implementation (`optimizer.name`, `optimizer.implementation`)."""
+    """The compute and reduction dtypes, the optimizer and its kernel (`training.mixed_precision_*`, `optimizer.*`)."""
     device_type: str = "cuda"
     gpu: GPUSpec | None = None
     """The target device: its type, and the GPU's table entry (`components/hardware.py`; None on a CPU)."""
