@@ -62,8 +62,7 @@ class GptOssArgs(MoEModelArgs, GQADecoderArgs):
         return bool((layer_id + 1) % self.full_attention_interval)
 
     def validate(self) -> None:
-        GQADecoderArgs.validate(self)
-        self.validate_moe()
+        super().validate()  # the dense checks, then the experts' (MoEModelArgs.validate)
         for key in ("sliding_window", "full_attention_interval", "rope_original_max_seq_len"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"[model.{key}] must be >= 1, got {getattr(self, key)}")
