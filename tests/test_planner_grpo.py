@@ -163,7 +163,7 @@ def test_decode_is_memory_bound_and_the_iteration_adds_up(data):
     assert c.decode_s == c.decode_memory_bound_s + c.decode_comm_s and c.decode_comm_s == 0  # one rank
     assert c.generation_s == c.prefill_s + c.decode_s > 0
     assert c.steps_s == 6 * plan.throughput.step_s and c.step_s == plan.throughput.step_s
-    assert math.isclose(c.iteration_s, c.generation_s + c.steps_s) and c.reference_s is None
+    assert math.isclose(c.iteration_s, c.generation_s + c.steps_s) and c.reference_pass is None
     assert math.isclose(sum(c.shares.values()), 1.0) and c.shares["reference"] == 0
     assert math.isclose(c.per_step_s, c.iteration_s / 6)
 
@@ -172,7 +172,7 @@ def test_decode_is_memory_bound_and_the_iteration_adds_up(data):
 def test_beta_zero_has_no_reference_and_beta_adds_the_copy(data):
     job, p, plan = _plan(data, 1, [], gpu="h100", trace=True)
     c = plan.grpo
-    assert (p.grpo.reference, c.reference, c.reference_forwards, c.reference_flops) == (None, "none", 0, 0.0)
+    assert (p.grpo.reference, c.reference, c.reference_pass) == (None, "none", None)
     assert c.reference_bytes_per_rank == 0 and COPY_ROW not in {r.name for r in plan.ranks[0].analytic.rows}
     assert plan.throughput.reference_flops_per_token == 0  # no per-step reference (it runs once per iteration)
 
@@ -180,9 +180,10 @@ def test_beta_zero_has_no_reference_and_beta_adds_the_copy(data):
     r = ref.grpo
     rows = {x.name: x.bytes for x in ref.ranks[0].analytic.rows}
     assert q.grpo.reference == "copy" and rows[COPY_ROW] == rows["parameters (fp32 master)"] == r.reference_bytes_per_rank
-    assert r.reference_forwards == 3 * 4 // 4  # R / local batch
-    assert r.reference_flops == 3 * 4 * 160 * q.args.flops_per_token(160) / 3
-    assert r.reference_s > 0 and math.isclose(r.iteration_s, r.generation_s + r.reference_s + r.steps_s)
+    assert r.reference_pass.forwards == 3 * 4 // 4  # R / local batch
+    assert r.reference_pass.flops == 3 * 4 * 160 * q.args.flops_per_token(160) / 3
+    assert r.reference_pass.seconds > 0
+    assert math.isclose(r.iteration_s, r.generation_s + r.reference_pass.seconds + r.steps_s)
     # the traced step holds the frozen copy's weights beside the model's (counted as parameters)
     mine, theirs = ref.ranks[0].trace.backward_breakdown, plan.ranks[0].trace.backward_breakdown
     assert mine["params"] > theirs["params"] and ref.ranks[0].traced_peak > plan.ranks[0].traced_peak
@@ -251,9 +252,10 @@ def test_a_reward_model_is_held_in_every_moment_and_scores_once_per_iteration(da
     assert rows[reward_model.ROW] == pytest.approx(rows["parameters (fp32 master)"] * ratio, rel=1e-12)
     assert c.reward_model_bytes_per_rank == rows[reward_model.ROW]
     assert rank.traced_peak == pytest.approx(plain.ranks[0].traced_peak + rows[reward_model.ROW], rel=1e-9)
-    assert c.reward_model_forwards == 3 * 4 // 4  # R / local batch
-    assert c.reward_model_flops == 3 * 4 * 160 * wide.flops_per_token(160) / 3
-    assert c.reward_model_s > 0 and math.isclose(c.iteration_s, c.generation_s + c.reward_model_s + c.steps_s)
+    assert c.reward_model_pass.forwards == 3 * 4 // 4  # R / local batch
+    assert c.reward_model_pass.flops == 3 * 4 * 160 * wide.flops_per_token(160) / 3
+    assert c.reward_model_pass.seconds > 0
+    assert math.isclose(c.iteration_s, c.generation_s + c.reward_model_pass.seconds + c.steps_s)
     assert "reward model" in c.shares and not reward_model.note(q)
     _, r, missing = _plan(data, 1, ["--grpo.reward_model", str(tmp_path / "nowhere")], gpu="h100")
     assert reward_model.view(r).args == r.args and "could not be read here" in " ".join(missing.notes)
@@ -282,9 +284,10 @@ def test_the_trainers_log_prob_pass_and_an_environments_turns_are_in_the_iterati
     _, _, ref = _plan(data, 1, ["--grpo.beta", "0.1"], gpu="h100")
     _, _, own = _plan(data, 1, ["--grpo.old_logps", "trainer"], gpu="h100")
     r, c = ref.grpo, own.grpo
-    assert (c.trainer_logps_forwards, c.trainer_logps_flops) == (r.reference_forwards, r.reference_flops)
-    assert 0 < c.trainer_logps_s <= r.reference_s  # (the frozen copy's fp32 weights compute in fp32: no faster)
-    assert math.isclose(c.iteration_s, c.generation_s + c.trainer_logps_s + c.steps_s, rel_tol=1e-12)
+    own = c.trainer_logps_pass
+    assert (own.forwards, own.flops) == (r.reference_pass.forwards, r.reference_pass.flops)
+    assert 0 < own.seconds <= r.reference_pass.seconds  # (the frozen copy's fp32 weights compute in fp32: no faster)
+    assert math.isclose(c.iteration_s, c.generation_s + own.seconds + c.steps_s, rel_tol=1e-12)
     _, _, base = _plan(data, 1, [], gpu="h100")
     _, q, turns = _plan(data, 1, ["--grpo.environment", "toy_environments:again", "--grpo.max_turns", "3"], gpu="h100")
     b, t = base.grpo, turns.grpo

@@ -123,29 +123,14 @@ class ParallelDims:
         """Data-parallel degree: how many different batches one step reads."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
+    # Whether each parallelism is on: its degree above 1 (HSDP: both data-parallel degrees are).
+    dp_enabled = property(lambda self: self.dp > 1)
+    fsdp_enabled = property(lambda self: self.dp_shard > 1)
+    hsdp_enabled = property(lambda self: self.dp_replicate > 1 and self.dp_shard > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
 
     @property
     def fsdp_shard_degree(self) -> int:
@@ -156,10 +141,6 @@ class ParallelDims:
     def loss_degree(self) -> int:
         """Ranks holding different tokens of a step (dp x cp): the loss and token count are summed over them."""
         return self.dp * self.cp
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
 
     @property
     def dp_shard_in_ep(self) -> int:
@@ -290,21 +271,11 @@ class ParallelDims:
             return self.world_mesh["dp_replicate", shard]
         return self._dim(shard)
 
-    @property
-    def cp_mesh(self) -> DeviceMesh | None:
-        return self.world_mesh["cp"] if self.cp_enabled else None
-
-    @property
-    def cp_rank(self) -> int:
-        return self.cp_mesh.get_local_rank() if self.cp_enabled else 0
-
-    @property
-    def pp_mesh(self) -> DeviceMesh | None:
-        return self.world_mesh["pp"] if self.pp_enabled else None
-
-    @property
-    def pp_rank(self) -> int:
-        return self.pp_mesh.get_local_rank() if self.pp_enabled else 0
+    # The context- and pipeline-parallel meshes (None when off) and this rank's place on them (0 when off).
+    cp_mesh = property(lambda self: self.world_mesh["cp"] if self.cp_enabled else None)
+    cp_rank = property(lambda self: self.cp_mesh.get_local_rank() if self.cp_enabled else 0)
+    pp_mesh = property(lambda self: self.world_mesh["pp"] if self.pp_enabled else None)
+    pp_rank = property(lambda self: self.pp_mesh.get_local_rank() if self.pp_enabled else 0)
 
     @property
     def dp_rank(self) -> int:

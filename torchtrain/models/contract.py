@@ -122,21 +122,11 @@ class ModelContract:
     def moe(self) -> MoEShape | None:
         return self.moe_block.moe if self.moe_block is not None else None
 
-    @property
-    def num_experts(self) -> int:
-        return self.moe.num_experts if self.moe else 0
-
-    @property
-    def num_experts_per_tok(self) -> int:
-        return self.moe.top_k if self.moe else 0
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.moe.hidden if self.moe else 0
-
-    @property
-    def num_shared_experts(self) -> int:
-        return self.moe.shared if self.moe else 0
+    # The MoE sizes under the model arguments' names (0 for a dense model), so a shape reads like its args.
+    num_experts = property(lambda self: self.moe.num_experts if self.moe else 0)
+    num_experts_per_tok = property(lambda self: self.moe.top_k if self.moe else 0)
+    moe_intermediate_size = property(lambda self: self.moe.hidden if self.moe else 0)
+    num_shared_experts = property(lambda self: self.moe.shared if self.moe else 0)
 
     @property
     def block(self) -> Block:

@@ -68,23 +68,16 @@ class GrpoCost:
     """Seconds of one turn's generation: each rank's rows a sampler serves, prefill and decode in turn."""
     generation_turns: int = 1
     """The model's turns per completion the generation is planned for (an environment's `max_turns`)."""
-    trainer_logps_forwards: int = 0
-    trainer_logps_flops: float = 0.0
-    trainer_logps_s: float | None = None
-    """Per iteration, grpo.old_logps = "trainer": the model's own no-grad pass over the rollouts (as the reference's)."""
+    trainer_logps_pass: grpo.ScoringPass | None = None
+    """grpo.old_logps = "trainer": the model's own no-grad pass over an iteration's rollouts (as the reference's)."""
     hidden_generation_s: float | None = None
     """grpo.max_staleness = 1: the generation time hidden behind the optimizer steps (min(generation, steps))."""
+    reference_pass: grpo.ScoringPass | None = None
+    reward_model_pass: grpo.ScoringPass | None = None
+    """Per iteration, the reference's (beta > 0) and grpo.reward_model's passes (`reward_model.py`); None: no such model."""
     reference_bytes_per_rank: float = 0.0
-    """The reference copy's weights on each rank, held in every moment of the step."""
-    reference_forwards: int = 0
-    reference_flops: float = 0.0
-    reference_s: float | None = None
-    """Per iteration, the reference's no-grad pass: its forwards per rank, FLOPs (all ranks), seconds."""
     reward_model_bytes_per_rank: float = 0.0
-    reward_model_forwards: int = 0
-    reward_model_flops: float = 0.0
-    reward_model_s: float | None = None
-    """Per iteration, grpo.reward_model: its forwards per rank, FLOPs (all ranks), seconds (`reward_model.py`)."""
+    """Their weights on each rank, held in every moment of the step."""
     generator: str = "trainer"
     generator_ranks: int = 0
     """grpo.generator_ranks: ranks apart that sample (their memory is the sampling peak's rows)."""
@@ -136,22 +129,17 @@ def summarize(p: PlanInputs, ranks, step, job) -> GrpoCost | None:
     scorer = reward_model.scoring_pass(p, p.gpu)
     if scorer is not None:
         cost.reward_model_bytes_per_rank = sum(r[1] for r in state if r[0] == reward_model.ROW)
-        cost.reward_model_forwards, cost.reward_model_flops, cost.reward_model_s = (scorer.forwards, scorer.flops,
-                                                                                    scorer.seconds)
     sync = grpo.weight_sync(p, p.gpu)
     cost.generator, cost.generator_ranks, cost.requests_per_generator = g.generator, apart, gen.requests
     if sync is not None:
         cost.sync_first_bytes, cost.sync_bytes, cost.sync_s = sync.first_bytes, sync.bytes, sync.seconds
-    if ref is not None:
-        cost.reference_forwards, cost.reference_flops, cost.reference_s = ref.forwards, ref.flops, ref.seconds
     own = grpo.scoring_pass(p, p, p.gpu) if g.old_logps == "trainer" else None
-    if own is not None:
-        cost.trainer_logps_forwards, cost.trainer_logps_flops, cost.trainer_logps_s = own.forwards, own.flops, own.seconds
+    cost.reference_pass, cost.trainer_logps_pass, cost.reward_model_pass = ref, own, scorer
     turns = cost.generation_turns = g.max_turns
     step_flops = step.tokens_per_step * step.flops_per_token
-    cost.iteration_flops = (turns * (gen.prefill_flops + gen.decode_flops) + cost.reference_flops
-                            + cost.trainer_logps_flops + cost.reward_model_flops + g.steps * step_flops)
     passes = [x for x in (ref, own, scorer, sync) if x is not None]
+    cost.iteration_flops = (turns * (gen.prefill_flops + gen.decode_flops) + g.steps * step_flops
+                            + sum(x.flops for x in (ref, own, scorer) if x is not None))
     if step.step_s is not None and gen.seconds is not None and all(x.seconds is not None for x in passes):
         cost.steps_s = g.steps * step.step_s
         exposed = turns * gen.seconds
@@ -224,19 +212,19 @@ def describe(cost: GrpoCost, unit: tuple[float, str]) -> list[str]:
                      "from each stage" + (", then sent from trainer rank 0 to the generator ranks" if
                                           cost.generator_ranks else "")))
     rows.append(("reference (KL penalty)", ref))
-    if cost.reference != "none":
-        rows.append(("reference pass per iteration", f"{cost.reference_forwards} forwards per rank, "
-                     f"{_si(cost.reference_flops, 'FLOP')}, {s(cost.reference_s)}; its weights "
+    def scored(x) -> str:
+        return f"{x.forwards} forwards per rank, {_si(x.flops, 'FLOP')}, {s(x.seconds)}"
+
+    if cost.reference_pass is not None:
+        rows.append(("reference pass per iteration", f"{scored(cost.reference_pass)}; its weights "
                      f"{b(cost.reference_bytes_per_rank)} per rank in every moment"))
     if cost.generation_turns > 1:
         rows.append(("environment turns", f"up to {cost.generation_turns} per completion: the generation planned "
                      f"{cost.generation_turns} times (later turns' longer contexts and the observations not counted)"))
-    if cost.trainer_logps_forwards:
-        rows.append(("trainer log-prob pass per iteration", f"{cost.trainer_logps_forwards} forwards per rank, "
-                     f"{_si(cost.trainer_logps_flops, 'FLOP')}, {s(cost.trainer_logps_s)} (old_logps = trainer)"))
-    if cost.reward_model_forwards:
-        rows.append(("reward model pass per iteration", f"{cost.reward_model_forwards} forwards per rank, "
-                     f"{_si(cost.reward_model_flops, 'FLOP')}, {s(cost.reward_model_s)}; its weights "
+    if cost.trainer_logps_pass is not None:
+        rows.append(("trainer log-prob pass per iteration", f"{scored(cost.trainer_logps_pass)} (old_logps = trainer)"))
+    if cost.reward_model_pass is not None:
+        rows.append(("reward model pass per iteration", f"{scored(cost.reward_model_pass)}; its weights "
                      f"{b(cost.reward_model_bytes_per_rank)} per rank in every moment"))
     rows.append(("optimizer steps per iteration", f"{cost.optimizer_steps} x {s(cost.step_s)} = {s(cost.steps_s)}"))
     if cost.hidden_generation_s is not None:

@@ -204,21 +204,11 @@ class TransformersArgs(DecoderFlops, BaseModelArgs):
         """A copy of the config with the layers this model builds."""
         return with_layers(self.full_config(), self.n_layers)
 
-    @property
-    def model_type(self) -> str:
-        return self.full_config().model_type
-
-    @property
-    def dim(self) -> int:
-        return self.text_config().hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text_config().vocab_size
-
-    @property
-    def n_heads(self) -> int:
-        return self.text_config().num_attention_heads
+    # The transformers config's sizes under the model contract's names.
+    model_type = property(lambda self: self.full_config().model_type)
+    dim = property(lambda self: self.text_config().hidden_size)
+    vocab_size = property(lambda self: self.text_config().vocab_size)
+    n_heads = property(lambda self: self.text_config().num_attention_heads)
 
     @property
     def kv_heads(self) -> int:
