@@ -227,6 +227,10 @@ def _tokens_per_step(job: str, overrides: list[str]) -> int:
     return cfg.training.seq_len * cfg.training.local_batch_size
 
 
+_PLANS: dict[str, object] = {}
+"""The plans made in this process, by their inputs (the GPU's table entry among them)."""
+
+
 def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None:
     """Fill in each row's plan (the host time from the recorded counts when the code has changed)."""
     import contextlib
@@ -236,7 +240,7 @@ def plan_rows(rows: list[Row], recorded: dict | None, gpu: str = "h100") -> None
     from torchtrain.planner.from_job import inputs_from_config
     from torchtrain.planner.host_time import OpCounts, host_seconds, step_seconds
 
-    plans: dict[str, object] = {}  # runs of the same job (but for steps, logging, profiling) share a plan
+    plans = _PLANS  # runs of the same job (but for steps, logging, profiling) share a plan, in every set and call
     for row in rows:
         with contextlib.redirect_stderr(io.StringIO()):
             job = load_job(["--job.config_file", row.job, *row.overrides])
