@@ -6,9 +6,9 @@ Tolerance: relative difference <= 1e-4 per step for loss and gradient norm (test
 bound): the layouts differ in summation order only; a wrong TP plan for the new block kind (a missing
 all-reduce, a sequence shard read as the whole) moves the loss by 1e-2 or more from the first step.
 The planner: it traces the family's step on every layout (tests/test_planner_accuracy.py holds the trace to
-real training), the contract counts the module's parameters, and the analytic estimate stays within 15% of the
-trace: its activation formulas (models/block_memory.py) know the package's feed-forward kinds, and count a
-SwiGLU's stored tensors for this one (observed: 10-14% above the trace)."""
+real training), the contract counts the module's parameters, and the analytic estimate, which reads the new
+feed-forward's memory from its declaration (`Block.feed_forward`), is within 10% of the trace (observed 4-6%;
+the package's Llama 3 at this size: 3-5%)."""
 
 from __future__ import annotations
 
@@ -49,5 +49,5 @@ def test_the_planner_plans_it(monkeypatch, layout):
     plan = plan_from_flags(job, 2, "cpu", {})
     rank0 = plan.ranks[0]
     assert plan.valid and rank0.trace is not None and rank0.trace.skipped is None, rank0.trace
-    assert abs(rank0.analytic.peak - rank0.traced_peak) <= 0.15 * rank0.traced_peak, (
+    assert abs(rank0.analytic.peak - rank0.traced_peak) <= 0.10 * rank0.traced_peak, (
         rank0.analytic.peak, rank0.traced_peak)

@@ -89,11 +89,15 @@ def validate(args: ToyDecoderArgs, layout: LayoutView) -> None:
 
 @contract.register(ToyDecoderArgs)
 def declare(args: ToyDecoderArgs) -> contract.ModelContract:
-    """The planner's view: attention's modules as the package declares them, the squared ReLU's two matmuls."""
+    """The planner's view: attention's modules as the package declares them, the squared ReLU's two matmuls and
+    what it moves and keeps."""
     modules = {**contract.gqa_modules(args.dim, args.n_heads, args.kv_heads, args.head_dim),
                "feed_forward.w1": contract.linear(args.dim, args.relu2_hidden),
                "feed_forward.w2": contract.linear(args.relu2_hidden, args.dim)}
-    dense = contract.Block(block_plan(), modules, dim=args.dim, fused=contract.GQA_FUSED)
+    # its memory: relu's output (also square's input) and the square (w2's input) kept for backward; w1's output
+    # kept under "op"; eager, relu and square each read and write F values, compiled one kernel reads and writes once
+    relu2 = contract.FeedForwardBytes(stored=2, op_kept=1, eager=4, compiled=2)
+    dense = contract.Block(block_plan(), modules, dim=args.dim, fused=contract.GQA_FUSED, feed_forward=relu2)
     return contract.gqa_decoder(args, dense, None, args.num_params(), args.relu2_hidden)
 
 

@@ -26,6 +26,10 @@ row-parallel wo / w2 outputs, which are whole-sequence partial sums before their
 recompute (DeepSeek-V3's MLA up-projections wq_b and wkv_b) are not kept under "cheap"
 (`cheap_matmul_bytes`: d (n_heads qk_head_dim + n_heads (nope + v)) / tp per token).
 
+A dense feed-forward of another kind declares its own multiples of d F (`Block.feed_forward`,
+`block_shape.FeedForwardBytes`): what it stores, keeps under "op" and moves eager and compiled, in place of
+the SwiGLU's 4, 2, 5 and 3.
+
 Mixture-of-experts blocks (`num_experts` E > 0, top-k, expert hidden size H) store per token, instead
 of the SwiGLU's 4 d F,
 
@@ -130,7 +134,7 @@ def act_per_token_per_block(a, d: int, tp: int, ep: int = 1, cp: int = 1, fused_
     if block.moe is not None:  # the MoE layer works on this rank's sequence shard
         return seq_sharded / tp + d * h + mixer / tp + moe_act(a, d, ep) / tp + cp_kv
     gathered = 2 * d * h
-    head_sharded = mixer + 4 * d * a.ffn_hidden
+    head_sharded = mixer + block.feed_forward.stored * d * a.ffn_hidden
     return seq_sharded / tp + gathered + head_sharded / tp + cp_kv
 
 
@@ -152,8 +156,9 @@ def op_kept_per_token(a, d: int, tp: int, block: Block | None = None) -> tuple[f
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         sharded += 4 * a.num_experts + k * (2 * d * H + d * h)
         return sharded / tp + d * h, label + " + 4 E + k (2 d H + d h)) / tp + d h"
-    sharded += 2 * d * a.ffn_hidden
-    return sharded / tp + 2 * d * h, label + " + 2 d F) / tp + 2 d h"
+    kept = block.feed_forward.op_kept
+    sharded += kept * d * a.ffn_hidden
+    return sharded / tp + 2 * d * h, label + f" + {kept:g} d F) / tp + 2 d h"
 
 
 
@@ -196,7 +201,8 @@ def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True, block
         k, H = a.num_experts_per_tok, a.moe_intermediate_size
         out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
     else:
-        out += per_ffn * a.ffn_hidden
+        ff = block.feed_forward
+        out += (ff.compiled if compiled else ff.eager) * d * a.ffn_hidden
     return out
 
 

@@ -42,6 +42,21 @@ def memoized(obj, name: str, key: tuple, compute: Callable[[], list]) -> list:
 
 
 @dataclass(frozen=True)
+class FeedForwardBytes:
+    """What a dense feed-forward kind moves and keeps per token, in multiples of d F (d: bytes of an activation
+    element, F: its hidden width), for the planner's memory (`block_memory.py`). The default is the SwiGLU's."""
+
+    stored: float = 4.0
+    """Kept for backward without checkpointing (SwiGLU: w1 out, silu(w1 out), w3 out, their product)."""
+    op_kept: float = 2.0
+    """Kept under selective "op" checkpointing: its hidden-wide matmul outputs (SwiGLU: w1's and w3's)."""
+    eager: float = 5.0
+    """Forward memory traffic of its element-wise kernels, eager (SwiGLU: silu, read and written; the product)."""
+    compiled: float = 3.0
+    """The same compiled into one kernel (SwiGLU: read w1's and w3's outputs, write the product)."""
+
+
+@dataclass(frozen=True)
 class Block:
     """One block as its family's plan sees it."""
 
@@ -56,6 +71,8 @@ class Block:
     where the layout says so (`Layout.fused_qkv`): `matmuls(fused=True)` gives each group as one."""
     linear: LinearAttentionShape | None = None
     """The block's token mixer is linear attention of this shape (None: softmax attention)."""
+    feed_forward: FeedForwardBytes = FeedForwardBytes()
+    """Its dense feed-forward's kind, as the planner's memory sees it (a SwiGLU unless the family says otherwise)."""
 
     def matmuls(self, fused: bool = False) -> list[Matmul]:
         return list(memoized(self, "matmuls", (fused,), lambda: self._matmuls(fused)))

@@ -42,7 +42,7 @@ from torchtrain.models.block_modules import (  # noqa: F401  (re-exported: what 
     vision_block_modules,
     vision_rest_modules,
 )
-from torchtrain.models.block_shape import Block, Matmul, memoized  # noqa: F401  (re-exported: the contract's vocabulary)
+from torchtrain.models.block_shape import Block, FeedForwardBytes, Matmul, memoized  # noqa: F401  (re-exported: the contract's vocabulary)
 from torchtrain.models.collectives import (  # noqa: F401  (re-exported: the contract's vocabulary)
     AttentionShape,
     BlockCollective,
