@@ -22,10 +22,10 @@ from torchtrain.models import contract
 from torchtrain.models.common.parallel import check_decoder_layout
 from torchtrain.models.common.spec import register_decoder
 from torchtrain.models.common.tp import apply_decoder_top, gqa_attention_plan
-from torchtrain.models.common.transformer import Decoder, DecoderBlock, GQAttention
+from torchtrain.models.common.transformer import DecoderBlock, GQAttention
 from torchtrain.models.layout_view import LayoutView
 from torchtrain.models.llama3.args import Llama3Args
-from torchtrain.models.llama3.model import rope_table
+from torchtrain.models.llama3.model import Transformer
 
 
 @dataclass
@@ -54,7 +54,9 @@ class SquaredReLU(nn.Module):
         return self.w2(F.relu(self.w1(x)).square())
 
 
-class ToyDecoder(Decoder):
+class ToyDecoder(Transformer):
+    """Llama 3's decoder (its RoPE table) with the squared ReLU as every block's feed-forward."""
+
     args: ToyDecoderArgs
 
     def block(self, layer_id: int) -> nn.Module:
@@ -62,9 +64,6 @@ class ToyDecoder(Decoder):
         return DecoderBlock(a.dim, a.norm_eps,
                             GQAttention(a.dim, a.n_heads, a.kv_heads, a.head_dim, a.attention_mask, "pairs"),
                             SquaredReLU(a.dim, a.relu2_hidden))
-
-    def rope(self, device: torch.device | None = None) -> torch.Tensor:
-        return rope_table(self.args, device)
 
 
 def block_plan() -> dict[str, object]:

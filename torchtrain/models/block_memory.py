@@ -78,6 +78,7 @@ the planner times them at the device's memory bandwidth, backward moving twice t
 
 from __future__ import annotations
 
+from torchtrain.models.block_shape import SWIGLU
 from torchtrain.models.contract import Block, LinearAttentionShape
 
 
@@ -191,19 +192,14 @@ def block_memory_bytes(a, d: int, compiled: bool, fused_norm: bool = True, block
         out += linear_memory_bytes(block.linear, d, compiled, norm)
     else:
         out += rope_bytes(a, d, compiled) + 2 * d * hq + (norm * (hq_qk + hkv) if a.qk_norm else 0)
-    if compiled:
-        out += 4 * d * h
-        per_ffn = 3 * d
+    out += (4 if compiled else 6) * d * h  # the residual adds
+    if block.moe is not None:  # dispatch and combine; the routed and shared experts, each a SwiGLU
+        k = a.num_experts_per_tok
+        out += 4 * d * h * k + 8 * a.num_experts
+        ff, width = SWIGLU, a.moe_intermediate_size * (k + a.num_shared_experts)
     else:
-        out += 6 * d * h
-        per_ffn = 5 * d
-    if block.moe is not None:
-        k, H = a.num_experts_per_tok, a.moe_intermediate_size
-        out += 4 * d * h * k + per_ffn * H * (k + a.num_shared_experts) + 8 * a.num_experts
-    else:
-        ff = block.feed_forward
-        out += (ff.compiled if compiled else ff.eager) * d * a.ffn_hidden
-    return out
+        ff, width = block.feed_forward, a.ffn_hidden
+    return out + (ff.compiled if compiled else ff.eager) * d * width
 
 
 def linear_memory_bytes(lin: LinearAttentionShape, d: int, compiled: bool, norm: float) -> float:

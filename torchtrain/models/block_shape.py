@@ -56,6 +56,10 @@ class FeedForwardBytes:
     """The same compiled into one kernel (SwiGLU: read w1's and w3's outputs, write the product)."""
 
 
+SWIGLU = FeedForwardBytes()
+"""The SwiGLU's figures: a dense block's default, and every MoE expert's."""
+
+
 @dataclass(frozen=True)
 class Block:
     """One block as its family's plan sees it."""
@@ -71,7 +75,7 @@ class Block:
     where the layout says so (`Layout.fused_qkv`): `matmuls(fused=True)` gives each group as one."""
     linear: LinearAttentionShape | None = None
     """The block's token mixer is linear attention of this shape (None: softmax attention)."""
-    feed_forward: FeedForwardBytes = FeedForwardBytes()
+    feed_forward: FeedForwardBytes = SWIGLU
     """Its dense feed-forward's kind, as the planner's memory sees it (a SwiGLU unless the family says otherwise)."""
 
     def matmuls(self, fused: bool = False) -> list[Matmul]:
