@@ -33,14 +33,15 @@ from steadiness import judge  # noqa: E402
 
 WINDOW_FIRST = 4
 """The first step of the steady window (the kit's protocol: 3 warm-up steps)."""
-DOCS = {"docs/performance.md": ("6a34a3a-compare", "6a34a3a-float8", "6a34a3a-large", "ae5a46e-compare",
-                                "ae5a46e-float8", "9f41880-compare", "f2ccc36-compare", "f2ccc36-float8"),
+DOCS = {"docs/performance.md": ("8633778-compare", "8633778-float8", "8633778-large", "6a34a3a-compare",
+                                "6a34a3a-float8", "6a34a3a-large", "ae5a46e-compare", "ae5a46e-float8",
+                                "9f41880-compare", "f2ccc36-compare", "f2ccc36-float8"),
         "README.md": ("readme-cuda",)}
-SETS = {"6a34a3a": "2026-12-04-h200-6a34a3a", "ae5a46e": "2026-11-27-h100-ae5a46e", "9f41880": "2026-11-27-h100-9f41880",
-        "f2ccc36": "2026-11-27-h100-f2ccc36"}
+SETS = {"8633778": "2026-12-04-h200-8633778", "6a34a3a": "2026-12-04-h200-6a34a3a",
+        "ae5a46e": "2026-11-27-h100-ae5a46e", "9f41880": "2026-11-27-h100-9f41880", "f2ccc36": "2026-11-27-h100-f2ccc36"}
 AGAIN = {"6a34a3a": "2026-12-04-h200-6a34a3a-repeat"}
 """A set whose headline rows were measured again by a second command minutes later: the repeat's ratios."""
-README_SET = "6a34a3a"
+README_SET = "8633778"
 TABLE_PEAK = 989.4
 """The H100 SXM's (and H200's) dense bf16 peak (components/hardware.py), against which the MFU cells are quoted."""
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)

@@ -51,6 +51,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_RUNNING: list = [None]
+"""The test item being set up or run in this process (read by require_dist)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _RUNNING[0] = item  # before its fixtures: a module fixture's launch is charged to the test that made it
+
+
+def require_dist(what: str) -> None:
+    """A test that starts a process group of two or more ranks is marked `dist`: the fast tier
+    (`-m "not dist and not slow"`) leaves it out, and a one-GPU machine runs none of them."""
+    item = _RUNNING[0]
+    if item is not None and "dist" not in item.keywords:
+        pytest.fail(f"{item.nodeid} {what} but is not marked @pytest.mark.dist", pytrace=False)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
     return max(1, min(2, usable_cores()))
@@ -94,6 +111,8 @@ def train_command(args: list[str], nproc: int | None = None, env: dict | None = 
     if nproc is None:
         cmd = [sys.executable, "-m", "torchtrain.train", *args]
     else:
+        if nproc > 1:
+            require_dist(f"launches torchrun ({nproc} ranks)")
         cmd = [sys.executable, "-m", "torchtrain.launcher", f"--nproc_per_node={nproc}",
                "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "-m", "torchtrain.train", *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -179,6 +198,8 @@ def run_together(argvs: list[list[str]], nproc: int, workdir: str, timeout: floa
     spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False)
     with spec_file:
         json.dump(argvs, spec_file)
+    if nproc > 1:
+        require_dist(f"launches torchrun ({nproc} ranks)")
     cmd = ([sys.executable] if nproc == 1 else launcher_command(nproc)) + [PARITY_RUNS, spec_file.name]
     env = launch_env()  # a script's folder comes first on its path: this checkout's package must win
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -261,9 +282,13 @@ class ParitySuite:
         `rtol` relative or `atol` absolute: `parity.compare`); return the runs."""
         from torchtrain.tools.parity import compare, format_table, parse_layout, run_layout
 
-        runs = [self.results.get((s, tuple(extra))) or
-                run_layout(parse_layout(s), None, self.steps, self.overrides + list(extra), self.variant_folder(extra))
-                for s in layouts]
+        def launch(spec: str):
+            layout = parse_layout(spec)
+            if layout.nproc > 1:
+                require_dist(f"launches torchrun ({layout.nproc} ranks)")
+            return run_layout(layout, None, self.steps, self.overrides + list(extra), self.variant_folder(extra))
+
+        runs = [self.results.get((s, tuple(extra))) or launch(s) for s in layouts]
         baseline = self.results.get(("single", tuple(extra)), self.baseline)  # a variant's own, when it ran one
         assert baseline.returncode == 0, baseline.log[-3000:]
         comps = [compare(baseline, r, self.steps, rtol, atol) for r in runs]

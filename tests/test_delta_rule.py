@@ -120,8 +120,11 @@ def test_recurrent_matches_transformers():
     if getattr(hf, "__module__", "") != modeling_qwen3_5.__name__:
         pytest.skip("transformers resolved its recurrence to a kernel package, not its torch reference")
     q, k, v, g, beta, s0 = make_inputs(2, 21, 2, 4, initial=True)
-    o_hf, s_hf = hf(q * 8**0.5, k, v, g, beta, initial_state=s0, output_final_state=True,
-                    use_qk_l2norm_in_kernel=False)
+    # each query/key head serves consecutive value heads; given to transformers repeated (its releases before
+    # grouped heads in the reference take equal head counts)
+    group = v.shape[2] // k.shape[2]
+    o_hf, s_hf = hf((q * 8**0.5).repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v, g, beta,
+                    initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=False)
     o, s = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
     assert (o - o_hf).abs().max().item() < TOL
     assert (s - s_hf).abs().max().item() < TOL

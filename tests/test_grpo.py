@@ -756,6 +756,7 @@ def test_other_objectives_match_one_process(suite, variant, layout):
     suite.check([layout], rtol=RTOL, atol=ATOL, extra=variant)
 
 
+@pytest.mark.dist
 def test_dynamic_sampling_and_overlong_shaping_match_one_process(suite):
     """DAPO's dynamic sampling chooses among every data-parallel rank's groups (gathered) as one process chooses
     among its own: FSDP 2 trains on the same groups, in the same number of rounds, and matches one process."""

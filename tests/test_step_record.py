@@ -31,8 +31,8 @@ def run(folder, monkeypatch, deferred: bool, fail_at: int | None = None) -> tupl
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
-    if deferred:  # as on CUDA
-        monkeypatch.setattr(trainer_module, "defers_log", lambda device, reasons: not reasons)
+    # each path forced, whichever device the process finds (deferred is CUDA's default)
+    monkeypatch.setattr(trainer_module, "defers_log", lambda device, reasons: deferred and not reasons)
     trainer = Trainer(parse_args(JOB + ["--job.dump_folder", str(folder)]))
     written = []
     log = trainer.metrics.log

@@ -3,9 +3,11 @@ its loss, metrics, TensorBoard events and saved config: README's quickstart, run
 
 from __future__ import annotations
 
+import pytest
 from conftest import assert_no_trainer_traceback, run_train
 
 
+@pytest.mark.dist
 def test_config_error_before_process_group(tmp_path, tiny_job):
     out = run_train(tiny_job + ["--parallelism.data_parallel_shard_degree", "3"], nproc=2, timeout=120)
     assert out.returncode != 0

@@ -100,10 +100,10 @@ def _cuda_active() -> bool:
 
 class _Marks:
     """Times of step boundaries: CUDA events recorded on the current stream (no host sync; read once the
-    window has been synchronised), or the host clock where no CUDA device is in use."""
+    window has been synchronised), or `clock` where no CUDA device is in use or `events` is False."""
 
-    def __init__(self, clock: Callable[[], float]):
-        self.clock, self.events, self.times = clock, _cuda_active(), []
+    def __init__(self, clock: Callable[[], float], events: bool = True):
+        self.clock, self.events, self.times = clock, events and _cuda_active(), []
 
     def mark(self) -> None:
         if self.events:
@@ -176,7 +176,8 @@ class StepWindow:
         if step == self.first:
             self.sync()
             self._start = (self.clock(), time.time())
-            self._marks = _Marks(self.clock)
+            # a window given its own clock and synchronisation (a test's) marks its steps by that clock
+            self._marks = _Marks(self.clock, events=self.sync is device_synchronize and self.clock is time.perf_counter)
             if self.count_syncs:
                 self._counter = SyncCounter().__enter__()
         if self._marks is not None and self.first <= step <= self.last:

@@ -263,6 +263,20 @@ def gemm_by_shape(events: list[dict], kernels: list[dict], n_steps: int) -> list
             for (m, k, nn, dt), (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1]) if us > 0]
 
 
+def kernels_by_name(kernels: list[dict], n_steps: int, top: int = 16) -> list[dict]:
+    """The kernels' time a step by kernel name (its first 100 characters), largest first, with the calls a step
+    and the mean microseconds a call: the same kernel compared across two traces shows whether the same work
+    ran at the same pace."""
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        entry = by[e["name"][:100]]
+        entry[0] += 1
+        entry[1] += e["dur"]
+    n = max(1, n_steps)
+    return [{"kernel": name, "kind": kind(name), "calls_per_step": round(c / n, 1), "ms_per_step": round(us / 1e3 / n, 3),
+             "us_per_call": round(us / c, 1)} for name, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]]
+
+
 def summarize(path: str) -> dict:
     events = load(path)
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
@@ -302,6 +316,7 @@ def summarize(path: str) -> dict:
         "handler_self_s_per_step": round(d.handler_self_us / 1e6 / n, 6),
         "top_dispatched_ops_per_step": {k: round(v / n, 1) for k, v in d.names.most_common(12)},
         "gemm_by_shape": gemm_by_shape(events, kernels, len(steps)),
+        "kernels_by_name": kernels_by_name(kernels, len(steps)),
     }
 
 
@@ -332,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                 for g in value:
                     print(f"  GEMM {g['shape']:>22s} {g['dtype']:9s} {g['calls_per_step']:6g}/step "
                           f"{g['ms_per_step']:8.3f} ms/step {g['tflops']:5d} TFLOP/s")
+            elif key == "kernels_by_name":
+                for k in value:
+                    print(f"  kernel {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6g}/step "
+                          f"{k['us_per_call']:9.1f} us/call  {k['kind']:12s} {k['kernel']}")
             elif key not in ("trace", "steps", "step_s"):
                 text = ", ".join(f"{k} {v:g}" for k, v in value.items()) if isinstance(value, dict) else value
                 print(f"  {key:30s} {text}")

@@ -60,9 +60,13 @@ def init_distributed(comm: Comm, device: torch.device, group: tuple[dist.Store, 
     (store, rank, size) when it is not the job's world (generators apart: `roles.Roles.group`)."""
     if dist.is_initialized():
         return
+    alone = None
     if "RANK" not in os.environ:  # `python -m torchtrain.train` without torchrun: a world of one
+        # its store listens on a port the system picks as it binds (a port looked up free and bound later
+        # can be taken in between by a process beside it); MASTER_PORT names it for the job's other clients
+        alone = (dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False), 0, 1)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+                          MASTER_PORT=str(alone[0].port))
     backend = comm.backend
     if backend == "auto":
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
@@ -72,8 +76,8 @@ def init_distributed(comm: Comm, device: torch.device, group: tuple[dist.Store, 
         raise ConfigError("[comm.backend] 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = datetime.timedelta(seconds=comm.init_timeout_seconds)
-    if group is not None:
-        kwargs.update(zip(("store", "rank", "world_size"), group))
+    if group is not None or alone is not None:
+        kwargs.update(zip(("store", "rank", "world_size"), group or alone))
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
