@@ -68,6 +68,13 @@ def require_dist(what: str) -> None:
         pytest.fail(f"{item.nodeid} {what} but is not marked @pytest.mark.dist", pytrace=False)
 
 
+def world_of_one(monkeypatch) -> None:
+    """For a trainer built in this process: no rendezvous variables, so that it opens a world of one itself, its
+    store on a port the system picks as it binds (`distributed/utils.py::init_distributed`); restored after."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
     return max(1, min(2, usable_cores()))

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_JOB, read_metrics
+from conftest import TINY_JOB, read_metrics, world_of_one
 from torch import nn
 
 from torchtrain.distributed.compute_copy import ComputeCopy
@@ -30,12 +30,9 @@ JOB = TINY_JOB + ["--training.steps", str(STEPS), "--training.global_batch_size"
 def train(folder, argv: list[str], monkeypatch) -> "tuple[list[dict], object]":
     """Train in this process (a world of one); returns the metrics and the trainer's layout."""
     from torchtrain.config import parse_args
-    from torchtrain.distributed.utils import free_port
     from torchtrain.trainer.trainer import Trainer
 
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
+    world_of_one(monkeypatch)
     trainer = Trainer(parse_args(argv + ["--job.dump_folder", str(folder)]))
     finished = False
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_JOB, read_metrics
+from conftest import TINY_JOB, read_metrics, world_of_one
 
 from torchtrain.trainer import trainer as trainer_module
 from torchtrain.trainer.step import StepResult
@@ -25,12 +25,9 @@ EXACT = ("step", "loss", "grad_norm", "lr", "tokens_seen")
 def run(folder, monkeypatch, deferred: bool, fail_at: int | None = None) -> tuple[list[dict], list[tuple[int, int]]]:
     """Train in this process; (records, (record's step, trainer's step when it was written) per record)."""
     from torchtrain.config import parse_args
-    from torchtrain.distributed.utils import free_port
     from torchtrain.trainer.trainer import Trainer
 
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
+    world_of_one(monkeypatch)
     # each path forced, whichever device the process finds (deferred is CUDA's default)
     monkeypatch.setattr(trainer_module, "defers_log", lambda device, reasons: deferred and not reasons)
     trainer = Trainer(parse_args(JOB + ["--job.dump_folder", str(folder)]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_JOB, read_metrics
+from conftest import TINY_JOB, read_metrics, world_of_one
 
 from torchtrain.trainer import trainer as trainer_module
 from torchtrain.trainer.step import StepResult
@@ -82,12 +82,9 @@ def test_the_last_record_waits_for_its_work(tmp_path, monkeypatch):
     """The trainer's deferred records (as on CUDA) on a simulated device: every record after the first is
     the step's device time, the last one included, and the last one is written with the device idle."""
     from torchtrain.config import parse_args
-    from torchtrain.distributed.utils import free_port
     from torchtrain.trainer.trainer import Trainer
 
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
+    world_of_one(monkeypatch)
     device = SimulatedDevice()
     monkeypatch.setattr(trainer_module, "defers_log", lambda _device, reasons: not reasons)
     monkeypatch.setattr(trainer_module, "step_clock", lambda _device: device)
