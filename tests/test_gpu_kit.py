@@ -48,7 +48,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_part(dry_run):
     out, proc = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdefghi"}
+    results = {p: json.load(open(out / "kit" / f"{p}.json")) for p in "abcdefghij"}
     assert all(r["ok"] for r in results.values()), {p: r["rows"] for p, r in results.items() if not r["ok"]}
     a = results["a"]["rows"][0]
     assert a[1] > 0 and a[2] == 0  # pytest ran tests on the "device" and none failed
@@ -99,6 +99,12 @@ def test_dry_run_runs_every_part(dry_run):
     assert all(row[9:13] == [0.0, 0.0, 0.0, 0.0] for row in h)  # kernel seconds by kind: none on a CPU
     assert h[1][8] > h[0][8]  # float8's casts and scales: more operators a step
     assert all((out / "kit" / "h" / f"{n}_trace.json.gz").exists() for n in ("torchtrain_eager", "torchtrain_eager_float8"))
+    # the levers: (c)'s batch-4 run reused as the first row, each lever its own run, the compiled one listed
+    j = results["j"]["rows"]  # [lever, tokens/s (window), / (c)'s, MFU, median step s, peak GiB, steady, error]
+    assert [row[0] for row in j] == ["as in (c)", "AC none", "torch's AdamW"] and j[0][1] == c[1][3] and j[0][2] == "1.000"
+    assert all(row[1] > 0 and float(row[2]) > 0 for row in j)
+    assert [run[0] for run in results["j"]["runs"]] == ["j/AC none", "j/torch's AdamW"]
+    assert any(n.startswith("Inductor tuning: not run in a dry run") for n in results["j"]["notes"])
     # without a budget nothing is skipped, and every run's estimate and duration are recorded
     assert all(not r["skipped"] for r in results.values())
     assert [run[0] for run in results["f"]["runs"]] == ["f/straight", "f/resumed (steps 1-4, saved)",
@@ -114,7 +120,7 @@ def test_dry_run_runs_every_part(dry_run):
     assert profile["compile"]["enable"] and profile["training"]["local_batch_size"] == 4
     summary = (out / "kit" / "summary.md").read_text()
     assert "Dry run on a CPU at tiny size: these are not CUDA figures" in summary
-    assert all(f"## ({p})" in summary for p in "abcdefghi")
+    assert all(f"## ({p})" in summary for p in "abcdefghij")
     assert "- protocol: steps 4-6 (N = 3 after 3 warm-up)" in summary
     assert "runs finished (estimated s / took s): f/straight" in summary
     with tarfile.open(out / "kit.tar.gz") as tar:  # the archive leaves the checkpoints out

@@ -65,7 +65,8 @@ TITLES = {"a": "Single-process test cases on the device", "b": "Short runs per f
           "c": "1B throughput and MFU, local batch 2 and 8", "d": "torchtrain vs torchtitan, same model/batch/sequence",
           "e": "Planner vs measured", "f": "Checkpoint save/resume exactness",
           "g": "float8 vs bf16, compiled", "h": "One profiled compiled step window per side",
-          "i": "Llama 3 8B on one GPU (H200), compiled, vs torchtitan"}
+          "i": "Llama 3 8B on one GPU (H200), compiled, vs torchtitan",
+          "j": "Levers on the compiled batch-8 step, one at a time"}
 
 
 @dataclass
@@ -274,11 +275,9 @@ def _train(dump: str, argv: list[str], name: str, budget: Budget, log_freq: int 
     import torch
 
     from torchtrain.config import parse_args
-    from torchtrain.distributed.utils import free_port
     from torchtrain.trainer.trainer import Trainer
 
-    saved = {k: os.environ.get(k) for k in _DIST_ENV}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    saved = {k: os.environ.pop(k, None) for k in _DIST_ENV}  # the trainer opens its own world of one
     trainer, error, stopped, finished, t0 = None, None, "", False, time.perf_counter()
     try:
         with budget.interruptible():

@@ -22,6 +22,8 @@ summary format), run in the order given:
      kernel seconds by kind (GEMM, attention, optimizer, the rest), operators
   i  Llama 3 8B on one GPU (an H200: the planner picks the local batch that fits), compiled, AC selective,
      side by side with torchtitan's same job
+  j  levers on (c)'s compiled batch-8 step, one at a time (AC none, torch's AdamW, Inductor's kernel
+     tuning): which one would pay
 
 Every throughput figure follows one protocol on both sides (protocol.py): a window of steady steps after
 the warm-up, timed between two device synchronisations, the same logging cadence; each run's device
@@ -54,16 +56,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from budget import Budget  # noqa: E402
 from kit import REPO, TITLES, Context, PartResult, environment, gpu_state, log  # noqa: E402
 
-PARTS = "abcdefghi"
+PARTS = "abcdefghij"
 
 
 def run_part(ctx: Context, part: str) -> PartResult:
     import headline
     import large
+    import levers
     import parts
     import titan
 
-    fn = titan.part_d if part == "d" else large.part_i if part == "i" else \
+    fn = titan.part_d if part == "d" else large.part_i if part == "i" else levers.part_j if part == "j" else \
         getattr(headline if part in "cgh" else parts, f"part_{part}")
     t0 = time.perf_counter()
     if ctx.budget.stopped:
