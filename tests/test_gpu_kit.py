@@ -104,7 +104,8 @@ def test_dry_run_runs_every_part(dry_run):
     assert [row[0] for row in j] == ["as in (c)", "AC none", "torch's AdamW"] and j[0][1] == c[1][3] and j[0][2] == "1.000"
     assert all(row[1] > 0 and float(row[2]) > 0 for row in j)
     assert [run[0] for run in results["j"]["runs"]] == ["j/AC none", "j/torch's AdamW"]
-    assert any(n.startswith("Inductor tuning: not run in a dry run") for n in results["j"]["notes"])
+    assert all(any(n.startswith(f"{lever}: not run in a dry run") for n in results["j"]["notes"])
+               for lever in ("two-pass softmax", "Inductor tuning"))
     # without a budget nothing is skipped, and every run's estimate and duration are recorded
     assert all(not r["skipped"] for r in results.values())
     assert [run[0] for run in results["f"]["runs"]] == ["f/straight", "f/resumed (steps 1-4, saved)",

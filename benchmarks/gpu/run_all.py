@@ -22,8 +22,8 @@ summary format), run in the order given:
      kernel seconds by kind (GEMM, attention, optimizer, the rest), operators
   i  Llama 3 8B on one GPU (an H200: the planner picks the local batch that fits), compiled, AC selective,
      side by side with torchtitan's same job
-  j  levers on (c)'s compiled batch-8 step, one at a time (AC none, torch's AdamW, Inductor's kernel
-     tuning): which one would pay
+  j  levers on (c)'s compiled batch-8 step, one at a time (AC none, torch's AdamW, a two-pass softmax,
+     Inductor's kernel tuning): which one would pay
 
 Every throughput figure follows one protocol on both sides (protocol.py): a window of steady steps after
 the warm-up, timed between two device synchronisations, the same logging cadence; each run's device
