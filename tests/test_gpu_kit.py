@@ -52,6 +52,8 @@ def test_dry_run_runs_every_part(dry_run):
     assert all(r["ok"] for r in results.values()), {p: r["rows"] for p, r in results.items() if not r["ok"]}
     a = results["a"]["rows"][0]
     assert a[1] > 0 and a[2] == 0  # pytest ran tests on the "device" and none failed
+    for name in ("junit.xml", "pytest.log"):  # the report names the project's files, not the checkout's location
+        assert REPO + os.sep not in (out / "kit" / "a" / name).read_text(), name
     b = {(row[0], row[1]): row for row in results["b"]["rows"]}
     assert b[("debug", "float8")][5] is True and b[("debug", "fp16 + loss scaling")][5] is True  # falling
     assert any("cpu offload: not run in a dry run" in n for n in results["b"]["notes"])
