@@ -31,7 +31,9 @@ OVERRIDES = list(TINY_JOB) + ["--training.global_batch_size", "8"]
 TENSOR_PARALLEL = ["tp2", "tp4", "fsdp2_tp2"]  # HSDP x TP: test_pipeline.py's 4D layout (PP 2 x HSDP 2x2 x TP 2)
 DATA_PARALLEL = ["ddp2", "zero1_2", "zero2_2"]
 CHECKPOINTING = ["ac_full", "ac_every2", "ac_op"]
-COMPILE = ["compile", "fsdp2_tp2_compile"]
+TP2_COMPILE = "2 --parallelism.tensor_parallel_degree 2 --compile.enable true"
+COMPILE = ["compile", TP2_COMPILE]  # compiled TP blocks (their graphs hold the DTensor redistributions) on 2 ranks;
+# FSDP around compiled blocks: test_second_model_brings_its_own_plan (fsdp2, with AC and compile)
 LOW_PRECISION = ["1 --training.mixed_precision_param bfloat16",
                  "1 --training.mixed_precision_param float16",
                  "2 --training.mixed_precision_param bfloat16",

@@ -48,6 +48,8 @@ def documented_plan(job_file: str) -> list[str]:
     return shlex.split(lines[0].split("python -m torchtrain.plan ", 1)[1])
 
 
+DOCUMENTED = [(where, argv) for where, argv in commands_tested_in(REPO, "tests/test_planner_scale.py")
+              if argv[:2] == ["-m", "torchtrain.plan"]]
 JOB_FILES = sorted(os.path.join("train_configs", f) for f in os.listdir(os.path.join(REPO, "train_configs"))
                    if f.endswith(".toml"))
 
@@ -57,8 +59,7 @@ def _scale_cases() -> list[tuple[str, list[str]]]:
     for this module), each command once (`--json` is added to every one)."""
     cases, seen = [], set()
     documented = [(f"{f} as documented", documented_plan(f)) for f in JOB_FILES]
-    shown = [(f"{where}: {' '.join(argv[3:])}", argv[2:]) for where, argv in
-             commands_tested_in(REPO, "tests/test_planner_scale.py") if argv[:2] == ["-m", "torchtrain.plan"]]
+    shown = [(f"{where}: {' '.join(argv[3:])}", argv[2:]) for where, argv in DOCUMENTED if "--help" not in argv]
     for name, args in documented + shown:
         key = tuple(a for a in args if a != "--json")
         if key not in seen:
@@ -91,6 +92,18 @@ def test_large_plans_are_fast_and_small(tmp_path, name, args):
     if "--schedule 1F1B" in name:  # every rank of 405B's 16 stages traced; stage 0 keeps 16 micro-batches in flight
         assert len(traced) == len(ranks) == 16
         assert ranks[0]["in_flight"] == 16 and ranks[-1]["in_flight"] == 1
+
+
+def test_documented_help_lists_every_flag():
+    """The documents' `python -m torchtrain.plan --help` (a block this module runs): every flag, with its help."""
+    helps = [argv[2:] for _, argv in DOCUMENTED if "--help" in argv]
+    assert helps
+    for args in helps:
+        proc = subprocess.run([sys.executable, "-m", "torchtrain.plan", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for flag in ("--config", "--world-size", "--gpu", "--search", "--ac", "--json"):
+            assert flag in proc.stdout, flag
 
 
 def test_405b_job_is_metas_layout():

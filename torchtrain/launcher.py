@@ -46,7 +46,7 @@ import os
 import signal
 import sys
 
-from torchtrain.utils import exit_codes
+from torchtrain.utils import elastic_events, exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
 from torchtrain.utils.process_exit import run_exit_handlers
@@ -159,8 +159,7 @@ def hang_report(job) -> str:
         return f.read().strip() + f"\nstacks: {os.path.dirname(found[-1])}"
 
 
-# What the forkserver has imported before it forks any worker (the launcher imports it, then forks the server): the
-# trainer (torch with it); torch._dynamo is imported by a worker's first tensor initialisation.
+# What the forkserver imports before it forks a worker: the trainer (and torch), and torch._dynamo (a first tensor init's).
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 """Signals torchrun does not handle, passed on to the workers."""
@@ -371,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if job is not None and not explicit:
         args.max_restarts = job.fault.max_restarts
     choose_start_method(args, argv)
+    elastic_events.install()
     install_start_count()
     config = start_forkserver(args) if uses_forkserver(args) else None
     install_restart_policy()

@@ -3,15 +3,16 @@
 CPython's cyclic collector runs whenever allocations outnumber deallocations by a threshold, i.e. at
 unpredictable moments inside a step, and at different moments on different ranks; a rank paused
 for a collection of a large heap then makes every other rank wait at the next collective. With
-gc_freq = N > 0 the trainer turns automatic collection off (`gc.disable()`) at start-up, collects once
-fully, and then collects generations 0 and 1 (`gc.collect(1)`: young objects, cheap) every N steps,
-between steps, on all ranks at the same step. Reference counting still frees every object that is
-not in a cycle at once; only cyclic garbage waits for the next boundary. Objects that survive into
-the oldest generation are collected by the full collection at start-up (a long-running job that
-builds cycles of long-lived objects should lower N or use 0). At close automatic collection is
-restored, without a last full collection: after training the process ends (a full pass over a
-trained model's heap would only delay that), and a process that trains again collects fully at
-its next start-up. gc_freq = 0 leaves Python's automatic collection as it is.
+gc_freq = N > 0 the trainer turns automatic collection off (`gc.disable()`) at start-up, collects the
+young generations once (`gc.collect(1)`: what start-up built; the imported modules' objects, long in the
+oldest generation, are not walked again -- a full pass over them costs a fraction of a second in every
+process, for nothing), and then collects generations 0 and 1 every N steps, between steps, on all ranks
+at the same step. Reference counting still frees every object that is not in a cycle at once; only
+cyclic garbage waits for the next boundary, and cycles that reached the oldest generation wait for the
+end of the run (a long-running job that builds cycles of long-lived objects should lower N or use 0).
+At close automatic collection is restored, without a last full collection: after training the process
+ends (a full pass over a trained model's heap would only delay that), and in a process that goes on,
+Python's own collector takes over again. gc_freq = 0 leaves Python's automatic collection as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class GarbageCollection:
         self._was_enabled = gc.isenabled()
         if gc_freq > 0:
             gc.disable()
-            gc.collect()
+            gc.collect(1)
             logger.info("garbage collection: automatic collection off; generation 1 collected every %d steps", gc_freq)
 
     def step(self, step: int) -> None:
