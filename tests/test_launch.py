@@ -185,3 +185,24 @@ def test_a_host_a_replica_check_named_refuses_to_start_the_job(tmp_path):
 
     listed.write_text("other-node\n")
     assert excluded_here(str(listed)) is None and excluded_here(str(tmp_path / "missing.txt")) is None
+
+
+def test_rendezvous_events_are_named_as_torch_names_them():
+    """`utils/elastic_events.py`: the recording method's caller, as torch's `inspect.stack()` lookup finds it."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from torchtrain.utils import elastic_events
+
+    def record(name_of):  # as the rendezvous's `_record`: the name asked for is its caller's
+        return name_of()
+
+    def next_rendezvous(name_of):
+        return record(name_of)
+
+    assert next_rendezvous(elastic_events.method_name) == next_rendezvous(lambda: inspect.stack()[2].function)
+    assert next_rendezvous(elastic_events.method_name) == "next_rendezvous"
+    assert elastic_events.method_name(10_000) == "no_method_name"
+    elastic_events.install()
+    assert dynamic_rendezvous.get_method_name is elastic_events.method_name
