@@ -68,11 +68,29 @@ def require_dist(what: str) -> None:
         pytest.fail(f"{item.nodeid} {what} but is not marked @pytest.mark.dist", pytrace=False)
 
 
+RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def world_of_one(monkeypatch) -> None:
     """For a trainer built in this process: no rendezvous variables, so that it opens a world of one itself, its
     store on a port the system picks as it binds (`distributed/utils.py::init_distributed`); restored after."""
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    for key in RENDEZVOUS_ENV:
+        monkeypatch.setenv(key, "")  # (recorded as it was -- unset -- and so unset again after the test)
+        monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_env_restored():
+    """A world of one opened in a test process (an in-process trainer or Accelerator) writes RANK, MASTER_PORT, ...
+    into its environment: put them back after each test, or every later command this process starts would inherit a
+    rank and the port this process's own store holds."""
+    before = {key: os.environ.get(key) for key in RENDEZVOUS_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_xdist_auto_num_workers(config):
