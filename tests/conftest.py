@@ -75,7 +75,9 @@ def world_of_one(monkeypatch) -> None:
     """For a trainer built in this process: no rendezvous variables, so that it opens a world of one itself, its
     store on a port the system picks as it binds (`distributed/utils.py::init_distributed`); restored after."""
     for key in RENDEZVOUS_ENV:
-        monkeypatch.setenv(key, "")  # (recorded as it was -- unset -- and so unset again after the test)
+        # recorded as it was (unset), so that what the world of one writes is undone with this monkeypatch -- also
+        # one of a module fixture, whose runs `_rendezvous_env_restored` (per test) sees as already there
+        monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
 
 

@@ -60,19 +60,20 @@ def part_j(ctx: Context) -> PartResult:
         if settings and mode is None:
             res.notes.append(f"{name}: not run in a dry run (it changes compiled kernels)")
             continue
-        if _unknown(settings):
-            res.notes.append(f"{name}: not run (this torch's Inductor has no {', '.join(_unknown(settings))})")
+        unknown = _unknown(settings)
+        if unknown:
+            res.notes.append(f"{name}: not run (this torch's Inductor has no {', '.join(unknown)})")
             continue
-        label = "(c)'s run" if not extra and not settings else name
-        log(f"(j) {label}")
+        as_in_c = not extra and not settings  # (c)'s own run, reused: the row the others are compared with
+        log("(j) " + ("(c)'s run" if as_in_c else name))
         with _inductor(settings):
             run = train(ctx, "j", f"b{batch}_{slug(name)}", headline_job(ctx, (mode or []) + extra, batch),
-                        reuse=not extra and not settings, label=name)
+                        reuse=as_in_c, label=name)
         if run.skipped:
             continue
         runs.append(run)
         tps, mfu = run.tokens_per_s(), run.table_mfu_pct()
-        base = tps if base is None and not extra and not settings else base
+        base = tps if base is None and as_in_c else base
         res.rows.append([name, None if tps is None else round(tps), None if base is None or tps is None
                          else f"{tps / base:.3f}", None if mfu is None else f"{mfu:.1f}%",
                          None if run.steady("step_time_s") is None else round(run.steady("step_time_s"), 4),
