@@ -2,8 +2,10 @@
 
     python -m torchtrain.tools.lora_export CHECKPOINT OUT --format merged|peft [--base NAME] --job.config_file F [...]
 
-CHECKPOINT is a `step-N` folder or a checkpoint folder (its newest complete step); the job's keys (the
-job file that trained it, with its [model] and [lora] sections) describe the model and its adapters.
+CHECKPOINT is a `step-N` folder or a checkpoint folder (its newest complete step); the model is the one the
+checkpoint recorded (family, flavor and arguments, as the run was given them), and the job's keys (the job
+file that trained it, with its [lora] section) describe the adapters (and the model, for a checkpoint without a
+record).
 
 * `merged`: config.json + model.safetensors, each adapted weight replaced by W + (alpha/r) B A: an
   ordinary Hugging Face model.
@@ -98,20 +100,23 @@ def load_lora_state(checkpoint: str, job_argv: list[str]) -> tuple[dict[str, tor
     from torchtrain.components.checkpoint.startup import resolve_dcp_path
     from torchtrain.config import ConfigError, parse_args
     from torchtrain.data.tokenizer import build_tokenizer
+    from torchtrain.models.registry import model_from_record
     from torchtrain.trainer.preflight import resolve_model
 
     cfg = parse_args(job_argv)
     if not cfg.lora.enable:
         raise ConfigError("[lora.enable] the job does not train LoRA adapters: pass the job file that trained "
                           "the checkpoint (lora.enable = true)")
-    spec, args = resolve_model(cfg, build_tokenizer(cfg.model.hf_assets_path))
+    path, meta = resolve_dcp_path(checkpoint)
+    # the model the checkpoint recorded (the job file's keys may not be all the run was given); else the job's
+    spec, args = (model_from_record(meta["model"]) if meta.get("model")
+                  else resolve_model(cfg, build_tokenizer(cfg.model.hf_assets_path)))
     if spec.state_dict_adapter is None:
         raise ConfigError(f"[model.name] {spec.name!r} has no Hugging Face names to export under")
     with torch.device("meta"):
         model = spec.build(args)
     apply_lora(model, cfg.lora)
     model.to_empty(device="cpu")
-    path, _ = resolve_dcp_path(checkpoint)
     stored = {k[len("model."):] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
               if k.startswith("model.")}
     state = lora_load_keys(model.state_dict(), stored)
