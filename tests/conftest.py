@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -238,8 +239,10 @@ def run_together(argvs: list[list[str]], nproc: int, workdir: str, timeout: floa
         log = open(log_path).read() if os.path.exists(log_path) else ""
         if f"PARITY-RUN-DONE {dump}" in proc.stdout:
             outcomes.append((0, log))
-        else:
-            outcomes.append((proc.returncode or 1, log + proc.stdout[-3000:] + proc.stderr[-5000:]))
+        else:  # with what the other ranks printed (a native abort's message among it)
+            ranks = "".join(f"\n--- {os.path.basename(path)}:\n{open(path).read()[-2000:]}"
+                            for path in sorted(glob.glob(f"{dump.rstrip(os.sep)}.rank*.log")) if os.path.getsize(path))
+            outcomes.append((proc.returncode or 1, log + proc.stdout[-3000:] + proc.stderr[-5000:] + ranks))
     return outcomes
 
 

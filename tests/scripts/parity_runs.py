@@ -5,8 +5,8 @@
 RUNS.json is a list of trainer argument lists (each with its own --job.dump_folder). Every run is a fresh
 Trainer on the same ranks; the process group stays up between runs (Trainer.close would tear it down, so
 it is kept until the last run), Dynamo's caches are reset so a compiled run compiles (and reports) its
-own graphs, and each rank's stdout/stderr of a run go to DUMP/launch.log (rank 0) so every run has its
-own log. A failing run stops the script with its error, like a separate launch would.
+own graphs, and rank 0's stdout/stderr of a run go to DUMP/launch.log so every run has its own log (another
+rank's to DUMP.rankN.log). A failing run stops the script with its error, like a separate launch would.
 """
 
 import json
@@ -24,6 +24,11 @@ from torchtrain.utils.process_exit import exit_process
 
 def dump_folder(argv: list[str]) -> str:
     return argv[len(argv) - 1 - argv[::-1].index("--job.dump_folder") + 1]
+
+
+def rank_log(folder: str, rank: int) -> str:
+    """Where rank `rank` (> 0) of the run dumping into `folder` writes its output."""
+    return f"{folder.rstrip(os.sep)}.rank{rank}.log"
 
 
 def run(argv: list[str]) -> None:
@@ -47,7 +52,9 @@ def main() -> int:
             folder = dump_folder(argv)
             os.makedirs(folder, exist_ok=True)
             sys.stdout.flush(), sys.stderr.flush()
-            log = os.open(os.path.join(folder, "launch.log") if rank == 0 else os.devnull,
+            # rank 0's output is the run's log; another rank's (quiet unless it fails: a native abort's message
+            # too) goes beside the dump folder, where run_together shows it when the launch fails
+            log = os.open(os.path.join(folder, "launch.log") if rank == 0 else rank_log(folder, rank),
                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(log, 1), os.dup2(log, 2)
             os.close(log)
