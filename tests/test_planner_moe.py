@@ -15,6 +15,7 @@ import torch
 from test_planner import _inputs
 from test_planner_scale import _plan
 
+from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.models import block_memory
 from torchtrain.models.contract import declare
 from torchtrain.planner import analytic, comm_time, shapes
@@ -134,3 +135,29 @@ def test_qwen3_moe_235b_on_256_h100_plans_within_4_gib(tmp_path):
     for rank in data["memory"]["ranks"]:
         traced = rank["traced"]["peak_bytes"]
         assert traced and abs(rank["analytic"]["peak_bytes"] - traced) <= 0.15 * traced
+
+
+def test_the_trace_runs_the_experts_path_of_the_gpu_it_plans_for():
+    """A bfloat16 MoE step traced for a Hopper GPU runs the experts as grouped GEMMs (a fixed number of operators
+    per layer, whatever the number of experts), for an A100 (compute capability 8.0) as one loop iteration per
+    expert (operators grow with the experts) -- the rule the trainer applies on the GPU (`grouped_mm_capable`)."""
+    from torchtrain.config import ConfigError
+    from torchtrain.models.common.experts import grouped_mm_capable
+    from torchtrain.planner.core import resolve_gpu
+
+    assert KNOWN_GPUS["h100"].compute_capability == (9, 0) and KNOWN_GPUS["a100"].compute_capability == (8, 0)
+    assert grouped_mm_capable((9, 0), torch.bfloat16) and not grouped_mm_capable((8, 0), torch.bfloat16)
+    assert not grouped_mm_capable((9, 0), torch.float32)
+    assert resolve_gpu("a100", ["compute_capability=9.0"])[1].compute_capability == (9, 0)  # --device FIELD=VALUE
+    with pytest.raises(ConfigError, match="write MAJOR.MINOR"):
+        resolve_gpu("h100", ["compute_capability=9"])
+
+    def kernels(gpu: str, experts: int) -> float:
+        job, p = _inputs(1, job_args=["--model.num_experts", str(experts), "--training.mixed_precision_param",
+                                      "bfloat16"], base=MOE_JOB, gpu=gpu)
+        plan = make_plan(job, p)
+        assert plan.ranks[0].trace is not None and plan.ranks[0].trace.skipped is None
+        return plan.ranks[0].trace.counts.total("forward/backward", cls="kernel")
+
+    grouped, looped = [kernels("h100", 4), kernels("h100", 8)], [kernels("a100", 4), kernels("a100", 8)]
+    assert grouped[0] == grouped[1] and looped[1] > looped[0] and looped[0] > grouped[0], (grouped, looped)

@@ -80,6 +80,10 @@ class GPUSpec:
     """`F.rms_norm` runs as one kernel forward and one backward (torch's CUDA/ROCm kernel): it reads its
     input and writes its output once. False where autograd decomposes it (the CPU: a float32 cast, square,
     mean, scale and cast back, each a pass over the activations)."""
+    compute_capability: tuple[int, int] | None = None
+    """What `torch.cuda.get_device_capability()` reports for the part (ROCm: the gfx version); it decides which
+    kernels run -- MoE experts as grouped GEMMs from 9.0 in bfloat16 (`models/common/experts.py`) -- so the
+    planner traces the step this GPU would run. None: unknown (the portable paths)."""
     intra_node_efficiency: float = 0.8
     """NCCL bus bandwidth / link peak inside a node."""
     inter_node_efficiency: float = 0.86
@@ -143,7 +147,7 @@ _HOST_SRC = ("host costs (host_*_us): measured on the GPU kit's H100 machine (16
              "the same class)")
 _CLOCK_500W = (500 / 700) ** (1 / 3)
 """Sustained-clock ratio of an H100 held to 500 W against 700 W (dynamic power ~ f V^2 ~ f^3)."""
-_HOPPER = dict(sm_count=132, matmul_efficiency=0.803, attention_fwd_efficiency=0.374, attention_bwd_efficiency=0.325)
+_HOPPER = dict(sm_count=132, compute_capability=(9, 0), matmul_efficiency=0.803, attention_fwd_efficiency=0.374, attention_bwd_efficiency=0.325)
 _HOPPER_SRC = (f"NVIDIA H100/H200 datasheets; {_MAMF} (H100 SXM 794.5/989); {_FA3}; {_NCCL}; fp8 GEMM share 0.65 "
                "assumed (no MAMF-style fp8 measurement at hand; torchao reports 1.3-1.6x float8 linear speedups "
                "at large shapes, i.e. ~0.65 of the 2x peak ratio)")
@@ -154,7 +158,7 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
         GPUSpec("h100", "NVIDIA H100 SXM 80GB", 80, 989.4, 66.9, r"h100(?!.*(pcie|nvl|hbm2e))", 450, 50,
                 fp8_tflops=1978.9, hbm_tbps=3.35, **_HOPPER, sources=_HOPPER_SRC + "; " + _HOST_SRC),
         GPUSpec("h100_hbm2e", "NVIDIA H100 SXM 96GB HBM2e, 500 W (Meta Grand Teton)", 96, 989.4, 66.9,
-                r"h100.*hbm2e", 450, 50, fp8_tflops=1978.9, hbm_tbps=2.4, sm_count=132,
+                r"h100.*hbm2e", 450, 50, fp8_tflops=1978.9, hbm_tbps=2.4, sm_count=132, compute_capability=(9, 0),
                 matmul_efficiency=0.803 * _CLOCK_500W, fp8_matmul_efficiency=0.65 * _CLOCK_500W,
                 attention_fwd_efficiency=0.374 * _CLOCK_500W, attention_bwd_efficiency=0.325 * _CLOCK_500W,
                 sources="torchtitan benchmarks/llama3_h100_202412_torchtitan.md: H100 SXM silicon with 96 GB HBM2e "
@@ -163,7 +167,7 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
                         "budget allows against 700 W: dynamic power ~ f^3 under voltage-frequency scaling, "
                         "(500 / 700)^(1/3) = 0.894; " + _HOPPER_SRC),
         GPUSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 51.2, r"h100.*pcie", 64, 50, fp8_tflops=1513.0,
-                hbm_tbps=2.0, sm_count=114, matmul_efficiency=0.803,
+                hbm_tbps=2.0, sm_count=114, compute_capability=(9, 0), matmul_efficiency=0.803,
                 sources="NVIDIA H100 PCIe datasheet; efficiencies as H100 SXM (same architecture), assumed"),
         GPUSpec("h100_nvl", "NVIDIA H100 NVL 94GB", 94, 835.5, 60.0, r"h100.*nvl", 300, 50, fp8_tflops=1671.0,
                 hbm_tbps=3.9, **_HOPPER, sources="NVIDIA H100 NVL datasheet; efficiencies as H100 SXM, assumed"),
@@ -174,24 +178,24 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
         GPUSpec("h200", "NVIDIA H200 141GB", 141, 989.4, 66.9, r"h200", 450, 50, fp8_tflops=1978.9, hbm_tbps=4.8,
                 **_HOPPER, sources="NVIDIA H200 datasheet (4.8 TB/s HBM3e); same SMs and clocks as H100 SXM: "
                                    + _HOPPER_SRC),
-        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25, hbm_tbps=2.039, sm_count=108,
+        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25, hbm_tbps=2.039, sm_count=108, compute_capability=(8, 0),
                 matmul_efficiency=0.869, attention_fwd_efficiency=0.65, attention_bwd_efficiency=0.55,
                 sources=f"NVIDIA A100 datasheet; {_MAMF} (A100 SXM 271.2/312); attention: FlashAttention-2 paper "
                         f"(Dao 2023) on A100, forward ~70% and backward ~55% of peak at head dim 128; 200 Gb/s HDR "
                         f"per GPU; {_NCCL}"),
         GPUSpec("a100_40gb", "NVIDIA A100 40GB", 40, 312.0, 19.5, r"a100(?!.*80)", 300, 25, hbm_tbps=1.555,
-                sm_count=108, matmul_efficiency=0.869, attention_fwd_efficiency=0.65, attention_bwd_efficiency=0.55,
+                sm_count=108, compute_capability=(8, 0), matmul_efficiency=0.869, attention_fwd_efficiency=0.65, attention_bwd_efficiency=0.55,
                 sources="as a100, with the 40 GB part's 1.555 TB/s HBM2"),
         GPUSpec("b200", "NVIDIA B200 180GB", 180, 2250.0, None, r"b200", 900, 50, fp8_tflops=4500.0, hbm_tbps=8.0,
-                sm_count=148, matmul_efficiency=0.8,
+                sm_count=148, compute_capability=(10, 0), matmul_efficiency=0.8,
                 sources="NVIDIA DGX B200 datasheet (per GPU: 2.25 PF dense bf16, 4.5 PF fp8, 8 TB/s, NVLink 5 at "
                         "1.8 TB/s bidirectional, 400 Gb/s per GPU); GEMM and attention shares assumed equal to "
                         "Hopper's (no measurement at hand)"),
         GPUSpec("l40s", "NVIDIA L40S 48GB", 48, 362.1, 91.6, r"l40s", 32, 25, fp8_tflops=733.0, hbm_tbps=0.864,
-                sm_count=142, sources="NVIDIA L40S datasheet (GDDR6, PCIe Gen4 x16 between GPUs); efficiencies "
+                sm_count=142, compute_capability=(8, 9), sources="NVIDIA L40S datasheet (GDDR6, PCIe Gen4 x16 between GPUs); efficiencies "
                                       "assumed"),
         GPUSpec("mi300x", "AMD Instinct MI300X 192GB", 192, 1307.4, 163.4, r"mi300x", 448, 50, fp8_tflops=2614.9,
-                hbm_tbps=5.3, sm_count=304, matmul_efficiency=0.598, fp8_matmul_efficiency=0.5,
+                hbm_tbps=5.3, sm_count=304, compute_capability=(9, 4), matmul_efficiency=0.598, fp8_matmul_efficiency=0.5,
                 attention_fwd_efficiency=0.30, attention_bwd_efficiency=0.22, intra_node_efficiency=0.7,
                 sources=f"AMD MI300X datasheet (7 Infinity Fabric links, 896 GB/s bidirectional per GPU); {_MAMF} "
                         f"(781.9/1307); attention and fp8 shares and the fabric's efficiency assumed lower than "
@@ -229,6 +233,12 @@ def with_overrides(spec: GPUSpec, overrides: dict[str, str] | list[str]) -> GPUS
             if str(value).lower() not in ("true", "false"):
                 raise ConfigError(f"--device {key}={value}: write true or false")
             changes[key] = str(value).lower() == "true"
+            continue
+        if key == "compute_capability":
+            major, dot, minor = str(value).partition(".")
+            if not (major.isdigit() and minor.isdigit() and dot):
+                raise ConfigError(f"--device {key}={value}: write MAJOR.MINOR, e.g. {key}=9.0")
+            changes[key] = (int(major), int(minor))
             continue
         try:
             changes[key] = (int if key in ("gpus_per_node", "sm_count") else

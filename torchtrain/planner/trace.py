@@ -52,6 +52,7 @@ from torch import nn
 from torchtrain.components.observability.tensor_memory import TensorMemoryTracker, track_modules
 from torchtrain.config import JobConfig
 from torchtrain.distributed.activation_checkpoint import OP_LEVEL_OPTIONS
+from torchtrain.models.common.experts import planned_capability
 from torchtrain.planner import preference
 from torchtrain.planner.compiled import (
     compiled_adamw_update,
@@ -264,7 +265,8 @@ def _run(p: PlanInputs, cfg: JobConfig, layout, cuts: list[PartCut], parts: list
                                     sequences=step.pipeline.n_micro * step.pipeline.microbatch_size)]
         _create_optimizer_state(parts, optimizers)
         hook = optimizers.optimizers[0].register_step_pre_hook(end_of_backward)
-        with tracker, counter, counter.functions():
+        # experts take the path the target GPU takes (grouped GEMMs from 9.0), not the fake tensors' CPU loop
+        with tracker, counter, counter.functions(), planned_capability(p.gpu.compute_capability if p.gpu else None):
             step(batches)
     phases["optimizer"] = (tracker.peak, tracker.peak_breakdown())
     hook.remove()

@@ -13,7 +13,9 @@ Two implementations, equal within fp32 rounding (tests/test_moe.py):
   with group offsets. Each group is padded to a multiple of `GROUP_ALIGN` rows (what the kernels need
   for 16-byte-aligned groups in every dtype); padding rows are zero and dropped again. The padded
   buffer has the static size M + E x (GROUP_ALIGN - 1), so no host synchronisation is needed. Used on
-  CUDA devices of compute capability 9.0+ (Hopper) in bfloat16, where the kernel exists.
+  CUDA devices of compute capability 9.0+ (Hopper) in bfloat16, where the kernel exists
+  (`grouped_mm_capable`: the one rule, which the planner also reads for the GPU it plans for:
+  `planned_capability`).
 * **portable loop**: one matmul per expert over its rows (any device and dtype; the group sizes are
   read on the host). Used everywhere else -- CPU training and older GPUs. (torch 2.13 also ships a
   CPU `_grouped_mm`, but its backward rejects the zero-stride gradients autograd can hand it, so CPU
@@ -32,7 +34,9 @@ then zero, not None), so data-parallel gradient reduction sees the same paramete
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import contextlib
+from contextvars import ContextVar
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +49,33 @@ from torchtrain.utils.sizes import host_split_sizes
 GROUP_ALIGN = 16
 
 
+_PLANNED: ContextVar[tuple[int, int] | None] = ContextVar("planned_capability", default=None)
+
+
+def grouped_mm_capable(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether a CUDA device of compute `capability` runs the grouped-GEMM path in `dtype` (see the module doc)."""
+    return dtype == torch.bfloat16 and tuple(capability) >= (9, 0)
+
+
+@contextlib.contextmanager
+def planned_capability(capability: tuple[int, int] | None) -> Iterator[None]:
+    """Within: experts take the path a CUDA device of `capability` would take, whatever device their tensors are
+    on (the planner's trace runs a GPU's step on fake CPU tensors); None: a device without CUDA, the loop."""
+    token = _PLANNED.set(capability if capability is not None else (0, 0))
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the grouped-GEMM path runs on `device` in `dtype` (see the module doc)."""
-    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+    """Whether the grouped-GEMM path runs on `device` in `dtype` (or on the device being planned for)."""
+    planned = _PLANNED.get()
+    if planned is not None:
+        return grouped_mm_capable(planned, dtype)
+    if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return grouped_mm_capable(torch.cuda.get_device_capability(device), dtype)
 
 
 def _compute_dtype(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.dtype:
