@@ -147,7 +147,8 @@ _HOST_SRC = ("host costs (host_*_us): measured on the GPU kit's H100 machine (16
              "the same class)")
 _CLOCK_500W = (500 / 700) ** (1 / 3)
 """Sustained-clock ratio of an H100 held to 500 W against 700 W (dynamic power ~ f V^2 ~ f^3)."""
-_HOPPER = dict(sm_count=132, compute_capability=(9, 0), matmul_efficiency=0.803, attention_fwd_efficiency=0.374, attention_bwd_efficiency=0.325)
+_HOPPER = dict(sm_count=132, compute_capability=(9, 0), matmul_efficiency=0.803, attention_fwd_efficiency=0.374,
+               attention_bwd_efficiency=0.325)
 _HOPPER_SRC = (f"NVIDIA H100/H200 datasheets; {_MAMF} (H100 SXM 794.5/989); {_FA3}; {_NCCL}; fp8 GEMM share 0.65 "
                "assumed (no MAMF-style fp8 measurement at hand; torchao reports 1.3-1.6x float8 linear speedups "
                "at large shapes, i.e. ~0.65 of the 2x peak ratio)")
@@ -178,13 +179,15 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
         GPUSpec("h200", "NVIDIA H200 141GB", 141, 989.4, 66.9, r"h200", 450, 50, fp8_tflops=1978.9, hbm_tbps=4.8,
                 **_HOPPER, sources="NVIDIA H200 datasheet (4.8 TB/s HBM3e); same SMs and clocks as H100 SXM: "
                                    + _HOPPER_SRC),
-        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25, hbm_tbps=2.039, sm_count=108, compute_capability=(8, 0),
-                matmul_efficiency=0.869, attention_fwd_efficiency=0.65, attention_bwd_efficiency=0.55,
+        GPUSpec("a100", "NVIDIA A100 80GB", 80, 312.0, 19.5, r"a100.*80", 300, 25, hbm_tbps=2.039, sm_count=108,
+                compute_capability=(8, 0), matmul_efficiency=0.869, attention_fwd_efficiency=0.65,
+                attention_bwd_efficiency=0.55,
                 sources=f"NVIDIA A100 datasheet; {_MAMF} (A100 SXM 271.2/312); attention: FlashAttention-2 paper "
                         f"(Dao 2023) on A100, forward ~70% and backward ~55% of peak at head dim 128; 200 Gb/s HDR "
                         f"per GPU; {_NCCL}"),
         GPUSpec("a100_40gb", "NVIDIA A100 40GB", 40, 312.0, 19.5, r"a100(?!.*80)", 300, 25, hbm_tbps=1.555,
-                sm_count=108, compute_capability=(8, 0), matmul_efficiency=0.869, attention_fwd_efficiency=0.65, attention_bwd_efficiency=0.55,
+                sm_count=108, compute_capability=(8, 0), matmul_efficiency=0.869, attention_fwd_efficiency=0.65,
+                attention_bwd_efficiency=0.55,
                 sources="as a100, with the 40 GB part's 1.555 TB/s HBM2"),
         GPUSpec("b200", "NVIDIA B200 180GB", 180, 2250.0, None, r"b200", 900, 50, fp8_tflops=4500.0, hbm_tbps=8.0,
                 sm_count=148, compute_capability=(10, 0), matmul_efficiency=0.8,
@@ -192,10 +195,11 @@ KNOWN_GPUS: dict[str, GPUSpec] = {
                         "1.8 TB/s bidirectional, 400 Gb/s per GPU); GEMM and attention shares assumed equal to "
                         "Hopper's (no measurement at hand)"),
         GPUSpec("l40s", "NVIDIA L40S 48GB", 48, 362.1, 91.6, r"l40s", 32, 25, fp8_tflops=733.0, hbm_tbps=0.864,
-                sm_count=142, compute_capability=(8, 9), sources="NVIDIA L40S datasheet (GDDR6, PCIe Gen4 x16 between GPUs); efficiencies "
-                                      "assumed"),
+                sm_count=142, compute_capability=(8, 9),
+                sources="NVIDIA L40S datasheet (GDDR6, PCIe Gen4 x16 between GPUs); efficiencies assumed"),
         GPUSpec("mi300x", "AMD Instinct MI300X 192GB", 192, 1307.4, 163.4, r"mi300x", 448, 50, fp8_tflops=2614.9,
-                hbm_tbps=5.3, sm_count=304, compute_capability=(9, 4), matmul_efficiency=0.598, fp8_matmul_efficiency=0.5,
+                hbm_tbps=5.3, sm_count=304, compute_capability=(9, 4), matmul_efficiency=0.598,
+                fp8_matmul_efficiency=0.5,
                 attention_fwd_efficiency=0.30, attention_bwd_efficiency=0.22, intra_node_efficiency=0.7,
                 sources=f"AMD MI300X datasheet (7 Infinity Fabric links, 896 GB/s bidirectional per GPU); {_MAMF} "
                         f"(781.9/1307); attention and fp8 shares and the fabric's efficiency assumed lower than "
