@@ -38,7 +38,8 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "torch.distributed
            "torchtrain.data.preparation",
            # what many commands import late: Inductor for a compiling job, the optimizers' ZeRO-1, TensorBoard's writer
            # and the transformers family (an optional package: a missing one is skipped)
-           "torch._inductor.compile_fx", "torch.distributed.optim", "torch.utils.tensorboard", "transformers"]
+           "torch._inductor.compile_fx", "torch.distributed.optim", "torch.utils.tensorboard", "transformers",
+           "transformers.modeling_utils"]
 """What the server imports once (modules run with `-m` are left out: runpy warns about a target already loaded)."""
 DISABLE = "TORCHTRAIN_TEST_NO_ZYGOTE"
 SOCKET_ENV = "TORCHTRAIN_TEST_ZYGOTE"
