@@ -39,8 +39,7 @@ def compile_blocks(blocks: nn.Module, with_collectives: bool = False, fullgraph:
         import torch._inductor.config  # (imported here: Inductor is slow to import and only needed now)
 
         torch._inductor.config.fx_graph_cache = False
-        if hasattr(torch._functorch.config, "enable_autograd_cache"):
-            torch._functorch.config.enable_autograd_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     exclude_from_graphs()
     for block in blocks.children():
         block.compile(fullgraph=fullgraph, dynamic=dynamic)

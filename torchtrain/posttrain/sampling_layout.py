@@ -45,10 +45,8 @@ def sampling_mode(model_parts: list[nn.Module]) -> Iterator[None]:
     saved = [_reshards_after_forward(m) for m in units]
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
-    eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else \
-        contextlib.nullcontext()
     try:
-        with torch.no_grad(), forward_counting(False), eager:
+        with torch.no_grad(), forward_counting(False), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         for m, value in zip(units, saved):
