@@ -60,8 +60,9 @@ def grouped_mm_capable(capability: tuple[int, int], dtype: torch.dtype) -> bool:
 @contextlib.contextmanager
 def planned_capability(capability: tuple[int, int] | None) -> Iterator[None]:
     """Within: experts take the path a CUDA device of `capability` would take, whatever device their tensors are
-    on (the planner's trace runs a GPU's step on fake CPU tensors); None: a device without CUDA, the loop."""
-    token = _PLANNED.set(capability if capability is not None else (0, 0))
+    on (the planner's trace runs a GPU's step on fake CPU tensors); None: no capability to plan for, the
+    tensors' device decides (the trace's CPU: the loop)."""
+    token = _PLANNED.set(capability)
     try:
         yield
     finally:
