@@ -96,6 +96,20 @@ def _rendezvous_env_restored():
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _project_logger_restored():
+    """A command's main run in a test process (`launch_check.main`, an in-process trainer's logger set-up) sets the
+    project logger's level and handlers for the whole process: put them back after each test, or a later test would
+    not see the warnings it checks for (whether it does would depend on the order the tests ran in)."""
+    from torchtrain.utils.logging import logger
+
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    logger.propagate = propagate
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
     return max(1, min(2, usable_cores()))

@@ -163,6 +163,53 @@ def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_
     assert starts == {0: 3, 1: 3}
 
 
+def test_a_rank_holds_two_connections_to_the_agents_store(monkeypatch, tmp_path):
+    """A rank connects to torchrun's store once for its start count and its default process group, and once for the
+    hang monitor and the straggler windows (both on here) -- not once each: the agent's server keeps every socket, and
+    torch looks up the peer's name at both ends of each (a resolver that answers slowly stalls the whole start)."""
+    import time
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from torchtrain.components.fault.runtime import FaultRuntime
+    from torchtrain.config.fault import Fault
+    from torchtrain.config.job import Debug
+    from torchtrain.config.parallelism import Comm
+    from torchtrain.distributed.utils import STARTS_COUNTED_BY_AGENT, init_distributed, worker_start
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(STARTS_COUNTED_BY_AGENT, "1")
+    clients, store_class = [], dist.TCPStore
+
+    def counted(*args, **kwargs):
+        clients.append(store_class(*args, **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(dist, "TCPStore", counted)
+    worker_start.cache_clear()
+    try:
+        init_distributed(Comm(), torch.device("cpu"))
+        fault = Fault(hang_timeout_s=60.0, straggler_freq=10)
+        runtime = FaultRuntime(fault, Debug(), str(tmp_path), types.SimpleNamespace(step=0), torch.device("cpu"),
+                               0, 2, user_profiler=False)
+        deadline = time.monotonic() + 30
+        while runtime.monitor.store is None and time.monotonic() < deadline:  # the monitor's thread connects
+            time.sleep(0.01)
+        assert runtime.monitor.store is runtime.store is not None
+        runtime.monitor.finish()  # (the end of training, published through that client)
+        runtime.monitor.stop()
+        assert len(clients) == 2, clients
+    finally:
+        worker_start.cache_clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_host_a_replica_check_named_refuses_to_start_the_job(tmp_path):
     """fault.sdc_exclude_file lists the hosts whose devices a replica check named: the launcher does not start the
     job on one of them (exit 6, one line with the way out), before any worker starts; other hosts start."""

@@ -79,8 +79,14 @@ def init_distributed(comm: Comm, device: torch.device, group: tuple[dist.Store, 
     if group is not None or alone is not None:
         kwargs.update(zip(("store", "rank", "world_size"), group or alone))
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        kwargs.update(store=agent_store(timeout, f"torchtrain/start_{worker_start()}/pg/"),
-                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        prefix = f"torchtrain/start_{worker_start()}/pg/"
+        client = _START_CLIENT.pop() if _START_CLIENT else None  # the start count's connection, kept for this
+        if client is None:
+            store = agent_store(timeout, prefix)
+        else:
+            client.set_timeout(timeout)
+            store = dist.PrefixStore(prefix, client)
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     atexit.unregister(_let_collective_threads_finish)  # once per process, after the handlers registered
     atexit.register(_let_collective_threads_finish)  # later (those may still run collectives)
@@ -113,6 +119,13 @@ def _store_client(host: str, port: int, timeout: datetime.timedelta, prefix: str
     return dist.PrefixStore(prefix, store)
 
 
+_START_CLIENT: list[dist.TCPStore] = []
+"""The connection `worker_start` counted on, until the default process group takes it (`init_distributed`): one
+connection to the agent's store instead of two. Each one is a socket the agent's server keeps per rank, and where
+the peer's name is looked up (torch's store resolves both ends' addresses as it connects), one more lookup on
+both sides."""
+
+
 STARTS_COUNTED_BY_AGENT = "TORCHTRAIN_STARTS_COUNTED_BY_AGENT"
 
 
@@ -133,9 +146,12 @@ def worker_start() -> int:
     own starts. Outside torchrun: 1."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return 1
-    store = agent_store(datetime.timedelta(seconds=60), "torchtrain/")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     counted = os.environ.get(STARTS_COUNTED_BY_AGENT) == "1"
-    return int(store.add(f"starts/rank_{os.environ['RANK']}", 0 if counted else 1))
+    start = int(dist.PrefixStore("torchtrain/", client).add(f"starts/rank_{os.environ['RANK']}", 0 if counted else 1))
+    _START_CLIENT[:] = [client]
+    return start
 
 
 def count_starts(host: str, port: int, ranks) -> None:

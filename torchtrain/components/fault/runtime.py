@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -52,6 +53,22 @@ def _peer_gone(error: BaseException) -> bool:
     return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and any(t in str(error) for t in PEER_GONE))
 
 
+def _one_client(connect: Callable[[], Any]) -> Callable[[], Any]:
+    """`connect`, made once and shared: the hang monitor's thread and the straggler windows (training thread) use
+    one client of the job's store, whichever asks first (their operations never block: checks, sets, reads of keys
+    already there). Every connection is one more socket on the agent's server per rank, and one more lookup of the
+    peer's name at both ends (torch's store resolves the addresses as it connects)."""
+    lock, made = threading.Lock(), []
+
+    def get():
+        with lock:
+            if not made:
+                made.append(connect())
+            return made[0]
+
+    return get
+
+
 class StepCounter(Protocol):
     """What the runtime reads of the run's state (the trainer's `TrainState`): the current step."""
 
@@ -72,10 +89,11 @@ class FaultRuntime:
         self._step = -1
         timeout = cfg.slow_phase_timeout_s
         self.monitor = None
+        store = _one_client(lambda: connect_store(timeout))
         if cfg.hang_timeout_s is not None:
             local, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             node = range(rank - local, rank - local + local_world)
-            self.monitor = HangMonitor(lambda: connect_store(timeout), rank, node, world_size, dump_folder,
+            self.monitor = HangMonitor(store, rank, node, world_size, dump_folder,
                                        cfg.hang_timeout_s, cfg.slow_phase_timeout_s)
         self.clock, self.store = None, None
         if cfg.straggler_freq and world_size > 1:
@@ -83,7 +101,7 @@ class FaultRuntime:
                 logger.info("straggler detection is off while [profiling] traces are recorded (one profiler at a time)")
             else:
                 self.clock = KernelClock(device) if device.type == "cuda" else ThreadClock()
-                self.store = connect_store(timeout)
+                self.store = store()
         self._measured = 0
         self._pending: list[tuple[int, int]] = []  # rank 0: (window, step it was posted at)
         self._result: dict | None = None
