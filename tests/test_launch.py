@@ -163,6 +163,17 @@ def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_
     assert starts == {0: 3, 1: 3}
 
 
+def test_a_python_without_torch_is_told_so_in_one_line():
+    """run_train.sh under a `python` that lacks the dependencies (the environment not activated): the launch check
+    names the missing module and the interpreter in one line, exit 2, no traceback, no torchrun."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['launch_check', '--nproc-per-node', '1']; "
+            "runpy.run_module('torchtrain.launch_check', run_name='__main__', alter_sys=True)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.startswith("torchtrain: the module 'torch' is not installed for ") and out.stderr.count("\n") == 1
+    assert_no_traceback(out.stderr)
+
+
 def test_a_rank_holds_two_connections_to_the_agents_store(monkeypatch, tmp_path):
     """A rank connects to torchrun's store once for its start count and its default process group, and once for the
     hang monitor and the straggler windows (both on here) -- not once each: the agent's server keeps every socket, and

@@ -12,7 +12,8 @@ one; run_train.sh reads it, saving a second Python start). The trainer repeats t
 rank, so a direct `torchrun` launch is checked too.
 
 The data are checked too, cheaply (`preflight.check_data`: manifests and shard sizes, no tokens read):
-a missing, unprepared or truncated token folder, or a bad mixture, ends here as well.
+a missing, unprepared or truncated token folder, or a bad mixture, ends here as well. So does a `python` without
+the project's dependencies (an environment not activated): one line naming the missing module, exit 2.
 
 `--nnodes MIN:MAX` (an elastic range) leaves the world size open: then the job file, the overrides
 and the data are checked here, the layout by the trainer once the world is known.
@@ -107,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(check(sys.argv[1:] if argv is None else argv))  # the ranks per node the launch starts
     except ConfigError as e:
         print(f"torchtrain: config error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # this Python lacks the project's dependencies: another environment's `python`
+        missing = (e.name or "?").split(".")[0]
+        print(f"torchtrain: the module {missing!r} is not installed for {sys.executable}: activate the environment "
+              f"torchtrain was installed into, or install it there (README.md, Quickstart)", file=sys.stderr)
         return 2
     return 0
 
