@@ -80,13 +80,10 @@ def init_distributed(comm: Comm, device: torch.device, group: tuple[dist.Store, 
         kwargs.update(zip(("store", "rank", "world_size"), group or alone))
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         prefix = f"torchtrain/start_{worker_start()}/pg/"
-        client = _START_CLIENT.pop() if _START_CLIENT else None  # the start count's connection, kept for this
-        if client is None:
-            store = agent_store(timeout, prefix)
-        else:
-            client.set_timeout(timeout)
-            store = dist.PrefixStore(prefix, client)
-        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        client = _agent_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))  # the start count's
+        client.set_timeout(timeout)
+        kwargs.update(store=dist.PrefixStore(prefix, client), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     atexit.unregister(_let_collective_threads_finish)  # once per process, after the handlers registered
     atexit.register(_let_collective_threads_finish)  # later (those may still run collectives)
@@ -119,11 +116,13 @@ def _store_client(host: str, port: int, timeout: datetime.timedelta, prefix: str
     return dist.PrefixStore(prefix, store)
 
 
-_START_CLIENT: list[dist.TCPStore] = []
-"""The connection `worker_start` counted on, until the default process group takes it (`init_distributed`): one
-connection to the agent's store instead of two. Each one is a socket the agent's server keeps per rank, and where
-the peer's name is looked up (torch's store resolves both ends' addresses as it connects), one more lookup on
-both sides."""
+@functools.cache
+def _agent_client(host: str, port: int) -> dist.TCPStore:
+    """The connection `worker_start` counts on, which the default process group then takes (`init_distributed`): one
+    connection to the agent's store instead of two. Each one is a socket the agent's server keeps per rank, and where
+    the peer's name is looked up (torch's store resolves both ends' addresses as it connects), one more lookup on
+    both sides."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
 
 
 STARTS_COUNTED_BY_AGENT = "TORCHTRAIN_STARTS_COUNTED_BY_AGENT"
@@ -146,12 +145,9 @@ def worker_start() -> int:
     own starts. Outside torchrun: 1."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return 1
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = dist.PrefixStore("torchtrain/", _agent_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     counted = os.environ.get(STARTS_COUNTED_BY_AGENT) == "1"
-    start = int(dist.PrefixStore("torchtrain/", client).add(f"starts/rank_{os.environ['RANK']}", 0 if counted else 1))
-    _START_CLIENT[:] = [client]
-    return start
+    return int(store.add(f"starts/rank_{os.environ['RANK']}", 0 if counted else 1))
 
 
 def count_starts(host: str, port: int, ranks) -> None:
