@@ -111,12 +111,15 @@ def _project_logger_restored():
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject's addopts): two test processes, fewer where the quota allows fewer cores."""
-    return max(1, min(2, usable_cores()))
+    """`-n auto` (pyproject's addopts): three test processes on two cores, one on one (one and a half per usable
+    core, at most three). Two test processes leave cores idle whenever both wait at once: a launch's start-up and
+    rendezvous, its store connections, a fault test waiting for a deadline. A third fills those gaps; the cap keeps
+    the timing tests' load near what they were written for."""
+    return max(1, min(3, usable_cores() * 3 // 2))
 
 
-# Every process the tests start computes on one thread, as torchrun's workers do: the two test processes
-# (pyproject's `-n 2`) and the ranks they launch already outnumber the cores of a small machine, and torch's
+# Every process the tests start computes on one thread, as torchrun's workers do: the test processes
+# (`-n auto`: up to three) and the ranks they launch already outnumber the cores of a small machine, and torch's
 # default (a thread per core it sees -- on a container, the host's cores) would oversubscribe them many
 # times over. One-process runs then reduce in the same order as the ranks they are compared with.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
