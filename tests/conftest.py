@@ -27,7 +27,9 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
 # Under pytest-xdist the test processes inherit the first process's folder; only the process that made it
 # removes it, at the end of its session.
 _OWN_CACHE = "TORCHTRAIN_CACHE" not in os.environ
-_CACHE = os.environ.setdefault("TORCHTRAIN_CACHE", tempfile.mkdtemp(prefix="torchtrain-test-cache-"))
+if _OWN_CACHE:
+    os.environ["TORCHTRAIN_CACHE"] = tempfile.mkdtemp(prefix="torchtrain-test-cache-")
+_CACHE = os.environ["TORCHTRAIN_CACHE"]
 # The test plugins (tests/plugins) are importable in every subprocess; a job loads one only when it names it
 # in job.custom_imports, e.g. the fault injection of the fault and checkpoint tests (FAULT_INJECTION).
 PLUGINS = os.path.join(REPO, "tests", "plugins")

@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -266,6 +267,7 @@ class _Server(_Remote):
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _server: _Remote | None = None
