@@ -143,6 +143,13 @@ def test_killed_rank_restarts_the_job_from_the_last_checkpoint_exactly(reference
     assert latest(dump) == latest(ref)
     assert not glob.glob(os.path.join(str(dump), "hangs", "*"))  # a crash is not a hang
     assert_complete_checkpoints_are_whole(dump)
+    # every rank's output of both attempts is kept with the run (the console showed rank 0's)
+    (logs,) = glob.glob(os.path.join(str(dump), "rank_logs", "*"))
+    assert sorted(os.listdir(logs)) == ["attempt_0", "attempt_1"], os.listdir(logs)
+    for attempt in ("attempt_0", "attempt_1"):
+        assert sorted(os.listdir(os.path.join(logs, attempt))) == [str(r) for r in range(NPROC)]
+    with open(os.path.join(logs, "attempt_1", "0", "stdout.log")) as f:
+        assert "training continues at step 5" in f.read()
 
 
 def test_injected_delay_is_named_a_straggler(killed):

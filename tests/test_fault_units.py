@@ -16,7 +16,7 @@ from torchtrain.components.fault.runtime import busy_compute
 from torchtrain.components.fault.straggler import ThreadClock, compare, kernel_seconds_by_phase
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.layout import resolve_layout
-from torchtrain.launcher import describe_exit, final_status
+from torchtrain.utils.worker_failures import describe_exit, final_status
 
 FT = ["--parallelism.data_parallel_replicate_degree", "2", "--fault.replica_ft", "--fault.replica_id", "1"]
 

@@ -117,6 +117,37 @@ def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherw
                       "-m", "torchtrain.train")
 
 
+def test_rank_logs_go_to_the_run_folder_unless_the_command_line_names_a_place():
+    """torchrun's per-rank files (teed output, error records) of a training job are kept in its run folder (a
+    replica group's own with replica_ft) instead of a new temporary folder per launch; --log-dir / --logs-specs on
+    the command line keeps its own; a Python file's launch (no job to name a folder) gets a temporary folder, which
+    the launcher removes after a launch that succeeds."""
+    from torch.distributed.run import parse_args
+
+    from torchtrain.config import parse_args as parse_job
+    from torchtrain.launcher import RANK_LOGS, keep_rank_logs
+
+    def log_dir(*argv: str, temporary: bool = False) -> str | None:
+        args = parse_args(list(argv))
+        job = parse_job(args.training_script_args) if args.training_script == "torchtrain.train" else None
+        made = keep_rank_logs(args, list(argv), job)
+        assert (made is not None) == temporary and made == (args.log_dir if temporary else None)
+        return args.log_dir
+
+    c10d = ("--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--tee", "3")
+    assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a") == os.path.join("out/a", RANK_LOGS)
+    assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a", "--fault.replica_ft",
+                   "--parallelism.data_parallel_replicate_degree", "2",
+                   "--fault.replica_id", "1") == os.path.join("out/a", "replica_1", RANK_LOGS)
+    for given in (("--log-dir", "mine"), ("--log_dir=mine",)):
+        assert log_dir(*given, *c10d, "-m", "torchtrain.train") == "mine"
+    assert log_dir("--logs-specs", "own", *c10d, "-m", "torchtrain.train") is None
+    made = log_dir(*c10d, "examples/text_classifier/train_distributed.py", temporary=True)
+    assert os.path.isdir(made) and os.path.basename(made).startswith("torchelastic_")
+    os.rmdir(made)
+    assert log_dir("--log-dir", "mine", *c10d, "examples/text_classifier/train_distributed.py") == "mine"
+
+
 def test_a_killed_worker_is_named_beside_the_peer_torch_reports():
     """torch names the first failed worker it finds: after `kill -9` of rank 1, rank 0's collective error (exit 1)
     may come first; the launcher names the killed rank too, and not the ranks its own SIGTERM ended."""
@@ -126,7 +157,7 @@ def test_a_killed_worker_is_named_beside_the_peer_torch_reports():
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from torchtrain.launcher import _describe_failures, _signalled_peers
+    from torchtrain.utils.worker_failures import describe_failures, signalled_peers
 
     context = object.__new__(MultiprocessContext)
     context._pc = types.SimpleNamespace(processes=[types.SimpleNamespace(pid=10 + i, exitcode=code) for i, code in
@@ -134,9 +165,9 @@ def test_a_killed_worker_is_named_beside_the_peer_torch_reports():
     agent = types.SimpleNamespace(_pcontext=context)
     group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=4 + i) for i in range(4)])
     failures = {4: ProcessFailure(0, 10, 1, "")}
-    failures.update(_signalled_peers(agent, group, failures))
-    assert _describe_failures(failures) == "rank 4: exit 1, rank 5: signal SIGKILL"
-    assert _signalled_peers(types.SimpleNamespace(_pcontext=None), group, {}) == {}
+    failures.update(signalled_peers(agent, group, failures))
+    assert describe_failures(failures) == "rank 4: exit 1, rank 5: signal SIGKILL"
+    assert signalled_peers(types.SimpleNamespace(_pcontext=None), group, {}) == {}
 
 
 def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_its_peers_namespace(monkeypatch):

@@ -19,6 +19,10 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   other failure prints torchrun's failure report, without the launcher's traceback, and exits 1.
   The agent's own log lines are silenced (they repeat these reports); set $LOGLEVEL (e.g. INFO) to
   see them;
+* every rank's output kept with the run: torchrun's files of each local rank (run_train.sh tees every rank's
+  stdout and stderr; the console shows LOG_RANK's) and a failed rank's error record go to the job's run folder,
+  `rank_logs/` (`keep_rank_logs`), instead of a new temporary folder per launch that nothing removes (a Python
+  file's launch keeps them in a temporary folder, removed when it succeeds);
 * on a machine without a visible GPU, the workers of `-m torchtrain.train`, or of a Python file (a loop
   of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`, `utils/forkserver.py`;
   torchrun's function entry points `_worker` and `_script_worker`): the launcher imports torch and the
@@ -43,80 +47,16 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from torchtrain.utils import elastic_events, exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
 from torchtrain.utils.process_exit import run_exit_handlers
-
-EXPLAINED = {exit_codes.CONFIG_ERROR: "config error", exit_codes.GUARD_ABORT: "guard abort",
-             exit_codes.HANG: "hang detected", exit_codes.SAVE_FAILED: "checkpoint saves failed",
-             exit_codes.SILENT_CORRUPTION: "silent data corruption"}
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}" + (f" ({EXPLAINED[code]})" if code in EXPLAINED else "")
-
-
-def _describe_failures(failures: dict) -> str:
-    return ", ".join(f"rank {r}: {describe_exit(f.exitcode)}" for r, f in sorted(failures.items()))
-
-
-def final_status(failures: dict) -> int | None:
-    """The final status (config error, guard abort) the failed workers reported, if that is what stopped
-    them: every worker that exited by itself exited with it (the others were ended by a signal, the
-    agent's SIGTERM when it stopped the group)."""
-    codes = {f.exitcode for f in failures.values() if f.exitcode > 0}
-    return codes.pop() if len(codes) == 1 and codes <= set(exit_codes.FINAL) else None
-
-
-def _signalled_peers(agent, worker_group, failures: dict) -> dict:
-    """Workers a signal other than the agent's SIGTERM ended, which torch's report (its first failed worker: maybe a
-    rank that only saw its peer go, exit 1) left out: a rank killed (kill -9, the OOM killer) is named beside it."""
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    context = agent._pcontext
-    if not isinstance(context, MultiprocessContext) or context._pc is None:
-        return {}
-    out = {}
-    for local_rank, proc in enumerate(context._pc.processes):
-        rank, code = worker_group.workers[local_rank].global_rank, proc.exitcode
-        if rank not in failures and code is not None and code < 0 and code != -signal.SIGTERM:
-            out[rank] = ProcessFailure(local_rank, proc.pid, code, "")
-    return out
-
-
-def install_restart_policy() -> None:
-    """Drop the agent's remaining restarts after a final failure; announce every restart."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    original = getattr(LocalElasticAgent, "_monitor_workers", None)
-    if original is None:
-        return
-
-    def monitor(self, worker_group):
-        result = original(self, worker_group)
-        failures = getattr(result, "failures", None) or {}
-        if result.is_failed() and failures:
-            failures.update(_signalled_peers(self, worker_group, failures))
-            if final_status(failures) is not None:
-                self._remaining_restarts = 0
-            elif getattr(self, "_remaining_restarts", 0) > 0:
-                spec = worker_group.spec
-                done = spec.max_restarts - self._remaining_restarts + 1
-                print(f"torchtrain: worker failure ({_describe_failures(failures)}); restarting the workers "
-                      f"(restart {done} of {spec.max_restarts})", file=sys.stderr, flush=True)
-        return result
-
-    LocalElasticAgent._monitor_workers = monitor
+from torchtrain.utils.worker_failures import describe_failures, final_status, install_restart_policy
 
 
 def install_start_count() -> None:
@@ -161,6 +101,10 @@ def hang_report(job) -> str:
 
 # What the forkserver imports before it forks a worker: the trainer (and torch), and torch._dynamo (a first tensor init's).
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
+RANK_LOGS = "rank_logs"
+"""The run folder's sub-folder of torchrun's per-rank files: `<run id>_<suffix>/attempt_<restart>/<local rank>/`
+`stdout.log` and `stderr.log` (run_train.sh tees every rank's output there; the console shows LOG_RANK's), and a
+failed rank's `error.json`."""
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 """Signals torchrun does not handle, passed on to the workers."""
 
@@ -225,8 +169,26 @@ def install_signal_policy() -> None:
             signal.signal(signum, _forward_to_workers)
 
 
-def _explicit_start_method(argv: list[str]) -> bool:
-    return any(a.split("=")[0] in ("--start-method", "--start_method") for a in argv)
+def _given(argv: list[str], *options: str) -> bool:
+    """Whether the command line sets one of torchrun's `options` (each in both spellings, `--a-b` and `--a_b`)."""
+    names = {n for o in options for n in (o, o.replace("-", "_").replace("__", "--", 1))}
+    return any(a.split("=")[0] in names for a in argv)
+
+
+def keep_rank_logs(args, argv: list[str], job) -> str | None:
+    """Where torchrun keeps its files of each local rank (its teed stdout and stderr, a failed rank's error record):
+    a training job's run folder, `RANK_LOGS`; a Python file's launch, a temporary folder returned to be removed after
+    a launch that succeeds (torchrun's own would stay behind after every launch); a --log-dir or --logs-specs on the
+    command line keeps its own."""
+    from torchtrain.distributed.replica_ft import run_folder
+
+    if _given(argv, "--log-dir", "--logs-specs"):
+        return None
+    if job is not None:
+        args.log_dir = os.path.join(run_folder(job.job.dump_folder, job.fault), RANK_LOGS)
+        return None
+    args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    return args.log_dir
 
 
 def _runs_python_file(args) -> bool:
@@ -242,7 +204,7 @@ def choose_start_method(args, argv: list[str]) -> None:
     """Start the workers of the trainer or of a Python file from a forkserver on a machine without a
     visible GPU, unless the command line names a start method. With CUDA the workers start as torchrun
     starts them."""
-    if not _explicit_start_method(argv) and (_runs_trainer(args) or _runs_python_file(args)):
+    if not _given(argv, "--start-method") and (_runs_trainer(args) or _runs_python_file(args)):
         import torch
 
         if not torch.cuda.is_available():
@@ -349,9 +311,7 @@ def run_forkserver(config, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     from torchtrain.components.fault.replica_check import excluded_here
 
@@ -366,15 +326,27 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:  # never on a host a replica check suspects (before any worker starts)
         print(f"torchtrain: sdc: {refusal}", file=sys.stderr, flush=True)
         return exit_codes.SILENT_CORRUPTION
-    explicit = any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in argv)
-    if job is not None and not explicit:
+    if job is not None and not _given(argv, "--max-restarts"):
         args.max_restarts = job.fault.max_restarts
+    temporary = keep_rank_logs(args, argv, job)
     choose_start_method(args, argv)
     elastic_events.install()
     install_start_count()
     config = start_forkserver(args) if uses_forkserver(args) else None
     install_restart_policy()
     install_signal_policy()
+    code = _launch(config, args, job)
+    if temporary is not None and code == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return code
+
+
+def _launch(config, args, job) -> int:
+    """Run the agent; its outcome as the launcher's exit status, each failure reported in one place."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     try:
         run_forkserver(config, args) if config is not None else run(args)
     except SignalException as e:
@@ -389,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         final = final_status(e.failures)
         if final is not None:
             return final  # the workers printed the one-line reason already
-        print(f"torchtrain: training failed ({_describe_failures(e.failures)})\n{e}", file=sys.stderr, flush=True)
+        logs = f"\nevery rank's output: {args.log_dir}" if args.log_dir else ""
+        print(f"torchtrain: training failed ({describe_failures(e.failures)})\n{e}{logs}", file=sys.stderr, flush=True)
         return 1
     return 0
 

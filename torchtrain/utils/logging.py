@@ -1,7 +1,8 @@
 """Logging: the ranks named in LOG_RANK (default 0) log at INFO, every other rank only warnings.
 
 `run_train.sh` also passes LOG_RANK to torchrun's `--local-ranks-filter`, so stray prints of other
-ranks are hidden as well; set LOG_RANK=0,1 (or "all") to see more ranks.
+ranks are hidden as well (every rank's output is kept in the run folder's `rank_logs/`, launcher.py); set
+LOG_RANK=0,1 (or "all") to see more ranks.
 """
 
 from __future__ import annotations
