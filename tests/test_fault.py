@@ -27,6 +27,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,7 +145,7 @@ def test_killed_rank_restarts_the_job_from_the_last_checkpoint_exactly(reference
     assert not glob.glob(os.path.join(str(dump), "hangs", "*"))  # a crash is not a hang
     assert_complete_checkpoints_are_whole(dump)
     # every rank's output of both attempts is kept with the run (the console showed rank 0's)
-    (logs,) = glob.glob(os.path.join(str(dump), "rank_logs", "*"))
+    (logs,) = glob.glob(os.path.join(str(dump), "rank_logs", socket.gethostname(), "*"))
     assert sorted(os.listdir(logs)) == ["attempt_0", "attempt_1"], os.listdir(logs)
     for attempt in ("attempt_0", "attempt_1"):
         assert sorted(os.listdir(os.path.join(logs, attempt))) == [str(r) for r in range(NPROC)]

@@ -119,9 +119,11 @@ def test_launcher_starts_the_trainer_from_a_forkserver_on_cpu_unless_told_otherw
 
 def test_rank_logs_go_to_the_run_folder_unless_the_command_line_names_a_place():
     """torchrun's per-rank files (teed output, error records) of a training job are kept in its run folder (a
-    replica group's own with replica_ft) instead of a new temporary folder per launch; --log-dir / --logs-specs on
+    replica group's own with replica_ft), by host, instead of a new temporary folder per launch; --log-dir / --logs-specs on
     the command line keeps its own; a Python file's launch (no job to name a folder) gets a temporary folder, which
     the launcher removes after a launch that succeeds."""
+    import socket
+
     from torch.distributed.run import parse_args
 
     from torchtrain.config import parse_args as parse_job
@@ -135,10 +137,11 @@ def test_rank_logs_go_to_the_run_folder_unless_the_command_line_names_a_place():
         return args.log_dir
 
     c10d = ("--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--tee", "3")
-    assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a") == os.path.join("out/a", RANK_LOGS)
+    host = socket.gethostname()
+    assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a") == os.path.join("out/a", RANK_LOGS, host)
     assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a", "--fault.replica_ft",
                    "--parallelism.data_parallel_replicate_degree", "2",
-                   "--fault.replica_id", "1") == os.path.join("out/a", "replica_1", RANK_LOGS)
+                   "--fault.replica_id", "1") == os.path.join("out/a", "replica_1", RANK_LOGS, host)
     for given in (("--log-dir", "mine"), ("--log_dir=mine",)):
         assert log_dir(*given, *c10d, "-m", "torchtrain.train") == "mine"
     assert log_dir("--logs-specs", "own", *c10d, "-m", "torchtrain.train") is None

@@ -21,7 +21,7 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   see them;
 * every rank's output kept with the run: torchrun's files of each local rank (run_train.sh tees every rank's
   stdout and stderr; the console shows LOG_RANK's) and a failed rank's error record go to the job's run folder,
-  `rank_logs/` (`keep_rank_logs`), instead of a new temporary folder per launch that nothing removes (a Python
+  `rank_logs/<host>/` (`keep_rank_logs`), instead of a new temporary folder per launch that nothing removes (a Python
   file's launch keeps them in a temporary folder, removed when it succeeds);
 * on a machine without a visible GPU, the workers of `-m torchtrain.train`, or of a Python file (a loop
   of the user's own: `torchtrain.accelerate`), start from a forkserver (`--start-method forkserver`, `utils/forkserver.py`;
@@ -49,6 +49,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 
@@ -102,9 +103,9 @@ def hang_report(job) -> str:
 # What the forkserver imports before it forks a worker: the trainer (and torch), and torch._dynamo (a first tensor init's).
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
 RANK_LOGS = "rank_logs"
-"""The run folder's sub-folder of torchrun's per-rank files: `<run id>_<suffix>/attempt_<restart>/<local rank>/`
-`stdout.log` and `stderr.log` (run_train.sh tees every rank's output there; the console shows LOG_RANK's), and a
-failed rank's `error.json`."""
+"""The run folder's sub-folder of torchrun's per-rank files, by host (the nodes of a job share the run folder):
+`<host>/<run id>_<suffix>/attempt_<restart>/<local rank>/` `stdout.log` and `stderr.log` (run_train.sh tees every
+rank's output there; the console shows LOG_RANK's), and a failed rank's `error.json`."""
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 """Signals torchrun does not handle, passed on to the workers."""
 
@@ -185,7 +186,7 @@ def keep_rank_logs(args, argv: list[str], job) -> str | None:
     if _given(argv, "--log-dir", "--logs-specs"):
         return None
     if job is not None:
-        args.log_dir = os.path.join(run_folder(job.job.dump_folder, job.fault), RANK_LOGS)
+        args.log_dir = os.path.join(run_folder(job.job.dump_folder, job.fault), RANK_LOGS, socket.gethostname())
         return None
     args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     return args.log_dir
