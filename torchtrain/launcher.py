@@ -172,7 +172,7 @@ def install_signal_policy() -> None:
 
 def _given(argv: list[str], *options: str) -> bool:
     """Whether the command line sets one of torchrun's `options` (each in both spellings, `--a-b` and `--a_b`)."""
-    names = {n for o in options for n in (o, o.replace("-", "_").replace("__", "--", 1))}
+    names = {n for o in options for n in (o, "--" + o[2:].replace("-", "_"))}
     return any(a.split("=")[0] in names for a in argv)
 
 
