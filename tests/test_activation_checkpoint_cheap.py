@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PARTITIONER_ONLY
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtrain.components.observability.tensor_memory import TensorMemoryTracker
@@ -25,11 +26,6 @@ ARGS = DeepseekV3Args(dim=64, n_layers=2, n_heads=4, vocab_size=512, hidden_dim=
                       num_experts=8, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
                       n_group=4, topk_group=2, score_func="sigmoid", rope_factor=1.0, max_seq_len=64)
 BATCH, SEQ = 2, 32
-PARTITIONER_ONLY = "aot_eager_decomp_partition"
-"""The compiled tests' backend: AOTAutograd with Inductor's decompositions and its min-cut partitioner, which decide
-what a compiled block saves, without Inductor's C++ code generation (which decides nothing saved). Measured on torch
-2.13: the same saved elements and losses as `backend="inductor"` for both options below, in a seventh of the time
-on a cold compile cache. Inductor itself compiles a selectively checkpointed block in test_checkpoint_stand_ins.py."""
 
 
 def _model(option: str | None) -> Transformer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PARTITIONER_ONLY
 
 from torchtrain.distributed.activation_checkpoint import apply_activation_checkpointing, stand_ins
 from torchtrain.models.contract import declare
@@ -68,7 +69,7 @@ def _changed(a: list, b: list) -> tuple[list, list]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fused", "backend"), [(True, "aot_eager_decomp_partition"), (False, "inductor")],
+@pytest.mark.parametrize(("fused", "backend"), [(True, PARTITIONER_ONLY), (False, "inductor")],
                          ids=["fused_qkv", "three_projections"])
 def test_compiled_blocks_save_the_rotated_inputs_for_the_same_bytes_and_numbers(fused, backend):
     """The saved set trades the projections' outputs for attention's inputs, byte for byte; the gradients
