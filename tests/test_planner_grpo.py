@@ -24,7 +24,7 @@ import pytest
 
 from torchtrain.components.hardware import KNOWN_GPUS
 from torchtrain.planner import analytic, grpo, grpo_report
-from torchtrain.planner.core import load_job, make_plan
+from torchtrain.planner.core import VocabOnly, load_job, make_plan
 from torchtrain.planner.from_job import inputs_from_config
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "dpo_debug.toml")
@@ -67,7 +67,7 @@ def test_rollouts_and_tokens_per_iteration(data):
     lp = _longest(job)
     assert c.prompt_tokens == lp and "the longest of the 60 prompts" in c.prompt_source
     # without a tokenizer the prefill is the longest prompt the trainer accepts
-    job.tokenizer = object()
+    job.tokenizer = VocabOnly(job.tokenizer.vocab_size)
     assert grpo.prompt_tokens(p, job)[:2] == (160 - 16, None)
 
 

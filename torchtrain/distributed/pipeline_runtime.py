@@ -47,7 +47,9 @@ class PipelineRunner:
         stages = [_counting_stage()(part, s, split.num_stages, device, group=self.group)
                   for s, part in zip(self.stage_ids, model_parts)]
         self.schedule = build_schedule(split, stages, loss_fn)
-        if layout.expert_comm is not None and layout.expert_comm.overlap_f_b:
+        # with forward/backward pairs overlapped: how many ran concurrently is logged after the first step
+        self._log_overlap = layout.expert_comm is not None and layout.expert_comm.overlap_f_b
+        if self._log_overlap:
             register_overlap_f_b(self.schedule)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -73,8 +75,8 @@ class PipelineRunner:
         args = (inputs.to(self.device),) if self.has_first else ()
         with forward_counting(False):  # shape inference; the micro-batch forwards count (_counting_stage)
             self.schedule.step(*args, target=targets, losses=losses, **(kwargs or {}))
-        if getattr(self.schedule, "overlapped_pairs", None) and not getattr(self, "_pairs_logged", False):
-            self._pairs_logged = True
+        if self._log_overlap and self.schedule.overlapped_pairs:
+            self._log_overlap = False
             logger.info("pipeline: %d forward/backward pairs ran concurrently in the first step "
                         "(expert_parallel_overlap_f_b)", self.schedule.overlapped_pairs)
         if not losses:

@@ -15,5 +15,5 @@ OUTPUT_HEAD_NAMES = ("output", "lm_head")
 
 def output_heads(model: nn.Module) -> dict[str, nn.Module]:
     """The model's output head by its name (empty on a pipeline stage without it, or a model without one)."""
-    heads = {name: getattr(model, name, None) for name in OUTPUT_HEAD_NAMES}
-    return {name: m for name, m in heads.items() if isinstance(m, nn.Module)}
+    children = dict(model.named_children())
+    return {name: children[name] for name in OUTPUT_HEAD_NAMES if name in children}

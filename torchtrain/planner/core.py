@@ -83,7 +83,7 @@ class Plan:
         return not self.problems
 
 
-class _VocabOnly:
+class VocabOnly:
     """Stands in for a tokenizer whose files are not on this machine (only its size is checked; its special
     tokens, such as a vision-language model's image tokens, are taken to be there)."""
 
@@ -102,6 +102,12 @@ class Job:
     tokenizer: Any
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the job's tokenizer was loaded (else only its vocabulary size stands in: `VocabOnly`), so
+        that its data can be read."""
+        return not isinstance(self.tokenizer, VocabOnly)
+
 
 def load_job(argv: list[str]) -> Job:
     """Parse the job (config file + `--section.key value` overrides) and build its model arguments."""
@@ -115,7 +121,7 @@ def load_job(argv: list[str]) -> Job:
         tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     except ConfigError as e:
         spec = get_model_spec(cfg.model.name)
-        tokenizer = _VocabOnly(build_model_args(spec, cfg.model.flavor, cfg.model.overrides,
+        tokenizer = VocabOnly(build_model_args(spec, cfg.model.flavor, cfg.model.overrides,
                                                 cfg.model.override_sources).vocab_size)
         notes.append(f"tokenizer not loaded ({e}); vocabulary size check skipped")
     _, args = resolve_model(cfg, tokenizer)

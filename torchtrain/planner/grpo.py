@@ -116,7 +116,7 @@ def prompt_tokens(p: PlanInputs, job) -> tuple[int, int | None, str]:
     """(L_p, prompts read or None, where L_p comes from) for the job (`job`: core.Job, its tokenizer)."""
     tr, g = job.cfg.training, job.cfg.grpo
     bound, why = max(1, p.seq_len - g.max_completion_length), "seq_len - max_completion_length (the longest accepted)"
-    if not tr.dataset_path or not hasattr(job.tokenizer, "eos_id"):
+    if not tr.dataset_path or not job.has_tokenizer:
         return bound, None, f"{why}: no {'tokenizer' if tr.dataset_path else 'prompt file'} at hand"
     got = _read(tr.dataset_path, job.tokenizer, p.seq_len, g.max_completion_length, g.skip_long_prompts)
     if isinstance(got, str):

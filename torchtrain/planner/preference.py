@@ -283,7 +283,7 @@ def data_rows(job) -> tuple[int, int] | None:
     """(pairs, packed rows) of the job's preference data (`job`: core.Job), None when not at hand."""
     tr = job.cfg.training
     items = [(tr.dataset_path, 1.0)] if tr.dataset_path else [(e.path, e.weight) for e in tr.datasets]
-    if not items or not hasattr(job.tokenizer, "eos_id"):
+    if not items or not job.has_tokenizer:
         return None
     return _packed_rows(tuple(items), job.tokenizer, tr.seq_len, tr.chat_pack_buffer)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchtrain.models.common.kv_cache import KVCache
 
@@ -77,7 +78,7 @@ class Completions:
 
 def full_logits(logits) -> torch.Tensor:
     """Vocabulary-sharded logits (a DTensor under tensor parallelism) as one plain tensor."""
-    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 @torch.no_grad()

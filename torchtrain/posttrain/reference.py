@@ -27,6 +27,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from torchtrain.components.checkpoint.state import ModelState
 from torchtrain.distributed.utils import all_reduce
@@ -108,7 +109,7 @@ class ReferenceModel:
         total = 0
         for part in self.parts or []:
             for p in part.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
+                local = p.to_local() if isinstance(p, DTensor) else p
                 total += local.numel() * local.element_size()
         return total
 

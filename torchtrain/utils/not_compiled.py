@@ -25,9 +25,6 @@ def exclude_from_graphs() -> None:
     """Wrap every marked function with `torch.compiler.disable`, once."""
     import torch
 
-    for namespace, name in _MARKED:
-        fn = namespace[name]
-        if not getattr(fn, "_excluded_from_graphs", False):
-            disabled = torch.compiler.disable(fn)
-            disabled._excluded_from_graphs = True
-            namespace[name] = disabled
+    while _MARKED:
+        namespace, name = _MARKED.pop()
+        namespace[name] = torch.compiler.disable(namespace[name])

@@ -47,7 +47,7 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if spaces:
         continuation = context[-spaces:] + continuation
         context = context[:-spaces]
-    prefix = tokenizer.bos_id if getattr(tokenizer, "bos_id", None) is not None else tokenizer.eos_id
+    prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
     if not context:
         return [prefix], tokenizer.encode(continuation, bos=False, eos=False)
     whole = tokenizer.encode(context + continuation, bos=True, eos=False)

@@ -187,7 +187,7 @@ class FaultRuntime:
     def record(self) -> dict:
         """Metrics of this logged step: the restart number, and the latest straggler comparison."""
         out = {"restarts": self.restart} if self.restart or self.max_restarts else {}
-        failed = getattr(self.clock, "failed", None)
+        failed = self.clock.failed if self.clock is not None else None
         if failed:
             logger.warning("straggler detection stopped: the kernel timing failed (%s)", failed)
             self.clock = None

@@ -92,6 +92,9 @@ def kernel_seconds_by_phase(events) -> dict[str, float]:
 class ThreadClock:
     """CPU: the training thread's CPU time per compute phase, every step."""
 
+    failed: str | None = None
+    """(As `KernelClock.failed`; a thread clock does not fail.)"""
+
     def __init__(self):
         self.totals = {p: 0.0 for p in COMPUTE_PHASES}
         self._phase: str | None = None

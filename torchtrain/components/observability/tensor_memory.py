@@ -43,6 +43,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from torchtrain.components.optim.compiled_adamw import CompiledStep
+
 CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations")
 _PATCH_STACK: list["TensorMemoryTracker"] = []
 _ORIG_RESIZE = torch.UntypedStorage.resize_
@@ -99,14 +101,15 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._label_optimizer(opt)
 
         self._hooks += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-        inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer keeps its shard's state in a local one
-        if isinstance(inner, torch.optim.Optimizer):
-            self.watch_optimizer(inner)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # it keeps its shard's state in a local optimizer
+            self.watch_optimizer(optimizer.optim)
 
     def _label_optimizer(self, opt: torch.optim.Optimizer, grads: bool = False) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                grad = opt.grad_of(p) if hasattr(opt, "grad_of") else p.grad  # (the compiled step's: maybe its copy's)
+                grad = opt.grad_of(p) if isinstance(opt, CompiledStep) else p.grad  # (maybe the compute copy's)
                 if grads and grad is not None:
                     self._track(grad, "grads", force_label=True)
                 for value in opt.state.get(p, {}).values():

@@ -116,11 +116,11 @@ class StreamedOptimizer:
         which nothing else references; not a checkpoint's, which the saved state dict still holds)."""
         if event is not None:
             event.synchronize()
-        recycle = getattr(self.store, "recycle", None) if recycle_buffers and not self.cuda else None
+        recycle = recycle_buffers and not self.cuda
         for key, t in items:
             self.store.put(key, t)
-            if recycle is not None:
-                recycle(t)
+            if recycle:
+                self.store.recycle(t)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()

@@ -70,6 +70,9 @@ class HostStore:
             self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def recycle(self, t: torch.Tensor) -> None:
+        """Nothing to reuse: `put` keeps copies of its own (as `FileStore.recycle`)."""
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 

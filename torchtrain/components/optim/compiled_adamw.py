@@ -116,7 +116,7 @@ def _raise_if_compile_error(e: Exception) -> None:
                           f"optimizer kernel") from e
 
 
-class _CompiledStep:
+class CompiledStep:
     """The step shared by `CompiledAdamW` and `CompiledAdam` (mixed in before the torch class)."""
 
     _step_supports_amp_scaling = False  # no loss scaling in this mode (the Layout's rule)
@@ -193,7 +193,7 @@ class _CompiledStep:
         return loss
 
 
-class CompiledAdamW(_CompiledStep, torch.optim.AdamW):
+class CompiledAdamW(CompiledStep, torch.optim.AdamW):
     """torch's AdamW with the compiled step of this module."""
 
     def __init__(self, params, **kwargs):
@@ -201,7 +201,7 @@ class CompiledAdamW(_CompiledStep, torch.optim.AdamW):
         self._setup()
 
 
-class CompiledAdam(_CompiledStep, torch.optim.Adam):
+class CompiledAdam(CompiledStep, torch.optim.Adam):
     """torch's Adam (L2 weight decay added to the gradient) with the compiled step of this module."""
 
     _decoupled = False

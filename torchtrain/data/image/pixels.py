@@ -78,7 +78,7 @@ class ImageSpec:
         """The spec with the tokenizer's image token ids (ConfigError naming a missing one)."""
         ids = []
         for name in (IMAGE_PAD, VISION_START, VISION_END):
-            token = tokenizer.token_id(name) if hasattr(tokenizer, "token_id") else None
+            token = tokenizer.token_id(name)
             if token is None:
                 raise ConfigError(f"[model.hf_assets_path] the tokenizer has no {name} token, which a vision-language "
                                   f"model's data needs around each image: use the model's own tokenizer (Qwen3.5's "

@@ -123,8 +123,8 @@ def output_std(fqn: str, n_layers: int, depth_init: bool) -> float:
 
 def decoder_init_spec(fqn: str, args) -> InitSpec:
     """The family-wide initialisation of parameter `fqn` (see the module doc); `args` has `dim`,
-    `n_layers`, `depth_init` and optionally `tie_word_embeddings`."""
-    tied = getattr(args, "tie_word_embeddings", False)
+    `n_layers`, `depth_init` and `tie_word_embeddings`."""
+    tied = args.tie_word_embeddings
     if fqn.endswith("norm.weight"):
         return InitSpec("ones")
     if fqn == "tok_embeddings.weight":

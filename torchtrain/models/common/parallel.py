@@ -13,10 +13,10 @@ order from the resolved Layout.
   shared table, which both ends use).
 * `keep_modules`: the cut itself -- a copy of the model holding only a stage's modules, by name;
 * `decoder_stage_modules`: stages in model order -- the first holds `tok_embeddings` (and a vision encoder:
-  images join the text there), the last `norm`
-  and `output`, the blocks split evenly in between; `first_less` / `last_less` take blocks away from the
-  first / last stage to balance the embedding and the output head (which, with a large vocabulary,
-  cost about as much as a block or two).
+  images join the text there), the last `norm` and `output`, the blocks split evenly in between
+  (`block_stages`, which the transformers backend's split shares); `first_less` / `last_less` take blocks
+  away from the first / last stage to balance the embedding and the output head (which, with a large
+  vocabulary, cost about as much as a block or two).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def qk_norm_plan() -> dict[str, object]:
 def decoder_fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The FSDP units in forward order (see the module doc)."""
     units: list[nn.Module | list[nn.Module]] = []
-    encoder = getattr(model, "vision_encoder", None)
+    encoder = model.vision_encoder
     if encoder is not None:  # each encoder block, then the rest of the encoder (patch embedding, positions, merger)
         units += [*encoder.layers.values(), encoder]
     if model.tok_embeddings is not None and not model.args.tie_word_embeddings:
@@ -105,11 +105,20 @@ def decoder_fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
 
 
 def decoder_stage_modules(args, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
-    """Module names per pipeline stage (see the module doc); `args` has `n_layers`."""
-    units = args.n_layers + first_less + last_less
+    """Module names per pipeline stage (see the module doc) of a decoder family with arguments `args`."""
+    stages = block_stages(args.n_layers, num_stages, first_less, last_less)
+    stages[0][:0] = ["tok_embeddings"] + (["vision_encoder"] if args.image_geometry() is not None else [])
+    stages[-1] += ["norm", "output"]
+    return stages
+
+
+def block_stages(n_layers: int, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+    """The blocks (`layers.<i>`) of each of `num_stages` pipeline stages: split evenly, but `first_less` /
+    `last_less` fewer on the first / last stage (ConfigError where that leaves a stage without blocks)."""
+    units = n_layers + first_less + last_less
     if units % num_stages or units // num_stages < 1:
         raise ConfigError(
-            f"[model.n_layers] {args.n_layers} blocks (+ {first_less} first-stage and {last_less} last-stage "
+            f"[model.n_layers] {n_layers} blocks (+ {first_less} first-stage and {last_less} last-stage "
             f"less layers = {units}) cannot be split evenly into {num_stages} pipeline stages; change "
             f"parallelism.pipeline_parallel_degree / pipeline_parallel_layers_per_stage, or the "
             f"pipeline_parallel_first/last_stage_less_layers"
@@ -123,17 +132,8 @@ def decoder_stage_modules(args, num_stages: int, first_less: int = 0, last_less:
             f"[parallelism.pipeline_parallel_first_stage_less_layers] {first_less} / last {last_less} leave a "
             f"stage with a negative or zero number of blocks ({counts}); use smaller values"
         )
-    stages, layer = [], 0
-    for i, count in enumerate(counts):
-        names = ["tok_embeddings"] if i == 0 else []
-        if i == 0 and getattr(args, "vision", False):
-            names.append("vision_encoder")
-        names += [f"layers.{layer + j}" for j in range(count)]
-        layer += count
-        if i == num_stages - 1:
-            names += ["norm", "output"]
-        stages.append(names)
-    return stages
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [[f"layers.{start + j}" for j in range(count)] for start, count in zip(starts, counts)]
 
 
 def keep_modules(model: nn.Module, names: list[str], share: bool = False) -> nn.Module:

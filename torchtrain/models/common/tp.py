@@ -134,10 +134,10 @@ class LocalShards(ParallelStyle):
 def apply_decoder_top(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """The embedding (row-parallel into sequence shards), final norm (on sequence shards) and output
     head (column-parallel over the vocabulary; vocabulary-sharded logits with loss parallel) of a
-    decoder whose top-level modules are `tok_embeddings`, `norm` and `output` (None on a pipeline
-    stage that lacks them)."""
+    `Decoder` (models/common/transformer.py: `tok_embeddings`, `norm` and `output`, None on a pipeline stage
+    that lacks them; `vision_encoder` and `image_scatter` where the family sees images)."""
     top: dict[str, object] = {}
-    scatter = getattr(model, "image_scatter", None) is not None
+    scatter = model.image_scatter is not None
     if model.tok_embeddings is not None:
         # With images, the embedded text stays whole until their features join it (the scatter's output is
         # then cut into sequence shards: a local slice, no communication).
@@ -147,12 +147,12 @@ def apply_decoder_top(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
             top["image_scatter"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if model.norm is not None:
         top["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
+    if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1),
                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                         use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, top)
-    encoder = getattr(model, "vision_encoder", None)
+    encoder = model.vision_encoder
     if encoder is not None:
         parallelize_module(encoder, tp_mesh, vision_encoder_plan(list(encoder.layers)))
 

@@ -177,6 +177,9 @@ class Decoder(BaseModel, abc.ABC):
         self.output: nn.Linear | None = (
             None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
+        # A family that sees images sets its own encoder and the module placing its features among the tokens.
+        self.vision_encoder: nn.Module | None = None
+        self.image_scatter: nn.Module | None = None
         self.register_buffer("rope_cache", self.rope(), persistent=False)
         # the sliding windows the blocks' attention uses (their masks are prepared once per forward)
         self.windows = tuple(sorted({m.window for m in self.modules() if isinstance(m, GQAttention) and m.window}))

@@ -134,7 +134,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The decoder family's units (embedding, each block, norm + output), with each multi-token-prediction
     depth a unit of its own before the output head (forward order: the head runs once, after the depths)."""
     units = decoder_fsdp_units(model)
-    if getattr(model, "mtp", None) is None:
+    if model.mtp is None:
         return units
     depths = list(model.mtp.depths.values())
     return units[:-1] + depths + units[-1:] if model.output is not None else units + depths

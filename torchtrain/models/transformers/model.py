@@ -63,6 +63,11 @@ class TorchtrainCausalLM(BaseModel):
         """FSDP units before the text model's (a vision tower's: `vision_language.py`); none."""
         return []
 
+    def scatter_module(self) -> nn.Module | None:
+        """The module that places image features among the embedded tokens (a vision-language model's
+        `image_scatter`: `vision_language.py`); None: a text model."""
+        return None
+
     def top_modules(self) -> list[tuple[str, nn.Module]]:
         """The text model's children with parameters besides the embedding and the decoder layers (its final
         norms), by name: what tensor parallelism keeps whole (sequence-parallel) and FSDP groups with the head."""

@@ -7,7 +7,7 @@ transformers' own forward over the modules it holds.
   initialisation, checkpoints and Hugging Face names stay those of the whole model.
 * **The split** (`stage_modules`): the first stage holds the input embedding, the last the base model's
   final norm(s) and the output head, the decoder layers are divided in order in between (the decoder
-  family's rule, `models/common/parallel.py::decoder_stage_modules`); modules without parameters (the
+  family's rule, `models/common/parallel.py::block_stages`); modules without parameters (the
   rotary table) stay on every stage.
 * **A stage's forward**: transformers' forward with what the stage lacks made the identity
   (`fill_stage`): a later stage receives the previous stage's hidden states as `inputs_embeds`, a stage
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from torchtrain.config.fields import ConfigError
-from torchtrain.models.common.parallel import decoder_stage_modules
+from torchtrain.models.common.parallel import block_stages
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import small_config
 from torchtrain.models.transformers.build import model_class
@@ -45,11 +45,9 @@ def stage_modules(model: nn.Module, num_stages: int, first_less: int = 0, last_l
     base = model.base_model_prefix
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     top = [f"{base}.{name}" for name, _ in model.top_modules()]
-    per_layer = decoder_stage_modules(SimpleNamespace(n_layers=len(model.decoder_layers)), num_stages, first_less,
-                                      last_less)
     stages = []
-    for i, names in enumerate(per_layer):
-        own = [f"{base}.{n}" for n in names if n.startswith("layers.")]
+    for i, names in enumerate(block_stages(len(model.decoder_layers), num_stages, first_less, last_less)):
+        own = [f"{base}.{n}" for n in names]
         if i == 0:
             own.insert(0, f"{base}.{name_of(model.base_model, embed)}")
         if i == num_stages - 1:

@@ -190,7 +190,7 @@ def top_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> tuple[dict[str,
     vision-language model's `image_scatter`, after which the embeddings are cut into sequence shards)."""
     base = model.text_model
     embed = model.get_input_embeddings()
-    scatter = getattr(model, "image_scatter", None)
+    scatter = model.scatter_module()
     cut = sp and scatter is None  # the embedding's output is cut, or left whole for the images to join it
     base_plan: dict[str, object] = {name_of(base, embed): RowwiseParallel(input_layouts=Replicate(),
                                                                            output_layouts=Shard(1) if cut else Replicate())}
@@ -231,7 +231,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, own: Ow
     logger.info("tensor parallelism of model type %s from its declared plan, %s%s", model.config.model_type,
                 "with sequence parallelism" if sp else f"without sequence parallelism ({problem})",
                 "; its vision tower (no plan declared) replicated on every TP rank"
-                if getattr(model, "image_scatter", None) is not None else "")
+                if model.scatter_module() is not None else "")
     base_plan, head_plan = top_plan(model, sp, loss_parallel)
     parallelize_module(model.text_model, tp_mesh, base_plan)
     parallelize_module(model, tp_mesh, head_plan)

@@ -61,6 +61,9 @@ class TorchtrainImageTextLM(TorchtrainCausalLM):
         tower = self.vision_tower
         return [*tower.blocks, tower]
 
+    def scatter_module(self) -> nn.Module:
+        return self.image_scatter  # (`attach_scatter`)
+
     def batch_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`batch` with each token's three RoPE positions (`rope_positions`, rows x L x 3) and each placeholder's
         index among its row's image tokens (`image_index`), from whole sequences; unchanged without images."""
