@@ -5,6 +5,7 @@ wait on other ranks or nodes. Each case runs one Python process (~2 s)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -139,6 +140,11 @@ def test_rank_logs_go_to_the_run_folder_unless_the_command_line_names_a_place():
     c10d = ("--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--tee", "3")
     host = socket.gethostname()
     assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a") == os.path.join("out/a", RANK_LOGS, host)
+    # torchrun names each launch's folder in it by the rendezvous id: on one node, the launch's date and time
+    for given, expected in (((), r"\d{8}-\d{6}"), (("--rdzv-id", "mine"), "mine"), (("--nnodes", "2"), "none")):
+        args = parse_args([*c10d, *given, "-m", "torchtrain.train"])
+        keep_rank_logs(args, [*c10d, *given], parse_job([]))
+        assert re.fullmatch(expected, args.rdzv_id), (given, args.rdzv_id)
     assert log_dir(*c10d, "-m", "torchtrain.train", "--job.dump_folder", "out/a", "--fault.replica_ft",
                    "--parallelism.data_parallel_replicate_degree", "2",
                    "--fault.replica_id", "1") == os.path.join("out/a", "replica_1", RANK_LOGS, host)

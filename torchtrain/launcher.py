@@ -52,6 +52,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 
 from torchtrain.utils import elastic_events, exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
@@ -103,6 +104,8 @@ def hang_report(job) -> str:
 # What the forkserver imports before it forks a worker: the trainer (and torch), and torch._dynamo (a first tensor init's).
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
 RANK_LOGS = "rank_logs"
+RDZV_ID_UNSET = "none"
+"""torchrun's rendezvous id where neither `--rdzv-id` nor PET_RDZV_ID gives one."""
 """The run folder's sub-folder of torchrun's per-rank files, by host (the nodes of a job share the run folder):
 `<host>/<run id>_<suffix>/attempt_<restart>/<local rank>/` `stdout.log` and `stderr.log` (run_train.sh tees every
 rank's output there; the console shows LOG_RANK's), and a failed rank's `error.json`."""
@@ -180,13 +183,16 @@ def keep_rank_logs(args, argv: list[str], job) -> str | None:
     """Where torchrun keeps its files of each local rank (its teed stdout and stderr, a failed rank's error record):
     a training job's run folder, `RANK_LOGS`; a Python file's launch, a temporary folder returned to be removed after
     a launch that succeeds (torchrun's own would stay behind after every launch); a --log-dir or --logs-specs on the
-    command line keeps its own."""
+    command line keeps its own. In the folder, torchrun names each launch `<rendezvous id>_<random>`: a one-node job
+    without an id of its own gets the launch's date and time (`20261205-113000_...`: the launches sort in time)."""
     from torchtrain.distributed.replica_ft import run_folder
 
     if _given(argv, "--log-dir", "--logs-specs"):
         return None
     if job is not None:
         args.log_dir = os.path.join(run_folder(job.job.dump_folder, job.fault), RANK_LOGS, socket.gethostname())
+        if args.rdzv_id == RDZV_ID_UNSET and args.nnodes in ("1", "1:1") and not args.standalone:
+            args.rdzv_id = time.strftime("%Y%m%d-%H%M%S")  # (one node: no other agent has to agree on it)
         return None
     args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     return args.log_dir
