@@ -8,7 +8,8 @@ the tiny model, 10 steps, a checkpoint every 2 steps, deterministic mode, torchr
   with losses and gradient norms BITWISE equal to the uninterrupted run's (exact resume from step-4:
   weights, optimizer, schedule, data position and RNG restored, deterministic CPU kernels; any
   difference is a bug);
-* a crash: rank 1 is killed (SIGKILL) in step 5: the same restart and the same bitwise equality;
+* a crash: rank 1 is killed (SIGKILL) in step 5: the same restart and the same bitwise equality (its restart
+  counted within a window, fault.restart_window_s: the launcher's budget allows it, not torchrun's count);
 * a straggler: in the killed run rank 3 works 0.2 s more per step (debug.inject_delay_*): it is named
   with its phase; the uninterrupted run names nobody (threshold 1.0 = twice the median: the ranks' CPU
   times differ by a few percent, the injected delay is several times the step's compute);
@@ -101,11 +102,13 @@ def stopped(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """Rank 1 killed mid-step 5 (SIGKILL), through run_train.sh; rank 3 made a straggler."""
+    """Rank 1 killed mid-step 5 (SIGKILL), through run_train.sh, its one restart counted within an hour's window
+    (fault.restart_window_s); rank 3 made a straggler."""
     dump = tmp_path_factory.mktemp("killed")
     full = dict(os.environ, **ENV, NGPU=str(NPROC), CONFIG_FILE=CONFIG, TORCHTRAIN_TEST_PARK_IN_STEP="5:1")
     full.pop("RANK", None)
-    args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2")[2:]  # run_train.sh adds the file
+    args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2",
+               "--fault.restart_window_s", "3600")[2:]  # run_train.sh adds the file
     proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     pid = wait_for_pid_file(proc, dump / "test_parked_rank1.pid", "rank 1 never reached step 5")
@@ -130,6 +133,7 @@ def test_stopped_rank_is_reported_with_every_stack_and_the_restart_is_exact(refe
     # the restart line names the failed worker(s)
     assert "hang detected" in out and re.search(r"\(rank \d: exit 4 \(hang detected\)", out), out[-4000:]
     assert "restarting the workers (restart 1 of 1)" in out and "training continues at step 5" in out, out[-4000:]
+    assert "restart 1 of 1 (torchrun --max-restarts): resuming" in out, out[-4000:]
     assert latest(dump) == latest(ref) and len(latest(ref)) == STEPS
     after = [r for r in read_metrics(str(dump)) if r.get("restarts") == 1]
     assert [r["step"] for r in after] == list(range(5, STEPS + 1))
@@ -139,8 +143,10 @@ def test_stopped_rank_is_reported_with_every_stack_and_the_restart_is_exact(refe
 def test_killed_rank_restarts_the_job_from_the_last_checkpoint_exactly(reference, killed):
     ref, _ = reference
     dump, out = killed
-    assert "rank 1: signal SIGKILL" in out and "restarting the workers (restart 1 of 1)" in out, out[-4000:]
-    assert "restart 1 of 1 (torchrun --max-restarts): resuming" in out and "training continues at step 5" in out
+    assert "rank 1: signal SIGKILL" in out and "restarting the workers (restart 1; 1 of 1 within 3600 s)" in out, \
+        out[-4000:]
+    assert "restart 1 (at most 1 within 3600 s: fault.restart_window_s): resuming" in out, out[-4000:]
+    assert "training continues at step 5" in out
     assert latest(dump) == latest(ref)
     assert not glob.glob(os.path.join(str(dump), "hangs", "*"))  # a crash is not a hang
     assert_complete_checkpoints_are_whole(dump)

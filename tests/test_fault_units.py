@@ -16,7 +16,13 @@ from torchtrain.components.fault.runtime import busy_compute
 from torchtrain.components.fault.straggler import ThreadClock, compare, kernel_seconds_by_phase
 from torchtrain.config import ConfigError, parse_args
 from torchtrain.distributed.layout import resolve_layout
-from torchtrain.utils.worker_failures import describe_exit, final_status
+from torchtrain.utils.worker_failures import (
+    UNBOUNDED_RESTARTS,
+    RestartBudget,
+    describe_exit,
+    final_status,
+    restart_monitor,
+)
 
 FT = ["--parallelism.data_parallel_replicate_degree", "2", "--fault.replica_ft", "--fault.replica_id", "1"]
 
@@ -30,6 +36,8 @@ FT = ["--parallelism.data_parallel_replicate_degree", "2", "--fault.replica_ft",
     ([*FT[:3], "--fault.replica_id", "2"], "got 2; launch every group with its own --fault.replica_id"),
     ([*FT, "--fault.replica_timeout_s", "60"], "[fault.replica_timeout_s] 60 must be shorter than fault.hang_timeout_s"),
     ([*FT, "--fault.min_replica_groups", "3"], "[fault.min_replica_groups] 3 exceeds the number of replica groups (2)"),
+    (["--fault.restart_window_s", "600"], "[fault.restart_window_s] 600 bounds the restarts within a window, but "
+                                          "fault.max_restarts is 0"),
 ])
 def test_fault_config_errors_name_the_key(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -136,6 +144,37 @@ def test_launcher_exit_statuses():
     assert describe_exit(5) == "exit 5 (checkpoint saves failed)"
     assert final_status({0: failure(2), 1: failure(1)}) is None  # a crash too: not a clean, final error
     assert final_status({0: failure(-9)}) is None and final_status({0: failure(4)}) is None
+
+
+def test_a_burst_of_failures_ends_the_job_but_failures_spread_over_the_run_do_not(capsys):
+    """fault.restart_window_s: at most fault.max_restarts restarts within the window. Failures at 0, 10 and 20 s
+    (2 within 100 s) restart twice and end the job at the third; after the window has passed, restarts are allowed
+    again. torchrun's agent is driven through the launcher's monitor: its own count is unbounded, the budget's
+    refusal takes its remaining restarts away."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    clock = [0.0]
+    failed = RunResult(state=WorkerState.FAILED, failures={1: ProcessFailure(1, 11, -9, "")})
+    monitor = restart_monitor(lambda agent, group: failed, RestartBudget(2, 100.0, clock=lambda: clock[0]))
+    agent = SimpleNamespace(_pcontext=None, _remaining_restarts=UNBOUNDED_RESTARTS)
+    group = SimpleNamespace(spec=SimpleNamespace(max_restarts=UNBOUNDED_RESTARTS), workers=[])
+    allowed = []
+    for now in (0, 10, 20, 150, 160, 200):
+        clock[0], agent._remaining_restarts = now, UNBOUNDED_RESTARTS - len([a for a in allowed if a])
+        monitor(agent, group)
+        allowed.append(agent._remaining_restarts > 0)
+    assert allowed == [True, True, False, True, True, False]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("torchtrain: worker failure (rank 1: signal SIGKILL); restarting the workers "
+                        "(restart 1; 1 of 2 within 100 s)"), lines
+    assert lines[2] == ("torchtrain: worker failure (rank 1: signal SIGKILL); not restarted: 2 restarts within the "
+                        "last 100 s already, as many as fault.max_restarts allows within fault.restart_window_s")
+    assert lines[3].endswith("(restart 3; 1 of 2 within 100 s)"), lines  # 0 and 10 s are out of the window at 150 s
+    # without a window: torchrun's count, announced as before
+    agent._remaining_restarts = 1
+    restart_monitor(lambda agent, group: failed)(agent, SimpleNamespace(spec=SimpleNamespace(max_restarts=2)))
+    assert capsys.readouterr().err.strip().endswith("restarting the workers (restart 2 of 2)")
 
 
 def test_a_peer_gone_from_a_collective_is_told_from_other_errors():

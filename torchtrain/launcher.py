@@ -7,7 +7,8 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
 
 * the job's `fault.max_restarts` as `--max-restarts` (unless the command line sets it): a crashed,
   killed or hung worker group is restarted by torchrun's elastic agent and resumes from the newest
-  complete checkpoint (docs/resilience.md);
+  complete checkpoint (docs/resilience.md); with `fault.restart_window_s`, the restarts are counted within that
+  window instead (`worker_failures.RestartBudget`);
 * no restart after a final failure: a worker that exits with a config error (2), a guard abort (3) or
   failing checkpoint saves (5) would fail the same way again, so the agent's remaining restarts are
   dropped (a private hook, on the agent's worker monitoring; where a future torch lacks it, such
@@ -58,7 +59,13 @@ from torchtrain.utils import elastic_events, exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
 from torchtrain.utils.process_exit import run_exit_handlers
-from torchtrain.utils.worker_failures import describe_failures, final_status, install_restart_policy
+from torchtrain.utils.worker_failures import (
+    UNBOUNDED_RESTARTS,
+    RestartBudget,
+    describe_failures,
+    final_status,
+    install_restart_policy,
+)
 
 
 def install_start_count() -> None:
@@ -335,12 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.SILENT_CORRUPTION
     if job is not None and not _given(argv, "--max-restarts"):
         args.max_restarts = job.fault.max_restarts
+    budget = None
+    if job is not None and job.fault.restart_window_s:  # the budget counts the restarts, not torchrun
+        budget, args.max_restarts = RestartBudget(args.max_restarts, job.fault.restart_window_s), UNBOUNDED_RESTARTS
     temporary = keep_rank_logs(args, argv, job)
     choose_start_method(args, argv)
     elastic_events.install()
     install_start_count()
     config = start_forkserver(args) if uses_forkserver(args) else None
-    install_restart_policy()
+    install_restart_policy(budget)
     install_signal_policy()
     code = _launch(config, args, job)
     if temporary is not None and code == 0:

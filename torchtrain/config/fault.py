@@ -5,8 +5,9 @@
   progress for `hang_timeout_s` (`slow_phase_timeout_s` in start-up, checkpoint, validation and
   shutdown) makes every rank dump its Python stacks to `{dump_folder}/hangs/<time>/` and exit with
   the hang exit status (4) instead of waiting for the collective timeout.
-* Automatic restart: `max_restarts` is torchrun's `--max-restarts` (the launcher reads it); a
-  restarted job resumes from the newest complete checkpoint.
+* Automatic restart: `max_restarts` is torchrun's `--max-restarts` (the launcher reads it), or with
+  `restart_window_s` the restarts allowed within that window; a restarted job resumes from the newest complete
+  checkpoint.
 * Straggler detection: every `straggler_freq` steps the ranks' own compute times are compared.
 * Replica-group fault tolerance (`replica_ft`): each data-parallel replica group is its own job,
   joined to the others through torchft, so that losing one group does not stop the rest.
@@ -48,6 +49,12 @@ class Fault:
     launcher (run_train.sh, the SLURM script) passes it as `torchrun --max-restarts`. A config error
     (exit 2) or a guard abort (exit 3) is final and never restarted. Restarts are logged and counted
     in the metrics (`restarts`)."""
+
+    restart_window_s: Annotated[float, Ge(0)] = 0.0
+    """0: `max_restarts` counts every restart of the job. > 0: it counts the restarts within the last
+    `restart_window_s` seconds only -- a burst of failures (a fault that comes back at every restart) ends the
+    job after `max_restarts` quick restarts, while failures spread over a long run never use the budget up
+    (systemd's StartLimitBurst within StartLimitIntervalSec)."""
 
     straggler_freq: Annotated[int, Ge(0)] = 100
     """Every this many steps, compare the ranks' own compute time (data, forward_backward,
@@ -128,6 +135,10 @@ def check_fault(job) -> None:
                 f"[fault.slow_phase_timeout_s] {fault.slow_phase_timeout_s:g} must be shorter than "
                 f"comm.init_timeout_seconds ({comm.init_timeout_seconds}), the collective timeout of start-up and "
                 f"checkpoints; lower it or raise comm.init_timeout_seconds")
+    if fault.restart_window_s and not fault.max_restarts:
+        raise ConfigError(f"[fault.restart_window_s] {fault.restart_window_s:g} bounds the restarts within a window, "
+                          f"but fault.max_restarts is 0 (no restarts at all); set fault.max_restarts >= 1, the "
+                          f"restarts allowed within the window")
     if fault.sdc_check_freq and fault.sdc_policy == "rollback" and not job.checkpoint.enable:
         raise ConfigError("[fault.sdc_policy] \"rollback\" restores the newest checkpoint, but checkpoint.enable is "
                           "false; enable checkpoints, or set fault.sdc_policy to \"abort\" or \"warn\"")

@@ -1,11 +1,14 @@
 """What the launcher makes of failed workers: each rank's exit in words, the final statuses that end a job without
 a restart (a config error, a guard abort, failing checkpoint saves: the same start would fail the same way), and
-the agent's restart policy that drops its remaining restarts after one and announces every other restart."""
+the agent's restart policy that drops its remaining restarts after one, bounds the restarts within a window
+(`RestartBudget`: fault.restart_window_s) and announces every other restart."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
+from typing import Callable
 
 from torchtrain.utils import exit_codes
 
@@ -52,26 +55,71 @@ def signalled_peers(agent, worker_group, failures: dict) -> dict:
     return out
 
 
-def install_restart_policy() -> None:
-    """Drop the agent's remaining restarts after a final failure; announce every restart."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+UNBOUNDED_RESTARTS = 1_000_000
+"""torchrun's --max-restarts where a `RestartBudget` decides instead (it never runs out first)."""
 
-    original = getattr(LocalElasticAgent, "_monitor_workers", None)
-    if original is None:
-        return
+
+class RestartBudget:
+    """At most `burst` restarts within any `window_s` seconds (fault.max_restarts within fault.restart_window_s):
+    a restart older than the window no longer counts, so a failure now and then never ends a long run, while a
+    fault that comes back at every restart ends the job after `burst` quick restarts."""
+
+    def __init__(self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self.recent: list[float] = []
+        """When the restarts within the window happened."""
+
+    def take(self) -> bool:
+        """Whether one more restart is allowed now (counted when it is)."""
+        now = self.clock()
+        self.recent = [t for t in self.recent if now - t < self.window_s]
+        if len(self.recent) >= self.burst:
+            return False
+        self.recent.append(now)
+        return True
+
+    def describe(self) -> str:
+        """The restarts within the window, against the most allowed."""
+        return f"{len(self.recent)} of {self.burst} within {self.window_s:g} s"
+
+
+def restart_monitor(original: Callable, budget: RestartBudget | None = None) -> Callable:
+    """torchrun's `_monitor_workers` (`original`) with the launcher's restart policy: no restart after a final failure;
+    with a `budget`, a restart only where it allows one (torchrun's own count is then unbounded:
+    `UNBOUNDED_RESTARTS`); every restart announced in one line."""
 
     def monitor(self, worker_group):
         result = original(self, worker_group)
         failures = getattr(result, "failures", None) or {}
-        if result.is_failed() and failures:
-            failures.update(signalled_peers(self, worker_group, failures))
-            if final_status(failures) is not None:
+        if not (result.is_failed() and failures):
+            return result
+        failures.update(signalled_peers(self, worker_group, failures))
+        what = f"torchtrain: worker failure ({describe_failures(failures)})"
+        spec = worker_group.spec
+        done = spec.max_restarts - getattr(self, "_remaining_restarts", 0) + 1  # this restart's number
+        if final_status(failures) is not None:
+            self._remaining_restarts = 0
+        elif budget is not None:
+            if budget.take():
+                print(f"{what}; restarting the workers (restart {done}; {budget.describe()})", file=sys.stderr,
+                      flush=True)
+            else:
                 self._remaining_restarts = 0
-            elif getattr(self, "_remaining_restarts", 0) > 0:
-                spec = worker_group.spec
-                done = spec.max_restarts - self._remaining_restarts + 1
-                print(f"torchtrain: worker failure ({describe_failures(failures)}); restarting the workers "
-                      f"(restart {done} of {spec.max_restarts})", file=sys.stderr, flush=True)
+                print(f"{what}; not restarted: {len(budget.recent)} restarts within the last {budget.window_s:g} s "
+                      f"already, as many as fault.max_restarts allows within fault.restart_window_s", file=sys.stderr,
+                      flush=True)
+        elif getattr(self, "_remaining_restarts", 0) > 0:
+            print(f"{what}; restarting the workers (restart {done} of {spec.max_restarts})", file=sys.stderr,
+                  flush=True)
         return result
 
-    LocalElasticAgent._monitor_workers = monitor
+    return monitor
+
+
+def install_restart_policy(budget: RestartBudget | None = None) -> None:
+    """The launcher's restart policy (`restart_monitor`) in torchrun's agent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if original is not None:
+        LocalElasticAgent._monitor_workers = restart_monitor(original, budget)

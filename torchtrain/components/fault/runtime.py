@@ -82,8 +82,9 @@ class FaultRuntime:
         self.rank, self.world_size = rank, world_size
         self.restart, self.max_restarts = restart_count()
         if self.restart:
-            logger.warning("restart %d of %d (torchrun --max-restarts): resuming from the newest complete checkpoint",
-                           self.restart, self.max_restarts)
+            budget = (f" (at most {cfg.max_restarts} within {cfg.restart_window_s:g} s: fault.restart_window_s)"
+                      if cfg.restart_window_s else f" of {self.max_restarts} (torchrun --max-restarts)")
+            logger.warning("restart %d%s: resuming from the newest complete checkpoint", self.restart, budget)
         self.delay = debug.inject_delay_s if rank in debug.inject_delay_ranks else 0.0
         self._first: int | None = None
         self._step = -1
