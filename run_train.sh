@@ -9,7 +9,8 @@
 #   CONFIG_FILE  job file (default: train_configs/debug_model.toml)
 #   LOG_RANK     local ranks whose output is shown, e.g. 0, 0,1 or all (default 0)
 # Multi-node (docs/cluster.md; on SLURM use scripts/multinode_trainer.slurm):
-#   NNODES       number of nodes (default 1: everything below is ignored)
+#   NNODES       number of nodes (default 1: everything below is ignored), or MIN:MAX with RDZV_ENDPOINT: the job
+#                starts with as many as join (up to MAX) and goes on with those left (at least MIN) when one is lost
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT
 #                static rendezvous: this node's rank (0 .. NNODES-1), and the address and a free port
 #                of node 0 (default port 29500); every node gets the same MASTER_ADDR/MASTER_PORT
@@ -38,6 +39,11 @@ if [ "$NNODES" = "1" ]; then
 elif [ -n "${RDZV_ENDPOINT:-}" ]; then
   RDZV=(--nnodes="$NNODES" --rdzv_backend c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-torchtrain}")
 elif [ -n "${MASTER_ADDR:-}" ] && [ -n "${NODE_RANK:-}" ]; then
+  case "$NNODES" in *:*)
+    echo "run_train.sh: NNODES=$NNODES (a range of nodes) needs RDZV_ENDPOINT (c10d rendezvous): a static" \
+         "rendezvous (NODE_RANK, MASTER_ADDR) has a fixed number of nodes; see docs/cluster.md" >&2
+    exit 2;;
+  esac
   RDZV=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:-29500}")
 else
   echo "run_train.sh: NNODES=$NNODES needs either NODE_RANK and MASTER_ADDR (static rendezvous) or" \

@@ -1,6 +1,7 @@
 """Elastic resume: a job saved on N ranks resumes on M ranks with the same global batch (gradient accumulation
 adjusts), the same data position and the same learning-rate schedule, under real torchrun + gloo (FSDP 4 -> 2
 and 2 -> 4); a job whose global batch would follow the world size is refused instead of changing it silently.
+And within one job: a node lost from an elastic range (NNODES=1:2) leaves the job training on the node that is left.
 
 Tolerance: 1e-6 relative per step for the loss. The resumed steps read the same global batch from the same
 state; only the reduction order differs (4 ranks x 1 micro-batch against 2 ranks x 2 accumulated ones), which
@@ -73,3 +74,58 @@ def test_fsdp_4_to_2_and_2_to_4_keep_the_global_batch_and_the_losses(tmp_path):
         for r in got:
             assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6), (straight, r["step"])
             assert r["lr"] == ref[r["step"]]["lr"] and r["tokens_seen"] == ref[r["step"]]["tokens_seen"]
+
+
+@pytest.mark.dist
+def test_a_lost_node_leaves_the_job_training_on_the_nodes_left(tmp_path):
+    """NNODES=1:2 (an elastic range; c10d rendezvous, the first node hosting its store): two one-process nodes train
+    together through run_train.sh, and the second is lost (kill -9 of its whole process group) once the step-10
+    checkpoint is complete. The first node's worker fails on its lost peer; its agent restarts it
+    (fault.max_restarts), the rendezvous completes with the node that is left, and the job resumes from the newest
+    checkpoint on one rank with the same global batch (2 accumulated micro-batches) and trains to the end."""
+    import re
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO
+
+    from torchtrain.distributed.utils import free_port
+
+    dump = tmp_path / "job"
+    args = [*TINY_JOB, "--training.steps", "40", "--training.global_batch_size", "4", "--checkpoint.enable",
+            "--checkpoint.interval", "5", "--fault.max_restarts", "1", "--job.dump_folder", str(dump),
+            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--debug.inject_delay_ranks", "0,1", "--debug.inject_delay_s", "0.05"]  # (the lost node dies mid-run)
+    env = dict(os.environ, NGPU="1", NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", OMP_NUM_THREADS="1",
+               LOG_RANK="0", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               TORCHTRAIN_TEST_NO_ZYGOTE="1")  # (every process of a node in its own session: all of it is lost)
+    env.pop("RANK", None)
+    # torchrun's rendezvous settings: the first node hosts the store; a round completes 3 s after its first node
+    # joined; a node that stops sending its keep-alive every second is dropped after 3 missed ones
+    conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1"
+    nodes = [subprocess.Popen(["./run_train.sh", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True, env=dict(env, PET_RDZV_CONF=f"is_host={host},{conf}"))
+             for host in (1, 0)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (dump / "checkpoint" / "step-10" / "complete.json").exists():
+            assert all(n.poll() is None for n in nodes), [n.communicate()[0][-3000:] for n in nodes]
+            assert time.monotonic() < deadline, "the two nodes never saved step 10"
+            time.sleep(0.05)
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        lost = nodes[1].communicate(timeout=60)[0]
+        out = nodes[0].communicate(timeout=300)[0]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, out[-4000:]
+    assert "launch: 2 nodes x 1 processes" in out + lost  # (the log rank of the first round: either node)
+    assert "restarting the workers (restart 1 of 1)" in out and "launch: 1 node x 1 processes" in out, out[-4000:]
+    assert "global batch 4 sequences (2 per rank x 1 dp x 2 accumulation)" in out, out[-4000:]
+    resumed = re.search(r"resumed from \S+step-(\d+) .*training continues at step (\d+)", out)
+    assert resumed and int(resumed[1]) >= 10 and int(resumed[2]) == int(resumed[1]) + 1, out[-4000:]
+    records = read_metrics(str(dump))
+    assert {r["step"] for r in records} == set(range(1, 41)) and records[-1]["step"] == 40
+    assert all(r.get("restarts") == 1 for r in records if r["step"] > int(resumed[1]))

@@ -106,6 +106,10 @@ def test_run_train_needs_a_rendezvous_for_several_nodes():
     out = subprocess.run(["./run_train.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, NNODES="2", NGPU="1"))
     assert out.returncode == 2 and "needs either NODE_RANK and MASTER_ADDR" in out.stderr
+    # a range of nodes (losing one without a relaunch: tests/test_elastic.py) needs the c10d rendezvous
+    out = subprocess.run(["./run_train.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, NNODES="1:2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", NGPU="1"))
+    assert out.returncode == 2 and "NNODES=1:2 (a range of nodes) needs RDZV_ENDPOINT" in out.stderr
 
 
 # ------------------------------------------------------------------------------------- profiling
