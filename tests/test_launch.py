@@ -179,6 +179,32 @@ def test_a_killed_worker_is_named_beside_the_peer_torch_reports():
     assert signalled_peers(types.SimpleNamespace(_pcontext=None), group, {}) == {}
 
 
+def test_a_failed_worker_is_named_with_the_first_line_of_its_error(tmp_path):
+    """The one line of a restart or a failure says why a worker failed, from the error record torchrun's worker
+    wrote (a peer node lost: the collective's "Connection reset by peer"), cut to REASON_CHARS; a worker that
+    recorded nothing (a signal, an exit status of its own) is named by its exit alone."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from torchtrain.utils.worker_failures import REASON_CHARS, describe_failures
+
+    def recorded(name: str, message: str) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "0", "py_callstack":
+                                                                                  "Traceback ..."}}}))
+        return str(path)
+
+    gone = recorded("gone.json", "RuntimeError: [/src/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4765: Connection reset by peer.\n"
+                                 "Traceback (most recent call last): ...")
+    long = recorded("long.json", "ValueError: " + "x" * 400)
+    failures = {0: ProcessFailure(0, 10, 1, gone), 1: ProcessFailure(1, 11, -9, ""), 2: ProcessFailure(2, 12, 1, long)}
+    line = describe_failures(failures)
+    assert line.startswith("rank 0: exit 1 (RuntimeError: Read error [127.0.0.1]:4765: Connection reset by peer.), "
+                           "rank 1: signal SIGKILL, rank 2: exit 1 (ValueError: xxx"), line
+    assert line.endswith("...)") and len(line.split("rank 2: exit 1 (")[1]) == REASON_CHARS + 1
+
+
 def test_the_agent_counts_each_start_so_a_worker_killed_before_it_counted_keeps_its_peers_namespace(monkeypatch):
     """Each attempt's default process group lives under the workers' start count in torchrun's store. The launcher's
     agent counts every start of its workers before starting them: a worker killed during start-up (before it read

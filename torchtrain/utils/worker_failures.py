@@ -5,6 +5,7 @@ the agent's restart policy that drops its remaining restarts after one, bounds t
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -26,8 +27,31 @@ def describe_exit(code: int) -> str:
     return f"exit {code}" + (f" ({EXPLAINED[code]})" if code in EXPLAINED else "")
 
 
+REASON_CHARS = 160
+"""The most of a failed worker's error record shown in the launcher's one line (its whole record: the rank logs)."""
+
+
+SOURCE_LOCATION = re.compile(r"^(\w+: )\[[^\]]*\.(?:cc|cpp|h|hpp|cu):\d+\] ")
+"""The C++ source location a native error starts with (gloo's `[.../pair.cc:537] Read error ...`): left out."""
+
+
+def failure_reason(failure) -> str:
+    """The first line of the exception a failed worker recorded (torchrun's error file: `error.json` in the rank logs),
+    e.g. `RuntimeError: ... Connection reset by peer` where a peer's process ended; "" where it recorded none (a
+    signal, an exit status of its own)."""
+    record = failure.message
+    text = record.get("message", "") if isinstance(record, dict) else ""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    line = SOURCE_LOCATION.sub(r"\1", line)
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+
+
 def describe_failures(failures: dict) -> str:
-    return ", ".join(f"rank {r}: {describe_exit(f.exitcode)}" for r, f in sorted(failures.items()))
+    def one(rank: int, failure) -> str:
+        reason = failure_reason(failure)
+        return f"rank {rank}: {describe_exit(failure.exitcode)}" + (f" ({reason})" if reason else "")
+
+    return ", ".join(one(r, f) for r, f in sorted(failures.items()))
 
 
 def final_status(failures: dict) -> int | None:
