@@ -102,16 +102,21 @@ def test_a_lost_node_leaves_the_job_training_on_the_nodes_left(tmp_path):
                TORCHTRAIN_TEST_NO_ZYGOTE="1")  # (every process of a node in its own session: all of it is lost)
     env.pop("RANK", None)
     # torchrun's rendezvous settings: the first node hosts the store; a round completes 3 s after its first node
-    # joined; a node that stops sending its keep-alive every second is dropped after 3 missed ones
+    # joined; a node that stops sending its keep-alive every second is dropped after 3 missed ones. Both nodes must
+    # join the first round (a node joining later fails in torch's rendezvous: docs/cluster.md), so the second starts
+    # first and waits for the store of the first.
     conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1"
     nodes = [subprocess.Popen(["./run_train.sh", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True, env=dict(env, PET_RDZV_CONF=f"is_host={host},{conf}"))
-             for host in (1, 0)]
+             for host in (0, 1)][::-1]  # (nodes[0] hosts the store, nodes[1] is the one lost)
     try:
         deadline = time.monotonic() + 240
         while not (dump / "checkpoint" / "step-10" / "complete.json").exists():
             assert all(n.poll() is None for n in nodes), [n.communicate()[0][-3000:] for n in nodes]
-            assert time.monotonic() < deadline, "the two nodes never saved step 10"
+            if time.monotonic() > deadline:
+                for n in nodes:
+                    os.killpg(n.pid, signal.SIGKILL)
+                pytest.fail("the two nodes never saved step 10:\n" + "\n".join(n.communicate()[0][-3000:] for n in nodes))
             time.sleep(0.05)
         os.killpg(nodes[1].pid, signal.SIGKILL)
         lost = nodes[1].communicate(timeout=60)[0]

@@ -111,11 +111,11 @@ def hang_report(job) -> str:
 # What the forkserver imports before it forks a worker: the trainer (and torch), and torch._dynamo (a first tensor init's).
 FORKSERVER_PRELOAD = ["torchtrain.train", "torch._dynamo"]
 RANK_LOGS = "rank_logs"
-RDZV_ID_UNSET = "none"
-"""torchrun's rendezvous id where neither `--rdzv-id` nor PET_RDZV_ID gives one."""
 """The run folder's sub-folder of torchrun's per-rank files, by host (the nodes of a job share the run folder):
 `<host>/<run id>_<suffix>/attempt_<restart>/<local rank>/` `stdout.log` and `stderr.log` (run_train.sh tees every
 rank's output there; the console shows LOG_RANK's), and a failed rank's `error.json`."""
+RDZV_ID_UNSET = "none"
+"""torchrun's rendezvous id where neither `--rdzv-id` nor PET_RDZV_ID gives one."""
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 """Signals torchrun does not handle, passed on to the workers."""
 
