@@ -101,11 +101,12 @@ def test_a_lost_node_leaves_the_job_training_on_the_nodes_left(tmp_path):
                LOG_RANK="0", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
                TORCHTRAIN_TEST_NO_ZYGOTE="1")  # (every process of a node in its own session: all of it is lost)
     env.pop("RANK", None)
-    # torchrun's rendezvous settings: the first node hosts the store; a round completes 3 s after its first node
-    # joined; a node that stops sending its keep-alive every second is dropped after 3 missed ones. Both nodes must
-    # join the first round (a node joining later fails in torch's rendezvous: docs/cluster.md), so the second starts
-    # first and waits for the store of the first.
-    conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1"
+    # torchrun's rendezvous settings: the first node hosts the store; a round with fewer than 2 nodes completes 15 s
+    # after its first node joined (2 complete it at once); a node that stops sending its keep-alive every second is
+    # dropped after 3 missed ones. Both nodes must join the first round (a node joining later fails in torch's
+    # rendezvous: docs/cluster.md), so the second starts first and waits for the store of the first, and the last
+    # call is long enough for a loaded machine (3 s was not, with the rest of the suite running beside it).
+    conf = "last_call_timeout=15,join_timeout=120,keep_alive_interval=1"
     nodes = [subprocess.Popen(["./run_train.sh", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True, env=dict(env, PET_RDZV_CONF=f"is_host={host},{conf}"))
              for host in (0, 1)][::-1]  # (nodes[0] hosts the store, nodes[1] is the one lost)
