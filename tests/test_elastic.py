@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
-from conftest import TINY_JOB, read_metrics, run_together
+from conftest import REPO, TINY_JOB, read_metrics, run_together
 
 from torchtrain.components.checkpoint.safety import CheckpointError
+from torchtrain.distributed.utils import free_port
 from torchtrain.trainer.state import TrainState
 
 STEPS, SAVED = 6, 3
@@ -83,15 +88,6 @@ def test_a_lost_node_leaves_the_job_training_on_the_nodes_left(tmp_path):
     checkpoint is complete. The first node's worker fails on its lost peer; its agent restarts it
     (fault.max_restarts), the rendezvous completes with the node that is left, and the job resumes from the newest
     checkpoint on one rank with the same global batch (2 accumulated micro-batches) and trains to the end."""
-    import re
-    import signal
-    import subprocess
-    import time
-
-    from conftest import REPO
-
-    from torchtrain.distributed.utils import free_port
-
     dump = tmp_path / "job"
     args = [*TINY_JOB, "--training.steps", "40", "--training.global_batch_size", "4", "--checkpoint.enable",
             "--checkpoint.interval", "5", "--fault.max_restarts", "1", "--job.dump_folder", str(dump),

@@ -41,8 +41,8 @@ def failure_reason(failure) -> str:
     signal, an exit status of its own)."""
     record = failure.message
     text = record.get("message", "") if isinstance(record, dict) else ""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    line = SOURCE_LOCATION.sub(r"\1", line)
+    lines = text.strip().splitlines()
+    line = SOURCE_LOCATION.sub(r"\1", lines[0]) if lines else ""
     return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
 
 
