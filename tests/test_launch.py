@@ -240,6 +240,18 @@ def test_a_python_without_torch_is_told_so_in_one_line():
     assert_no_traceback(out.stderr)
 
 
+def test_every_command_under_a_python_without_the_dependencies_says_so_in_one_line():
+    """`python -m torchtrain.<command>` under an interpreter that cannot find the dependencies (here `-S`: no
+    site-packages, the checkout found as the working directory) ends before its first import of torch: one line
+    naming the module and the interpreter, exit 2, no traceback (torchtrain/__init__.py)."""
+    for command in ("train", "generate", "score", "plan", "data.prepare", "launcher"):
+        out = subprocess.run([sys.executable, "-S", "-m", f"torchtrain.{command}", "--help"], capture_output=True,
+                             text=True, cwd=REPO, timeout=60)
+        assert out.returncode == 2 and out.stdout == "", (command, out.stdout, out.stderr)
+        assert out.stderr.startswith("torchtrain: the module 'torch' is not installed for "), (command, out.stderr)
+        assert out.stderr.count("\n") == 1, (command, out.stderr)
+
+
 def test_a_rank_holds_two_connections_to_the_agents_store(monkeypatch, tmp_path):
     """A rank connects to torchrun's store once for its start count and its default process group, and once for the
     hang monitor and the straggler windows (both on here) -- not once each: the agent's server keeps every socket, and

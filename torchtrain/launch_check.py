@@ -30,6 +30,7 @@ import sys
 import warnings
 
 from torchtrain.config import ConfigError
+from torchtrain.utils.environment import missing_module_line
 
 USAGE = ("usage: python -m torchtrain.launch_check --nproc-per-node N|auto [--nnodes M] [--print SECTION.KEY] "
          "[trainer arguments ...]")
@@ -110,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchtrain: config error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # this Python lacks the project's dependencies: another environment's `python`
-        missing = (e.name or "?").split(".")[0]
-        print(f"torchtrain: the module {missing!r} is not installed for {sys.executable}: activate the environment "
-              f"torchtrain was installed into, or install it there (README.md, Quickstart)", file=sys.stderr)
+        print(missing_module_line((e.name or "?").split(".")[0]), file=sys.stderr)
         return 2
     return 0
 
