@@ -273,13 +273,13 @@ def test_slurm_script_preempts_requeues_and_resumes_exactly(one_node, tmp_path):
     # Rank 0 parks after step 3 until a preemption signal arrives (test hook), so SIGUSR1 lands at a
     # known step: the batch script gets it (as from --signal=B:USR1@120), passes it on with scancel,
     # each node's shell forwards it to its training process, all ranks save step-3 and exit 0, and
-    # the script requeues the job.
-    proc = slurm_job(shims, dump, 0, TORCHTRAIN_TEST_WAIT_FOR_SIGNAL="3:0")
+    # the script requeues the job. Restarts within the allocation are on: a preemption's exit 0 uses none.
+    proc = slurm_job(shims, dump, 0, "--fault.max_restarts", "2", TORCHTRAIN_TEST_WAIT_FOR_SIGNAL="3:0")
     wait_for_pid_file(proc, dump / "test_waiting_rank0.pid", "rank 0 never reached step 3")
     os.kill(proc.pid, signal.SIGUSR1)
     out = finish(proc)
     assert "SIGUSR1 (time limit ahead)" in out and "checkpoint step-3 saved, exiting" in out
-    assert "requeueing job 4242" in out
+    assert "requeueing job 4242" in out and "restarting the workers" not in out
     calls = (shims / "calls").read_text()
     assert "scancel --signal=USR1 4242" in calls and "scontrol requeue 4242" in calls
     assert [r["step"] for r in read_metrics(str(dump))] == [1, 2, 3]
