@@ -319,6 +319,18 @@ def test_planner_models_the_reshard_policy_the_trainer_applies(pp, expected_row,
         assert kept[-1] and not any(kept[:-1])
 
 
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's Layout tree names every module of the package (`name.py`): a module added without
+    its line there is a module a reader of the map cannot find."""
+    with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
+        tree = re.search(r"## Layout\n\n```text\n(.*?)```", f.read(), re.S).group(1)
+    named = set(re.findall(r"\w+\.py", tree))
+    missing = sorted(os.path.relpath(os.path.join(folder, name), REPO)
+                     for folder, dirs, files in os.walk(PACKAGE) if "__pycache__" not in folder
+                     for name in files if name.endswith(".py") and name != "__init__.py" and name not in named)
+    assert not missing, f"docs/architecture.md's Layout tree does not name: {missing}"
+
+
 def test_no_package_file_is_over_400_lines():
     """Small single-purpose modules: a file that outgrows 400 lines holds more than one role (split it)."""
     long = {os.path.relpath(p, REPO): n for p in _modules().values()
