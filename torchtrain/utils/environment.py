@@ -11,8 +11,8 @@ import importlib.util
 import sys
 
 REQUIRED = ("torch", "numpy", "safetensors", "torchdata", "tensorboard")
-"""The top-level modules of pyproject.toml's dependencies that every command needs (tomli, for Python 3.10 only,
-is reported when the job file is read)."""
+"""The top-level modules of pyproject.toml's dependencies that every command needs (tomli, needed on Python 3.10
+only, is left out: the launch check names it as it names any module a job's import lacks)."""
 
 
 def missing_module_line(module: str) -> str:
