@@ -1,7 +1,8 @@
 """Elastic resume: a job saved on N ranks resumes on M ranks with the same global batch (gradient accumulation
 adjusts), the same data position and the same learning-rate schedule, under real torchrun + gloo (FSDP 4 -> 2
 and 2 -> 4); a job whose global batch would follow the world size is refused instead of changing it silently.
-And within one job: a node lost from an elastic range (NNODES=1:2) leaves the job training on the node that is left.
+And within one job: a node lost from an elastic range (NNODES=1:2) leaves the job training on the node that is left,
+and a node that comes back joins it again.
 
 Tolerance: 1e-6 relative per step for the loss. The resumed steps read the same global batch from the same
 state; only the reduction order differs (4 ranks x 1 micro-batch against 2 ranks x 2 accumulated ones), which
@@ -10,6 +11,8 @@ moves a float32 loss by a few ulps (~5e-7 observed).
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
 import os
 import re
@@ -20,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_JOB, read_metrics, run_together
+from conftest import FAULT_INJECTION, REPO, TINY_JOB, read_metrics, run_together
 
 from torchtrain.components.checkpoint.safety import CheckpointError
 from torchtrain.distributed.utils import free_port
@@ -81,53 +84,81 @@ def test_fsdp_4_to_2_and_2_to_4_keep_the_global_batch_and_the_losses(tmp_path):
             assert r["lr"] == ref[r["step"]]["lr"] and r["tokens_seen"] == ref[r["step"]]["tokens_seen"]
 
 
+def saved_degrees(dump) -> dict[int, int]:
+    """The complete checkpoints of a dump folder: step -> the data-parallel degree it was saved under."""
+    out = {}
+    for path in glob.glob(os.path.join(dump, "checkpoint", "step-*", "complete.json")):
+        with open(path) as f:
+            out[int(os.path.basename(os.path.dirname(path)).split("-")[1])] = json.load(f)["dp_degree"]
+    return dict(sorted(out.items()))
+
+
 @pytest.mark.dist
-def test_a_lost_node_leaves_the_job_training_on_the_nodes_left(tmp_path):
-    """NNODES=1:2 (an elastic range; c10d rendezvous, the first node hosting its store): two one-process nodes train
-    together through run_train.sh, and the second is lost (kill -9 of its whole process group) once the step-10
-    checkpoint is complete. The first node's worker fails on its lost peer; its agent restarts it
-    (fault.max_restarts), the rendezvous completes with the node that is left, and the job resumes from the newest
-    checkpoint on one rank with the same global batch (2 accumulated micro-batches) and trains to the end."""
+def test_a_lost_node_leaves_the_job_training_and_a_node_that_comes_back_joins_it(tmp_path):
+    """NNODES=1:2 (an elastic range; c10d rendezvous, the first node hosting its store), two one-process nodes through
+    run_train.sh:
+
+    1. both train together until the step-10 checkpoint is complete (saved on 2 data-parallel ranks);
+    2. the second node is lost (kill -9 of its whole process group): the first node's worker fails on its lost peer,
+       its agent restarts it (fault.max_restarts), the rendezvous completes with the node that is left, and the job
+       resumes from the newest checkpoint on one rank with the same global batch (2 accumulated micro-batches);
+       after step 30 that rank parks (a test hook) until a preemption signal;
+    3. the second node is started again: the first node's agent sees it waiting and stops its worker (SIGTERM), which
+       saves step 30 as a preemption and exits; the next round has both nodes again (each round's workers on a store
+       of their own: torchtrain/distributed/agent_stores.py), and the job resumes from step 30 on 2 ranks, nothing
+       lost, and trains to the end."""
     dump = tmp_path / "job"
-    args = [*TINY_JOB, "--training.steps", "40", "--training.global_batch_size", "4", "--checkpoint.enable",
-            "--checkpoint.interval", "5", "--fault.max_restarts", "1", "--job.dump_folder", str(dump),
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+    args = [*TINY_JOB, *FAULT_INJECTION, "--training.steps", "40", "--training.global_batch_size", "4",
+            "--checkpoint.enable", "--checkpoint.interval", "5", "--fault.max_restarts", "1",
+            "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
             "--debug.inject_delay_ranks", "0,1", "--debug.inject_delay_s", "0.05"]  # (the lost node dies mid-run)
     env = dict(os.environ, NGPU="1", NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", OMP_NUM_THREADS="1",
-               LOG_RANK="0", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               LOG_RANK="0", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", TORCHTRAIN_TEST_WAIT_FOR_SIGNAL="30:0",
                TORCHTRAIN_TEST_NO_ZYGOTE="1")  # (every process of a node in its own session: all of it is lost)
     env.pop("RANK", None)
-    # torchrun's rendezvous settings: the first node hosts the store; a round with fewer than 2 nodes completes 15 s
-    # after its first node joined (2 complete it at once); a node that stops sending its keep-alive every second is
-    # dropped after 3 missed ones. Both nodes must join the first round (a node joining later fails in torch's
-    # rendezvous: docs/cluster.md), so the second starts first and waits for the store of the first, and the last
-    # call is long enough for a loaded machine (3 s was not, with the rest of the suite running beside it).
-    conf = "last_call_timeout=15,join_timeout=120,keep_alive_interval=1"
-    nodes = [subprocess.Popen(["./run_train.sh", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True, env=dict(env, PET_RDZV_CONF=f"is_host={host},{conf}"))
-             for host in (0, 1)][::-1]  # (nodes[0] hosts the store, nodes[1] is the one lost)
-    try:
+    # torchrun's rendezvous settings: the first node hosts the store; a round of fewer than 2 nodes completes 2 s after
+    # its first node joined (2 complete it at once); a node that stops sending its keep-alive every second is dropped
+    # after 3 missed ones. The second node starts first and waits for the first node's store, so both usually join
+    # the first round (one joining later is the growth of step 3, earlier).
+    conf = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1"
+
+    def node(host: int) -> subprocess.Popen:
+        return subprocess.Popen(["./run_train.sh", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, env=dict(env, PET_RDZV_CONF=f"is_host={host},{conf}"))
+
+    def wait(done, what: str, running: list) -> None:
         deadline = time.monotonic() + 240
-        while not (dump / "checkpoint" / "step-10" / "complete.json").exists():
-            assert all(n.poll() is None for n in nodes), [n.communicate()[0][-3000:] for n in nodes]
-            if time.monotonic() > deadline:
-                for n in nodes:
-                    os.killpg(n.pid, signal.SIGKILL)
-                pytest.fail("the two nodes never saved step 10:\n" + "\n".join(n.communicate()[0][-3000:] for n in nodes))
+        while not done():
+            assert all(n.poll() is None for n in running), [n.communicate()[0][-3000:] for n in running]
+            assert time.monotonic() < deadline, f"{what}: {saved_degrees(dump)}"
             time.sleep(0.05)
-        os.killpg(nodes[1].pid, signal.SIGKILL)
-        lost = nodes[1].communicate(timeout=60)[0]
-        out = nodes[0].communicate(timeout=300)[0]
+
+    lost = node(0)
+    first = node(1)  # (hosts the store)
+    back = None
+    try:
+        wait(lambda: saved_degrees(dump).get(10) == 2, "the two nodes never saved step 10", [first, lost])
+        os.killpg(lost.pid, signal.SIGKILL)
+        lost_out = lost.communicate(timeout=60)[0]
+        wait(lambda: (dump / "test_waiting_rank0.pid").exists(), "the node left never reached step 30", [first])
+        back = node(0)
+        out, back_out = first.communicate(timeout=300)[0], back.communicate(timeout=300)[0]
     finally:
-        for n in nodes:
-            if n.poll() is None:
+        for n in (lost, first, back):
+            if n is not None and n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
-    assert nodes[0].returncode == 0, out[-4000:]
-    assert "launch: 2 nodes x 1 processes" in out + lost  # (the log rank of the first round: either node)
+    assert first.returncode == 0 and back.returncode == 0, (out[-4000:], back_out[-4000:])
+    assert "launch: 2 nodes x 1 processes" in lost_out + out  # (the log rank of the first round: either node)
     assert "restarting the workers (restart 1 of 1)" in out and "launch: 1 node x 1 processes" in out, out[-4000:]
     assert "global batch 4 sequences (2 per rank x 1 dp x 2 accumulation)" in out, out[-4000:]
     resumed = re.search(r"resumed from \S+step-(\d+) .*training continues at step (\d+)", out)
     assert resumed and int(resumed[1]) >= 10 and int(resumed[2]) == int(resumed[1]) + 1, out[-4000:]
+    assert "preemption: checkpoint step-30 saved" in out, out[-4000:]  # the node left, stopped for the one back
+    after = out[out.index("preemption: checkpoint step-30 saved"):] + back_out  # (either node logs the last round)
+    assert "launch: 2 nodes x 1 processes" in after and "training continues at step 31" in after, after[-4000:]
+    assert "global batch 4 sequences (2 per rank x 2 dp x 1 accumulation)" in after, after[-4000:]
+    degrees = saved_degrees(dump)  # 2 ranks, then 1 after the loss, then 2 again
+    assert degrees[10] == 2 and degrees[30] == 1 and degrees[40] == 2, degrees
     records = read_metrics(str(dump))
     assert {r["step"] for r in records} == set(range(1, 41)) and records[-1]["step"] == 40
-    assert all(r.get("restarts") == 1 for r in records if r["step"] > int(resumed[1]))
+    assert all(r.get("restarts") == 1 for r in records if int(resumed[1]) < r["step"] <= 30)

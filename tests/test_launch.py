@@ -240,6 +240,23 @@ def test_a_python_without_torch_is_told_so_in_one_line():
     assert_no_traceback(out.stderr)
 
 
+def test_an_elastic_range_gives_each_rendezvous_round_a_store_of_its_own(monkeypatch):
+    """`--nnodes MIN:MAX` (MIN < MAX) switches torchrun from the agents' shared store to a store per round, which a
+    node joining a running job needs (tests/test_elastic.py runs it); a fixed number of nodes keeps the shared one,
+    and a value the environment sets is kept."""
+    from types import SimpleNamespace
+
+    from torchtrain.distributed.agent_stores import ROUND_STORES, store_per_round
+
+    for nnodes, expected in (("2", None), ("1:1", None), ("1:2", "1"), ("2:8", "1")):
+        monkeypatch.delenv(ROUND_STORES, raising=False)
+        store_per_round(SimpleNamespace(nnodes=nnodes))
+        assert os.environ.get(ROUND_STORES) == expected, nnodes
+    monkeypatch.setenv(ROUND_STORES, "0")
+    store_per_round(SimpleNamespace(nnodes="1:2"))
+    assert os.environ[ROUND_STORES] == "0"
+
+
 def test_every_command_under_a_python_without_the_dependencies_says_so_in_one_line():
     """`python -m torchtrain.<command>` under an interpreter that cannot find the dependencies (here `-S`: no
     site-packages, the checkout found as the working directory) ends before its first import of torch: one line

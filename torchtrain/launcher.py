@@ -40,7 +40,10 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   it, are passed on to the workers (unless they are ignored, as the SLURM script does). The forkserver,
   the parent of the workers it forks, and multiprocessing's resource tracker start with all of these
   ignored, so a signal to the whole process group cannot end them under the workers. The launcher
-  then exits with 128 + the signal's number and one line, without a traceback.
+  then exits with 128 + the signal's number and one line, without a traceback;
+* the workers' stores (`distributed/agent_stores.py`): each start of the workers counted in the agents' shared
+  store, or, for an elastic range of nodes (`--nnodes MIN:MAX`), a store per rendezvous round, so that a node can
+  join a running job as well as leave it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import sys
 import tempfile
 import time
 
+from torchtrain.distributed.agent_stores import install_start_count, store_per_round
 from torchtrain.utils import elastic_events, exit_codes
 from torchtrain.utils.cpu_threads import choose_threads
 from torchtrain.utils.forkserver import WORKER_SIGNALS, ensure_forkserver, set_process_name
@@ -66,24 +70,6 @@ from torchtrain.utils.worker_failures import (
     final_status,
     install_restart_policy,
 )
-
-
-def install_start_count() -> None:
-    """The agent counts each start of its workers in the job's store before it starts them (`worker_start`)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    from torchtrain.distributed.utils import STARTS_COUNTED_BY_AGENT, count_starts
-
-    original = LocalElasticAgent._start_workers
-
-    def start_workers(self, worker_group):
-        if worker_group.spec.rdzv_handler.use_agent_store:
-            count_starts(worker_group.master_addr, worker_group.master_port,
-                         [w.global_rank for w in worker_group.workers])
-        return original(self, worker_group)
-
-    os.environ[STARTS_COUNTED_BY_AGENT] = "1"  # before the forkserver starts: its workers inherit it
-    LocalElasticAgent._start_workers = start_workers
 
 
 def _job(trainer_args: list[str]):
@@ -346,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if job is not None and job.fault.restart_window_s:  # the budget counts the restarts, not torchrun
         budget, args.max_restarts = RestartBudget(args.max_restarts, job.fault.restart_window_s), UNBOUNDED_RESTARTS
     temporary = keep_rank_logs(args, argv, job)
+    store_per_round(args)
     choose_start_method(args, argv)
     elastic_events.install()
     install_start_count()

@@ -142,7 +142,8 @@ def worker_start() -> int:
     (`count_starts`), so the counts of all ranks move together even when a worker is killed before it
     reaches this line (a worker counting its own starts would then fall one behind its peers for good,
     and every later attempt would wait in two namespaces). Under plain torchrun each worker counts its
-    own starts. Outside torchrun: 1."""
+    own starts. Outside torchrun, or with a store of each rendezvous round's own (an elastic range of nodes:
+    `distributed/agent_stores.py`), where no earlier attempt's keys exist: 1."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return 1
     store = dist.PrefixStore("torchtrain/", _agent_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
