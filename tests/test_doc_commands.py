@@ -126,7 +126,7 @@ def check_default_job(folder: str, output: str, as_written: bool) -> None:
 
 
 def check_vlm_recipe(folder: str, output: str, as_written: bool) -> None:
-    """README / docs/vision_language.md: after the recipe's 500 steps the greedy answers to the 64 held-out pictures
+    """README / docs/vision_language.md: after the recipe's 1000 steps the greedy answers to the 64 held-out pictures
     are right (>= 95 %; chance is 25-33 % per question), and the documented question about the first of them is
     answered as held out (its colour and shape); the training loss ends near zero. At any length: the answer is
     words of the task's vocabulary and the loss fell."""
