@@ -103,12 +103,15 @@ def stopped(tmp_path_factory):
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """Rank 1 killed mid-step 5 (SIGKILL), through run_train.sh, its one restart counted within an hour's window
-    (fault.restart_window_s); rank 3 made a straggler."""
+    (fault.restart_window_s); rank 3 made a straggler. Each rank loads its data in a background worker: the killed
+    rank's worker must end with it (one left behind would hold the launch's output open, and `finish` would wait
+    for it), and the batches it loaded must be those of the reference run, which loads in the rank."""
     dump = tmp_path_factory.mktemp("killed")
     full = dict(os.environ, **ENV, NGPU=str(NPROC), CONFIG_FILE=CONFIG, TORCHTRAIN_TEST_PARK_IN_STEP="5:1")
     full.pop("RANK", None)
     args = job(dump, "--debug.inject_delay_ranks", "3", "--debug.inject_delay_s", "0.2",
-               "--fault.restart_window_s", "3600")[2:]  # run_train.sh adds the file
+               "--fault.restart_window_s", "3600",
+               "--training.dataloader_workers", "1")[2:]  # run_train.sh adds the file
     proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     pid = wait_for_pid_file(proc, dump / "test_parked_rank1.pid", "rank 1 never reached step 5")

@@ -12,11 +12,16 @@ under any number of background workers (prefetched batches are simply read again
 and valid for another data-parallel degree, since a step always consumes the same global samples.
 
 Background loading uses torchdata's StatefulDataLoader (a drop-in torch DataLoader) over the
-map-style `WindowDataset`, fetching whole batches at once; pinned memory on CUDA.
+map-style `WindowDataset`, fetching whole batches at once; pinned memory on CUDA. Its workers are forked from the
+rank (`WORKER_START`) and close the rank's network connections (`_close_inherited_connections`).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
+import sys
 import warnings
 from typing import Any, Iterator
 
@@ -25,6 +30,32 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtrain.data.dataset import WindowDataset
 from torchtrain.utils.logging import logger
+
+WORKER_START = "fork" if sys.platform.startswith("linux") else None
+"""How the background workers start: on Linux forked from the rank, whose death each then sees (its parent's) and
+ends with. Under multiprocessing's default here, the forkserver the rank inherits from the launcher, a worker is the
+child of a server that lives as long as any worker holds its pipe: a rank killed (OOM, kill -9) left both behind for
+good, holding the launch's output open, so a launch piped to `tee` never ended. Elsewhere: the platform's default."""
+
+
+def _close_inherited_connections(worker_id: int) -> None:
+    """A forked worker's first act: close the network connections it inherited from the rank (its process group's
+    links to the other ranks, its store connection), which it never uses. Held open by a worker, they would outlive
+    a rank that is killed, and the other ranks, waiting in a collective for it, would learn of its death only when
+    its workers end (seconds later: a hang instead of a crash). Unix sockets and pipes (the worker's queues) stay."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+        else:
+            sock.detach()
+
 
 # torchdata 0.11 calls a deprecated torch API on every loader start; the warning is not actionable here.
 warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
@@ -72,6 +103,8 @@ class DataLoader:
         loader = StatefulDataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers,
                                     collate_fn=_batch_as_is, pin_memory=self.pin_memory,
                                     prefetch_factor=2 if self.workers else None,
+                                    multiprocessing_context=WORKER_START if self.workers else None,
+                                    worker_init_fn=_close_inherited_connections if WORKER_START == "fork" else None,
                                     persistent_workers=False, generator=torch.Generator())
         epochs = self.dataset.epochs(self.samples)
         for batch in loader:
