@@ -591,7 +591,10 @@ def test_an_episode_alternates_the_models_turns_with_the_environments(monkeypatc
 def test_tool_use_rises_under_rl_with_a_calculator_environment(tmp_path):
     """The tool toy (`tools/tool_toy.py`): after fine-tuning on conversations that call the calculator half the time,
     sampled episodes on held-out questions succeed about half the time; 20 GRPO steps with the calculator as the
-    environment (its reward the only one) raise that by at least 0.15 (0.54 -> 0.81 measured)."""
+    environment (its reward the only one) raise that by at least 0.15 (0.57 -> 0.90 measured on torch 2.11, 2.13 and 2.14).
+    The rate warms up over 5 steps: Adam's first steps move every weight by about the full rate, and at 1.5e-3
+    without a warm-up, from a fine-tuned model that was only a little different, the first step alone took the
+    training reward from 0.59 to 0.11 (0.60 held-out after 20 steps, 0.31 after 40)."""
     from torchtrain.tools.tool_toy import write
 
     root = str(tmp_path)
@@ -607,8 +610,8 @@ def test_tool_use_rises_under_rl_with_a_calculator_environment(tmp_path):
                       os.path.join(root, "prompts.jsonl"), "--training.seq_len", "80", "--training.local_batch_size",
                       "64", "--training.steps", "20", "--grpo.enable", "--grpo.num_generations", "4",
                       "--grpo.max_completion_length", "6", "--grpo.max_turns", "2", "--grpo.reward_funcs", "",
-                      "--grpo.environment", "torchtrain.tools.tool_toy:calculator", "--optimizer.lr", "1.5e-3",
-                      "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.interval", "20",
+                      "--grpo.environment", "torchtrain.tools.tool_toy:calculator", "--optimizer.lr", "1e-3",
+                      "--lr_scheduler.warmup_steps", "5", "--checkpoint.enable", "--checkpoint.interval", "20",
                       "--checkpoint.initial_load_path", os.path.join(sft, "checkpoint"), "--job.dump_folder", rl])
     assert proc.returncode == 0, proc.stderr[-3000:]
 

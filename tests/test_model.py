@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torchtrain.distributed.param_init import BLOCK_NUMEL, canonical_name, global_rows, init_model_weights
+from torchtrain.distributed.param_init import BLOCK_NUMEL, _block_seed, canonical_name, global_rows, init_model_weights
 from torchtrain.models.base import InitSpec
 from torchtrain.models.llama3 import LLAMA3_FLAVORS, Llama3Args, Transformer
 from torchtrain.models.llama3.model import apply_rope, rope_frequencies, rope_table
@@ -131,3 +131,23 @@ def test_global_rows_are_slices_of_the_whole():
 def test_canonical_name_strips_wrappers():
     assert canonical_name("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
     assert canonical_name("layers._orig_mod.0.w") == "layers.0.w"
+
+
+def test_truncated_normal_weights_are_the_same_on_every_torch_version():
+    """The truncated normal is drawn by the project (rejection of the generator's normal draws), not by
+    `nn.init.trunc_normal_`, whose method changed between torch releases: a block is the normal draws where they fall
+    inside mean +- 3 std, and the next whole draw's where they did not (and so on); the block's first and last values and its
+    sum are pinned (they hold on torch 2.11, 2.13 and 2.14, which draw `normal_` alike)."""
+    spec = InitSpec("trunc_normal", std=0.02)
+    block = global_rows(spec, "w", 5, (4096, 64), 0, 4096, torch.device("cpu")).flatten()
+    gen = torch.Generator().manual_seed(_block_seed(5, "w", 0))
+    first = torch.empty_like(block).normal_(0, 0.02, generator=gen)
+    again = torch.empty_like(block).normal_(0, 0.02, generator=gen)
+    outside = first.abs() > 0.06
+    assert 0 < outside.sum() < 2000 and block.abs().max() <= 0.06
+    redrawn = outside & (again.abs() <= 0.06)  # (those outside twice are drawn a third time)
+    assert torch.equal(block[~outside], first[~outside]) and torch.equal(block[redrawn], again[redrawn])
+    assert block[:3].tolist() == pytest.approx([-0.0330044, 0.0273539, 0.0226718], abs=1e-7)
+    assert block.double().sum().item() == pytest.approx(9.424397, abs=1e-5)
+    with pytest.raises(ValueError, match="truncate"):
+        InitSpec("trunc_normal", truncate=0.5)

@@ -10,8 +10,9 @@ shard's size and order), so each parameter is generated from counter-based seeds
 * a rank holding rows [r0, r1) (and any column range) of the global tensor draws just the blocks that
   cover r0..r1 and copies out its slice.
 
-The values therefore depend on (seed, parameter name, global shape, device type) only. Cost per rank is
-its local rows x the full row width, never the whole tensor (unless the shard is the whole tensor).
+The values therefore depend on (seed, parameter name, global shape, device type) only, not on the torch
+version (`_truncated_normal`). Cost per rank is its local rows x the full row width, never the whole tensor
+(unless the shard is the whole tensor).
 
 A model whose initialisation is code acting on whole modules (a Hugging Face model's `_init_weights`)
 supplies `init_module(module)` instead of `init_spec`: each module's own parameters and buffers are
@@ -56,11 +57,25 @@ def _draw(spec: InitSpec, numel: int, seed: int, device: torch.device) -> torch.
     if spec.kind == "normal":
         return out.normal_(spec.mean, spec.std, generator=gen)
     if spec.kind == "trunc_normal":
-        lo, hi = spec.mean - spec.truncate * spec.std, spec.mean + spec.truncate * spec.std
-        return torch.nn.init.trunc_normal_(out, spec.mean, spec.std, lo, hi, generator=gen)
+        return _truncated_normal(out, spec.mean, spec.std, spec.truncate, gen)
     if spec.kind == "log_uniform":
         return out.uniform_(spec.low, spec.high, generator=gen).log_()
     raise ValueError(f"unknown init kind {spec.kind!r}")
+
+
+def _truncated_normal(out: torch.Tensor, mean: float, std: float, truncate: float,
+                      gen: torch.Generator) -> torch.Tensor:
+    """N(mean, std^2) cut at mean +- truncate * std, by rejection: the whole tensor is drawn, then drawn again
+    wherever a value fell outside, until none does. Kept here rather than left to `nn.init.trunc_normal_`, whose
+    method changed between torch releases (2.11 maps uniform draws through the inverse normal CDF, 2.13 rejects as
+    here): initial weights are then the same on every torch version (the one on a GPU image and on a laptop).
+    The draws are those of torch 2.13's `trunc_normal_` for these bands (bounds rounded to the tensor's dtype)."""
+    lo = out.new_tensor(mean - truncate * std, device="cpu").item()
+    hi = out.new_tensor(mean + truncate * std, device="cpu").item()
+    values = out.normal_(mean, std, generator=gen)
+    while bool((outside := (values < lo) | (values > hi)).any()):
+        values = torch.where(outside, torch.empty_like(values).normal_(mean, std, generator=gen), values)
+    return values
 
 
 def global_rows(spec: InitSpec, fqn: str, seed: int, shape: tuple[int, ...], r0: int, r1: int,

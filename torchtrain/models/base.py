@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class InitSpec:
-    """How to initialise one parameter. ``truncate`` cuts a normal at mean +- truncate * std;
-    ``log_uniform``: the log of a uniform draw from [low, high) (a positive rate kept in log space)."""
+    """How to initialise one parameter. ``truncate`` cuts a normal at mean +- truncate * std (at least 1: values
+    outside are drawn again); ``log_uniform``: the log of a uniform draw from [low, high) (a positive rate kept in
+    log space)."""
 
     kind: Literal["normal", "trunc_normal", "ones", "zeros", "log_uniform"]
     std: float = 1.0
@@ -50,6 +51,10 @@ class InitSpec:
     truncate: float = 3.0
     low: float = 0.0
     high: float = 1.0
+
+    def __post_init__(self):
+        if self.kind == "trunc_normal" and not self.truncate >= 1:
+            raise ValueError(f"InitSpec: truncate {self.truncate} cuts off most of the normal; use 1 or more")
 
 
 @dataclass
