@@ -33,6 +33,16 @@ class ConfigError(ValueError):
     """A bad job configuration. The message names the offending key and how to fix it."""
 
 
+class TextForm:
+    """Base of a table (a config dataclass) that may also be written as one string on the command line
+    (`training.datasets`' `PATH:WEIGHT`): `parse(text, key)` turns that string into the table's dict."""
+
+    @classmethod
+    def parse(cls, text: str, key: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+
 @dataclasses.dataclass(frozen=True)
 class Bound:
     """Constraint: value <op> bound, for the operator its subclass names (`Ge`, `Gt`, `Le`)."""
@@ -204,10 +214,10 @@ def _coerce_base(value: Any, tp: Any, key: str) -> Any:
 
 def _coerce_table(value: Any, tp: type, key: str) -> Any:
     """A TOML table (dict) into the dataclass `tp`, each field coerced; a string goes through
-    `tp.parse(text)` when the class offers a command-line form."""
+    `tp.parse(text)` when the class has a command-line form (`TextForm`)."""
     if isinstance(value, tp):
         return value
-    if isinstance(value, str) and hasattr(tp, "parse"):
+    if isinstance(value, str) and issubclass(tp, TextForm):
         value = tp.parse(value, key)
     if not isinstance(value, dict):
         raise _fail(key, value, f"a table {type_name(tp)}")

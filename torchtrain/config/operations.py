@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from torchtrain.config.fields import ConfigError, Ge, Gt
+from torchtrain.config.fields import ConfigError, Ge, Gt, TextForm
 
 
 @dataclass
@@ -72,7 +72,7 @@ _SET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 @dataclass
-class ValidationSet:
+class ValidationSet(TextForm):
     """One named held-out set of `[[validation.sets]]`. Unset keys take the `[validation]` value."""
 
     name: str

@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from torchtrain.config.fields import ConfigError, Ge, Gt, Le
+from torchtrain.config.fields import ConfigError, Ge, Gt, Le, TextForm
 
 
 @dataclass
-class DatasetEntry:
+class DatasetEntry(TextForm):
     """One source of a data mixture: a prepared token folder and its share of the samples."""
 
     path: str

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from torchtrain.data.format import MANIFEST, VERSION, read_json
 from torchtrain.data.preparation import Options, prepare, write_documents
+from torchtrain.data.sources import FileSource
 
 SHARD_BYTES = 64 << 20  # input bytes per shard of a cached source
 # A cached source keeps the default share of bad input (prepare.Options.max_bad_fraction); the way past it:
@@ -70,8 +71,8 @@ def cached_dataset(source: Any, label: str, tokenizer_path: str | None, identity
     with _locked(folder + ".lock", lambda: log(f"waiting: another process is preparing {label} into {folder}")):
         if read_json(os.path.join(folder, MANIFEST)) is None:
             log(f"preparing {label} into the dataset cache {folder} (once; later runs read it directly)")
-            if hasattr(source, "pieces"):
-                options = Options(text_field=getattr(source, "text_field", "text"), shard_bytes=SHARD_BYTES)
+            if isinstance(source, FileSource):  # files: read by the preparation's own parallel workers
+                options = Options(text_field=source.text_field, shard_bytes=SHARD_BYTES)
                 prepare(source.pieces(), folder, tokenizer_path, options, workers=workers or min(8, os.cpu_count() or 1),
                         log=log, show_progress=show_progress, tokenizer_key="model.hf_assets_path",
                         text_field_key="training.dataset_text_field", allow_more=ALLOW_MORE)

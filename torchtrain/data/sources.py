@@ -45,8 +45,8 @@ PROMPTS = "prompts"  # prompts with reference answers for [grpo], sampled by the
 
 class DocumentSource(Protocol):
     """Documents to prepare: a random-access list of them (text, or token ids without BOS/EOS), or,
-    for files, ``pieces()`` -> the input files as `readers.Piece`s (preparation then reads them itself,
-    with parallel workers). Optional ``fingerprint()``: a JSON-able value that changes whenever the
+    for files, a `FileSource` (its input files as `readers.Piece`s, which preparation reads itself, with
+    parallel workers). Optional ``fingerprint()``: a JSON-able value that changes whenever the
     documents do (the cache key; without it every document is hashed at each start)."""
 
     def __len__(self) -> int: ...
