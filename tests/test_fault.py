@@ -207,3 +207,43 @@ def test_a_run_that_finishes_after_a_declared_hang_is_not_restarted(tmp_path):
     assert not os.path.exists(os.path.join(folder, "summary.json"))  # resolved: no hang report
     assert sorted(latest(tmp_path)) == list(range(1, steps + 1))
     assert os.path.exists(os.path.join(str(tmp_path), "checkpoint", f"step-{steps}", "complete.json"))
+
+
+def _family(pid: int) -> list[int]:
+    """`pid`'s descendants (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            try:
+                children = [int(c) for c in open(task).read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphaned zombie may wait for a container's init to reap it)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    """kill -9 of the launcher (the OOM killer's pick, a stray kill) mid-run: its forkserver, the workers and their
+    background data workers all end within seconds and the launch's output closes. Before, the workers held the
+    forkserver's pipe open and trained on, headless, beside whatever launch came next in the same folder (one
+    2-process run, rank 1 parked in step 3)."""
+    proc = launch(job(tmp_path, "--training.dataloader_workers", "1"), nproc=2, TORCHTRAIN_TEST_PARK_IN_STEP="3:1")
+    wait_for_pid_file(proc, tmp_path / "test_parked_rank1.pid", "rank 1 never reached step 3")
+    family = _family(proc.pid)
+    assert len(family) >= 5, family  # the forkserver, 2 workers, their data workers (and the resource tracker)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)  # every holder of the output has gone
+    deadline = time.monotonic() + 30
+    while [p for p in family if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _running(p)], [open(f"/proc/{p}/cmdline").read()[:80] for p in family
+                                                    if _running(p)]

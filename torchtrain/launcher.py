@@ -39,8 +39,9 @@ run_train.sh and scripts/multinode_trainer.slurm start training through this mod
   the workers' save). SIGUSR1 and SIGUSR2, which torchrun does not handle and which would otherwise kill
   it, are passed on to the workers (unless they are ignored, as the SLURM script does). The forkserver,
   the parent of the workers it forks, and multiprocessing's resource tracker start with all of these
-  ignored, so a signal to the whole process group cannot end them under the workers. The launcher
-  then exits with 128 + the signal's number and one line, without a traceback;
+  ignored, so a signal to the whole process group cannot end them under the workers; the server dies with
+  the launcher all the same (a kill -9 of the launcher ends every worker: `utils/forkserver.py::_end_with`). The
+  launcher then exits with 128 + the signal's number and one line, without a traceback;
 * the workers' stores (`distributed/agent_stores.py`): each start of the workers counted in the agents' shared
   store, or, for an elastic range of nodes (`--nnodes MIN:MAX`), a store per rendezvous round, so that a node can
   join a running job as well as leave it.

@@ -22,7 +22,8 @@ def ensure_forkserver(preload: list[str]) -> None:
     signals ignored: a process inherits ignored signals, so neither dies of a signal sent to the whole
     process group. The forkserver is the parent of every worker, and torch.multiprocessing gives each
     worker a parent-death signal of SIGINT: the server's death would interrupt every worker wherever it is,
-    in a checkpoint save too. Both still end when the launcher has gone (their pipes close).
+    in a checkpoint save too. Both still end when the launcher has gone: the server by its own parent-death
+    signal (`_end_with`), the tracker when its pipe closes.
 
     The server is this process forked (`_fork_server`), after it imported `preload` (what the server preloads), rather than
     a fresh interpreter importing torch and the trainer again: that import is most of a small CPU job's start-up.
@@ -63,15 +64,34 @@ def set_process_name(name: str) -> None:
         pass
 
 
+def _end_with(parent: int) -> None:
+    """This process ends (SIGKILL) when `parent`, the launcher, does, however it ends (kill -9, the OOM killer).
+    The server's pipe from the launcher is not enough: every worker holds a copy of the launcher's end (multiprocessing
+    hands it on), so the pipe stays open as long as the workers live, and they would train on, headless, beside the
+    next launch in the same folder. The server's death gives each worker its parent-death signal (SIGINT, which a
+    checkpoint save defers: `components/checkpoint/preemption.py`), and the workers end too. Linux (prctl); elsewhere
+    the pipe alone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher ended before the signal was asked for
+        os._exit(0)
+
+
 def _fork_server(args: list[str], passfds) -> int:
     """multiprocessing's start of the forkserver (`python -c "from multiprocessing.forkserver import main;
     main(...)"` with `passfds` open) done by forking this process: the child keeps only its standard streams and
     `passfds`, and runs the same command in the interpreter it already has."""
     code = args[args.index("-c") + 1]
+    launcher = os.getpid()
     pid = os.fork()
     if pid:
         return pid
-    try:  # the child: the server, until its last client has gone (SystemExit)
+    try:  # the child: the server, until its last client has gone (SystemExit) or the launcher has
+        _end_with(launcher)
         import multiprocessing.forkserver
 
         # The parent is inside ForkServer.ensure_running, holding its lock: the server (and every worker it forks)
