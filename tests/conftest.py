@@ -45,7 +45,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The nightly tests (minutes each) run only when asked for: `-m nightly`."""
+    """The modules with long cases (a `dist` or `slow` test) first, the rest after them, each module's tests in their
+    own order: the test processes take whole modules in this order (`--dist loadscope`), so the long ones start
+    first and the many short ones fill in at the end, instead of one process finishing a long module alone while the
+    others wait. The nightly tests (minutes each) run only when asked for: `-m nightly`."""
+    long_modules = {item.module.__name__ for item in items if {"dist", "slow"} & set(item.keywords)}
+    items.sort(key=lambda item: item.module.__name__ not in long_modules)  # (stable: the order within each part)
     if "nightly" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="nightly: select with -m nightly")
