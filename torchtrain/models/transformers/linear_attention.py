@@ -30,6 +30,7 @@ from torchtrain.models.common.layers import RMSNorm
 from torchtrain.models.common.linear_attention import DecayGate, GatedDeltaNet, ShortConv
 from torchtrain.models.common.tp import LocalShards
 from torchtrain.models.transformers.attention import CONTEXT_KEY
+from torchtrain.models.transformers.swapped import Swapped
 from torchtrain.models.transformers.tp_plan import GatherSequence
 
 _NEEDS = ("in_proj_qkv", "conv1d", "in_proj_z", "in_proj_b", "in_proj_a", "A_log", "dt_bias", "norm", "out_proj")
@@ -54,7 +55,7 @@ def _init_as(original: nn.Module, params: dict[str, torch.Tensor | None], model:
     return {k: p.data for k, p in shadow._parameters.items() if p is not None}
 
 
-class _SwappedConv(ShortConv):
+class _SwappedConv(ShortConv, Swapped):
     """The q, k or v part of transformers' `conv1d`, initialised as a whole `conv1d` would be (its rows)."""
 
     def tt_init_as(self, model: nn.Module) -> None:
@@ -64,7 +65,7 @@ class _SwappedConv(ShortConv):
         self.weight.copy_(whole[start:end, 0])
 
 
-class _SwappedDecay(DecayGate):
+class _SwappedDecay(DecayGate, Swapped):
     """`A_log` and `dt_bias`, initialised by the model's code for the layer they came from."""
 
     def tt_init_as(self, model: nn.Module) -> None:
@@ -73,7 +74,7 @@ class _SwappedDecay(DecayGate):
         self.dt_bias.copy_(made["dt_bias"])
 
 
-class _SwappedNorm(RMSNorm):
+class _SwappedNorm(RMSNorm, Swapped):
     """The gated output norm, initialised as transformers initialises its own."""
 
     def tt_init_as(self, model: nn.Module) -> None:

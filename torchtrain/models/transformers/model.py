@@ -29,6 +29,7 @@ from torchtrain.models.common.attention import AttentionContext, prepare_attenti
 from torchtrain.models.transformers import attention
 from torchtrain.models.transformers.args import TransformersArgs
 from torchtrain.models.transformers.stages import is_first_stage
+from torchtrain.models.transformers.swapped import Swapped
 from torchtrain.utils.batch_keys import DOCUMENT_INPUTS
 
 
@@ -95,9 +96,8 @@ class TorchtrainCausalLM(BaseModel):
 
     def init_module(self, module: nn.Module) -> None:
         """Initialise one module's own parameters and buffers as transformers does (`distributed/param_init.py`)."""
-        own = getattr(module, "tt_init_as", None)
-        if own is not None:
-            own(self)
+        if isinstance(module, Swapped):
+            module.tt_init_as(self)
         else:
             self._init_weights(module)
 

@@ -42,6 +42,7 @@ from torchtrain.models.common.layers import local_tensor
 from torchtrain.models.common.moe import MoE, MoEModelArgs
 from torchtrain.models.common.tp import moe_tp_plan
 from torchtrain.models.transformers.args import TransformersArgs, small_config
+from torchtrain.models.transformers.swapped import Swapped
 
 TOLERANCE = 1e-5
 
@@ -77,7 +78,7 @@ def blocks(layer: nn.Module) -> dict[str, nn.Module]:
     return {name: child for name, child in layer.named_children() if is_block(child) or isinstance(child, TransformersMoE)}
 
 
-class TransformersExperts(GroupedExperts):
+class TransformersExperts(GroupedExperts, Swapped):
     """Grouped experts under transformers' names and in its `layout` (module doc), computed as the engine's
     SwiGLU experts (w1, w3, w2 views of `gate_up_proj` and `down_proj`; biases and the clamped activation
     where the replaced experts have them)."""
@@ -119,7 +120,7 @@ class TransformersExperts(GroupedExperts):
         _init_as(self, self.tt_original, model)
 
 
-class _Gate(nn.Linear):
+class _Gate(nn.Linear, Swapped):
     """The router under transformers' name (`gate.weight`), initialised as the router it replaced."""
 
     def tt_init_as(self, model: nn.Module) -> None:
@@ -136,7 +137,7 @@ def _init_as(module: nn.Module, original: nn.Module, model: nn.Module) -> None:
     model._init_weights(shadow)
 
 
-class TransformersMoE(MoE):
+class TransformersMoE(MoE, Swapped):
     """torchtrain's MoE layer in place of a transformers MoE block (module doc)."""
 
     def __init__(self, block: nn.Module, semantics: Semantics):
