@@ -36,6 +36,8 @@ import time
 import pytest
 from conftest import FAULT_INJECTION, REPO, TINY_JOB, assert_no_traceback, read_metrics, wait_for_pid_file
 
+from torchtrain.launcher import _children
+
 pytestmark = pytest.mark.dist
 NPROC, STEPS, HANG_S = 4, 10, 4.0
 INTERVAL = HANG_S / 8  # the monitor's check interval (monitor.py)
@@ -213,13 +215,9 @@ def _family(pid: int) -> list[int]:
     """`pid`'s descendants (Linux /proc)."""
     found, todo = [], [pid]
     while todo:
-        for task in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
-            try:
-                children = [int(c) for c in open(task).read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
+        children = _children(todo.pop())
+        found += children
+        todo += children
     return found
 
 

@@ -14,6 +14,7 @@ machinery that turns those declarations into a validating parser:
 
 from __future__ import annotations
 
+import abc
 import ast
 import dataclasses
 import difflib
@@ -33,14 +34,14 @@ class ConfigError(ValueError):
     """A bad job configuration. The message names the offending key and how to fix it."""
 
 
-class TextForm:
+class TextForm(abc.ABC):
     """Base of a table (a config dataclass) that may also be written as one string on the command line
-    (`training.datasets`' `PATH:WEIGHT`): `parse(text, key)` turns that string into the table's dict."""
+    (`training.datasets`' `PATH:WEIGHT`)."""
 
     @classmethod
+    @abc.abstractmethod
     def parse(cls, text: str, key: str) -> dict[str, Any]:
-        raise NotImplementedError
-
+        """The table's dict from its command-line string; ConfigError naming `key` when the string is not one."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,14 +54,20 @@ SERVER_NAME = "forkserver"
 """The forked server's process name (what `pgrep -x forkserver` finds; its command line is the launcher's)."""
 
 
-def set_process_name(name: str) -> None:
-    """This process's name as `ps` and `pgrep` show it (Linux prctl; elsewhere unchanged)."""
+def _prctl(option: int, value) -> bool:
+    """Linux's prctl(option, value) for this process; False where there is none."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return False
+    return True
+
+
+def set_process_name(name: str) -> None:
+    """This process's name as `ps` and `pgrep` show it (Linux prctl; elsewhere unchanged)."""
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def _end_with(parent: int) -> None:
@@ -71,13 +77,7 @@ def _end_with(parent: int) -> None:
     next launch in the same folder. The server's death gives each worker its parent-death signal (SIGINT, which a
     checkpoint save defers: `components/checkpoint/preemption.py`), and the workers end too. Linux (prctl); elsewhere
     the pipe alone."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher ended before the signal was asked for
+    if _prctl(1, signal.SIGKILL) and os.getppid() != parent:  # PR_SET_PDEATHSIG; the launcher ended before it
         os._exit(0)
 
 

@@ -5,12 +5,14 @@ transformers' `_init_weights` does not know it."""
 
 from __future__ import annotations
 
+import abc
+
 from torch import nn
 
 
-class Swapped:
+class Swapped(abc.ABC):
     """Base of a module swapped into a transformers model (module docstring)."""
 
+    @abc.abstractmethod
     def tt_init_as(self, model: nn.Module) -> None:
         """Initialise this module's own parameters and buffers as `model`'s code initialises the module it replaced."""
-        raise NotImplementedError
